@@ -1,0 +1,41 @@
+"""jaxprec: know, control and trust the precision of JAX matmuls and convolutions."""
+
+import os as _os
+import sys as _sys
+
+from jaxprec._src import names as _names
+
+if "jax" not in _sys.modules:
+  # JAX rejects a bad JAX_DEFAULT_MATMUL_PRECISION at import with an opaque error;
+  # check it first with jaxprec's message (and accept jaxprec's spellings).
+  _names.check_env_before_jax(_os.environ)
+
+from jaxprec._src.context import PresetConvWarning
+from jaxprec._src.context import current
+from jaxprec._src.context import precision
+from jaxprec._src.env import ENV_VAR
+from jaxprec._src.env import env_for
+from jaxprec._src.env import set_default
+from jaxprec._src.env import validate_env
+from jaxprec._src.precision import Numerics
+from jaxprec._src.precision import Precision
+from jaxprec._src.precision import PrecisionLike
+from jaxprec._src.precision import resolve
+from jaxprec._src.precision import valid_names
+
+__version__ = "0.1.0.dev0"
+
+__all__ = (
+    "ENV_VAR",
+    "Numerics",
+    "Precision",
+    "PrecisionLike",
+    "PresetConvWarning",
+    "current",
+    "env_for",
+    "precision",
+    "resolve",
+    "set_default",
+    "valid_names",
+    "validate_env",
+)

@@ -1,0 +1,178 @@
+"""The one place where jaxprec reaches into JAX internals.
+
+Every use of a private JAX API is here, feature-detected where versions differ,
+so that a JAX upgrade breaks one module (chex's ``pytypes.py`` does the same).
+Written against jax 0.10.2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+from jax._src import core as _core
+from jax._src import linear_util as lu
+from jax._src import source_info_util
+from jax._src.interpreters import partial_eval as pe
+
+ClosedJaxpr = jex.core.ClosedJaxpr
+Jaxpr = jex.core.Jaxpr
+Literal = jex.core.Literal
+typeof = _core.typeof
+
+
+def is_dropvar(v) -> bool:
+  return isinstance(v, _core.DropVar)
+
+
+@contextlib.contextmanager
+def eqn_context(eqn):
+  """Re-enters an equation's source info, name stack and context (as eval_jaxpr)."""
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  with source_info_util.user_context(eqn.source_info.traceback,
+                                     name_stack=name_stack), eqn.ctx.manager:
+    yield
+
+
+def trace_to_closed_jaxpr(fn: Callable[..., Sequence[Any]], in_avals,
+                          *, debug_info=None) -> ClosedJaxpr:
+  """Traces a flat function on abstract values, keeping weak types exactly."""
+  if debug_info is None:
+    from jax._src import api_util
+    debug_info = api_util.debug_info("jaxprec", fn, tuple(in_avals), {})
+  wrapped = lu.wrap_init(lambda *a: list(fn(*a)), debug_info=debug_info)
+  jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+  return ClosedJaxpr(jaxpr, consts)
+
+
+def hoist_consts(closed: ClosedJaxpr) -> ClosedJaxpr:
+  """Moves a ClosedJaxpr's consts to leading inputs (the caller passes them)."""
+  return pe.close_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr))
+
+
+def close(jaxpr: Jaxpr) -> ClosedJaxpr:
+  return pe.close_jaxpr(jaxpr)
+
+
+def pad_invars(closed: ClosedJaxpr, *, before: int, after: int, avals) -> ClosedJaxpr:
+  """Adds unused leading inputs: ``before`` then own ones then ``after``.
+
+  ``closed`` has its own hoisted consts as its first inputs; ``avals`` are the
+  avals of all the padded inputs in order (before + own + after).
+  """
+  jaxpr = closed.jaxpr
+  n_own = len(avals) - before - after
+  new_before = [_core.Var(a) for a in avals[:before]]
+  new_after = [_core.Var(a) for a in avals[before + n_own:]]
+  own, rest = jaxpr.invars[:n_own], jaxpr.invars[n_own:]
+  invars = [*new_before, *own, *new_after, *rest]
+  return ClosedJaxpr(jaxpr.replace(invars=invars,
+                                   debug_info=jaxpr.debug_info._replace(
+                                       arg_names=None)), closed.consts)
+
+
+def shard_map_add_replicated_inputs(params: dict, n: int) -> dict:
+  """shard_map params for ``n`` extra leading inputs replicated on every device."""
+  params = dict(params)
+  from jax.sharding import PartitionSpec
+  params["in_specs"] = (PartitionSpec(),) * n + tuple(params["in_specs"])
+  if "in_names" in params:  # older JAX
+    params["in_names"] = ({},) * n + tuple(params["in_names"])
+  return params
+
+
+def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
+  """Bind params of a custom_jvp_call whose body and JVP are both rewritten."""
+  from jax._src import custom_derivatives as cd
+  params = dict(params)
+  call_jaxpr = params.pop("call_jaxpr")
+  num_consts = params.pop("num_consts")
+  jvp_jaxpr_fun = params.pop("jvp_jaxpr_fun")
+  fun = lu.wrap_init(
+      lambda *a: eval_fn(call_jaxpr.jaxpr, call_jaxpr.consts, rule, a),
+      debug_info=call_jaxpr.jaxpr.debug_info)
+
+  # As jax._src.custom_derivatives.lift_jvp, evaluating with the rule.
+  def jvp(*xs):
+    n, ragged = divmod(len(xs), 2)
+    assert not ragged
+    primals, tangents = xs[num_consts:n], xs[n + num_consts:]
+    zeros = [type(t) is cd.SymbolicZero for t in tangents]
+    jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+    nonzero = [t for t in tangents if type(t) is not cd.SymbolicZero]
+    out = eval_fn(jvp_jaxpr, jvp_consts, rule, [*primals, *nonzero])
+    out_primals, nz_out = out[:len(out_zeros)], iter(out[len(out_zeros):])
+    out_tangents = [cd.SymbolicZero(_core.typeof(p).to_tangent_aval())
+                    if z else next(nz_out) for p, z in zip(out_primals, out_zeros)]
+    return [*out_primals, *out_tangents]
+
+  params["subfuns"] = (fun, lu.wrap_init(jvp, debug_info=jvp_jaxpr_fun.debug_info))
+  return params
+
+
+def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:
+  """Bind params of a custom_vjp_call whose body, fwd and bwd are all rewritten."""
+  from jax._src import custom_derivatives as cd
+  from jax._src import ad_util
+  params = dict(params)
+  call_jaxpr = params.pop("call_jaxpr")
+  num_consts = params.pop("num_consts")
+  fwd_jaxpr_thunk = params.pop("fwd_jaxpr_thunk")
+  bwd = params.pop("bwd")
+  fun = lu.wrap_init(
+      lambda *a: eval_fn(call_jaxpr.jaxpr, call_jaxpr.consts, rule, a),
+      debug_info=call_jaxpr.jaxpr.debug_info)
+
+  # As jax._src.custom_derivatives.lift_fwd, evaluating with the rule.
+  def fwd(*args):
+    vals, nonzeros = args[::2], args[1::2]
+    primals = vals[num_consts:]
+    const_nonzeros, in_nonzeros = nonzeros[:num_consts], nonzeros[num_consts:]
+    if any(const_nonzeros):
+      raise jax._src.interpreters.ad.CustomVJPException()
+    fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*in_nonzeros)
+    return eval_fn(fwd_jaxpr, fwd_consts, rule, list(primals))
+
+  const_avals = call_jaxpr.in_avals[:num_consts]
+  bwd_c = cd._handle_consts_in_bwd(bwd, const_avals)
+
+  # The user's bwd is Python: trace it once per call to a jaxpr, then rewrite.
+  def new_bwd(*args):
+    flat, tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: x is None)
+    holder = {}
+
+    def flat_bwd(*leaves):
+      out = bwd_c.call_wrapped(*jax.tree_util.tree_unflatten(tree, leaves))
+      out_flat, holder["tree"] = jax.tree_util.tree_flatten(
+          out, is_leaf=lambda x: x is None or isinstance(x, ad_util.Zero))
+      holder["mask"] = [o is not None and not isinstance(o, ad_util.Zero)
+                        for o in out_flat]
+      holder["raw"] = out_flat
+      return [o for o, m in zip(out_flat, holder["mask"]) if m]
+
+    arrays = [x for x in flat if x is not None]
+    if len(arrays) != len(flat):
+      # Symbolic zeros or Nones among the inputs: keep the user's bwd as is.
+      return bwd_c.call_wrapped(*args)
+    avals = [_core.typeof(x) for x in flat]
+    closed = trace_fn(flat_bwd, avals)
+    outs = iter(eval_fn(closed.jaxpr, closed.consts, rule, flat))
+    raw = [next(outs) if m else r for r, m in zip(holder["raw"], holder["mask"])]
+    return jax.tree_util.tree_unflatten(holder["tree"], raw)
+
+  params["subfuns"] = (
+      fun,
+      lu.wrap_init(fwd, debug_info=fwd_jaxpr_thunk.debug_info),
+      lu.wrap_init(new_bwd, debug_info=bwd.debug_info),
+  )
+  return params
+
+
+@functools.lru_cache(maxsize=None)
+def backend_platform() -> str:
+  """The default backend's platform ('cpu', 'gpu', 'tpu'); starts the backend."""
+  return jax.default_backend()

@@ -1,0 +1,284 @@
+"""The one jaxpr walker shared by the audit, the emulation and the precision scopes.
+
+Two entry points:
+
+* :func:`iter_eqns` walks a jaxpr read-only, recursing into every nested jaxpr
+  (``jit``, ``remat``/checkpoint, ``scan``, ``while``, ``cond``,
+  ``custom_jvp_call``, ``custom_vjp_call``, ``shard_map`` and any primitive that
+  carries a jaxpr in its params), and yields each equation with the chain of
+  higher-order primitives that encloses it.
+* :func:`interpret` evaluates a jaxpr under the current JAX trace, giving a
+  *rule* the chance to replace any equation. Nested jaxprs are rewritten with
+  the same rule and re-bound as the same higher-order primitive, so the
+  structure (a ``scan`` stays a ``scan``, a ``jit`` stays a ``jit``) survives
+  rather than being inlined. Source information and name stacks are propagated
+  so that rewritten equations keep their file:line and Flax module path.
+
+Internal JAX APIs are reached only through :mod:`jaxprec._src.compat`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from jaxprec._src import compat
+
+__all__ = ["Rule", "WalkedEqn", "interpret", "iter_eqns", "trace", "transform"]
+
+# A rule sees an equation and its input values and returns the output values
+# that replace it (a list, one per outvar), or None to keep the equation.
+Rule = Callable[[Any, Sequence[Any]], "Sequence[Any] | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkedEqn:
+  """An equation met by :func:`iter_eqns`.
+
+  Attributes:
+    eqn: the ``JaxprEqn``.
+    scope: names of the higher-order primitives enclosing it, outermost first,
+      e.g. ``('jit', 'scan')``; ``()`` at the top level.
+    trip_count: how many times the equation runs per call of the traced
+      function, as far as it is static (``scan`` lengths multiply; ``while``
+      counts once; ``cond`` branches count once each).
+  """
+
+  eqn: Any
+  scope: tuple[str, ...]
+  trip_count: int = 1
+
+
+def _sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
+  """Yields (open Jaxpr, multiplier) for every jaxpr in an equation's params."""
+  mult = 1
+  if eqn.primitive.name == "scan":
+    mult = int(eqn.params.get("length", 1))
+  for v in eqn.params.values():
+    yield from ((j, mult) for j in _jaxprs_in(v))
+
+
+def _jaxprs_in(v) -> Iterator[Any]:
+  if isinstance(v, compat.ClosedJaxpr):
+    yield v.jaxpr
+  elif isinstance(v, compat.Jaxpr):
+    yield v
+  elif isinstance(v, (tuple, list)):
+    for x in v:
+      yield from _jaxprs_in(x)
+
+
+def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1
+              ) -> Iterator[WalkedEqn]:
+  """Walks every equation of ``jaxpr`` and of every jaxpr nested in it.
+
+  Args:
+    jaxpr: a ``ClosedJaxpr`` or ``Jaxpr`` (e.g. from ``jax.make_jaxpr``).
+    scope: prefix for :attr:`WalkedEqn.scope` (used in recursion).
+    trip_count: multiplier for :attr:`WalkedEqn.trip_count`.
+
+  Yields:
+    :class:`WalkedEqn` in program order, parents before their bodies.
+    ``custom_jvp_call`` and ``custom_vjp_call`` bodies are walked (their
+    derivative rules are not traced until differentiation).
+  """
+  if isinstance(jaxpr, compat.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
+  for eqn in jaxpr.eqns:
+    yield WalkedEqn(eqn, scope, trip_count)
+    for sub, mult in _sub_jaxprs(eqn):
+      yield from iter_eqns(sub, scope + (eqn.primitive.name,), trip_count * mult)
+
+
+# ---------------------------------------------------------------------------
+# Rewriting interpreter.
+
+
+def interpret(closed_jaxpr, rule: Rule, *args) -> list[Any]:
+  """Evaluates ``closed_jaxpr`` on ``args``, letting ``rule`` replace equations.
+
+  Works under any JAX transformation (jit, grad, vmap): the values are whatever
+  the caller passes, tracers included.
+
+  Args:
+    closed_jaxpr: a ``ClosedJaxpr``.
+    rule: called as ``rule(eqn, invals)`` for every equation at every depth;
+      returns the replacement outputs (a sequence, one per outvar) or None.
+    *args: one value per jaxpr input.
+
+  Returns:
+    The list of output values.
+  """
+  return _eval(closed_jaxpr.jaxpr, closed_jaxpr.consts, rule, args)
+
+
+def transform(closed_jaxpr, rule: Rule):
+  """Returns a new ``ClosedJaxpr`` equal to ``closed_jaxpr`` rewritten by ``rule``."""
+  return trace(lambda *a: interpret(closed_jaxpr, rule, *a),
+               closed_jaxpr.in_avals, debug_info=closed_jaxpr.jaxpr.debug_info)
+
+
+def trace(fn: Callable[..., Sequence[Any]], in_avals, *, debug_info=None):
+  """Traces ``fn`` (flat inputs, a flat list of outputs) to a ``ClosedJaxpr``."""
+  return compat.trace_to_closed_jaxpr(fn, list(in_avals), debug_info=debug_info)
+
+
+def _eval(jaxpr, consts, rule: Rule, args) -> list[Any]:
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, compat.Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  if len(jaxpr.invars) != len(args):
+    raise TypeError(f"jaxpr takes {len(jaxpr.invars)} inputs, got {len(args)}")
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    with compat.eqn_context(eqn):
+      outs = rule(eqn, invals)
+      if outs is None:
+        outs = _rebind(eqn, invals, rule)
+    outs = list(outs)
+    if len(outs) != len(eqn.outvars):
+      raise AssertionError(
+          f"rewriting {eqn.primitive.name} gave {len(outs)} outputs, expected "
+          f"{len(eqn.outvars)}")
+    for v, x in zip(eqn.outvars, outs):
+      if not compat.is_dropvar(v):
+        env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn, invals, params) -> list[Any]:
+  out = eqn.primitive.bind(*invals, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _closed(rule: Rule, closed):
+  """``closed`` rewritten by ``rule``, with any new consts kept as consts."""
+  return transform(closed, rule)
+
+
+def _hoisted(rule: Rule, closed):
+  """``closed`` rewritten by ``rule``; returns (ClosedJaxpr without consts, consts)."""
+  new = transform(closed, rule)
+  if not new.consts:
+    return new, []
+  return compat.hoist_consts(new), list(new.consts)
+
+
+def _rebind(eqn, invals, rule: Rule) -> list[Any]:
+  name = eqn.primitive.name
+  params = dict(eqn.params)
+  handler = _HANDLERS.get(name)
+  if handler is not None:
+    return handler(eqn, invals, rule, params)
+  if any(True for _ in _sub_jaxprs(eqn)):
+    # A higher-order primitive we do not know: evaluate its bind-params with
+    # every nested ClosedJaxpr rewritten (consts kept). Open jaxprs cannot be
+    # rewritten safely without knowing the primitive's conventions.
+    for k, v in params.items():
+      if isinstance(v, compat.ClosedJaxpr):
+        params[k] = _closed(rule, v)
+      elif isinstance(v, tuple) and v and all(
+          isinstance(x, compat.ClosedJaxpr) for x in v):
+        params[k] = tuple(_closed(rule, x) for x in v)
+      elif isinstance(v, compat.Jaxpr):
+        raise NotImplementedError(
+            f"jaxprec cannot rewrite inside the higher-order primitive {name!r}")
+  bind_params = eqn.primitive.get_bind_params(params)
+  return _bind(eqn, invals, bind_params)
+
+
+def _jit(eqn, invals, rule, params):
+  params["jaxpr"] = _closed(rule, params["jaxpr"])
+  return _bind(eqn, invals, params)
+
+
+def _scan(eqn, invals, rule, params):
+  new, consts = _hoisted(rule, params["jaxpr"])
+  params["jaxpr"] = new
+  if consts:
+    params["num_consts"] = params["num_consts"] + len(consts)
+    if "linear" in params:
+      params["linear"] = (False,) * len(consts) + tuple(params["linear"])
+  return _bind(eqn, [*consts, *invals], params)
+
+
+def _while(eqn, invals, rule, params):
+  nc, nb = params["cond_nconsts"], params["body_nconsts"]
+  cond_consts, body_consts, carry = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
+  cond, cc = _hoisted(rule, params["cond_jaxpr"])
+  body, bc = _hoisted(rule, params["body_jaxpr"])
+  params.update(cond_jaxpr=cond, body_jaxpr=body, cond_nconsts=nc + len(cc),
+                body_nconsts=nb + len(bc))
+  return _bind(eqn, [*cc, *cond_consts, *bc, *body_consts, *carry], params)
+
+
+def _cond(eqn, invals, rule, params):
+  branches = [_hoisted(rule, b) for b in params["branches"]]
+  all_consts = [c for _, cs in branches for c in cs]
+  if not all_consts:
+    params["branches"] = tuple(b for b, _ in branches)
+    return _bind(eqn, invals, params)
+  # Every branch takes every branch's consts; each uses only its own.
+  new_branches = []
+  offset = 0
+  for b, cs in branches:
+    new_branches.append(compat.pad_invars(b, before=offset,
+                                          after=len(all_consts) - offset - len(cs),
+                                          avals=[compat.typeof(c) for c in all_consts]))
+    offset += len(cs)
+  params["branches"] = tuple(new_branches)
+  return _bind(eqn, [invals[0], *all_consts, *invals[1:]], params)
+
+
+def _open_jaxpr(eqn, invals, rule, params, *, key="jaxpr"):
+  """remat / shard_map style: params[key] is an open Jaxpr with no constvars."""
+  closed = compat.close(params[key])
+  new, consts = _hoisted(rule, closed)
+  if consts:
+    if eqn.primitive.name != "remat2" and not eqn.primitive.name.startswith(
+        "checkpoint"):
+      raise NotImplementedError(
+          f"jaxprec: rewriting inside {eqn.primitive.name!r} created constants; "
+          "please file an issue with a reproducer")
+  params[key] = new.jaxpr
+  return _bind(eqn, [*consts, *invals], params)
+
+
+def _shard_map(eqn, invals, rule, params):
+  closed = compat.close(params["jaxpr"])
+  new, consts = _hoisted(rule, closed)
+  if consts:
+    params = compat.shard_map_add_replicated_inputs(params, len(consts))
+  params["jaxpr"] = new.jaxpr
+  return _bind(eqn, [*consts, *invals], params)
+
+
+def _custom_jvp(eqn, invals, rule, params):
+  bind_params = compat.custom_jvp_bind_params(params, rule, _eval)
+  return _bind(eqn, invals, bind_params)
+
+
+def _custom_vjp(eqn, invals, rule, params):
+  bind_params = compat.custom_vjp_bind_params(params, rule, _eval, trace)
+  return _bind(eqn, invals, bind_params)
+
+
+_HANDLERS: dict[str, Callable[..., list[Any]]] = {
+    "jit": _jit,
+    "pjit": _jit,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+    "remat2": _open_jaxpr,
+    "checkpoint": _open_jaxpr,
+    "shard_map": _shard_map,
+    "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
+}
