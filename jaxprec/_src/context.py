@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 import jax
 from jax import lax
 
-from jaxprec._src import compat
 from jaxprec._src import env as env_lib
 from jaxprec._src import walker
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
@@ -166,49 +165,17 @@ class precision:  # noqa: N801 -- reads as a function, like jax.default_matmul_p
     @functools.wraps(fn)
     def preset_wrapper(*args, **kwargs):
       with jax.default_matmul_precision(p.flag):
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        is_array = [_is_array(x) for x in leaves]
-        static = tuple(None if a else x for x, a in zip(leaves, is_array))
-        dynamic = [x for x, a in zip(leaves, is_array) if a]
-        avals = tuple(compat.typeof(x) for x in dynamic)
-        key = (treedef, avals, tuple(is_array), _hashable(static))
-        entry = cache.get(key) if key[-1] is not None else None
-        if entry is None:
-          def flat_fn(*dyn):
-            it = iter(dyn)
-            full = [next(it) if a else s for s, a in zip(static, is_array)]
-            a, kw = jax.tree_util.tree_unflatten(treedef, full)
-            out = fn(*a, **kw)
-            out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-            store["out_tree"] = out_tree
-            return out_leaves
-          store: dict[str, Any] = {}
-          closed = walker.trace(flat_fn, avals)
-          entry = (closed, store["out_tree"], _has_preset_conv(closed))
-          if key[-1] is not None:
-            cache[key] = entry
-        closed, out_tree, needs_rewrite = entry
-        outs = walker.interpret(closed, rule if needs_rewrite else _keep, *dynamic)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        call = walker.trace_call(fn, args, kwargs, cache)
+        needs_rewrite = _has_preset_conv(call.jaxpr)
+        outs = walker.interpret(call.jaxpr, rule if needs_rewrite else _keep,
+                                *call.dynamic)
+        return call.unflatten(outs)
     return preset_wrapper  # type: ignore[return-value]
 
 
 def _keep(eqn, invals):
   del eqn, invals
   return None
-
-
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "__jax_array__") \
-      or (hasattr(x, "shape") and hasattr(x, "dtype"))
-
-
-def _hashable(x):
-  try:
-    hash(x)
-    return x
-  except TypeError:
-    return None
 
 
 def current() -> Precision:

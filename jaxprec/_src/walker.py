@@ -23,9 +23,12 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
+
 from jaxprec._src import compat
 
-__all__ = ["Rule", "WalkedEqn", "interpret", "iter_eqns", "trace", "transform"]
+__all__ = ["Rule", "TracedCall", "WalkedEqn", "interpret", "iter_eqns", "trace",
+           "trace_call", "transform"]
 
 # A rule sees an equation and its input values and returns the output values
 # that replace it (a list, one per outvar), or None to keep the equation.
@@ -122,6 +125,70 @@ def transform(closed_jaxpr, rule: Rule):
 def trace(fn: Callable[..., Sequence[Any]], in_avals, *, debug_info=None):
   """Traces ``fn`` (flat inputs, a flat list of outputs) to a ``ClosedJaxpr``."""
   return compat.trace_to_closed_jaxpr(fn, list(in_avals), debug_info=debug_info)
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedCall:
+  """A Python call traced to a jaxpr: what :func:`trace_call` returns.
+
+  Attributes:
+    jaxpr: the ``ClosedJaxpr`` over the call's array arguments.
+    out_tree: the output pytree structure.
+    dynamic: the array arguments of this call, in order (pass them to
+      :func:`interpret`).
+  """
+
+  jaxpr: Any
+  out_tree: Any
+  dynamic: list
+
+  def unflatten(self, outs):
+    return jax.tree_util.tree_unflatten(self.out_tree, outs)
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, jax.core.Tracer)) or (
+      hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type))
+
+
+def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
+               cache: dict | None = None, extra_key: Any = ()) -> TracedCall:
+  """Traces ``fn(*args, **kwargs)`` to a jaxpr over its array leaves.
+
+  Array leaves (including tracers and NumPy arrays) become jaxpr inputs; every
+  other leaf is static, as under ``jax.jit(static_argnames=...)``. With
+  ``cache`` (a dict the caller owns), a call with the same pytree structure,
+  shapes, dtypes, static values and ``extra_key`` reuses the earlier trace, so
+  ``fn``'s Python code runs once per signature, as under ``jax.jit``.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+  is_array = tuple(_is_array(x) for x in leaves)
+  static = tuple(None if a else x for x, a in zip(leaves, is_array))
+  dynamic = [x for x, a in zip(leaves, is_array) if a]
+  avals = tuple(compat.typeof(x) for x in dynamic)
+  key = None
+  if cache is not None:
+    try:
+      key = (treedef, avals, is_array, static, extra_key)
+      hash(key)
+    except TypeError:
+      key = None
+  hit = cache.get(key) if key is not None else None
+  if hit is not None:
+    return TracedCall(hit[0], hit[1], dynamic)
+  store: dict[str, Any] = {}
+
+  def flat_fn(*dyn):
+    it = iter(dyn)
+    full = [next(it) if a else s for s, a in zip(static, is_array)]
+    a, kw = jax.tree_util.tree_unflatten(treedef, full)
+    out_leaves, store["out_tree"] = jax.tree_util.tree_flatten(fn(*a, **kw))
+    return out_leaves
+
+  closed = trace(flat_fn, avals, debug_info=compat.debug_info(fn, avals))
+  if key is not None:
+    cache[key] = (closed, store["out_tree"])
+  return TracedCall(closed, store["out_tree"], dynamic)
 
 
 def _eval(jaxpr, consts, rule: Rule, args) -> list[Any]:
