@@ -38,15 +38,28 @@ def eqn_context(eqn):
     yield
 
 
+def _api_debug_info(fn, in_avals):
+  from jax._src import api_util
+  return api_util.debug_info("jaxprec", fn, tuple(in_avals), {})
+
+
 def trace_to_closed_jaxpr(fn: Callable[..., Sequence[Any]], in_avals,
                           *, debug_info=None) -> ClosedJaxpr:
   """Traces a flat function on abstract values, keeping weak types exactly."""
   if debug_info is None:
-    from jax._src import api_util
-    debug_info = api_util.debug_info("jaxprec", fn, tuple(in_avals), {})
+    debug_info = _api_debug_info(fn, in_avals)
   wrapped = lu.wrap_init(lambda *a: list(fn(*a)), debug_info=debug_info)
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
   return ClosedJaxpr(jaxpr, consts)
+
+
+def debug_info(fn, in_avals):
+  """JAX debug info naming ``fn`` (used in tracing error messages)."""
+  from jax._src import api_util
+  try:
+    return api_util.debug_info("jaxprec", fn, tuple(in_avals), {})
+  except Exception:  # noqa: BLE001 -- best effort: odd callables have no signature
+    return None
 
 
 def hoist_consts(closed: ClosedJaxpr) -> ClosedJaxpr:
@@ -176,3 +189,27 @@ def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:
 def backend_platform() -> str:
   """The default backend's platform ('cpu', 'gpu', 'tpu'); starts the backend."""
   return jax.default_backend()
+
+
+# ---------------------------------------------------------------------------
+# Source information of equations, for reports (used by jaxprec._src.audit).
+# jax._src.source_info_util is private; written against jax 0.10.2.
+
+
+def eqn_name_stack(eqn) -> str:
+  """The equation's name stack as text, e.g. ``'MLP/dense1'`` (``''`` if none).
+
+  Relative to the enclosing jaxpr: JAX starts a new name stack inside ``jit``
+  and loop bodies, so a caller that wants a full path joins the parents' stacks.
+  """
+  return str(eqn.source_info.name_stack)
+
+
+def eqn_user_frames(eqn) -> list[tuple[str, int, str]]:
+  """``(file, line, function)`` of the frames that recorded ``eqn``, innermost first.
+
+  JAX's own frames (and the standard library's) are left out, as in JAX's
+  ``source_info_util.user_frames``; library frames such as Flax's stay in.
+  """
+  frames = source_info_util.user_frames(eqn.source_info.traceback)
+  return [(f.file_name, f.start_line, f.function_name) for f in frames]
