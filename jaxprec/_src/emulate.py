@@ -1,0 +1,154 @@
+"""Whole-function emulation: ``jaxprec.emulate(fn, precision, target=...)``.
+
+The function is traced once per input signature with JAX's precision flag
+cleared, so that the jaxpr records ``precision=None`` exactly on the ops the
+user wrote without one. The shared walker then re-evaluates the jaxpr with
+every ``dot_general`` and ``conv_general_dilated`` (at any depth: jit, remat,
+scan, while, cond, custom_jvp, custom_vjp, shard_map) replaced by its emulated
+counterpart from :mod:`jaxprec._src.emulated_ops`. Nested structure is kept.
+
+Which precision an op gets:
+
+* an op whose code passed ``precision=`` keeps it;
+* an op without one takes ``precision`` (convolutions take its level, as
+  ``@jaxprec.precision`` does, so a preset never silently downgrades them), or,
+  when ``precision`` is None, the precision in force when the emulated function
+  is traced (``jaxprec.precision`` scopes, ``set_default``, the env var);
+* a convolution whose code passed a ``DotAlgorithmPreset`` is emulated at
+  DEFAULT, because that is how JAX lowers it (SEMANTICS.md pitfall 1).
+
+Gradients are emulated too: the emulated ops carry custom VJPs whose transposed
+matmuls run at the forward's emulated precision, as on a TPU, so
+``jax.grad(emulate(f))`` and ``emulate(jax.grad(f))`` both see TPU numerics.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+from jax import lax
+
+from jaxprec._src import emulated_ops
+from jaxprec._src import walker
+from jaxprec._src.context import current
+from jaxprec._src.precision import Precision, PrecisionLike, resolve
+
+__all__ = ["TARGETS", "emulate", "emulation_rule"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+TARGETS = ("tpu", "gpu", "cpu", "native")
+
+
+def _check_target(target: str) -> str:
+  if not isinstance(target, str) or target.lower() not in TARGETS:
+    raise ValueError(
+        f"Unknown emulation target {target!r}; valid choices: "
+        f"{', '.join(repr(t) for t in TARGETS)}.")
+  return target.lower()
+
+
+def emulation_rule(default: Precision, *, target: str, **options) -> walker.Rule:
+  """The walker rule that emulates dots and convs (used by :func:`emulate`).
+
+  Args:
+    default: the precision for ops that recorded none.
+    target: 'tpu' or 'gpu' ('cpu'/'native' emulate nothing).
+    **options: passed to the emulated ops (e.g. ``tf32_rounding='truncate'``).
+  """
+  dot_default = default.per_op
+  conv_default = None if default.flag is None else (default.level, default.level)
+
+  def rule(eqn, invals):
+    prim = eqn.primitive
+    if prim is lax.dot_general_p:
+      params = dict(eqn.params)
+      prec = params.pop("precision")
+      lhs, rhs = invals
+      out = emulated_ops.emulated_dot_general(
+          lhs, rhs, params.pop("dimension_numbers"),
+          precision=dot_default if prec is None else prec,
+          preferred_element_type=params.pop("preferred_element_type", None),
+          target=target, **options)
+      return [out]
+    if prim is lax.conv_general_dilated_p:
+      p = dict(eqn.params)
+      prec = p["precision"]
+      if prec is None:
+        prec = conv_default
+      elif isinstance(prec, lax.DotAlgorithmPreset):
+        prec = (lax.Precision.DEFAULT, lax.Precision.DEFAULT)  # as JAX lowers it
+      lhs, rhs = invals
+      out = emulated_ops.emulated_conv_general_dilated(
+          lhs, rhs, p["window_strides"], p["padding"],
+          lhs_dilation=p["lhs_dilation"], rhs_dilation=p["rhs_dilation"],
+          dimension_numbers=p["dimension_numbers"],
+          feature_group_count=p["feature_group_count"],
+          batch_group_count=p["batch_group_count"], precision=prec,
+          preferred_element_type=p.get("preferred_element_type"),
+          target=target, **options)
+      return [out]
+    return None
+  return rule
+
+
+def emulate(fn: F, precision: PrecisionLike = None, *, target: str = "tpu",
+            **options) -> F:
+  """Returns ``fn`` with every matmul and conv computed as ``target`` would.
+
+  On any backend (CPU included, where JAX ignores precision), the returned
+  function computes what ``fn`` computes on a TPU (``target='tpu'``: one, three
+  or six bfloat16 passes) or an Ampere+ NVIDIA GPU (``target='gpu'``: TF32 or
+  float32) at the given precision. It has ``fn``'s signature, composes with
+  ``jax.jit``, ``jax.grad`` and ``jax.vmap`` in either order, and its
+  gradients' matmuls are emulated at the same precision. Under ``jax.jit`` the
+  emulated function traces once per input signature; called eagerly, it keeps
+  a trace cache so ``fn``'s Python code runs once per signature (as under jit).
+
+  Args:
+    fn: the function to emulate.
+    precision: precision for the matmuls and convs that ``fn`` wrote without
+      one; None uses the precision in force when the emulated function is
+      traced. Ops with an explicit ``precision=`` keep theirs.
+    target: ``'tpu'``, ``'gpu'``, or ``'cpu'``/``'native'`` for no emulation.
+    **options: passed to the emulated ops: ``tf32_rounding`` (``'nearest'``
+      or ``'truncate'``).
+
+  Returns:
+    The emulated function.
+
+  Raises:
+    TypeError: ``fn`` is not callable.
+    ValueError: unknown precision or target.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxprec
+    >>> x = jnp.full((1, 1), 1 + 2.0**-10)
+    >>> float((x @ x)[0, 0]) == (1 + 2.0**-10) ** 2          # CPU: exact float32
+    True
+    >>> y = jaxprec.emulate(lambda a: a @ a, "bfloat16")(x)  # TPU: one bf16 pass
+    >>> float(y[0, 0])
+    1.0
+  """
+  if not callable(fn):
+    raise TypeError(f"jaxprec.emulate expects a callable; got {fn!r} of type "
+                    f"{type(fn).__name__}")
+  target = _check_target(target)
+  fixed = None if precision is None else resolve(precision)
+  if target in ("cpu", "native"):
+    return fn
+  cache: dict[Any, Any] = {}
+
+  @functools.wraps(fn)
+  def emulated(*args, **kwargs):
+    default = fixed if fixed is not None else current()
+    with jax.default_matmul_precision(None):
+      call = walker.trace_call(fn, args, kwargs, cache,
+                               extra_key=jax.config.jax_enable_x64)
+    rule = emulation_rule(default, target=target, **options)
+    return call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
+
+  return emulated  # type: ignore[return-value]

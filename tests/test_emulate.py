@@ -1,0 +1,220 @@
+"""jaxprec.emulate: whole functions at TPU/GPU numerics on CPU, gradients included."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxprec
+from jaxprec._src import walker
+
+RNG = np.random.default_rng(0)
+A = jnp.asarray(RNG.standard_normal((16, 32)), jnp.float32)
+B = jnp.asarray(RNG.standard_normal((32, 8)), jnp.float32)
+
+
+def bf16(x):
+  return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def tf32(x):
+  """Round-to-nearest-even to 10 explicit mantissa bits, by integer arithmetic."""
+  u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
+  return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def f32_bound(a, b):
+  """|f32 accumulation error| <= k * 2^-24 * sum_k |a_ik b_kj| (first-order bound)."""
+  k = a.shape[-1]
+  return k * 2.0**-24 * (np.abs(a) @ np.abs(b)) + 1e-30
+
+
+def assert_matches_rounded(got, a_r, b_r):
+  want = a_r @ b_r  # float64: the exact sum of exact products, up to 2^-53
+  err = np.abs(np.asarray(got, np.float64) - want)
+  assert np.all(err <= f32_bound(a_r, b_r)), err.max()
+
+
+def mm(a, b):
+  return a @ b
+
+
+def test_tpu_default_is_one_bf16_pass():
+  got = jaxprec.emulate(mm, "bfloat16")(A, B)
+  assert_matches_rounded(got, bf16(A), bf16(B))
+  native = np.asarray(A, np.float64) @ np.asarray(B, np.float64)
+  rel = np.abs(np.asarray(got) - native).max() / np.abs(native).max()
+  assert 1e-4 < rel < 3e-2  # bf16 level, and visibly not float32
+
+
+def test_gpu_default_is_tf32():
+  got = jaxprec.emulate(mm, "bfloat16", target="gpu")(A, B)
+  assert_matches_rounded(got, tf32(A), tf32(B))
+  got_hi = jaxprec.emulate(mm, "float32", target="gpu")(A, B)
+  np.testing.assert_array_equal(got_hi, mm(A, B))
+
+
+def test_levels_order_errors_on_the_same_inputs():
+  exact = np.asarray(A, np.float64) @ np.asarray(B, np.float64)
+  err = {p: np.abs(np.asarray(jaxprec.emulate(mm, p)(A, B)) - exact).max()
+         for p in ("bfloat16", "bfloat16_3x", "float32")}
+  assert err["bfloat16_3x"] < err["bfloat16"] / 100
+  assert err["float32"] <= 1e-5
+
+
+def test_explicit_precision_is_kept_and_none_takes_the_argument():
+  def f(a, b):
+    return jnp.dot(a, b, precision="highest"), a @ b
+  hi, lo = jaxprec.emulate(f, "bfloat16")(A, B)
+  assert_matches_rounded(lo, bf16(A), bf16(B))
+  np.testing.assert_allclose(hi, mm(A, B), rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(hi) - np.asarray(lo)).max() > 1e-3
+
+
+def test_none_uses_the_precision_in_force_at_trace_time():
+  f = jaxprec.emulate(mm)  # precision from the scope
+  with jaxprec.precision("bf16"):
+    lo = f(A, B)
+  with jaxprec.precision("fp32"):
+    hi = f(A, B)
+  assert_matches_rounded(lo, bf16(A), bf16(B))
+  np.testing.assert_allclose(hi, mm(A, B), rtol=1e-5, atol=1e-5)
+  lo2 = f(A, B)  # backend default on a TPU is one bf16 pass
+  np.testing.assert_array_equal(lo2, lo)
+
+
+def test_composes_with_jit_grad_vmap_either_order_and_traces_once():
+  calls = []
+
+  def g(a, b):
+    calls.append(1)
+    return jnp.sum(jnp.tanh(a @ b))
+
+  e = jaxprec.emulate(g, "bfloat16")
+  j = jax.jit(e)
+  v1, v2 = j(A, B), j(A, B)
+  assert len(calls) == 1 and v1 == v2
+  e(A, B)
+  e(A, B)
+  assert len(calls) <= 3  # jit's trace, then one eager trace cached
+  ga = jax.grad(e)(A, B)
+  gb = jaxprec.emulate(jax.grad(g), "bfloat16")(A, B)
+  gn = jax.grad(g)(A, B)
+  assert np.abs(np.asarray(ga)).max() > 0  # rounding must not zero the gradient
+  np.testing.assert_allclose(ga, gb, rtol=1e-6, atol=1e-7)
+  assert np.abs(np.asarray(ga) - np.asarray(gn)).max() > 1e-4  # backward is emulated
+  batched = jax.vmap(jaxprec.emulate(mm, "bfloat16"), in_axes=(0, None))(
+      jnp.stack([A, -A]), B)
+  np.testing.assert_array_equal(batched[1], -batched[0])
+  assert_matches_rounded(batched[0], bf16(A), bf16(B))
+  inner = jaxprec.emulate(jax.vmap(mm, in_axes=(0, None)), "bfloat16")(
+      jnp.stack([A, -A]), B)
+  np.testing.assert_allclose(inner, batched, rtol=1e-6)
+
+
+def test_backward_matmuls_are_emulated_at_the_forward_precision():
+  # d/da sum(a @ b) = ones @ b^T: on a TPU the transposed dot runs at the same
+  # precision, so the gradient is the bf16-rounded b summed in float32.
+  g = jax.grad(lambda a: jnp.sum(jaxprec.emulate(mm, "bfloat16")(a, B)))(A)
+  want = np.ones((16, 8)) @ bf16(B).T
+  np.testing.assert_allclose(g, want, rtol=1e-6)
+  assert not np.allclose(g, np.ones((16, 8)) @ np.asarray(B, np.float64).T, rtol=1e-6)
+
+
+def test_nested_structures_are_emulated_and_kept():
+  def f(a, b):
+    y = jax.jit(mm)(a, b)
+    y2 = jax.checkpoint(mm)(a, b)
+    y3, _ = lax.scan(lambda c, _: (c, mm(a, b)), 0.0, None, length=2)
+    y4 = lax.cond(True, mm, lambda x, w: x @ w, a, b)
+    y5 = jax.nn.relu(mm(a, b))  # relu is a custom_jvp
+    return y, y2, y4, y5
+  outs = jaxprec.emulate(f, "bfloat16")(A, B)
+  for o in outs[:3]:
+    assert_matches_rounded(o, bf16(A), bf16(B))
+  closed = jax.make_jaxpr(jaxprec.emulate(f, "bfloat16"))(A, B)
+  names = {w.eqn.primitive.name for w in walker.iter_eqns(closed)}
+  assert {"jit", "remat2", "scan", "cond"} <= names
+
+
+def test_conv_is_emulated_and_conv_level_follows_presets():
+  x = jnp.asarray(RNG.standard_normal((1, 3, 9, 9)), jnp.float32)
+  k = jnp.asarray(RNG.standard_normal((4, 3, 3, 3)), jnp.float32)
+  conv = lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "VALID")
+  lo = jaxprec.emulate(conv, "bfloat16")(x, k)
+  ref = lax.conv_general_dilated(jnp.asarray(bf16(x), jnp.float32),
+                                 jnp.asarray(bf16(k), jnp.float32), (1, 1), "VALID",
+                                 precision="highest")
+  np.testing.assert_allclose(lo, ref, rtol=1e-5, atol=1e-5)
+  # Under a preset given to emulate, convs run at the preset's level (HIGHEST):
+  hi = jaxprec.emulate(conv, "F32_F32_F32")(x, k)
+  np.testing.assert_allclose(hi, conv(x, k), rtol=1e-5, atol=1e-5)
+  # ... but a conv whose code wrote a preset is emulated as JAX lowers it: DEFAULT.
+  conv_p = lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "VALID",
+                                                 precision="F32_F32_F32")
+  np.testing.assert_allclose(jaxprec.emulate(conv_p, "float32")(x, k), lo, rtol=1e-6)
+
+
+def test_cpu_target_and_no_matmuls_run_unchanged():
+  assert jaxprec.emulate(mm, "bf16", target="cpu") is mm
+  assert jaxprec.emulate(mm, "bf16", target="native") is mm
+  f = lambda x: jnp.sin(x) * 2
+  np.testing.assert_array_equal(jaxprec.emulate(f, "bf16")(A), f(A))
+
+
+def test_integer_and_bf16_operands_keep_native_meaning():
+  ai = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+  np.testing.assert_array_equal(jaxprec.emulate(mm, "bf16")(ai, ai.T), ai @ ai.T)
+  ab = A.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(jaxprec.emulate(mm, "bf16")(ab, ab.T), ab @ ab.T)
+
+
+def test_bad_input():
+  with pytest.raises(TypeError, match="expects a callable; got 3"):
+    jaxprec.emulate(3, "bf16")
+  with pytest.raises(ValueError, match="Unknown emulation target 'ipu'.*'tpu', 'gpu'"):
+    jaxprec.emulate(mm, "bf16", target="ipu")
+  with pytest.raises(ValueError, match="Did you mean 'bfloat16'"):
+    jaxprec.emulate(mm, "bfloat61")
+
+
+def test_does_not_leak_global_state():
+  jaxprec.emulate(mm, "bf16")(A, B)
+  assert jax.config.jax_default_matmul_precision is None
+
+
+def test_multi_device_sharded_in_a_subprocess():
+  code = textwrap.dedent("""
+      import jax, jax.numpy as jnp, numpy as np, ml_dtypes
+      from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      import jaxprec
+      assert jax.device_count() == 4, jax.devices()
+      mesh = Mesh(np.array(jax.devices()), ("d",))
+      rng = np.random.default_rng(1)
+      a = rng.standard_normal((16, 32)).astype(np.float32)
+      b = rng.standard_normal((32, 8)).astype(np.float32)
+      sa = jax.device_put(a, NamedSharding(mesh, P("d", None)))
+      f = jax.jit(jaxprec.emulate(lambda x, y: x @ y, "bfloat16"),
+                  out_shardings=NamedSharding(mesh, P("d", None)))
+      out = f(sa, b)
+      assert len(out.sharding.device_set) == 4
+      r = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float64)
+      want = r(a) @ r(b)
+      bound = 32 * 2.0**-24 * (np.abs(r(a)) @ np.abs(r(b)))
+      assert np.all(np.abs(np.asarray(out, np.float64) - want) <= bound)
+      print("ok", out.sharding)
+  """)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.startswith("ok")
