@@ -8,8 +8,19 @@ from jaxprec._src import names as _names
 if "jax" not in _sys.modules:
   # JAX rejects a bad JAX_DEFAULT_MATMUL_PRECISION at import with an opaque error;
   # check it first with jaxprec's message (and accept jaxprec's spellings).
-  _names.check_env_before_jax(_os.environ)
+  try:
+    _names.check_env_before_jax(_os.environ)
+  except ValueError as _e:
+    if _names.running_as_cli(_sys.argv):
+      # The command line promises one clear line and exit code 2, no traceback.
+      print(f"jaxprec: error: {_e}", file=_sys.stderr)
+      raise SystemExit(2) from None
+    raise
 
+from jaxprec._src.audit import AuditError
+from jaxprec._src.audit import AuditReport
+from jaxprec._src.audit import AuditRow
+from jaxprec._src.audit import audit
 from jaxprec._src.context import PresetConvWarning
 from jaxprec._src.context import current
 from jaxprec._src.context import precision
@@ -17,6 +28,7 @@ from jaxprec._src.env import ENV_VAR
 from jaxprec._src.env import env_for
 from jaxprec._src.env import set_default
 from jaxprec._src.env import validate_env
+from jaxprec._src.explain import explain
 from jaxprec._src.precision import Numerics
 from jaxprec._src.precision import Precision
 from jaxprec._src.precision import PrecisionLike
@@ -26,13 +38,18 @@ from jaxprec._src.precision import valid_names
 __version__ = "0.1.0.dev0"
 
 __all__ = (
+    "AuditError",
+    "AuditReport",
+    "AuditRow",
     "ENV_VAR",
     "Numerics",
     "Precision",
     "PrecisionLike",
     "PresetConvWarning",
+    "audit",
     "current",
     "env_for",
+    "explain",
     "precision",
     "resolve",
     "set_default",

@@ -104,3 +104,11 @@ def check_env_before_jax(environ) -> None:
     del environ[ENV_VAR]
   else:
     environ[ENV_VAR] = flag
+
+
+def running_as_cli(argv) -> bool:
+  """Whether this process is the ``jaxprec`` command (console script or -m)."""
+  import os
+  if not argv:
+    return False
+  return os.path.basename(argv[0]) in ("jaxprec", "-m", "__main__.py")

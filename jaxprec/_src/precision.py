@@ -180,7 +180,7 @@ _CANONICAL: dict[str, Precision] = {
         _preset(D.F16_F16_F32, P.DEFAULT, _F16),
         _preset(D.F16_F16_F16, P.DEFAULT, _F16_OUT),
         _preset(D.F32_F32_F32, P.HIGHEST, _F32, tpu=_BF16X6),
-        _preset(D.F64_F64_F64, P.HIGHEST, _F64),
+        _preset(D.F64_F64_F64, P.HIGHEST, _F64, tpu=_UNSUPPORTED),
         _preset(D.ANY_F8_ANY_F8_F32, P.DEFAULT, _F8),
         _preset(D.ANY_F8_ANY_F8_F32_FAST_ACCUM, P.DEFAULT, _F8),
         _preset(D.ANY_F8_ANY_F8_ANY, P.DEFAULT, _F8),

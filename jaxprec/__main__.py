@@ -1,0 +1,8 @@
+"""``python -m jaxprec``: the ``jaxprec`` command line."""
+
+import sys
+
+from jaxprec._src.cli import main
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,529 @@
+"""Graph inspection: which matmuls and convolutions run at which precision.
+
+:func:`audit` traces a function to a jaxpr (it never runs it), walks every
+nested jaxpr with :func:`jaxprec._src.walker.iter_eqns`, and reports each
+``dot_general`` and ``conv_general_dilated`` with the precision recorded in the
+jaxpr, what that precision computes on TPU and on GPU, its FLOPs, and whether
+it is *risky*.
+
+Risky means: the result is much less precise than the float32 inputs suggest,
+and nothing in the code says so. Concretely (SEMANTICS.md sections 2 and 3.1):
+
+* float32 operands rounded to 11 significand bits or fewer on TPU, i.e. one
+  bfloat16 pass (precision unset, ``DEFAULT``, ``'bfloat16'``,
+  ``BF16_BF16_F32``) or one float16/float8 pass (``F16_*``, ``ANY_F8_*``
+  presets). The backend default is included on purpose: it is what users coming
+  from PyTorch or NumPy do not expect. An explicit ``'bfloat16'`` is flagged too,
+  with a reason that says it was requested, so that the report shows every
+  float32 op that loses its low bits.
+* a convolution whose recorded precision is a ``DotAlgorithmPreset``: JAX lowers
+  convolutions under a preset at ``DEFAULT`` (one bfloat16 pass on TPU, TF32 on
+  GPU) whatever the preset says. For float32 operands this is always risky.
+
+Operands that are not float32 (bfloat16, float16, float64, integers) are
+computed natively and are never risky: the precision setting does not apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from jaxprec._src import compat
+from jaxprec._src import walker
+from jaxprec._src.precision import Numerics, Precision, from_lax, resolve
+
+__all__ = ["AuditError", "AuditReport", "AuditRow", "audit"]
+
+_PRIMITIVES = ("dot_general", "conv_general_dilated")
+_SHORT = {"dot_general": "dot", "conv_general_dilated": "conv"}
+# Python packages whose frames are not "the user's line": the op's own frame in
+# Flax/Optax/jaxprec is kept in AuditRow.op, the user's caller in .source.
+_LIBRARY_PACKAGES = ("flax", "optax", "chex", "jaxprec")
+
+
+class AuditError(RuntimeError):
+  """Tracing the audited function failed; the original error is ``__cause__``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuditRow:
+  """One ``dot_general`` or ``conv_general_dilated`` found by :func:`audit`.
+
+  Attributes:
+    primitive: ``'dot_general'`` or ``'conv_general_dilated'``.
+    source: ``'file:line'`` of the innermost frame outside JAX, Flax, Optax,
+      Chex and jaxprec (the user's line), or ``''`` when unknown.
+    op: the innermost frame outside JAX as ``'function (file:line)'``, e.g.
+      ``'Dense.__call__ (.../flax/linen/linear.py:287)'``: names the Flax module
+      class when the op comes from one (Flax NNX records no name stack).
+    name_stack: the full name stack, e.g. ``'jit(f)/MLP/dense1'``: enclosing
+      ``jit`` names, ``jax.named_scope`` names and Flax linen module paths.
+    scope: enclosing higher-order primitives, outermost first, e.g.
+      ``('jit', 'scan')``.
+    trip_count: how many times the op runs per call (``scan`` lengths
+      multiply; a ``while`` body counts once).
+    lhs_shape, rhs_shape, out_shape: operand and result shapes.
+    lhs_dtype, rhs_dtype, out_dtype: dtype names, e.g. ``'float32'``.
+    precision: the ``precision`` param as recorded in the jaxpr: None, a pair
+      of ``lax.Precision`` levels, or a ``lax.DotAlgorithmPreset``.
+    precision_name: the same as text: ``'None'``, ``'DEFAULT'``,
+      ``'HIGHEST'``, ``'DEFAULT,HIGHEST'`` or the preset's name.
+    tpu, gpu: what runs there: the algorithm name of
+      :class:`~jaxprec.Numerics` (``'bf16x1'``, ``'bf16x3'``, ``'bf16x6'``,
+      ``'tf32'``, ``'f32'``, ...) for float32 operands, ``'native <dtype>'``
+      otherwise, ``'unknown'`` for a custom ``lax.DotAlgorithm``.
+    tpu_numerics, gpu_numerics: the :class:`~jaxprec.Numerics` behind
+      ``tpu``/``gpu`` (None for native and unknown).
+    flops: floating-point operations per call, times ``trip_count``:
+      ``2*M*N*K`` (batch dims included) for a dot; ``2 * output elements *
+      kernel spatial size * input features per group`` for a convolution.
+    risky: True when float32 operands lose their low bits where the code does
+      not say so (see the module docstring).
+    reason: why the row is risky (``''`` when it is not).
+  """
+
+  primitive: str
+  source: str
+  op: str
+  name_stack: str
+  scope: tuple[str, ...]
+  trip_count: int
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]
+  lhs_dtype: str
+  rhs_dtype: str
+  out_dtype: str
+  precision: Any
+  precision_name: str
+  tpu: str
+  gpu: str
+  tpu_numerics: Numerics | None
+  gpu_numerics: Numerics | None
+  flops: int
+  risky: bool
+  reason: str
+
+  def to_dict(self) -> dict[str, Any]:
+    """The row as JSON-able values (``precision`` becomes ``precision_name``)."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["precision"] = self.precision_name
+    d["scope"] = list(self.scope)
+    for k in ("lhs_shape", "rhs_shape", "out_shape"):
+      d[k] = list(d[k])
+    for k in ("tpu_numerics", "gpu_numerics"):
+      n = d[k]
+      d[k] = None if n is None else {
+          "algorithm": n.algorithm, "passes": n.passes,
+          "operand_bits": n.operand_bits, "rel_error": n.rel_error,
+          "note": n.note}
+    return d
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+  """The matmuls and convolutions of one traced function.
+
+  Attributes:
+    rows: one :class:`AuditRow` per op, in program order, nested bodies
+      right after the equation that holds them.
+    function: the audited function's qualified name.
+    precision_in_force: the precision in force when it was traced
+      (``jaxprec.current()``), e.g. ``'float32 (context)'``.
+  """
+
+  rows: tuple[AuditRow, ...]
+  function: str = ""
+  precision_in_force: str = ""
+
+  def __len__(self) -> int:
+    return len(self.rows)
+
+  def __iter__(self) -> Iterator[AuditRow]:
+    return iter(self.rows)
+
+  def __getitem__(self, i: int) -> AuditRow:
+    return self.rows[i]
+
+  @property
+  def risky(self) -> tuple[AuditRow, ...]:
+    """The rows flagged risky."""
+    return tuple(r for r in self.rows if r.risky)
+
+  @property
+  def total_flops(self) -> int:
+    return sum(r.flops for r in self.rows)
+
+  def flops_by_precision(self) -> dict[str, dict[str, int]]:
+    """FLOPs per call summed by what runs on TPU and on GPU.
+
+    Returns:
+      ``{'tpu': {'bf16x1': n, ...}, 'gpu': {'tf32': n, ...}}``, keys as in
+      :attr:`AuditRow.tpu` / :attr:`AuditRow.gpu`, largest first.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for backend in ("tpu", "gpu"):
+      totals: dict[str, int] = {}
+      for r in self.rows:
+        key = getattr(r, backend)
+        totals[key] = totals.get(key, 0) + r.flops
+      out[backend] = dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
+    return out
+
+  def to_dict(self) -> dict[str, Any]:
+    """The report as JSON-able values."""
+    return {
+        "function": self.function,
+        "precision_in_force": self.precision_in_force,
+        "num_ops": len(self.rows),
+        "num_risky": len(self.risky),
+        "total_flops": self.total_flops,
+        "flops_by_precision": self.flops_by_precision(),
+        "rows": [r.to_dict() for r in self.rows],
+    }
+
+  def to_json(self, indent: int | None = 2) -> str:
+    """The report as a JSON string (see :meth:`to_dict`)."""
+    return json.dumps(self.to_dict(), indent=indent)
+
+  def __str__(self) -> str:
+    return _format(self)
+
+
+def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
+  """Lists every matmul and convolution of ``fn(*args, **kwargs)`` and its precision.
+
+  ``fn`` is traced with ``jax.make_jaxpr`` under the precision in force now
+  (a ``jaxprec.precision`` scope, ``jax.default_matmul_precision``, the global
+  setting); it is never run, so ``jax.ShapeDtypeStruct`` values work as
+  arguments. Jitted functions work too. Array leaves of ``args``/``kwargs``
+  (arrays, ``ShapeDtypeStruct``, anything with ``shape`` and ``dtype``) are
+  traced; every other leaf (Python numbers, strings, ...) is passed as is.
+
+  Args:
+    fn: the function to audit.
+    *args: its positional arguments (pytrees).
+    **kwargs: its keyword arguments (pytrees).
+
+  Returns:
+    An :class:`AuditReport`; empty (not an error) when ``fn`` has no matmuls.
+
+  Raises:
+    TypeError: if ``fn`` is not callable.
+    AuditError: if tracing ``fn`` raises; the message names ``fn`` and the
+      original error, which is chained as ``__cause__``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxprec
+    >>> x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    >>> w = jax.ShapeDtypeStruct((16, 4), jnp.float32)
+    >>> report = jaxprec.audit(lambda x, w: x @ w, x, w)
+    >>> row = report.rows[0]
+    >>> row.primitive, row.flops, row.tpu, row.gpu, row.risky
+    ('dot_general', 1024, 'bf16x1', 'tf32', True)
+    >>> with jaxprec.precision("float32"):
+    ...   report = jaxprec.audit(lambda x, w: x @ w, x, w)
+    >>> report.rows[0].precision_name, report.rows[0].tpu, report.rows[0].risky
+    ('HIGHEST', 'bf16x6', False)
+  """
+  if not callable(fn):
+    raise TypeError(
+        f"jaxprec.audit expects a callable as its first argument; got {fn!r} "
+        f"of type {type(fn).__name__}")
+  name = _qualname(fn)
+  in_force = _precision_in_force()
+
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  is_array = [_is_array(x) for x in leaves]
+
+  def flat_fn(*dynamic):
+    it = iter(dynamic)
+    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+    a, kw = jax.tree_util.tree_unflatten(treedef, full)
+    return fn(*a, **kw)
+
+  try:
+    closed = jax.make_jaxpr(flat_fn)(
+        *[x for x, a in zip(leaves, is_array) if a])
+  except Exception as e:  # noqa: BLE001 -- re-raised with context
+    raise AuditError(
+        f"jaxprec.audit: tracing {name} failed: {type(e).__name__}: {e}") from e
+  return AuditReport(rows=tuple(_rows(closed)), function=name,
+                     precision_in_force=in_force)
+
+
+# ---------------------------------------------------------------------------
+# Rows.
+
+
+def _rows(closed) -> Iterator[AuditRow]:
+  # Name stacks are relative to the enclosing jaxpr; ``prefix[d]`` is the path
+  # of the body at depth d. iter_eqns yields a parent right before its bodies,
+  # depth first, so the last parent seen at depth d - 1 encloses depth d.
+  prefix: dict[int, str] = {0: ""}
+  for w in walker.iter_eqns(closed):
+    eqn = w.eqn
+    depth = len(w.scope)
+    path = _join(prefix.get(depth, ""), compat.eqn_name_stack(eqn))
+    if eqn.primitive.name in ("jit", "pjit"):
+      prefix[depth + 1] = _join(path, f"jit({eqn.params.get('name', '')})")
+    else:
+      prefix[depth + 1] = path
+    if eqn.primitive.name in _PRIMITIVES:
+      yield _row(w, path)
+
+
+def _row(w: walker.WalkedEqn, name_stack: str) -> AuditRow:
+  eqn = w.eqn
+  prim = eqn.primitive.name
+  lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+  out = eqn.outvars[0].aval
+  precision = eqn.params.get("precision")
+  lhs_dtype, rhs_dtype = np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name
+  tpu, gpu, tpu_n, gpu_n = _effective(prim, precision, lhs_dtype, rhs_dtype)
+  risky, reason = _risk(prim, precision, lhs_dtype, rhs_dtype, tpu_n)
+  source, op = _frames(eqn)
+  if prim == "dot_general":
+    flops = _dot_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])
+  else:
+    flops = _conv_flops(out.shape, rhs.shape, eqn.params["dimension_numbers"])
+  return AuditRow(
+      primitive=prim, source=source, op=op, name_stack=name_stack,
+      scope=tuple(w.scope), trip_count=w.trip_count,
+      lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
+      out_shape=tuple(out.shape), lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
+      out_dtype=np.dtype(out.dtype).name, precision=precision,
+      precision_name=_precision_name(precision), tpu=tpu, gpu=gpu,
+      tpu_numerics=tpu_n, gpu_numerics=gpu_n, flops=flops * w.trip_count,
+      risky=risky, reason=reason)
+
+
+def _precision_name(precision: Any) -> str:
+  if precision is None:
+    return "None"
+  if isinstance(precision, lax.DotAlgorithmPreset):
+    return precision.name
+  if isinstance(precision, lax.Precision):
+    return precision.name
+  if isinstance(precision, tuple) and len(precision) == 2:
+    names = [p.name if isinstance(p, lax.Precision) else str(p) for p in precision]
+    return names[0] if names[0] == names[1] else ",".join(names)
+  return str(precision)
+
+
+def _effective(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str
+               ) -> tuple[str, str, Numerics | None, Numerics | None]:
+  """What runs on TPU and GPU: (tpu, gpu, tpu_numerics, gpu_numerics)."""
+  if not (lhs_dtype == rhs_dtype == "float32"):
+    native = (f"native {lhs_dtype}" if lhs_dtype == rhs_dtype
+              else f"native {lhs_dtype}x{rhs_dtype}")
+    return native, native, None, None
+  p = _effective_precision(prim, precision)
+  if p is None:
+    return "unknown", "unknown", None, None
+  return p.tpu.algorithm, p.gpu.algorithm, p.tpu, p.gpu
+
+
+def _effective_precision(prim: str, precision: Any) -> Precision | None:
+  if prim == "conv_general_dilated" and isinstance(precision,
+                                                   lax.DotAlgorithmPreset):
+    # SEMANTICS.md 3.1: JAX lowers a conv under a preset with
+    # precision_config = [DEFAULT, DEFAULT].
+    return resolve(lax.Precision.DEFAULT)
+  try:
+    p = from_lax(precision)
+  except ValueError:
+    return None  # A custom lax.DotAlgorithm: not one of the presets.
+  return resolve(None) if p is None else p
+
+
+def _risk(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str,
+          tpu: Numerics | None) -> tuple[bool, str]:
+  if not (lhs_dtype == rhs_dtype == "float32") or tpu is None:
+    return False, ""
+  if prim == "conv_general_dilated" and isinstance(precision,
+                                                   lax.DotAlgorithmPreset):
+    return True, (
+        f"convolution recorded with preset {precision.name}: JAX lowers "
+        f"convolutions under a preset at DEFAULT, 1 bfloat16 pass on TPU (TF32 "
+        f"on GPU); use a level (e.g. 'float32') or decorate the function with "
+        f"@jaxprec.precision({precision.name!r})")
+  if tpu.passes < 1 or tpu.operand_bits > 11:
+    return False, ""
+  if precision is None:
+    why = "no precision set, the backend default"
+  else:
+    why = f"precision {_precision_name(precision)}"
+  return True, (f"float32 operands, {why}: on TPU, {tpu.note} "
+                f"({tpu.operand_bits} significand bits)")
+
+
+def _frames(eqn) -> tuple[str, str]:
+  """(source, op) from the equation's frames; see AuditRow."""
+  frames = compat.eqn_user_frames(eqn)
+  if not frames:
+    return "", ""
+  file, line, func = frames[0]
+  op = f"{func} ({file}:{line})"
+  for file, line, _ in frames:
+    if not _is_library_file(file):
+      return f"{file}:{line}", op
+  return "", op
+
+
+_library_dirs: tuple[str, ...] | None = None
+
+
+def _is_library_file(path: str) -> bool:
+  global _library_dirs
+  if _library_dirs is None:
+    dirs = []
+    for pkg in _LIBRARY_PACKAGES:
+      try:
+        spec = importlib.util.find_spec(pkg)
+      except (ImportError, ValueError):
+        spec = None
+      for d in (spec.submodule_search_locations or []) if spec else []:
+        dirs.append(os.path.join(os.path.realpath(d), ""))
+    _library_dirs = tuple(dirs)
+  return os.path.realpath(path).startswith(_library_dirs)
+
+
+def _dot_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
+  # 2 * (batch * M * K) * N: every lhs element meets every free rhs column.
+  (_, rhs_contract), (_, rhs_batch) = dimension_numbers
+  rhs_free = [d for i, d in enumerate(rhs_shape)
+              if i not in rhs_contract and i not in rhs_batch]
+  return _int(2 * math.prod(lhs_shape) * math.prod(rhs_free))
+
+
+def _conv_flops(out_shape, rhs_shape, dimension_numbers) -> int:
+  # 2 * output elements * kernel spatial size * input features per group; the
+  # kernel's input-feature dimension already holds in_features / groups.
+  rhs_spec = dimension_numbers.rhs_spec  # (out feature, in feature, spatial...)
+  spatial = math.prod(rhs_shape[i] for i in rhs_spec[2:])
+  return _int(2 * math.prod(out_shape) * spatial * rhs_shape[rhs_spec[1]])
+
+
+def _int(x) -> int:
+  try:
+    return int(x)
+  except (TypeError, ValueError):  # symbolic shapes (jax.export)
+    return 0
+
+
+def _join(a: str, b: str) -> str:
+  return f"{a}/{b}" if a and b else a or b
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) \
+      or (hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _qualname(fn) -> str:
+  inner = getattr(fn, "func", None)  # functools.partial
+  for f in (fn, inner):
+    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
+    if isinstance(name, str):
+      return name
+  return repr(fn)
+
+
+def _precision_in_force() -> str:
+  from jaxprec._src import context  # Imported late: it imports env and JAX config.
+  p = context.current()
+  return f"{p.name} ({p.source})"
+
+
+# ---------------------------------------------------------------------------
+# Text table.
+
+
+def _si(n: float) -> str:
+  for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.3g}{unit}"
+  return f"{n:.0f}"
+
+
+def _shape(dtype: str, shape: tuple[int, ...]) -> str:
+  short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
+           "float64": "f64", "int8": "i8", "int32": "i32"}.get(dtype, dtype)
+  return f"{short}[{','.join(str(d) for d in shape)}]"
+
+
+def _short_path(source: str) -> str:
+  if not source:
+    return "?"
+  path, _, line = source.rpartition(":")
+  try:
+    rel = os.path.relpath(path)
+  except ValueError:  # another drive on Windows
+    rel = path
+  if rel.startswith(".."):
+    rel = os.path.join(*path.split(os.sep)[-2:]) if os.sep in path else path
+  return f"{rel}:{line}"
+
+
+def _share(totals: dict[str, int]) -> str:
+  whole = sum(totals.values())
+  if not whole:
+    return ", ".join(totals) or "-"
+  return ", ".join(f"{k} {100 * v / whole:.0f}%" for k, v in totals.items())
+
+
+def _format(report: AuditReport) -> str:
+  name = report.function or "function"
+  head = f"jaxprec audit of {name}"
+  if report.precision_in_force:
+    head += f", traced at precision {report.precision_in_force}"
+  if not report.rows:
+    return f"{head}\nno matmuls or convolutions (dot_general, conv_general_dilated) found"
+  cols = ("#", "op", "name stack", "function", "source", "operands",
+          "precision", "TPU", "GPU", "FLOPs", "risky")
+  body = []
+  for i, r in enumerate(report.rows, 1):
+    op = _SHORT[r.primitive]
+    if r.trip_count != 1:
+      op += f" x{r.trip_count}"
+    body.append((str(i), op, r.name_stack or "-", r.op.split(" (")[0] or "?",
+                 _short_path(r.source),
+                 f"{_shape(r.lhs_dtype, r.lhs_shape)} x "
+                 f"{_shape(r.rhs_dtype, r.rhs_shape)}",
+                 r.precision_name, r.tpu, r.gpu, _si(r.flops),
+                 "RISKY" if r.risky else ""))
+  widths = [max(len(c), *(len(row[j]) for row in body)) for j, c in enumerate(cols)]
+  right = {0, 9}
+
+  def line(cells):
+    return "  ".join(c.rjust(w) if j in right else c.ljust(w)
+                     for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+  out = [head, line(cols), line(["-" * w for w in widths])]
+  out += [line(row) for row in body]
+  by = report.flops_by_precision()
+  n_risky = len(report.risky)
+  out.append(
+      f"total: {len(report.rows)} ops, {n_risky} risky, "
+      f"{_si(report.total_flops)} FLOPs per call; "
+      f"TPU: {_share(by['tpu'])}; GPU: {_share(by['gpu'])}")
+  if n_risky:
+    out.append("risky:")
+    by_reason: dict[str, list[int]] = {}
+    for i, r in enumerate(report.rows, 1):
+      if r.risky:
+        by_reason.setdefault(r.reason, []).append(i)
+    for reason, nums in by_reason.items():
+      out.append(f"  {', '.join(f'#{i}' for i in nums)}: {reason}")
+  return "\n".join(out)
