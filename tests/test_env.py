@@ -67,3 +67,13 @@ def test_bad_env_var_gets_a_clear_error_at_import():
   assert ("ValueError: JAX_DEFAULT_MATMUL_PRECISION: Invalid precision 'bfloat61'"
           in r.stderr)
   assert "Did you mean 'bfloat16'?" in r.stderr
+
+
+def test_import_starts_no_backend_and_loads_no_heavy_modules():
+  code = ("import sys, jaxprec; from jax._src import xla_bridge as xb; "
+          "print(bool(xb._backends), 'flax' in sys.modules, "
+          "'transformers' in sys.modules)")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                     timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.split() == ["False", "False", "False"]

@@ -1,0 +1,36 @@
+"""Import cost of jaxprec over `import jax, flax` (claim: under 0.3 s).
+
+Each measurement is a fresh interpreter; the two kinds alternate so machine noise hits both.
+Prints the medians side by side and their difference.
+
+  python benchmarks/bench_import.py [repeats]
+"""
+
+import statistics
+import subprocess
+import sys
+
+BASE = "import time; t=time.perf_counter(); import jax, flax; {extra}print(time.perf_counter()-t)"
+
+
+def once(extra: str) -> float:
+  code = BASE.format(extra=extra)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True).stdout
+  return float(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+  n = int(sys.argv[1]) if len(sys.argv) > 1 else 7
+  base, withp = [], []
+  for _ in range(n):
+    base.append(once(""))
+    withp.append(once("import jaxprec; "))
+  b, w = statistics.median(base), statistics.median(withp)
+  print(f"import jax, flax:          median {b:.3f} s over {n} runs")
+  print(f"import jax, flax, jaxprec: median {w:.3f} s over {n} runs")
+  print(f"jaxprec adds {w - b:+.3f} s (claim: < 0.300 s); ratio {w / b:.2f}x")
+
+
+if __name__ == "__main__":
+  main()
