@@ -24,6 +24,9 @@ from jaxprec._src.audit import audit
 from jaxprec._src.context import PresetConvWarning
 from jaxprec._src.context import current
 from jaxprec._src.context import precision
+from jaxprec._src.emulate import emulate
+from jaxprec._src.emulated_ops import emulated_conv_general_dilated
+from jaxprec._src.emulated_ops import emulated_dot_general
 from jaxprec._src.env import ENV_VAR
 from jaxprec._src.env import env_for
 from jaxprec._src.env import set_default
@@ -34,6 +37,7 @@ from jaxprec._src.precision import Precision
 from jaxprec._src.precision import PrecisionLike
 from jaxprec._src.precision import resolve
 from jaxprec._src.precision import valid_names
+from jaxprec._src.rounding import round_to
 
 __version__ = "0.1.0.dev0"
 
@@ -48,10 +52,14 @@ __all__ = (
     "PresetConvWarning",
     "audit",
     "current",
+    "emulate",
+    "emulated_conv_general_dilated",
+    "emulated_dot_general",
     "env_for",
     "explain",
     "precision",
     "resolve",
+    "round_to",
     "set_default",
     "valid_names",
     "validate_env",

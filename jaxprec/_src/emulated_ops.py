@@ -1,0 +1,641 @@
+"""Matmuls and convolutions computed as a TPU or an NVIDIA GPU computes them.
+
+:func:`emulated_dot_general` and :func:`emulated_conv_general_dilated` take the
+arguments of ``lax.dot_general`` and ``lax.conv_general_dilated`` (so they can
+be passed to Flax as ``dot_general=`` / ``conv_general_dilated=``) and compute,
+on any backend, what the target computes for float32 operands at the given
+precision. They lower to ordinary lax operations, so they compose with
+``jax.jit`` and ``jax.vmap``; their gradients are emulated at the same
+algorithm (the transposed matmuls of a TPU carry the forward's precision).
+
+The algorithms (``shared/SEMANTICS.md`` sections 2, 4 and 5), by the name
+:func:`algorithm_for` returns:
+
+``'bf16x1'``
+  Operands rounded to bfloat16 (nearest even), exact products, float32
+  accumulation. TPU ``DEFAULT``; ``BF16_BF16_F32``.
+``'bf16x3'``, ``'bf16x6'``
+  XLA's ``DotAlgorithmRewriter`` (openxla/xla,
+  ``xla/service/gpu/transforms/dot_algorithm_rewriter.cc``,
+  ``RewriteF32ToBF16X3`` and ``RewriteF32ToBF16X6``): operands split into
+  bfloat16 parts by :func:`jaxprec._src.rounding.split_bf16`, one bfloat16
+  matmul per pair of parts, the small pairs summed first in XLA's order, NaN
+  in that partial sum replaced by zero (``ReplaceNaNWithZeros``: a select on
+  ``inf >= |x|``, so infinities are kept), then the ``hi * hi`` matmul added:
+
+  * X3: ``(lo*hi + hi*lo)``, NaN -> 0, ``+ hi*hi``.
+  * X6: ``((((mid*mid + hi*lo) + lo*hi) + hi*mid) + mid*hi)``, NaN -> 0,
+    ``+ hi*hi``.
+
+  TPU ``HIGH`` and ``HIGHEST``; ``BF16_BF16_F32_X3`` and ``_X6``.
+``'bf16x9'``
+  XLA's Triton emitter (``xla/backends/gpu/codegen/triton/dot_algorithms.cc``,
+  ``EmitBF16x9Matmul``): ``lo*lo, mid*lo, lo*mid, mid*mid, lo*hi, hi*lo,
+  mid*hi, hi*mid`` accumulated in this order, non-finite values replaced by
+  zero (``ZeroNaNs``: a select on ``inf > |x|``, so infinities too), then
+  ``+ hi*hi``. ``BF16_BF16_F32_X9``.
+``'tf32'``
+  Operands rounded to TF32 (``tf32_rounding``), float32 accumulation. GPU
+  ``DEFAULT`` and ``HIGH``; ``TF32_TF32_F32``.
+``'tf32x3'``
+  Triton's ``TF32x3`` (``F32DotTC.cpp``): ``(small*big + big*small)``, NaN ->
+  0, ``+ big*big``. ``TF32_TF32_F32_X3``.
+``'f16'``, ``'f16_f16_f16'``, ``'bf16_bf16_bf16'``
+  Operands rounded to float16 (or bfloat16), float32 accumulation; the
+  ``*_F16``/``*_BF16`` presets round the result to that format as well.
+``'f32'``
+  Exact float32 (GPU ``HIGHEST``, ``F32_F32_F32``).
+``'native'``
+  No emulation: the lax op is called with its arguments unchanged (target
+  ``'cpu'``/``'native'``; non-float32 operands; ``F64_F64_F64`` and the
+  ``ANY_F8_*`` presets, which JAX handles or rejects itself).
+
+Faithfulness. Every pass is a real matmul whose products are exact (a product
+of two bfloat16 values has at most 16 significant bits; of two TF32 or float16
+values at most 22) and whose sums are float32; the passes are combined exactly
+as XLA combines them. So with a contraction of length 1 the result is bit for
+bit XLA's; with longer contractions the only difference is the order in which
+each pass accumulates its products, which XLA does not fix either, and the
+error against the exact sum of the same products is at most
+``(k + passes) * 2**-24 * sum|products|``. Arithmetic runs in the host's
+float32 mode: XLA:CPU flushes subnormal inputs and results to zero (as TPUs
+do). bfloat16 passes run as bfloat16 matmuls with float32 results, which on
+CPUs with AVX512-BF16 cost 0.5x a float32 matmul each (measured, see
+``benchmarks/bench_emulated_matmul.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxprec._src import walker
+from jaxprec._src.precision import PrecisionLike, resolve
+from jaxprec._src.rounding import round_to, split_bf16, split_tf32
+
+__all__ = ["ALGORITHMS", "TARGETS", "TF32_ROUNDINGS", "algorithm_for",
+           "emulate_eqn", "emulated_conv_general_dilated",
+           "emulated_dot_general"]
+
+TARGETS = ("tpu", "gpu", "cpu", "native")
+TF32_ROUNDINGS = ("nearest", "nearest_away", "truncate")
+ALGORITHMS = ("native", "f32", "bf16x1", "bf16x3", "bf16x6", "bf16x9", "tf32",
+              "tf32x3", "f16", "bf16_bf16_bf16", "f16_f16_f16")
+OPS = ("dot_general", "conv_general_dilated")
+
+_P = lax.Precision
+# Levels per target for float32 operands (SEMANTICS.md section 2; GPU HIGH is
+# TF32 on some chips and float32 on others: we emulate TF32).
+_LEVEL_ALGORITHMS = {
+    "tpu": {_P.DEFAULT: "bf16x1", _P.HIGH: "bf16x3", _P.HIGHEST: "bf16x6"},
+    "gpu": {_P.DEFAULT: "tf32", _P.HIGH: "tf32", _P.HIGHEST: "f32"},
+}
+# Presets mean the same on every target.
+_PRESET_ALGORITHMS = {
+    "BF16_BF16_F32": "bf16x1", "BF16_BF16_F32_X3": "bf16x3",
+    "BF16_BF16_F32_X6": "bf16x6", "BF16_BF16_F32_X9": "bf16x9",
+    "TF32_TF32_F32": "tf32", "TF32_TF32_F32_X3": "tf32x3",
+    "F16_F16_F32": "f16", "F16_F16_F16": "f16_f16_f16",
+    "BF16_BF16_BF16": "bf16_bf16_bf16", "F32_F32_F32": "f32",
+    "F64_F64_F64": "native", "ANY_F8_ANY_F8_F32": "native",
+    "ANY_F8_ANY_F8_F32_FAST_ACCUM": "native", "ANY_F8_ANY_F8_ANY": "native",
+    "ANY_F8_ANY_F8_ANY_FAST_ACCUM": "native",
+}
+_EMULATED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16),
+                    np.dtype(np.float16))
+# Inner passes: bfloat16 operands at DEFAULT; float32 operands holding TF32 or
+# float16 values at HIGHEST, so that no backend rounds them again.
+_LOW = (_P.DEFAULT, _P.DEFAULT)
+_EXACT = (_P.HIGHEST, _P.HIGHEST)
+
+
+def _choices(values: Sequence[str]) -> str:
+  return ", ".join(repr(v) for v in values)
+
+
+def _check_target(target: Any) -> str:
+  t = target.lower() if isinstance(target, str) else None
+  if t not in TARGETS:
+    msg = f"Unknown emulation target {target!r}; valid choices: {_choices(TARGETS)}."
+    close = difflib.get_close_matches(t, TARGETS, n=1) if t else []
+    if close:
+      msg += f" Did you mean {close[0]!r}?"
+    raise ValueError(msg)
+  return t
+
+
+def _check_tf32_rounding(mode: Any) -> str:
+  if mode not in TF32_ROUNDINGS:
+    raise ValueError(f"Unknown tf32_rounding {mode!r}; valid choices: "
+                     f"{_choices(TF32_ROUNDINGS)}.")
+  return mode
+
+
+def _emulatable(lhs_dtype: Any, rhs_dtype: Any) -> bool:
+  """float32 x float32, or float32 x a narrower float (upcast exactly)."""
+  dts = (np.dtype(lhs_dtype), np.dtype(rhs_dtype))
+  return all(d in _EMULATED_DTYPES for d in dts) and np.dtype(np.float32) in dts
+
+
+def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
+                  rhs_dtype: Any, *, op: str = "dot_general") -> str:
+  """Names the algorithm ``target`` runs for a matmul or conv at ``precision``.
+
+  Args:
+    precision: anything ``lax.dot_general`` accepts (None, a
+      ``lax.Precision``, a ``(lhs, rhs)`` pair, a ``DotAlgorithmPreset``, their
+      names) and any jaxprec name. None means the value of
+      ``jax.config.jax_default_matmul_precision`` now (None there: the
+      target's default, ``DEFAULT``).
+    target: ``'tpu'``, ``'gpu'``, ``'cpu'`` or ``'native'`` (the last two
+      emulate nothing).
+    lhs_dtype, rhs_dtype: operand dtypes. Only float32 operands (or float32
+      with a bfloat16/float16 operand) are emulated; anything else keeps its
+      native meaning.
+    op: ``'dot_general'`` or ``'conv_general_dilated'``. Convolutions
+      understand levels only: under a ``DotAlgorithmPreset`` JAX lowers them at
+      ``DEFAULT`` (SEMANTICS.md pitfall 1), and so does the emulation.
+
+  Returns:
+    One of :data:`ALGORITHMS`.
+
+  Raises:
+    ValueError: unknown target, op or precision.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxprec._src.emulated_ops import algorithm_for
+    >>> algorithm_for("highest", "tpu", jnp.float32, jnp.float32)
+    'bf16x6'
+    >>> algorithm_for("BF16_BF16_F32_X3", "gpu", jnp.float32, jnp.float32)
+    'bf16x3'
+    >>> algorithm_for("BF16_BF16_F32_X3", "tpu", jnp.float32, jnp.float32,
+    ...               op="conv_general_dilated")
+    'bf16x1'
+    >>> algorithm_for("high", "tpu", jnp.bfloat16, jnp.bfloat16)
+    'native'
+  """
+  target = _check_target(target)
+  if op not in OPS:
+    raise ValueError(f"Unknown op {op!r}; valid choices: {_choices(OPS)}.")
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  p = resolve(precision)  # validates even when nothing is emulated
+  if target in ("cpu", "native") or not _emulatable(lhs_dtype, rhs_dtype):
+    return "native"
+  if p.preset is not None:
+    if op == "dot_general":
+      return _PRESET_ALGORITHMS[p.preset.name]
+    return _LEVEL_ALGORITHMS[target][_P.DEFAULT]
+  return _LEVEL_ALGORITHMS[target][p.level]
+
+
+# ---------------------------------------------------------------------------
+# The algorithms. `op(lhs, rhs)` is one pass: the lax op with all its other
+# arguments bound and a float32 result; it picks the pass precision from the
+# operand dtype. Operands are float32; `parts` is the dtype of bfloat16 parts.
+
+_Op = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _zero_nan(x: jax.Array) -> jax.Array:
+  # XLA's ReplaceNaNWithZeros: select(compare(inf >= |x|), x, 0).
+  return jnp.where(jnp.abs(x) <= np.float32(np.inf), x, np.float32(0))
+
+
+def _zero_nonfinite(x: jax.Array) -> jax.Array:
+  # XLA's Triton ZeroNaNs: select(compare(inf > |x|), x, 0).
+  return jnp.where(jnp.abs(x) < np.float32(np.inf), x, np.float32(0))
+
+
+def _bf16x1(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+  (l,), (r,) = split_bf16(lhs, 1, dtype=parts), split_bf16(rhs, 1, dtype=parts)
+  return op(l, r)
+
+
+def _bf16x3(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+  lh, ll = split_bf16(lhs, 2, dtype=parts)
+  rh, rl = split_bf16(rhs, 2, dtype=parts)
+  low_sum = _zero_nan(op(ll, rh) + op(lh, rl))
+  return low_sum + op(lh, rh)
+
+
+def _bf16x6(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+  lh, lm, ll = split_bf16(lhs, 3, dtype=parts)
+  rh, rm, rl = split_bf16(rhs, 3, dtype=parts)
+  s = op(lm, rm) + op(lh, rl)
+  s = s + op(ll, rh)
+  s = s + op(lh, rm)
+  s = s + op(lm, rh)
+  return _zero_nan(s) + op(lh, rh)
+
+
+def _bf16x9(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+  lh, lm, ll = split_bf16(lhs, 3, dtype=parts)
+  rh, rm, rl = split_bf16(rhs, 3, dtype=parts)
+  s = op(ll, rl)
+  for a, b in ((lm, rl), (ll, rm), (lm, rm), (ll, rh), (lh, rl), (lm, rh),
+               (lh, rm)):
+    s = s + op(a, b)
+  return _zero_nonfinite(s) + op(lh, rh)
+
+
+def _tf32(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
+  return op(round_to(lhs, "tensorfloat32", rounding),
+            round_to(rhs, "tensorfloat32", rounding))
+
+
+def _tf32x3(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
+  lb, ls = split_tf32(lhs, rounding)
+  rb, rs = split_tf32(rhs, rounding)
+  small = _zero_nan(op(ls, rb) + op(lb, rs))
+  return small + op(lb, rb)
+
+
+def _f16(op: _Op, lhs, rhs, _, __) -> jax.Array:
+  return op(round_to(lhs, "float16"), round_to(rhs, "float16"))
+
+
+def _bf16_out(op: _Op, lhs, rhs, r, parts) -> jax.Array:
+  return round_to(_bf16x1(op, lhs, rhs, r, parts), "bfloat16")
+
+
+def _f16_out(op: _Op, lhs, rhs, r, parts) -> jax.Array:
+  return round_to(_f16(op, lhs, rhs, r, parts), "float16")
+
+
+_ALGORITHM_FNS = {
+    "bf16x1": _bf16x1, "bf16x3": _bf16x3, "bf16x6": _bf16x6,
+    "bf16x9": _bf16x9, "tf32": _tf32, "tf32x3": _tf32x3, "f16": _f16,
+    "bf16_bf16_bf16": _bf16_out, "f16_f16_f16": _f16_out,
+}
+PASSES = {"bf16x1": 1, "bf16x3": 3, "bf16x6": 6, "bf16x9": 9, "tf32": 1,
+          "tf32x3": 3, "f16": 1, "bf16_bf16_bf16": 1, "f16_f16_f16": 1}
+
+
+# ---------------------------------------------------------------------------
+# The custom VJP shared by both ops.
+
+
+def _freeze(x: Any) -> Any:
+  if isinstance(x, list):
+    x = tuple(x)
+  if isinstance(x, tuple) and not hasattr(x, "_fields"):
+    return tuple(_freeze(v) for v in x)
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """Everything static about one emulated op (hashable: a nondiff argument)."""
+
+  op: str  # 'dot_general' or 'conv_general_dilated'
+  params: tuple[tuple[str, Any], ...]  # the lax op's other arguments
+  preferred_element_type: Any
+  out_dtype: np.dtype
+  algorithm: str
+  tf32_rounding: str
+  contraction: int = 0  # products summed per output element
+
+  def lax_op(self) -> Callable[..., jax.Array]:
+    fn = lax.dot_general if self.op == "dot_general" else lax.conv_general_dilated
+    return functools.partial(fn, **dict(self.params))
+
+
+def _make_spec(op: str, params: Mapping[str, Any], lhs, rhs,
+               preferred_element_type, algorithm: str,
+               tf32_rounding: str) -> _Spec:
+  params = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
+  spec = _Spec(op, params, preferred_element_type, np.dtype(np.float32),
+               algorithm, tf32_rounding)
+  # The native op's result type (and its shape checks, with lax's messages).
+  out = jax.eval_shape(
+      functools.partial(spec.lax_op(), precision=_LOW,
+                        preferred_element_type=preferred_element_type),
+      jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+      jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
+  return dataclasses.replace(spec, out_dtype=np.dtype(out.dtype),
+                             contraction=_contraction(spec, lhs.shape, rhs.shape))
+
+
+def _contraction(spec: _Spec, lhs_shape, rhs_shape) -> int:
+  """How many products each output element sums."""
+  params = dict(spec.params)
+  if spec.op == "dot_general":
+    (lc, _), _ = params["dimension_numbers"]
+    return int(np.prod([lhs_shape[d] for d in lc], dtype=np.int64))
+  dn = lax.conv_dimension_numbers(lhs_shape, rhs_shape,
+                                  params["dimension_numbers"])
+  rhs_spec = dn.rhs_spec  # (out feature, in feature, *spatial)
+  return int(np.prod([rhs_shape[d] for d in rhs_spec[1:]], dtype=np.int64))
+
+
+def _canonical_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers):
+  """Any dot_general as (B,) M x K times (B,) K x N, plus the result shape.
+
+  XLA:CPU runs a bfloat16 x bfloat16 -> float32 dot only in some layouts
+  (it rejects, e.g., a lhs contracted on its first axis times a rhs with two
+  free axes: "Unsupported element type for DotThunk"); this form, and what
+  ``jax.vmap`` makes of it, always runs (tested).
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+  rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+  size = lambda x, dims: int(np.prod([x.shape[d] for d in dims], dtype=np.int64))  # noqa: E731
+  b, m, k, n = size(lhs, lb), size(lhs, lf), size(lhs, lc), size(rhs, rf)
+  out_shape = tuple([lhs.shape[d] for d in lb] + [lhs.shape[d] for d in lf] +
+                    [rhs.shape[d] for d in rf])
+  lhs = jnp.transpose(lhs, (*lb, *lf, *lc))
+  rhs = jnp.transpose(rhs, (*rb, *rc, *rf))
+  if lb:
+    dn = (((2,), (1,)), ((0,), (0,)))
+    return lhs.reshape(b, m, k), rhs.reshape(b, k, n), dn, out_shape
+  return lhs.reshape(m, k), rhs.reshape(k, n), MATMUL, out_shape
+
+
+MATMUL = (((1,), (0,)), ((), ()))
+
+
+def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+  out_shape = None
+  if spec.op == "dot_general":
+    # bfloat16 parts run as bfloat16 dots with float32 results: exact
+    # products, float32 sums, and 0.5x the time of a float32 dot on CPUs with
+    # AVX512-BF16 (SEMANTICS.md section 4).
+    lhs, rhs, dn, out_shape = _canonical_dot(
+        lhs, rhs, dict(spec.params)["dimension_numbers"])
+    base = functools.partial(lax.dot_general, dimension_numbers=dn)
+    parts = jnp.bfloat16
+  else:
+    # XLA:CPU widens bfloat16 conv operands to float32 anyway; float32 parts
+    # holding bfloat16 values compute the same exact products.
+    base = spec.lax_op()
+    parts = jnp.float32
+
+  def one_pass(l, r):
+    # bfloat16 operands at DEFAULT; float32 operands holding bfloat16, TF32
+    # or float16 values at HIGHEST, so that no backend rounds them again.
+    p = _LOW if l.dtype == jnp.bfloat16 else _EXACT
+    out = base(l, r, precision=p, preferred_element_type=jnp.float32)
+    if PASSES[spec.algorithm] > 1 and spec.contraction == 1:
+      # XLA:CPU turns a length-1 contraction into a multiply and, in the
+      # fused loop that sums the passes, contracts multiply and add into an
+      # FMA, which changes the result where a product overflows or underflows
+      # (measured; an optimization_barrier does not survive to the fusion).
+      # A product of two bfloat16 or TF32 values has at most 22 significant
+      # bits, so rounding it to 23 is an identity that XLA cannot drop and
+      # LLVM cannot see through: the passes are then summed as XLA sums them.
+      out = lax.reduce_precision(out, exponent_bits=8, mantissa_bits=22)
+    return out
+
+  out = _ALGORITHM_FNS[spec.algorithm](one_pass, lhs, rhs, spec.tf32_rounding,
+                                       parts)
+  if out_shape is not None:
+    out = out.reshape(out_shape)
+  return out.astype(spec.out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _emulated(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  return _forward(spec, lhs, rhs)
+
+
+def _emulated_fwd(spec: _Spec, lhs, rhs):
+  # Through the custom_vjp function itself, not `_forward`: higher-order
+  # derivatives differentiate this rule, and the rounding inside `_forward`
+  # (bit masks) would differentiate to zero.
+  return _emulated(spec, lhs, rhs), (lhs, rhs)
+
+
+def _emulated_bwd(spec: _Spec, res, ct):
+  """Transposes the native op, then emulates each transposed matmul/conv.
+
+  The transposed ops come from JAX's own transpose rules (so every
+  dimension-number and grouping case is right), traced to a jaxpr and
+  re-evaluated by the shared walker with each ``dot_general`` and
+  ``conv_general_dilated`` replaced by its emulation at ``spec.algorithm``.
+  """
+  lhs, rhs = res
+  native = functools.partial(spec.lax_op(), precision=_LOW,
+                             preferred_element_type=spec.preferred_element_type)
+
+  def pullback(l, r, c):
+    (gl,) = jax.linear_transpose(lambda a: native(a, r), l)(c)
+    (gr,) = jax.linear_transpose(lambda b: native(l, b), r)(c)
+    return gl, gr
+
+  closed = jax.make_jaxpr(pullback)(lhs, rhs, ct)
+
+  def rule(eqn, invals):
+    name = eqn.primitive.name
+    if name not in OPS:
+      return None
+    l, r = invals
+    if not _emulatable(l.dtype, r.dtype):
+      return None
+    params = dict(eqn.params)
+    params.pop("precision", None)
+    pet = params.pop("preferred_element_type", None)
+    s = _make_spec(name, params, l, r, pet, spec.algorithm, spec.tf32_rounding)
+    return [_emulated(s, l, r)]
+
+  gl, gr = walker.interpret(closed, rule, lhs, rhs, ct)
+  return gl.astype(lhs.dtype), gr.astype(rhs.dtype)
+
+
+_emulated.defvjp(_emulated_fwd, _emulated_bwd)
+
+
+def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
+         precision, preferred_element_type, target: str, tf32_rounding: str,
+         out_sharding: Any) -> jax.Array:
+  target = _check_target(target)
+  tf32_rounding = _check_tf32_rounding(tf32_rounding)
+  if target in ("cpu", "native"):
+    return native(precision)
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  algorithm = algorithm_for(precision, target, lhs.dtype, rhs.dtype, op=op)
+  if algorithm == "native":
+    return native(precision)
+  if algorithm == "f32":
+    return native(_EXACT)
+  spec = _make_spec(op, params, lhs, rhs, preferred_element_type, algorithm,
+                    tf32_rounding)
+  out = _emulated(spec, lhs, rhs)
+  if out_sharding is not None:
+    out = lax.with_sharding_constraint(out, out_sharding)
+  return out
+
+
+def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
+                         dimension_numbers: Any, precision: PrecisionLike = None,
+                         preferred_element_type: Any = None, *,
+                         target: str = "tpu", tf32_rounding: str = "nearest",
+                         out_sharding: Any = None) -> jax.Array:
+  """``lax.dot_general`` computed as ``target`` computes it.
+
+  Same arguments as ``lax.dot_general``, so it can be passed as Flax's
+  ``dot_general=``. For float32 operands the result is what the target
+  computes at ``precision`` (see :func:`algorithm_for` and the module
+  docstring for each algorithm); other operands run natively. Each pass is a
+  separate matmul and the passes are combined in XLA's order, so with a
+  contraction of length 1 the result is XLA's bit for bit; otherwise it is
+  within ``(k + passes) * 2**-24 * sum|products|`` of the exact sum of the
+  algorithm's products (``k``: contraction length).
+
+  Differentiable in reverse mode (``jax.grad``, ``jax.vjp``): the gradient's
+  matmuls are emulated at the same algorithm. It is a ``jax.custom_vjp``, so
+  forward mode (``jax.jvp``, ``jax.jacfwd``) raises; use ``jax.jacrev``.
+
+  Args:
+    lhs, rhs: the operands.
+    dimension_numbers: as ``lax.dot_general``.
+    precision: anything ``lax.dot_general`` accepts, or a jaxprec name. None
+      means the value of ``jax.config.jax_default_matmul_precision`` when the
+      call is traced (None there: the target's ``DEFAULT``).
+    preferred_element_type: as ``lax.dot_general``: the result dtype.
+    target: ``'tpu'`` (default), ``'gpu'`` (Ampere or newer NVIDIA), or
+      ``'cpu'``/``'native'`` (call ``lax.dot_general`` unchanged).
+    tf32_rounding: how TF32 algorithms round operands: ``'nearest'`` (ties to
+      even, default), ``'nearest_away'`` (ties away from zero, NVIDIA's
+      ``cvt.rna`` that XLA's Triton TF32 matmuls use) or ``'truncate'``
+      (tensor cores reading unrounded float32).
+    out_sharding: passed to ``lax.dot_general`` when nothing is emulated;
+      otherwise applied to the result with ``lax.with_sharding_constraint``.
+
+  Returns:
+    The result, with ``lax.dot_general``'s shape and dtype.
+
+  Raises:
+    ValueError: unknown target, precision or ``tf32_rounding``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxprec
+    >>> x = jnp.array([[1 + 2.0**-9]])          # not a bfloat16 value
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> float(jaxprec.emulated_dot_general(x, x, dn)[0, 0])  # TPU DEFAULT
+    1.0
+    >>> float(jaxprec.emulated_dot_general(x, x, dn, "high")[0, 0])  # no lo*lo
+    1.00390625
+    >>> float(jaxprec.emulated_dot_general(x, x, dn, "highest")[0, 0])
+    1.0039100646972656
+  """
+  def native(p):
+    return lax.dot_general(lhs, rhs, dimension_numbers, p, preferred_element_type,
+                           out_sharding=out_sharding)
+
+  params = {"dimension_numbers": dimension_numbers}
+  return _run("dot_general", native, params, lhs, rhs, precision,
+              preferred_element_type, target, tf32_rounding, out_sharding)
+
+
+def emulated_conv_general_dilated(
+    lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
+    window_strides: Sequence[int], padding: Any,
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None, dimension_numbers: Any = None,
+    feature_group_count: int = 1, batch_group_count: int = 1,
+    precision: PrecisionLike = None, preferred_element_type: Any = None,
+    out_sharding: Any = None, *, target: str = "tpu",
+    tf32_rounding: str = "nearest") -> jax.Array:
+  """``lax.conv_general_dilated`` computed as ``target`` computes it.
+
+  Same arguments as ``lax.conv_general_dilated`` (usable as Flax's
+  ``conv_general_dilated=``). Convolutions understand precision levels only:
+  under a ``DotAlgorithmPreset`` (passed or from the config) JAX lowers them
+  at ``DEFAULT``, i.e. one bfloat16 pass on a TPU, and so does this function.
+  Otherwise as :func:`emulated_dot_general`, passes and gradients included.
+
+  Args:
+    lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+    dimension_numbers, feature_group_count, batch_group_count,
+    preferred_element_type, out_sharding: as ``lax.conv_general_dilated``.
+    precision: as :func:`emulated_dot_general`.
+    target: ``'tpu'``, ``'gpu'``, ``'cpu'`` or ``'native'``.
+    tf32_rounding: ``'nearest'``, ``'nearest_away'`` or ``'truncate'``.
+
+  Returns:
+    The result, with ``lax.conv_general_dilated``'s shape and dtype.
+
+  Raises:
+    ValueError: unknown target, precision or ``tf32_rounding``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxprec
+    >>> x = jnp.full((1, 1, 3), 1 + 2.0**-9)     # (batch, channel, width)
+    >>> w = jnp.ones((1, 1, 2))
+    >>> jaxprec.emulated_conv_general_dilated(x, w, (1,), "VALID").tolist()
+    [[[2.0, 2.0]]]
+  """
+  def native(p):
+    return lax.conv_general_dilated(
+        lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+        dimension_numbers, feature_group_count, batch_group_count, p,
+        preferred_element_type, out_sharding)
+
+  params = {
+      "window_strides": window_strides, "padding": padding,
+      "lhs_dilation": lhs_dilation, "rhs_dilation": rhs_dilation,
+      "dimension_numbers": dimension_numbers,
+      "feature_group_count": feature_group_count,
+      "batch_group_count": batch_group_count,
+  }
+  return _run("conv_general_dilated", native, params, lhs, rhs, precision,
+              preferred_element_type, target, tf32_rounding, out_sharding)
+
+
+def emulate_eqn(params: Mapping[str, Any], primitive_name: str,
+                lhs: jax.Array, rhs: jax.Array, *,
+                default_precision: PrecisionLike = None, target: str = "tpu",
+                tf32_rounding: str = "nearest") -> jax.Array:
+  """Emulates one ``dot_general`` or ``conv_general_dilated`` jaxpr equation.
+
+  For whole-function rewriting: call it from a walker rule with the
+  equation's params, its primitive name and its two input values.
+
+  Args:
+    params: ``eqn.params`` (``precision``, ``preferred_element_type``,
+      ``out_sharding`` and the op's own arguments).
+    primitive_name: ``'dot_general'`` or ``'conv_general_dilated'``.
+    lhs, rhs: the equation's inputs.
+    default_precision: used when ``params['precision']`` is None; None reads
+      ``jax.config.jax_default_matmul_precision``.
+    target, tf32_rounding: as :func:`emulated_dot_general`.
+
+  Returns:
+    The equation's single output.
+
+  Raises:
+    ValueError: unknown primitive, target, precision or ``tf32_rounding``.
+  """
+  p = dict(params)
+  precision = p.pop("precision", None)
+  if precision is None:
+    precision = default_precision
+  pet = p.pop("preferred_element_type", None)
+  common = dict(precision=precision, preferred_element_type=pet, target=target,
+                tf32_rounding=tf32_rounding)
+  if primitive_name == "dot_general":
+    return emulated_dot_general(lhs, rhs, p.pop("dimension_numbers"),
+                                out_sharding=p.pop("out_sharding", None),
+                                **common)
+  if primitive_name == "conv_general_dilated":
+    return emulated_conv_general_dilated(
+        lhs, rhs, p.pop("window_strides"), p.pop("padding"),
+        lhs_dilation=p.pop("lhs_dilation", None),
+        rhs_dilation=p.pop("rhs_dilation", None),
+        dimension_numbers=p.pop("dimension_numbers", None),
+        feature_group_count=p.pop("feature_group_count", 1),
+        batch_group_count=p.pop("batch_group_count", 1),
+        out_sharding=p.pop("out_sharding", None), **common)
+  raise ValueError(f"emulate_eqn: unknown primitive {primitive_name!r}; valid "
+                   f"choices: {_choices(OPS)}.")
