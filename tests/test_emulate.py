@@ -177,6 +177,19 @@ def test_integer_and_bf16_operands_keep_native_meaning():
   np.testing.assert_array_equal(jaxprec.emulate(mm, "bf16")(ab, ab.T), ab @ ab.T)
 
 
+@pytest.mark.parametrize("target", ["gpu", "tpu"])
+def test_already_emulated_ops_are_not_emulated_twice(target):
+  # The TF32 and conv paths run float32 passes at HIGHEST inside the emulated
+  # op; emulating the function again must not round those a second time.
+  dn = (((1,), (0,)), ((), ()))
+  f = lambda a, b: jaxprec.emulated_dot_general(a, b, dn, target=target)
+  once = f(A, B)
+  twice = jaxprec.emulate(f, "bfloat16", target="tpu")(A, B)
+  np.testing.assert_array_equal(once, twice)
+  g = jax.grad(lambda a: jaxprec.emulate(f, "bf16")(a, B).sum())(A)
+  np.testing.assert_array_equal(g, jax.grad(lambda a: f(a, B).sum())(A))
+
+
 def test_bad_input():
   with pytest.raises(TypeError, match="expects a callable; got 3"):
     jaxprec.emulate(3, "bf16")

@@ -64,6 +64,8 @@ def emulation_rule(default: Precision, *, target: str, **options) -> walker.Rule
 
   def rule(eqn, invals):
     prim = eqn.primitive
+    if emulated_ops.is_emulated_call(eqn):
+      return walker.bind_unchanged(eqn, invals)  # emulated already: keep as is
     if prim is lax.dot_general_p:
       params = dict(eqn.params)
       prec = params.pop("precision")

@@ -59,9 +59,11 @@ each pass accumulates its products, which XLA does not fix either, and the
 error against the exact sum of the same products is at most
 ``(k + passes) * 2**-24 * sum|products|``. Arithmetic runs in the host's
 float32 mode: XLA:CPU flushes subnormal inputs and results to zero (as TPUs
-do). bfloat16 passes run as bfloat16 matmuls with float32 results, which on
-CPUs with AVX512-BF16 cost 0.5x a float32 matmul each (measured, see
-``benchmarks/bench_emulated_matmul.py``).
+do). bfloat16 matmul passes run as bfloat16 dots with float32 results, which
+on CPUs with AVX512-BF16 cost 0.5x a float32 dot each (measured, see
+``benchmarks/bench_emulated_matmul.py``); convolution passes run on float32
+arrays holding bfloat16 values (XLA:CPU widens bfloat16 convolutions anyway).
+See ``docs/emulation.md``.
 """
 
 from __future__ import annotations
@@ -591,6 +593,21 @@ def emulated_conv_general_dilated(
   }
   return _run("conv_general_dilated", native, params, lhs, rhs, precision,
               preferred_element_type, target, tf32_rounding, out_sharding)
+
+
+def is_emulated_call(eqn) -> bool:
+  """Whether a jaxpr equation is a call of an emulated op (already emulated).
+
+  ``jaxprec.emulate`` leaves these alone: their inner passes are float32 dots
+  at HIGHEST that must not be emulated a second time.
+  """
+  if eqn.primitive.name != "custom_vjp_call":
+    return False
+  call = eqn.params.get("call_jaxpr")
+  info = getattr(getattr(call, "jaxpr", None), "debug_info", None)
+  bwd_info = getattr(eqn.params.get("bwd"), "debug_info", None)
+  return (getattr(info, "func_name", None) == _emulated.__name__
+          and getattr(bwd_info, "func_name", None) == _emulated_bwd.__name__)
 
 
 def emulate_eqn(params: Mapping[str, Any], primitive_name: str,

@@ -27,8 +27,8 @@ import jax
 
 from jaxprec._src import compat
 
-__all__ = ["Rule", "TracedCall", "WalkedEqn", "interpret", "iter_eqns", "trace",
-           "trace_call", "transform"]
+__all__ = ["Rule", "TracedCall", "WalkedEqn", "bind_unchanged", "interpret",
+           "iter_eqns", "trace", "trace_call", "transform"]
 
 # A rule sees an equation and its input values and returns the output values
 # that replace it (a list, one per outvar), or None to keep the equation.
@@ -218,6 +218,11 @@ def _eval(jaxpr, consts, rule: Rule, args) -> list[Any]:
       if not compat.is_dropvar(v):
         env[v] = x
   return [read(v) for v in jaxpr.outvars]
+
+
+def bind_unchanged(eqn, invals) -> list[Any]:
+  """Binds ``eqn`` as recorded, without rewriting inside it (for use in rules)."""
+  return _bind(eqn, invals, eqn.primitive.get_bind_params(dict(eqn.params)))
 
 
 def _bind(eqn, invals, params) -> list[Any]:
