@@ -231,7 +231,7 @@ def resolve(value: PrecisionLike) -> Precision:
     >>> jaxprec.resolve("bf16").flag
     'bfloat16'
     >>> jaxprec.resolve("F32_F32_F32").level
-    <Precision.HIGHEST: 2>
+    Precision.HIGHEST
     >>> jaxprec.resolve("bfloat61")
     Traceback (most recent call last):
     ...
