@@ -21,6 +21,7 @@ __all__ = ["ENV_VAR", "env_for", "flag_value_and_source", "set_default",
            "validate_env"]
 
 ENV_VAR = names.ENV_VAR
+"""The environment variable JAX reads at import: ``"JAX_DEFAULT_MATMUL_PRECISION"``."""
 _FLAG = "jax_default_matmul_precision"
 
 # The global value jaxprec.set_default last wrote, to tell 'config' from 'env'.

@@ -1,0 +1,114 @@
+"""The notebooks in notebooks/: committed without outputs, and they run.
+
+Each notebook is executed top to bottom in a fresh kernel (nbclient, the
+interpreter running pytest) with a timeout; a cell that raises, including a
+failed ``assert`` in the notebook, fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+CELL_TIMEOUT_S = 120      # one cell
+NOTEBOOK_BUDGET_S = 120   # a whole notebook, kernel start included (CI has 2 cores)
+TEST_EXTRA = 'pip install -e ".[test]"'
+
+nbformat = pytest.importorskip(
+    "nbformat", reason=f"nbformat is part of the test extra: {TEST_EXTRA}")
+
+
+def _ids(paths):
+  return [p.name for p in paths]
+
+
+def test_there_are_notebooks():
+  assert NOTEBOOKS, "notebooks/ has no .ipynb"
+  assert (ROOT / "notebooks" / "01_tour.ipynb") in NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_is_stripped(path):
+  nb = nbformat.read(path, as_version=4)
+  nbformat.validate(nb)
+  dirty = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+           and (cell.get("outputs") or cell.get("execution_count") is not None)]
+  assert not dirty, (
+      f"{path.name}: code cells {dirty} have outputs or execution counts; commit "
+      "notebooks stripped (e.g. jupyter nbconvert --clear-output --inplace)")
+  assert "widgets" not in nb.metadata, f"{path.name}: widget state in metadata"
+  assert nb.metadata.get("kernelspec", {}).get("name") == "python3", (
+      f"{path.name}: kernelspec must be python3, the kernel nbclient starts")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_relative_links_exist(path):
+  nb = nbformat.read(path, as_version=4)
+  for cell in nb.cells:
+    if cell.cell_type != "markdown":
+      continue
+    for target in re.findall(r"\]\(([^)\s]+)\)", cell.source):
+      if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:|#", target):
+        continue
+      assert (path.parent / target.split("#")[0]).exists(), f"{path.name}: {target}"
+
+
+def _kernel_manager(tmp_path):
+  """A kernel manager whose "python3" kernel is this interpreter.
+
+  A "python3" kernelspec elsewhere on the machine (~/.local/share/jupyter, a
+  system Jupyter) could point to another Python without jaxprec; this one can't.
+  """
+  from jupyter_client.kernelspec import KernelSpecManager
+  from jupyter_client.manager import KernelManager
+
+  kernels = tmp_path / "kernels"
+  (kernels / "python3").mkdir(parents=True)
+  (kernels / "python3" / "kernel.json").write_text(json.dumps({
+      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+      "display_name": "Python 3 (pytest)", "language": "python"}))
+  return KernelManager(kernel_name="python3",
+                       kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_runs(path, tmp_path):
+  nbclient = pytest.importorskip(
+      "nbclient", reason=f"nbclient is part of the test extra: {TEST_EXTRA}")
+  pytest.importorskip("ipykernel", reason=f"ipykernel is part of the test extra: {TEST_EXTRA}")
+  nb = nbformat.read(path, as_version=4)
+  # The kernel inherits this environment: start it at the backend default, as a
+  # fresh user would, whatever the CI machine sets.
+  env = {k: v for k, v in os.environ.items() if k != "JAX_DEFAULT_MATMUL_PRECISION"}
+  env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+  client = nbclient.NotebookClient(
+      nb, km=_kernel_manager(tmp_path), timeout=CELL_TIMEOUT_S,
+      resources={"metadata": {"path": str(path.parent)}})
+  start = time.perf_counter()
+  try:
+    client.execute(env=env)
+  except nbclient.exceptions.CellExecutionError as e:
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # drop the traceback's colours
+    pytest.fail(f"{path.name} failed:\n{plain}")
+  elapsed = time.perf_counter() - start
+  errors = [out for cell in nb.cells if cell.cell_type == "code"
+            for out in cell.get("outputs", []) if out.get("output_type") == "error"]
+  assert not errors, f"{path.name}: error outputs {errors}"
+  ran = [cell for cell in nb.cells if cell.cell_type == "code"]
+  assert ran and all(cell.execution_count for cell in ran), "not every cell ran"
+  # The committed file is untouched: execution happened on the copy in memory.
+  assert not any(c.get("outputs") for c in nbformat.read(path, as_version=4).cells
+                 if c.cell_type == "code")
+  assert elapsed < NOTEBOOK_BUDGET_S, (
+      f"{path.name} took {elapsed:.0f} s; notebooks must run in CI in under "
+      f"{NOTEBOOK_BUDGET_S} s on 2 cores")
+  print(f"{path.name}: executed in {elapsed:.1f} s")
