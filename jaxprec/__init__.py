@@ -21,6 +21,10 @@ from jaxprec._src.audit import AuditError
 from jaxprec._src.audit import AuditReport
 from jaxprec._src.audit import AuditRow
 from jaxprec._src.audit import audit
+from jaxprec._src.check import check
+from jaxprec._src.check import check_module
+from jaxprec._src.check import named_layers
+from jaxprec._src.check import save_layers
 from jaxprec._src.context import PresetConvWarning
 from jaxprec._src.context import current
 from jaxprec._src.context import precision
@@ -32,12 +36,25 @@ from jaxprec._src.env import env_for
 from jaxprec._src.env import set_default
 from jaxprec._src.env import validate_env
 from jaxprec._src.explain import explain
+from jaxprec._src.metrics import LayerMetrics
+from jaxprec._src.policy import Policy
+from jaxprec._src.policy import PolicyMatch
+from jaxprec._src.policy import PolicyReport
+from jaxprec._src.policy import Rule
+from jaxprec._src.policy import UnusedRuleWarning
 from jaxprec._src.precision import Numerics
 from jaxprec._src.precision import Precision
 from jaxprec._src.precision import PrecisionLike
 from jaxprec._src.precision import resolve
 from jaxprec._src.precision import valid_names
+from jaxprec._src.report import DivergenceReport
+from jaxprec._src.report import Finding
+from jaxprec._src.report import LayerResult
+from jaxprec._src.report import TrainingReport
 from jaxprec._src.rounding import round_to
+from jaxprec._src.swap import policy_report
+from jaxprec._src.swap import swap
+from jaxprec._src.training import check_training
 
 __version__ = "0.1.0.dev0"
 
@@ -45,22 +62,48 @@ __all__ = (
     "AuditError",
     "AuditReport",
     "AuditRow",
+    "DivergenceReport",
     "ENV_VAR",
+    "Finding",
+    "LayerMetrics",
+    "LayerResult",
     "Numerics",
+    "Policy",
+    "PolicyMatch",
+    "PolicyReport",
     "Precision",
     "PrecisionLike",
     "PresetConvWarning",
+    "Rule",
+    "TrainingReport",
+    "UnusedRuleWarning",
     "audit",
+    "check",
+    "check_module",
+    "check_training",
     "current",
     "emulate",
     "emulated_conv_general_dilated",
     "emulated_dot_general",
     "env_for",
     "explain",
+    "named_layers",
+    "policy_report",
     "precision",
     "resolve",
     "round_to",
+    "save_layers",
     "set_default",
+    "swap",
     "valid_names",
     "validate_env",
 )
+
+
+def __getattr__(name):
+  # jaxprec.linen and jaxprec.nnx import Flax: loaded on first use, so that
+  # `import jaxprec` does not import Flax.
+  if name in ("linen", "nnx"):
+    import importlib
+    return importlib.import_module(f"jaxprec.{name}")
+  raise AttributeError(f"module 'jaxprec' has no attribute {name!r}")

@@ -29,8 +29,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import contextlib
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -90,6 +92,11 @@ class AuditRow:
     risky: True when float32 operands lose their low bits where the code does
       not say so (see the module docstring).
     reason: why the row is risky (``''`` when it is not).
+    module_path: the Flax linen module that runs the op, as
+      :class:`jaxprec.Policy` rules match it: module names joined by ``'/'``,
+      e.g. ``'encoder/layer/0/attention/self'`` (the attention einsums of a
+      module belong to it); ``''`` for the top module and for ops outside
+      linen modules (and for NNX, which records no module calls).
   """
 
   primitive: str
@@ -113,6 +120,7 @@ class AuditRow:
   flops: int
   risky: bool
   reason: str
+  module_path: str = ""
 
   def to_dict(self) -> dict[str, Any]:
     """The row as JSON-able values (``precision`` becomes ``precision_name``)."""
@@ -253,34 +261,61 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
     return fn(*a, **kw)
 
   try:
-    closed = jax.make_jaxpr(flat_fn)(
-        *[x for x, a in zip(leaves, is_array) if a])
+    with _module_paths() as module_paths:
+      closed = jax.make_jaxpr(flat_fn)(
+          *[x for x, a in zip(leaves, is_array) if a])
   except Exception as e:  # noqa: BLE001 -- re-raised with context
     raise AuditError(
         f"jaxprec.audit: tracing {name} failed: {type(e).__name__}: {e}") from e
-  return AuditReport(rows=tuple(_rows(closed)), function=name,
+  return AuditReport(rows=tuple(_rows(closed, module_paths)), function=name,
                      precision_in_force=in_force)
+
+
+def _module_paths():
+  """Records linen module paths by name stack while tracing (if Flax is used)."""
+  if "flax.linen" not in sys.modules:
+    return contextlib.nullcontext({})
+  from jaxprec._src.modules import interception
+  return interception.record_paths()
+
+
+def _module_path(name_stack: str, found: dict[str, str]) -> str | None:
+  """Path of the innermost recorded module call enclosing ``name_stack``."""
+  while True:
+    hit = found.get(name_stack)
+    if hit is not None or "/" not in name_stack:
+      return hit
+    name_stack = name_stack.rsplit("/", 1)[0]
 
 
 # ---------------------------------------------------------------------------
 # Rows.
 
 
-def _rows(closed) -> Iterator[AuditRow]:
+def _rows(closed, module_paths: dict[str, str] | None = None
+          ) -> Iterator[AuditRow]:
   # Name stacks are relative to the enclosing jaxpr; ``prefix[d]`` is the path
   # of the body at depth d. iter_eqns yields a parent right before its bodies,
   # depth first, so the last parent seen at depth d - 1 encloses depth d.
+  # Module paths were recorded under the same relative name stacks; a body
+  # whose stacks match no module call belongs to its parent's module.
   prefix: dict[int, str] = {0: ""}
+  module_prefix: dict[int, str] = {0: ""}
   for w in walker.iter_eqns(closed):
     eqn = w.eqn
     depth = len(w.scope)
-    path = _join(prefix.get(depth, ""), compat.eqn_name_stack(eqn))
+    relative = compat.eqn_name_stack(eqn)
+    path = _join(prefix.get(depth, ""), relative)
+    module = _module_path(relative, module_paths or {})
+    if module is None:
+      module = module_prefix.get(depth, "")
+    module_prefix[depth + 1] = module
     if eqn.primitive.name in ("jit", "pjit"):
       prefix[depth + 1] = _join(path, f"jit({eqn.params.get('name', '')})")
     else:
       prefix[depth + 1] = path
     if eqn.primitive.name in _PRIMITIVES:
-      yield _row(w, path)
+      yield dataclasses.replace(_row(w, path), module_path=module)
 
 
 def _row(w: walker.WalkedEqn, name_stack: str) -> AuditRow:

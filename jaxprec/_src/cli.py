@@ -1,4 +1,4 @@
-"""The ``jaxprec`` command line: ``info``, ``audit`` and ``run``.
+"""The ``jaxprec`` command line: ``info``, ``audit``, ``run`` and ``check``.
 
 * ``jaxprec info [--json]``: the precision in force and what it means
   (:func:`jaxprec.explain`).
@@ -9,6 +9,11 @@
 * ``jaxprec run -p P -- CMD ...``: runs ``CMD`` with
   ``JAX_DEFAULT_MATMUL_PRECISION`` set to ``P`` (in JAX's spelling) and exits
   with its exit code.
+* ``jaxprec check [--model NAME | MODULE:FUNCTION] [options]``: runs
+  :func:`jaxprec.check` on a built-in model or on ``fn(*args, **kwargs)`` from
+  ``FUNCTION()`` (the ``audit`` convention), prints the table, and writes
+  ``report.json`` and ``divergence.png`` to ``--out``; with ``--atol`` or
+  ``--rtol`` it exits 1 when a layer is outside the tolerance (for CI).
 
 Bad usage prints one line, ``jaxprec: error: ...``, to stderr and exits 2.
 JAX is imported by the commands, not by ``--help``.
@@ -95,6 +100,52 @@ def _parser() -> argparse.ArgumentParser:
   run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
                    help="the command to run")
   run.set_defaults(handler=_run)
+
+  check = sub.add_parser(
+      "check", help="how far each layer drifts at each precision",
+      description="Runs a model at a reference precision and at each precision "
+                  "under test (emulating TPU or GPU numerics where the backend "
+                  "is not the target, e.g. on CPU), compares every layer, "
+                  "prints a table, and writes report.json and divergence.png "
+                  "to --out. Give --model NAME for a built-in model, or "
+                  "MODULE:FUNCTION, where FUNCTION() returns (fn, args) or "
+                  "(fn, args, kwargs) and fn returns the hidden states (any "
+                  "pytree of arrays).",
+      epilog="examples: jaxprec check --model wav2vec2; jaxprec check "
+             "mymodel:make --precisions bfloat16_3x --atol 1e-3 (exit 1 if "
+             "exceeded)")
+  check.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
+                     help="e.g. mypkg.model:make or path/to/model.py:make")
+  check.add_argument("--model", choices=("wav2vec2", "bert"),
+                     help="a built-in model (random weights, nothing "
+                          "downloaded)")
+  check.add_argument("--size", choices=("tiny", "small", "base"), default=None,
+                     help="size of the built-in model (default tiny)")
+  check.add_argument("--precisions", default=None,
+                     help="comma-separated precisions to test (default "
+                          "bfloat16,bfloat16_3x,tensorfloat32)")
+  check.add_argument("--reference", default="float32",
+                     help="float32 (default), float64, another precision, or "
+                          "a .npz/.safetensors file of hidden states")
+  check.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
+                     help="whose numerics to show (default tpu)")
+  check.add_argument("--mode", default="auto",
+                     choices=("auto", "emulate", "native"),
+                     help="auto (default): native on the target, emulated "
+                          "elsewhere")
+  check.add_argument("--atol", type=float, default=None,
+                     help="absolute tolerance; with --atol or --rtol, exit 1 "
+                          "when a layer exceeds it")
+  check.add_argument("--rtol", type=float, default=None,
+                     help="relative tolerance (see --atol)")
+  check.add_argument("--json", action="store_true",
+                     help="print the JSON report instead of the table")
+  check.add_argument("--out", default="./jaxprec-report",
+                     help="directory for report.json and divergence.png "
+                          "(default ./jaxprec-report)")
+  check.add_argument("--seed", type=int, default=0,
+                     help="seed of the built-in model (default 0)")
+  check.set_defaults(handler=_check)
   return parser
 
 
@@ -105,13 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments after the program name (default ``sys.argv[1:]``).
 
   Returns:
-    The exit status: 0 on success, 2 for bad usage, 1 when the audited code
-    fails, and the command's own status for ``run``.
+    The exit status: 0 on success, 2 for bad usage, 1 when the audited or
+    checked code fails or a check exceeds its ``--atol``/``--rtol``, and the
+    command's own status for ``run``.
   """
   try:
     ns = _parser().parse_args(argv)
     if ns.command is None:
-      raise _UsageError("missing command: choose one of info, audit, run "
+      raise _UsageError("missing command: choose one of info, audit, run, check "
                         "(see jaxprec --help)")
     return ns.handler(ns)
   except _UsageError as e:
@@ -151,19 +203,7 @@ def _resolve(value: str):
 
 def _audit(ns: argparse.Namespace) -> int:
   p = _resolve(ns.precision) if ns.precision is not None else None
-  factory = _load(ns.target)
-  try:
-    made = factory()
-  except Exception as e:  # noqa: BLE001 -- reported as one line
-    raise _Failure(f"{ns.target}() raised {type(e).__name__}: {e}") from None
-  if (not isinstance(made, tuple) or len(made) not in (2, 3)
-      or not isinstance(made[1], (tuple, list))
-      or (len(made) == 3 and not isinstance(made[2], dict))):
-    raise _UsageError(
-        f"{ns.target}() must return (fn, args) or (fn, args, kwargs) with args "
-        f"a tuple and kwargs a dict; got {_describe(made)}")
-  fn, args = made[0], tuple(made[1])
-  kwargs = made[2] if len(made) == 3 else {}
+  fn, args, kwargs = _call_target(ns.target)
 
   import jax
   from jaxprec._src import audit as audit_lib
@@ -181,6 +221,22 @@ def _audit(ns: argparse.Namespace) -> int:
     raise _Failure(str(e)) from None
   print(report.to_json() if ns.json else str(report))
   return 0
+
+
+def _call_target(target: str) -> tuple[Any, tuple, dict]:
+  """``(fn, args, kwargs)`` from ``MODULE:FUNCTION``, whose FUNCTION() makes them."""
+  factory = _load(target)
+  try:
+    made = factory()
+  except Exception as e:  # noqa: BLE001 -- reported as one line
+    raise _Failure(f"{target}() raised {type(e).__name__}: {e}") from None
+  if (not isinstance(made, tuple) or len(made) not in (2, 3)
+      or not isinstance(made[1], (tuple, list))
+      or (len(made) == 3 and not isinstance(made[2], dict))):
+    raise _UsageError(
+        f"{target}() must return (fn, args) or (fn, args, kwargs) with args "
+        f"a tuple and kwargs a dict; got {_describe(made)}")
+  return made[0], tuple(made[1]), (made[2] if len(made) == 3 else {})
 
 
 def _describe(x: Any) -> str:
@@ -243,6 +299,105 @@ def _import_path(path: str):
     sys.modules.pop(name, None)
     raise
   return module
+
+
+def _check(ns: argparse.Namespace) -> int:
+  if (ns.function is None) == (ns.model is None):
+    raise _UsageError("check needs either --model wav2vec2|bert or "
+                      "MODULE:FUNCTION (not both)")
+  if ns.size is not None and ns.model is None:
+    raise _UsageError("--size applies to --model only")
+  precisions = ("bfloat16", "bfloat16_3x", "tensorfloat32")
+  if ns.precisions is not None:
+    precisions = tuple(p.strip() for p in ns.precisions.split(",") if p.strip())
+    if not precisions:
+      raise _UsageError("--precisions is empty; e.g. --precisions bfloat16,float32")
+  for p in precisions:
+    _resolve(p)
+  reference = ns.reference
+  if reference.endswith((".npz", ".safetensors")):
+    if not os.path.isfile(reference):
+      raise _UsageError(f"no such reference file: {reference}")
+  elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
+    _resolve(reference)
+  for name in ("atol", "rtol"):
+    v = getattr(ns, name)
+    if v is not None and not v >= 0:
+      raise _UsageError(f"--{name} must be >= 0, got {v}")
+  enforce = ns.atol is not None or ns.rtol is not None
+  from jaxprec._src import check as check_lib
+  tol = {"atol": check_lib.DEFAULT_ATOL if ns.atol is None else ns.atol,
+         "rtol": check_lib.DEFAULT_RTOL if ns.rtol is None else ns.rtol}
+  if ns.atol is None and ns.rtol is not None:
+    tol["atol"] = 0.0  # only the given tolerance counts
+  if ns.rtol is None and ns.atol is not None:
+    tol["rtol"] = 0.0
+
+  if ns.model is not None:
+    try:
+      import jaxprec.models as models
+    except ImportError as e:
+      raise _Failure(f"--model needs Flax: {e}") from None
+    fn, args = models.MODELS[ns.model](ns.size or "tiny", ns.seed)
+    kwargs: dict = {}
+    what = f"{ns.model} ({ns.size or 'tiny'}, seed {ns.seed})"
+  else:
+    fn, args, kwargs = _call_target(ns.function)
+    what = ns.function
+  if not callable(fn):
+    raise _UsageError(f"{ns.function}() returned a {type(fn).__name__} as fn, "
+                      f"not a callable")
+  try:
+    report = check_lib.check(fn, *args, precisions=precisions,
+                             reference=reference, target=ns.target,
+                             mode=ns.mode, progress=True, **tol, **kwargs)
+  except check_lib.ReferenceMismatchError as e:
+    raise _UsageError(str(e)) from None
+  except Exception as e:  # noqa: BLE001 -- the user's code failed
+    raise _Failure(f"checking {what} failed: {type(e).__name__}: {e}") from None
+  if ns.json:
+    print(report.to_json())
+  else:
+    print(f"model: {what}")
+    _print_report(report)
+  _write_outputs(report, ns.out)
+  if enforce:
+    first = report.first_divergence()
+    failed = {p: f for p, f in first.items() if f is not None}
+    if failed:
+      parts = [f"{p}: {f.layer} needs atol >= {f.value:.3g}" for p, f in failed.items()]
+      raise _Failure(f"outside atol={tol['atol']:g} rtol={tol['rtol']:g}: "
+                     + "; ".join(parts))
+  return 0
+
+
+def _print_report(report) -> None:
+  if sys.stdout.isatty():
+    try:
+      from rich.console import Console
+    except ImportError:
+      pass
+    else:
+      Console().print(report)
+      return
+  print(report)
+
+
+def _write_outputs(report, out: str) -> None:
+  try:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
+      f.write(report.to_json() + "\n")
+  except OSError as e:
+    raise _Failure(f"cannot write to {out!r}: {e}") from None
+  try:
+    report.plot(os.path.join(out, "divergence.png"))
+  except ImportError:
+    print(f"{_PROG}: note: divergence.png not written: matplotlib is not "
+          f"installed (pip install 'jaxprec[plots]')", file=sys.stderr)
+    return
+  print(f"wrote {os.path.join(out, 'report.json')} and "
+        f"{os.path.join(out, 'divergence.png')}", file=sys.stderr)
 
 
 def _run(ns: argparse.Namespace) -> int:

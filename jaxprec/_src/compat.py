@@ -213,3 +213,12 @@ def eqn_user_frames(eqn) -> list[tuple[str, int, str]]:
   """
   frames = source_info_util.user_frames(eqn.source_info.traceback)
   return [(f.file_name, f.start_line, f.function_name) for f in frames]
+
+
+def current_name_stack() -> str:
+  """The name stack JAX records on equations traced here and now, as text.
+
+  Relative to the jaxpr being traced, like :func:`eqn_name_stack`'s (used by
+  jaxprec's Flax interception to map module calls to equations).
+  """
+  return str(source_info_util.current_name_stack())

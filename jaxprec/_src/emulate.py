@@ -24,6 +24,7 @@ matmuls run at the forward's emulated precision, as on a TPU, so
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -32,6 +33,7 @@ import jax
 from jax import lax
 
 from jaxprec._src import emulated_ops
+from jaxprec._src import policy as policy_lib
 from jaxprec._src import walker
 from jaxprec._src.context import current
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
@@ -51,16 +53,21 @@ def _check_target(target: str) -> str:
   return target.lower()
 
 
-def emulation_rule(default: Precision, *, target: str, **options) -> walker.Rule:
+def emulation_rule(default: Precision, *, target: str,
+                   conv_default: Precision | None = None,
+                   **options) -> walker.Rule:
   """The walker rule that emulates dots and convs (used by :func:`emulate`).
 
   Args:
     default: the precision for ops that recorded none.
     target: 'tpu' or 'gpu' ('cpu'/'native' emulate nothing).
+    conv_default: the precision for convolutions that recorded none, if not
+      ``default`` (a policy's ``conv=`` rule).
     **options: passed to the emulated ops (e.g. ``tf32_rounding='truncate'``).
   """
   dot_default = default.per_op
-  conv_default = None if default.flag is None else (default.level, default.level)
+  conv = default if conv_default is None else conv_default
+  conv_default = None if conv.flag is None else (conv.level, conv.level)
 
   def rule(eqn, invals):
     prim = eqn.primitive
@@ -97,8 +104,9 @@ def emulation_rule(default: Precision, *, target: str, **options) -> walker.Rule
   return rule
 
 
-def emulate(fn: F, precision: PrecisionLike = None, *, target: str = "tpu",
-            **options) -> F:
+def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
+            target: str = "tpu",
+            **options: Any) -> F:
   """Returns ``fn`` with every matmul and conv computed as ``target`` would.
 
   On any backend (CPU included, where JAX ignores precision), the returned
@@ -114,7 +122,11 @@ def emulate(fn: F, precision: PrecisionLike = None, *, target: str = "tpu",
     fn: the function to emulate.
     precision: precision for the matmuls and convs that ``fn`` wrote without
       one; None uses the precision in force when the emulated function is
-      traced. Ops with an explicit ``precision=`` keep theirs.
+      traced. Ops with an explicit ``precision=`` keep theirs. A
+      :class:`jaxprec.Policy` (or a policy string) gives Flax linen modules
+      called by ``fn`` their own precisions (as :func:`jaxprec.swap`), and
+      other ops the precision its rules give ops of their kind outside any
+      module (path ``''``), else its default.
     target: ``'tpu'``, ``'gpu'``, or ``'cpu'``/``'native'`` for no emulation.
     **options: passed to the emulated ops: ``tf32_rounding`` (``'nearest'``
       or ``'truncate'``).
@@ -139,18 +151,48 @@ def emulate(fn: F, precision: PrecisionLike = None, *, target: str = "tpu",
     raise TypeError(f"jaxprec.emulate expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
   target = _check_target(target)
-  fixed = None if precision is None else resolve(precision)
+  policy = None
+  if isinstance(precision, policy_lib.Policy) or (
+      isinstance(precision, str) and "=" in precision):
+    policy = policy_lib.Policy.parse(precision)
+    dot_fixed, conv_fixed = (policy.precision_for("", None, kind)
+                             for kind in ("dot", "conv"))
+  else:
+    dot_fixed = conv_fixed = None if precision is None else resolve(precision)
   if target in ("cpu", "native"):
     return fn
   cache: dict[Any, Any] = {}
+  recorder = None if policy is None else policy_lib.Recorder(policy)
+  what = getattr(fn, "__qualname__", type(fn).__name__)
 
   @functools.wraps(fn)
   def emulated(*args, **kwargs):
-    default = fixed if fixed is not None else current()
-    with jax.default_matmul_precision(None):
-      call = walker.trace_call(fn, args, kwargs, cache,
-                               extra_key=jax.config.jax_enable_x64)
-    rule = emulation_rule(default, target=target, **options)
+    now = current() if dot_fixed is None or conv_fixed is None else None
+    scope = (contextlib.nullcontext() if policy is None
+             else policy_lib.policy_scope(policy, recorder, what=what))
+    with scope:
+      with jax.default_matmul_precision(None):
+        call = walker.trace_call(fn, args, kwargs, cache,
+                                 extra_key=jax.config.jax_enable_x64)
+      if policy is not None:
+        _record_unset(call.jaxpr, policy, recorder)
+    rule = emulation_rule(dot_fixed or now, target=target,
+                          conv_default=conv_fixed or now, **options)
     return call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
 
+  if recorder is not None:
+    emulated._jaxprec_recorder = recorder  # for jaxprec.policy_report
   return emulated  # type: ignore[return-value]
+
+
+def _record_unset(closed, policy: policy_lib.Policy,
+                  recorder: policy_lib.Recorder) -> None:
+  """Records the policy's decision for ops that recorded no precision."""
+  kinds = {"dot_general": "dot", "conv_general_dilated": "conv"}
+  seen = set()
+  for w in walker.iter_eqns(closed):
+    kind = kinds.get(w.eqn.primitive.name)
+    if kind and kind not in seen and w.eqn.params.get("precision") is None:
+      seen.add(kind)
+      p, rule = policy.match("", None, kind)
+      recorder.record("", None, kind, p, rule)

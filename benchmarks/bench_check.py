@@ -1,0 +1,167 @@
+"""Cost of ``jaxprec.check``: time and peak memory next to plain forward passes.
+
+Claims (docs/checker.md): after compilation, a check with P precisions takes at
+most 1.2x the time of the P + 1 forward passes it must run (the reference
+forward and one forward at each precision, emulated where the check emulates);
+its peak memory stays near one reference run plus one candidate run, whatever
+P is.
+
+Time: medians of interleaved repeats (block_until_ready), every program
+compiled beforehand; ``check`` reuses its cached programs.
+
+Memory: on CPU the JAX client reports no runtime memory statistics
+(``device.memory_stats()`` is None) and tracemalloc does not see XLA's
+buffers, so peaks are XLA's own buffer assignment for each compiled program
+(``compiled.memory_analysis().peak_memory_in_bytes``: arguments, outputs and
+temporaries live at once). A check's peak is the largest over its programs
+(the reference program, then one candidate program per precision, whose
+arguments include the kept reference). After a check, ``jax.live_arrays()``
+shows what it left on the device.
+
+    python benchmarks/bench_check.py [--model wav2vec2] [--sizes small,base]
+        [--seconds 1.0] [--repeats 7]
+
+The metrics cost a fixed few nanoseconds per hidden-state element per
+precision; the forward pass costs FLOPs. So the ratio is largest for models
+whose outputs are big next to their compute (wav2vec2's conv feature
+encoder at small widths) and falls toward 1 at real sizes: both are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import jax
+
+import jaxprec
+import jaxprec.models
+from jaxprec._src import check as check_lib
+
+PRECISIONS = ("bfloat16", "bfloat16_3x", "tensorfloat32")
+
+
+def _peak(compiled) -> int:
+  m = compiled.memory_analysis()
+  peak = getattr(m, "peak_memory_in_bytes", 0)
+  return peak or (m.argument_size_in_bytes + m.output_size_in_bytes
+                  + m.temp_size_in_bytes)
+
+
+def _live_bytes() -> int:
+  return sum(x.nbytes for x in jax.live_arrays())
+
+
+def _mb(n: float) -> str:
+  return f"{n / 2**20:7.1f} MB"
+
+
+def bench(model: str, size: str, seconds: float, repeats: int) -> None:
+  if model == "wav2vec2":
+    fn, args = jaxprec.models.wav2vec2(size, seconds=seconds)
+  else:
+    fn, args = jaxprec.models.bert(size)
+  target, mode = "tpu", check_lib.resolve_mode("auto", "tpu")
+  plans = [check_lib.plan(p, target, mode) for p in PRECISIONS]
+  ref_plan = check_lib._reference_plan("float32", target, mode)
+  print(f"\n== {model} {size}; target {target}, mode {mode}")
+
+  # Plain forward passes: the reference and one per precision.
+  fwd = {"reference": jax.jit(ref_plan.wrap(fn))}
+  for p in plans:
+    fwd[p.label] = jax.jit(p.wrap(fn))
+  for f in fwd.values():
+    jax.block_until_ready(f(*args))
+  checks = {}
+  for n in range(1, len(PRECISIONS) + 1):
+    names = PRECISIONS[:n]
+    checks[n] = (lambda names=names: jaxprec.check(fn, *args, precisions=names,
+                                                   mode=mode))
+    checks[n]()  # compile (the programs are shared between the P values)
+
+  times: dict[str, list[float]] = {k: [] for k in fwd}
+  ctimes: dict[int, list[float]] = {n: [] for n in checks}
+  for _ in range(repeats):  # interleaved, so load from elsewhere hits all
+    for k, f in fwd.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      times[k].append(time.perf_counter() - t0)
+    for n, c in checks.items():
+      t0 = time.perf_counter()
+      c()
+      ctimes[n].append(time.perf_counter() - t0)
+
+  print(f"time after compile (median and min of {repeats} interleaved runs):")
+  for k, v in times.items():
+    desc = ref_plan.description if k == "reference" else next(
+        p.description for p in plans if p.label == k)
+    print(f"  forward {k:<14} {desc:<30} {1e3 * statistics.median(v):9.2f} ms"
+          f" {1e3 * min(v):9.2f} ms")
+  print(f"  {'P':>2}  {'check':>10}  {'P+1 forwards':>12}  {'ratio':>5}  "
+        f"{'min ratio':>9}  {'target':>6}  {'vs (P+1) x f32 fwd':>18}")
+  for n, v in ctimes.items():
+    keys = ["reference", *PRECISIONS[:n]]
+    base = sum(statistics.median(times[k]) for k in keys)
+    base_min = sum(min(times[k]) for k in keys)
+    c = statistics.median(v)
+    native = (n + 1) * statistics.median(times["reference"])
+    print(f"  {n:>2}  {1e3 * c:8.2f}ms  {1e3 * base:10.2f}ms  {c / base:5.2f}  "
+          f"{min(v) / base_min:9.2f}  {'<=1.20':>6}  {c / native:18.2f}")
+
+  # Memory.
+  call = check_lib._Args(args, {})
+  ref = check_lib._run_reference(fn, call, ref_plan)
+  ref_prog = check_lib._reference_program(fn, call, ref_plan)
+  ref_peak = _peak(ref_prog.lower(call.dynamic).compile())
+  fwd_peak = {k: _peak(f.lower(*args).compile()) for k, f in fwd.items()}
+  cand_peak = {}
+  for p in plans:
+    prog = check_lib._candidate_program(fn, call, p, ref)
+    cargs = check_lib._candidate_args(call, ref, 1e-3, 1e-3)
+    cand_peak[p.label] = _peak(prog.lower(*cargs).compile())
+  arg_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(args))
+  kept = ref.hi.nbytes + (0 if ref.lo is None else ref.lo.nbytes)
+  del ref
+  print("peak memory (XLA buffer assignment of each compiled program):")
+  print(f"  model arguments (params + input)        {_mb(arg_bytes)}")
+  for k, v in fwd_peak.items():
+    print(f"  forward {k:<14}                  {_mb(v)}")
+  print(f"  kept reference layers (packed float32)  {_mb(kept)}")
+  print(f"  check: reference program                {_mb(ref_peak)}")
+  for p in PRECISIONS:
+    print(f"  check: {p:<14} program          {_mb(cand_peak[p])}")
+  print(f"  {'P':>2}  {'check peak':>10}  {'ref run + candidate run':>23}  "
+        f"{'ratio':>5}")
+  for n in range(1, len(PRECISIONS) + 1):
+    peak = max([ref_peak] + [cand_peak[p] for p in PRECISIONS[:n]])
+    # One reference forward plus one candidate forward, sharing the arguments.
+    pair = (fwd_peak["reference"] + max(fwd_peak[p] for p in PRECISIONS[:n])
+            - arg_bytes)
+    print(f"  {n:>2}  {_mb(peak):>10}  {_mb(pair):>23}  {peak / pair:5.2f}")
+  before = _live_bytes()
+  checks[len(PRECISIONS)]()
+  after = _live_bytes()
+  print(f"  device arrays left alive by a check: {_mb(after - before)}")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="wav2vec2", choices=("wav2vec2", "bert"))
+  parser.add_argument("--sizes", default="small,base",
+                      help="comma-separated sizes (tiny, small, base)")
+  parser.add_argument("--seconds", type=float, default=1.0,
+                      help="audio length for wav2vec2")
+  parser.add_argument("--repeats", type=int, default=7)
+  a = parser.parse_args()
+  print(f"jaxprec {jaxprec.__version__}, jax {jax.__version__}, backend "
+        f"{jax.default_backend()}, {os.cpu_count()} CPUs "
+        f"({platform.machine()}); precisions: {', '.join(PRECISIONS)}")
+  for size in a.sizes.split(","):
+    bench(a.model, size.strip(), a.seconds, a.repeats)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,1 @@
+"""Built-in models for the divergence checker (flax.linen; imports flax)."""

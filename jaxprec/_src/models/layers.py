@@ -1,0 +1,47 @@
+"""Transformer pieces shared by the built-in models (flax.linen)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class SelfAttention(nn.Module):
+  """Multi-head self-attention with q/k/v/out projections, as in BERT/Wav2Vec2.
+
+  The score and value matmuls are ``jnp.einsum`` calls (``dot_general``), as in
+  Hugging Face's Flax models, so precision settings reach them.
+  """
+
+  hidden: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    b, t, _ = x.shape
+    d = self.hidden // self.heads
+
+    def proj(name):
+      return nn.Dense(self.hidden, name=name)(x).reshape(b, t, self.heads, d)
+    q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(d))
+    if mask is not None:
+      scores = jnp.where(mask[:, None, None, :] > 0, scores,
+                         jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, self.hidden)
+    return nn.Dense(self.hidden, name="out_proj")(out)
+
+
+class FeedForward(nn.Module):
+  """Dense -> GELU -> Dense."""
+
+  hidden: int
+  intermediate: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = nn.Dense(self.intermediate, name="intermediate_dense")(x)
+    x = nn.gelu(x, approximate=False)
+    return nn.Dense(self.hidden, name="output_dense")(x)

@@ -1,0 +1,1 @@
+"""Flax modules and the Flax side of precision policies (imports Flax)."""

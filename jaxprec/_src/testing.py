@@ -1,0 +1,82 @@
+"""Assertions for users' test suites: is my model robust to a precision?"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from jaxprec._src import check as check_lib
+from jaxprec._src.precision import PrecisionLike
+from jaxprec._src.report import DivergenceReport, _fmt
+
+__all__ = ["assert_precision_robust"]
+
+
+def assert_precision_robust(fn: Callable[..., Any], *args: Any,
+                            precision: PrecisionLike = "bfloat16",
+                            rtol: float = 1e-2, atol: float = 1e-2,
+                            reference: Any = "float32", target: str = "tpu",
+                            mode: str = "auto",
+                            **kwargs: Any) -> DivergenceReport:
+  """Asserts that every layer of ``fn(*args)`` stays within tolerance at ``precision``.
+
+  Runs :func:`jaxprec.check` with one precision and passes silently when every
+  element of every layer (every floating leaf of the output) satisfies
+  ``|err| <= atol + rtol * |ref|``; otherwise raises ``AssertionError`` naming
+  the worst layer (the one that would need the largest ``atol``), its error,
+  the tolerance, and the first layer outside it. For pytest suites: the
+  compiled programs are cached, so asserting twice on the same function costs
+  one run per precision.
+
+  Args:
+    fn: the function; returns hidden states (any pytree of arrays).
+    *args: its positional arguments.
+    precision: the precision to test, as in :func:`jaxprec.check`
+      (``'bfloat16'``: one bfloat16 pass).
+    rtol, atol: the tolerance (defaults 1e-2 and 1e-2: bfloat16 keeps 8
+      significant bits, 0.4% per rounding, so 1% is a realistic bound for a
+      few layers; tighten it for your model).
+    reference, target, mode: as in :func:`jaxprec.check`.
+    **kwargs: keyword arguments for ``fn``.
+
+  Returns:
+    The :class:`jaxprec.DivergenceReport` (when the assertion passes).
+
+  Raises:
+    AssertionError: a layer is outside the tolerance.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxprec.testing
+    >>> x = jnp.linspace(-1, 1, 256, dtype=jnp.float32).reshape(16, 16)
+    >>> _ = jaxprec.testing.assert_precision_robust(lambda a: a @ a, x, atol=0.05)
+    >>> jaxprec.testing.assert_precision_robust(lambda a: a @ a, x, atol=1e-6,
+    ...                                         rtol=0)
+    Traceback (most recent call last):
+    ...
+    AssertionError: <lambda> is not robust to 'bfloat16' ...
+  """
+  report = check_lib.check(fn, *args, precisions=(precision,),
+                           reference=reference, target=target, mode=mode,
+                           atol=atol, rtol=rtol, **kwargs)
+  label = report.precisions[0]
+  needs = [l.metrics[label].required_atol for l in report.layers]
+  bad = [i for i, need in enumerate(needs) if not need <= atol]
+  if not bad:
+    return report
+  worst = max(bad, key=lambda i: (needs[i] != needs[i], needs[i]))
+  layer = report.layers[worst]
+  m = layer.metrics[label]
+  first = report.layers[bad[0]].name
+  name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "fn")
+  nonfinite = (f"; {m.nan} NaN and {m.inf} infinite values where the "
+               f"reference has {m.ref_nan} and {m.ref_inf}"
+               if m.nan + m.inf != m.ref_nan + m.ref_inf else "")
+  raise AssertionError(
+      f"{name} is not robust to {label!r} ({report.numerics[label]}, target "
+      f"{report.target}, vs {report.reference}): worst layer {layer.name!r} "
+      f"(#{worst} of {len(report.layers)}) has max |error| {_fmt(m.max_abs)} "
+      f"(rel_rms {_fmt(m.rel_rms)}); {100 * m.frac_outside:.3g}% of its "
+      f"elements are outside atol + rtol*|ref| with atol={atol:g}, "
+      f"rtol={rtol:g}; it would pass with atol >= {_fmt(m.required_atol)}"
+      f"{nonfinite}. First layer outside the tolerance: {first!r}; "
+      f"{len(bad)} of {len(report.layers)} layers are.")

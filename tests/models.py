@@ -1,0 +1,164 @@
+"""Small Flax models for the module, policy and swap tests (linen and NNX).
+
+Each linen model takes ``layers``: the namespace its layers come from
+(``flax.linen`` or ``jaxprec.linen``) and ``kw``: extra layer arguments as a
+tuple of pairs (module fields must be hashable), so the same model is built
+from Flax's layers or jaxprec's drop-ins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# --------------------------------------------------------------------------- linen
+
+
+class MLP(nn.Module):
+  """Dense -> relu -> Dense -> DenseGeneral, auto-named (Dense_0, Dense_1, ...)."""
+
+  layers: Any = nn
+  kw: tuple = ()
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(self.kw)
+    x = nn.relu(self.layers.Dense(16, **kw)(x))
+    x = nn.relu(self.layers.Dense(16, **kw)(x))
+    return self.layers.DenseGeneral((2, 3), **kw)(x)
+
+
+class CNN(nn.Module):
+  """Conv -> Conv (strided) -> ConvTranspose -> Einsum head, made in setup."""
+
+  layers: Any = nn
+  kw: tuple = ()
+
+  def setup(self):
+    kw = dict(self.kw)
+    self.features = [self.layers.Conv(4, (3, 3), name=f"conv_{i}", **kw)
+                     for i in range(2)]
+    self.up = self.layers.ConvTranspose(4, (3, 3), **kw)
+    self.head = self.layers.Einsum((4, 5), "bhwc,cd->bhwd", **kw)
+
+  def __call__(self, x):
+    for conv in self.features:
+      x = nn.relu(conv(x))
+    return self.head(nn.relu(self.up(x)))
+
+
+class Block(nn.Module):
+  """Pre-LN transformer block: Flax attention (scores via jnp.einsum) + MLP."""
+
+  layers: Any = nn
+  kw: tuple = ()
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(self.kw)
+    h = nn.LayerNorm()(x)
+    x = x + self.layers.MultiHeadDotProductAttention(
+        num_heads=2, name="attention", **kw)(h, h)
+    h = nn.LayerNorm()(x)
+    h = nn.gelu(self.layers.Dense(32, name="up", **kw)(h))
+    return x + self.layers.Dense(x.shape[-1], name="down", **kw)(h)
+
+
+class Transformer(nn.Module):
+  """Dense embedding, two blocks (layers/0, layers/1), Dense readout."""
+
+  layers: Any = nn
+  kw: tuple = ()
+
+  def setup(self):
+    kw = dict(self.kw)
+    self.embed = self.layers.Dense(16, **kw)
+    self.blocks = [Block(self.layers, self.kw, name=f"layers_{i}")
+                   for i in range(2)]
+    self.readout = self.layers.Dense(3, **kw)
+
+  def __call__(self, x):
+    x = self.embed(x)
+    for block in self.blocks:
+      x = block(x)
+    return self.readout(x)
+
+
+def inputs(kind: str, batch: int = 2):
+  """Deterministic inputs for 'mlp', 'cnn' or 'transformer'."""
+  key = jax.random.key({"mlp": 1, "cnn": 2, "transformer": 3}[kind])
+  shape = {"mlp": (batch, 8), "cnn": (batch, 8, 8, 3),
+           "transformer": (batch, 6, 8)}[kind]
+  return jax.random.normal(key, shape, jnp.float32)
+
+
+LINEN = {"mlp": MLP, "cnn": CNN, "transformer": Transformer}
+
+
+def linen_model(kind: str, layers=nn, kw: dict | None = None):
+  """(model, params, x) for one of the linen models."""
+  model = LINEN[kind](layers, tuple(sorted((kw or {}).items())))
+  x = inputs(kind)
+  params = jax.jit(model.init)(jax.random.key(0), x)
+  return model, params, x
+
+
+# --------------------------------------------------------------------------- NNX
+
+
+class NnxMLP(nnx.Module):
+  def __init__(self, layers=nnx, *, rngs: nnx.Rngs, **kw):
+    self.l1 = layers.Linear(8, 16, rngs=rngs, **kw)
+    self.l2 = layers.Linear(16, 16, rngs=rngs, **kw)
+    self.out = layers.LinearGeneral(16, (2, 3), rngs=rngs, **kw)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
+
+
+class NnxCNN(nnx.Module):
+  def __init__(self, layers=nnx, *, rngs: nnx.Rngs, **kw):
+    self.convs = nnx.List([layers.Conv(3, 4, (3, 3), rngs=rngs, **kw),
+                           layers.Conv(4, 4, (3, 3), rngs=rngs, **kw)])
+    self.up = layers.ConvTranspose(4, 4, (3, 3), rngs=rngs, **kw)
+    self.head = layers.Einsum("bhwc,cd->bhwd", (4, 5), (5,), rngs=rngs, **kw)
+
+  def __call__(self, x):
+    for conv in self.convs:
+      x = nnx.relu(conv(x))
+    return self.head(nnx.relu(self.up(x)))
+
+
+class NnxTransformer(nnx.Module):
+  def __init__(self, layers=nnx, *, rngs: nnx.Rngs, **kw):
+    self.embed = layers.Linear(8, 16, rngs=rngs, **kw)
+    self.attention = layers.MultiHeadAttention(2, 16, decode=False, rngs=rngs,
+                                               **kw)
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+    self.readout = layers.Linear(16, 3, rngs=rngs, **kw)
+
+  def __call__(self, x):
+    x = self.embed(x)
+    x = x + self.attention(self.norm(x))
+    return self.readout(x)
+
+
+NNX = {"mlp": NnxMLP, "cnn": NnxCNN, "transformer": NnxTransformer}
+
+
+def nnx_model(kind: str, layers=nnx, **kw):
+  """(model, x) for one of the NNX models (same seed: same state)."""
+  return NNX[kind](layers, rngs=nnx.Rngs(0), **kw), inputs(kind)
+
+
+def nnx_apply(model):
+  """A pure function (state, x) -> y of an NNX model, for jit and lowering."""
+  graphdef, state = nnx.split(model)
+
+  def apply(state, x):
+    return nnx.merge(graphdef, state)(x)
+  return apply, state
