@@ -211,8 +211,8 @@ def test_rule_and_policy_constructor_errors():
 
 
 def test_resolve_rejects_a_policy():
-  # A policy is not one precision: resolve() says what it got.
-  with pytest.raises(ValueError, match="got Policy"):
+  # A policy is not one precision: resolve() says where it belongs.
+  with pytest.raises(ValueError, match="a Policy is not one precision"):
     jaxprec.resolve(Policy.parse("default=bf16"))
 
 

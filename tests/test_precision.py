@@ -133,3 +133,10 @@ def test_valid_names_contains_aliases_and_presets():
   assert v == sorted(v)
   for n in ("bf16", "float32", "F32_F32_F32", "medium", "backend-default"):
     assert n in v
+
+
+def test_a_policy_is_not_a_precision():
+  policy = jaxprec.Policy.parse("default=bf16,conv=fp32")
+  with pytest.raises(ValueError, match="a Policy is not one precision; pass it to "
+                                       "jaxprec.swap or jaxprec.emulate"):
+    jaxprec.resolve(policy)

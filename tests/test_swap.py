@@ -11,7 +11,6 @@ from flax import nnx
 from jax import lax
 
 import jaxprec
-from jaxprec import Policy
 
 import models
 

@@ -141,6 +141,31 @@ def _layers(tree: Any) -> list[tuple[str, Any]]:
   return layers
 
 
+def _ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+                    fn: Callable[..., Any], args: "_Args",
+                    dynamic: Sequence[Any]) -> list[tuple[str, Any]]:
+  """The layers of ``wrap(fn)(*args)`` in the order ``fn`` itself returned them.
+
+  Transformations (emulation, ``eval_shape``) rebuild the output from its
+  treedef, which sorts dict keys; the names are read from ``fn``'s own
+  output while it is traced, and the result is put back in that order.
+  """
+  order: list[list[str]] = []
+
+  @functools.wraps(fn)
+  def observed(*a, **k):
+    out = fn(*a, **k)
+    order.append([n for n, _ in _layers(out)])
+    return out
+  layers = _layers(args.call(wrap(observed), dynamic))
+  if not order:
+    return layers
+  by_name = dict(layers)
+  if sorted(by_name) != sorted(order[-1]):
+    return layers
+  return [(n, by_name[n]) for n in order[-1]]
+
+
 def named_layers(tree: Any) -> dict[str, Any]:
   """The floating leaves of a pytree by the names ``jaxprec.check`` gives them.
 
@@ -445,10 +470,9 @@ def _reference_program(fn, args: _Args, ref_plan: Plan | None):
       if x64:
         dyn = [x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating)
                else x for x in dynamic]
-        out = args.call(f, dyn)
+        layers = _ordered_layers(lambda g: g, f, args, dyn)
       else:
-        out = args.call(ref_plan.wrap(f), dynamic)
-      layers = _layers(out)
+        layers = _ordered_layers(ref_plan.wrap, f, args, dynamic)
       info = _info(layers)
       holder[_signature(dynamic)] = info
       layout = metrics_lib.Layout(tuple(int(np.prod(s)) for _, s, _ in info))
@@ -499,7 +523,7 @@ def _output_layers(fn, args: _Args) -> list[tuple[str, tuple[int, ...], str]]:
   holder: dict[str, Any] = {}
 
   def flat(dynamic):
-    layers = _layers(args.call(fn, dynamic))
+    layers = _ordered_layers(lambda g: g, fn, args, dynamic)
     holder["info"] = _info(layers)
     return [v for _, v in layers]
   jax.eval_shape(flat, args.dynamic)
@@ -568,8 +592,7 @@ def _candidate_program(fn, args: _Args, p: Plan, ref: _Reference):
 
   def make(fn_ref):
     def program(hi, lo, stats, dynamic, atol, rtol):
-      out = args.call(p.wrap(fn_ref()), dynamic)
-      layers = _layers(out)
+      layers = _ordered_layers(p.wrap, fn_ref(), args, dynamic)
       got = tuple(n for n, _ in layers)
       if got != names:
         raise ValueError(
@@ -838,7 +861,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
       return _nnx_intermediates(m, inter)
     return _check_cached(nnx_fn, ("nnx", graphdef, method), state, *args,
                          **common, **kwargs)
-  raise TypeError(f"check_module expects a flax.linen or flax.nnx Module; got "
+  raise TypeError(f"check_module expects a Flax module (flax.linen or "
+                  f"flax.nnx); got "
                   f"{type(module).__name__} (use jaxprec.check for functions)")
 
 

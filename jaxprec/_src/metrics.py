@@ -479,6 +479,7 @@ def compare(candidate: jax.typing.ArrayLike, reference: jax.typing.ArrayLike, *,
   hi, lo = split_reference(np.asarray(reference))
   if c.shape != hi.shape:
     raise ValueError(f"candidate shape {c.shape} != reference shape {hi.shape}")
+  c = c.ravel()  # one compilation per size, whatever the shape
   layout = Layout((int(c.size),))
   hi_p = pack_numpy([hi], layout)
   lo_p = None if lo is None else pack_numpy([lo], layout)

@@ -257,6 +257,9 @@ def resolve(value: PrecisionLike) -> Precision:
         # jaxprec takes the more precise one so it never understates precision.
         return a if a.level.value >= b.level.value else b
     raise _invalid(value, "a pair must hold two precision levels")
+  if type(value).__name__ == "Policy" and hasattr(value, "rules"):
+    raise _invalid(value, "a Policy is not one precision; pass it to "
+                   "jaxprec.swap or jaxprec.emulate, which apply it per layer")
   if isinstance(value, bool) or not isinstance(value, str):
     raise _invalid(value, f"expected a string, lax.Precision, "
                    f"lax.DotAlgorithmPreset or None, got {type(value).__name__}")

@@ -1,0 +1,411 @@
+"""jaxprec.check and jaxprec.check_module: layers, references, modes, errors."""
+
+import dataclasses
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxprec
+from jaxprec._src import check as check_lib
+
+KEY = jax.random.key(0)
+W = jax.random.normal(KEY, (4, 48, 48), jnp.float32) / np.sqrt(48)
+X = jax.random.normal(jax.random.key(1), (8, 48), jnp.float32)
+CALLS = {"mlp": 0}
+
+
+def mlp(w, x):
+  """Four tanh layers; a dict in depth order whose keys JAX would sort wrongly."""
+  CALLS["mlp"] += 1
+  out = {}
+  for i in range(4):
+    x = jnp.tanh(x @ w[i])
+    out[f"layer_{i * 5}"] = x  # layer_0, layer_5, layer_10, layer_15
+  return out
+
+
+def broken(w, x):
+  """Like mlp, but layer 2 runs one matmul at bfloat16 whatever the setting."""
+  out = {}
+  for i in range(4):
+    prec = lax.Precision.DEFAULT if i == 2 else None
+    x = jnp.tanh(jnp.dot(x, w[i], precision=prec))
+    out[f"layer_{i}"] = x
+  return out
+
+
+def rounded(w, x):
+  """Like mlp, but layer 1's output is rounded to bfloat16 (a cast bug)."""
+  out = {}
+  for i in range(4):
+    x = jnp.tanh(x @ w[i])
+    if i == 1:
+      x = jaxprec.round_to(x, "bfloat16")
+    out[f"layer_{i}"] = x
+  return out
+
+
+@pytest.fixture(scope="module")
+def mlp_report():
+  return jaxprec.check(mlp, W, X, mode="emulate")
+
+
+def test_layers_are_named_by_path_in_depth_order(mlp_report):
+  r = mlp_report
+  assert [l.name for l in r.layers] == ["layer_0", "layer_5", "layer_10", "layer_15"]
+  assert all(l.shape == (8, 48) and l.dtype == "float32" for l in r.layers)
+  assert r.precisions == ("bfloat16", "bfloat16_3x", "tensorfloat32")
+  assert (r.reference, r.target, r.mode, r.backend) == ("float32", "tpu",
+                                                        "emulate", "cpu")
+
+
+def test_default_trio_is_informative_when_emulating(mlp_report):
+  r = mlp_report
+  assert r.numerics["bfloat16"] == "bf16x1 (emulated)"
+  assert r.numerics["bfloat16_3x"] == "bf16x3 (emulated)"
+  assert r.numerics["tensorfloat32"] == "tf32 (emulated, gpu numerics)"
+  bf16, x3, tf32 = (r.metric("rel_rms", p) for p in r.precisions)
+  for a, b, c in zip(bf16, x3, tf32):
+    assert a > 50 * b  # 8 vs ~16 significant bits
+    assert a > 4 * c > 4 * b  # TF32 keeps 11 bits
+  assert any("TF32" in n for n in r.notes)
+
+
+def test_second_check_reuses_compiled_programs(mlp_report):
+  before = CALLS["mlp"]
+  r = jaxprec.check(mlp, W, X, mode="emulate")
+  assert CALLS["mlp"] == before  # nothing traced again
+  assert r.metric("max_abs", "bfloat16") == mlp_report.metric("max_abs", "bfloat16")
+
+
+def test_pytree_kinds_and_names():
+  @dataclasses.dataclass
+  class Out:
+    hidden: tuple
+    logits: jax.Array
+
+  jax.tree_util.register_dataclass(Out, data_fields=["hidden", "logits"],
+                                   meta_fields=[])
+
+  def f(x):
+    h = jnp.tanh(x @ W[0])
+    return {"model": Out(hidden=(x, h), logits=h @ W[1]), "ids": jnp.arange(3),
+            "list": [h, None]}
+  names = list(jaxprec.named_layers(f(X)))
+  assert names == ["model.hidden[0]", "model.hidden[1]", "model.logits", "list[0]"]
+  r = jaxprec.check(f, X, precisions="bf16", mode="emulate")
+  assert [l.name for l in r.layers] == names
+  assert r.layer("model.hidden[0]").metrics["bf16"].max_abs == 0  # the input
+  assert jaxprec.check(lambda x: x @ W[0], X, precisions=["bf16"],
+                       mode="emulate").layers[0].name == "output"
+
+
+def test_deliberately_broken_layer_is_found():
+  # At float32 (6 bf16 passes on TPU) only the DEFAULT-precision layer drifts.
+  r = jaxprec.check(broken, W, X, precisions=["float32"], mode="emulate")
+  first = r.first_divergence(1e-5, 0, precision="float32")
+  assert (first.layer, first.index, first.exact) == ("layer_2", 2, True)
+  m = r.metric("max_abs", "float32")
+  assert max(m[:2]) < 1e-6 < m[2] / 100
+  r = jaxprec.check(rounded, W, X, precisions=["float32"], mode="emulate")
+  assert r.first_divergence(1e-5, 1e-5, precision="float32").layer == "layer_1"
+
+
+def test_first_divergence_with_other_tolerances(mlp_report):
+  r = mlp_report
+  assert r.first_divergence(10.0, 0, precision="bfloat16") is None
+  all_first = r.first_divergence(1e-4, 0)
+  assert all_first["bfloat16"].layer == "layer_0"
+  assert all_first["bfloat16_3x"] is None
+  # An rtol other than 0 and the check's is decided from bounds.
+  f = r.first_divergence(1e-9, 0.5, precision="bfloat16")
+  assert f is not None and f.layer == "layer_0"
+  assert r.passes(1.0, 0.5)
+
+
+def test_float64_reference_runs_in_a_scope_that_does_not_leak():
+  assert not jax.config.jax_enable_x64
+  seen = {}
+
+  def f(w, x):
+    seen[x.dtype.name] = True
+    return {"h": jnp.tanh(x @ w[0])}
+  r = jaxprec.check(f, W, X, precisions=["float32", "bf16"],
+                    reference="float64", mode="emulate")
+  assert not jax.config.jax_enable_x64
+  assert "float64" in seen and "float32" in seen
+  m = r.layers[0].metrics
+  assert 0 < m["float32"].max_abs < 1e-5 < m["bf16"].max_abs
+  assert r.reference == "float64"
+  assert jnp.ones(1).dtype == jnp.float32
+
+  def fails(w, x):
+    if x.dtype == jnp.float64:
+      assert jax.config.jax_enable_x64
+      raise RuntimeError("boom in the float64 run")
+    return {"h": x @ w[0]}
+  with pytest.raises(RuntimeError, match="boom"):
+    jaxprec.check(fails, W, X, reference="float64", mode="emulate")
+  assert not jax.config.jax_enable_x64
+
+
+@pytest.mark.parametrize("ext", ["npz", "safetensors"])
+def test_external_reference_round_trips_through_files(tmp_path, mlp_report, ext):
+  outs = jax.jit(mlp)(W, X)
+  path = tmp_path / f"ref.{ext}"
+  jaxprec.save_layers(path, outs)
+  r = jaxprec.check(mlp, W, X, reference=path, mode="emulate")
+  assert r.reference == f"file:{path}"
+  for a, b in zip(r.layers, mlp_report.layers):
+    assert a.name == b.name
+    for p in r.precisions:
+      assert a.metrics[p] == b.metrics[p]
+  # Also as a plain string path.
+  assert jaxprec.check(mlp, W, X, reference=str(path), precisions=["bf16"],
+                       mode="emulate").layers[0].name == "layer_0"
+
+
+def test_external_reference_from_pytorch_style_names_and_float64(tmp_path):
+  outs = {k: np.asarray(v) for k, v in mlp(W, X).items()}  # in depth order
+  # Names as another framework might write them; float64 values.
+  np.savez(tmp_path / "torch.npz",
+           **{k.replace("_", "."): v.astype(np.float64) for k, v in outs.items()})
+  with pytest.raises(check_lib.ReferenceMismatchError, match="layer_0"):
+    jaxprec.check(mlp, W, X, reference=tmp_path / "torch.npz", mode="emulate")
+  ref = {f"layer/{k.split('_')[1]}": v for k, v in outs.items()}
+  with pytest.raises(ValueError, match="layer_0"):
+    jaxprec.check(mlp, W, X, reference=ref, mode="emulate")
+  # hidden_states[3] / hidden_states.3 / hidden_states/3 are one name.
+
+  def hs(w, x):
+    return {"hidden_states": tuple(mlp(w, x).values())}
+  ref = {f"hidden_states.{i}": v.astype(np.float64)
+         for i, v in enumerate(outs.values())}
+  r = jaxprec.check(hs, W, X, reference=ref, precisions=["float32"],
+                    mode="emulate")
+  assert [l.name for l in r.layers] == [f"hidden_states[{i}]" for i in range(4)]
+  assert all(0 < v < 1e-5 for v in r.metric("max_abs", "float32"))
+
+
+def test_reference_mismatch_names_first_path_and_both_shapes(tmp_path):
+  outs = {k: np.asarray(v) for k, v in mlp(W, X).items()}
+  bad = dict(outs, layer_10=outs["layer_10"][:, :5])
+  with pytest.raises(ValueError, match=r"'layer_10'.*\(8, 48\).*\(8, 5\)"):
+    jaxprec.check(mlp, W, X, reference=bad, mode="emulate")
+  missing = {k: v for k, v in outs.items() if k != "layer_5"}
+  with pytest.raises(ValueError, match=r"'layer_5'.*\(8, 48\).*missing"):
+    jaxprec.check(mlp, W, X, reference=missing, mode="emulate")
+  extra = dict(outs, layer_99=np.zeros(3, np.float32))
+  with pytest.raises(ValueError, match=r"'layer_99'.*missing.*\(3,\)"):
+    jaxprec.check(mlp, W, X, reference=extra, mode="emulate")
+
+
+def test_npz_is_loaded_without_pickle(tmp_path):
+  path = tmp_path / "pickled.npz"
+  np.savez(path, layer_0=np.array([{"a": 1}], dtype=object))
+  with pytest.raises(ValueError, match="allow_pickle"):
+    jaxprec.check(mlp, W, X, reference=path, mode="emulate")
+  with pytest.raises(FileNotFoundError):
+    jaxprec.check(mlp, W, X, reference=tmp_path / "nope.npz", mode="emulate")
+
+
+def test_nans_in_a_layer_are_counted_not_crashed_on():
+  def f(x):
+    h = x @ W[0]
+    return {"ok": h, "log": jnp.log(h), "after": jnp.tanh(h)}
+  r = jaxprec.check(f, X, precisions=["bf16"], mode="emulate")
+  log = r.layer("log").metrics["bf16"]
+  assert log.nan > 0 and log.ref_nan > 0
+  assert math.isfinite(log.max_abs)
+  assert r.layer("after").metrics["bf16"].nan == 0
+  text = str(r)
+  assert "nan" in text
+
+
+def test_nan_only_in_candidate_is_the_first_divergence():
+  x = jnp.full((4, 4), 1 + 2.0**-9, jnp.float32)
+
+  def f(x):
+    d = x @ x - 4 * (1 + 2.0**-9) ** 2  # ~1e-2 exact, < 0 in one bf16 pass
+    return {"d": d, "sqrt": jnp.sqrt(d + 0.015)}
+  r = jaxprec.check(f, x, precisions=["bf16"], mode="emulate", atol=1.0)
+  m = r.layer("sqrt").metrics["bf16"]
+  assert m.nan == 16 and m.ref_nan == 0 and math.isinf(m.required_atol)
+  assert r.first_divergence(precision="bf16").layer == "sqrt"
+
+
+def test_modes_and_targets():
+  r = jaxprec.check(mlp, W, X, precisions=["bf16"], mode="native")
+  assert r.mode == "native" and r.numerics["bf16"] == "f32 (native cpu)"
+  assert r.metric("max_abs", "bf16") == [0.0] * 4  # CPU ignores precision
+  assert any("CPU ignores" in n for n in r.notes)
+  r = jaxprec.check(mlp, W, X, precisions=["bf16", "float32"], mode="AUTO",
+                    target="gpu")
+  assert r.mode == "emulate" and r.target == "gpu"
+  assert r.numerics["float32"] == "f32 (emulated)"
+  assert r.metric("max_abs", "float32") == [0.0] * 4
+
+
+def test_plan_names():
+  plan = check_lib.plan
+  assert plan("bf16", "gpu", "emulate").algorithm == "bf16x1"
+  assert plan("bfloat16_3x", "gpu", "emulate").description == (
+      "bf16x3 (emulated, tpu numerics)")
+  assert plan("tf32", "tpu", "emulate").algorithm == "tf32"
+  assert plan("high", "tpu", "emulate").algorithm == "bf16x3"
+  assert plan("default", "gpu", "emulate").algorithm == "tf32"
+  assert plan("BF16_BF16_F32_X6", "gpu", "emulate").algorithm == "bf16x6"
+  assert plan(lax.Precision.HIGHEST, "tpu", "emulate").label == "highest"
+  assert plan("tensorfloat32", "tpu", "native", backend="tpu").algorithm == "bf16x3"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"precisions": ["bfloat61"]}, "Did you mean 'bfloat16'"),
+    ({"precisions": []}, "empty"),
+    ({"precisions": ["bf16", "bf16"]}, "repeats"),
+    ({"target": "tpv"}, "Did you mean 'tpu'"),
+    ({"mode": "emulated"}, "Did you mean 'emulate'"),
+    ({"atol": -1}, ">= 0"),
+    ({"reference": "floaty"}, "Invalid precision"),
+])
+def test_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jaxprec.check(mlp, W, X, **kwargs)
+
+
+def test_other_errors():
+  with pytest.raises(TypeError, match="callable"):
+    jaxprec.check(3, X)
+  with pytest.raises(TypeError, match="ShapeDtypeStruct"):
+    jaxprec.check(mlp, W, jax.ShapeDtypeStruct((8, 48), jnp.float32))
+  with pytest.raises(ValueError, match="no floating"):
+    jaxprec.check(lambda x: jnp.arange(3), X, mode="emulate")
+
+
+def test_kwargs_and_static_arguments_reach_fn():
+  def f(x, *, scale, name, w=None):
+    assert isinstance(scale, float) and name == "n"
+    return {name: (x * scale) @ w}
+  r = jaxprec.check(f, X, precisions=["bf16"], mode="emulate", scale=2.0,
+                    name="n", w=W[0])
+  assert r.layers[0].name == "n"
+
+
+def test_progress_bar_is_silent_without_a_terminal(capsys):
+  jaxprec.check(mlp, W, X, precisions=["bf16"], mode="emulate", progress=True)
+  out, err = capsys.readouterr()
+  assert out == "" and err == ""
+
+
+def test_global_precision_state_is_untouched():
+  with jaxprec.precision("bfloat16"):
+    r = jaxprec.check(mlp, W, X, precisions=["bf16_3x"], mode="emulate")
+    assert jax.config.jax_default_matmul_precision == "bfloat16"
+  assert r.metric("rel_rms", "bf16_3x")[0] < 1e-4  # the reference is float32
+
+
+# -- Flax modules ---------------------------------------------------------------
+
+
+def test_check_module_linen():
+  import flax.linen as nn
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.LayerNorm()(jnp.tanh(nn.Dense(32, name="dense")(x)))
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(2):
+        x = Block(name=f"block_{i}")(x)
+      return nn.Dense(4, name="head")(x)
+  net = Net()
+  variables = net.init(KEY, X)
+  r = jaxprec.check_module(net, variables, X, precisions=["bf16", "bf16_3x"],
+                           mode="emulate")
+  assert [l.name for l in r.layers] == [
+      "block_0/dense", "block_0/LayerNorm_0", "block_0", "block_1/dense",
+      "block_1/LayerNorm_0", "block_1", "head", "output"]
+  assert r.layer("output").metrics["bf16"].max_abs > 0
+  again = jaxprec.check_module(net, variables, X, precisions=["bf16"],
+                               mode="emulate")
+  assert again.metric("max_abs", "bf16") == r.metric("max_abs", "bf16")
+  with pytest.raises(TypeError, match="variables"):
+    jaxprec.check_module(net, X)
+
+
+def test_check_module_nnx():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.blocks = nnx.List([nnx.Linear(48, 48, rngs=rngs) for _ in range(2)])
+      self.head = nnx.Linear(48, 4, rngs=rngs)
+
+    def __call__(self, x):
+      for b in self.blocks:
+        x = jnp.tanh(b(x))
+      return self.head(x)
+  net = Net(nnx.Rngs(0))
+  before = jax.tree_util.tree_map(np.asarray, nnx.state(net))
+  r = jaxprec.check_module(net, X, precisions=["bf16"], mode="emulate")
+  assert [l.name for l in r.layers] == ["blocks/0", "blocks/1", "head", "output"]
+  assert all(v > 0 for v in r.metric("max_abs", "bf16"))
+  after = jax.tree_util.tree_map(np.asarray, nnx.state(net))
+  jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
+  with pytest.raises(TypeError, match="Flax"):
+    jaxprec.check_module(lambda x: x, X)
+
+
+# -- Hugging Face transformers -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf():
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return pytest.importorskip("transformers")
+
+
+def test_transformers_flax_wav2vec2_hidden_states(hf):
+  config = hf.Wav2Vec2Config(
+      hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+      intermediate_size=37, conv_dim=(32, 32, 32), conv_stride=(4, 4, 4),
+      conv_kernel=(8, 8, 8), num_conv_pos_embeddings=16,
+      num_conv_pos_embedding_groups=2, do_stable_layer_norm=True,
+      feat_extract_norm="layer", vocab_size=32)
+  model = hf.FlaxWav2Vec2Model(config, _do_init=False)
+  params = jax.jit(model.init_weights, static_argnums=1)(KEY, (1, 1024))
+  audio = jax.random.normal(jax.random.key(2), (1, 1600), jnp.float32)
+
+  def fn(params, audio):
+    return model(audio, params=params, output_hidden_states=True)
+  r = jaxprec.check(fn, params, audio, precisions=["bfloat16", "bfloat16_3x"],
+                    mode="emulate")
+  names = [l.name for l in r.layers]
+  assert names == ["last_hidden_state", "extract_features", "hidden_states[0]",
+                   "hidden_states[1]", "hidden_states[2]"]
+  bf16, x3 = r.metric("rel_rms", "bfloat16"), r.metric("rel_rms", "bfloat16_3x")
+  assert all(a > 30 * b > 0 for a, b in zip(bf16, x3))
+
+
+def test_transformers_flax_bert_hidden_states(hf):
+  config = hf.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=37)
+  model = hf.FlaxBertModel(config, _do_init=False)
+  params = jax.jit(model.init_weights, static_argnums=1)(KEY, (1, 7))
+  ids = jnp.asarray(np.random.default_rng(0).integers(3, 99, (2, 7)), jnp.int32)
+  r = jaxprec.check(
+      lambda p, ids: model(ids, params=p, output_hidden_states=True).hidden_states,
+      params, ids, precisions=["bfloat16", "bfloat16_3x"], mode="emulate")
+  assert [l.name for l in r.layers] == [f"[{i}]" for i in range(3)]
+  bf16, x3 = r.metric("rel_rms", "bfloat16"), r.metric("rel_rms", "bfloat16_3x")
+  assert bf16[0] == x3[0] == 0  # embeddings: no matmul
+  assert all(a > 30 * b > 0 for a, b in zip(bf16[1:], x3[1:]))

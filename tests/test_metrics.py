@@ -1,0 +1,204 @@
+"""Divergence metrics (jaxprec._src.metrics) against NumPy float64 computations."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxprec._src import metrics as M
+
+RNG = np.random.default_rng(0)
+
+
+def ordered(x):
+  """float32 -> int64 ordered like the floats, +0 == -0 (NumPy reference)."""
+  i = np.asarray(x, np.float32).view(np.int32).astype(np.int64)
+  return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+
+def ulp_np(a, b):
+  return np.abs(ordered(a) - ordered(b))
+
+
+def reference_metrics(c, r, atol, rtol):
+  """The module docstring's definitions, in float64, all elements finite."""
+  c64, r64 = np.ravel(c).astype(np.float64), np.ravel(r).astype(np.float64)
+  e = c64 - r64
+  rms = np.sqrt(np.mean(r64 ** 2))
+  floor = max(M.REL_FLOOR * rms, np.finfo(np.float32).tiny)
+  u = ulp_np(np.ravel(c), np.ravel(r).astype(np.float32))
+  return {
+      "max_abs": np.abs(e).max(),
+      "max_rel": (np.abs(e) / np.maximum(np.abs(r64), floor)).max(),
+      "rel_rms": np.sqrt((e ** 2).sum() / (r64 ** 2).sum()),
+      "cosine": (c64 @ r64) / np.sqrt((c64 @ c64) * (r64 @ r64)),
+      "sqnr_db": 10 * np.log10((r64 ** 2).sum() / (e ** 2).sum()),
+      "ulp_median": float(np.median(u)),
+      "ulp_max": float(u.max()),
+      "frac_outside": float(np.mean(np.abs(e) > atol + rtol * np.abs(r64))),
+      "required_atol": max(0.0, (np.abs(e) - rtol * np.abs(r64)).max()),
+  }
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 40, 10), (1200,)])
+@pytest.mark.parametrize("scale", [1e-3, 1.0])
+def test_metrics_match_numpy_float64(shape, scale):
+  r = RNG.standard_normal(shape).astype(np.float32)
+  c = (r + scale * 1e-2 * RNG.standard_normal(shape)).astype(np.float32)
+  got = M.compare(c, r, atol=1e-3 * scale, rtol=1e-3)
+  want = reference_metrics(c, r, 1e-3 * scale, 1e-3)
+  for k in ("max_abs", "max_rel", "required_atol"):
+    assert getattr(got, k) == pytest.approx(want[k], rel=1e-6), k
+  for k in ("rel_rms", "sqnr_db"):
+    assert getattr(got, k) == pytest.approx(want[k], rel=1e-5), k
+  assert got.cosine == pytest.approx(want["cosine"], abs=1e-9)
+  assert 1 - got.cosine == pytest.approx(1 - want["cosine"], rel=1e-3)
+  assert got.frac_outside == want["frac_outside"]
+  assert got.ulp_max == want["ulp_max"]
+  # The median comes from a 64-bucket-per-octave histogram: within 1.6%.
+  assert got.ulp_median == pytest.approx(want["ulp_median"], rel=0.016)
+  assert got.nan == got.inf == 0
+  assert got.size == int(np.prod(shape))
+  assert got.ref_rms == pytest.approx(np.sqrt(np.mean(r.astype(np.float64) ** 2)),
+                                      rel=1e-6)
+
+
+def test_ulp_median_is_exact_for_small_distances():
+  r = RNG.standard_normal(1199).astype(np.float32)
+  steps = RNG.integers(-40, 41, size=1199)
+  c = r.copy()
+  for i, s in enumerate(steps):  # move each element by s float32 steps
+    for _ in range(abs(int(s))):
+      c[i] = np.nextafter(c[i], np.float32(np.inf if s > 0 else -np.inf))
+  got = M.compare(c, r)
+  assert got.ulp_median == np.median(np.abs(steps))
+  assert got.ulp_max == np.abs(steps).max()
+
+
+def test_ulp_distance_bits():
+  a = np.float32([0.0, -0.0, 1.0, 1.0, -1e-45, 1e-45, 1.0, np.float32(3.0)])
+  b = np.float32([-0.0, 0.0, np.nextafter(np.float32(1), np.float32(2)),
+                  1.0, 1e-45, -1e-45, -1.0, 3.0])
+  got = np.asarray(M._ulp_distance(jnp.asarray(a), jnp.asarray(b)))
+  np.testing.assert_array_equal(got, ulp_np(a, b))
+  assert got[:4].tolist() == [0, 0, 1, 0]
+  assert got[4] == 2  # across zero: -1e-45 -> 0 -> 1e-45
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False),
+                min_size=2, max_size=2))
+def test_ulp_distance_matches_numpy(pair):
+  a, b = np.float32(pair[0]), np.float32(pair[1])
+  got = int(M._ulp_distance(jnp.float32(a), jnp.float32(b)))
+  assert got == int(ulp_np(a, b))
+
+
+def test_bucket_values_exact_below_64_then_within_bucket():
+  d = np.array([0, 1, 2, 5, 63, 64, 1000, 2**20 + 12345, 2**31 + 5], np.uint64)
+  b = np.asarray(M._ulp_bucket(jnp.asarray(d.astype(np.uint32))))
+  v = M._bucket_value(b)
+  np.testing.assert_array_equal(v[:5], d[:5])
+  np.testing.assert_allclose(v, d.astype(np.float64), rtol=0.016)
+
+
+def test_nan_and_inf_are_counted_not_crashed_on():
+  r = np.float32([1, 2, np.inf, np.nan, 5, -np.inf, 7])
+  c = np.float32([1, np.nan, np.inf, np.nan, np.inf, np.inf, 7.5])
+  m = M.compare(c, r, atol=0.1)
+  assert (m.nan, m.inf) == (2, 3)
+  assert (m.ref_nan, m.ref_inf) == (1, 2)
+  # Valid: elements 0 and 6 only. Same non-finite (inf/inf, nan/nan) passes;
+  # nan where 2, inf where 5, inf where -inf are outside; 7.5 vs 7 too.
+  assert m.max_abs == 0.5
+  assert m.frac_outside == pytest.approx(4 / 7)
+  assert math.isinf(m.required_atol)
+  assert m.ulp_max == ulp_np(np.float32(7.5), np.float32(7))
+
+
+def test_same_nonfinite_values_pass():
+  r = np.float32([1, np.nan, np.inf, -np.inf, 0, 2, 3])
+  m = M.compare(r.copy(), r, atol=0)
+  assert m.frac_outside == 0 and m.required_atol == 0 and m.max_abs == 0
+
+
+def test_all_invalid_layer_gives_nan_metrics():
+  m = M.compare(np.full(7, np.nan, np.float32), np.arange(7, dtype=np.float32))
+  assert math.isnan(m.max_abs) and math.isnan(m.rel_rms)
+  assert m.nan == 7 and m.frac_outside == 1.0
+
+
+def test_float64_reference_is_kept_beyond_float32():
+  r = RNG.standard_normal(1200) * (1 + 1e-9)  # float64 values between floats
+  c = r.astype(np.float32)
+  m = M.compare(c, r)
+  e = np.abs(c.astype(np.float64) - r)
+  assert m.max_abs == pytest.approx(e.max(), rel=1e-6)
+  assert m.max_abs > 0  # a float32 reference would see no error at all
+  assert M.compare(c, r.astype(np.float32)).max_abs == 0
+
+
+def test_zero_reference_and_exact_match():
+  m = M.compare(np.zeros(7, np.float32), np.zeros(7, np.float32))
+  assert (m.rel_rms, m.cosine, m.sqnr_db, m.max_rel) == (0.0, 1.0, math.inf, 0.0)
+  m = M.compare(np.ones(7, np.float32), np.zeros(7, np.float32))
+  assert m.rel_rms == math.inf and m.cosine == 0.0
+
+
+def test_relative_floor_is_documented_fraction_of_rms():
+  r = np.float32([1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1e-9])
+  c = r + np.float32([0, 0, 0, 0, 0, 0, 1e-4])
+  m = M.compare(c, r)
+  floor = M.REL_FLOOR * np.sqrt(np.mean(r.astype(np.float64) ** 2))
+  assert m.max_rel == pytest.approx(1e-4 / floor, rel=1e-4)
+
+
+def test_many_layers_packed_together_match_one_by_one():
+  sizes = [0, 7, 513, 1200, 1]
+  cands = [RNG.standard_normal(s).astype(np.float32) for s in sizes]
+  refs = [(x + 0.01 * RNG.standard_normal(x.shape)).astype(np.float32)
+          for x in cands]
+  cands[2][7] = np.nan
+  layout = M.Layout(tuple(sizes))
+  hi = M.pack_numpy(refs, layout)
+
+  @jax.jit
+  def run(cs, hi):
+    ref = M.reference_stats(hi, None, layout)
+    return M.layer_stats(cs, hi, None, ref, layout, atol=1e-3, rtol=1e-3)
+  together = M.finish(jax.device_get(run(cands, hi)), layout)
+  assert math.isnan(together[0].max_abs) and together[0].size == 0
+  for s, c, r, m in zip(sizes[1:], cands[1:], refs[1:], together[1:]):
+    one = M.compare(c, r, atol=1e-3, rtol=1e-3)
+    for k, v in vars(one).items():  # sums may round differently: 1e-6
+      assert getattr(m, k) == pytest.approx(v, rel=1e-6, nan_ok=True), (s, k)
+
+
+def test_pack_pads_with_zeros_in_chunks():
+  layout = M.Layout((3, M.CHUNK + 1))
+  assert layout.n_chunks == 3
+  assert layout.chunk_layer.tolist() == [0, 1, 1]
+  assert layout.chunk_count.tolist() == [3, M.CHUNK, 1]
+  p = np.asarray(M.pack([jnp.ones(3), jnp.full((M.CHUNK + 1,), 2.0)], layout))
+  assert p.shape == (3, M.CHUNK)
+  assert p[0, :3].tolist() == [1, 1, 1] and not p[0, 3:].any()
+  np.testing.assert_array_equal(p, M.pack_numpy([np.ones(3), np.full(M.CHUNK + 1, 2.0)],
+                                                layout))
+
+
+def test_growth_per_layer_and_first_exceeding():
+  assert M.growth_per_layer([1e-4, 2e-4, 4e-4]) == pytest.approx(2.0)
+  assert M.growth_per_layer([1e-3, 0.0, 1e-3 * 9]) == pytest.approx(3.0)
+  assert math.isnan(M.growth_per_layer([1e-3]))
+  assert M.first_exceeding([0.1, 0.2, 0.5], 0.3) == 2
+  assert M.first_exceeding([0.1, float("nan")], 0.3) == 1
+  assert M.first_exceeding([0.1], 0.3) is None
+
+
+def test_shape_mismatch_raises():
+  with pytest.raises(ValueError, match=r"\(3,\).*\(4,\)"):
+    M.compare(np.zeros(3), np.zeros(4))
