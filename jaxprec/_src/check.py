@@ -411,6 +411,39 @@ def _signature(dynamic: Sequence[Any]) -> tuple:
   return tuple((x.shape, x.dtype) for x in dynamic)
 
 
+class _Jit:
+  """``jax.jit(fn)`` whose calls wait for their results, with one fallback.
+
+  XLA:CPU's algebraic simplifier can fold a transpose into a dot whose
+  operands are bfloat16 parts of an emulated matmul (e.g. ``(a @ b).T`` or a
+  weight gradient), making a dot that XLA:CPU then refuses to run
+  ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32",
+  jax 0.10.2). Such a program is compiled once more without that pass; the
+  numbers are the same (the simplifier does not change the bf16 products).
+  """
+
+  _ERROR = "Unsupported element type for DotThunk"
+
+  def __init__(self, fn: Callable[..., Any]):
+    self._fn = fn
+    self._jit = jax.jit(fn)
+    self._fell_back = False
+
+  def __call__(self, *args):
+    try:
+      return jax.block_until_ready(self._jit(*args))
+    except jax.errors.JaxRuntimeError as e:
+      if self._fell_back or self._ERROR not in str(e):
+        raise
+      self._jit = jax.jit(self._fn, compiler_options={
+          "xla_disable_hlo_passes": "algsimp"})
+      self._fell_back = True
+      return jax.block_until_ready(self._jit(*args))
+
+  def lower(self, *args):
+    return self._jit.lower(*args)
+
+
 # fn -> {key: jitted program}. Programs hold fn weakly (a strong reference
 # from a value would keep its key alive forever).
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -491,7 +524,7 @@ def _reference_program(fn, args: _Args, ref_plan: Plan | None):
       # them once instead of fusing their producers into the packing
       # concatenate (see _candidate_program).
       return hi, lo, stats, values
-    jitted = jax.jit(program)
+    jitted = _Jit(program)
     jitted.holder = holder  # type: ignore[attr-defined]
     return jitted
 
@@ -605,7 +638,7 @@ def _candidate_program(fn, args: _Args, p: Plan, ref: _Reference):
       # stay on the device and are freed at once.
       return metrics_lib.layer_stats(values, hi, lo, stats, ref.layout,
                                      atol=atol, rtol=rtol), values
-    return jax.jit(program)
+    return _Jit(program)
 
   return _program(fn, key, make)
 

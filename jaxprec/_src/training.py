@@ -175,7 +175,7 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
       drifts.append(jnp.sqrt(diff) / jnp.maximum(ref_norm, np.float32(1e-30)))
     return new_states, jnp.stack(losses), jnp.stack(drifts)
 
-  step = jax.jit(step)
+  step = check_lib._Jit(step)
   opt_state = optimizer.init(params)
   states = [(params, opt_state)] * len(run_fns)
   all_losses, all_drifts = [], []

@@ -1,0 +1,168 @@
+"""`jaxprec check`: built-in models, MODULE:FUNCTION, outputs, exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jaxprec._src.cli import main
+
+MODEL = textwrap.dedent("""\
+    import jax, jax.numpy as jnp
+
+    W = jax.random.normal(jax.random.key(0), (2, 32, 32), jnp.float32) / 6
+    X = jax.random.normal(jax.random.key(1), (4, 32), jnp.float32)
+
+    def net(w, x, scale=1.0):
+      h1 = jnp.tanh(x @ w[0]) * scale
+      return {"h1": h1, "h2": jnp.tanh(h1 @ w[1])}
+
+    def make():
+      return net, (W, X), {"scale": 1.0}
+
+    def two():
+      return net, [W, X]
+
+    def raises():
+      raise RuntimeError("no data here")
+
+    def fails_inside():
+      return (lambda x: x.no_such_attribute), (X,)
+
+    def not_fn():
+      return 3, (X,)
+    """)
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+  (tmp_path / "clicheck_model.py").write_text(MODEL)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  yield tmp_path
+  sys.modules.pop("clicheck_model", None)
+
+
+def run(capsys, *argv):
+  rc = main(list(argv))
+  out, err = capsys.readouterr()
+  return rc, out, err
+
+
+def one_line_error(rc, err, code, *fragments):
+  assert rc == code, err
+  lines = [l for l in err.splitlines() if l.startswith("jaxprec: error:")]
+  assert len(lines) == 1 and "Traceback" not in err, err
+  for f in fragments:
+    assert f in lines[0], (f, lines[0])
+
+
+def test_module_function_prints_table_and_writes_outputs(project, capsys):
+  rc, out, err = run(capsys, "check", "clicheck_model:make", "--out", "rep")
+  assert rc == 0, err
+  assert "model: clicheck_model:make" in out
+  for s in ("h1", "h2", "bfloat16_3x", "tensorfloat32", "first divergence"):
+    assert s in out
+  d = json.loads((project / "rep" / "report.json").read_text())
+  assert d["schema"] == 1 and [l["name"] for l in d["layers"]] == ["h1", "h2"]
+  assert (project / "rep" / "divergence.png").read_bytes()[:4] == b"\x89PNG"
+  assert "\r" not in err  # no progress bar without a terminal
+
+
+def test_json_and_options(project, capsys):
+  rc, out, err = run(capsys, "check", "clicheck_model.py:two", "--json",
+                     "--precisions", "bf16, float32", "--target", "gpu",
+                     "--reference", "float64", "--out", "r2")
+  assert rc == 0, err
+  d = json.loads(out)
+  assert d["precisions"] == ["bf16", "float32"] and d["target"] == "gpu"
+  assert d["reference"] == "float64" and d["mode"] == "emulate"
+  assert d["numerics"]["float32"] == "f32 (emulated)"
+
+
+def test_tolerances_set_the_exit_status_for_ci(project, capsys):
+  rc, out, err = run(capsys, "check", "clicheck_model:make", "--atol", "1",
+                     "--out", "r3")
+  assert rc == 0, err
+  rc, out, err = run(capsys, "check", "clicheck_model:make", "--atol", "1e-6",
+                     "--precisions", "bfloat16,bfloat16_3x", "--out", "r4")
+  one_line_error(rc, err, 1, "outside atol=1e-06 rtol=0", "bfloat16: h1 needs atol")
+  assert "h2" in out  # the table is printed first
+  rc, out, err = run(capsys, "check", "clicheck_model:make", "--rtol", "1e-2",
+                     "--atol", "1e-4", "--precisions", "bf16_3x", "--out", "r5")
+  assert rc == 0, err
+  # --rtol alone means atol=0: elements near zero must match exactly.
+  rc, out, err = run(capsys, "check", "clicheck_model:make", "--rtol", "1e-2",
+                     "--precisions", "bf16_3x", "--out", "r5")
+  one_line_error(rc, err, 1, "outside atol=0 rtol=0.01")
+
+
+def test_reference_file(project, capsys):
+  import numpy as np
+  rng = np.random.default_rng(0)
+  np.savez(project / "ref.npz", h1=rng.standard_normal((4, 32)),
+           h2=rng.standard_normal((4, 32)))
+  rc, out, err = run(capsys, "check", "clicheck_model:make", "--reference",
+                     "ref.npz", "--precisions", "bf16", "--json", "--out", "r6")
+  assert rc == 0, err
+  assert json.loads(out)["reference"] == "file:ref.npz"
+  np.savez(project / "bad.npz", h1=np.zeros((4, 3)))
+  rc, out, err = run(capsys, "check", "clicheck_model:make", "--reference",
+                     "bad.npz", "--out", "r7")
+  one_line_error(rc, err, 2, "first mismatch at 'h1'", "(4, 32)", "(4, 3)")
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    ([], ["--model", "MODULE:FUNCTION"]),
+    (["clicheck_model:make", "--model", "bert"], ["not both"]),
+    (["clicheck_model:make", "--size", "base"], ["--size applies to --model"]),
+    (["--model", "gpt"], ["invalid choice"]),
+    (["clicheck_model:make", "--precisions", "bf61"], ["bf61", "Did you mean"]),
+    (["clicheck_model:make", "--precisions", ","], ["empty"]),
+    (["clicheck_model:make", "--reference", "missing.npz"], ["no such reference"]),
+    (["clicheck_model:make", "--reference", "float65"], ["float65"]),
+    (["clicheck_model:make", "--atol", "-1"], ["--atol must be >= 0"]),
+    (["clicheck_model:make", "--mode", "fast"], ["invalid choice"]),
+    (["clicheck_model:nope"], ["has no attribute"]),
+    (["clicheck_model:not_fn"], ["not a callable"]),
+])
+def test_usage_errors_are_one_line_exit_2(project, capsys, argv, fragments):
+  rc, out, err = run(capsys, "check", *argv)
+  one_line_error(rc, err, 2, *fragments)
+
+
+def test_failures_in_user_code_exit_1(project, capsys):
+  rc, out, err = run(capsys, "check", "clicheck_model:raises")
+  one_line_error(rc, err, 1, "raises() raised RuntimeError: no data here")
+  rc, out, err = run(capsys, "check", "clicheck_model:fails_inside")
+  one_line_error(rc, err, 1, "AttributeError", "no_such_attribute")
+
+
+def test_builtin_bert_in_process(tmp_path, capsys):
+  rc, out, err = run(capsys, "check", "--model", "bert", "--precisions",
+                     "bfloat16", "--out", str(tmp_path / "b"))
+  assert rc == 0, err
+  assert "model: bert (tiny, seed 0)" in out and "hidden_states[2]" in out
+
+
+def test_wav2vec2_end_to_end_under_60_seconds(tmp_path):
+  """The README's main command, in a fresh interpreter, JAX compile included."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+       os.environ.get("PYTHONPATH", "")]))
+  t0 = time.perf_counter()
+  proc = subprocess.run(
+      [sys.executable, "-m", "jaxprec", "check", "--model", "wav2vec2", "--out",
+       str(tmp_path / "out")], capture_output=True, text=True, env=env,
+      timeout=120)
+  wall = time.perf_counter() - t0
+  assert proc.returncode == 0, proc.stderr
+  assert "conv_features[0]" in proc.stdout and "hidden_states[2]" in proc.stdout
+  assert "first divergence" in proc.stdout
+  assert (tmp_path / "out" / "report.json").exists()
+  assert (tmp_path / "out" / "divergence.png").exists()
+  assert wall < 60, f"jaxprec check --model wav2vec2 took {wall:.1f} s"

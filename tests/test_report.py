@@ -1,0 +1,180 @@
+"""DivergenceReport and TrainingReport: schema, JSON, tables, plots, queries."""
+
+import json
+import math
+import sys
+
+import pytest
+
+import jaxprec
+from jaxprec._src.metrics import LayerMetrics
+from jaxprec._src.report import DivergenceReport, LayerResult, TrainingReport
+
+SCHEMA_METRICS = {"max_abs", "max_rel", "rel_rms", "cosine", "sqnr_db",
+                  "ulp_median", "ulp_max", "frac_outside", "nan", "inf"}
+
+
+def lm(max_abs, required=None, *, rel_rms=None, nan=0, inf=0, cosine=1.0,
+       ref_max_abs=1.0):
+  required = max_abs if required is None else required
+  return LayerMetrics(
+      max_abs=max_abs, max_rel=max_abs * 10, rel_rms=rel_rms or max_abs / 3,
+      cosine=cosine, sqnr_db=math.inf if max_abs == 0 else 40.0,
+      ulp_median=3.0, ulp_max=1e6, frac_outside=0.25, nan=nan, inf=inf,
+      required_atol=required, size=12, ref_rms=0.5, ref_max_abs=ref_max_abs)
+
+
+def make_report(**kw):
+  layers = (
+      LayerResult(name="emb", shape=(1, 4, 3), dtype="float32",
+                  metrics={"bf16": lm(0.0), "bf16_3x": lm(0.0)}),
+      LayerResult(name="hidden_states[1]", shape=(1, 4, 3), dtype="float32",
+                  metrics={"bf16": lm(2e-3, 1.5e-3), "bf16_3x": lm(1e-5)}),
+      LayerResult(name="hidden_states[2]", shape=(1, 4, 3), dtype="float32",
+                  metrics={"bf16": lm(8e-3, 6e-3, nan=2, cosine=float("nan")),
+                           "bf16_3x": lm(4e-5)}),
+      LayerResult(name="hidden_states[3]", shape=(1, 4, 3), dtype="float32",
+                  metrics={"bf16": lm(3e-2, math.inf, inf=1),
+                           "bf16_3x": lm(1.6e-4)}),
+  )
+  args = dict(layers=layers, precisions=("bf16", "bf16_3x"), reference="float32",
+              target="tpu", mode="emulate", backend="cpu", atol=1e-3, rtol=1e-3,
+              numerics={"bf16": "bf16x1 (emulated)", "bf16_3x": "bf16x3 (emulated)",
+                        "(reference)": "f32 (native cpu)"},
+              notes=("a note",), seconds={"reference": 0.5, "bf16": 1.0})
+  args.update(kw)
+  return DivergenceReport(**args)
+
+
+def test_to_dict_follows_schema_1():
+  d = make_report().to_dict()
+  assert d["schema"] == 1 and d["kind"] == "check"
+  for k in ("reference", "target", "mode", "precisions", "layers", "atol",
+            "rtol", "numerics", "summary"):
+    assert k in d
+  assert d["precisions"] == ["bf16", "bf16_3x"]
+  layer = d["layers"][1]
+  assert layer["name"] == "hidden_states[1]" and layer["shape"] == [1, 4, 3]
+  assert set(layer["metrics"]) == {"bf16", "bf16_3x"}
+  assert SCHEMA_METRICS <= set(layer["metrics"]["bf16"])
+  assert layer["reference"] == {"rms": 0.5, "max_abs": 1.0, "nan": 0, "inf": 0}
+
+
+def test_json_has_no_nan_literals_and_round_trips():
+  r = make_report()
+  text = r.to_json()
+  assert "NaN" not in text and "Infinity" not in text
+  d = json.loads(text)
+  m3 = d["layers"][3]["metrics"]["bf16"]
+  assert m3["required_atol"] == "inf" and m3["inf"] == 1
+  assert d["layers"][2]["metrics"]["bf16"]["cosine"] == "nan"
+  assert d["layers"][0]["metrics"]["bf16"]["sqnr_db"] == "inf"
+  back = DivergenceReport.from_json(text)
+  assert back.precisions == r.precisions and back.numerics == r.numerics
+  for a, b in zip(back.layers, r.layers):
+    assert (a.name, a.shape) == (b.name, b.shape)
+    for p in r.precisions:
+      x, y = a.metrics[p], b.metrics[p]
+      for k in vars(y):
+        vx, vy = getattr(x, k), getattr(y, k)
+        assert vx == vy or (math.isnan(vx) and math.isnan(vy)), k
+  with pytest.raises(ValueError, match="schema"):
+    DivergenceReport.from_dict(dict(d, schema=2))
+
+
+def test_first_divergence_exact_and_from_bounds():
+  r = make_report()
+  f = r.first_divergence()  # the check's tolerance
+  assert f["bf16"].layer == "hidden_states[1]" and f["bf16"].index == 1
+  assert f["bf16"].exact and f["bf16"].value == 1.5e-3
+  assert f["bf16_3x"] is None
+  assert r.first_divergence(1e-2, 1e-3, precision="bf16").layer == "hidden_states[3]"
+  assert r.first_divergence(1e-2, 0, precision="bf16").layer == "hidden_states[3]"
+  assert r.first_divergence(1e-4, 0, precision="bf16_3x").layer == "hidden_states[3]"
+  # rtol between 0 and the check's: need(r) lies between required_atol and
+  # the chord from max_abs: 2e-3 at 0 -> 1.5e-3 at 1e-3.
+  low_high = r._required(r.layers[1].metrics["bf16"], 5e-4)
+  assert low_high == pytest.approx((1.5e-3, 1.75e-3))
+  f = r.first_divergence(1.6e-3, 5e-4, precision="bf16")
+  assert f.layer == "hidden_states[1]" and not f.exact  # might pass
+  f = r.first_divergence(1.4e-3, 5e-4, precision="bf16")
+  assert f.exact  # cannot pass
+  assert r.first_divergence(1.8e-3, 5e-4, precision="bf16").layer == "hidden_states[2]"
+  assert r.passes(1.0, 0, precision="bf16_3x") and not r.passes()
+  with pytest.raises(ValueError, match="bf16_3x"):
+    r.first_divergence(precision="float32")
+
+
+def test_worst_summary_and_required():
+  r = make_report()
+  w = r.worst(2)
+  assert [(f.precision, f.layer) for f in w] == [("bf16", "hidden_states[3]"),
+                                                 ("bf16", "hidden_states[2]")]
+  assert r.worst(1, "cosine", "bf16")[0].layer == "hidden_states[2]"  # NaN first
+  assert r.required_atol("bf16_3x") == 1.6e-4
+  assert math.isinf(r.required_atol("bf16"))
+  s = r.summary()
+  assert s["bf16"]["first_divergence"] == "hidden_states[1]"
+  assert s["bf16_3x"]["first_divergence"] is None
+  assert s["bf16_3x"]["growth_per_layer"] == pytest.approx(4.0)
+  with pytest.raises(ValueError, match="Unknown metric"):
+    r.metric("nope")
+  with pytest.raises(KeyError, match="hidden_states"):
+    r.layer("hidden_states[9]")
+
+
+def test_table_with_and_without_rich(monkeypatch):
+  r = make_report()
+  text = str(r)
+  for s in ("hidden_states[2]", "bf16_3x", "first divergence hidden_states[1]",
+            "note: a note", "2 nan", "f32 (native cpu)"):
+    assert s in text, s
+  assert "┃" in text  # rich is installed here
+  monkeypatch.setitem(sys.modules, "rich", None)
+  monkeypatch.setitem(sys.modules, "rich.console", None)
+  plain = str(r)
+  assert "┃" not in plain and "hidden_states[2]" in plain
+  assert plain == r.to_text()
+
+
+def test_markdown():
+  md = make_report().to_markdown()
+  lines = md.splitlines()
+  table = [l for l in lines if l.startswith("|")]
+  assert len(table) == 2 + 4  # header, rule, 4 layers
+  assert table[0].count("|") == table[2].count("|")
+  assert "hidden_states[3]" in md and "- bf16:" in md
+
+
+def test_plot_writes_png_and_names_the_extra_when_missing(tmp_path, monkeypatch):
+  path = tmp_path / "d.png"
+  fig = make_report().plot(path)
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert fig.axes[0].get_yscale() == "log"
+  assert len(fig.axes[0].get_lines()) == 2
+  monkeypatch.setitem(sys.modules, "matplotlib", None)
+  monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+  with pytest.raises(ImportError, match=r"jaxprec\[plots\]"):
+    make_report().plot(tmp_path / "e.png")
+
+
+def test_training_report(tmp_path):
+  t = TrainingReport(
+      precisions=("bf16",), reference="float32", target="tpu", mode="emulate",
+      backend="cpu", steps=3, reference_losses=(1.0, 0.5, 0.25),
+      losses={"bf16": (1.0, 0.52, float("nan"))}, drift={"bf16": (1e-3, 2e-3, 0.0)},
+      divergence_step={"bf16": 2}, threshold=0.1,
+      numerics={"bf16": "bf16x1 (emulated)"})
+  text = str(t)
+  assert "bf16x1" in text and "diverged at step" in text
+  d = json.loads(t.to_json())
+  assert d["kind"] == "training" and d["losses"]["bf16"][2] == "nan"
+  assert d["divergence_step"] == {"bf16": 2}
+  fig = t.plot(tmp_path / "t.png")
+  assert (tmp_path / "t.png").exists() and len(fig.axes) == 2
+
+
+def test_report_is_exported():
+  assert jaxprec.DivergenceReport is DivergenceReport
+  assert jaxprec.TrainingReport is TrainingReport
+  assert jaxprec.LayerMetrics is LayerMetrics
