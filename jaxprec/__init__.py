@@ -28,6 +28,9 @@ from jaxprec._src.check import save_layers
 from jaxprec._src.context import PresetConvWarning
 from jaxprec._src.context import current
 from jaxprec._src.context import precision
+from jaxprec._src.cost import CostReport
+from jaxprec._src.cost import CostRow
+from jaxprec._src.cost import cost
 from jaxprec._src.emulate import emulate
 from jaxprec._src.emulated_ops import emulated_conv_general_dilated
 from jaxprec._src.emulated_ops import emulated_dot_general
@@ -52,6 +55,9 @@ from jaxprec._src.report import Finding
 from jaxprec._src.report import LayerResult
 from jaxprec._src.report import TrainingReport
 from jaxprec._src.rounding import round_to
+from jaxprec._src.search import SearchResult
+from jaxprec._src.search import SearchStep
+from jaxprec._src.search import search_policy
 from jaxprec._src.swap import policy_report
 from jaxprec._src.swap import swap
 from jaxprec._src.training import check_training
@@ -62,6 +68,8 @@ __all__ = (
     "AuditError",
     "AuditReport",
     "AuditRow",
+    "CostReport",
+    "CostRow",
     "DivergenceReport",
     "ENV_VAR",
     "Finding",
@@ -75,12 +83,15 @@ __all__ = (
     "PrecisionLike",
     "PresetConvWarning",
     "Rule",
+    "SearchResult",
+    "SearchStep",
     "TrainingReport",
     "UnusedRuleWarning",
     "audit",
     "check",
     "check_module",
     "check_training",
+    "cost",
     "current",
     "emulate",
     "emulated_conv_general_dilated",
@@ -93,6 +104,7 @@ __all__ = (
     "resolve",
     "round_to",
     "save_layers",
+    "search_policy",
     "set_default",
     "swap",
     "valid_names",

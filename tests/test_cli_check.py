@@ -163,6 +163,17 @@ def test_wav2vec2_end_to_end_under_60_seconds(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert "conv_features[0]" in proc.stdout and "hidden_states[2]" in proc.stdout
   assert "first divergence" in proc.stdout
-  assert (tmp_path / "out" / "report.json").exists()
   assert (tmp_path / "out" / "divergence.png").exists()
   assert wall < 60, f"jaxprec check --model wav2vec2 took {wall:.1f} s"
+  # On the built-in model, one bfloat16 pass sits far above three, at every
+  # layer, and TF32 in between.
+  d = json.loads((tmp_path / "out" / "report.json").read_text())
+  assert [l["name"] for l in d["layers"]] == (
+      [f"conv_features[{i}]" for i in range(7)]
+      + [f"hidden_states[{i}]" for i in range(3)])
+  for layer in d["layers"]:
+    m = {p: layer["metrics"][p]["rel_rms"] for p in d["precisions"]}
+    assert m["bfloat16"] > 4 * m["tensorfloat32"] > 4 * 5 * m["bfloat16_3x"] > 0
+    assert 1e-3 < m["bfloat16"] < 3e-2
+  assert d["summary"]["bfloat16"]["first_divergence"] == "conv_features[0]"
+  assert d["summary"]["bfloat16_3x"]["first_divergence"] is None

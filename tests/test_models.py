@@ -78,7 +78,9 @@ def test_tiny_models_are_deterministic_and_cached():
     models.wav2vec2("huge")
 
 
-@pytest.mark.parametrize("name", ["wav2vec2", "bert"])
+# For wav2vec2 the same is asserted on `jaxprec check --model wav2vec2`'s
+# report.json in tests/test_cli_check.py (one compilation instead of two).
+@pytest.mark.parametrize("name", ["bert"])
 def test_bf16_error_sits_far_above_bf16_3x(name):
   fn, args = models.MODELS[name]("tiny")
   r = jaxprec.check(fn, *args, precisions=["bfloat16", "bfloat16_3x"],

@@ -144,6 +144,8 @@ def test_markdown():
   assert len(table) == 2 + 4  # header, rule, 4 layers
   assert table[0].count("|") == table[2].count("|")
   assert "hidden_states[3]" in md and "- bf16:" in md
+  assert lines[0].startswith("**jaxprec.check: 4 layers") and lines[0].endswith("**  ")
+  assert lines[1].startswith("**numerics: bf16: bf16x1")
 
 
 def test_plot_writes_png_and_names_the_extra_when_missing(tmp_path, monkeypatch):

@@ -263,7 +263,7 @@ class DivergenceReport:
       ...   return {"first": x * 2, "second": (x * 2) @ x}
       >>> x = jnp.linspace(-1, 1, 64, dtype=jnp.float32).reshape(8, 8)
       >>> r = jaxprec.check(f, x, precisions=["bfloat16"], mode="emulate")
-      >>> r.first_divergence(1e-4, 0).layer
+      >>> r.first_divergence(1e-4, 0)["bfloat16"].layer
       'second'
       >>> print(r.first_divergence(10.0, 0, precision="bfloat16"))
       None
@@ -505,7 +505,8 @@ class DivergenceReport:
 
     def esc(s: str) -> str:
       return s.replace("|", "\\|")
-    out = [f"**{esc(self._heading())}**", "",
+    heading = [f"**{esc(line)}**" for line in self._heading().splitlines()]
+    out = ["  \n".join(heading), "",
            "| " + " | ".join(esc(c) for c in cols) + " |",
            "|" + "|".join("---:" if j not in (1, 2) else "---"
                           for j in range(len(cols))) + "|"]
@@ -515,7 +516,7 @@ class DivergenceReport:
     return "\n".join(out) + "\n"
 
   def plot(self, path: str | os.PathLike | None = None, *,
-           metric: str = "rel_rms"):
+           metric: str = "rel_rms") -> "matplotlib.figure.Figure":
     """Plots ``metric`` against depth, one line per precision, log scale.
 
     Args:
@@ -654,8 +655,15 @@ class TrainingReport:
     out += [line(r) for r in rows] + [f"note: {n}" for n in self.notes]
     return "\n".join(out)
 
-  def plot(self, path: str | os.PathLike | None = None):
+  def plot(self, path: str | os.PathLike | None = None
+           ) -> "matplotlib.figure.Figure":
     """Loss curves (left) and parameter drift (right, log scale) per step.
+
+    Args:
+      path: where to save the figure; None only returns it.
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
 
     Raises:
       ImportError: matplotlib is not installed (the ``plots`` extra).

@@ -135,9 +135,12 @@ class _EncoderLayer(nn.Module):
 class Wav2Vec2Encoder(nn.Module):
   """Raw audio ``(batch, samples)`` -> conv features and hidden states.
 
-  Returns:
-    ``{"conv_features": (7 arrays (batch, frames_i, conv_dim_i)),
-    "hidden_states": (num_layers + 1 arrays (batch, frames, hidden))}``.
+  Called on audio, it returns ``{"conv_features": (7 arrays (batch,
+  frames_i, conv_dim_i)), "hidden_states": (num_layers + 1 arrays (batch,
+  frames, hidden))}``.
+
+  Attributes:
+    config: the sizes (:class:`Wav2Vec2Config`).
   """
 
   config: Wav2Vec2Config = dataclasses.field(default_factory=Wav2Vec2Config)

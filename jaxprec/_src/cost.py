@@ -1,0 +1,418 @@
+"""What a precision policy costs: FLOPs weighted by the passes each op needs.
+
+:func:`cost` traces a function as :func:`jaxprec.emulate` traces it under a
+policy (the policy's interception in force, JAX's flag cleared), lists its
+matmuls and convolutions with :func:`jaxprec.audit` (the shared walker, no
+other jaxpr walk), finds for each op the algorithm the target runs
+(:func:`jaxprec._src.emulated_ops.algorithm_for`, the same function the
+emulation uses), and weighs its FLOPs by that algorithm's cost in passes.
+
+Weights (:data:`WEIGHTS`), in units of the target's cheapest float32 matmul
+(``docs/search.md`` has the table with sources):
+
+* TPU: one bfloat16 MXU pass is 1, so ``bf16x1`` 1, ``bf16x3`` 3, ``bf16x6``
+  6 (``float32``), ``bf16x9`` 9; bfloat16 operands 1.
+* NVIDIA GPU: one TF32 tensor-core pass is 1, so ``tf32`` 1, ``tf32x3`` 3;
+  ``f32`` (no tensor cores) 8, the A100's dense TF32/FP32 ratio (156 / 19.5
+  TFLOPS; the H100 SXM's is 495 / 67 = 7.4); bfloat16 and float16 tensor-core
+  passes 0.5 (twice TF32's rate on both), so ``bf16x3`` 1.5 and ``bf16x6`` 3;
+  8-bit operands 0.25; float64 8 (A100: 19.5 TFLOPS).
+
+Ops whose algorithm has no weight (``unknown``, e.g. a TF32 preset on a TPU
+or a custom ``lax.DotAlgorithm``) are counted in ``unknown_flops`` and left
+out of both totals; pass ``weights=`` to give them one.
+
+The float32 baseline is the same function with ``policy='float32'``: every
+op the policy can reach at float32, ops whose code sets a precision as they
+are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxprec._src import audit as audit_lib
+from jaxprec._src import policy as policy_lib
+from jaxprec._src.emulated_ops import algorithm_for
+from jaxprec._src.policy import Policy, PolicyLike
+from jaxprec._src.precision import Precision
+
+__all__ = ["CostReport", "CostRow", "TARGETS", "WEIGHTS", "cost"]
+
+TARGETS = ("tpu", "gpu")
+
+# Cost of one FLOP in units of the target's cheapest float32 matmul pass
+# (module docstring; docs/search.md for the sources).
+WEIGHTS: Mapping[str, Mapping[str, float]] = {
+    "tpu": {
+        "bf16x1": 1.0, "bf16x3": 3.0, "bf16x6": 6.0, "bf16x9": 9.0,
+        "bf16_bf16_bf16": 1.0, "native bfloat16": 1.0, "native float32": 6.0,
+    },
+    "gpu": {
+        "tf32": 1.0, "tf32x3": 3.0, "f32": 8.0,
+        "bf16x1": 0.5, "bf16x3": 1.5, "bf16x6": 3.0, "bf16x9": 4.5,
+        "bf16_bf16_bf16": 0.5, "f16": 0.5, "f16_f16_f16": 0.5,
+        "native bfloat16": 0.5, "native float16": 0.5, "native float8": 0.25,
+        "native int8": 0.25, "native float32": 8.0, "native float64": 8.0,
+    },
+}
+
+
+def check_target(target: Any) -> str:
+  """``'tpu'`` or ``'gpu'`` (any case); ValueError naming the choices otherwise."""
+  t = target.lower() if isinstance(target, str) else None
+  if t not in TARGETS:
+    raise ValueError(f"Unknown target {target!r}; valid choices: "
+                     f"{', '.join(map(repr, TARGETS))}.")
+  return t
+
+
+def weights_for(target: str, weights: Mapping[str, float] | None = None
+                ) -> dict[str, float]:
+  """:data:`WEIGHTS` of ``target`` updated with ``weights`` (validated)."""
+  out = dict(WEIGHTS[target])
+  for k, v in (weights or {}).items():
+    if not isinstance(k, str) or isinstance(v, bool) or not isinstance(
+        v, (int, float)) or not (math.isfinite(v) and v >= 0):
+      raise ValueError(f"weights must map algorithm names to finite numbers "
+                       f">= 0; got {k!r}: {v!r}.")
+    out[k] = float(v)
+  return out
+
+
+def _dtype_class(name: str) -> str:
+  if name.startswith("float8"):
+    return "float8"
+  if name in ("int8", "uint8"):
+    return "int8"
+  return name
+
+
+def _native_key(lhs: str, rhs: str) -> str:
+  order = ("float64", "float32", "bfloat16", "float16", "float8", "int8")
+  a, b = _dtype_class(lhs), _dtype_class(rhs)
+  ranked = [d for d in order if d in (a, b)]
+  return f"native {ranked[0] if ranked else a}"
+
+
+def op_kind(row: audit_lib.AuditRow) -> str:
+  return "conv" if row.primitive == "conv_general_dilated" else "dot"
+
+
+def recorded_for(p: Precision, kind: str) -> Any:
+  """The ``precision`` an op of ``kind`` records (or is emulated at) under ``p``.
+
+  What the policy interception writes into the jaxpr and what
+  :func:`jaxprec.emulate` gives ops that recorded none: convolutions take the
+  level (a preset would lower at DEFAULT), dots the preset or level; the
+  backend default is the target's DEFAULT.
+  """
+  if p.flag is None:
+    return lax.Precision.DEFAULT
+  return p.level if kind == "conv" else p.per_op
+
+
+def algorithm(row: audit_lib.AuditRow, target: str,
+              unset: Precision | None = None) -> str:
+  """What ``target`` runs for an audited op (a key of :data:`WEIGHTS`).
+
+  Args:
+    row: the op.
+    target: ``'tpu'`` or ``'gpu'``.
+    unset: the precision for an op that recorded none (None: DEFAULT).
+
+  Returns:
+    An emulation algorithm name (``'bf16x3'``, ``'tf32'``, ...), ``'native
+    <dtype>'`` for operands the precision does not apply to, or
+    ``'unknown'`` for a custom ``lax.DotAlgorithm``.
+  """
+  prec = row.precision
+  if prec is None:
+    prec = lax.Precision.DEFAULT if unset is None else recorded_for(
+        unset, op_kind(row))
+  try:
+    algo = algorithm_for(prec, target, jnp.dtype(row.lhs_dtype),
+                         jnp.dtype(row.rhs_dtype), op=row.primitive)
+  except (ValueError, TypeError):
+    return "unknown"
+  if algo == "native":
+    return _native_key(row.lhs_dtype, row.rhs_dtype)
+  return algo
+
+
+def trace_rows(fn: Callable[..., Any], args: tuple, kwargs: dict,
+               policy: Policy | None) -> audit_lib.AuditReport:
+  """:func:`jaxprec.audit` of ``fn`` traced as ``jaxprec.emulate(fn, policy)`` traces it.
+
+  The policy's interception is in force (when Flax linen is imported) and
+  JAX's flag is cleared, so ops record the precision the policy gives their
+  module, and ops outside modules (and ops without a policy) record None.
+  """
+
+  @functools.wraps(fn)
+  def traced(*a, **k):
+    scope = (contextlib.nullcontext() if policy is None
+             else policy_lib.policy_scope(policy))
+    with scope, jax.default_matmul_precision(None):
+      return fn(*a, **k)
+  return audit_lib.audit(traced, *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostRow:
+  """The matmuls and convolutions of one Flax module path.
+
+  Attributes:
+    path: the module path (as :attr:`jaxprec.AuditRow.module_path`; ``''``
+      for the top module and for ops outside modules).
+    ops: number of ops.
+    flops: their FLOPs per call.
+    algorithms: what the target runs for them, e.g. ``('bf16x3',)``.
+    cost: FLOPs times the weight of each op's algorithm.
+    float32_cost: the same at ``policy='float32'``.
+    unknown_flops: FLOPs of ops whose algorithm has no weight.
+  """
+
+  path: str
+  ops: int
+  flops: int
+  algorithms: tuple[str, ...]
+  cost: float
+  float32_cost: float
+  unknown_flops: int = 0
+
+  @property
+  def relative(self) -> float:
+    """``cost / float32_cost`` (1.0 when both are 0)."""
+    return _ratio(self.cost, self.float32_cost)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"path": self.path, "ops": self.ops, "flops": self.flops,
+            "algorithms": list(self.algorithms), "cost": self.cost,
+            "float32_cost": self.float32_cost, "relative": self.relative,
+            "unknown_flops": self.unknown_flops}
+
+
+def _ratio(a: float, b: float) -> float:
+  if b == 0:
+    return 1.0 if a == 0 else math.inf
+  return a / b
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostReport:
+  """What :func:`jaxprec.cost` returns: a policy's matmul cost on a target.
+
+  Attributes:
+    function: the function's name.
+    policy: the policy as text (``str(policy)``).
+    target: ``'tpu'`` or ``'gpu'``.
+    rows: one :class:`CostRow` per module path, in program order.
+    flops: FLOPs per call of every matmul and convolution.
+    cost: FLOPs times passes (see :data:`WEIGHTS`), over ops with a weight.
+    float32_cost: the same with ``policy='float32'``.
+    unknown_flops: FLOPs of ops whose algorithm has no weight (left out of
+      both costs).
+    by_algorithm: FLOPs per algorithm, largest first.
+    weights: the weights used.
+  """
+
+  function: str
+  policy: str
+  target: str
+  rows: tuple[CostRow, ...]
+  flops: int
+  cost: float
+  float32_cost: float
+  unknown_flops: int
+  by_algorithm: Mapping[str, int]
+  weights: Mapping[str, float]
+
+  @property
+  def relative(self) -> float:
+    """``cost / float32_cost``: 1.0 for all-float32, below 1 when cheaper."""
+    return _ratio(self.cost, self.float32_cost)
+
+  def row(self, path: str) -> CostRow:
+    """The row of module ``path``; KeyError naming close paths otherwise."""
+    for r in self.rows:
+      if r.path == path:
+        return r
+    import difflib
+    close = difflib.get_close_matches(path, [r.path for r in self.rows], n=3)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    raise KeyError(f"no module path {path!r} in the cost report{hint}")
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-able values: the attributes, ``relative`` and the rows."""
+    return {
+        "function": self.function, "policy": self.policy,
+        "target": self.target, "flops": self.flops, "cost": self.cost,
+        "float32_cost": self.float32_cost, "relative": self.relative,
+        "unknown_flops": self.unknown_flops,
+        "by_algorithm": dict(self.by_algorithm),
+        "weights": dict(self.weights),
+        "rows": [r.to_dict() for r in self.rows],
+    }
+
+  def to_json(self, indent: int | None = 2) -> str:
+    return json.dumps(self.to_dict(), indent=indent)
+
+  def __str__(self) -> str:
+    head = (f"jaxprec cost of {self.function or 'function'} on {self.target}, "
+            f"policy {self.policy or '(none)'}: {_si(self.cost)} pass-FLOPs = "
+            f"{self.relative:.3f} of float32 ({_si(self.float32_cost)})")
+    cols = ("module path", "ops", "FLOPs", "runs as", "cost", "vs float32")
+    body = [(r.path or "(top)", str(r.ops), _si(r.flops),
+             "+".join(r.algorithms), _si(r.cost), f"{r.relative:.3f}")
+            for r in self.rows]
+    body.append(("total", str(sum(r.ops for r in self.rows)), _si(self.flops),
+                 "", _si(self.cost), f"{self.relative:.3f}"))
+    widths = [max(len(c), *(len(b[j]) for b in body)) for j, c in enumerate(cols)]
+
+    def line(cells):
+      return "  ".join(c.ljust(w) if j in (0, 3) else c.rjust(w)
+                       for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    out = [head, line(cols), line(["-" * w for w in widths])]
+    out += [line(b) for b in body]
+    used = [a for a in self.by_algorithm if a in self.weights]
+    out.append(f"weights ({self.target}, cost per FLOP): " + ", ".join(
+        f"{a} {self.weights[a]:g}" for a in used))
+    if self.unknown_flops:
+      unknown = [a for a in self.by_algorithm if a not in self.weights]
+      out.append(f"not counted: {_si(self.unknown_flops)} FLOPs of "
+                 f"{', '.join(unknown)} (no weight; pass weights=)")
+    return "\n".join(out)
+
+
+def _si(n: float) -> str:
+  for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.3g}{unit}"
+  return f"{n:.3g}"
+
+
+def _as_policy(policy: PolicyLike | None) -> Policy | None:
+  if policy is None:
+    return None
+  return policy_lib.as_policy(policy)
+
+
+def _unset_precision(policy: Policy | None, kind: str) -> Precision:
+  """What ``jaxprec.emulate(fn, policy)`` gives an op that recorded none."""
+  from jaxprec._src.context import current  # noqa: PLC0415 -- as emulate does
+  p = None if policy is None else policy.precision_for("", None, kind)
+  return current() if p is None else p
+
+
+def _costs(rows, policy: Policy | None, target: str,
+           weights: Mapping[str, float]) -> list[tuple[str, float | None]]:
+  """``(algorithm, cost or None)`` of each row under ``policy``."""
+  unset = {k: _unset_precision(policy, k) for k in ("dot", "conv")}
+  out = []
+  for r in rows:
+    algo = algorithm(r, target, unset[op_kind(r)])
+    w = weights.get(algo)
+    out.append((algo, None if w is None else r.flops * w))
+  return out
+
+
+def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
+         target: str = "tpu", weights: Mapping[str, float] | None = None,
+         **kwargs: Any) -> CostReport:
+  """The matmul and convolution cost of ``fn`` under a precision policy.
+
+  Every ``dot_general`` and ``conv_general_dilated`` of ``fn(*args,
+  **kwargs)`` (found by :func:`jaxprec.audit`, traced as
+  ``jaxprec.emulate(fn, policy)`` traces it; ``fn`` is not run) costs its
+  FLOPs times the passes its precision needs on ``target``: on a TPU one
+  bfloat16 pass is 1, ``bfloat16_3x`` 3, ``float32`` 6; on an NVIDIA GPU one
+  TF32 pass is 1, ``float32`` 8 (see :data:`WEIGHTS` and ``docs/search.md``).
+  The report gives the total, the ratio to all-float32 and a row per Flax
+  module path.
+
+  Args:
+    fn: the function; its arguments follow (arrays or
+      ``jax.ShapeDtypeStruct``; other leaves are static).
+    *args: positional arguments for ``fn``.
+    policy: a :class:`jaxprec.Policy`, a policy string or one precision; None:
+      the precision in force. Ops whose code sets a precision keep it.
+    target: ``'tpu'`` or ``'gpu'``.
+    weights: cost per FLOP by algorithm name, updating :data:`WEIGHTS` (e.g.
+      ``{'f32': 7.4}`` for an H100 SXM).
+    **kwargs: keyword arguments for ``fn``.
+
+  Returns:
+    A :class:`jaxprec.CostReport`.
+
+  Raises:
+    TypeError: ``fn`` is not callable.
+    ValueError: unknown target, bad policy or weights.
+    jaxprec.AuditError: tracing ``fn`` failed.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxprec
+    >>> x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    >>> w = jax.ShapeDtypeStruct((16, 4), jnp.float32)
+    >>> r = jaxprec.cost(lambda x, w: x @ w, x, w, policy="bfloat16_3x")
+    >>> r.flops, r.cost, r.float32_cost, r.relative
+    (1024, 3072.0, 6144.0, 0.5)
+    >>> jaxprec.cost(lambda x, w: x @ w, x, w, policy="tf32", target="gpu").relative
+    0.125
+  """
+  if not callable(fn):
+    raise TypeError(f"jaxprec.cost expects a callable; got {fn!r} of type "
+                    f"{type(fn).__name__}")
+  target = check_target(target)
+  table = weights_for(target, weights)
+  pol = _as_policy(policy)
+  base = Policy(default="float32")
+  report = trace_rows(fn, args, kwargs, pol)
+  rows = report.rows
+  base_rows = rows if pol == base else trace_rows(fn, args, kwargs, base).rows
+  if len(base_rows) != len(rows):  # the code branched on the precision
+    raise ValueError(
+        f"jaxprec.cost: {report.function} traced to {len(rows)} matmuls and "
+        f"convolutions under {pol} but {len(base_rows)} at float32; a cost "
+        f"relative to float32 needs the same ops")
+  costs = _costs(rows, pol, target, table)
+  base_costs = _costs(base_rows, base, target, table)
+  per_path: dict[str, dict[str, Any]] = {}
+  by_algo: dict[str, int] = {}
+  for r, (algo, c), (_, c32) in zip(rows, costs, base_costs):
+    by_algo[algo] = by_algo.get(algo, 0) + r.flops
+    e = per_path.setdefault(r.module_path, {
+        "ops": 0, "flops": 0, "algorithms": [], "cost": 0.0,
+        "float32_cost": 0.0, "unknown_flops": 0})
+    e["ops"] += 1
+    e["flops"] += r.flops
+    if algo not in e["algorithms"]:
+      e["algorithms"].append(algo)
+    if c is None or c32 is None:  # no weight: out of both totals
+      e["unknown_flops"] += r.flops
+    else:
+      e["cost"] += c
+      e["float32_cost"] += c32
+  out = tuple(CostRow(path=path, ops=e["ops"], flops=e["flops"],
+                      algorithms=tuple(e["algorithms"]), cost=e["cost"],
+                      float32_cost=e["float32_cost"],
+                      unknown_flops=e["unknown_flops"])
+              for path, e in per_path.items())
+  return CostReport(
+      function=report.function,
+      policy="" if pol is None else str(pol), target=target, rows=out,
+      flops=sum(r.flops for r in out), cost=sum(r.cost for r in out),
+      float32_cost=sum(r.float32_cost for r in out),
+      unknown_flops=sum(r.unknown_flops for r in out),
+      by_algorithm=dict(sorted(by_algo.items(), key=lambda kv: (-kv[1], kv[0]))),
+      weights=table)
