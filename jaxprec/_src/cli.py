@@ -1,4 +1,4 @@
-"""The ``jaxprec`` command line: ``info``, ``audit``, ``run`` and ``check``.
+"""The ``jaxprec`` command line: ``info``, ``audit``, ``run``, ``check``, ``search``.
 
 * ``jaxprec info [--json]``: the precision in force and what it means
   (:func:`jaxprec.explain`).
@@ -8,12 +8,19 @@
   :func:`jaxprec.audit` of ``fn(*args, **kwargs)``.
 * ``jaxprec run -p P -- CMD ...``: runs ``CMD`` with
   ``JAX_DEFAULT_MATMUL_PRECISION`` set to ``P`` (in JAX's spelling) and exits
-  with its exit code.
+  with its exit code. ``jaxprec run --policy POLICY -- CMD ...`` instead
+  passes a :class:`jaxprec.Policy` (its canonical text) in ``JAXPREC_POLICY``,
+  and, when the policy is one precision for everything, sets
+  ``JAX_DEFAULT_MATMUL_PRECISION`` to it as ``-p`` does.
 * ``jaxprec check [--model NAME | MODULE:FUNCTION] [options]``: runs
   :func:`jaxprec.check` on a built-in model or on ``fn(*args, **kwargs)`` from
   ``FUNCTION()`` (the ``audit`` convention), prints the table, and writes
   ``report.json`` and ``divergence.png`` to ``--out``; with ``--atol`` or
   ``--rtol`` it exits 1 when a layer is outside the tolerance (for CI).
+* ``jaxprec search [--model NAME | MODULE:FUNCTION] --tolerance T [options]``:
+  runs :func:`jaxprec.search_policy` and prints the cheapest policy found (in
+  the text ``jaxprec run --policy`` takes), its cost relative to float32 and
+  the number of evaluations; exits 1 when no policy meets the tolerance.
 
 Bad usage prints one line, ``jaxprec: error: ...``, to stderr and exits 2.
 JAX is imported by the commands, not by ``--help``.
@@ -95,8 +102,14 @@ def _parser() -> argparse.ArgumentParser:
                   "(any spelling jaxprec.resolve accepts, written in JAX's "
                   "spelling) and exits with CMD's exit status.",
       epilog="example: jaxprec run -p float32 -- python train.py --steps 10")
-  run.add_argument("-p", "--precision", required=True,
-                   help="e.g. float32, bf16, tf32, F32_F32_F32, backend-default")
+  which = run.add_mutually_exclusive_group(required=True)
+  which.add_argument("-p", "--precision",
+                     help="e.g. float32, bf16, tf32, F32_F32_F32, "
+                          "backend-default")
+  which.add_argument("--policy",
+                     help="a jaxprec policy, e.g. 'default=bfloat16,"
+                          "conv=float32', passed to CMD in JAXPREC_POLICY "
+                          "(see jaxprec search)")
   run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
                    help="the command to run")
   run.set_defaults(handler=_run)
@@ -146,6 +159,48 @@ def _parser() -> argparse.ArgumentParser:
   check.add_argument("--seed", type=int, default=0,
                      help="seed of the built-in model (default 0)")
   check.set_defaults(handler=_check)
+
+  search = sub.add_parser(
+      "search", help="find the cheapest per-layer precision within a tolerance",
+      description="Searches for the cheapest precision policy (a precision "
+                  "per Flax module path, from --candidates) whose every "
+                  "output layer stays within --tolerance of float32, "
+                  "emulating TPU or GPU numerics where the backend is not "
+                  "the target. Prints the policy (the text jaxprec run "
+                  "--policy and jaxprec.Policy.parse take), its cost relative "
+                  "to float32, and the number of evaluations; one progress "
+                  "line per evaluation goes to stderr. Exits 1 when no "
+                  "policy meets the tolerance.",
+      epilog="examples: jaxprec search --model wav2vec2 --tolerance 1e-3; "
+             "jaxprec search mymodel:make --tolerance 30 --metric sqnr_db")
+  search.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
+                      help="e.g. mypkg.model:make or path/to/model.py:make "
+                           "(as for check)")
+  search.add_argument("--model", choices=("wav2vec2", "bert"),
+                      help="a built-in model (random weights, nothing "
+                           "downloaded)")
+  search.add_argument("--size", choices=("tiny", "small", "base"),
+                      default=None,
+                      help="size of the built-in model (default tiny)")
+  search.add_argument("--seed", type=int, default=0,
+                      help="seed of the built-in model (default 0)")
+  search.add_argument("--tolerance", type=float, required=True,
+                      help="bound on --metric for every layer (sqnr_db: a "
+                           "minimum; cosine: a bound on 1 - cosine)")
+  search.add_argument("--metric", default="rel_rms",
+                      help="rel_rms (default), max_abs, max_rel, cosine, "
+                           "sqnr_db, ulp_median or ulp_max")
+  search.add_argument("--candidates", default=None,
+                      help="comma-separated precisions to choose from "
+                           "(default bfloat16,bfloat16_3x,float32 for tpu; "
+                           "tensorfloat32,TF32_TF32_F32_X3,float32 for gpu)")
+  search.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
+                      help="whose numerics and costs (default tpu)")
+  search.add_argument("--budget", type=int, default=None,
+                      help="most evaluations (default 24)")
+  search.add_argument("--json", action="store_true",
+                      help="print the result as JSON")
+  search.set_defaults(handler=_search)
   return parser
 
 
@@ -163,8 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     ns = _parser().parse_args(argv)
     if ns.command is None:
-      raise _UsageError("missing command: choose one of info, audit, run, check "
-                        "(see jaxprec --help)")
+      raise _UsageError("missing command: choose one of info, audit, run, "
+                        "check, search (see jaxprec --help)")
     return ns.handler(ns)
   except _UsageError as e:
     print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
@@ -174,6 +229,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
   except SystemExit as e:  # --help and --version
     return e.code if isinstance(e.code, int) else 0
+
+
+def _policy(text: str):
+  """A Policy from ``--policy`` text (a policy string or one precision)."""
+  from jaxprec._src.policy import as_policy
+  try:
+    return as_policy(text)
+  except ValueError as e:
+    raise _UsageError(str(e)) from None
 
 
 def _one_line(e: BaseException) -> str:
@@ -400,8 +464,12 @@ def _write_outputs(report, out: str) -> None:
         f"{os.path.join(out, 'divergence.png')}", file=sys.stderr)
 
 
+# The variable `jaxprec run --policy` passes a policy in (canonical text).
+POLICY_ENV_VAR = "JAXPREC_POLICY"
+
+
 def _run(ns: argparse.Namespace) -> int:
-  p = _resolve(ns.precision)
+  policy = None if ns.policy is None else _policy(ns.policy)
   cmd = list(ns.cmd)
   if cmd and cmd[0] == "--":
     cmd = cmd[1:]
@@ -409,7 +477,15 @@ def _run(ns: argparse.Namespace) -> int:
     raise _UsageError(
         "run needs a command, e.g. jaxprec run -p float32 -- python train.py")
   from jaxprec._src import env as env_lib
-  env = env_lib.env_for(p)
+  if policy is None:
+    env = env_lib.env_for(_resolve(ns.precision))
+  else:
+    # One precision for everything is also JAX's flag; a policy with rules
+    # is for the command's code to apply (jaxprec.swap, jaxprec.emulate).
+    env = (env_lib.env_for(policy.default)
+           if not policy.rules and policy.default is not None
+           else dict(os.environ))
+    env[POLICY_ENV_VAR] = str(policy)
   try:
     proc = subprocess.Popen(cmd, env=env)
   except FileNotFoundError:
@@ -426,3 +502,60 @@ def _run(ns: argparse.Namespace) -> int:
       except KeyboardInterrupt:
         continue  # The child got the SIGINT too; report how it ends.
   return 128 - rc if rc < 0 else rc  # Killed by signal N: 128 + N, as shells do.
+
+
+def _search(ns: argparse.Namespace) -> int:
+  if (ns.function is None) == (ns.model is None):
+    raise _UsageError("search needs either --model wav2vec2|bert or "
+                      "MODULE:FUNCTION (not both)")
+  if ns.size is not None and ns.model is None:
+    raise _UsageError("--size applies to --model only")
+  from jaxprec._src import search as search_lib
+  candidates = None
+  if ns.candidates is not None:
+    candidates = tuple(c.strip() for c in ns.candidates.split(",") if c.strip())
+    if not candidates:
+      raise _UsageError("--candidates is empty; e.g. --candidates "
+                        "bfloat16,float32")
+  budget = search_lib.DEFAULT_BUDGET if ns.budget is None else ns.budget
+  try:  # the arguments, before the model is built
+    search_lib.check_arguments(tolerance=ns.tolerance, metric=ns.metric,
+                               candidates=candidates, target=ns.target,
+                               budget=budget)
+  except (ValueError, TypeError) as e:
+    raise _UsageError(str(e)) from None
+  if ns.model is not None:
+    try:
+      import jaxprec.models as models
+    except ImportError as e:
+      raise _Failure(f"--model needs Flax: {e}") from None
+    fn, args = models.MODELS[ns.model](ns.size or "tiny", ns.seed)
+    kwargs: dict = {}
+    what = f"{ns.model} ({ns.size or 'tiny'}, seed {ns.seed})"
+  else:
+    fn, args, kwargs = _call_target(ns.function)
+    what = ns.function
+  if not callable(fn):
+    raise _UsageError(f"{ns.function}() returned a {type(fn).__name__} as fn, "
+                      f"not a callable")
+  import warnings
+  try:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always", UserWarning)
+      result = search_lib.search_policy(
+          fn, *args, tolerance=ns.tolerance, metric=ns.metric,
+          candidates=candidates, target=ns.target, budget=budget, **kwargs)
+  except Exception as e:  # noqa: BLE001 -- the user's code failed
+    raise _Failure(f"searching {what} failed: {type(e).__name__}: "
+                   f"{e}") from None
+  for w in caught:
+    print(f"{_PROG}: warning: {_one_line(w.message)}", file=sys.stderr)
+  if ns.json:
+    print(result.to_json())
+  else:
+    print(f"model: {what}")
+    print(result)
+  if not result.meets_tolerance:
+    raise _Failure(f"no policy met the tolerance ({result.metric} "
+                   f"{ns.tolerance:g}); the printed policy is the fallback")
+  return 0

@@ -49,6 +49,7 @@ import dataclasses
 import difflib
 import functools
 import heapq
+import itertools
 import json
 import math
 import re
@@ -522,6 +523,13 @@ class _Node:
   # The split that made it left nearly all the parent's sensitivity in one
   # half: a few paths are to blame, and bisecting finds them.
   concentrated: bool = True
+  # An inferred sensitivity that is a small difference of large ones (the
+  # sibling held most of the parent's) is noise: measure before splitting.
+  reliable: bool = True
+
+
+def _paths(n: int) -> str:
+  return f"{n} path" if n == 1 else f"{n} paths"
 
 
 class _Search:
@@ -653,21 +661,31 @@ class _Search:
     return np.maximum(trial.powers - base.powers, 0.0)
 
   def lower_to(self, t: int) -> None:
-    """Lowers what it can of the best policy's units to candidate ``t``."""
+    """Lowers what it can of the best policy's units to candidate ``t``.
+
+    Rounds of measure-and-choose against the best policy so far: the groups
+    a round found to fit alone but could not lower together with the others
+    are split in the next round, until a round lowers nothing.
+    """
     base = self.best
     levels = base.levels
     movable = tuple(i for i in range(len(levels))
                     if levels[i] > t and self.saving((i,), levels, t) > 0)
     if not movable or not self.can_try():
       return
-    name = self.cands[t].label
-    root_trial = self.evaluate(self.lowered(levels, movable, t),
-                               f"lower {len(movable)} paths to {name}")
+    root_trial = self.evaluate(
+        self.lowered(levels, movable, t),
+        f"lower {_paths(len(movable))} to {self.cands[t].label}")
     if root_trial.passed:
       return  # the best policy now
-    root = _Node(movable, self.sensitivity(root_trial, base), True)
-    leaves = self.refine(root, base, t)
-    self.choose(leaves, base, t)
+    nodes = [_Node(movable, self.sensitivity(root_trial, base), True)]
+    while nodes:
+      base = self.best
+      unchosen = self.choose(self.refine(nodes, base, t), t)
+      if self.best is base:
+        return
+      nodes = [dataclasses.replace(g, depth=0) for g in unchosen
+               if self.saving(g.units, self.best.levels, t) > 0]
 
   def density(self, node: _Node, room: np.ndarray) -> float:
     """How many times the node's added error fills the headroom (worst layer)."""
@@ -676,7 +694,7 @@ class _Search:
     d = np.where(np.isnan(d), np.inf, d)
     return float(d.max()) if d.size else 0.0
 
-  def refine(self, root: _Node, base: _Trial, t: int) -> list[_Node]:
+  def refine(self, roots: list[_Node], base: _Trial, t: int) -> list[_Node]:
     """Splits groups that cannot be lowered whole, most promising first.
 
     A group's promise is the saving expected from lowering part of it: its
@@ -697,36 +715,52 @@ class _Search:
       if d <= 1.0:
         leaves.append(node)
         return
-      if len(node.units) == 1:
+      if len(node.units) == 1 and node.measured:
         return  # cannot be lowered
+      # Spread sensitivity: an average path of the group overfills the
+      # headroom d / k times; discount the saving by the square of that.
       chance = 1.0 if node.depth <= 1 or node.concentrated else min(
-          1.0, len(node.units) / d)
+          1.0, len(node.units) / d) ** 2
       expected = self.saving(node.units, base.levels, t) * chance
       if expected >= min_gain:
-        heapq.heappush(heap, (-expected, len(heap) + len(leaves), node))
+        heapq.heappush(heap, (-expected, next(tick), node))
 
-    push(root)
+    tick = itertools.count()
+    for root in roots:
+      push(root)
+    name = self.cands[t].label
     while heap:
       if not self.can_try(reserve=1):  # keep one for the verification
         break
       _, _, node = heapq.heappop(heap)
+      if not node.measured and (len(node.units) == 1 or not node.reliable):
+        trial = self.evaluate(self.lowered(base.levels, node.units, t),
+                              f"measure {_paths(len(node.units))} at {name}")
+        push(dataclasses.replace(node, sens=self.sensitivity(trial, base),
+                                 measured=True, reliable=True))
+        continue
       half = len(node.units) // 2
       left_units, right_units = node.units[:half], node.units[half:]
-      trial = self.evaluate(
-          self.lowered(base.levels, left_units, t),
-          f"measure {len(left_units)} paths at {self.cands[t].label}")
+      trial = self.evaluate(self.lowered(base.levels, left_units, t),
+                            f"measure {_paths(len(left_units))} at {name}")
       left_sens = self.sensitivity(trial, base)
       right_sens = np.maximum(node.sens - left_sens, 0.0)
-      d = sorted((self.density(_Node((), left_sens, True), room),
-                  self.density(_Node((), right_sens, False), room)))
-      concentrated = d[0] <= 0.1 * d[1]
+      d_left = self.density(_Node((), left_sens, True), room)
+      d_right = self.density(_Node((), right_sens, False), room)
+      concentrated = min(d_left, d_right) <= 0.1 * max(d_left, d_right)
+      reliable = d_right >= 0.25 * self.density(node, room)
       push(_Node(left_units, left_sens, True, node.depth + 1, concentrated))
-      push(_Node(right_units, right_sens, False, node.depth + 1, concentrated))
+      push(_Node(right_units, right_sens, False, node.depth + 1, concentrated,
+                 reliable))
     return leaves
 
-  def choose(self, leaves: list[_Node], base: _Trial, t: int) -> None:
-    """Lowers the groups that save the most per unit of error, verified."""
+  def choose(self, leaves: list[_Node], t: int) -> list[_Node]:
+    """Lowers the groups that save the most per unit of error, verified.
+
+    Returns the groups it did not lower.
+    """
     remaining = list(leaves)
+    failed: list[_Node] = []  # fit alone, not with the others: split next round
     while remaining:
       base = self.best
       room = self.headroom(base)
@@ -743,21 +777,23 @@ class _Search:
           chosen.append(g)
           total = trial_total
       if not chosen:
-        return
+        return remaining + failed
       while chosen:
         if not self.can_try():
-          return
+          return remaining + failed
         units = tuple(u for g in chosen for u in g.units)
         trial = self.evaluate(
             self.lowered(base.levels, units, t),
-            f"lower {len(units)} paths to {self.cands[t].label}")
+            f"lower {_paths(len(units))} to {self.cands[t].label}")
         if trial.passed:
           break
-        # The last added saves the least per unit of error: drop it for good.
-        remaining.remove(chosen.pop())
+        # The last added saves the least per unit of error.
+        failed.append(chosen.pop())
+        remaining.remove(failed[-1])
       if not chosen:
-        return
+        return remaining + failed
       remaining = [g for g in remaining if g not in chosen]
+    return remaining + failed
 
   def finish(self) -> _Trial | None:
     """Makes the last evaluation the best policy's (re-running it if needed)."""
@@ -774,6 +810,30 @@ class _Search:
         self._record(again, "re-check", seconds)
         self.best = again if passed else None
     return self.best
+
+
+def check_arguments(*, tolerance: Any, metric: Any = "rel_rms",
+                    candidates: Any = None, target: Any = "tpu",
+                    budget: Any = DEFAULT_BUDGET):
+  """Validates :func:`search_policy`'s arguments (the command line checks
+  them before building a model).
+
+  Returns:
+    ``(metric, tolerance, candidates, target, budget)``, normalized; the
+    candidates as internal records, cheapest first.
+
+  Raises:
+    TypeError, ValueError: as :func:`search_policy` does.
+  """
+  metric = _check_metric(metric)
+  tolerance = _check_tolerance(tolerance, metric)
+  target = cost_lib.check_target(target)
+  if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+    raise TypeError(f"budget must be an int; got {budget!r}.")
+  if budget < 1:
+    raise ValueError(f"budget must be >= 1 (evaluations); got {budget}.")
+  cands = _candidates(candidates, target, cost_lib.weights_for(target))
+  return metric, tolerance, cands, target, int(budget)
 
 
 def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
@@ -854,17 +914,15 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   if not callable(fn):
     raise TypeError(f"jaxprec.search_policy expects a callable; got {fn!r} of "
                     f"type {type(fn).__name__}")
-  metric = _check_metric(metric)
-  tolerance = _check_tolerance(tolerance, metric)
-  target = cost_lib.check_target(target)
-  if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
-    raise TypeError(f"budget must be an int; got {budget!r}.")
-  if budget < 1:
-    raise ValueError(f"budget must be >= 1 (evaluations); got {budget}.")
-  budget = int(budget)
+  metric, tolerance, cands, target, budget = check_arguments(
+      tolerance=tolerance, metric=metric, candidates=candidates,
+      target=target, budget=budget)
   mode = _resolve_mode(mode, target)
   weights = cost_lib.weights_for(target)
-  cands = _candidates(candidates, target, weights)
+  if mode == "native" and compat.backend_platform() == "cpu":
+    warnings.warn("jaxprec.search_policy: native mode on cpu: the CPU ignores "
+                  "matmul precision, so every policy computes float32 (use "
+                  "mode='emulate')", UserWarning, stacklevel=2)
   t_start = time.perf_counter()
   call = _Args(args, kwargs)
 
