@@ -410,3 +410,11 @@ def test_transformers_flax_bert_hidden_states(hf):
   assert bf16[0] == 0  # embeddings: no matmul
   assert all(1e-5 < v < 3e-2 for v in bf16[1:])
   assert r.first_divergence(0, 0, precision="bfloat16").layer == "[1]"
+
+
+def test_transposed_bf16_matmul_runs_on_xla_cpu():
+  # XLA:CPU folds the transpose into the emulated bfloat16 dot and then
+  # refuses to run it; check compiles such a program again without that fold.
+  r = jaxprec.check(lambda x: {"t": (x @ W[0]).T}, X, precisions=["bf16"],
+                    mode="emulate")
+  assert 1e-4 < r.layers[0].metrics["bf16"].rel_rms < 1e-2

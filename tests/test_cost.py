@@ -181,7 +181,8 @@ def test_str_and_to_dict(convnet):
 def test_bad_input():
   with pytest.raises(TypeError, match="expects a callable"):
     jaxprec.cost(3, X)
-  with pytest.raises(ValueError, match="Unknown target 'cpu'; valid choices: 'tpu', 'gpu'"):
+  with pytest.raises(ValueError,
+                     match="Unknown target 'cpu'; valid choices: 'tpu', 'gpu'"):
     jaxprec.cost(mlp, X, W1, W2, target="cpu")
   with pytest.raises(ValueError, match="Invalid precision 'bf17'"):
     jaxprec.cost(mlp, X, W1, W2, policy="bf17")

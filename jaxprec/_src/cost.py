@@ -152,7 +152,7 @@ def algorithm(row: audit_lib.AuditRow, target: str,
 
 def trace_rows(fn: Callable[..., Any], args: tuple, kwargs: dict,
                policy: Policy | None) -> audit_lib.AuditReport:
-  """:func:`jaxprec.audit` of ``fn`` traced as ``jaxprec.emulate(fn, policy)`` traces it.
+  """:func:`jaxprec.audit` of ``fn``, traced as ``jaxprec.emulate(fn, policy)`` is.
 
   The policy's interception is in force (when Flax linen is imported) and
   JAX's flag is cleared, so ops record the precision the policy gives their

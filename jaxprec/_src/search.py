@@ -18,28 +18,36 @@ The algorithm (``docs/search.md`` walks through it):
 1. Every unit at the cheapest candidate. If that meets the tolerance, it is
    the answer, after one evaluation.
 2. Every unit at the next candidates in cost order, until one meets the
-   tolerance: level ``L``. (If none does, nothing will: the answer is
-   all-float32, with a warning.)
-3. From all-``L`` down, for each cheaper candidate ``t`` (cheapest first):
-   measure the *sensitivity* of groups of units, contiguous in execution
-   order, to running at ``t`` (the increase of each checked layer's error
-   when only that group is lowered), bisecting the groups that cannot be
-   lowered whole, most promising first (large savings, small sensitivity);
-   the sensitivity of a group's second half is inferred from the group's and
-   its first half's (errors of independent rounding add in power:
-   ``rel_rms**2``, ``max_abs**2``, ``1 - cosine``, ``10**(-sqnr/10)``), so a
-   bisection step costs one evaluation. Then lower greedily the groups that
-   save the most cost per unit of error they add, while the predicted error
-   fits the tolerance, and verify with one evaluation (dropping the last
-   group and retrying when the prediction was optimistic).
+   tolerance: level ``L``. (If none does, the answer is all-float32, with a
+   warning.)
+3. From all-``L`` down, for each cheaper candidate ``t`` (cheapest first),
+   in rounds:
+
+   a. *measure*: the sensitivity of a group of units (contiguous in
+      execution order) is the increase of each checked layer's error when
+      only that group runs at ``t``. Groups that cannot be lowered whole are
+      bisected, the most promising first (expected saving: large when one
+      half of a group holds nearly all of its sensitivity, discounted when
+      the sensitivity is spread so that even an average unit would not
+      fit); a half's sensitivity is measured, the other half's inferred by
+      difference (errors of independent roundings add in power:
+      ``rel_rms**2``, ``max_abs**2``, ``1 - cosine``, ``10**(-sqnr/10)``),
+      unless the difference is noise, so a bisection step costs one
+      evaluation;
+   b. *choose*: lower greedily the groups that save the most cost per unit
+      of error they add while the predicted error fits the tolerance, and
+      verify with one evaluation (dropping the last group and retrying when
+      the prediction was optimistic);
+   c. the next round splits the groups that fit alone but not together,
+      until a round lowers nothing.
 4. The answer is the cheapest evaluated policy that met the tolerance; the
    last evaluation is always of it (run again if the search's last trial was
    another), so :attr:`SearchResult.report` measures exactly the returned
    policy.
 
-The number of evaluations grows with the number of groups worth splitting,
-about ``log2`` of the number of units per group that must stay precise;
-``budget`` caps it.
+A model with one ill-conditioned layer among ``n`` takes about ``log2(n) +
+4`` evaluations; many sensitive layers take more, down to one evaluation per
+unit that must stay precise, and ``budget`` caps it.
 """
 
 from __future__ import annotations
@@ -71,12 +79,12 @@ from jaxprec._src import policy as policy_lib
 from jaxprec._src.check import named_layers
 from jaxprec._src.emulate import emulate
 from jaxprec._src.emulated_ops import algorithm_for
-from jaxprec._src.policy import Policy, PolicyLike, Rule
+from jaxprec._src.policy import Policy, Rule
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 from jaxprec._src.report import DivergenceReport, LayerResult
 
 __all__ = ["DEFAULT_BUDGET", "DEFAULT_CANDIDATES", "METRICS", "MODES",
-           "SearchResult", "SearchStep", "search_policy"]
+           "SearchResult", "SearchStep", "check_arguments", "search_policy"]
 
 # Metrics a tolerance can bound. Smaller is better for all but cosine (the
 # tolerance bounds 1 - cosine) and sqnr_db (the tolerance is a minimum).
@@ -269,7 +277,7 @@ class _Runner:
     self.layout, self.target, self.mode = layout, target, mode
     self.hi = self.stats = None
     self._programs: dict[Policy, Any] = {}
-    self._metrics = jax.jit(functools.partial(_layer_stats, layout=layout))
+    self._metrics = _metrics_program(layout)
 
   def wrap(self, policy: Policy) -> Callable[..., Any]:
     if self.mode == "native":
@@ -295,11 +303,16 @@ class _Runner:
     return metrics_lib.finish(jax.device_get(stats), self.layout)
 
 
-def _layer_stats(values, hi, stats, *, layout):
-  return metrics_lib.layer_stats(values, hi, None, stats, layout, atol=0.0,
-                                 rtol=0.0)
+# Both programs depend on the layers' sizes only: kept for later searches.
+@functools.lru_cache(maxsize=8)
+def _metrics_program(layout: metrics_lib.Layout):
+  def program(values, hi, stats):
+    return metrics_lib.layer_stats(values, hi, None, stats, layout, atol=0.0,
+                                   rtol=0.0)
+  return jax.jit(program)
 
 
+@functools.lru_cache(maxsize=8)
 def _reference_program(layout: metrics_lib.Layout):
   def program(values):
     hi = metrics_lib.pack(values, layout)
@@ -501,9 +514,52 @@ class SearchResult:
 # The search.
 
 
+@dataclasses.dataclass(frozen=True)
+class _CostTable:
+  """What each unit costs at each candidate, from one audit of ``fn``.
+
+  Traced with JAX's flag cleared and no policy: the ops that record no
+  precision are the ones a policy decides (the others are ``fixed``); their
+  module paths, in program order, are the units.
+  """
+
+  units: list[str]
+  unit_costs: np.ndarray  # (units, candidates)
+  fixed_cost: float
+  float32_cost: float
+
+  @classmethod
+  def of(cls, fn, args, kwargs, target: str, cands: list[_Candidate],
+         weights: Mapping[str, float]) -> _CostTable:
+    rows = cost_lib.trace_rows(fn, args, kwargs, None).rows
+    unit_rows: dict[str, list] = {}
+    fixed = []
+    for r in rows:
+      algo = cost_lib.algorithm(r, target, cands[0].precision)
+      if r.precision is None and not algo.startswith("native") and (
+          algo != "unknown"):
+        unit_rows.setdefault(r.module_path, []).append(r)
+      else:
+        fixed.append(r)
+
+    def cost(rs, p: Precision | None) -> float:
+      total = 0.0
+      for r in rs:
+        w = weights.get(cost_lib.algorithm(r, target, p))
+        total += 0.0 if w is None else r.flops * w
+      return total
+    units = list(unit_rows)
+    table = np.array([[cost(unit_rows[u], c.precision) for c in cands]
+                      for u in units]).reshape(len(units), len(cands))
+    fixed_cost = cost(fixed, None)
+    f32 = resolve("float32")
+    return cls(units, table, fixed_cost,
+               fixed_cost + sum(cost(unit_rows[u], f32) for u in units))
+
+
 @dataclasses.dataclass(eq=False)
 class _Trial:
-  levels: tuple[int, ...]
+  levels: tuple[int, ...] | None  # None: all-float32, not a candidate
   policy: Policy
   powers: np.ndarray
   metrics: list
@@ -534,13 +590,13 @@ def _paths(n: int) -> str:
 
 class _Search:
 
-  def __init__(self, *, runner: _Runner, units: list[str],
-               unit_costs: np.ndarray, fixed_cost: float, float32_cost: float,
+  def __init__(self, *, runner: _Runner, table: _CostTable,
                cands: list[_Candidate], metric: str, tolerance: float,
                budget: int, verbose: bool):
-    self.runner, self.units, self.cands = runner, units, cands
-    self.unit_costs = unit_costs  # (n_units, n_candidates)
-    self.fixed_cost, self.float32_cost = fixed_cost, float32_cost
+    self.runner, self.cands = runner, cands
+    self.units = table.units
+    self.unit_costs = table.unit_costs  # (units, candidates)
+    self.fixed_cost, self.float32_cost = table.fixed_cost, table.float32_cost
     self.metric, self.tolerance, self.budget = metric, tolerance, budget
     self.tol_power = _tolerance_power(metric, tolerance)
     self.verbose = verbose
@@ -555,15 +611,18 @@ class _Search:
   def evaluations(self) -> int:
     return len(self.history)
 
-  def relative_cost(self, levels: Sequence[int]) -> float:
+  def relative_cost(self, levels: Sequence[int] | None) -> float:
+    """Predicted cost relative to float32 (``levels`` None: all-float32)."""
+    if levels is None or self.float32_cost == 0:
+      return 1.0
     idx = np.asarray(levels, int)
     total = self.fixed_cost + float(
         self.unit_costs[np.arange(len(idx)), idx].sum())
-    if self.float32_cost == 0:
-      return 1.0
     return total / self.float32_cost
 
-  def policy(self, levels: Sequence[int]) -> Policy:
+  def policy(self, levels: Sequence[int] | None) -> Policy:
+    if levels is None:
+      return Policy(default="float32")
     if not levels:
       return Policy(default=self.cands[0].precision)
     counts = np.bincount(np.asarray(levels), minlength=len(self.cands))
@@ -581,9 +640,12 @@ class _Search:
       self.exhausted = True
     return ok
 
-  def evaluate(self, levels: tuple[int, ...], phase: str) -> _Trial:
+  def evaluate(self, levels: tuple[int, ...] | None, phase: str, *,
+               again: bool = False) -> _Trial:
+    """Runs the policy of ``levels`` (None: all-float32), once per levels
+    unless ``again``."""
     hit = self.trials.get(levels)
-    if hit is not None:
+    if hit is not None and not again:
       return hit
     policy = self.policy(levels)
     t0 = time.perf_counter()
@@ -595,8 +657,9 @@ class _Search:
                    self.evaluations + 1)
     self.trials[levels] = trial
     self._record(trial, phase, seconds)
-    if passed and (self.best is None or self.relative_cost(levels)
-                   < self.relative_cost(self.best.levels)):
+    if levels is not None and passed and (
+        self.best is None
+        or self.relative_cost(levels) < self.relative_cost(self.best.levels)):
       self.best = trial
     return trial
 
@@ -607,7 +670,9 @@ class _Search:
     name = self.runner.names[worst]
     value = _value(self.metric, trial.metrics[worst])
     counts: dict[str, int] = {}
-    for l in trial.levels:
+    if trial.levels is None:
+      counts = {"float32": len(self.units)}
+    for l in trial.levels or ():
       counts[self.cands[l].label] = counts.get(self.cands[l].label, 0) + 1
     rel = self.relative_cost(trial.levels)
     step = SearchStep(index=trial.index, phase=phase, policy=trial.policy,
@@ -799,17 +864,23 @@ class _Search:
     """Makes the last evaluation the best policy's (re-running it if needed)."""
     if self.best is not None and self.last is not self.best:
       if self.evaluations < self.budget:
-        trial = self.best
-        t0 = time.perf_counter()
-        metrics = self.runner.run(trial.policy)
-        seconds = time.perf_counter() - t0
-        powers = np.array([_power(self.metric, m) for m in metrics])
-        passed = bool(np.all(powers <= self.tol_power))
-        again = _Trial(trial.levels, trial.policy, powers, metrics, passed,
-                       self.evaluations + 1)
-        self._record(again, "re-check", seconds)
-        self.best = again if passed else None
+        best, self.best = self.best, None
+        again = self.evaluate(best.levels, "re-check", again=True)
+        self.best = again if again.passed else None
     return self.best
+
+  def fallback(self) -> _Trial | None:
+    """All-float32, measured if the search did or the budget allows."""
+    for trial in self.trials.values():
+      if trial.policy == Policy(default="float32"):
+        return trial
+    if self.evaluations >= self.budget:
+      return None
+    levels = None  # float32 is not a candidate
+    for k, c in enumerate(self.cands):
+      if c.precision.name == "float32":
+        levels = (k,) * len(self.units)
+    return self.evaluate(levels, "all float32")
 
 
 def check_arguments(*, tolerance: Any, metric: Any = "rel_rms",
@@ -925,33 +996,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   "mode='emulate')", UserWarning, stacklevel=2)
   t_start = time.perf_counter()
   call = _Args(args, kwargs)
-
-  # The units and what each costs at each candidate (the audit, traced with
-  # JAX's flag cleared: ops that record no precision are the policy's).
-  rows = cost_lib.trace_rows(fn, args, kwargs, None).rows
-  units: list[str] = []
-  unit_rows: dict[str, list] = {}
-  fixed = []
-  for r in rows:
-    algo = cost_lib.algorithm(r, target, cands[0].precision)
-    if r.precision is None and not algo.startswith("native") and algo != "unknown":
-      if r.module_path not in unit_rows:
-        units.append(r.module_path)
-        unit_rows[r.module_path] = []
-      unit_rows[r.module_path].append(r)
-    else:
-      fixed.append(r)
-
-  def row_cost(r, p: Precision | None) -> float:
-    w = weights.get(cost_lib.algorithm(r, target, p))
-    return 0.0 if w is None else r.flops * w
-  unit_costs = np.array([[sum(row_cost(r, c.precision) for r in unit_rows[u])
-                          for c in cands] for u in units]).reshape(
-                              len(units), len(cands))
-  fixed_cost = sum(row_cost(r, None) for r in fixed)
-  f32 = resolve("float32")
-  float32_cost = fixed_cost + sum(row_cost(r, f32) for u in units
-                                  for r in unit_rows[u])
+  table = _CostTable.of(fn, args, kwargs, target, cands, weights)
 
   # Output layers and the reference.
   shapes = jax.eval_shape(lambda d: call.call(fn, d), call.dynamic)
@@ -969,15 +1014,23 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   runner.set_reference(ref_values)
   del ref_values
 
-  search = _Search(runner=runner, units=units, unit_costs=unit_costs,
-                   fixed_cost=fixed_cost, float32_cost=float32_cost,
-                   cands=cands, metric=metric, tolerance=tolerance,
-                   budget=budget, verbose=verbose)
+  search = _Search(runner=runner, table=table, cands=cands, metric=metric,
+                   tolerance=tolerance, budget=budget, verbose=verbose)
   search.run()
   best = search.finish()
-  final, meets = best, best is not None
-  if best is None:
-    final = _fallback(search, fn, call, runner)
+  if best is not None:
+    policy, metrics, meets = best.policy, best.metrics, True
+    if search.exhausted:
+      warnings.warn(
+          f"jaxprec.search_policy: the budget of {budget} evaluations ran "
+          f"out; returning the cheapest policy found that meets the "
+          f"tolerance ({policy}). A larger budget may find a cheaper one.",
+          UserWarning, stacklevel=2)
+  else:
+    trial = search.fallback()
+    policy = Policy(default="float32")
+    metrics = None if trial is None else trial.metrics
+    meets = trial is not None and trial.passed
     msg = ("no policy of the candidates met the tolerance"
            if not search.exhausted else
            f"the budget of {budget} evaluations ran out before any policy "
@@ -985,15 +1038,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     warnings.warn(
         f"jaxprec.search_policy: {msg} ({metric} "
         f"{'>=' if metric == 'sqnr_db' else '<='} {tolerance:g}); returning "
-        f"{final[0]}{'' if final[1] is not None else ' (not evaluated)'}.",
+        f"{policy}{'' if trial is not None else ' (not evaluated)'}.",
         UserWarning, stacklevel=2)
-  elif search.exhausted:
-    warnings.warn(
-        f"jaxprec.search_policy: the budget of {budget} evaluations ran out; "
-        f"returning the cheapest policy found that meets the tolerance "
-        f"({best.policy}). A larger budget may find a cheaper one.",
-        UserWarning, stacklevel=2)
-  policy, metrics = (best.policy, best.metrics) if best is not None else final
   report = None if metrics is None else _report(
       policy, metrics, names, shape_of, reference, target, mode, metric,
       tolerance)
@@ -1006,31 +1052,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       cost=cost_report, evaluations=search.evaluations, budget=budget,
       history=tuple(search.history), metric=metric, tolerance=tolerance,
       candidates=tuple(c.label for c in cands), target=target, mode=mode,
-      units=tuple(units), seconds=time.perf_counter() - t_start)
-
-
-def _fallback(search: _Search, fn, call: _Args, runner: _Runner):
-  """All-float32: its measurement if the search made one (or can), else None."""
-  policy = Policy(default="float32")
-  for trial in search.trials.values():
-    if trial.policy == policy:
-      return policy, trial.metrics
-  if search.evaluations < search.budget:
-    levels = None
-    for k, c in enumerate(search.cands):
-      if c.precision == policy.default:
-        levels = (k,) * len(search.units)
-    if levels is not None:
-      return policy, search.evaluate(levels, "all float32").metrics
-    t0 = time.perf_counter()
-    metrics = runner.run(policy)
-    powers = np.array([_power(search.metric, m) for m in metrics])
-    trial = _Trial((), policy, powers, metrics,
-                   bool(np.all(powers <= search.tol_power)),
-                   search.evaluations + 1)
-    search._record(trial, "all float32", time.perf_counter() - t0)  # noqa: SLF001
-    return policy, metrics
-  return policy, None
+      units=tuple(table.units), seconds=time.perf_counter() - t_start)
 
 
 def _reference_values(fn, call: _Args, names, shape_of, reference, runner,
