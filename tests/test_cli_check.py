@@ -38,13 +38,23 @@ MODEL = textwrap.dedent("""\
     """)
 
 
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-  (tmp_path / "clicheck_model.py").write_text(MODEL)
-  monkeypatch.chdir(tmp_path)
-  monkeypatch.setattr(sys, "path", list(sys.path))
-  yield tmp_path
+@pytest.fixture(scope="module")
+def project_dir(tmp_path_factory):
+  """One model file for the module: its functions (and so the compiled
+  programs of jaxprec.check) are shared by the tests."""
+  path = tmp_path_factory.mktemp("project")
+  (path / "clicheck_model.py").write_text(MODEL)
+  yield path
   sys.modules.pop("clicheck_model", None)
+
+
+@pytest.fixture
+def project(project_dir, tmp_path, monkeypatch):
+  """The current directory is a fresh one that can import the model file."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", [str(project_dir), *sys.path])
+  (tmp_path / "clicheck_model.py").write_text(MODEL)  # for path:FUNCTION
+  return tmp_path
 
 
 def run(capsys, *argv):

@@ -92,6 +92,15 @@ def test_path_rules_and_float32_baseline_is_one(convnet):
   assert rows["conv"].cost == 3 * 576 and rows["dense"].cost == 320
 
 
+def test_jitted_function_under_two_policies(convnet):
+  fn, args = convnet
+  jitted = jax.jit(fn)
+  a = jaxprec.cost(jitted, *args, policy="default=bfloat16,conv=float32")
+  b = jaxprec.cost(jitted, *args, policy="default=bfloat16,dense=float32")
+  assert a.row("conv").algorithms == b.row("dense").algorithms == ("bf16x6",)
+  assert a.row("dense").algorithms == b.row("conv").algorithms == ("bf16x1",)
+
+
 def test_policy_none_uses_the_precision_in_force():
   with jaxprec.precision("float32"):
     assert jaxprec.cost(mlp, X, W1, W2).relative == 1.0

@@ -116,6 +116,15 @@ def test_evaluations_stay_near_logarithmic(bad100, bad1e4):
   assert [s.index for s in bad100.history] == list(range(1, bad100.evaluations + 1))
 
 
+def test_sixteen_layers_one_bad_logarithmic():
+  model = OffsetMLP(offset=100.0, bad=11, layers=16)
+  x = jax.random.normal(jax.random.key(1), (16, 32))
+  r = jaxprec.search_policy(model.apply, model.init(jax.random.key(0), x), x,
+                            tolerance=TOL, verbose=False)
+  assert str(r.policy) == "default=bfloat16,dense_11=bfloat16_3x"
+  assert r.evaluations <= 4 + 5  # log2(16) + 5
+
+
 def test_result_report_cost_and_history(bad100):
   r = bad100
   assert r.report is not None and r.report.precisions == ("policy",)
@@ -139,6 +148,15 @@ def test_result_report_cost_and_history(bad100):
   assert f"policy: {r.policy}" in text
   assert f"evaluations: {r.evaluations} " in text
   assert re.search(r"cost: 0\.\d{3} of float32", text)
+
+
+def test_jitted_function(bad100):
+  # jax.jit keeps one trace per signature, whatever the policy: the search
+  # looks through it, so each policy is traced anew.
+  _, fn, args = MODELS[100.0]
+  r = jaxprec.search_policy(jax.jit(fn), *args, tolerance=TOL, verbose=False)
+  assert r.policy == bad100.policy
+  assert [s.passed for s in r.history] == [s.passed for s in bad100.history]
 
 
 def test_policy_works_through_swap(bad100):

@@ -97,11 +97,17 @@ def _parser() -> argparse.ArgumentParser:
   audit.set_defaults(handler=_audit)
 
   run = sub.add_parser(
-      "run", help="run a command at a precision",
+      "run", help="run a command at a precision or policy",
       description="Runs CMD with JAX_DEFAULT_MATMUL_PRECISION set to PRECISION "
                   "(any spelling jaxprec.resolve accepts, written in JAX's "
-                  "spelling) and exits with CMD's exit status.",
-      epilog="example: jaxprec run -p float32 -- python train.py --steps 10")
+                  "spelling) and exits with CMD's exit status. With --policy "
+                  "POLICY instead, CMD gets the policy's canonical text in "
+                  "JAXPREC_POLICY (for jaxprec.swap or jaxprec.emulate in "
+                  "its code), and JAX_DEFAULT_MATMUL_PRECISION too when the "
+                  "policy is one precision for everything.",
+      epilog="examples: jaxprec run -p float32 -- python train.py --steps 10; "
+             "jaxprec run --policy 'default=bf16,conv=float32' -- python "
+             "serve.py")
   which = run.add_mutually_exclusive_group(required=True)
   which.add_argument("-p", "--precision",
                      help="e.g. float32, bf16, tf32, F32_F32_F32, "

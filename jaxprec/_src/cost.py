@@ -150,6 +150,19 @@ def algorithm(row: audit_lib.AuditRow, target: str,
   return algo
 
 
+def unjit(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """The Python function under a top-level ``jax.jit``, else ``fn``.
+
+  A policy reaches a model's ops while it is traced, and ``jax.jit`` keeps
+  its trace per input signature and JAX flag, not per policy: tracing the
+  jitted function under a second policy would reuse the first's jaxpr.
+  """
+  inner = getattr(fn, "__wrapped__", None)
+  if callable(inner) and isinstance(fn, jax.stages.Wrapped):
+    return inner
+  return fn
+
+
 def trace_rows(fn: Callable[..., Any], args: tuple, kwargs: dict,
                policy: Policy | None) -> audit_lib.AuditReport:
   """:func:`jaxprec.audit` of ``fn``, traced as ``jaxprec.emulate(fn, policy)`` is.
@@ -157,7 +170,9 @@ def trace_rows(fn: Callable[..., Any], args: tuple, kwargs: dict,
   The policy's interception is in force (when Flax linen is imported) and
   JAX's flag is cleared, so ops record the precision the policy gives their
   module, and ops outside modules (and ops without a policy) record None.
+  A top-level ``jax.jit`` is looked through (:func:`unjit`).
   """
+  fn = unjit(fn)
 
   @functools.wraps(fn)
   def traced(*a, **k):

@@ -267,8 +267,8 @@ class _Runner:
   function returning the checked layers; the metrics are a second jitted
   program, compiled once per search (the layers' shapes do not change), so
   the layers stay on the device and only per-layer scalars reach the host.
-  (Fusing both into one program made every evaluation compile 1.8x longer
-  on the built-in tiny Wav2Vec2, measured on 2 CPU cores.)
+  (Fusing both into one program made every evaluation 1.5x to 1.8x slower
+  on the built-in tiny Wav2Vec2: ``benchmarks/bench_search.py``.)
   """
 
   def __init__(self, fn, call: _Args, names: Sequence[str],
@@ -995,6 +995,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   "matmul precision, so every policy computes float32 (use "
                   "mode='emulate')", UserWarning, stacklevel=2)
   t_start = time.perf_counter()
+  fn = cost_lib.unjit(fn)  # each policy must trace fn anew
   call = _Args(args, kwargs)
   table = _CostTable.of(fn, args, kwargs, target, cands, weights)
 
