@@ -397,6 +397,12 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
       # bits, so rounding it to 23 is an identity that XLA cannot drop and
       # LLVM cannot see through: the passes are then summed as XLA sums them.
       out = lax.reduce_precision(out, exponent_bits=8, mantissa_bits=22)
+    elif l.dtype == jnp.bfloat16:
+      # An identity on float32 that keeps XLA's simplifier from folding a
+      # later transpose (e.g. of a gradient, or the user's `.T`) into this
+      # bfloat16 dot: XLA:CPU cannot run the folded form ("Unsupported element
+      # type for DotThunk::Execute: BF16 x BF16 = F32"; measured, jax 0.10.2).
+      out = lax.reduce_precision(out, exponent_bits=8, mantissa_bits=23)
     return out
 
   out = _ALGORITHM_FNS[spec.algorithm](one_pass, lhs, rhs, spec.tf32_rounding,
