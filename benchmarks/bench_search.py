@@ -40,8 +40,10 @@ def per_evaluation(fn, args, n: int) -> None:
   names = list(shapes)
   layout = metrics_lib.Layout(tuple(int(np.prod(v.shape))
                                     for v in shapes.values()))
-  runner = search_lib._Runner(fn, call, names, layout, "tpu", "emulate")  # noqa: SLF001
-  ref = runner.layers_program(search_lib._float32_reference(fn))(call.dynamic)  # noqa: SLF001
+  runner = search_lib._Runner(  # noqa: SLF001
+      fn, call, names, layout, "tpu", "emulate")
+  reference = search_lib._float32_reference(fn)  # noqa: SLF001
+  ref = runner.layers_program(reference)(call.dynamic)
   runner.set_reference(ref)
   runner.run(jaxprec.Policy.parse("default=float32"))  # compiles the metrics
 

@@ -113,9 +113,9 @@ __all__ = (
 
 
 def __getattr__(name):
-  # jaxprec.linen and jaxprec.nnx import Flax: loaded on first use, so that
-  # `import jaxprec` does not import Flax.
-  if name in ("linen", "nnx"):
+  # jaxprec.linen, .nnx, .models and .testing import Flax: loaded on first
+  # use, so that `import jaxprec` does not import Flax.
+  if name in ("linen", "models", "nnx", "testing"):
     import importlib
     return importlib.import_module(f"jaxprec.{name}")
   raise AttributeError(f"module 'jaxprec' has no attribute {name!r}")

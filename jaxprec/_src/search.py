@@ -589,6 +589,11 @@ def _paths(n: int) -> str:
 
 
 class _Search:
+  """The search's state: the evaluations made, the best policy, the budget.
+
+  A state is a tuple of levels, one index into the candidates (cheapest
+  first) per unit; ``None`` is all-float32 when float32 is not a candidate.
+  """
 
   def __init__(self, *, runner: _Runner, table: _CostTable,
                cands: list[_Candidate], metric: str, tolerance: float,
