@@ -404,3 +404,15 @@ def test_nnx_unused_rules_warn_at_swap_time():
   with pytest.warns(jaxprec.UnusedRuleWarning, match="'conv=bfloat16'"):
     swapped = jaxprec.swap(model, "conv=bf16,l1=float32")
   assert swapped.l1.precision is P.HIGHEST and swapped.l2.precision is None
+
+
+def test_a_jitted_function_is_retraced_under_each_policy():
+  # jax.jit caches a trace per input signature and precision flag; the policy
+  # is part of its key too, so a second policy never reuses the first's trace.
+  module, variables, x = models.linen_model("mlp")
+  f = jax.jit(module.apply)
+  lo = quiet(jaxprec.emulate(f, "default=float32,Dense=bfloat16"), variables, x)
+  hi = quiet(jaxprec.emulate(f, "default=float32,Dense=float32"), variables, x)
+  # float32 on a TPU is six bfloat16 passes: float32-level agreement.
+  np.testing.assert_allclose(hi, module.apply(variables, x), rtol=1e-5, atol=1e-6)
+  assert np.abs(np.asarray(lo) - np.asarray(hi)).max() > 1e-4

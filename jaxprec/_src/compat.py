@@ -222,3 +222,25 @@ def current_name_stack() -> str:
   jaxprec's Flax interception to map module calls to equations).
   """
   return str(source_info_util.current_name_stack())
+
+
+_POLICY_KEY_STATE = None
+
+
+def jit_key_scope(value: str):
+  """A scope whose ``value`` is part of ``jax.jit``'s cache key.
+
+  A policy decides precisions while a function is traced (through Flax method
+  interception) in a way JAX cannot see; without this, a function jitted once
+  under one policy would silently reuse that trace under another. Uses a JAX
+  config state with ``include_in_jit_key`` (jax/_src/config.py ``State``),
+  created on first use. Written against jax 0.10.2.
+  """
+  global _POLICY_KEY_STATE
+  if _POLICY_KEY_STATE is None:
+    from jax._src import config as jax_config
+    _POLICY_KEY_STATE = jax_config.State(
+        "jaxprec_policy", None,
+        "The jaxprec policy in force while tracing (set by jaxprec only).",
+        include_in_jit_key=True, include_in_trace_context=True)
+  return _POLICY_KEY_STATE(value)

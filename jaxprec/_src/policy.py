@@ -39,6 +39,7 @@ from typing import Any, Union
 
 import jax
 
+from jaxprec._src import compat
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
 __all__ = ["MODULE_TYPES", "OP_KINDS", "Policy", "PolicyLike", "PolicyMatch",
@@ -645,12 +646,15 @@ def policy_scope(policy: Policy, recorder: Recorder | None = None,
   stack = _stack()
   stack.append(scope)
   try:
-    if "flax.linen" in sys.modules:
-      from jaxprec._src.modules import interception
-      with interception.intercept(scope):
+    # The policy joins jax.jit's cache key, so a function jitted under one
+    # policy is traced again under another instead of reusing the first trace.
+    with compat.jit_key_scope(str(policy)):
+      if "flax.linen" in sys.modules:
+        from jaxprec._src.modules import interception
+        with interception.intercept(scope):
+          yield scope
+      else:
         yield scope
-    else:
-      yield scope
   finally:
     stack.pop()
   if recorder is not None and not any(s.recorder is recorder for s in stack):
