@@ -267,7 +267,7 @@ class _Runner:
   function returning the checked layers; the metrics are a second jitted
   program, compiled once per search (the layers' shapes do not change), so
   the layers stay on the device and only per-layer scalars reach the host.
-  (Fusing both into one program made every evaluation 1.5x to 1.8x slower
+  (Fusing both into one program made every evaluation about 1.4x to 1.8x slower
   on the built-in tiny Wav2Vec2: ``benchmarks/bench_search.py``.)
   """
 
