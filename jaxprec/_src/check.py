@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 
 from jaxprec._src import compat
+from jaxprec._src import walker
 from jaxprec._src import emulated_ops
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import report as report_lib
@@ -142,7 +143,7 @@ def _layers(tree: Any) -> list[tuple[str, Any]]:
 
 
 def _ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
-                    fn: Callable[..., Any], args: "_Args",
+                    fn: Callable[..., Any], args: "walker.SplitArgs",
                     dynamic: Sequence[Any]) -> list[tuple[str, Any]]:
   """The layers of ``wrap(fn)(*args)`` in the order ``fn`` itself returned them.
 
@@ -378,33 +379,6 @@ def _reference_plan(reference: str, target: str, mode: str) -> Plan | None:
 # Arguments and compiled programs.
 
 
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-class _Args:
-  """``args``/``kwargs`` split into array leaves (traced) and static ones."""
-
-  def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any]):
-    leaves, self.treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-    for x in leaves:
-      if isinstance(x, jax.ShapeDtypeStruct):
-        raise TypeError("jaxprec.check runs the function: pass arrays, not "
-                        "jax.ShapeDtypeStruct (jaxprec.audit takes those)")
-    self.is_array = tuple(_is_array(x) for x in leaves)
-    self.static = tuple(None if a else x for x, a in zip(leaves, self.is_array))
-    self.dynamic = [x for x, a in zip(leaves, self.is_array) if a]
-    try:
-      self.key = (self.treedef, self.is_array, self.static)
-      hash(self.key)
-    except TypeError:
-      self.key = None
-
-  def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
-    it = iter(dynamic)
-    full = [next(it) if a else s for s, a in zip(self.static, self.is_array)]
-    args, kwargs = jax.tree_util.tree_unflatten(self.treedef, full)
-    return fn(*args, **kwargs)
 
 
 def _signature(dynamic: Sequence[Any]) -> tuple:
@@ -490,7 +464,7 @@ def _info(layers) -> list[tuple[str, tuple[int, ...], str]]:
   return [(n, tuple(v.shape), str(v.dtype)) for n, v in layers]
 
 
-def _reference_program(fn, args: _Args, ref_plan: Plan | None):
+def _reference_program(fn, args: walker.SplitArgs, ref_plan: Plan | None):
   """The jitted program ``dynamic -> (hi, lo, stats, layers)``."""
   x64 = ref_plan is None
   key = ("ref", "float64" if x64 else ref_plan.key, args.key)
@@ -531,7 +505,7 @@ def _reference_program(fn, args: _Args, ref_plan: Plan | None):
   return _program(fn, key, make)
 
 
-def _run_reference(fn, args: _Args, ref_plan: Plan | None) -> _Reference:
+def _run_reference(fn, args: walker.SplitArgs, ref_plan: Plan | None) -> _Reference:
   x64 = ref_plan is None
   prog = _reference_program(fn, args, ref_plan)
   if x64:
@@ -552,7 +526,7 @@ def _reference(info, hi, lo) -> _Reference:
                     [d for _, _, d in info], layout, hi, lo)
 
 
-def _output_layers(fn, args: _Args) -> list[tuple[str, tuple[int, ...], str]]:
+def _output_layers(fn, args: walker.SplitArgs) -> list[tuple[str, tuple[int, ...], str]]:
   holder: dict[str, Any] = {}
 
   def flat(dynamic):
@@ -563,7 +537,7 @@ def _output_layers(fn, args: _Args) -> list[tuple[str, tuple[int, ...], str]]:
   return holder["info"]
 
 
-def _external_reference(fn, args: _Args, ref: Any) -> _Reference:
+def _external_reference(fn, args: walker.SplitArgs, ref: Any) -> _Reference:
   if _is_path(ref):
     found = _load_reference(os.fspath(ref))
   elif isinstance(ref, Mapping) and all(isinstance(k, str) for k in ref) and all(
@@ -618,7 +592,7 @@ def _external_reference(fn, args: _Args, ref: Any) -> _Reference:
   return r
 
 
-def _candidate_program(fn, args: _Args, p: Plan, ref: _Reference):
+def _candidate_program(fn, args: walker.SplitArgs, p: Plan, ref: _Reference):
   """The jitted program ``(hi, lo, stats, dynamic, atol, rtol) -> stats``."""
   names = tuple(ref.names)
   key = ("cand", p.key, args.key, names, ref.layout, ref.lo is not None)
@@ -643,14 +617,14 @@ def _candidate_program(fn, args: _Args, p: Plan, ref: _Reference):
   return _program(fn, key, make)
 
 
-def _candidate_args(args: _Args, ref: _Reference, atol: float, rtol: float):
+def _candidate_args(args: walker.SplitArgs, ref: _Reference, atol: float, rtol: float):
   if ref.stats is None:
     ref.stats = _reference_stats(ref.hi, ref.lo, ref.layout)
   return (ref.hi, ref.lo, ref.stats, args.dynamic, np.float32(atol),
           np.float32(rtol))
 
 
-def _run_candidate(fn, args: _Args, p: Plan, ref: _Reference, atol: float,
+def _run_candidate(fn, args: walker.SplitArgs, p: Plan, ref: _Reference, atol: float,
                    rtol: float) -> list[metrics_lib.LayerMetrics]:
   prog = _candidate_program(fn, args, p, ref)
   stats, layers = prog(*_candidate_args(args, ref, atol, rtol))
@@ -749,7 +723,7 @@ def check(fn: Callable[..., Any], *args: Any,
   if not (atol >= 0 and rtol >= 0):
     raise ValueError(f"atol and rtol must be >= 0; got atol={atol}, rtol={rtol}")
   plans = _plans(precisions, target, mode)
-  call = _Args(args, kwargs)
+  call = walker.SplitArgs(args, dict(kwargs), who='jaxprec.check')
   backend = compat.backend_platform()
   notes = []
   external = not isinstance(reference, str) or _is_path(reference)

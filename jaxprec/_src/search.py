@@ -73,6 +73,7 @@ import numpy as np
 from jax import lax
 
 from jaxprec._src import compat
+from jaxprec._src import walker
 from jaxprec._src import cost as cost_lib
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import policy as policy_lib
@@ -219,28 +220,6 @@ def _candidates(candidates: Any, target: str,
 # Arguments, reference and compiled programs.
 
 
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-class _Args:
-  """``args``/``kwargs`` split into array leaves (traced) and static ones."""
-
-  def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any]):
-    leaves, self.treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-    for x in leaves:
-      if isinstance(x, jax.ShapeDtypeStruct):
-        raise TypeError("jaxprec.search_policy runs the function: pass "
-                        "arrays, not jax.ShapeDtypeStruct")
-    self.is_array = tuple(_is_array(x) for x in leaves)
-    self.static = tuple(None if a else x for x, a in zip(leaves, self.is_array))
-    self.dynamic = [x for x, a in zip(leaves, self.is_array) if a]
-
-  def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
-    it = iter(dynamic)
-    full = [next(it) if a else s for s, a in zip(self.static, self.is_array)]
-    args, kwargs = jax.tree_util.tree_unflatten(self.treedef, full)
-    return fn(*args, **kwargs)
 
 
 def _native(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
@@ -271,7 +250,7 @@ class _Runner:
   on the built-in tiny Wav2Vec2: ``benchmarks/bench_search.py``.)
   """
 
-  def __init__(self, fn, call: _Args, names: Sequence[str],
+  def __init__(self, fn, call: walker.SplitArgs, names: Sequence[str],
                layout: metrics_lib.Layout, target: str, mode: str):
     self.fn, self.call, self.names = fn, call, tuple(names)
     self.layout, self.target, self.mode = layout, target, mode
@@ -1001,7 +980,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   "mode='emulate')", UserWarning, stacklevel=2)
   t_start = time.perf_counter()
   fn = cost_lib.unjit(fn)  # each policy must trace fn anew
-  call = _Args(args, kwargs)
+  call = walker.SplitArgs(args, dict(kwargs), who='jaxprec.search_policy')
   table = _CostTable.of(fn, args, kwargs, target, cands, weights)
 
   # Output layers and the reference.
@@ -1061,7 +1040,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       units=tuple(table.units), seconds=time.perf_counter() - t_start)
 
 
-def _reference_values(fn, call: _Args, names, shape_of, reference, runner,
+def _reference_values(fn, call: walker.SplitArgs, names, shape_of, reference, runner,
                       target) -> list[Any]:
   if isinstance(reference, str) and "=" not in reference and \
       resolve(reference).name == "float32":

@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxprec._src import compat
 
-__all__ = ["Rule", "TracedCall", "WalkedEqn", "bind_unchanged", "interpret",
+__all__ = ["Rule", "SplitArgs", "TracedCall", "WalkedEqn", "bind_unchanged", "interpret",
            "iter_eqns", "trace", "trace_call", "transform"]
 
 # A rule sees an equation and its input values and returns the output values
@@ -189,6 +190,40 @@ def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
   if key is not None:
     cache[key] = (closed, store["out_tree"])
   return TracedCall(closed, store["out_tree"], dynamic)
+
+
+class SplitArgs:
+  """``args``/``kwargs`` of a call that jaxprec *runs*, split into array leaves and static ones.
+
+  Used by the checker and the search, which compile the call for several
+  precisions: array leaves (JAX and NumPy arrays) become jit arguments, every
+  other leaf stays static. ``jax.ShapeDtypeStruct`` leaves are refused, naming
+  ``who``: these entry points run the function (``jaxprec.audit`` takes them).
+  ``key`` is a hashable description of the static part, or None.
+  """
+
+  def __init__(self, args: Sequence[Any], kwargs: dict, *, who: str):
+    leaves, self.treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+    for x in leaves:
+      if isinstance(x, jax.ShapeDtypeStruct):
+        raise TypeError(f"{who} runs the function: pass arrays, not "
+                        "jax.ShapeDtypeStruct (jaxprec.audit takes those)")
+    self.is_array = tuple(isinstance(x, (jax.Array, np.ndarray, np.generic))
+                          for x in leaves)
+    self.static = tuple(None if a else x for x, a in zip(leaves, self.is_array))
+    self.dynamic = [x for x, a in zip(leaves, self.is_array) if a]
+    try:
+      self.key = (self.treedef, self.is_array, self.static)
+      hash(self.key)
+    except TypeError:
+      self.key = None
+
+  def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
+    """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
+    it = iter(dynamic)
+    full = [next(it) if a else s for s, a in zip(self.static, self.is_array)]
+    args, kwargs = jax.tree_util.tree_unflatten(self.treedef, full)
+    return fn(*args, **kwargs)
 
 
 def _eval(jaxpr, consts, rule: Rule, args) -> list[Any]:
