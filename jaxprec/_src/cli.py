@@ -293,6 +293,25 @@ def _audit(ns: argparse.Namespace) -> int:
   return 0
 
 
+def _model_or_target(ns: argparse.Namespace):
+  """(fn, args, kwargs, description) from --model or MODULE:FUNCTION (check, search)."""
+  if ns.model is not None:
+    try:
+      import jaxprec.models as models
+    except ImportError as e:
+      raise _Failure(f"--model needs Flax: {e}") from None
+    fn, args = models.MODELS[ns.model](ns.size or "tiny", ns.seed)
+    kwargs: dict = {}
+    what = f"{ns.model} ({ns.size or 'tiny'}, seed {ns.seed})"
+  else:
+    fn, args, kwargs = _call_target(ns.function)
+    what = ns.function
+  if not callable(fn):
+    raise _UsageError(f"{ns.function}() returned a {type(fn).__name__} as fn, "
+                      f"not a callable")
+  return fn, args, kwargs, what
+
+
 def _call_target(target: str) -> tuple[Any, tuple, dict]:
   """``(fn, args, kwargs)`` from ``MODULE:FUNCTION``, whose FUNCTION() makes them."""
   factory = _load(target)
@@ -403,20 +422,7 @@ def _check(ns: argparse.Namespace) -> int:
   if ns.rtol is None and ns.atol is not None:
     tol["rtol"] = 0.0
 
-  if ns.model is not None:
-    try:
-      import jaxprec.models as models
-    except ImportError as e:
-      raise _Failure(f"--model needs Flax: {e}") from None
-    fn, args = models.MODELS[ns.model](ns.size or "tiny", ns.seed)
-    kwargs: dict = {}
-    what = f"{ns.model} ({ns.size or 'tiny'}, seed {ns.seed})"
-  else:
-    fn, args, kwargs = _call_target(ns.function)
-    what = ns.function
-  if not callable(fn):
-    raise _UsageError(f"{ns.function}() returned a {type(fn).__name__} as fn, "
-                      f"not a callable")
+  fn, args, kwargs, what = _model_or_target(ns)
   try:
     report = check_lib.check(fn, *args, precisions=precisions,
                              reference=reference, target=ns.target,
@@ -530,20 +536,7 @@ def _search(ns: argparse.Namespace) -> int:
                                budget=budget)
   except (ValueError, TypeError) as e:
     raise _UsageError(str(e)) from None
-  if ns.model is not None:
-    try:
-      import jaxprec.models as models
-    except ImportError as e:
-      raise _Failure(f"--model needs Flax: {e}") from None
-    fn, args = models.MODELS[ns.model](ns.size or "tiny", ns.seed)
-    kwargs: dict = {}
-    what = f"{ns.model} ({ns.size or 'tiny'}, seed {ns.seed})"
-  else:
-    fn, args, kwargs = _call_target(ns.function)
-    what = ns.function
-  if not callable(fn):
-    raise _UsageError(f"{ns.function}() returned a {type(fn).__name__} as fn, "
-                      f"not a callable")
+  fn, args, kwargs, what = _model_or_target(ns)
   import warnings
   try:
     with warnings.catch_warnings(record=True) as caught:
