@@ -1,0 +1,225 @@
+"""The one table of precision decisions: what runs for an op, and how to ask for it.
+
+Every feature that decides something about an op's numerics asks here: the
+audit, the cost model, the emulation, the Flax interception and modules, the
+checker and the search. A fact written here once is never re-derived elsewhere
+(``docs/architecture.md``).
+
+* **Targets and modes**: :data:`TARGETS` (what a TPU or GPU computes),
+  :data:`EMULATION_TARGETS` (plus ``'cpu'``/``'native'``: emulate nothing),
+  :data:`MODES`, and the one checker of each, :func:`check_target`,
+  :func:`resolve_mode`, :func:`check_choice`.
+* **Levels**: :func:`level_name`, the jaxprec name of a ``lax.Precision``.
+* **What an op records under a precision** (SEMANTICS.md pitfall 1: a
+  convolution understands levels only, so under a preset it runs at the
+  preset's level, never at JAX's silent DEFAULT): :func:`per_op` and
+  :func:`flag_for`.
+* **What a target runs** for an op at a precision and operand dtypes:
+  :func:`algorithm_for`, one of :data:`ALGORITHMS`, and its :data:`PASSES`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from jaxprec._src.precision import Precision, PrecisionLike, resolve
+
+__all__ = ["ALGORITHMS", "EMULATION_TARGETS", "MODES", "OP_KINDS", "PASSES",
+           "PRIMITIVES", "TARGETS", "algorithm_for", "check_choice",
+           "check_target", "emulatable", "flag_for", "level_name", "op_kind",
+           "per_op", "resolve_mode"]
+
+# What a TPU or an Ampere+ GPU computes; 'cpu'/'native' emulate nothing.
+TARGETS = ("tpu", "gpu")
+EMULATION_TARGETS = ("tpu", "gpu", "cpu", "native")
+# How a checker computes a target's numerics: 'auto' runs natively on the
+# target's own backend and emulates elsewhere.
+MODES = ("auto", "emulate", "native")
+# Op kinds as policies name them, and the primitives they stand for.
+OP_KINDS = ("dot", "conv")
+PRIMITIVES = {"dot_general": "dot", "conv_general_dilated": "conv"}
+
+ALGORITHMS = ("native", "f32", "bf16x1", "bf16x3", "bf16x6", "bf16x9", "tf32",
+              "tf32x3", "f16", "bf16_bf16_bf16", "f16_f16_f16")
+# Matmul passes each algorithm runs (the cost model's unit of work).
+PASSES = {"native": 1, "f32": 1, "bf16x1": 1, "bf16x3": 3, "bf16x6": 6,
+          "bf16x9": 9, "tf32": 1, "tf32x3": 3, "f16": 1, "bf16_bf16_bf16": 1,
+          "f16_f16_f16": 1}
+
+_P = lax.Precision
+_LEVEL_NAMES = {_P.DEFAULT: "bfloat16", _P.HIGH: "tensorfloat32",
+                _P.HIGHEST: "float32"}
+# Levels per target for float32 operands (SEMANTICS.md section 2; GPU HIGH is
+# TF32 on some chips and float32 on others: we emulate TF32).
+_LEVEL_ALGORITHMS = {
+    "tpu": {_P.DEFAULT: "bf16x1", _P.HIGH: "bf16x3", _P.HIGHEST: "bf16x6"},
+    "gpu": {_P.DEFAULT: "tf32", _P.HIGH: "tf32", _P.HIGHEST: "f32"},
+}
+# Presets mean the same on every target.
+_PRESET_ALGORITHMS = {
+    "BF16_BF16_F32": "bf16x1", "BF16_BF16_F32_X3": "bf16x3",
+    "BF16_BF16_F32_X6": "bf16x6", "BF16_BF16_F32_X9": "bf16x9",
+    "TF32_TF32_F32": "tf32", "TF32_TF32_F32_X3": "tf32x3",
+    "F16_F16_F32": "f16", "F16_F16_F16": "f16_f16_f16",
+    "BF16_BF16_BF16": "bf16_bf16_bf16", "F32_F32_F32": "f32",
+    "F64_F64_F64": "native", "ANY_F8_ANY_F8_F32": "native",
+    "ANY_F8_ANY_F8_F32_FAST_ACCUM": "native", "ANY_F8_ANY_F8_ANY": "native",
+    "ANY_F8_ANY_F8_ANY_FAST_ACCUM": "native",
+}
+_EMULATED_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16),
+                    np.dtype(np.float16))
+
+
+def check_choice(value: Any, choices: Sequence[str], what: str) -> str:
+  """``value`` lower-cased if it is one of ``choices``; else a ValueError.
+
+  The message names the value, every choice and the closest one.
+
+  Examples:
+    >>> from jaxprec._src.numerics import check_choice
+    >>> check_choice("TPU", ("tpu", "gpu"), "target")
+    'tpu'
+    >>> check_choice("tpuu", ("tpu", "gpu"), "target")
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown target 'tpuu'; valid choices: 'tpu', 'gpu'. Did you mean 'tpu'?
+  """
+  v = value.strip().lower() if isinstance(value, str) else None
+  if v not in choices:
+    msg = (f"Unknown {what} {value!r}; valid choices: "
+           f"{', '.join(map(repr, choices))}.")
+    close = difflib.get_close_matches(v, list(choices), n=1) if v else []
+    if close:
+      msg += f" Did you mean {close[0]!r}?"
+    raise ValueError(msg)
+  return v
+
+
+def check_target(target: Any, *, emulation: bool = False) -> str:
+  """A target, lower-cased: one of :data:`TARGETS`, or with ``emulation=True``
+  of :data:`EMULATION_TARGETS`. ValueError naming the choices otherwise."""
+  return check_choice(target, EMULATION_TARGETS if emulation else TARGETS,
+                      "emulation target" if emulation else "target")
+
+
+def resolve_mode(mode: Any, target: str) -> str:
+  """``'emulate'`` or ``'native'``; ``'auto'`` is native on the target's own
+  backend and emulation elsewhere."""
+  from jaxprec._src import compat  # noqa: PLC0415 -- compat reads the backend lazily
+  mode = check_choice(mode, MODES, "mode")
+  if mode != "auto":
+    return mode
+  backend = compat.backend_platform()
+  native = {"tpu": ("tpu",), "gpu": ("gpu", "cuda", "rocm")}[check_target(target)]
+  return "native" if backend in native else "emulate"
+
+
+def level_name(level: lax.Precision) -> str:
+  """jaxprec's name of a ``lax.Precision`` level: ``'bfloat16'``,
+  ``'tensorfloat32'`` or ``'float32'``."""
+  return _LEVEL_NAMES[level]
+
+
+def op_kind(primitive: Any) -> str:
+  """``'dot'`` or ``'conv'`` for a primitive or its name."""
+  name = getattr(primitive, "name", primitive)
+  try:
+    return PRIMITIVES[name]
+  except KeyError:
+    raise ValueError(f"Unknown op {name!r}; valid choices: "
+                     f"{', '.join(map(repr, PRIMITIVES))}.") from None
+
+
+def per_op(p: Precision | None, kind: str) -> Any:
+  """The ``precision=`` an op of ``kind`` gets under ``p``.
+
+  None for the backend default (or ``p`` None). Dots take the preset or the
+  level pair; convolutions take the level, because JAX lowers a convolution
+  under a preset at DEFAULT (SEMANTICS.md pitfall 1), which is never what the
+  preset means. This is the one place that rule lives.
+
+  Examples:
+    >>> import jaxprec
+    >>> from jaxprec._src.numerics import per_op
+    >>> per_op(jaxprec.resolve("F32_F32_F32"), "conv")
+    Precision.HIGHEST
+    >>> per_op(jaxprec.resolve("F32_F32_F32"), "dot").name
+    'F32_F32_F32'
+  """
+  if p is None or p.flag is None:
+    return None
+  if kind == "conv":
+    return p.level
+  return p.per_op
+
+
+def flag_for(p: Precision, kind: str) -> str | None:
+  """The value of JAX's flag that gives ops of ``kind`` precision ``p``
+  (a conv under a preset: the preset's level, as :func:`per_op`)."""
+  if kind == "conv" and p.is_preset:
+    return _LEVEL_NAMES[p.level]
+  return p.flag
+
+
+def emulatable(lhs_dtype: Any, rhs_dtype: Any) -> bool:
+  """float32 x float32, or float32 x a narrower float (upcast exactly)."""
+  dts = (np.dtype(lhs_dtype), np.dtype(rhs_dtype))
+  return all(d in _EMULATED_DTYPES for d in dts) and np.dtype(np.float32) in dts
+
+
+def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
+                  rhs_dtype: Any, *, op: str = "dot_general") -> str:
+  """Names the algorithm ``target`` runs for a matmul or conv at ``precision``.
+
+  Args:
+    precision: anything ``lax.dot_general`` accepts (None, a
+      ``lax.Precision``, a ``(lhs, rhs)`` pair, a ``DotAlgorithmPreset``, their
+      names) and any jaxprec name. None means the value of
+      ``jax.config.jax_default_matmul_precision`` now (None there: the
+      target's default, ``DEFAULT``).
+    target: one of :data:`EMULATION_TARGETS` (``'cpu'``/``'native'`` emulate
+      nothing).
+    lhs_dtype, rhs_dtype: operand dtypes. Only float32 operands (or float32
+      with a bfloat16/float16 operand) are emulated; anything else keeps its
+      native meaning.
+    op: ``'dot_general'`` or ``'conv_general_dilated'``. Convolutions
+      understand levels only: under a ``DotAlgorithmPreset`` JAX lowers them at
+      ``DEFAULT`` (SEMANTICS.md pitfall 1), and so does the emulation.
+
+  Returns:
+    One of :data:`ALGORITHMS`.
+
+  Raises:
+    ValueError: unknown target, op or precision.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxprec._src.numerics import algorithm_for
+    >>> algorithm_for("highest", "tpu", jnp.float32, jnp.float32)
+    'bf16x6'
+    >>> algorithm_for("BF16_BF16_F32_X3", "gpu", jnp.float32, jnp.float32)
+    'bf16x3'
+    >>> algorithm_for("BF16_BF16_F32_X3", "tpu", jnp.float32, jnp.float32,
+    ...               op="conv_general_dilated")
+    'bf16x1'
+    >>> algorithm_for("high", "tpu", jnp.bfloat16, jnp.bfloat16)
+    'native'
+  """
+  target = check_target(target, emulation=True)
+  kind = op_kind(op)
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  p = resolve(precision)  # validates even when nothing is emulated
+  if target in ("cpu", "native") or not emulatable(lhs_dtype, rhs_dtype):
+    return "native"
+  if p.preset is not None:
+    if kind == "dot":
+      return _PRESET_ALGORITHMS[p.preset.name]
+    return _LEVEL_ALGORITHMS[target][_P.DEFAULT]
+  return _LEVEL_ALGORITHMS[target][p.level]
