@@ -11,11 +11,16 @@ if "jax" not in _sys.modules:
   try:
     _names.check_env_before_jax(_os.environ)
   except ValueError as _e:
-    if _names.running_as_cli(_sys.argv):
+    if not _names.running_as_cli(_sys.argv):
+      raise
+    if _names.asks_help_or_version(_sys.argv):
+      # Help and the version need no precision: warn, and let JAX import.
+      print(f"jaxprec: warning: ignoring {_e}", file=_sys.stderr)
+      del _os.environ[_names.ENV_VAR]
+    else:
       # The command line promises one clear line and exit code 2, no traceback.
       print(f"jaxprec: error: {_e}", file=_sys.stderr)
       raise SystemExit(2) from None
-    raise
 
 from jaxprec._src.audit import AuditError
 from jaxprec._src.audit import AuditReport
@@ -31,6 +36,7 @@ from jaxprec._src.context import precision
 from jaxprec._src.cost import CostReport
 from jaxprec._src.cost import CostRow
 from jaxprec._src.cost import cost
+from jaxprec._src.emulate import OpaqueOpWarning
 from jaxprec._src.emulate import emulate
 from jaxprec._src.emulated_ops import emulated_conv_general_dilated
 from jaxprec._src.emulated_ops import emulated_dot_general
@@ -58,8 +64,8 @@ from jaxprec._src.rounding import round_to
 from jaxprec._src.search import SearchResult
 from jaxprec._src.search import SearchStep
 from jaxprec._src.search import search_policy
-from jaxprec._src.swap import policy_report
-from jaxprec._src.swap import swap
+from jaxprec._src.flax.swap import policy_report
+from jaxprec._src.flax.swap import swap
 from jaxprec._src.training import check_training
 
 __version__ = "0.1.0.dev0"
@@ -76,6 +82,7 @@ __all__ = (
     "LayerMetrics",
     "LayerResult",
     "Numerics",
+    "OpaqueOpWarning",
     "Policy",
     "PolicyMatch",
     "PolicyReport",
@@ -113,9 +120,10 @@ __all__ = (
 
 
 def __getattr__(name):
-  # jaxprec.linen, .nnx, .models and .testing import Flax: loaded on first
-  # use, so that `import jaxprec` does not import Flax.
-  if name in ("linen", "models", "nnx", "testing"):
+  # jaxprec.linen, .nnx, .models and .testing import Flax, and jaxprec.torch
+  # leads to PyTorch: loaded on first use, so that `import jaxprec` does not
+  # import them.
+  if name in ("linen", "models", "nnx", "testing", "torch"):
     import importlib
     return importlib.import_module(f"jaxprec.{name}")
   raise AttributeError(f"module 'jaxprec' has no attribute {name!r}")

@@ -431,3 +431,50 @@ def test_rows_are_frozen(mixed_report):
   assert isinstance(row, AuditRow) and isinstance(mixed_report, AuditReport)
   with pytest.raises(dataclasses.FrozenInstanceError):
     row.risky = False
+
+
+# ---------------------------------------------------------------------------
+# Opaque ops (issue 12, item 13).
+
+
+def test_opaque_ops_are_listed_and_pallas_dots_are_not_emulated():
+  from jax.experimental import io_callback
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], y_ref[...])
+
+  def f(x, y):
+    out = pl.pallas_call(kernel, out_shape=sds(8, 8), interpret=True,
+                         name="mm_kernel")(x, y)
+    out = jax.pure_callback(lambda a: np.asarray(a), sds(8, 8), out)
+    out = io_callback(lambda a: np.asarray(a), sds(8, 8), out)
+    out = jax.ffi.ffi_call("my_ffi_target", sds(8, 8))(out)
+    return out @ y
+
+  r = audit(f, sds(8, 8), sds(8, 8))
+  assert [o.primitive for o in r.opaque] == [
+      "pallas_call", "pure_callback", "io_callback", "ffi_call"]
+  assert r.opaque[0].name == "pallas_call 'mm_kernel'"
+  assert r.opaque[3].name == "ffi_call 'my_ffi_target'"
+  assert "<lambda>" in r.opaque[1].name
+  assert {os.path.basename(o.source.rsplit(":", 1)[0]) for o in r.opaque} == {
+      "test_audit.py"}  # the user's line
+  # The kernel's own dot is seen (inside pallas_call) but not emulated.
+  assert [(row.scope, row.emulated) for row in r.rows] == [
+      (("pallas_call",), False), ((), True)]
+  assert r.rows[0].flops == 2 * 8 * 8 * 8
+  text = str(r)
+  assert "dot (not emulated)" in text
+  assert "opaque: 4 op(s) jaxprec cannot see into" in text
+  assert "ffi_call 'my_ffi_target'" in text
+  d = json.loads(r.to_json())
+  assert [o["primitive"] for o in d["opaque"]][0] == "pallas_call"
+  assert d["rows"][0]["emulated"] is False
+  assert audit(matmul, sds(2, 2), sds(2, 2)).opaque == ()
+
+
+def test_opaque_ops_are_listed_when_there_is_no_matmul():
+  r = audit(lambda x: jax.pure_callback(np.sin, sds(3), x), sds(3))
+  assert not r.rows and [o.primitive for o in r.opaque] == ["pure_callback"]
+  assert "pure_callback 'sin'" in str(r)

@@ -196,3 +196,150 @@ def test_backend_default_scope_clears_outer_setting():
       assert dot_precisions(mm, A, A) == [None]
       assert jaxprec.current().name == "backend-default"
       assert jaxprec.current().source == "context"
+
+
+# ---------------------------------------------------------------------------
+# Preset decorator trace cache (issue 12, item 1) and outputs (item 11).
+
+
+def test_preset_decorator_does_not_reuse_a_float32_trace_under_x64():
+  f = jaxprec.precision("F32_F32_F32")(lambda x: x @ x + jnp.zeros(()))
+  x = jnp.ones((2, 2), jnp.float32)
+  assert f(x).dtype == jnp.float32
+  with jax.enable_x64(True):
+    y = f(x)
+    fresh = jaxprec.precision("F32_F32_F32")(lambda x: x @ x + jnp.zeros(()))(x)
+  assert y.dtype == fresh.dtype == jnp.float64
+  assert f(x).dtype == jnp.float32
+
+
+def test_preset_decorator_non_array_output_raises_as_jit_does():
+  f = jaxprec.precision("F32_F32_F32")(lambda x: {"y": x @ x, "tag": "done"})
+  with pytest.raises(TypeError, match=r"returned a value of type <class 'str'> "
+                     r"at output\['tag'\], which is not a valid JAX type"):
+    f(A)
+
+
+# ---------------------------------------------------------------------------
+# Generators and coroutines (issue 12, item 5): each resumption in the scope.
+
+
+def test_decorated_generator_runs_each_step_in_the_scope():
+  @jaxprec.precision("float32")
+  def gen(n):
+    got = []
+    for _ in range(n):
+      sent = yield jaxprec.current().name, dot_precisions(mm, A, A)
+      got.append(sent)
+    return got
+
+  g = gen(2)
+  assert jaxprec.current().name == "backend-default"  # not entered at the call
+  name, precs = next(g)
+  assert name == "float32" and precs == [(P.HIGHEST, P.HIGHEST)]
+  assert jaxprec.current().name == "backend-default"  # restored between steps
+  with jaxprec.precision("bfloat16"):
+    assert g.send("a")[0] == "float32"
+    assert jaxprec.current().name == "bfloat16"
+  with pytest.raises(StopIteration) as stop:
+    g.send("b")
+  assert stop.value.value == ["a", "b"]
+
+
+def test_decorated_generator_throw_and_close_reach_the_body():
+  seen = []
+
+  @jaxprec.precision("tensorfloat32")
+  def gen():
+    try:
+      yield 1
+    except KeyError:
+      seen.append(("caught", jaxprec.current().name))
+      yield 2
+    finally:
+      seen.append(("closed", jaxprec.current().name))
+
+  g = gen()
+  next(g)
+  assert g.throw(KeyError("k")) == 2
+  g.close()
+  assert seen == [("caught", "tensorfloat32"), ("closed", "tensorfloat32")]
+  assert jax.config.jax_default_matmul_precision is None
+
+
+def test_decorated_coroutine_awaits_in_the_scope_and_restores_between():
+  import asyncio  # noqa: PLC0415
+
+  @jaxprec.precision("float32")
+  async def work():
+    before = jaxprec.current().name
+    await asyncio.sleep(0)
+    return before, jaxprec.current().name, dot_precisions(mm, A, A)
+
+  async def main():
+    task = asyncio.ensure_future(work())
+    await asyncio.sleep(0)  # work() is suspended: the scope is not ours
+    between = jaxprec.current().name
+    return between, await task
+
+  between, (before, after, precs) = asyncio.run(main())
+  assert (before, after, between) == ("float32", "float32", "backend-default")
+  assert precs == [(P.HIGHEST, P.HIGHEST)]
+
+
+def test_decorated_async_generator_runs_each_step_in_the_scope():
+  import asyncio  # noqa: PLC0415
+
+  @jaxprec.precision("bfloat16_3x")
+  async def agen():
+    for _ in range(2):
+      await asyncio.sleep(0)
+      yield jaxprec.current().name
+
+  async def main():
+    out = []
+    async for name in agen():
+      out.append((name, jaxprec.current().name))
+    return out
+
+  # bfloat16_3x is the HIGH level, named tensorfloat32.
+  assert asyncio.run(main()) == [("tensorfloat32", "backend-default")] * 2
+
+
+def test_preset_decorator_on_a_generator_applies_the_flag_and_warns():
+  from jaxprec._src import context  # noqa: PLC0415
+  context._warned_presets.discard("BF16_BF16_F32_X3")
+
+  with pytest.warns(jaxprec.PresetConvWarning):
+    @jaxprec.precision("BF16_BF16_F32_X3")
+    def gen():
+      yield dot_precisions(mm, A, A)
+
+  assert next(gen()) == [lax.DotAlgorithmPreset.BF16_BF16_F32_X3]
+
+
+# ---------------------------------------------------------------------------
+# asyncio (issue 12, item 14): scopes follow JAX's thread-local config, so
+# tasks interleaved on one thread see each other's `with` scopes (as with
+# jax.default_matmul_precision itself). docs/precision.md says so.
+
+
+@pytest.mark.parametrize("scope", [jaxprec.precision, jax.default_matmul_precision])
+def test_interleaved_asyncio_tasks_share_the_threads_scope(scope):
+  import asyncio  # noqa: PLC0415
+  seen = {}
+
+  async def a():
+    with scope("float32"):
+      await asyncio.sleep(0)  # b runs here, inside a's scope
+      await asyncio.sleep(0)
+
+  async def b():
+    seen["b"] = jaxprec.current().name
+
+  async def main():
+    await asyncio.gather(a(), b())
+    seen["after"] = jaxprec.current().name
+
+  asyncio.run(main())
+  assert seen == {"b": "float32", "after": "backend-default"}

@@ -365,3 +365,34 @@ def test_pytorch_table_matches_resolve():
     p = jaxprec.resolve(torch_name)
     assert (p.name, p.flag, p.tpu.algorithm, p.gpu.algorithm, p.cpu.algorithm) == (
         name, flag, tpu, gpu, cpu), torch_name
+
+
+def _oldest_pins() -> dict[str, str]:
+  lines = (ROOT / ".ci" / "oldest.txt").read_text().splitlines()
+  pins = dict(l.split("==") for l in lines if l.strip() and not l.startswith("#"))
+  return {k.strip().lower().replace("_", "-"): v.strip() for k, v in pins.items()}
+
+
+def test_supported_versions_are_the_ones_ci_tests_at_the_oldest_end():
+  import tomllib
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  floors = {}
+  for dep in project["dependencies"]:
+    name, _, low = dep.partition(">=")
+    floors[name.strip().lower().replace("_", "-")] = low.split(",")[0].strip()
+  pins = _oldest_pins()
+  for name in ("jax", "flax", "optax", "chex", "numpy", "ml-dtypes"):
+    # The declared floor is the release CI installs (0.10 means 0.10.0).
+    floor = tuple(int(x) for x in floors[name].split("."))
+    pinned = tuple(int(x) for x in pins[name].split("."))
+    assert pinned[:len(floor)] == floor and not any(pinned[len(floor):]) or (
+        name == "numpy" and pinned[:2] == floor), (name, floors[name], pins[name])
+  assert pins["jaxlib"] == pins["jax"]
+  readme = (ROOT / "README.md").read_text()
+  assert f"jax and jaxlib {pins['jax']} or newer" in readme
+  assert f"flax {pins['flax']} or newer" in readme
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert "-r .ci/oldest.txt" in ci
+  for name in ("precision", "context", "rounding", "emulated_ops", "emulate",
+               "audit", "policy"):
+    assert f"tests/test_{name}.py" in ci

@@ -244,3 +244,165 @@ def test_multi_device_sharded_in_a_subprocess():
                      text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.startswith("ok")
+
+
+# ---------------------------------------------------------------------------
+# Trace caches key on everything that changes the program (issue 12, item 1).
+
+
+def _conv_dense_model():
+  import flax.linen as nn  # noqa: PLC0415
+
+  class ConvDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Conv(4, (3,), name="conv")(x)
+      return nn.Dense(3, name="fc")(x)
+
+  m = ConvDense()
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 8, 3)), jnp.float32)
+  return m, m.init(jax.random.key(0), x), x
+
+
+def test_policy_trace_follows_the_precision_in_force_for_unmatched_layers():
+  # The policy sets only the conv; the Dense takes the precision in force.
+  m, params, x = _conv_dense_model()
+  f = jaxprec.emulate(m.apply, "conv=tensorfloat32")
+  with jaxprec.precision("float32"):
+    at32 = f(params, x)
+    fresh32 = jaxprec.emulate(m.apply, "conv=tensorfloat32")(params, x)
+  with jaxprec.precision("bfloat16"):
+    at16 = f(params, x)  # was the float32 trace, reused
+    fresh16 = jaxprec.emulate(m.apply, "conv=tensorfloat32")(params, x)
+  np.testing.assert_array_equal(at32, fresh32)
+  np.testing.assert_array_equal(at16, fresh16)
+  # The same thing spelled as a policy default, and the bf16 level's size.
+  spelled = jaxprec.emulate(m.apply, "conv=tensorfloat32,default=bfloat16")
+  np.testing.assert_array_equal(at16, spelled(params, x))
+  rel = np.abs(np.asarray(at16) - np.asarray(at32)).max() / np.abs(at32).max()
+  assert 1e-4 < rel < 5e-2
+
+
+def test_plain_function_follows_the_precision_in_force_each_call():
+  f = jaxprec.emulate(mm)  # precision None: the precision in force
+  with jaxprec.precision("bfloat16"):
+    assert_matches_rounded(f(A, B), bf16(A), bf16(B))
+  with jaxprec.precision("float32"):  # TPU HIGHEST: 6 passes, ~float32
+    np.testing.assert_allclose(f(A, B), np.asarray(A, np.float64) @ B,
+                               rtol=1e-5, atol=1e-5)
+  with jaxprec.precision("bfloat16"):
+    assert_matches_rounded(jax.jit(f)(A, B), bf16(A), bf16(B))
+
+
+def test_trace_is_not_reused_across_x64():
+  f = jaxprec.emulate(lambda a: a @ a + jnp.zeros(()), "bfloat16")
+  x = np.full((2, 2), 1 + 2.0**-10, np.float32)
+  assert f(x).dtype == np.float32
+  with jax.enable_x64(True):
+    y = f(x)
+    assert y.dtype == np.float64  # jnp.zeros(()) is float64 under x64
+  assert f(x).dtype == np.float32
+  # bfloat16 operands: 1 + 2^-10 rounds to 1, so each entry is 2.
+  np.testing.assert_array_equal(y, np.full((2, 2), 2.0))
+
+
+def test_non_array_output_raises_as_jit_does():
+  with pytest.raises(TypeError, match=r"returned a value of type <class 'str'> "
+                     r"at output\[1\], which is not a valid JAX type: only "
+                     r"arrays"):
+    jaxprec.emulate(lambda a: (a @ a, "done"), "bf16")(A[:8, :8])
+  with pytest.raises(TypeError, match="not a valid JAX type"):
+    jax.jit(lambda a: (a @ a, "done"))(A[:8, :8])  # what jax.jit says
+
+
+# ---------------------------------------------------------------------------
+# jaxprec's own emulated ops carry an explicit marker (issue 12, item 15).
+
+
+def _marked_calls(fn, *args):
+  from jaxprec._src import emulated_ops  # noqa: PLC0415
+  eqns = [w.eqn for w in walker.iter_eqns(jax.make_jaxpr(fn)(*args))
+          if w.eqn.primitive.name == "custom_vjp_call"]
+  return eqns, [emulated_ops.is_emulated_call(e) for e in eqns]
+
+
+def test_emulated_op_marker_survives_jit_grad_vmap_scan():
+  dn = (((1,), (0,)), ((), ()))
+  g = lambda a, b: jaxprec.emulated_dot_general(a, b, dn, "tensorfloat32",
+                                                target="gpu")
+  a8, b8 = A[:8, :8], B[:8, :8]
+  cases = {
+      "plain": (g, (a8, b8)),
+      "jit": (jax.jit(g), (a8, b8)),
+      "grad": (jax.grad(lambda a, b: g(a, b).sum()), (a8, b8)),
+      "vmap": (jax.vmap(g), (jnp.stack([a8, a8]), jnp.stack([b8, b8]))),
+      "scan": (lambda a, b: lax.scan(lambda c, _: (g(c, b), None), a, None,
+                                     length=2)[0], (a8, b8)),
+  }
+  for name, (fn, args) in cases.items():
+    eqns, marked = _marked_calls(fn, *args)
+    assert eqns and all(marked), name
+    # Emulating again (TPU bf16) leaves the GPU TF32 op as it is, bit for bit.
+    np.testing.assert_array_equal(
+        jaxprec.emulate(fn, "bfloat16", target="tpu")(*args), fn(*args),
+        err_msg=name)
+  # And the op is TF32: operands rounded to 10 bits, float32 sums.
+  assert_matches_rounded(jaxprec.emulate(g, "bfloat16")(a8, b8), tf32(a8), tf32(b8))
+
+
+def test_a_users_custom_vjp_is_not_taken_for_an_emulated_op():
+  # The same function names as jaxprec's own (a name check would skip it).
+  @jax.custom_vjp
+  def _emulated(a, b):
+    return a @ b
+
+  def _emulated_fwd(a, b):
+    return a @ b, (a, b)
+
+  def _emulated_bwd(r, c):
+    return c @ r[1].T, r[0].T @ c
+  _emulated.defvjp(_emulated_fwd, _emulated_bwd)
+  eqns, marked = _marked_calls(_emulated, A, B)
+  assert eqns and not any(marked)
+  assert_matches_rounded(jaxprec.emulate(_emulated, "bfloat16")(A, B),
+                         bf16(A), bf16(B))
+
+
+# ---------------------------------------------------------------------------
+# Opaque ops (issue 12, item 13).
+
+
+def _opaque_fn():
+  from jax.experimental import io_callback  # noqa: PLC0415
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], y_ref[...])
+
+  def f(x, y):
+    sds = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    out = pl.pallas_call(kernel, out_shape=sds, interpret=True)(x, y)
+    out = jax.pure_callback(lambda a: np.asarray(a) * 2, sds, out)
+    out = io_callback(lambda a: np.asarray(a), sds, out)
+    return out @ y
+  return f
+
+
+def test_emulate_warns_once_naming_opaque_ops_and_runs_them_natively():
+  import warnings  # noqa: PLC0415
+  f = _opaque_fn()
+  x = np.full((8, 8), 1 + 2.0**-10, np.float32)
+  g = jaxprec.emulate(f, "bfloat16")
+  with pytest.warns(jaxprec.OpaqueOpWarning, match=r"pallas_call 'kernel', "
+                    r"pure_callback '.*<lambda>'.*io_callback.*cannot be seen "
+                    r"into") as record:
+    got = g(x, x)
+  assert len(record) == 1
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    g(x, x)  # once per emulated function
+  # The kernel's dot runs in exact float32 here (64 * (1+2^-10)^2 * 2); the
+  # dot after the callbacks is emulated: bf16 operands, so 1 + 2^-10 -> 1.
+  k = float(np.float32(8 * (1 + 2.0**-10) ** 2) * 2)
+  np.testing.assert_allclose(got, np.full((8, 8), 8 * bf16(np.float32(k)) * 1.0),
+                             rtol=0)

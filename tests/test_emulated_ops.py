@@ -484,22 +484,6 @@ def test_lowering_uses_bfloat16_matmuls_and_no_convert_pair():
   assert not re.search(r"stablehlo.convert[^\n]*f32>\) -> tensor<[0-9x]*bf16>", txt)
 
 
-def test_emulate_eqn_matches_the_ops():
-  rng = np.random.default_rng(14)
-  a, b = _random(rng, (4, 6)), _random(rng, (6, 2))
-  eqn = jax.make_jaxpr(lambda l, r: lax.dot_general(l, r, MATMUL))(a, b).eqns[0]
-  got = emulated_ops.emulate_eqn(eqn.params, "dot_general", a, b,
-                                 default_precision="highest", target="tpu")
-  np.testing.assert_array_equal(got, emulated("bf16x6")(a, b))
-  x, w = _random(rng, (1, 2, 5, 5)), _random(rng, (3, 2, 3, 3))
-  eqn = jax.make_jaxpr(lambda l, r: lax.conv_general_dilated(
-      l, r, (1, 1), "SAME", precision=D.BF16_BF16_F32_X3))(x, w).eqns[0]
-  got = emulated_ops.emulate_eqn(eqn.params, "conv_general_dilated", x, w,
-                                 target="tpu")
-  np.testing.assert_array_equal(got, jaxprec.emulated_conv_general_dilated(
-      x, w, (1, 1), "SAME", precision="default"))
-
-
 # ---------------------------------------------------------------------------
 # Bad input.
 
@@ -531,5 +515,3 @@ def test_bad_options():
   with pytest.raises(ValueError, match=r"Unknown op 'matmul'; valid choices: "
                      r"'dot_general', 'conv_general_dilated'"):
     algorithm_for("high", "tpu", F32, F32, op="matmul")
-  with pytest.raises(ValueError, match=r"unknown primitive 'mul'"):
-    emulated_ops.emulate_eqn({}, "mul", x, x)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxprec._src import metric_stats as S
 from jaxprec._src import metrics as M
 
 RNG = np.random.default_rng(0)
@@ -83,7 +84,7 @@ def test_ulp_distance_bits():
   a = np.float32([0.0, -0.0, 1.0, 1.0, -1e-45, 1e-45, 1.0, np.float32(3.0)])
   b = np.float32([-0.0, 0.0, np.nextafter(np.float32(1), np.float32(2)),
                   1.0, 1e-45, -1e-45, -1.0, 3.0])
-  got = np.asarray(M._ulp_distance(jnp.asarray(a), jnp.asarray(b)))
+  got = np.asarray(S._ulp_distance(jnp.asarray(a), jnp.asarray(b)))
   np.testing.assert_array_equal(got, ulp_np(a, b))
   assert got[:4].tolist() == [0, 0, 1, 0]
   assert got[4] == 2  # across zero: -1e-45 -> 0 -> 1e-45
@@ -94,14 +95,14 @@ def test_ulp_distance_bits():
                 min_size=2, max_size=2))
 def test_ulp_distance_matches_numpy(pair):
   a, b = np.float32(pair[0]), np.float32(pair[1])
-  got = int(M._ulp_distance(jnp.float32(a), jnp.float32(b)))
+  got = int(S._ulp_distance(jnp.float32(a), jnp.float32(b)))
   assert got == int(ulp_np(a, b))
 
 
 def test_bucket_values_exact_below_64_then_within_bucket():
   d = np.array([0, 1, 2, 5, 63, 64, 1000, 2**20 + 12345, 2**31 + 5], np.uint64)
-  b = np.asarray(M._ulp_bucket(jnp.asarray(d.astype(np.uint32))))
-  v = M._bucket_value(b)
+  b = np.asarray(S._ulp_bucket(jnp.asarray(d.astype(np.uint32))))
+  v = S.bucket_value(b)
   np.testing.assert_array_equal(v[:5], d[:5])
   np.testing.assert_allclose(v, d.astype(np.float64), rtol=0.016)
 
@@ -202,3 +203,153 @@ def test_growth_per_layer_and_first_exceeding():
 def test_shape_mismatch_raises():
   with pytest.raises(ValueError, match=r"\(3,\).*\(4,\)"):
     M.compare(np.zeros(3), np.zeros(4))
+
+
+# -- Scale: squares must neither overflow nor underflow float32 ---------------
+
+F32_MAX = float(np.finfo(np.float32).max)
+SCALES = [1e-30, 1e-20, 1e-10, 1.0, 1e10, 1e18, 1e30, F32_MAX / 5]
+
+
+def bf16_round(x):
+  import ml_dtypes
+  return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def scaled_pair(scale, n=3000, seed=1):
+  """A float32 reference of magnitude ``scale`` and its bfloat16 rounding."""
+  rng = np.random.default_rng(seed)
+  r = np.clip(rng.standard_normal(n), -4.5, 4.5) * scale
+  r = r.astype(np.float32)
+  assert np.isfinite(r).all() and np.abs(r).max() > 0
+  return bf16_round(r), r
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_every_metric_matches_float64_at_any_magnitude(scale):
+  c, r = scaled_pair(scale)
+  assert np.isfinite(c).all()
+  atol, rtol = 1e-3 * scale, 1e-3
+  got = M.compare(c, r, atol=atol, rtol=rtol)
+  want = reference_metrics(c, r, atol, rtol)
+  for k in ("max_abs", "max_rel", "required_atol", "rel_rms", "sqnr_db"):
+    assert getattr(got, k) == pytest.approx(want[k], rel=1e-5), k
+  assert 1 - got.cosine == pytest.approx(1 - want["cosine"], rel=1e-3)
+  assert got.frac_outside == want["frac_outside"]
+  assert got.ulp_max == want["ulp_max"]
+  assert got.ulp_median == pytest.approx(want["ulp_median"], rel=0.016)
+  r64 = r.astype(np.float64)
+  assert got.ref_rms == pytest.approx(np.sqrt(np.mean(r64 ** 2)), rel=1e-5)
+  assert got.ref_max_abs == np.abs(r64).max()
+  assert (got.nan, got.inf) == (0, 0)
+  assert 1e-3 < got.rel_rms < 1e-2  # bfloat16 rounding: about 2**-9
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_nan_and_inf_are_counted_not_propagated_at_any_magnitude(scale):
+  c, r = scaled_pair(scale)
+  c[[3, 10]] = np.nan
+  c[20] = np.inf
+  c[30] = -np.inf
+  got = M.compare(c, r)
+  keep = np.isfinite(c)
+  want = reference_metrics(c[keep], r[keep], 0.0, 0.0)
+  assert (got.nan, got.inf) == (2, 2)
+  for k in ("max_abs", "max_rel", "rel_rms", "sqnr_db"):
+    assert getattr(got, k) == pytest.approx(want[k], rel=1e-5), k
+  assert math.isfinite(got.cosine) and 1 - got.cosine == pytest.approx(
+      1 - want["cosine"], rel=1e-3)
+  assert math.isinf(got.required_atol)
+
+
+@pytest.mark.parametrize("scale", [2.0**-100, 2.0**-33, 2.0**33, 2.0**120])
+def test_metrics_are_exactly_scale_invariant_under_powers_of_two(scale):
+  c, r = scaled_pair(1.0)
+  one = M.compare(c, r)
+  m = M.compare(c * np.float32(scale), r * np.float32(scale))
+  assert (m.rel_rms, m.cosine, m.sqnr_db, m.max_rel) == (
+      one.rel_rms, one.cosine, one.sqnr_db, one.max_rel)
+  assert m.max_abs == one.max_abs * scale
+  assert m.ulp_max == one.ulp_max
+
+
+def test_rel_rms_of_bfloat16_is_the_same_at_1e10_as_at_1():
+  _, r = scaled_pair(1.0, n=20000)
+  at1 = M.compare(bf16_round(r), r).rel_rms
+  r10 = (r.astype(np.float64) * 1e10).astype(np.float32)
+  at10 = M.compare(bf16_round(r10), r10).rel_rms
+  assert at10 == pytest.approx(at1, rel=0.05)
+  assert 1e-3 < at1 < 3e-3
+
+
+def test_large_error_relative_to_reference_is_rescaled():
+  # The error is 2**60 times the reference: its squares overflow float32
+  # unless it is scaled by its own magnitude.
+  r = RNG.standard_normal(1000).astype(np.float32)
+  c = (r + 2.0**60 * RNG.standard_normal(1000)).astype(np.float32)
+  got = M.compare(c, r)
+  want = reference_metrics(c, r, 0.0, 0.0)
+  for k in ("max_abs", "rel_rms", "sqnr_db", "max_rel"):
+    assert getattr(got, k) == pytest.approx(want[k], rel=1e-5), k
+  assert got.cosine == pytest.approx(want["cosine"], abs=1e-6)
+
+
+def test_tiny_error_relative_to_reference_is_rescaled():
+  r = np.ones(1000, np.float32) * np.float32(2.0**60)
+  c = r.copy()
+  r64 = r.astype(np.float64) + RNG.standard_normal(1000) * 2.0**5  # 2**-55 rel
+  got = M.compare(c, r64)
+  want = np.sqrt(((c - r64) ** 2).sum() / (r64 ** 2).sum())
+  assert got.rel_rms == pytest.approx(want, rel=1e-5)
+
+
+def test_error_beyond_float32_max_is_reported_from_halves():
+  r = np.float32([3e38, -1.0, 2.0])
+  c = np.float32([-3e38, -1.0, 2.0])
+  got = M.compare(c, r)
+  assert got.max_abs == pytest.approx(6e38, rel=1e-6)
+  assert got.rel_rms == pytest.approx(2.0, rel=1e-6)
+  assert got.cosine == pytest.approx(-1.0, abs=1e-6)
+  assert (got.nan, got.inf) == (0, 0)
+
+
+@pytest.mark.parametrize("sa,sb", [(1e-20, 1.0), (1e10, 1e10)])
+def test_check_end_to_end_is_right_at_any_magnitude(sa, sb):
+  # Outputs of magnitude 1e-20 and 1e20: squares underflow and overflow
+  # float32 without scaling.
+  import jaxprec
+  a = jax.random.normal(jax.random.key(0), (32, 32), jnp.float32)
+  b = jax.random.normal(jax.random.key(1), (32, 32), jnp.float32)
+  scale = sa * sb
+  base = jaxprec.check(lambda a, b: a @ b, a, b, precisions="bfloat16",
+                       mode="emulate").layers[0].metrics["bfloat16"]
+  rep = jaxprec.check(lambda a, b: a @ b, a * sa, b * sb,
+                      precisions="bfloat16", mode="emulate",
+                      atol=1e-3 * scale, rtol=0)
+  m = rep.layers[0].metrics["bfloat16"]
+  assert 1e-3 < m.rel_rms < 1e-2
+  assert m.rel_rms == pytest.approx(base.rel_rms, rel=0.1)
+  assert 1 - m.cosine == pytest.approx(1 - base.cosine, rel=0.2)
+  assert m.sqnr_db == pytest.approx(base.sqnr_db, abs=1.0)
+  assert not rep.passes()
+  # The same numbers from NumPy on the arrays the check compared.
+  c = np.asarray(jaxprec.emulate(lambda a, b: a @ b, "bfloat16")(a * sa, b * sb))
+  r = np.asarray((a * sa) @ (b * sb))
+  want = reference_metrics(c, r, 1e-3 * scale, 0.0)
+  for k in ("max_abs", "max_rel", "rel_rms", "sqnr_db", "required_atol"):
+    assert getattr(m, k) == pytest.approx(want[k], rel=1e-5), k
+  assert 1 - m.cosine == pytest.approx(1 - want["cosine"], rel=1e-3)
+
+
+def test_check_of_the_issue_reproducer_at_1e10():
+  # issue 12 item 3: rel_rms=0.0, cosine=0.0, sqnr_db=inf before the fix.
+  import jaxprec
+  a = jax.random.normal(jax.random.key(0), (32, 32), jnp.float32)
+  at1 = jaxprec.check(lambda a: a @ a, a, precisions="bfloat16",
+                      mode="emulate").layers[0].metrics["bfloat16"]
+  m = jaxprec.check(lambda a: a @ a, a * 1e10, precisions="bfloat16",
+                    mode="emulate").layers[0].metrics["bfloat16"]
+  assert m.rel_rms == pytest.approx(at1.rel_rms, rel=0.15)
+  assert m.cosine == pytest.approx(at1.cosine, abs=1e-5)
+  assert m.sqnr_db == pytest.approx(at1.sqnr_db, abs=1.5)
+  assert m.ref_rms == pytest.approx(at1.ref_rms * 1e20, rel=1e-5)

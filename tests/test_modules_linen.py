@@ -10,7 +10,7 @@ from jax import lax
 import jaxprec
 import jaxprec.linen as jpl
 from jaxprec._src import walker
-from jaxprec._src.modules import emulated
+from jaxprec._src.flax import emulated
 
 import models
 

@@ -12,7 +12,7 @@ from jax import lax
 import jaxprec
 import jaxprec.nnx as jpn
 from jaxprec._src import walker
-from jaxprec._src.modules import emulated
+from jaxprec._src.flax import emulated
 
 import models
 

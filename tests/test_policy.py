@@ -1,6 +1,7 @@
 """jaxprec.Policy and jaxprec.Rule: matching, the text grammar, errors, emulate(fn, policy)."""
 
 import dataclasses
+import re
 import warnings
 
 import hypothesis
@@ -157,6 +158,54 @@ def policies(draw):
 @hypothesis.given(policies())
 def test_str_round_trips_through_parse(policy):
   assert Policy.parse(str(policy)) == policy
+
+
+@pytest.mark.parametrize("path", [
+    r"a\,b", r"a\&b", r"enc\,oder/.*\&x", r"\\,x", r"\\&x", r"[]a,]", r"\\[]a,]",
+    r"[^],&]b", "a{", "a{,b", r"a{1\,2}", "a{1,2}", "x{a,b}", r"(a\,b)", "a}=,b",
+    r"\{,\}", "a=,", "[=]=",
+])
+def test_escaped_separators_round_trip(path):
+  # Issue 12 item 12: `\,` and `\&` in a path came back as `,` and `&`.
+  rule = Rule(path=path, precision="bf16")
+  p = Policy(rules=(rule, Rule(path="b}", precision="f32")), default="tf32")
+  assert Policy.parse(str(p)) == p
+  # The stored regex means what the one given means.
+  for s in ["a,b", "a&b", r"\,x", r"\&x", "a{1,2}", "a{1\\,2}", "aa", "a{", "]",
+            "a", ",", "b", "x{a,b}", "a,", "a}=,b", "{,}", "a=,", "="]:
+    assert bool(re.fullmatch(rule.path, s)) == bool(re.fullmatch(path, s)), s
+
+
+_REGEX_CHARS = st.sampled_from(
+    ["a", "b", "/", ".", "*", "+", "?", "|", "\\", ",", "&", "=", "(", ")", "[",
+     "]", "{", "}", "^", "1", "2", " ", r"\,", r"\&", r"\\", r"\d", "{1,2}"])
+
+
+@st.composite
+def regexes(draw):
+  path = "".join(draw(st.lists(_REGEX_CHARS, min_size=0, max_size=10)))
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # FutureWarning on possible set ops
+      re.compile(path)
+  except re.error:
+    hypothesis.assume(False)
+  return path
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(st.lists(regexes(), min_size=1, max_size=3),
+                  st.lists(st.text(alphabet="ab,&\\{}12=", max_size=6),
+                           max_size=6))
+def test_str_round_trips_over_regexish_paths(paths, samples):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    rules = tuple(Rule(path=p, precision="bf16") for p in paths)
+    policy = Policy(rules=rules)
+    assert Policy.parse(str(policy)) == policy
+    for p, r in zip(paths, rules):
+      for s in samples:
+        assert bool(re.fullmatch(r.path, s)) == bool(re.fullmatch(p, s))
 
 
 # -- bad input --------------------------------------------------------------------

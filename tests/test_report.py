@@ -1,6 +1,7 @@
 """DivergenceReport and TrainingReport: schema, JSON, tables, plots, queries."""
 
 import json
+import re
 import math
 import sys
 
@@ -180,3 +181,172 @@ def test_report_is_exported():
   assert jaxprec.DivergenceReport is DivergenceReport
   assert jaxprec.TrainingReport is TrainingReport
   assert jaxprec.LayerMetrics is LayerMetrics
+
+
+# -- Argument checks (issue 12, item 11) --------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, -1e-9, float("nan")])
+def test_first_divergence_refuses_negative_or_nan_tolerances(bad):
+  r = make_report()
+  with pytest.raises(ValueError, match=rf"atol must be a number >= 0.*got {bad!r}"):
+    r.first_divergence(atol=bad)
+  with pytest.raises(ValueError, match=rf"rtol must be a number >= 0.*got {bad!r}"):
+    r.first_divergence(1e-3, bad)
+  with pytest.raises(ValueError, match="atol must be a number >= 0"):
+    r.passes(atol=bad)
+  with pytest.raises(ValueError, match="rtol must be a number >= 0"):
+    r.required_atol("bf16", rtol=bad)
+
+
+@pytest.mark.parametrize("bad", ["1e-3", [1e-3], True])
+def test_first_divergence_refuses_tolerances_that_are_not_numbers(bad):
+  with pytest.raises(TypeError, match=r"atol must be a number >= 0.*got "
+                     + re.escape(repr(bad)) + " of type " + type(bad).__name__):
+    make_report().first_divergence(atol=bad)
+
+
+def test_first_divergence_accepts_infinite_and_integer_tolerances():
+  r = make_report()
+  assert r.first_divergence(math.inf, 0, precision="bf16") is None
+  assert r.first_divergence(0, 0, precision="bf16").layer == "hidden_states[1]"
+
+
+def test_worst_refuses_a_bad_count_metric_or_precision():
+  r = make_report()
+  with pytest.raises(ValueError, match=r"n must be a non-negative integer.*got -1"):
+    r.worst(-1)
+  for bad in (1.5, "3", None, float("nan")):
+    with pytest.raises(TypeError, match=r"n must be a non-negative integer.*got "):
+      r.worst(bad)
+  assert r.worst(0) == []
+  with pytest.raises(ValueError, match=r"Unknown metric 'rel_rsm'.*did you mean 'rel_rms'"):
+    r.worst(3, "rel_rsm")
+  with pytest.raises(ValueError, match=r"Unknown precision 'bf61'.*'bf16'"):
+    r.worst(3, precision="bf61")
+  with pytest.raises(KeyError, match=r"did you mean 'hidden_states\[3\]'"):
+    r.layer("hidden_states[9]")
+
+
+# -- Markdown and text with awkward layer names (issue 12, item 12) ------------
+
+
+def renamed_report(names):
+  base = make_report()
+  layers = tuple(LayerResult(name=n, shape=l.shape, dtype=l.dtype,
+                             metrics=l.metrics)
+                 for n, l in zip(names, base.layers))
+  return make_report(layers=layers)
+
+
+def test_markdown_escapes_newlines_and_pipes_in_layer_names():
+  names = ("a\nb", "c|d", "e\\f", "g\r\th")
+  md = renamed_report(names).to_markdown()
+  table = [l for l in md.splitlines() if l.startswith("|")]
+  assert len(table) == 2 + 4  # each layer one row
+  n_cols = 3 + 2 * 2
+  for row in table:
+    # cells split on unescaped pipes only
+    assert len(re.split(r"(?<!\\)\|", row)) == n_cols + 2, row
+  assert "| a\\\\nb |" in table[2]  # GFM shows a\nb
+  assert "| c\\|d |" in table[3]
+  assert "| e\\\\\\\\f |" in table[4]  # GFM shows e\\f, as the text table
+  assert "| g\\\\r\\\\th |" in table[5]
+  text = renamed_report(names).to_text()
+  assert "a\\nb" in text and "g\\r\\th" in text
+  assert len(text.splitlines()) == len(make_report().to_text().splitlines())
+
+
+# -- The framework floor (issue 10, item 3) ----------------------------------
+
+
+def floor_report(floor_max_abs=2e-6, **kw):
+  base = make_report()
+  layers = tuple(
+      LayerResult(name=l.name, shape=l.shape, dtype=l.dtype,
+                  metrics={"float32": lm(floor_max_abs), **l.metrics})
+      for l in base.layers)
+  args = dict(layers=layers, precisions=("float32", "bf16", "bf16_3x"),
+              reference="pytree", floor="float32",
+              numerics={**base.numerics, "float32": "f32 (native cpu)"})
+  args.update(kw)
+  return make_report(**args)
+
+
+def test_floor_must_be_one_of_the_precisions():
+  with pytest.raises(ValueError, match=r"floor 'fp32' is not one of the report's precisions"):
+    floor_report(floor="fp32")
+  assert make_report().floor is None
+
+
+def test_floor_is_not_a_candidate_precision():
+  r = floor_report()
+  assert r.candidates == ("bf16", "bf16_3x")
+  # The floor would diverge at atol=1e-7; the candidates' answers ignore it.
+  assert set(r.first_divergence(1e-7, 0)) == {"bf16", "bf16_3x"}
+  assert r.first_divergence(1e-7, 0, precision="float32").layer == "emb"
+  assert not r.passes(1e-7, 0, precision="float32")
+  # A floor beyond the tolerance does not make the candidates fail.
+  r2 = floor_report(0.5, precisions=("float32", "bf16_3x"))
+  assert r2.passes(1e-3, 0) and not r2.passes(1e-3, 0, precision="float32")
+  assert r2.first_divergence(1e-3, 0) == {"bf16_3x": None}
+  assert r2.worst(1)[0].precision == "bf16_3x"
+  assert {f.precision for f in r.worst(20)} == {"bf16", "bf16_3x"}
+  assert r.worst(1, precision="float32")[0].precision == "float32"
+  assert r.metric("max_abs") == r.metric("max_abs", "bf16")  # default: bf16
+  assert r.required_atol() == r.required_atol("bf16")
+  assert "float32" in r.summary()
+
+
+def test_floor_is_marked_in_the_text_table_and_markdown():
+  r = floor_report()
+  for text in (r.to_text(), str(r)):
+    assert "float32 [floor]" in text
+    assert "'float32' is the framework floor" in text
+    assert "float32 [floor]: no divergence" in text or "float32 [floor]: first" in text
+    assert "bf16 [floor]" not in text
+  md = r.to_markdown()
+  header = [l for l in md.splitlines() if l.startswith("|")][0]
+  assert "float32 [floor] max_abs" in header and "bf16 max_abs" in header
+  assert "framework floor" in md
+  plain = make_report()
+  assert "[floor]" not in plain.to_text() and "floor" not in plain.to_markdown()
+
+
+def test_floor_json_round_trip_and_old_files():
+  r = floor_report()
+  d = json.loads(r.to_json())
+  assert d["floor"] == "float32" and d["schema"] == 1
+  back = DivergenceReport.from_json(r.to_json())
+  assert back.floor == "float32" and back.candidates == r.candidates
+  assert back.to_dict() == r.to_dict()
+  assert json.loads(make_report().to_json())["floor"] is None
+  old = make_report().to_dict()
+  del old["floor"]  # a schema-1 file written before the floor existed
+  assert DivergenceReport.from_dict(old).floor is None
+
+
+def test_floor_is_a_dashed_grey_line_in_the_plot(tmp_path):
+  fig = floor_report().plot(tmp_path / "f.png")
+  lines = {l.get_label(): l for l in fig.axes[0].get_lines()}
+  floor = lines["float32 (framework floor)"]
+  assert floor.get_linestyle() == "--"
+  assert floor.get_color() == "grey"
+  assert len(lines) == 3
+  others = [l for k, l in lines.items() if k != "float32 (framework floor)"]
+  assert all(l.get_linestyle() == "-" for l in others)
+  legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+  assert "float32 (framework floor)" in legend
+
+
+# -- The split (issue 13): names stay importable -------------------------------
+
+
+def test_split_modules_and_old_import_paths():
+  from jaxprec._src import progress, render, report, training_report
+  assert report.TrainingReport is training_report.TrainingReport
+  assert report.maybe_progress is progress.maybe_progress
+  assert report.Progress is progress.Progress
+  assert report.encode_float(float("inf")) == "inf"
+  assert render.decode_float("-inf") == -math.inf
+  assert render.fmt(1.5e-3) == "1.50e-03"

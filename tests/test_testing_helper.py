@@ -55,3 +55,41 @@ def test_fails_on_nans_that_only_the_precision_makes():
 def test_is_not_in_the_top_level_namespace_and_needs_no_flax():
   assert not hasattr(jaxprec, "assert_precision_robust")
   assert jaxprec.testing.__all__ == ("assert_precision_robust",)
+
+
+def test_a_list_tests_each_precision_and_names_those_that_fail():
+  # bfloat16_3x passes at 1e-4, bfloat16 does not: before, the list was read
+  # as an (lhs, rhs) pair and only float32 was tested, silently passing.
+  with pytest.raises(AssertionError) as info:
+    jaxprec.testing.assert_precision_robust(
+        net, W, X, precision=["bfloat16", "bfloat16_3x"], rtol=1e-4,
+        atol=1e-4, mode="emulate")
+  msg = str(info.value)
+  assert msg.startswith("net is not robust to 1 of 2 precisions ('bfloat16')")
+  assert "- 'bfloat16' (bf16x1 (emulated)" in msg
+  assert "'bfloat16_3x' (" not in msg
+  report = jaxprec.testing.assert_precision_robust(
+      net, W, X, precision=("bfloat16_3x", "float32"), rtol=1e-4, atol=1e-4,
+      mode="emulate")
+  assert report.precisions == ("bfloat16_3x", "float32")
+  with pytest.raises(AssertionError, match="2 of 2 precisions"):
+    jaxprec.testing.assert_precision_robust(
+        net, W, X, precision=["bf16", "tf32"], rtol=0, atol=1e-7,
+        mode="emulate")
+
+
+def test_a_pair_of_lax_precisions_is_one_precision():
+  from jax import lax
+  report = jaxprec.testing.assert_precision_robust(
+      net, W, X, precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
+      rtol=1e-5, atol=1e-5, mode="emulate")
+  assert len(report.precisions) == 1
+  with pytest.raises(AssertionError, match="is not robust to '"):
+    jaxprec.testing.assert_precision_robust(
+        net, W, X, precision=(lax.Precision.DEFAULT, lax.Precision.DEFAULT),
+        rtol=0, atol=1e-6, mode="emulate")
+
+
+def test_an_empty_list_is_refused():
+  with pytest.raises(ValueError, match="precision is empty"):
+    jaxprec.testing.assert_precision_robust(net, W, X, precision=[])

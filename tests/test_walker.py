@@ -197,3 +197,57 @@ def test_wrong_arity_is_reported():
   closed = jax.make_jaxpr(lambda x: x @ x)(X)
   with pytest.raises(TypeError, match="takes 1 inputs, got 2"):
     walker.interpret(closed, keep, X, X)
+
+
+def test_trace_call_keys_on_the_jax_trace_context():
+  # A trace made under one precision flag (or x64) is not reused under another.
+  calls = []
+
+  def f(x):
+    calls.append(jax.config.jax_default_matmul_precision)
+    return x @ x
+  cache = {}
+  a = walker.trace_call(f, (X,), {}, cache)
+  with jax.default_matmul_precision("float32"):
+    b = walker.trace_call(f, (X,), {}, cache)
+  with jax.enable_x64(True):
+    walker.trace_call(f, (X,), {}, cache)
+  walker.trace_call(f, (X,), {}, cache)
+  assert calls == [None, "float32", None]
+  precs = [j.jaxpr.eqns[0].params["precision"] for j in (a.jaxpr, b.jaxpr)]
+  assert precs == [None, (lax.Precision.HIGHEST, lax.Precision.HIGHEST)]
+
+
+def test_trace_call_rejects_non_array_outputs_naming_them():
+  with pytest.raises(TypeError, match=r"returned a value of type <class 'str'> "
+                     r"at output\[0\]\['name'\], which is not a valid JAX type"):
+    walker.trace_call(lambda x: ({"name": "y", "y": x},), (X,), {})
+  out = walker.trace_call(lambda x: (x, 2, 3.5, np.float32(1)), (X,), {})
+  assert len(out.jaxpr.out_avals) == 4  # Python and NumPy numbers are fine
+
+
+def test_opaque_primitives_are_bound_unchanged_and_named():
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] @ x_ref[...]
+
+  f = lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(
+      X.shape, X.dtype), interpret=True)(x)
+  closed = jax.make_jaxpr(f)(X)
+  assert walker.opaque_name(closed.jaxpr.eqns[0]) == "pallas_call 'kernel'"
+  assert walker.opaque_name(jax.make_jaxpr(jnp.sin)(X).jaxpr.eqns[0]) is None
+  (got,) = walker.interpret(closed, keep, X)
+  np.testing.assert_allclose(got, np.asarray(X) @ np.asarray(X), rtol=1e-6)
+
+
+def test_one_array_leaf_rule():
+  from jaxprec._src import trees
+  sd = jax.ShapeDtypeStruct((2,), jnp.float32)
+  assert [trees.is_array(x) for x in (X, np.ones(2), np.float32(1), sd)] == [
+      True] * 4
+  assert [trees.is_array(x) for x in (2.0, "a", None, np.float32)] == [
+      False] * 4
+  assert not trees.is_array(sd, abstract=False)
+  assert [trees.is_jax_type(x) for x in (X, 1, 2.5, np.int8(1), "s", None)] == [
+      True, True, True, True, False, False]

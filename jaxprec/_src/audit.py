@@ -29,10 +29,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import contextlib
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,14 +38,16 @@ import jax
 import numpy as np
 from jax import lax
 
+from jaxprec._src import audit_text
 from jaxprec._src import compat
+from jaxprec._src import numerics
+from jaxprec._src import trees
 from jaxprec._src import walker
-from jaxprec._src.precision import Numerics, Precision, from_lax, resolve
+from jaxprec._src.flax import paths as flax_paths
+from jaxprec._src.precision import Numerics, Precision
 
-__all__ = ["AuditError", "AuditReport", "AuditRow", "audit"]
+__all__ = ["AuditError", "AuditReport", "AuditRow", "OpaqueRow", "audit"]
 
-_PRIMITIVES = ("dot_general", "conv_general_dilated")
-_SHORT = {"dot_general": "dot", "conv_general_dilated": "conv"}
 # Python packages whose frames are not "the user's line": the op's own frame in
 # Flax/Optax/jaxprec is kept in AuditRow.op, the user's caller in .source.
 _LIBRARY_PACKAGES = ("flax", "optax", "chex", "jaxprec")
@@ -97,6 +97,9 @@ class AuditRow:
       e.g. ``'encoder/layer/0/attention/self'`` (the attention einsums of a
       module belong to it); ``''`` for the top module and for ops outside
       linen modules (and for NNX, which records no module calls).
+    emulated: False for an op inside an opaque kernel (the dots of a Pallas
+      kernel's body): :func:`jaxprec.emulate` cannot reach it, and the
+      precision shown is the kernel's own.
   """
 
   primitive: str
@@ -121,6 +124,7 @@ class AuditRow:
   risky: bool
   reason: str
   module_path: str = ""
+  emulated: bool = True
 
   def to_dict(self) -> dict[str, Any]:
     """The row as JSON-able values (``precision`` becomes ``precision_name``)."""
@@ -138,6 +142,35 @@ class AuditRow:
     return d
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpaqueRow:
+  """An op whose numerics jaxprec cannot see: a Pallas kernel, an FFI call or
+  a host callback (``pure_callback``, ``io_callback``).
+
+  :func:`jaxprec.emulate` runs it natively and warns
+  (:class:`jaxprec.OpaqueOpWarning`); the matmuls a Pallas kernel's body
+  shows are listed as :class:`AuditRow` with ``emulated=False``.
+
+  Attributes:
+    primitive: e.g. ``'pallas_call'``, ``'ffi_call'``, ``'pure_callback'``.
+    name: the primitive and, where JAX records one, the kernel, target or
+      callback name, e.g. ``"pallas_call 'matmul_kernel'"``.
+    source, name_stack, scope, trip_count: as :class:`AuditRow`.
+  """
+
+  primitive: str
+  name: str
+  source: str
+  name_stack: str
+  scope: tuple[str, ...]
+  trip_count: int
+
+  def to_dict(self) -> dict[str, Any]:
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["scope"] = list(self.scope)
+    return d
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
   """The matmuls and convolutions of one traced function.
@@ -148,11 +181,14 @@ class AuditReport:
     function: the audited function's qualified name.
     precision_in_force: the precision in force when it was traced
       (``jaxprec.current()``), e.g. ``'float32 (context)'``.
+    opaque: the ops jaxprec cannot see into (:class:`OpaqueRow`), in
+      program order.
   """
 
   rows: tuple[AuditRow, ...]
   function: str = ""
   precision_in_force: str = ""
+  opaque: tuple[OpaqueRow, ...] = ()
 
   def __len__(self) -> int:
     return len(self.rows)
@@ -198,6 +234,7 @@ class AuditReport:
         "total_flops": self.total_flops,
         "flops_by_precision": self.flops_by_precision(),
         "rows": [r.to_dict() for r in self.rows],
+        "opaque": [r.to_dict() for r in self.opaque],
     }
 
   def to_json(self, indent: int | None = 2) -> str:
@@ -205,7 +242,7 @@ class AuditReport:
     return json.dumps(self.to_dict(), indent=indent)
 
   def __str__(self) -> str:
-    return _format(self)
+    return audit_text.format_report(self)
 
 
 def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
@@ -252,7 +289,7 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
   in_force = _precision_in_force()
 
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  is_array = [_is_array(x) for x in leaves]
+  is_array = [trees.is_array(x) for x in leaves]
 
   def flat_fn(*dynamic):
     it = iter(dynamic)
@@ -261,39 +298,25 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
     return fn(*a, **kw)
 
   try:
-    with _module_paths() as module_paths:
+    with flax_paths.record() as module_paths:
       closed = jax.make_jaxpr(flat_fn)(
           *[x for x, a in zip(leaves, is_array) if a])
   except Exception as e:  # noqa: BLE001 -- re-raised with context
     raise AuditError(
         f"jaxprec.audit: tracing {name} failed: {type(e).__name__}: {e}") from e
-  return AuditReport(rows=tuple(_rows(closed, module_paths)), function=name,
-                     precision_in_force=in_force)
-
-
-def _module_paths():
-  """Records linen module paths by name stack while tracing (if Flax is used)."""
-  if "flax.linen" not in sys.modules:
-    return contextlib.nullcontext({})
-  from jaxprec._src.modules import interception
-  return interception.record_paths()
-
-
-def _module_path(name_stack: str, found: dict[str, str]) -> str | None:
-  """Path of the innermost recorded module call enclosing ``name_stack``."""
-  while True:
-    hit = found.get(name_stack)
-    if hit is not None or "/" not in name_stack:
-      return hit
-    name_stack = name_stack.rsplit("/", 1)[0]
+  opaque: list[OpaqueRow] = []
+  rows = tuple(_rows(closed, module_paths, opaque))
+  return AuditReport(rows=rows, function=name, precision_in_force=in_force,
+                     opaque=tuple(opaque))
 
 
 # ---------------------------------------------------------------------------
 # Rows.
 
 
-def _rows(closed, module_paths: dict[str, str] | None = None
-          ) -> Iterator[AuditRow]:
+def _rows(closed, module_paths: dict[str, str] | None = None,
+          opaque: list[OpaqueRow] | None = None) -> Iterator[AuditRow]:
+  """The rows of ``closed``; opaque ops are appended to ``opaque``."""
   # Name stacks are relative to the enclosing jaxpr; ``prefix[d]`` is the path
   # of the body at depth d. iter_eqns yields a parent right before its bodies,
   # depth first, so the last parent seen at depth d - 1 encloses depth d.
@@ -306,7 +329,7 @@ def _rows(closed, module_paths: dict[str, str] | None = None
     depth = len(w.scope)
     relative = compat.eqn_name_stack(eqn)
     path = _join(prefix.get(depth, ""), relative)
-    module = _module_path(relative, module_paths or {})
+    module = flax_paths.lookup(relative, module_paths or {})
     if module is None:
       module = module_prefix.get(depth, "")
     module_prefix[depth + 1] = module
@@ -314,8 +337,16 @@ def _rows(closed, module_paths: dict[str, str] | None = None
       prefix[depth + 1] = _join(path, f"jit({eqn.params.get('name', '')})")
     else:
       prefix[depth + 1] = path
-    if eqn.primitive.name in _PRIMITIVES:
-      yield dataclasses.replace(_row(w, path), module_path=module)
+    name = walker.opaque_name(eqn)
+    if name is not None and opaque is not None:
+      source, _ = _frames(eqn)
+      opaque.append(OpaqueRow(primitive=eqn.primitive.name, name=name,
+                              source=source, name_stack=path,
+                              scope=tuple(w.scope), trip_count=w.trip_count))
+    if eqn.primitive.name in numerics.PRIMITIVES:
+      inside = not walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope)
+      yield dataclasses.replace(_row(w, path), module_path=module,
+                                emulated=not inside)
 
 
 def _row(w: walker.WalkedEqn, name_stack: str) -> AuditRow:
@@ -370,24 +401,15 @@ def _effective(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str
 
 
 def _effective_precision(prim: str, precision: Any) -> Precision | None:
-  if prim == "conv_general_dilated" and isinstance(precision,
-                                                   lax.DotAlgorithmPreset):
-    # SEMANTICS.md 3.1: JAX lowers a conv under a preset with
-    # precision_config = [DEFAULT, DEFAULT].
-    return resolve(lax.Precision.DEFAULT)
-  try:
-    p = from_lax(precision)
-  except ValueError:
-    return None  # A custom lax.DotAlgorithm: not one of the presets.
-  return resolve(None) if p is None else p
+  return numerics.effective(precision, numerics.op_kind(prim))
 
 
 def _risk(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str,
           tpu: Numerics | None) -> tuple[bool, str]:
   if not (lhs_dtype == rhs_dtype == "float32") or tpu is None:
     return False, ""
-  if prim == "conv_general_dilated" and isinstance(precision,
-                                                   lax.DotAlgorithmPreset):
+  if numerics.lowered(precision, numerics.op_kind(prim)) is not precision:
+    # A convolution that recorded a preset (SEMANTICS.md pitfall 1).
     return True, (
         f"convolution recorded with preset {precision.name}: JAX lowers "
         f"convolutions under a preset at DEFAULT, 1 bfloat16 pass on TPU (TF32 "
@@ -461,11 +483,6 @@ def _join(a: str, b: str) -> str:
   return f"{a}/{b}" if a and b else a or b
 
 
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) \
-      or (hasattr(x, "shape") and hasattr(x, "dtype"))
-
-
 def _qualname(fn) -> str:
   inner = getattr(fn, "func", None)  # functools.partial
   for f in (fn, inner):
@@ -479,86 +496,3 @@ def _precision_in_force() -> str:
   from jaxprec._src import context  # Imported late: it imports env and JAX config.
   p = context.current()
   return f"{p.name} ({p.source})"
-
-
-# ---------------------------------------------------------------------------
-# Text table.
-
-
-def _si(n: float) -> str:
-  for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-    if abs(n) >= scale:
-      return f"{n / scale:.3g}{unit}"
-  return f"{n:.0f}"
-
-
-def _shape(dtype: str, shape: tuple[int, ...]) -> str:
-  short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
-           "float64": "f64", "int8": "i8", "int32": "i32"}.get(dtype, dtype)
-  return f"{short}[{','.join(str(d) for d in shape)}]"
-
-
-def _short_path(source: str) -> str:
-  if not source:
-    return "?"
-  path, _, line = source.rpartition(":")
-  try:
-    rel = os.path.relpath(path)
-  except ValueError:  # another drive on Windows
-    rel = path
-  if rel.startswith(".."):
-    rel = os.path.join(*path.split(os.sep)[-2:]) if os.sep in path else path
-  return f"{rel}:{line}"
-
-
-def _share(totals: dict[str, int]) -> str:
-  whole = sum(totals.values())
-  if not whole:
-    return ", ".join(totals) or "-"
-  return ", ".join(f"{k} {100 * v / whole:.0f}%" for k, v in totals.items())
-
-
-def _format(report: AuditReport) -> str:
-  name = report.function or "function"
-  head = f"jaxprec audit of {name}"
-  if report.precision_in_force:
-    head += f", traced at precision {report.precision_in_force}"
-  if not report.rows:
-    return f"{head}\nno matmuls or convolutions (dot_general, conv_general_dilated) found"
-  cols = ("#", "op", "name stack", "function", "source", "operands",
-          "precision", "TPU", "GPU", "FLOPs", "risky")
-  body = []
-  for i, r in enumerate(report.rows, 1):
-    op = _SHORT[r.primitive]
-    if r.trip_count != 1:
-      op += f" x{r.trip_count}"
-    body.append((str(i), op, r.name_stack or "-", r.op.split(" (")[0] or "?",
-                 _short_path(r.source),
-                 f"{_shape(r.lhs_dtype, r.lhs_shape)} x "
-                 f"{_shape(r.rhs_dtype, r.rhs_shape)}",
-                 r.precision_name, r.tpu, r.gpu, _si(r.flops),
-                 "RISKY" if r.risky else ""))
-  widths = [max(len(c), *(len(row[j]) for row in body)) for j, c in enumerate(cols)]
-  right = {0, 9}
-
-  def line(cells):
-    return "  ".join(c.rjust(w) if j in right else c.ljust(w)
-                     for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-  out = [head, line(cols), line(["-" * w for w in widths])]
-  out += [line(row) for row in body]
-  by = report.flops_by_precision()
-  n_risky = len(report.risky)
-  out.append(
-      f"total: {len(report.rows)} ops, {n_risky} risky, "
-      f"{_si(report.total_flops)} FLOPs per call; "
-      f"TPU: {_share(by['tpu'])}; GPU: {_share(by['gpu'])}")
-  if n_risky:
-    out.append("risky:")
-    by_reason: dict[str, list[int]] = {}
-    for i, r in enumerate(report.rows, 1):
-      if r.risky:
-        by_reason.setdefault(r.reason, []).append(i)
-    for reason, nums in by_reason.items():
-      out.append(f"  {', '.join(f'#{i}' for i in nums)}: {reason}")
-  return "\n".join(out)

@@ -32,612 +32,59 @@ TPU ``'bfloat16_3x'`` and ``'tensorfloat32'`` are the same row; the report's
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
-import os
-import re
+import math
+import numbers
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
-
 from jaxprec._src import compat
-from jaxprec._src import walker
-from jaxprec._src import emulated_ops
+from jaxprec._src import harness
 from jaxprec._src import metrics as metrics_lib
+from jaxprec._src import numerics
 from jaxprec._src import report as report_lib
-from jaxprec._src.emulate import emulate
-from jaxprec._src.precision import Precision, PrecisionLike, resolve
+from jaxprec._src.harness import DEFAULT_PRECISIONS, plan
+from jaxprec._src.layers import named_layers
+from jaxprec._src.policy import Policy
+from jaxprec._src.precision import PrecisionLike
+from jaxprec._src.reference import ReferenceMismatchError, save_layers
 from jaxprec._src.report import DivergenceReport, LayerResult
 
-__all__ = ["DEFAULT_ATOL", "DEFAULT_PRECISIONS", "DEFAULT_RTOL", "MODES",
-           "ReferenceMismatchError", "TARGETS", "check", "check_module",
+__all__ = ["DEFAULT_ATOL", "DEFAULT_PRECISIONS", "DEFAULT_RTOL",
+           "ReferenceMismatchError", "check", "check_module", "check_tolerance",
            "named_layers", "plan", "save_layers"]
 
-DEFAULT_PRECISIONS = ("bfloat16", "bfloat16_3x", "tensorfloat32")
 DEFAULT_ATOL = 1e-3
 DEFAULT_RTOL = 1e-3
-MODES = ("auto", "emulate", "native")
-TARGETS = ("tpu", "gpu")
-_FLOAT64_NAMES = ("float64", "f64", "fp64", "double")
-# User spellings emulated with the numerics their name says (module docstring).
-_LITERAL = {
-    "bfloat16": ("bfloat16", "tpu"), "bf16": ("bfloat16", "tpu"),
-    "medium": ("bfloat16", "tpu"),
-    "bfloat16_3x": ("bfloat16_3x", "tpu"), "bf16_3x": ("bfloat16_3x", "tpu"),
-    "tensorfloat32": ("tensorfloat32", "gpu"), "tf32": ("tensorfloat32", "gpu"),
-}
+_HAS_FLOOR = "floor" in {f.name for f in dataclasses.fields(DivergenceReport)}
 
 
-class ReferenceMismatchError(ValueError):
-  """A given reference does not have the output's layers or shapes."""
-
-
-# ---------------------------------------------------------------------------
-# Layers: floating leaves named by path.
-
-
-def _key_name(k: Any) -> str:
-  tu = jax.tree_util
-  if isinstance(k, tu.DictKey):
-    return f".{k.key}" if isinstance(k.key, str) else f"[{k.key!r}]"
-  if isinstance(k, tu.GetAttrKey):
-    return f".{k.name}"
-  if isinstance(k, tu.SequenceKey):
-    return f"[{k.idx}]"
-  if isinstance(k, tu.FlattenedIndexKey):
-    return f"[{k.key}]"
-  return f"[{k}]"
-
-
-def _path_name(path: Sequence[Any]) -> str:
-  return "".join(_key_name(k) for k in path).lstrip(".") or "output"
-
-
-def _leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
-  """Like ``tree_flatten_with_path``, but plain dicts keep insertion order.
-
-  JAX sorts dict keys; a dict of layers written in depth order
-  (``layer_2`` before ``layer_10``) keeps that order here.
-  """
-  out: list[tuple[tuple, Any]] = []
-
-  def rec(node, path):
-    if type(node) in (dict, collections.OrderedDict):
-      for k, v in node.items():
-        rec(v, path + (jax.tree_util.DictKey(k),))
-      return
-    kids = jax.tree_util.tree_flatten_with_path(
-        node, is_leaf=lambda x, node=node: x is not node)[0]
-    if len(kids) == 1 and kids[0][0] == () and kids[0][1] is node:
-      out.append((path, node))
-      return
-    for p, v in kids:
-      rec(v, path + tuple(p))
-  rec(tree, ())
-  return out
-
-
-def _is_float(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return (dtype is not None and hasattr(x, "shape")
-          and jnp.issubdtype(dtype, jnp.floating))
-
-
-def _layers(tree: Any) -> list[tuple[str, Any]]:
-  layers = [(_path_name(p), v) for p, v in _leaves_with_paths(tree) if _is_float(v)]
-  seen: dict[str, int] = {}
-  for name, _ in layers:
-    seen[name] = seen.get(name, 0) + 1
-  dup = [n for n, c in seen.items() if c > 1]
-  if dup:
-    raise ValueError(f"Two layers of the output have the same name {dup[0]!r}; "
-                     f"rename the keys of the returned pytree.")
-  return layers
-
-
-def _ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
-                    fn: Callable[..., Any], args: "walker.SplitArgs",
-                    dynamic: Sequence[Any]) -> list[tuple[str, Any]]:
-  """The layers of ``wrap(fn)(*args)`` in the order ``fn`` itself returned them.
-
-  Transformations (emulation, ``eval_shape``) rebuild the output from its
-  treedef, which sorts dict keys; the names are read from ``fn``'s own
-  output while it is traced, and the result is put back in that order.
-  """
-  order: list[list[str]] = []
-
-  @functools.wraps(fn)
-  def observed(*a, **k):
-    out = fn(*a, **k)
-    order.append([n for n, _ in _layers(out)])
-    return out
-  layers = _layers(args.call(wrap(observed), dynamic))
-  if not order:
-    return layers
-  by_name = dict(layers)
-  if sorted(by_name) != sorted(order[-1]):
-    return layers
-  return [(n, by_name[n]) for n in order[-1]]
-
-
-def named_layers(tree: Any) -> dict[str, Any]:
-  """The floating leaves of a pytree by the names ``jaxprec.check`` gives them.
-
-  Names are pytree paths: ``'hidden_states[3]'``, ``'encoder.layer_0'``,
-  ``'output'`` for a bare array. Plain dicts keep their insertion order.
-
-  Args:
-    tree: hidden states, e.g. the output of ``fn`` given to ``check``.
-
-  Returns:
-    An insertion-ordered dict, name -> array.
+def check_tolerance(name: str, value: Any) -> float:
+  """``value`` as a float >= 0 (inf allowed); TypeError/ValueError naming it.
 
   Examples:
-    >>> import numpy as np, jaxprec
-    >>> tree = {"hidden_states": (np.zeros(2), np.ones(2)), "mask": np.ones(2, int)}
-    >>> list(jaxprec.named_layers(tree))
-    ['hidden_states[0]', 'hidden_states[1]']
+    >>> from jaxprec._src.check import check_tolerance
+    >>> check_tolerance("atol", 1e-3)
+    0.001
+    >>> check_tolerance("rtol", None)
+    Traceback (most recent call last):
+    ...
+    TypeError: rtol must be a number >= 0, e.g. rtol=1e-3; got None of type NoneType.
   """
-  return dict(_layers(tree))
-
-
-def save_layers(path: str | os.PathLike, tree: Any) -> None:
-  """Saves hidden states where ``check(..., reference=path)`` can read them.
-
-  ``.npz`` (NumPy) or ``.safetensors`` (needs the ``safetensors`` package).
-  Keys are the names of :func:`named_layers`.
-
-  Args:
-    path: the file to write; its extension picks the format.
-    tree: the hidden states (a pytree of arrays).
-  """
-  path = os.fspath(path)
-  arrays = {k: np.asarray(v) for k, v in named_layers(tree).items()}
-  if path.endswith(".npz"):
-    np.savez(path, **arrays)
-  elif path.endswith(".safetensors"):
-    save_file = _safetensors("save_file")
-    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, path)
-  else:
-    raise ValueError(f"Unknown reference file type {path!r}: use .npz or "
-                     f".safetensors.")
-
-
-def _safetensors(name: str):
-  try:
-    import safetensors.numpy as st
-  except ImportError as e:
-    raise ImportError("reading or writing .safetensors needs the safetensors "
-                      "package: pip install safetensors") from e
-  return getattr(st, name)
-
-
-def _normalize(name: str) -> str:
-  return re.sub(r"[\[\]./'\"]+", ".", name).strip(".")
-
-
-def _load_reference(path: str) -> dict[str, np.ndarray]:
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"no reference file {path!r}")
-  if path.endswith(".npz"):
-    with np.load(path, allow_pickle=False) as z:
-      return {k: z[k] for k in z.files}
-  return dict(_safetensors("load_file")(path))
-
-
-def _is_path(ref: Any) -> bool:
-  if isinstance(ref, os.PathLike):
-    return True
-  return isinstance(ref, str) and ref.endswith((".npz", ".safetensors"))
-
-
-# ---------------------------------------------------------------------------
-# What each row runs.
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """How one precision label is computed (see the module docstring).
-
-  Attributes:
-    label: the row's label, as the user wrote it.
-    precision: the resolved precision (native runs set JAX's flag to it).
-    emulate_target: ``'tpu'``/``'gpu'`` to emulate as that target, None to
-      run natively.
-    algorithm: what runs for float32 matmuls, e.g. ``'bf16x1'``.
-    description: for the report, e.g. ``'tf32 (emulated, gpu numerics)'``.
-  """
-
-  label: str
-  precision: Precision
-  emulate_target: str | None
-  algorithm: str
-  description: str
-
-  @property
-  def key(self) -> tuple:
-    return (self.precision.name, self.emulate_target)
-
-  def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-    if self.emulate_target is not None:
-      return emulate(fn, self.precision, target=self.emulate_target)
-    flag = self.precision.flag
-
-    @functools.wraps(fn)
-    def native(*args, **kwargs):
-      with jax.default_matmul_precision(flag):
-        return fn(*args, **kwargs)
-    return native
-
-
-def _label(p: PrecisionLike) -> str:
-  if isinstance(p, str):
-    return p
-  if isinstance(p, lax.Precision):
-    return p.name.lower()
-  if isinstance(p, (Precision, lax.DotAlgorithmPreset)):
-    return p.name
-  return str(p)
-
-
-def plan(precision: PrecisionLike, target: str, mode: str,
-         backend: str | None = None) -> Plan:
-  """How ``check`` computes one precision for ``target`` in ``mode``.
-
-  Args:
-    precision: a precision (any spelling :func:`jaxprec.resolve` accepts).
-    target: ``'tpu'`` or ``'gpu'``.
-    mode: ``'emulate'`` or ``'native'`` (resolve ``'auto'`` first).
-    backend: the backend native runs use (default: JAX's).
-
-  Returns:
-    The :class:`Plan`.
-
-  Examples:
-    >>> from jaxprec._src.check import plan
-    >>> plan("tensorfloat32", "tpu", "emulate").description
-    'tf32 (emulated, gpu numerics)'
-    >>> plan("float32", "tpu", "emulate").algorithm
-    'bf16x6'
-  """
-  label = _label(precision)
-  literal = _LITERAL.get(label.strip().lower()) if isinstance(precision, str) else None
-  p = resolve(literal[0] if literal else precision)
-  if mode == "native":
-    backend = backend or compat.backend_platform()
-    algo = p.on(backend).algorithm if backend in ("tpu", "gpu", "cuda", "rocm",
-                                                   "cpu") else "?"
-    return Plan(label, p, None, algo, f"{algo} (native {backend})")
-  emu_target = literal[1] if literal else target
-  algo = emulated_ops.algorithm_for(p.per_op, emu_target, jnp.float32, jnp.float32)
-  if algo == "native" and p.flag is None:
-    algo = emulated_ops.algorithm_for(lax.Precision.DEFAULT, emu_target,
-                                      jnp.float32, jnp.float32)
-  desc = f"{algo} (emulated)" if emu_target == target else (
-      f"{algo} (emulated, {emu_target} numerics)")
-  return Plan(label, p, emu_target, algo, desc)
-
-
-def _check_choice(value: Any, choices: Sequence[str], what: str) -> str:
-  v = value.lower() if isinstance(value, str) else None
-  if v not in choices:
-    import difflib
-    msg = (f"Unknown {what} {value!r}; valid choices: "
-           f"{', '.join(map(repr, choices))}.")
-    close = difflib.get_close_matches(v, choices, n=1) if v else []
-    if close:
-      msg += f" Did you mean {close[0]!r}?"
-    raise ValueError(msg)
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{name} must be a number >= 0, e.g. {name}=1e-3; got "
+                    f"{value!r} of type {type(value).__name__}.")
+  v = float(value)
+  if math.isnan(v) or v < 0:
+    raise ValueError(f"{name} must be a number >= 0, e.g. {name}=1e-3; got "
+                     f"{value!r}.")
   return v
 
 
-def resolve_mode(mode: str, target: str) -> str:
-  """``'auto'``: native on the target's own backend, emulation elsewhere."""
-  mode = _check_choice(mode, MODES, "mode")
-  if mode != "auto":
-    return mode
-  backend = compat.backend_platform()
-  native = {"tpu": ("tpu",), "gpu": ("gpu", "cuda", "rocm")}[target]
-  return "native" if backend in native else "emulate"
-
-
-def _plans(precisions: Any, target: str, mode: str) -> list[Plan]:
-  if isinstance(precisions, (str, lax.Precision, lax.DotAlgorithmPreset, Precision)):
-    precisions = (precisions,)
-  precisions = tuple(precisions)
-  if not precisions:
-    raise ValueError("precisions is empty: name at least one, e.g. "
-                     "precisions=('bfloat16',)")
-  plans = [plan(p, target, mode) for p in precisions]
-  labels = [p.label for p in plans]
-  if len(set(labels)) != len(labels):
-    raise ValueError(f"precisions repeats a name: {labels}")
-  return plans
-
-
-def _reference_plan(reference: str, target: str, mode: str) -> Plan | None:
-  """None for float64; float32 runs natively (exact where the backend is)."""
-  if reference.strip().lower() in _FLOAT64_NAMES:
-    return None
-  p = resolve(reference)
-  if p.name in ("float32", "F32_F32_F32"):
-    backend = compat.backend_platform()
-    return Plan(reference, resolve("float32"), None,
-                p.on(backend).algorithm, f"{p.on(backend).algorithm} "
-                f"(native {backend})")
-  return plan(reference, target, mode)
-
-
-# ---------------------------------------------------------------------------
-# Arguments and compiled programs.
-
-
-
-
-def _signature(dynamic: Sequence[Any]) -> tuple:
-  return tuple((x.shape, x.dtype) for x in dynamic)
-
-
-class _Jit:
-  """``jax.jit(fn)`` whose calls wait for their results, with one fallback.
-
-  XLA:CPU's algebraic simplifier can fold a transpose into a dot whose
-  operands are bfloat16 parts of an emulated matmul (e.g. ``(a @ b).T`` or a
-  weight gradient), making a dot that XLA:CPU then refuses to run
-  ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32",
-  jax 0.10.2). Such a program is compiled once more without that pass; the
-  numbers are the same (the simplifier does not change the bf16 products).
-  """
-
-  _ERROR = "Unsupported element type for DotThunk"
-
-  def __init__(self, fn: Callable[..., Any]):
-    self._fn = fn
-    self._jit = jax.jit(fn)
-    self._fell_back = False
-
-  def __call__(self, *args):
-    try:
-      return jax.block_until_ready(self._jit(*args))
-    except jax.errors.JaxRuntimeError as e:
-      if self._fell_back or self._ERROR not in str(e):
-        raise
-      self._jit = jax.jit(self._fn, compiler_options={
-          "xla_disable_hlo_passes": "algsimp"})
-      self._fell_back = True
-      return jax.block_until_ready(self._jit(*args))
-
-  def lower(self, *args):
-    return self._jit.lower(*args)
-
-
-# fn -> {key: jitted program}. Programs hold fn weakly (a strong reference
-# from a value would keep its key alive forever).
-_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _program(fn: Callable[..., Any], key: Any, make: Callable[[Callable[[], Any]], Any]):
-  try:
-    fn_ref = weakref.ref(fn)
-    per_fn = _PROGRAMS.setdefault(fn, {})
-  except TypeError:  # not weak-referenceable: no caching
-    return make(lambda: fn)
-  if key is None:
-    return make(fn_ref)
-  prog = per_fn.get(key)
-  if prog is None:
-    prog = per_fn[key] = make(fn_ref)
-  return prog
-
-
-@dataclasses.dataclass
-class _Reference:
-  names: list[str]
-  shapes: list[tuple[int, ...]]
-  dtypes: list[str]
-  layout: metrics_lib.Layout
-  hi: Any  # packed (n_chunks, CHUNK) float32, on the device
-  lo: Any  # the same for ref - hi when the reference is float64, else None
-  stats: Any = None  # metrics_lib.reference_stats, on the device
-
-
-_reference_stats = jax.jit(metrics_lib.reference_stats, static_argnums=(2,))
-
-
-def _x64_scope():
-  # jax.enable_x64 is public from jax 0.6 on; older JAX had it in experimental.
-  ctx = getattr(jax, "enable_x64", None)
-  if ctx is not None:
-    return ctx(True)
-  from jax.experimental import enable_x64  # pragma: no cover
-  return enable_x64()
-
-
-def _info(layers) -> list[tuple[str, tuple[int, ...], str]]:
-  return [(n, tuple(v.shape), str(v.dtype)) for n, v in layers]
-
-
-def _reference_program(fn, args: walker.SplitArgs, ref_plan: Plan | None):
-  """The jitted program ``dynamic -> (hi, lo, stats, layers)``."""
-  x64 = ref_plan is None
-  key = ("ref", "float64" if x64 else ref_plan.key, args.key)
-
-  def make(fn_ref):
-    holder: dict[tuple, list] = {}
-
-    def program(dynamic):
-      f = fn_ref()
-      if x64:
-        dyn = [x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating)
-               else x for x in dynamic]
-        layers = _ordered_layers(lambda g: g, f, args, dyn)
-      else:
-        layers = _ordered_layers(ref_plan.wrap, f, args, dynamic)
-      info = _info(layers)
-      holder[_signature(dynamic)] = info
-      layout = metrics_lib.Layout(tuple(int(np.prod(s)) for _, s, _ in info))
-      values = [v for _, v in layers]
-      lo = None
-      if x64:
-        pairs = [metrics_lib.split_reference_jax(v) for v in values]
-        hi = metrics_lib.pack([h for h, _ in pairs], layout)
-        if any(l is not None for _, l in pairs):
-          lo = metrics_lib.pack([jnp.zeros(h.shape, jnp.float32) if l is None
-                                 else l for h, l in pairs], layout)
-      else:
-        hi = metrics_lib.pack(values, layout)
-      stats = metrics_lib.reference_stats(hi, lo, layout)
-      # The layers are returned (and dropped unread) so that XLA computes
-      # them once instead of fusing their producers into the packing
-      # concatenate (see _candidate_program).
-      return hi, lo, stats, values
-    jitted = _Jit(program)
-    jitted.holder = holder  # type: ignore[attr-defined]
-    return jitted
-
-  return _program(fn, key, make)
-
-
-def _run_reference(fn, args: walker.SplitArgs, ref_plan: Plan | None) -> _Reference:
-  x64 = ref_plan is None
-  prog = _reference_program(fn, args, ref_plan)
-  if x64:
-    with _x64_scope():
-      hi, lo, stats, layers = prog(args.dynamic)
-  else:
-    hi, lo, stats, layers = prog(args.dynamic)
-  del layers  # never copied to the host
-  info = prog.holder[_signature(args.dynamic)]
-  ref = _reference(info, hi, lo)
-  ref.stats = stats
-  return ref
-
-
-def _reference(info, hi, lo) -> _Reference:
-  layout = metrics_lib.Layout(tuple(int(np.prod(s)) for _, s, _ in info))
-  return _Reference([n for n, _, _ in info], [s for _, s, _ in info],
-                    [d for _, _, d in info], layout, hi, lo)
-
-
-def _output_layers(fn, args: walker.SplitArgs) -> list[tuple[str, tuple[int, ...], str]]:
-  holder: dict[str, Any] = {}
-
-  def flat(dynamic):
-    layers = _ordered_layers(lambda g: g, fn, args, dynamic)
-    holder["info"] = _info(layers)
-    return [v for _, v in layers]
-  jax.eval_shape(flat, args.dynamic)
-  return holder["info"]
-
-
-def _external_reference(fn, args: walker.SplitArgs, ref: Any) -> _Reference:
-  if _is_path(ref):
-    found = _load_reference(os.fspath(ref))
-  elif isinstance(ref, Mapping) and all(isinstance(k, str) for k in ref) and all(
-      _is_float(v) for v in ref.values()):
-    found = dict(ref)
-  else:
-    found = named_layers(ref)
-  by_norm: dict[str, tuple[str, Any]] = {}
-  for k, v in found.items():
-    n = _normalize(k)
-    if n in by_norm:
-      raise ReferenceMismatchError(
-          f"reference names {by_norm[n][0]!r} and {k!r} denote the same "
-          f"layer")
-    by_norm[n] = (k, v)
-  info = _output_layers(fn, args)
-  used, his, los = set(), [], []
-  for name, shape, _ in info:
-    n = _normalize(name)
-    if n not in by_norm:
-      listed = ", ".join(map(repr, list(found)[:8]))
-      more = "..." if len(found) > 8 else ""
-      raise ReferenceMismatchError(
-          f"reference does not match the output: first mismatch at {name!r}: "
-          f"output shape {tuple(shape)}, reference shape: missing (the "
-          f"reference has {listed}{more})")
-    k, v = by_norm[n]
-    v = np.asarray(v)
-    if tuple(v.shape) != tuple(shape):
-      raise ReferenceMismatchError(
-          f"reference does not match the output: first mismatch at {name!r}: "
-          f"output shape {tuple(shape)}, reference shape {tuple(v.shape)}")
-    if not np.issubdtype(v.dtype, np.floating) and v.dtype.name != "bfloat16":
-      raise ReferenceMismatchError(
-          f"reference {k!r} is not floating point ({v.dtype})")
-    used.add(n)
-    h, l = metrics_lib.split_reference(v)
-    his.append(h)
-    los.append(l)
-  extra = [by_norm[n][0] for n in by_norm if n not in used]
-  if extra:
-    raise ReferenceMismatchError(
-        f"reference does not match the output: first mismatch at {extra[0]!r}: "
-        f"output shape: missing, reference shape "
-        f"{tuple(np.shape(found[extra[0]]))}")
-  r = _reference(info, None, None)
-  r.hi = jnp.asarray(metrics_lib.pack_numpy(his, r.layout))
-  if any(l is not None for l in los):
-    r.lo = jnp.asarray(metrics_lib.pack_numpy(
-        [np.zeros(np.shape(h), np.float32) if l is None else l
-         for h, l in zip(his, los)], r.layout))
-  return r
-
-
-def _candidate_program(fn, args: walker.SplitArgs, p: Plan, ref: _Reference):
-  """The jitted program ``(hi, lo, stats, dynamic, atol, rtol) -> stats``."""
-  names = tuple(ref.names)
-  key = ("cand", p.key, args.key, names, ref.layout, ref.lo is not None)
-
-  def make(fn_ref):
-    def program(hi, lo, stats, dynamic, atol, rtol):
-      layers = _ordered_layers(p.wrap, fn_ref(), args, dynamic)
-      got = tuple(n for n, _ in layers)
-      if got != names:
-        raise ValueError(
-            f"At precision {p.label!r} the output has layers {list(got)[:6]}, "
-            f"the reference {list(names)[:6]}")
-      values = [c for _, c in layers]
-      # The layers are returned too (and dropped unread): otherwise XLA fuses
-      # their producers into the packing concatenate and computes them twice
-      # (measured: 1.3x the time of the forward pass on wav2vec2-small). They
-      # stay on the device and are freed at once.
-      return metrics_lib.layer_stats(values, hi, lo, stats, ref.layout,
-                                     atol=atol, rtol=rtol), values
-    return _Jit(program)
-
-  return _program(fn, key, make)
-
-
-def _candidate_args(args: walker.SplitArgs, ref: _Reference, atol: float, rtol: float):
-  if ref.stats is None:
-    ref.stats = _reference_stats(ref.hi, ref.lo, ref.layout)
-  return (ref.hi, ref.lo, ref.stats, args.dynamic, np.float32(atol),
-          np.float32(rtol))
-
-
-def _run_candidate(fn, args: walker.SplitArgs, p: Plan, ref: _Reference, atol: float,
-                   rtol: float) -> list[metrics_lib.LayerMetrics]:
-  prog = _candidate_program(fn, args, p, ref)
-  stats, layers = prog(*_candidate_args(args, ref, atol, rtol))
-  del layers  # never copied to the host
-  return metrics_lib.finish(jax.device_get(stats), ref.layout)
-
-
-# ---------------------------------------------------------------------------
-# The public entry points.
-
-
 def check(fn: Callable[..., Any], *args: Any,
-          precisions: Sequence[PrecisionLike] | PrecisionLike = DEFAULT_PRECISIONS,
+          precisions: Sequence[PrecisionLike | Policy] | PrecisionLike | Policy =
+          DEFAULT_PRECISIONS,
           reference: Any = "float32", target: str = "tpu", mode: str = "auto",
           atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
           progress: bool = False, **kwargs: Any) -> DivergenceReport:
@@ -666,17 +113,25 @@ def check(fn: Callable[..., Any], *args: Any,
   Args:
     fn: the function; its arguments follow.
     *args: positional arguments for ``fn``.
-    precisions: the precisions to test (labels of the report's rows); one
-      name or a sequence.
+    precisions: the rows of the report: precisions (any name
+      :func:`jaxprec.resolve` accepts) or policies (a :class:`jaxprec.Policy`
+      or a policy string such as ``'default=bfloat16,dense=float32'``, e.g.
+      the ``policy`` of :func:`jaxprec.search_policy`, labelled by its
+      string); one or a sequence. With an external reference the default rows
+      start with ``'float32'``, the *framework floor*.
     reference: ``'float32'`` (default: exact float32 where the backend has it;
       six bfloat16 passes on a TPU), ``'float64'`` (``fn`` runs with 64-bit
       types enabled in a scope that is always restored, its floating array
       arguments cast to float64), any other precision (computed as a row
       would be), or hidden states computed elsewhere (e.g. by PyTorch): a
-      pytree or ``{name: array}`` mapping, or a path to a ``.npz`` (loaded with
-      ``allow_pickle=False``) or ``.safetensors`` file, matched by name
-      (``'hidden_states[3]'``, ``'hidden_states.3'`` and ``'hidden_states/3'``
-      match the same layer).
+      pytree or ``{name: array}`` mapping, or a path (``str`` or
+      ``os.PathLike``, suffix in any case) to a ``.npz`` (loaded with
+      ``allow_pickle=False``), ``.npy`` (one array) or ``.safetensors``
+      file, matched by name (``'hidden_states[3]'``, ``'hidden_states.3'``
+      and ``'hidden_states/3'`` match the same layer). Against an external
+      reference a ``'float32'`` row is computed as JAX's float32 reference
+      is (exact float32 where the backend has it) and is the report's
+      ``floor``: the two frameworks' own disagreement.
     target: ``'tpu'`` or ``'gpu'``: whose numerics to show.
     mode: ``'auto'``, ``'emulate'`` or ``'native'``.
     atol, rtol: the tolerance: a layer passes when every element has
@@ -692,8 +147,12 @@ def check(fn: Callable[..., Any], *args: Any,
     A :class:`jaxprec.DivergenceReport`.
 
   Raises:
-    ValueError: an unknown precision, target or mode; a reference that does
-      not match the output (the message names the first mismatching path and
+    TypeError: ``precisions`` that is not a precision, a policy or a
+      sequence of them; a tolerance that is not a number.
+    ValueError: an unknown precision, target or mode; a negative or NaN
+      tolerance; an unreadable reference file or an unsupported reference
+      (the message names the supported ones); a reference that does not
+      match the output (the message names the first mismatching path and
       both shapes); an output without floating leaves.
     FileNotFoundError: a reference path that does not exist.
 
@@ -717,32 +176,26 @@ def check(fn: Callable[..., Any], *args: Any,
   if not callable(fn):
     raise TypeError(f"jaxprec.check expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
-  target = _check_choice(target, TARGETS, "target")
-  mode = resolve_mode(mode, target)
-  atol, rtol = float(atol), float(rtol)
-  if not (atol >= 0 and rtol >= 0):
-    raise ValueError(f"atol and rtol must be >= 0; got atol={atol}, rtol={rtol}")
-  plans = _plans(precisions, target, mode)
-  call = walker.SplitArgs(args, dict(kwargs), who='jaxprec.check')
+  target = numerics.check_target(target)
+  mode = numerics.resolve_mode(mode, target)
+  atol, rtol = check_tolerance("atol", atol), check_tolerance("rtol", rtol)
+  external = not harness.is_computed(reference)
+  if external and precisions is DEFAULT_PRECISIONS:
+    precisions = (harness.FLOOR, *DEFAULT_PRECISIONS)
+  plans = harness.plans(precisions, target, mode)
+  floor = None
+  if external:  # float32 against another framework: the floor
+    plans = [harness.native_float32(p.label) if p.label == harness.FLOOR
+             else p for p in plans]
+    floor = harness.FLOOR if any(p.label == harness.FLOOR for p in plans) else None
+  call = harness.Args(args, dict(kwargs), who="jaxprec.check")
   backend = compat.backend_platform()
   notes = []
-  external = not isinstance(reference, str) or _is_path(reference)
-  ref_plan = None
-  if not external:
-    ref_plan = _reference_plan(reference, target, mode)
   seconds: dict[str, float] = {}
   with report_lib.maybe_progress(len(plans) + 1, "jaxprec check", progress) as bar:
     bar.update("reference")
     t0 = time.perf_counter()
-    if external:
-      ref = _external_reference(fn, call, reference)
-      ref_name = (f"file:{os.fspath(reference)}" if _is_path(reference)
-                  else "pytree")
-      ref_desc = "external"
-    else:
-      ref = _run_reference(fn, call, ref_plan)
-      ref_name = reference
-      ref_desc = "float64 (native, x64)" if ref_plan is None else ref_plan.description
+    ref = harness.build_reference(fn, call, reference, target=target, mode=mode)
     seconds["reference"] = time.perf_counter() - t0
     if not ref.names:
       raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
@@ -751,9 +204,10 @@ def check(fn: Callable[..., Any], *args: Any,
     for p in plans:
       bar.update(p.label, advance=1)
       t0 = time.perf_counter()
-      results[p.label] = _run_candidate(fn, call, p, ref, atol, rtol)
+      results[p.label] = harness.run_candidate(fn, call, p, ref, atol, rtol)
       seconds[p.label] = time.perf_counter() - t0
     bar.update("done", advance=1)
+  del call  # holds the arguments
   if mode == "native" and backend == "cpu":
     notes.append("native mode on CPU: the CPU ignores matmul precision, so "
                  "every row computes exact float32")
@@ -761,17 +215,21 @@ def check(fn: Callable[..., Any], *args: Any,
       p.emulate_target == "gpu" for p in plans):
     notes.append("'tensorfloat32' shows TF32 (GPU) numerics; on a TPU JAX's "
                  "tensorfloat32 level is 3 bfloat16 passes, like 'bfloat16_3x'")
+  if floor is not None:
+    notes.append(f"{floor!r} is the framework floor: JAX's float32 against the "
+                 f"external reference; no precision can do better")
   layers = tuple(
       LayerResult(name=n, shape=s, dtype=d,
                   metrics={p.label: results[p.label][i] for p in plans})
       for i, (n, s, d) in enumerate(zip(ref.names, ref.shapes, ref.dtypes)))
-  numerics = {p.label: p.description for p in plans}
+  numerics_ = {p.label: p.description for p in plans}
+  extra = {"floor": floor} if _HAS_FLOOR else {}
   return DivergenceReport(
       layers=layers, precisions=tuple(p.label for p in plans),
-      reference=ref_name, target=target, mode=mode, backend=backend,
+      reference=ref.name, target=target, mode=mode, backend=backend,
       atol=atol, rtol=rtol,
-      numerics={**numerics, "(reference)": ref_desc}, notes=tuple(notes),
-      seconds=seconds)
+      numerics={**numerics_, "(reference)": ref.description},
+      notes=tuple(notes), seconds=seconds, **extra)
 
 
 def _linen_intermediates(tree: Any, path: tuple[str, ...], out: dict) -> None:
@@ -875,6 +333,7 @@ def check_module(module: Any, *args: Any, method: str | None = None,
 
 # The wrapper functions check_module builds, by module identity, so that a
 # second check of the same module reuses the compiled programs.
+# They hold the module (or its graphdef), never arrays; at most 16 are kept.
 _MODULE_FNS: dict[Any, Callable[..., Any]] = {}
 
 

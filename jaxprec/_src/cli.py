@@ -41,6 +41,11 @@ from typing import Any
 __all__ = ["main"]
 
 _PROG = "jaxprec"
+# Built-in models (jaxprec.models) and PyTorch/Flax twins (jaxprec.torch).
+_MODELS = ("wav2vec2", "bert")
+_TWINS = ("hf-wav2vec2", "hf-bert")
+# `check --reference pytorch`: the PyTorch twin of the --model.
+_PYTORCH = "pytorch"
 
 
 class _UsageError(Exception):
@@ -131,21 +136,26 @@ def _parser() -> argparse.ArgumentParser:
                   "(fn, args, kwargs) and fn returns the hidden states (any "
                   "pytree of arrays).",
       epilog="examples: jaxprec check --model wav2vec2; jaxprec check "
+             "--model hf-wav2vec2 --reference pytorch; jaxprec check "
              "mymodel:make --precisions bfloat16_3x --atol 1e-3 (exit 1 if "
              "exceeded)")
   check.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
                      help="e.g. mypkg.model:make or path/to/model.py:make")
-  check.add_argument("--model", choices=("wav2vec2", "bert"),
+  check.add_argument("--model", choices=(*_MODELS, *_TWINS),
                      help="a built-in model (random weights, nothing "
-                          "downloaded)")
+                          "downloaded); hf-wav2vec2 and hf-bert are Hugging "
+                          "Face Flax models with a PyTorch twin (needs "
+                          "jaxprec[torch]) for --reference pytorch")
   check.add_argument("--size", choices=("tiny", "small", "base"), default=None,
                      help="size of the built-in model (default tiny)")
   check.add_argument("--precisions", default=None,
                      help="comma-separated precisions to test (default "
                           "bfloat16,bfloat16_3x,tensorfloat32)")
   check.add_argument("--reference", default="float32",
-                     help="float32 (default), float64, another precision, or "
-                          "a .npz/.safetensors file of hidden states")
+                     help="float32 (default), float64, another precision, "
+                          "a .npz/.npy/.safetensors file of hidden states, or "
+                          "pytorch: the PyTorch twin of --model hf-wav2vec2 "
+                          "or hf-bert")
   check.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
                      help="whose numerics to show (default tpu)")
   check.add_argument("--mode", default="auto",
@@ -222,19 +232,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     command's own status for ``run``.
   """
   try:
-    ns = _parser().parse_args(argv)
+    try:
+      ns = _parser().parse_args(argv)
+    except SystemExit as e:  # --help and --version
+      return e.code if isinstance(e.code, int) else 0
     if ns.command is None:
       raise _UsageError("missing command: choose one of info, audit, run, "
                         "check, search (see jaxprec --help)")
-    return ns.handler(ns)
+    try:
+      return ns.handler(ns)
+    except SystemExit as e:  # the user's module or function called sys.exit
+      return _exit_status(e)
   except _UsageError as e:
     print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
     return 2
   except _Failure as e:
     print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
     return 1
-  except SystemExit as e:  # --help and --version
-    return e.code if isinstance(e.code, int) else 0
+
+
+def _exit_status(e: SystemExit) -> int:
+  """The status Python gives ``sys.exit(code)``: None 0, an int itself, else 1.
+
+  As Python does, a code that is not an int or None is printed to stderr.
+  """
+  if e.code is None:
+    return 0
+  if isinstance(e.code, int):
+    return e.code
+  print(e.code, file=sys.stderr)
+  return 1
 
 
 def _policy(text: str):
@@ -310,6 +337,17 @@ def _model_or_target(ns: argparse.Namespace):
     raise _UsageError(f"{ns.function}() returned a {type(fn).__name__} as fn, "
                       f"not a callable")
   return fn, args, kwargs, what
+
+
+def _twin(name: str, seed: int):
+  """The PyTorch/Flax twin pair ``name``: exit 2 with a hint without PyTorch."""
+  try:
+    from jaxprec._src import torch_twins
+    return torch_twins.twin(name, seed)
+  except ImportError as e:
+    raise _UsageError(f"--model {name} needs PyTorch and transformers "
+                      f"({_one_line(e)}); install them with: pip install "
+                      f"'jaxprec[torch]'") from None
 
 
 def _call_target(target: str) -> tuple[Any, tuple, dict]:
@@ -394,8 +432,8 @@ def _check(ns: argparse.Namespace) -> int:
   if (ns.function is None) == (ns.model is None):
     raise _UsageError("check needs either --model wav2vec2|bert or "
                       "MODULE:FUNCTION (not both)")
-  if ns.size is not None and ns.model is None:
-    raise _UsageError("--size applies to --model only")
+  if ns.size is not None and ns.model not in _MODELS:
+    raise _UsageError(f"--size applies to --model {' or '.join(_MODELS)} only")
   precisions = ("bfloat16", "bfloat16_3x", "tensorfloat32")
   if ns.precisions is not None:
     precisions = tuple(p.strip() for p in ns.precisions.split(",") if p.strip())
@@ -403,10 +441,23 @@ def _check(ns: argparse.Namespace) -> int:
       raise _UsageError("--precisions is empty; e.g. --precisions bfloat16,float32")
   for p in precisions:
     _resolve(p)
+  repeated = sorted({p for p in precisions if precisions.count(p) > 1})
+  if repeated:
+    raise _UsageError(f"--precisions repeats {', '.join(repeated)}: name each "
+                      f"precision once, e.g. --precisions "
+                      f"{','.join(dict.fromkeys(precisions))}")
   reference = ns.reference
-  if reference.endswith((".npz", ".safetensors")):
-    if not os.path.isfile(reference):
-      raise _UsageError(f"no such reference file: {reference}")
+  if reference == _PYTORCH:
+    if ns.model not in _TWINS:
+      what = (f"--model {ns.model}" if ns.model is not None
+              else ns.function)
+      raise _UsageError(f"--reference pytorch needs a model with a PyTorch "
+                        f"twin: --model {' or '.join(_TWINS)} ({what} has "
+                        f"none; for your own model, save the PyTorch hidden "
+                        f"states with jaxprec.torch.capture and pass the "
+                        f".npz file)")
+  elif _is_reference_file(reference):
+    _check_reference_file(reference)
   elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
     _resolve(reference)
   for name in ("atol", "rtol"):
@@ -422,7 +473,20 @@ def _check(ns: argparse.Namespace) -> int:
   if ns.rtol is None and ns.atol is not None:
     tol["rtol"] = 0.0
 
-  fn, args, kwargs, what = _model_or_target(ns)
+  _check_out(ns.out)
+  if ns.model in _TWINS:
+    twin = _twin(ns.model, ns.seed)
+    fn, args, kwargs = twin.fn, twin.args(), {}
+    what = f"{ns.model} (Flax, seed {ns.seed})"
+    if reference == _PYTORCH:
+      try:
+        reference = twin.reference()
+      except Exception as e:  # noqa: BLE001 -- the PyTorch model failed
+        raise _Failure(f"running the PyTorch {ns.model} failed: "
+                       f"{type(e).__name__}: {e}") from None
+      what = f"{ns.model} (Flax) against its PyTorch twin, seed {ns.seed}"
+  else:
+    fn, args, kwargs, what = _model_or_target(ns)
   try:
     report = check_lib.check(fn, *args, precisions=precisions,
                              reference=reference, target=ns.target,
@@ -431,6 +495,10 @@ def _check(ns: argparse.Namespace) -> int:
     raise _UsageError(str(e)) from None
   except Exception as e:  # noqa: BLE001 -- the user's code failed
     raise _Failure(f"checking {what} failed: {type(e).__name__}: {e}") from None
+  if ns.reference == _PYTORCH:  # not "pytree": say which reference it was
+    import dataclasses
+    report = dataclasses.replace(
+        report, reference=f"pytorch:{type(twin.torch_model).__name__}")
   if ns.json:
     print(report.to_json())
   else:
@@ -445,6 +513,51 @@ def _check(ns: argparse.Namespace) -> int:
       raise _Failure(f"outside atol={tol['atol']:g} rtol={tol['rtol']:g}: "
                      + "; ".join(parts))
   return 0
+
+
+def _is_reference_file(reference: str) -> bool:
+  """Whether ``--reference`` names a file rather than a precision."""
+  from jaxprec._src import names
+  if names.canonical(reference) is not None or reference == _PYTORCH:
+    return False
+  return ("/" in reference or os.sep in reference or os.path.exists(reference)
+          or bool(os.path.splitext(reference)[1]))
+
+
+def _check_reference_file(path: str) -> None:
+  """Reads the ``--reference`` file before the model is built: exit 2 if unusable."""
+  from jaxprec._src import reference as reference_lib
+  kinds = f"supported types: {', '.join(reference_lib.FILE_TYPES)}"
+  suffix = os.path.splitext(path)[1]
+  if suffix.lower() not in reference_lib.FILE_TYPES:
+    raise _UsageError(f"unsupported reference file {path!r} ({kinds})")
+  if not os.path.isfile(path):
+    raise _UsageError(f"no such reference file: {path!r} ({kinds})")
+  try:
+    reference_lib.load(path)
+  except Exception as e:  # noqa: BLE001 -- any failure to read it is usage
+    message = _one_line(e)
+    if path not in message:
+      message = f"cannot read reference file {path!r}: {message}"
+    if "supported" not in message.lower():
+      message += f" ({kinds})"
+    raise _UsageError(message) from None
+
+
+def _check_out(out: str) -> None:
+  """Fails before the check runs when ``--out`` cannot be a writable directory."""
+  path = os.path.abspath(out)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise _UsageError(f"--out {out!r} exists and is not a directory")
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise _UsageError(f"--out {out!r} cannot be created: {existing!r} is not "
+                      f"a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise _UsageError(f"--out {out!r} is not writable (no write permission "
+                      f"on {existing!r})")
 
 
 def _print_report(report) -> None:

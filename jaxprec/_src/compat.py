@@ -15,18 +15,45 @@ from typing import Any
 import jax
 import jax.extend as jex
 from jax._src import core as _core
-from jax._src import linear_util as lu
-from jax._src import source_info_util
+from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import partial_eval as pe
 
+# Public APIs where the installed JAX has them, feature-detected: all exist in
+# jax 0.10.2 (the version this was written against); each private fallback can
+# go once the oldest supported JAX has the public name.
 ClosedJaxpr = jex.core.ClosedJaxpr
 Jaxpr = jex.core.Jaxpr
 Literal = jex.core.Literal
-typeof = _core.typeof
+Var = getattr(jex.core, "Var", _core.Var)
+DropVar = getattr(jex.core, "DropVar", _core.DropVar)
+typeof = getattr(jax, "typeof", _core.typeof)
+try:  # jax.extend.linear_util.wrap_init, with debug_info (jax 0.10.2)
+  from jax.extend.linear_util import wrap_init
+except ImportError:  # pragma: no cover -- older JAX
+  from jax._src.linear_util import wrap_init
+# jax.extend.source_info_util (jax 0.10.2) has the name-stack and context
+# functions; user_frames stays private (see eqn_user_frames).
+source_info_util = getattr(jex, "source_info_util", _source_info_util)
+
+
+def jaxprs_in_params(params) -> Any:
+  """The open jaxprs in an equation's params (``ClosedJaxpr`` unwrapped),
+  also inside tuples: ``jax.extend.core.jaxprs_in_params`` (jax 0.10.2), else
+  the same walk here."""
+  public = getattr(jex.core, "jaxprs_in_params", None)
+  if public is not None:
+    yield from public(params)
+    return
+  for val in params.values():  # pragma: no cover -- older JAX
+    for v in val if isinstance(val, tuple) else (val,):
+      if isinstance(v, Jaxpr):
+        yield v
+      elif isinstance(v, ClosedJaxpr):
+        yield v.jaxpr
 
 
 def is_dropvar(v) -> bool:
-  return isinstance(v, _core.DropVar)
+  return isinstance(v, DropVar)
 
 
 @contextlib.contextmanager
@@ -48,7 +75,7 @@ def trace_to_closed_jaxpr(fn: Callable[..., Sequence[Any]], in_avals,
   """Traces a flat function on abstract values, keeping weak types exactly."""
   if debug_info is None:
     debug_info = _api_debug_info(fn, in_avals)
-  wrapped = lu.wrap_init(lambda *a: list(fn(*a)), debug_info=debug_info)
+  wrapped = wrap_init(lambda *a: list(fn(*a)), debug_info=debug_info)
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
   return ClosedJaxpr(jaxpr, consts)
 
@@ -79,8 +106,8 @@ def pad_invars(closed: ClosedJaxpr, *, before: int, after: int, avals) -> Closed
   """
   jaxpr = closed.jaxpr
   n_own = len(avals) - before - after
-  new_before = [_core.Var(a) for a in avals[:before]]
-  new_after = [_core.Var(a) for a in avals[before + n_own:]]
+  new_before = [Var(a) for a in avals[:before]]
+  new_after = [Var(a) for a in avals[before + n_own:]]
   own, rest = jaxpr.invars[:n_own], jaxpr.invars[n_own:]
   invars = [*new_before, *own, *new_after, *rest]
   return ClosedJaxpr(jaxpr.replace(invars=invars,
@@ -105,7 +132,7 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
   call_jaxpr = params.pop("call_jaxpr")
   num_consts = params.pop("num_consts")
   jvp_jaxpr_fun = params.pop("jvp_jaxpr_fun")
-  fun = lu.wrap_init(
+  fun = wrap_init(
       lambda *a: eval_fn(call_jaxpr.jaxpr, call_jaxpr.consts, rule, a),
       debug_info=call_jaxpr.jaxpr.debug_info)
 
@@ -119,11 +146,11 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
     nonzero = [t for t in tangents if type(t) is not cd.SymbolicZero]
     out = eval_fn(jvp_jaxpr, jvp_consts, rule, [*primals, *nonzero])
     out_primals, nz_out = out[:len(out_zeros)], iter(out[len(out_zeros):])
-    out_tangents = [cd.SymbolicZero(_core.typeof(p).to_tangent_aval())
+    out_tangents = [cd.SymbolicZero(typeof(p).to_tangent_aval())
                     if z else next(nz_out) for p, z in zip(out_primals, out_zeros)]
     return [*out_primals, *out_tangents]
 
-  params["subfuns"] = (fun, lu.wrap_init(jvp, debug_info=jvp_jaxpr_fun.debug_info))
+  params["subfuns"] = (fun, wrap_init(jvp, debug_info=jvp_jaxpr_fun.debug_info))
   return params
 
 
@@ -136,7 +163,7 @@ def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:
   num_consts = params.pop("num_consts")
   fwd_jaxpr_thunk = params.pop("fwd_jaxpr_thunk")
   bwd = params.pop("bwd")
-  fun = lu.wrap_init(
+  fun = wrap_init(
       lambda *a: eval_fn(call_jaxpr.jaxpr, call_jaxpr.consts, rule, a),
       debug_info=call_jaxpr.jaxpr.debug_info)
 
@@ -171,7 +198,7 @@ def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:
     if len(arrays) != len(flat):
       # Symbolic zeros or Nones among the inputs: keep the user's bwd as is.
       return bwd_c.call_wrapped(*args)
-    avals = [_core.typeof(x) for x in flat]
+    avals = [typeof(x) for x in flat]
     closed = trace_fn(flat_bwd, avals)
     outs = iter(eval_fn(closed.jaxpr, closed.consts, rule, flat))
     raw = [next(outs) if m else r for r, m in zip(holder["raw"], holder["mask"])]
@@ -179,8 +206,8 @@ def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:
 
   params["subfuns"] = (
       fun,
-      lu.wrap_init(fwd, debug_info=fwd_jaxpr_thunk.debug_info),
-      lu.wrap_init(new_bwd, debug_info=bwd.debug_info),
+      wrap_init(fwd, debug_info=fwd_jaxpr_thunk.debug_info),
+      wrap_init(new_bwd, debug_info=bwd.debug_info),
   )
   return params
 
@@ -189,6 +216,18 @@ def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:
 def backend_platform() -> str:
   """The default backend's platform ('cpu', 'gpu', 'tpu'); starts the backend."""
   return jax.default_backend()
+
+
+def matmul_precision_state() -> tuple[Any, Any]:
+  """JAX's ``default_matmul_precision`` config state and its 'unset' marker.
+
+  ``state.get_local()`` is the thread-local (scope) value or the marker;
+  ``state.get_global()`` the global one. Private
+  (``jax._src.config``, jax >= 0.4.30): JAX has no public way to tell a scope
+  from the global setting.
+  """
+  from jax._src import config as jax_config
+  return jax_config.default_matmul_precision, jax_config.config_ext.unset
 
 
 # ---------------------------------------------------------------------------
@@ -211,7 +250,7 @@ def eqn_user_frames(eqn) -> list[tuple[str, int, str]]:
   JAX's own frames (and the standard library's) are left out, as in JAX's
   ``source_info_util.user_frames``; library frames such as Flax's stay in.
   """
-  frames = source_info_util.user_frames(eqn.source_info.traceback)
+  frames = _source_info_util.user_frames(eqn.source_info.traceback)
   return [(f.file_name, f.start_line, f.function_name) for f in frames]
 
 
@@ -222,6 +261,20 @@ def current_name_stack() -> str:
   jaxprec's Flax interception to map module calls to equations).
   """
   return str(source_info_util.current_name_stack())
+
+
+def trace_context() -> Any:
+  """Everything in JAX's config that ``jax.jit`` keys its traces on, now.
+
+  The matmul precision flag, x64, jaxprec's policy state
+  (:func:`jit_key_scope`) and every other config state created with
+  ``include_in_jit_key``: a trace cache keyed on this value is never reused
+  where ``jax.jit`` would trace again. Hashable. ``jax._src.config
+  .trace_context`` is private (jax 0.4.30 to 0.10.2 at least); no public
+  equivalent exists in jax 0.10.2.
+  """
+  from jax._src import config as jax_config
+  return jax_config.trace_context()
 
 
 _POLICY_KEY_STATE = None

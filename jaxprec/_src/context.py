@@ -25,6 +25,8 @@ import jax
 from jax import lax
 
 from jaxprec._src import env as env_lib
+from jaxprec._src import numerics
+from jaxprec._src import resumable
 from jaxprec._src import walker
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
@@ -53,14 +55,9 @@ def _warn_preset_once(p: Precision) -> None:
       f"convolutions under a DotAlgorithmPreset at precision DEFAULT (one "
       f"bfloat16 pass on TPU), not at {p.level.name}. Fix: decorate the "
       f"function instead (@jaxprec.precision({p.name!r}) re-binds its convs at "
-      f"{p.level.name}), or use the level {_level_name(p)!r}, or pass "
+      f"{p.level.name}), or use the level {numerics.level_name(p.level)!r}, or pass "
       f"precision=lax.Precision.{p.level.name} to the convolutions.",
       PresetConvWarning, stacklevel=3)
-
-
-def _level_name(p: Precision) -> str:
-  return {lax.Precision.DEFAULT: "bfloat16", lax.Precision.HIGH: "tensorfloat32",
-          lax.Precision.HIGHEST: "float32"}[p.level]
 
 
 def _conv_rule(p: Precision) -> walker.Rule:
@@ -151,6 +148,16 @@ class precision:  # noqa: N801 -- reads as a function, like jax.default_matmul_p
           f"jaxprec.precision(...) decorates a callable; got {fn!r} of type "
           f"{type(fn).__name__}")
     p = self.precision
+
+    if resumable.kind(fn) is not None:
+      # Generators and coroutines run their body at each resumption, not at
+      # the call: each step runs inside the scope, restored between steps.
+      # Their steps are not traced as one program, so a preset cannot raise
+      # their convolutions: warn as the ``with`` form does.
+      if p.is_preset:
+        _warn_preset_once(p)
+      return resumable.wrap(  # type: ignore[return-value]
+          fn, lambda: jax.default_matmul_precision(p.flag))
 
     if not p.is_preset:
       @functools.wraps(fn)

@@ -4,7 +4,7 @@
 policy (the policy's interception in force, JAX's flag cleared), lists its
 matmuls and convolutions with :func:`jaxprec.audit` (the shared walker, no
 other jaxpr walk), finds for each op the algorithm the target runs
-(:func:`jaxprec._src.emulated_ops.algorithm_for`, the same function the
+(:func:`jaxprec._src.numerics.algorithm_for`, the same function the
 emulation uses), and weighs its FLOPs by that algorithm's cost in passes.
 
 Weights (:data:`WEIGHTS`), in units of the target's cheapest float32 matmul
@@ -42,14 +42,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxprec._src import audit as audit_lib
+from jaxprec._src import numerics
 from jaxprec._src import policy as policy_lib
-from jaxprec._src.emulated_ops import algorithm_for
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import scope as flax_scope
+from jaxprec._src.numerics import algorithm_for
 from jaxprec._src.policy import Policy, PolicyLike
 from jaxprec._src.precision import Precision
 
 __all__ = ["CostReport", "CostRow", "TARGETS", "WEIGHTS", "cost"]
 
-TARGETS = ("tpu", "gpu")
+TARGETS = numerics.TARGETS
 
 # Cost of one FLOP in units of the target's cheapest float32 matmul pass
 # (module docstring; docs/search.md for the sources).
@@ -68,13 +71,8 @@ WEIGHTS: Mapping[str, Mapping[str, float]] = {
 }
 
 
-def check_target(target: Any) -> str:
-  """``'tpu'`` or ``'gpu'`` (any case); ValueError naming the choices otherwise."""
-  t = target.lower() if isinstance(target, str) else None
-  if t not in TARGETS:
-    raise ValueError(f"Unknown target {target!r}; valid choices: "
-                     f"{', '.join(map(repr, TARGETS))}.")
-  return t
+# One checker for every entry point (kept here by name for old callers).
+check_target = numerics.check_target
 
 
 def weights_for(target: str, weights: Mapping[str, float] | None = None
@@ -106,20 +104,15 @@ def _native_key(lhs: str, rhs: str) -> str:
 
 
 def op_kind(row: audit_lib.AuditRow) -> str:
-  return "conv" if row.primitive == "conv_general_dilated" else "dot"
+  return numerics.op_kind(row.primitive)
 
 
 def recorded_for(p: Precision, kind: str) -> Any:
-  """The ``precision`` an op of ``kind`` records (or is emulated at) under ``p``.
-
-  What the policy interception writes into the jaxpr and what
-  :func:`jaxprec.emulate` gives ops that recorded none: convolutions take the
-  level (a preset would lower at DEFAULT), dots the preset or level; the
-  backend default is the target's DEFAULT.
-  """
-  if p.flag is None:
-    return lax.Precision.DEFAULT
-  return p.level if kind == "conv" else p.per_op
+  """The ``precision`` an op of ``kind`` records (or is emulated at) under ``p``:
+  :func:`numerics.per_op`, with the backend default read as the target's
+  DEFAULT."""
+  per_op = numerics.per_op(p, kind)
+  return lax.Precision.DEFAULT if per_op is None else per_op
 
 
 def algorithm(row: audit_lib.AuditRow, target: str,
@@ -172,12 +165,12 @@ def trace_rows(fn: Callable[..., Any], args: tuple, kwargs: dict,
   module, and ops outside modules (and ops without a policy) record None.
   A top-level ``jax.jit`` is looked through (:func:`unjit`).
   """
-  fn = unjit(fn)
+  fn = nnx_policy.bind(unjit(fn), policy)  # NNX path rules
 
   @functools.wraps(fn)
   def traced(*a, **k):
     scope = (contextlib.nullcontext() if policy is None
-             else policy_lib.policy_scope(policy))
+             else flax_scope.policy_scope(policy))
     with scope, jax.default_matmul_precision(None):
       return fn(*a, **k)
   return audit_lib.audit(traced, *args, **kwargs)

@@ -26,35 +26,39 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 from jax import lax
 
+from jaxprec._src import compat
 from jaxprec._src import emulated_ops
+from jaxprec._src import numerics
 from jaxprec._src import policy as policy_lib
 from jaxprec._src import walker
 from jaxprec._src.context import current
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
-__all__ = ["TARGETS", "emulate", "emulation_rule"]
+__all__ = ["OpaqueOpWarning", "TARGETS", "emulate", "emulation_rule"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-TARGETS = ("tpu", "gpu", "cpu", "native")
+# The targets live in the one table (numerics); re-exported for old callers.
+TARGETS = numerics.EMULATION_TARGETS
 
 
-def _check_target(target: str) -> str:
-  if not isinstance(target, str) or target.lower() not in TARGETS:
-    raise ValueError(
-        f"Unknown emulation target {target!r}; valid choices: "
-        f"{', '.join(repr(t) for t in TARGETS)}.")
-  return target.lower()
+class OpaqueOpWarning(UserWarning):
+  """``fn`` calls ops jaxprec cannot see into (a Pallas kernel, an FFI call, a
+  host callback): they run natively, not as the emulated target would."""
 
 
 def emulation_rule(default: Precision, *, target: str,
                    conv_default: Precision | None = None,
+                   on_opaque: Callable[[str], None] | None = None,
                    **options) -> walker.Rule:
   """The walker rule that emulates dots and convs (used by :func:`emulate`).
 
@@ -63,16 +67,24 @@ def emulation_rule(default: Precision, *, target: str,
     target: 'tpu' or 'gpu' ('cpu'/'native' emulate nothing).
     conv_default: the precision for convolutions that recorded none, if not
       ``default`` (a policy's ``conv=`` rule).
+    on_opaque: called with :func:`walker.opaque_name` of every opaque op met
+      (bound unchanged: jaxprec cannot emulate inside it).
     **options: passed to the emulated ops (e.g. ``tf32_rounding='truncate'``).
   """
-  dot_default = default.per_op
-  conv = default if conv_default is None else conv_default
-  conv_default = None if conv.flag is None else (conv.level, conv.level)
+  dot_default = numerics.per_op(default, "dot")
+  conv_level = numerics.per_op(
+      default if conv_default is None else conv_default, "conv")
+  conv_default = None if conv_level is None else (conv_level, conv_level)
 
   def rule(eqn, invals):
     prim = eqn.primitive
     if emulated_ops.is_emulated_call(eqn):
       return walker.bind_unchanged(eqn, invals)  # emulated already: keep as is
+    opaque = walker.opaque_name(eqn)
+    if opaque is not None:
+      if on_opaque is not None:
+        on_opaque(opaque)
+      return walker.bind_unchanged(eqn, invals)
     if prim is lax.dot_general_p:
       params = dict(eqn.params)
       prec = params.pop("precision")
@@ -86,10 +98,7 @@ def emulation_rule(default: Precision, *, target: str,
     if prim is lax.conv_general_dilated_p:
       p = dict(eqn.params)
       prec = p["precision"]
-      if prec is None:
-        prec = conv_default
-      elif isinstance(prec, lax.DotAlgorithmPreset):
-        prec = (lax.Precision.DEFAULT, lax.Precision.DEFAULT)  # as JAX lowers it
+      prec = conv_default if prec is None else numerics.lowered(prec, "conv")
       lhs, rhs = invals
       out = emulated_ops.emulated_conv_general_dilated(
           lhs, rhs, p["window_strides"], p["padding"],
@@ -150,7 +159,7 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
   if not callable(fn):
     raise TypeError(f"jaxprec.emulate expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
-  target = _check_target(target)
+  target = numerics.check_target(target, emulation=True)
   policy = None
   if isinstance(precision, policy_lib.Policy) or (
       isinstance(precision, str) and "=" in precision):
@@ -162,36 +171,57 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
   if target in ("cpu", "native"):
     return fn
   cache: dict[Any, Any] = {}
+  warned: set[str] = set()
   recorder = None if policy is None else policy_lib.Recorder(policy)
   what = getattr(fn, "__qualname__", type(fn).__name__)
+  traced = nnx_policy.bind(fn, policy, recorder)  # NNX path rules
 
   @functools.wraps(fn)
   def emulated(*args, **kwargs):
     now = current() if dot_fixed is None or conv_fixed is None else None
     scope = (contextlib.nullcontext() if policy is None
-             else policy_lib.policy_scope(policy, recorder, what=what))
-    with scope:
+             else flax_scope.policy_scope(policy, recorder, what=what))
+    with scope as active:
+      # The trace depends on the JAX context outside the cleared flag: the
+      # precision in force (the policy's unmatched layers record it), x64,
+      # the policy. Key on all of it, as jax.jit would (no stale traces).
+      outer = (compat.trace_context(), getattr(active, "outer_flag", None))
       with jax.default_matmul_precision(None):
-        call = walker.trace_call(fn, args, kwargs, cache,
-                                 extra_key=jax.config.jax_enable_x64)
+        call = walker.trace_call(traced, args, kwargs, cache, extra_key=outer)
       if policy is not None:
         _record_unset(call.jaxpr, policy, recorder)
+    opaque: list[str] = []
     rule = emulation_rule(dot_fixed or now, target=target,
-                          conv_default=conv_fixed or now, **options)
-    return call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
+                          conv_default=conv_fixed or now,
+                          on_opaque=opaque.append, **options)
+    out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
+    _warn_opaque(opaque, warned, what)
+    return out
 
   if recorder is not None:
     emulated._jaxprec_recorder = recorder  # for jaxprec.policy_report
   return emulated  # type: ignore[return-value]
 
 
+def _warn_opaque(found: list[str], warned: set[str], what: str) -> None:
+  """Warns once per emulated function about opaque ops not warned about yet."""
+  new = [n for n in dict.fromkeys(found) if n not in warned]  # program order
+  if not new:
+    return
+  warned.update(new)
+  warnings.warn(
+      f"jaxprec.emulate({what}): {', '.join(new)} cannot be seen into: "
+      f"{'its' if len(new) == 1 else 'their'} matmuls and convolutions run "
+      f"natively here, not emulated as the target computes them. "
+      f"jaxprec.audit lists them.", OpaqueOpWarning, stacklevel=3)
+
+
 def _record_unset(closed, policy: policy_lib.Policy,
                   recorder: policy_lib.Recorder) -> None:
   """Records the policy's decision for ops that recorded no precision."""
-  kinds = {"dot_general": "dot", "conv_general_dilated": "conv"}
   seen = set()
   for w in walker.iter_eqns(closed):
-    kind = kinds.get(w.eqn.primitive.name)
+    kind = numerics.PRIMITIVES.get(w.eqn.primitive.name)
     if kind and kind not in seen and w.eqn.params.get("precision") is None:
       seen.add(kind)
       p, rule = policy.match("", None, kind)

@@ -69,8 +69,8 @@ See ``docs/emulation.md``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -79,125 +79,42 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxprec._src import compat
 from jaxprec._src import walker
-from jaxprec._src.precision import PrecisionLike, resolve
+from jaxprec._src.numerics import (ALGORITHMS, EMULATION_TARGETS, PASSES,
+                                   algorithm_for, check_target,
+                                   emulatable)
+from jaxprec._src.precision import PrecisionLike
 from jaxprec._src.rounding import round_to, split_bf16, split_tf32
 
-__all__ = ["ALGORITHMS", "TARGETS", "TF32_ROUNDINGS", "algorithm_for",
-           "emulate_eqn", "emulated_conv_general_dilated",
-           "emulated_dot_general"]
+# ``TARGETS``, ``ALGORITHMS`` and ``algorithm_for`` live in
+# :mod:`jaxprec._src.numerics` (the one table); re-exported here for callers
+# that imported them from this module.
+__all__ = ["ALGORITHMS", "MARKER", "TARGETS", "TF32_ROUNDINGS", "algorithm_for",
+           "emulated_conv_general_dilated", "emulated_dot_general",
+           "is_emulated_call"]
 
-TARGETS = ("tpu", "gpu", "cpu", "native")
+TARGETS = EMULATION_TARGETS
 TF32_ROUNDINGS = ("nearest", "nearest_away", "truncate")
-ALGORITHMS = ("native", "f32", "bf16x1", "bf16x3", "bf16x6", "bf16x9", "tf32",
-              "tf32x3", "f16", "bf16_bf16_bf16", "f16_f16_f16")
 OPS = ("dot_general", "conv_general_dilated")
+# The explicit mark of jaxprec's own emulated ops: every emulated op is bound
+# inside ``jax.named_scope(MARKER)``, which JAX keeps on the equation's name
+# stack through jit, grad, vmap and scan (tested). ``jaxprec.emulate`` leaves
+# marked calls alone instead of emulating their inner passes a second time.
+MARKER = "jaxprec_emulated"
 
 _P = lax.Precision
-# Levels per target for float32 operands (SEMANTICS.md section 2; GPU HIGH is
-# TF32 on some chips and float32 on others: we emulate TF32).
-_LEVEL_ALGORITHMS = {
-    "tpu": {_P.DEFAULT: "bf16x1", _P.HIGH: "bf16x3", _P.HIGHEST: "bf16x6"},
-    "gpu": {_P.DEFAULT: "tf32", _P.HIGH: "tf32", _P.HIGHEST: "f32"},
-}
-# Presets mean the same on every target.
-_PRESET_ALGORITHMS = {
-    "BF16_BF16_F32": "bf16x1", "BF16_BF16_F32_X3": "bf16x3",
-    "BF16_BF16_F32_X6": "bf16x6", "BF16_BF16_F32_X9": "bf16x9",
-    "TF32_TF32_F32": "tf32", "TF32_TF32_F32_X3": "tf32x3",
-    "F16_F16_F32": "f16", "F16_F16_F16": "f16_f16_f16",
-    "BF16_BF16_BF16": "bf16_bf16_bf16", "F32_F32_F32": "f32",
-    "F64_F64_F64": "native", "ANY_F8_ANY_F8_F32": "native",
-    "ANY_F8_ANY_F8_F32_FAST_ACCUM": "native", "ANY_F8_ANY_F8_ANY": "native",
-    "ANY_F8_ANY_F8_ANY_FAST_ACCUM": "native",
-}
-_EMULATED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16),
-                    np.dtype(np.float16))
 # Inner passes: bfloat16 operands at DEFAULT; float32 operands holding TF32 or
 # float16 values at HIGHEST, so that no backend rounds them again.
 _LOW = (_P.DEFAULT, _P.DEFAULT)
 _EXACT = (_P.HIGHEST, _P.HIGHEST)
 
 
-def _choices(values: Sequence[str]) -> str:
-  return ", ".join(repr(v) for v in values)
-
-
-def _check_target(target: Any) -> str:
-  t = target.lower() if isinstance(target, str) else None
-  if t not in TARGETS:
-    msg = f"Unknown emulation target {target!r}; valid choices: {_choices(TARGETS)}."
-    close = difflib.get_close_matches(t, TARGETS, n=1) if t else []
-    if close:
-      msg += f" Did you mean {close[0]!r}?"
-    raise ValueError(msg)
-  return t
-
-
 def _check_tf32_rounding(mode: Any) -> str:
   if mode not in TF32_ROUNDINGS:
     raise ValueError(f"Unknown tf32_rounding {mode!r}; valid choices: "
-                     f"{_choices(TF32_ROUNDINGS)}.")
+                     f"{', '.join(map(repr, TF32_ROUNDINGS))}.")
   return mode
-
-
-def _emulatable(lhs_dtype: Any, rhs_dtype: Any) -> bool:
-  """float32 x float32, or float32 x a narrower float (upcast exactly)."""
-  dts = (np.dtype(lhs_dtype), np.dtype(rhs_dtype))
-  return all(d in _EMULATED_DTYPES for d in dts) and np.dtype(np.float32) in dts
-
-
-def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
-                  rhs_dtype: Any, *, op: str = "dot_general") -> str:
-  """Names the algorithm ``target`` runs for a matmul or conv at ``precision``.
-
-  Args:
-    precision: anything ``lax.dot_general`` accepts (None, a
-      ``lax.Precision``, a ``(lhs, rhs)`` pair, a ``DotAlgorithmPreset``, their
-      names) and any jaxprec name. None means the value of
-      ``jax.config.jax_default_matmul_precision`` now (None there: the
-      target's default, ``DEFAULT``).
-    target: ``'tpu'``, ``'gpu'``, ``'cpu'`` or ``'native'`` (the last two
-      emulate nothing).
-    lhs_dtype, rhs_dtype: operand dtypes. Only float32 operands (or float32
-      with a bfloat16/float16 operand) are emulated; anything else keeps its
-      native meaning.
-    op: ``'dot_general'`` or ``'conv_general_dilated'``. Convolutions
-      understand levels only: under a ``DotAlgorithmPreset`` JAX lowers them at
-      ``DEFAULT`` (SEMANTICS.md pitfall 1), and so does the emulation.
-
-  Returns:
-    One of :data:`ALGORITHMS`.
-
-  Raises:
-    ValueError: unknown target, op or precision.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> from jaxprec._src.emulated_ops import algorithm_for
-    >>> algorithm_for("highest", "tpu", jnp.float32, jnp.float32)
-    'bf16x6'
-    >>> algorithm_for("BF16_BF16_F32_X3", "gpu", jnp.float32, jnp.float32)
-    'bf16x3'
-    >>> algorithm_for("BF16_BF16_F32_X3", "tpu", jnp.float32, jnp.float32,
-    ...               op="conv_general_dilated")
-    'bf16x1'
-    >>> algorithm_for("high", "tpu", jnp.bfloat16, jnp.bfloat16)
-    'native'
-  """
-  target = _check_target(target)
-  if op not in OPS:
-    raise ValueError(f"Unknown op {op!r}; valid choices: {_choices(OPS)}.")
-  if precision is None:
-    precision = jax.config.jax_default_matmul_precision
-  p = resolve(precision)  # validates even when nothing is emulated
-  if target in ("cpu", "native") or not _emulatable(lhs_dtype, rhs_dtype):
-    return "native"
-  if p.preset is not None:
-    if op == "dot_general":
-      return _PRESET_ALGORITHMS[p.preset.name]
-    return _LEVEL_ALGORITHMS[target][_P.DEFAULT]
-  return _LEVEL_ALGORITHMS[target][p.level]
 
 
 # ---------------------------------------------------------------------------
@@ -279,8 +196,6 @@ _ALGORITHM_FNS = {
     "bf16x9": _bf16x9, "tf32": _tf32, "tf32x3": _tf32x3, "f16": _f16,
     "bf16_bf16_bf16": _bf16_out, "f16_f16_f16": _f16_out,
 }
-PASSES = {"bf16x1": 1, "bf16x3": 3, "bf16x6": 6, "bf16x9": 9, "tf32": 1,
-          "tf32x3": 3, "f16": 1, "bf16_bf16_bf16": 1, "f16_f16_f16": 1}
 
 
 # ---------------------------------------------------------------------------
@@ -448,13 +363,13 @@ def _emulated_bwd(spec: _Spec, res, ct):
     if name not in OPS:
       return None
     l, r = invals
-    if not _emulatable(l.dtype, r.dtype):
+    if not emulatable(l.dtype, r.dtype):
       return None
     params = dict(eqn.params)
     params.pop("precision", None)
     pet = params.pop("preferred_element_type", None)
     s = _make_spec(name, params, l, r, pet, spec.algorithm, spec.tf32_rounding)
-    return [_emulated(s, l, r)]
+    return [_marked(s, l, r)]
 
   gl, gr = walker.interpret(closed, rule, lhs, rhs, ct)
   return gl.astype(lhs.dtype), gr.astype(rhs.dtype)
@@ -463,10 +378,16 @@ def _emulated_bwd(spec: _Spec, res, ct):
 _emulated.defvjp(_emulated_fwd, _emulated_bwd)
 
 
+def _marked(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  """``_emulated`` bound under :data:`MARKER` (see :func:`is_emulated_call`)."""
+  with jax.named_scope(MARKER):
+    return _emulated(spec, lhs, rhs)
+
+
 def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
          precision, preferred_element_type, target: str, tf32_rounding: str,
          out_sharding: Any) -> jax.Array:
-  target = _check_target(target)
+  target = check_target(target, emulation=True)
   tf32_rounding = _check_tf32_rounding(tf32_rounding)
   if target in ("cpu", "native"):
     return native(precision)
@@ -478,7 +399,7 @@ def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
     return native(_EXACT)
   spec = _make_spec(op, params, lhs, rhs, preferred_element_type, algorithm,
                     tf32_rounding)
-  out = _emulated(spec, lhs, rhs)
+  out = _marked(spec, lhs, rhs)
   if out_sharding is not None:
     out = lax.with_sharding_constraint(out, out_sharding)
   return out
@@ -604,61 +525,14 @@ def emulated_conv_general_dilated(
 def is_emulated_call(eqn) -> bool:
   """Whether a jaxpr equation is a call of an emulated op (already emulated).
 
-  ``jaxprec.emulate`` leaves these alone: their inner passes are float32 dots
-  at HIGHEST that must not be emulated a second time.
+  Recognised by the explicit :data:`MARKER` on its name stack (kept through
+  jit, grad, vmap and scan), never by a function's name. ``jaxprec.emulate``
+  leaves these alone: their inner passes are float32 dots at HIGHEST that
+  must not be emulated a second time.
   """
   if eqn.primitive.name != "custom_vjp_call":
     return False
-  call = eqn.params.get("call_jaxpr")
-  info = getattr(getattr(call, "jaxpr", None), "debug_info", None)
-  bwd_info = getattr(eqn.params.get("bwd"), "debug_info", None)
-  return (getattr(info, "func_name", None) == _emulated.__name__
-          and getattr(bwd_info, "func_name", None) == _emulated_bwd.__name__)
+  return _MARKED.search(compat.eqn_name_stack(eqn)) is not None
 
 
-def emulate_eqn(params: Mapping[str, Any], primitive_name: str,
-                lhs: jax.Array, rhs: jax.Array, *,
-                default_precision: PrecisionLike = None, target: str = "tpu",
-                tf32_rounding: str = "nearest") -> jax.Array:
-  """Emulates one ``dot_general`` or ``conv_general_dilated`` jaxpr equation.
-
-  For whole-function rewriting: call it from a walker rule with the
-  equation's params, its primitive name and its two input values.
-
-  Args:
-    params: ``eqn.params`` (``precision``, ``preferred_element_type``,
-      ``out_sharding`` and the op's own arguments).
-    primitive_name: ``'dot_general'`` or ``'conv_general_dilated'``.
-    lhs, rhs: the equation's inputs.
-    default_precision: used when ``params['precision']`` is None; None reads
-      ``jax.config.jax_default_matmul_precision``.
-    target, tf32_rounding: as :func:`emulated_dot_general`.
-
-  Returns:
-    The equation's single output.
-
-  Raises:
-    ValueError: unknown primitive, target, precision or ``tf32_rounding``.
-  """
-  p = dict(params)
-  precision = p.pop("precision", None)
-  if precision is None:
-    precision = default_precision
-  pet = p.pop("preferred_element_type", None)
-  common = dict(precision=precision, preferred_element_type=pet, target=target,
-                tf32_rounding=tf32_rounding)
-  if primitive_name == "dot_general":
-    return emulated_dot_general(lhs, rhs, p.pop("dimension_numbers"),
-                                out_sharding=p.pop("out_sharding", None),
-                                **common)
-  if primitive_name == "conv_general_dilated":
-    return emulated_conv_general_dilated(
-        lhs, rhs, p.pop("window_strides"), p.pop("padding"),
-        lhs_dilation=p.pop("lhs_dilation", None),
-        rhs_dilation=p.pop("rhs_dilation", None),
-        dimension_numbers=p.pop("dimension_numbers", None),
-        feature_group_count=p.pop("feature_group_count", 1),
-        batch_group_count=p.pop("batch_group_count", 1),
-        out_sharding=p.pop("out_sharding", None), **common)
-  raise ValueError(f"emulate_eqn: unknown primitive {primitive_name!r}; valid "
-                   f"choices: {_choices(OPS)}.")
+_MARKED = re.compile(rf"(?:^|[/(]){MARKER}(?:$|[/)])")

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from jaxprec._src import compat
 from jaxprec._src import names
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
@@ -29,8 +30,7 @@ _set_by_us: list[Any] = []
 
 
 def _state():
-  from jax._src import config as jax_config  # compat: jax >= 0.4.30
-  return jax_config.default_matmul_precision, jax_config.config_ext.unset
+  return compat.matmul_precision_state()
 
 
 def flag_value_and_source() -> tuple[str | None, str]:

@@ -10,6 +10,7 @@ change it, and the pitfalls (SEMANTICS.md sections 2 and 3).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import jax
@@ -83,7 +84,8 @@ def explain_dict() -> dict[str, Any]:
     >>> d["numerics"]["tpu"]["algorithm"], d["numerics"]["gpu"]["algorithm"]
     ('bf16x6', 'f32')
   """
-  from jaxprec import __version__  # Late: jaxprec/__init__ imports this module.
+  # Read, not imported: the package imports this module (no import cycle).
+  __version__ = getattr(sys.modules.get("jaxprec"), "__version__", "unknown")
   p = context.current()
   platform = jax.default_backend()
   devices = jax.devices()

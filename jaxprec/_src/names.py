@@ -106,9 +106,66 @@ def check_env_before_jax(environ) -> None:
     environ[ENV_VAR] = flag
 
 
-def running_as_cli(argv) -> bool:
-  """Whether this process is the ``jaxprec`` command (console script or -m)."""
-  import os
+# The file names of the `jaxprec` console script (pip writes jaxprec.exe and
+# jaxprec-script.py on Windows).
+_SCRIPTS = ("jaxprec", "jaxprec.exe", "jaxprec-script.py")
+# Python options that take the next argument as their value.
+_OPTIONS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def _module_run(orig_argv) -> str | None:
+  """The module ``python -m MODULE`` runs in ``orig_argv``, or None."""
+  tokens = list(orig_argv or ())[1:]
+  i = 0
+  while i < len(tokens):
+    tok = tokens[i]
+    if tok == "-m":
+      return tokens[i + 1] if i + 1 < len(tokens) else None
+    if tok.startswith("-m") and not tok.startswith("--"):
+      return tok[2:]
+    if tok == "-c" or tok == "-" or not tok.startswith("-"):
+      return None  # a command, stdin or a script: not -m
+    i += 2 if tok in _OPTIONS_WITH_VALUE else 1
+  return None
+
+
+def running_as_cli(argv, orig_argv=None) -> bool:
+  """Whether this process is the ``jaxprec`` command (console script or -m).
+
+  Only jaxprec's own command counts: another application run as
+  ``python -m pkg`` that imports jaxprec is not the command line.
+
+  Args:
+    argv: ``sys.argv``.
+    orig_argv: ``sys.orig_argv`` (the interpreter's own command line; default
+      the running one).
+  """
+  import sys
   if not argv:
     return False
-  return os.path.basename(argv[0]) in ("jaxprec", "-m", "__main__.py")
+  base = argv[0].replace("\\", "/").rsplit("/", 1)[-1]
+  if base in _SCRIPTS:
+    return True
+  if orig_argv is None:
+    orig_argv = getattr(sys, "orig_argv", ())
+  if argv[0] == "-m" or base == "__main__.py":
+    return _module_run(orig_argv) in ("jaxprec", "jaxprec.__main__")
+  return False
+
+
+def asks_help_or_version(argv) -> bool:
+  """Whether a ``jaxprec`` command line asks only for help or the version.
+
+  Those need no precision: ``import jaxprec`` lets them run when
+  ``JAX_DEFAULT_MATMUL_PRECISION`` is invalid (with a warning).
+  """
+  tokens = list(argv[1:])
+  if "--" in tokens:
+    tokens = tokens[:tokens.index("--")]
+  if not tokens:
+    return False
+  if tokens[0] in ("-h", "--help", "--version"):
+    return True
+  if tokens[0] == "run":  # What follows `run -p P` is the command's own.
+    return len(tokens) > 1 and tokens[1] in ("-h", "--help")
+  return any(t in ("-h", "--help") for t in tokens[1:])

@@ -28,12 +28,12 @@ import jax
 import numpy as np
 from jax import lax
 
-from jaxprec._src.precision import Precision, PrecisionLike, resolve
+from jaxprec._src.precision import Precision, PrecisionLike, from_lax, resolve
 
 __all__ = ["ALGORITHMS", "EMULATION_TARGETS", "MODES", "OP_KINDS", "PASSES",
            "PRIMITIVES", "TARGETS", "algorithm_for", "check_choice",
-           "check_target", "emulatable", "flag_for", "level_name", "op_kind",
-           "per_op", "resolve_mode"]
+           "check_target", "effective", "emulatable", "flag_for", "level_name",
+           "lowered", "op_kind", "per_op", "resolve_mode"]
 
 # What a TPU or an Ampere+ GPU computes; 'cpu'/'native' emulate nothing.
 TARGETS = ("tpu", "gpu")
@@ -157,6 +157,36 @@ def per_op(p: Precision | None, kind: str) -> Any:
   if kind == "conv":
     return p.level
   return p.per_op
+
+
+def lowered(recorded: Any, kind: str) -> Any:
+  """The ``precision`` JAX lowers an op of ``kind`` with, given the one its
+  jaxpr equation recorded: a convolution that recorded a
+  ``DotAlgorithmPreset`` lowers at ``(DEFAULT, DEFAULT)`` (SEMANTICS.md
+  pitfall 1); anything else as recorded."""
+  if kind == "conv" and isinstance(recorded, lax.DotAlgorithmPreset):
+    return (_P.DEFAULT, _P.DEFAULT)
+  return recorded
+
+
+def effective(recorded: Any, kind: str) -> Precision | None:
+  """The :class:`Precision` an op of ``kind`` that recorded ``recorded`` runs
+  at (:func:`lowered`; None recorded: the backend default); None for a custom
+  ``lax.DotAlgorithm``, which names no precision jaxprec knows.
+
+  Examples:
+    >>> from jax import lax
+    >>> from jaxprec._src.numerics import effective
+    >>> effective(lax.DotAlgorithmPreset.F32_F32_F32, "conv").name
+    'bfloat16'
+    >>> effective(lax.DotAlgorithmPreset.F32_F32_F32, "dot").name
+    'F32_F32_F32'
+  """
+  try:
+    p = from_lax(lowered(recorded, kind))
+  except ValueError:
+    return None  # A custom lax.DotAlgorithm: not one of the presets.
+  return resolve(None) if p is None else p
 
 
 def flag_for(p: Precision, kind: str) -> str | None:

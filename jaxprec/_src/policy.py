@@ -19,27 +19,23 @@ The text form, :meth:`Policy.parse` and ``str(policy)``, is the one grammar
 that every entry point (Python, the command line, the environment) accepts; it
 is documented on :meth:`Policy.parse` and in ``docs/modules.md``.
 
-Nothing here imports Flax: the Flax side (module types, paths, interception)
-lives in :mod:`jaxprec._src.modules.interception` and is imported only when
-Flax already is.
+This module is data and grammar only: it imports neither Flax nor jaxprec's
+Flax side. The runtime side (the scope in which a policy applies, module
+paths, interception, swap) lives in :mod:`jaxprec._src.flax`, which imports
+this module and never the other way round.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import functools
 import re
-import sys
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Union
 
-import jax
-
-from jaxprec._src import compat
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
 __all__ = ["MODULE_TYPES", "OP_KINDS", "Policy", "PolicyLike", "PolicyMatch",
@@ -123,7 +119,9 @@ class Rule:
     path: a regular expression that must match the whole module path
       (:func:`re.fullmatch`), e.g. ``r'encoder/layer/\\d+/attention/.*'``.
       Paths join Flax's module names with ``'/'``, without the top module's
-      class name: what :attr:`jaxprec.AuditRow.module_path` shows.
+      class name: what :attr:`jaxprec.AuditRow.module_path` shows. Stored
+      with ``\\,`` and ``\\&`` outside groups read as ``,`` and ``&`` (the same
+      regex), as :meth:`Policy.parse` reads them.
     module_type: one of :data:`MODULE_TYPES` (``'Dense'``, ``'DenseGeneral'``,
       ``'Conv'``, ``'ConvTranspose'``, ``'Einsum'``, ``'Attention'``) or an
       alias (NNX's ``'Linear'``, ``'LinearGeneral'``; ``'ConvLocal'``;
@@ -158,6 +156,7 @@ class Rule:
       if not isinstance(self.path, str):
         raise ValueError(f"Rule path must be a regex string; got {self.path!r}.")
       _compile(self.path)
+      object.__setattr__(self, "path", _unescape(self.path))
     if self.module_type is not None:
       object.__setattr__(self, "module_type", canonical_type(self.module_type))
     if self.op is not None:
@@ -200,38 +199,62 @@ class Rule:
 # The text grammar.
 
 
-def _scan(text: str, seps: str) -> list[tuple[int, str]]:
-  """Top-level separator positions: not escaped, not inside (), [] or {}."""
+# A repetition ``{m,n}`` (its comma may be escaped: then a literal text that
+# must stay as written). Any other brace is a literal character in a regex.
+_REPEAT = re.compile(r"\{\d*(?:\\?,\d*)?\}")
+
+
+def _scan(text: str, seps: str, *, escaped: bool = False
+          ) -> list[tuple[int, str]]:
+  r"""Top-level separator positions: not inside (), [] or a ``{m,n}``.
+
+  With ``escaped=False``, unescaped separators; with ``escaped=True``, the
+  backslashes of top-level ``\<sep>`` pairs. Inserting or removing such a
+  backslash changes the scan of nothing else, so the formatter and the parser
+  agree on what is top level.
+  """
   out = []
   depth = 0
-  in_class = False
   i = 0
   while i < len(text):
     c = text[i]
     if c == "\\":
+      if escaped and depth == 0 and text[i + 1:i + 2] in tuple(seps):
+        out.append((i, text[i + 1]))
       i += 2
       continue
-    if in_class:
-      if c == "]" and not _class_start(text, i):
-        in_class = False
-    elif c == "[":
-      in_class = True
-    elif c in "({":
+    if c == "[":
+      i = _class_end(text, i)
+      continue
+    repeat = _REPEAT.match(text, i) if c == "{" else None
+    if repeat:
+      i = repeat.end()
+      continue
+    if c == "(":
       depth += 1
-    elif c in ")}":
+    elif c == ")":
       depth = max(0, depth - 1)
-    elif depth == 0 and c in seps:
+    elif depth == 0 and c in seps and not escaped:
       out.append((i, c))
     i += 1
   return out
 
 
-def _class_start(text: str, i: int) -> bool:
-  """Whether the ``]`` at ``i`` is the first character of a class (literal)."""
-  j = i - 1
-  if j >= 0 and text[j] == "^":
-    j -= 1
-  return j >= 0 and text[j] == "[" and (j == 0 or text[j - 1] != "\\")
+def _class_end(text: str, i: int) -> int:
+  """The index after the character class that opens at ``text[i]`` (``[``)."""
+  j = i + 1
+  if text[j:j + 1] == "^":
+    j += 1
+  if text[j:j + 1] == "]":  # first in the class: a literal ']'
+    j += 1
+  while j < len(text):
+    if text[j] == "\\":
+      j += 2
+      continue
+    if text[j] == "]":
+      return j + 1
+    j += 1
+  return len(text)
 
 
 def _split(text: str, sep: str) -> list[str]:
@@ -244,15 +267,16 @@ def _split(text: str, sep: str) -> list[str]:
 
 
 def _unescape(regex: str) -> str:
-  r"""``\,`` and ``\&`` become ``,`` and ``&`` (same meaning in a regex)."""
-  out, i = [], 0
-  while i < len(regex):
-    if regex[i] == "\\" and i + 1 < len(regex):
-      out.append(regex[i + 1] if regex[i + 1] in ",&" else regex[i:i + 2])
-      i += 2
-    else:
-      out.append(regex[i])
-      i += 1
+  r"""Top-level ``\,`` and ``\&`` become ``,`` and ``&`` (same regex).
+
+  Inside (), [] and ``{m,n}`` they are kept as written: there they need no
+  escape in a policy string, and ``{1\,2}`` (literal text) must not become
+  the repetition ``{1,2}``. This is also the canonical form a :class:`Rule`
+  stores, so that ``Policy.parse(str(p)) == p``.
+  """
+  out = list(regex)
+  for i, _ in reversed(_scan(regex, ",&", escaped=True)):
+    del out[i]
   return "".join(out)
 
 
@@ -395,8 +419,9 @@ class Policy:
     * Terms joined by ``&`` must all match: ``Dense&encoder/.*=bf16``.
     * An entry splits at its last ``=`` (precision names have none), so a
       regex may contain ``=``. Entries split at ``,`` and terms at ``&`` only
-      outside ``()``, ``[]`` and ``{}``; elsewhere in a regex write ``\,`` and
-      ``\&`` (read as ``,`` and ``&``).
+      outside ``()``, ``[]`` and ``{m,n}`` repetitions; elsewhere in a regex
+      write ``\,`` and ``\&`` (read as ``,`` and ``&``: a rule stores its path
+      so, and ``str`` writes them back escaped).
     * Spaces around entries, terms and names are ignored.
     * Rules keep their order (first match wins); ``default`` may appear
       anywhere, at most once.
@@ -594,68 +619,3 @@ class Recorder:
           f"rows' .module_path) or only modules an earlier rule matched. "
           f"See jaxprec.policy_report(...).",
           UnusedRuleWarning, stacklevel=stacklevel)
-
-
-# ---------------------------------------------------------------------------
-# The scope in which a policy applies (thread-local, restored in finally).
-
-_local = threading.local()
-
-
-def _stack() -> list:
-  stack = getattr(_local, "stack", None)
-  if stack is None:
-    stack = _local.stack = []
-  return stack
-
-
-@dataclasses.dataclass
-class ActiveScope:
-  """A policy in force in this thread; the Flax side keeps its state here."""
-
-  policy: Policy
-  recorder: Recorder | None
-  outer_flag: Any = None
-  state: dict = dataclasses.field(default_factory=dict)
-
-
-def active() -> ActiveScope | None:
-  """The innermost policy scope of this thread, or None."""
-  stack = _stack()
-  return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def policy_scope(policy: Policy, recorder: Recorder | None = None,
-                 *, what: str = "the model") -> Iterator[ActiveScope]:
-  """Applies ``policy`` to the Flax linen module calls made in the block.
-
-  Reuses the innermost active scope when it has the same policy (so a swapped
-  model inside ``jaxprec.emulate(..., policy)`` records once). If Flax linen
-  is imported, every linen module method call in the block runs with JAX's
-  matmul precision flag set to the policy's precision for that module (see
-  :mod:`jaxprec._src.modules.interception`). On leaving the outermost scope
-  of a recorder, warns (:class:`UnusedRuleWarning`) about unused rules.
-  """
-  top = active()
-  if top is not None and top.policy == policy:
-    yield top
-    return
-  scope = ActiveScope(policy=policy, recorder=recorder,
-                      outer_flag=jax.config.jax_default_matmul_precision)
-  stack = _stack()
-  stack.append(scope)
-  try:
-    # The policy joins jax.jit's cache key, so a function jitted under one
-    # policy is traced again under another instead of reusing the first trace.
-    with compat.jit_key_scope(str(policy)):
-      if "flax.linen" in sys.modules:
-        from jaxprec._src.modules import interception
-        with interception.intercept(scope):
-          yield scope
-      else:
-        yield scope
-  finally:
-    stack.pop()
-  if recorder is not None and not any(s.recorder is recorder for s in stack):
-    recorder.warn_unused(what, stacklevel=4)

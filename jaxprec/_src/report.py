@@ -1,9 +1,11 @@
-"""Divergence reports: tables, JSON, Markdown and plots.
+"""Check reports: :class:`DivergenceReport`, its layers and findings, and its JSON.
 
-:class:`DivergenceReport` is what :func:`jaxprec.check` returns and
-:class:`TrainingReport` what :func:`jaxprec.check_training` returns. Both are
-frozen dataclasses holding plain Python values (no arrays), so they can be
-kept, compared and serialised.
+:class:`DivergenceReport` is what :func:`jaxprec.check` returns. It is a
+frozen dataclass holding plain Python values (no arrays), so it can be kept,
+compared and serialised. Rendering (tables, Markdown, plots) lives in
+:mod:`jaxprec._src.render`, the training report in
+:mod:`jaxprec._src.training_report`, the progress bar in
+:mod:`jaxprec._src.progress`.
 
 JSON schema 1 (``DivergenceReport.to_dict()``; keys beyond these may be added
 in later versions of schema 1, never removed or changed)::
@@ -12,6 +14,7 @@ in later versions of schema 1, never removed or changed)::
    "reference": "float32",           # or "float64", "file:<path>", "pytree"
    "target": "tpu", "mode": "emulate", "backend": "cpu",
    "precisions": ["bfloat16", ...],   # row labels, as the user wrote them
+   "floor": "float32" | null,         # the framework-floor row, if any
    "numerics": {"bfloat16": "bf16x1 (emulated)", ...},
    "atol": 1e-3, "rtol": 1e-3,
    "layers": [{"name": "hidden_states[3]", "shape": [1, 49, 64],
@@ -27,75 +30,45 @@ in later versions of schema 1, never removed or changed)::
                             "worst_rel_rms": ..., "growth_per_layer": ...}},
    "notes": [...], "seconds": {"reference": ..., "bfloat16": ...}}
 
+``"floor"`` was added within schema 1: files without it read as ``null``.
 Non-finite numbers are written as the strings ``"nan"``, ``"inf"`` and
 ``"-inf"`` (JSON has no literal for them); :meth:`DivergenceReport.from_dict`
 reads them back. Every other number is a JSON number.
+
+The framework floor. With an external reference (another framework's
+outputs), :func:`jaxprec.check` adds a ``float32`` row: JAX's float32 against
+that reference, the two frameworks' own disagreement, below which no precision
+can go. ``DivergenceReport.floor`` names that row. It is marked in every
+rendering, and it is not a candidate precision: the queries that span all
+precisions (:meth:`~DivergenceReport.first_divergence`,
+:meth:`~DivergenceReport.passes`, :meth:`~DivergenceReport.worst` with
+``precision=None``) and the default ``precision`` of the others skip it; name
+it explicitly (``precision='float32'``) to query it. :meth:`summary` keeps it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import math
+import numbers
 import os
-import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from jaxprec._src import metrics as metrics_lib
+from jaxprec._src import render
 from jaxprec._src.metrics import LayerMetrics
+# Importable from here until their importers move (see each module).
+from jaxprec._src.progress import Progress, maybe_progress  # noqa: F401
+from jaxprec._src.render import decode_float, encode_float  # noqa: F401
+from jaxprec._src.render import fmt as _fmt  # noqa: F401
+from jaxprec._src.training_report import TrainingReport  # noqa: F401
 
 __all__ = ["DivergenceReport", "Finding", "LayerResult", "SCHEMA",
            "TrainingReport"]
 
 SCHEMA = 1
-_PLOTS_HINT = ("needs matplotlib: pip install 'jaxprec[plots]' (or pip "
-               "install matplotlib)")
-
-
-# ---------------------------------------------------------------------------
-# JSON-safe numbers.
-
-
-def encode_float(x: float) -> float | str:
-  """A float as JSON allows it: non-finite values become strings."""
-  if isinstance(x, float) and not math.isfinite(x):
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-  return x
-
-
-def decode_float(x: Any) -> Any:
-  if isinstance(x, str) and x in ("nan", "inf", "-inf"):
-    return float(x)
-  return x
-
-
-def _encode(obj: Any) -> Any:
-  if isinstance(obj, float):
-    return encode_float(obj)
-  if isinstance(obj, Mapping):
-    return {k: _encode(v) for k, v in obj.items()}
-  if isinstance(obj, (list, tuple)):
-    return [_encode(v) for v in obj]
-  return obj
-
-
-def _fmt(x: float, digits: int = 2) -> str:
-  if isinstance(x, int):
-    return str(x)
-  if math.isnan(x):
-    return "nan"
-  if math.isinf(x):
-    return "inf" if x > 0 else "-inf"
-  if x == 0:
-    return "0"
-  return f"{x:.{digits}e}"
-
-
-# ---------------------------------------------------------------------------
-# Check reports.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,7 +112,7 @@ class Finding:
 
   def __str__(self) -> str:
     return (f"{self.layer} (#{self.index}) at {self.precision}: "
-            f"{self.metric} {_fmt(self.value)}")
+            f"{self.metric} {render.fmt(self.value)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,6 +136,10 @@ class DivergenceReport:
     numerics: precision label -> what ran, e.g. ``'bf16x3 (emulated)'``.
     notes: remarks worth reading (e.g. how a name was interpreted).
     seconds: wall time of each run, compilation included.
+    floor: the label of the framework-floor row (float32 against an external
+      reference: the two frameworks' own disagreement), or None. It is marked
+      in every rendering and is not a candidate precision (see the module
+      docstring).
   """
 
   layers: tuple[LayerResult, ...]
@@ -176,6 +153,17 @@ class DivergenceReport:
   numerics: Mapping[str, str] = dataclasses.field(default_factory=dict)
   notes: tuple[str, ...] = ()
   seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  floor: str | None = None
+
+  def __post_init__(self):
+    if self.floor is not None and self.floor not in self.precisions:
+      raise ValueError(f"floor {self.floor!r} is not one of the report's "
+                       f"precisions {list(self.precisions)}")
+
+  @property
+  def candidates(self) -> tuple[str, ...]:
+    """The precision labels under test: :attr:`precisions` but the floor."""
+    return tuple(p for p in self.precisions if p != self.floor)
 
   # -- queries ---------------------------------------------------------------
   def __len__(self) -> int:
@@ -186,29 +174,30 @@ class DivergenceReport:
 
   def layer(self, name: str) -> LayerResult:
     """The layer called ``name``; KeyError naming close matches otherwise."""
-    for l in self.layers:
-      if l.name == name:
-        return l
-    import difflib
-    close = difflib.get_close_matches(name, [l.name for l in self.layers], n=3)
-    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-    raise KeyError(f"no layer {name!r} in the report{hint}")
+    by_name = {l.name: l for l in self.layers}
+    if name in by_name:
+      return by_name[name]
+    raise KeyError(f"no layer {name!r} in the report"
+                   f"{render.did_you_mean(name, by_name)}")
 
   def metric(self, name: str, precision: str | None = None) -> list[float]:
     """One metric for every layer, in depth order (``precision``: the first
-    one when omitted)."""
+    candidate, i.e. not the floor, when omitted)."""
     p = self._precision(precision)
-    if name not in metrics_lib.METRICS and name != "required_atol":
+    choices = (*metrics_lib.METRICS, "required_atol")
+    if not isinstance(name, str) or name not in choices:
       raise ValueError(f"Unknown metric {name!r}; valid choices: "
-                       f"{', '.join(metrics_lib.METRICS)}, required_atol.")
+                       f"{', '.join(choices)}"
+                       f"{render.did_you_mean(name, choices, n=1)}")
     return [getattr(l.metrics[p], name) for l in self.layers]
 
   def _precision(self, precision: str | None) -> str:
     if precision is None:
-      return self.precisions[0]
-    if precision not in self.precisions:
+      return (self.candidates or self.precisions)[0]
+    if not isinstance(precision, str) or precision not in self.precisions:
       raise ValueError(f"Unknown precision {precision!r}; this report has "
-                       f"{', '.join(map(repr, self.precisions))}.")
+                       f"{', '.join(map(repr, self.precisions))}"
+                       f"{render.did_you_mean(precision, self.precisions, 1)}")
     return precision
 
   def _required(self, m: LayerMetrics, rtol: float) -> tuple[float, float]:
@@ -249,13 +238,19 @@ class DivergenceReport:
     at that ``rtol`` for an exact answer.
 
     Args:
-      atol, rtol: the tolerance (default: the check's).
-      precision: one precision label; None for all of them.
+      atol, rtol: the tolerance (default: the check's); non-negative numbers.
+      precision: one precision label; None for all candidate precisions (the
+        framework floor, if any, is not one; name it to ask about it).
 
     Returns:
       For one precision, a :class:`Finding` (metric ``'required_atol'``: the
       smallest passing ``atol`` of that layer) or None when every layer
       passes; for all precisions, a dict label -> that.
+
+    Raises:
+      TypeError: ``atol`` or ``rtol`` is not a number.
+      ValueError: ``atol`` or ``rtol`` is negative or NaN, or ``precision``
+        is not one of the report's.
 
     Examples:
       >>> import jax.numpy as jnp, jaxprec
@@ -268,9 +263,10 @@ class DivergenceReport:
       >>> print(r.first_divergence(10.0, 0, precision="bfloat16"))
       None
     """
-    atol = self.atol if atol is None else float(atol)
-    rtol = self.rtol if rtol is None else float(rtol)
-    labels = self.precisions if precision is None else (self._precision(precision),)
+    check = metrics_lib.check_tolerance
+    atol = self.atol if atol is None else check("atol", atol)
+    rtol = self.rtol if rtol is None else check("rtol", rtol)
+    labels = self.candidates if precision is None else (self._precision(precision),)
     found: dict[str, Finding | None] = {}
     for p in labels:
       found[p] = None
@@ -285,7 +281,8 @@ class DivergenceReport:
 
   def passes(self, atol: float | None = None, rtol: float | None = None, *,
              precision: str | None = None) -> bool:
-    """Whether every layer is within tolerance (at one or all precisions)."""
+    """Whether every layer is within tolerance (at one precision, or at all
+    candidate precisions: the framework floor is not one)."""
     found = self.first_divergence(atol, rtol, precision=precision)
     if isinstance(found, dict):
       return all(v is None for v in found.values())
@@ -296,7 +293,7 @@ class DivergenceReport:
     """The smallest ``atol`` with which every layer passes (at ``rtol``; an
     upper bound for an ``rtol`` other than 0 and the check's)."""
     p = self._precision(precision)
-    rtol = self.rtol if rtol is None else float(rtol)
+    rtol = self.rtol if rtol is None else metrics_lib.check_tolerance("rtol", rtol)
     vals = [self._required(l.metrics[p], rtol)[1] for l in self.layers]
     return max(vals, default=0.0)
 
@@ -307,14 +304,27 @@ class DivergenceReport:
     For ``cosine`` and ``sqnr_db``, where smaller is worse, the smallest.
 
     Args:
-      n: how many.
+      n: how many (a non-negative integer).
       metric: a metric name (see :mod:`jaxprec._src.metrics`).
-      precision: one label, or None for all precisions together.
+      precision: one label, or None for all candidate precisions together
+        (not the framework floor).
 
     Returns:
       :class:`Finding` objects, worst first; NaN values rank worst.
+
+    Raises:
+      TypeError: ``n`` is not an integer.
+      ValueError: ``n`` is negative, or ``metric`` or ``precision`` unknown.
     """
-    labels = self.precisions if precision is None else (self._precision(precision),)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+      raise TypeError(f"n must be a non-negative integer (how many layers), "
+                      f"e.g. n=5; got {n!r} of type {type(n).__name__}")
+    if n < 0:
+      raise ValueError(f"n must be a non-negative integer (how many layers), "
+                       f"e.g. n=5; got {n!r}")
+    labels = self.candidates if precision is None else (self._precision(precision),)
+    if labels:
+      self.metric(metric, labels[0])  # ValueError naming an unknown metric
     lower_is_worse = metric in ("cosine", "sqnr_db")
     rows = []
     for p in labels:
@@ -361,10 +371,11 @@ class DivergenceReport:
                        if first else {},
           "metrics": {p: l.metrics[p].to_dict() for p in self.precisions},
       })
-    return _encode({
+    return render.encode({
         "schema": SCHEMA, "kind": "check", "jaxprec_version": __version__,
         "reference": self.reference, "target": self.target, "mode": self.mode,
         "backend": self.backend, "precisions": list(self.precisions),
+        "floor": self.floor,
         "numerics": dict(self.numerics), "atol": float(self.atol),
         "rtol": float(self.rtol),
         "layers": layers, "summary": self.summary(), "notes": list(self.notes),
@@ -402,122 +413,33 @@ class DivergenceReport:
                rtol=d.get("rtol", 0.0),
                numerics=dict(d.get("numerics", {})),
                notes=tuple(d.get("notes", ())),
-               seconds=dict(d.get("seconds", {})))
+               seconds=dict(d.get("seconds", {})), floor=d.get("floor"))
 
   @classmethod
   def from_json(cls, text: str) -> DivergenceReport:
     return cls.from_dict(json.loads(text))
 
-  # -- rendering ---------------------------------------------------------------
-  def _heading(self) -> str:
-    ref = self.numerics.get("(reference)")
-    ref = f" ({ref})" if ref else ""
-    what = "; ".join(f"{p}: {self.numerics.get(p, '?')}" for p in self.precisions)
-    return (f"jaxprec.check: {len(self.layers)} layers vs reference "
-            f"{self.reference}{ref}; target {self.target}, mode {self.mode} "
-            f"(backend {self.backend or '?'})\nnumerics: {what}")
-
-  def _columns(self) -> list[str]:
-    cols = ["#", "layer", "shape"]
-    for p in self.precisions:
-      cols += [f"{p} max_abs", f"{p} rel_rms"]
-    return cols
-
-  def _rows(self) -> list[list[str]]:
-    rows = []
-    for i, l in enumerate(self.layers):
-      row = [str(i), l.name, "x".join(map(str, l.shape)) or "()"]
-      for p in self.precisions:
-        m = l.metrics[p]
-        flag = "" if m.required_atol <= self.atol else " !"
-        bad = ""
-        if m.nan or m.inf:
-          bad = f" ({m.nan} nan, {m.inf} inf)"
-        row += [_fmt(m.max_abs) + flag + bad, _fmt(m.rel_rms)]
-      rows.append(row)
-    return rows
-
-  def _summary_lines(self) -> list[str]:
-    lines = [f"'!': outside atol={self.atol:g} + rtol={self.rtol:g}*|ref| "
-             f"somewhere in the layer"]
-    for p, s in self.summary().items():
-      first = (f"first divergence {s['first_divergence']} "
-               f"(#{s['first_divergence_index']})"
-               if s["first_divergence"] is not None else "no divergence")
-      growth = s["growth_per_layer"]
-      g = f"x{growth:.2f} per layer" if math.isfinite(growth) else "n/a"
-      lines.append(f"{p}: {first}; required atol {_fmt(s['required_atol'])}; "
-                   f"worst {s['worst_layer']} (rel_rms "
-                   f"{_fmt(s['worst_rel_rms'])}); rel_rms growth {g}")
-    lines += [f"note: {n}" for n in self.notes]
-    return lines
-
+  # -- rendering (jaxprec._src.render) -------------------------------------
   def to_text(self) -> str:
     """The table as plain text (what ``str`` gives without ``rich``)."""
-    cols, rows = self._columns(), self._rows()
-    widths = [max(len(c), *(len(r[j]) for r in rows)) if rows else len(c)
-              for j, c in enumerate(cols)]
-    left = {1, 2}
-
-    def line(cells):
-      return "  ".join(c.ljust(w) if j in left else c.rjust(w)
-                       for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    out = [self._heading(), line(cols), line(["-" * w for w in widths])]
-    out += [line(r) for r in rows]
-    out += self._summary_lines()
-    return "\n".join(out)
-
-  def _rich_table(self):
-    from rich.table import Table
-    from rich.text import Text
-    table = Table()
-    for j, c in enumerate(self._columns()):
-      if j >= 3:
-        p, _, m = c.rpartition(" ")
-        c = f"{p}\n{m}"
-      table.add_column(c, justify="left" if j in (1, 2) else "right",
-                       no_wrap=True)
-    for r in self._rows():
-      table.add_row(*[Text(c, style="bold red") if c.endswith(" !") or " ! " in c
-                      else Text(c) for c in r])
-    return table
+    return render.text(self)
 
   def __rich__(self):
-    from rich.console import Group
-    from rich.text import Text
-    return Group(Text(self._heading()), self._rich_table(),
-                 *[Text(s) for s in self._summary_lines()])
+    return render.rich_group(self)
 
   def __str__(self) -> str:
-    try:
-      from rich.console import Console
-    except ImportError:
-      return self.to_text()
-    buf = io.StringIO()
-    Console(file=buf, width=1000, color_system=None, force_terminal=False,
-            legacy_windows=False).print(self._rich_table())
-    table = "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
-    return "\n".join([self._heading(), table, *self._summary_lines()])
+    return render.to_str(self)
 
   def to_markdown(self) -> str:
-    """The table and summary as GitHub-flavoured Markdown."""
-    cols, rows = self._columns(), self._rows()
-
-    def esc(s: str) -> str:
-      return s.replace("|", "\\|")
-    heading = [f"**{esc(line)}**" for line in self._heading().splitlines()]
-    out = ["  \n".join(heading), "",
-           "| " + " | ".join(esc(c) for c in cols) + " |",
-           "|" + "|".join("---:" if j not in (1, 2) else "---"
-                          for j in range(len(cols))) + "|"]
-    out += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
-    out.append("")
-    out += [f"- {esc(s)}" for s in self._summary_lines()]
-    return "\n".join(out) + "\n"
+    """The table and summary as GitHub-flavoured Markdown (layer names
+    escaped: each stays one row)."""
+    return render.markdown(self)
 
   def plot(self, path: str | os.PathLike | None = None, *,
            metric: str = "rel_rms") -> "matplotlib.figure.Figure":
     """Plots ``metric`` against depth, one line per precision, log scale.
+
+    The framework floor, when the report has one, is a dashed grey line.
 
     Args:
       path: where to save the figure (format from the extension, e.g.
@@ -530,241 +452,4 @@ class DivergenceReport:
     Raises:
       ImportError: matplotlib is not installed (the ``plots`` extra).
     """
-    Figure = _figure_class("DivergenceReport.plot")
-    fig = Figure(figsize=(max(6.0, 0.35 * len(self.layers) + 3), 4.5),
-                 layout="constrained")
-    ax = fig.add_subplot()
-    xs = list(range(len(self.layers)))
-    for p in self.precisions:
-      ys = [v if isinstance(v, (int, float)) and math.isfinite(v) and v > 0
-            else float("nan") for v in self.metric(metric, p)]
-      ax.plot(xs, ys, marker="o", label=f"{p} ({self.numerics.get(p, '?')})")
-    ax.set_yscale("log")
-    ax.set_xticks(xs)
-    ax.set_xticklabels([l.name for l in self.layers], rotation=60, ha="right",
-                       fontsize=7)
-    ax.set_xlabel("layer (depth)")
-    ax.set_ylabel(metric)
-    ax.set_title(f"{metric} vs reference {self.reference} "
-                 f"(target {self.target}, {self.mode})", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    if self.precisions:
-      ax.legend(fontsize=8)
-    if path is not None:
-      fig.savefig(os.fspath(path), dpi=120)
-    return fig
-
-
-def _figure_class(what: str):
-  try:
-    from matplotlib.figure import Figure
-  except ImportError as e:
-    raise ImportError(f"jaxprec {what} {_PLOTS_HINT}") from e
-  return Figure
-
-
-# ---------------------------------------------------------------------------
-# Training reports.
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainingReport:
-  """The same training loop run at several precisions, against a reference.
-
-  Returned by :func:`jaxprec.check_training`.
-
-  Attributes:
-    precisions: the precision labels.
-    reference: the reference precision name.
-    target, mode, backend: as in :class:`DivergenceReport`.
-    steps: number of training steps.
-    reference_losses: the reference run's loss at each step (before the
-      update of that step).
-    losses: label -> losses at each step.
-    drift: label -> relative L2 distance of the parameters from the
-      reference run's after each step: ``||p - p_ref|| / ||p_ref||`` over all
-      floating parameter leaves together.
-    divergence_step: label -> the first step whose loss differs from the
-      reference's by more than ``threshold`` relatively
-      (``|l - l_ref| > threshold * max(|l_ref|, 1e-12)``) or is not finite;
-      None if none.
-    threshold: the relative loss difference that counts as divergence.
-    numerics: label -> what ran.
-    notes: remarks.
-    seconds: wall time of the whole loop, compilation included.
-  """
-
-  precisions: tuple[str, ...]
-  reference: str
-  target: str
-  mode: str
-  backend: str
-  steps: int
-  reference_losses: tuple[float, ...]
-  losses: Mapping[str, tuple[float, ...]]
-  drift: Mapping[str, tuple[float, ...]]
-  divergence_step: Mapping[str, int | None]
-  threshold: float
-  numerics: Mapping[str, str] = dataclasses.field(default_factory=dict)
-  notes: tuple[str, ...] = ()
-  seconds: float = 0.0
-
-  def to_dict(self) -> dict[str, Any]:
-    """JSON-safe values: ``{"schema": 1, "kind": "training", ...}``, the
-    attributes by name; non-finite numbers as strings, as in check reports."""
-    return _encode({
-        "schema": SCHEMA, "kind": "training", "reference": self.reference,
-        "target": self.target, "mode": self.mode, "backend": self.backend,
-        "precisions": list(self.precisions), "steps": self.steps,
-        "threshold": self.threshold, "numerics": dict(self.numerics),
-        "reference_losses": list(self.reference_losses),
-        "losses": {p: list(v) for p, v in self.losses.items()},
-        "drift": {p: list(v) for p, v in self.drift.items()},
-        "divergence_step": dict(self.divergence_step),
-        "notes": list(self.notes), "seconds": self.seconds,
-    })
-
-  def to_json(self, indent: int | None = 2) -> str:
-    return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
-
-  def __str__(self) -> str:
-    head = (f"jaxprec.check_training: {self.steps} steps vs reference "
-            f"{self.reference}; target {self.target}, mode {self.mode} "
-            f"(backend {self.backend}); divergence: relative loss difference "
-            f"> {self.threshold:g}")
-    cols = ["precision", "numerics", "final loss", "max rel loss diff",
-            "final drift", "diverged at step"]
-    rows = [["(reference) " + self.reference, "",
-             _fmt(self.reference_losses[-1], 4) if self.reference_losses else "-",
-             "", "", ""]]
-    for p in self.precisions:
-      losses, ref = self.losses[p], self.reference_losses
-      diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref)]
-      step = self.divergence_step[p]
-      rows.append([p, self.numerics.get(p, ""),
-                   _fmt(losses[-1], 4) if losses else "-",
-                   _fmt(max(diffs, default=0.0)),
-                   _fmt(self.drift[p][-1]) if self.drift[p] else "-",
-                   "-" if step is None else str(step)])
-    widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
-
-    def line(cells):
-      return "  ".join(c.ljust(w) if j < 2 else c.rjust(w)
-                       for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    out = [head, line(cols), line(["-" * w for w in widths])]
-    out += [line(r) for r in rows] + [f"note: {n}" for n in self.notes]
-    return "\n".join(out)
-
-  def plot(self, path: str | os.PathLike | None = None
-           ) -> "matplotlib.figure.Figure":
-    """Loss curves (left) and parameter drift (right, log scale) per step.
-
-    Args:
-      path: where to save the figure; None only returns it.
-
-    Returns:
-      The ``matplotlib.figure.Figure``.
-
-    Raises:
-      ImportError: matplotlib is not installed (the ``plots`` extra).
-    """
-    Figure = _figure_class("TrainingReport.plot")
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    ax_loss, ax_drift = fig.subplots(1, 2)
-    steps = list(range(self.steps))
-    ax_loss.plot(steps, self.reference_losses, color="black", lw=2,
-                 label=f"reference {self.reference}")
-    for p in self.precisions:
-      ax_loss.plot(steps, self.losses[p], label=p)
-      ys = [v if math.isfinite(v) and v > 0 else float("nan") for v in self.drift[p]]
-      ax_drift.plot(steps, ys, label=p)
-      if self.divergence_step[p] is not None:
-        ax_loss.axvline(self.divergence_step[p], ls=":", alpha=0.5)
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss")
-    ax_loss.legend(fontsize=8)
-    ax_drift.set_yscale("log")
-    ax_drift.set_xlabel("step")
-    ax_drift.set_ylabel("||p - p_ref|| / ||p_ref||")
-    ax_drift.legend(fontsize=8)
-    for ax in (ax_loss, ax_drift):
-      ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(f"training at each precision vs {self.reference} "
-                 f"(target {self.target}, {self.mode})", fontsize=10)
-    if path is not None:
-      fig.savefig(os.fspath(path), dpi=120)
-    return fig
-
-
-# ---------------------------------------------------------------------------
-# Progress on stderr, for the command line.
-
-
-class Progress:
-  """A progress bar on stderr, shown only when stderr is a terminal.
-
-  Uses ``rich`` when installed, else one rewritten line.
-  """
-
-  def __init__(self, total: int, description: str, enabled: bool = True):
-    self.total = total
-    self.description = description
-    self.enabled = enabled and _isatty(sys.stderr)
-    self._done = 0
-    self._rich = None
-    self._task = None
-
-  def __enter__(self) -> Progress:
-    if not self.enabled:
-      return self
-    try:
-      from rich.console import Console
-      from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RP,
-                                 TextColumn, TimeElapsedColumn)
-    except ImportError:
-      self._line("")
-      return self
-    self._rich = RP(TextColumn("{task.description}"), BarColumn(),
-                    MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True)
-    self._rich.__enter__()
-    self._task = self._rich.add_task(self.description, total=self.total)
-    return self
-
-  def update(self, what: str, advance: int = 0) -> None:
-    """Shows ``what`` as the current item and advances by ``advance``."""
-    if not self.enabled:
-      return
-    self._done += advance
-    if self._rich is not None:
-      self._rich.update(self._task, advance=advance,
-                        description=f"{self.description}: {what}")
-    else:
-      self._line(what)
-
-  def _line(self, what: str) -> None:
-    sys.stderr.write(f"\r{self.description}: [{self._done}/{self.total}] "
-                     f"{what}\033[K")
-    sys.stderr.flush()
-
-  def __exit__(self, *exc) -> None:
-    if not self.enabled:
-      return
-    if self._rich is not None:
-      self._rich.__exit__(*exc)
-    else:
-      sys.stderr.write("\r\033[K")
-      sys.stderr.flush()
-
-
-def _isatty(stream) -> bool:
-  try:
-    return bool(stream.isatty())
-  except (AttributeError, ValueError):
-    return False
-
-
-@contextlib.contextmanager
-def maybe_progress(total: int, description: str, enabled: bool):
-  with Progress(total, description, enabled) as p:
-    yield p
+    return render.plot(self, path, metric=metric)

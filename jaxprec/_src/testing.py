@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from jax import lax
 
 from jaxprec._src import check as check_lib
 from jaxprec._src.precision import PrecisionLike
@@ -13,7 +15,8 @@ __all__ = ["assert_precision_robust"]
 
 
 def assert_precision_robust(fn: Callable[..., Any], *args: Any,
-                            precision: PrecisionLike = "bfloat16",
+                            precision: PrecisionLike | Sequence[PrecisionLike]
+                            = "bfloat16",
                             rtol: float = 1e-2, atol: float = 1e-2,
                             reference: Any = "float32", target: str = "tpu",
                             mode: str = "auto",
@@ -32,7 +35,9 @@ def assert_precision_robust(fn: Callable[..., Any], *args: Any,
     fn: the function; returns hidden states (any pytree of arrays).
     *args: its positional arguments.
     precision: the precision to test, as in :func:`jaxprec.check`
-      (``'bfloat16'``: one bfloat16 pass).
+      (``'bfloat16'``: one bfloat16 pass), or a list or tuple of them to test
+      each (``['bfloat16', 'bfloat16_3x']``); an ``(lhs, rhs)`` pair of
+      ``lax.Precision`` members is one per-op precision.
     rtol, atol: the tolerance (defaults 1e-2 and 1e-2: bfloat16 keeps 8
       significant bits, 0.4% per rounding, so 1% is a realistic bound for a
       few layers; tighten it for your model).
@@ -43,7 +48,9 @@ def assert_precision_robust(fn: Callable[..., Any], *args: Any,
     The :class:`jaxprec.DivergenceReport` (when the assertion passes).
 
   Raises:
-    AssertionError: a layer is outside the tolerance.
+    AssertionError: a layer is outside the tolerance at some precision; the
+      message names each precision that fails.
+    ValueError: ``precision`` is an empty list.
 
   Examples:
     >>> import jax.numpy as jnp, jaxprec.testing
@@ -55,24 +62,54 @@ def assert_precision_robust(fn: Callable[..., Any], *args: Any,
     ...
     AssertionError: <lambda> is not robust to 'bfloat16' ...
   """
-  report = check_lib.check(fn, *args, precisions=(precision,),
+  rows = _rows(precision)
+  report = check_lib.check(fn, *args, precisions=rows,
                            reference=reference, target=target, mode=mode,
                            atol=atol, rtol=rtol, **kwargs)
-  label = report.precisions[0]
+  name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "fn")
+  failures = {label: msg for label in report.precisions
+              if (msg := _failure(report, label, atol, rtol)) is not None}
+  if not failures:
+    return report
+  if len(report.precisions) == 1:
+    raise AssertionError(f"{name} is not robust to {failures[report.precisions[0]]}")
+  raise AssertionError(
+      f"{name} is not robust to {len(failures)} of {len(report.precisions)} "
+      f"precisions ({', '.join(map(repr, failures))}):\n"
+      + "\n".join(f"- {m}" for m in failures.values()))
+
+
+def _rows(precision: Any) -> tuple[Any, ...]:
+  """The precisions to test: a list or tuple is several, except an
+  ``(lhs, rhs)`` pair of ``lax.Precision`` members (one per-op precision)."""
+  if isinstance(precision, (list, tuple)):
+    if (len(precision) == 2
+        and all(isinstance(p, lax.Precision) for p in precision)):
+      return (tuple(precision),)
+    if not precision:
+      raise ValueError(
+          "precision is empty: name at least one, e.g. precision='bfloat16' "
+          "or precision=['bfloat16', 'bfloat16_3x']")
+    return tuple(precision)
+  return (precision,)
+
+
+def _failure(report: DivergenceReport, label: str, atol: float,
+             rtol: float) -> str | None:
+  """Why ``label`` fails (the message after "is not robust to"), or None."""
   needs = [l.metrics[label].required_atol for l in report.layers]
   bad = [i for i, need in enumerate(needs) if not need <= atol]
   if not bad:
-    return report
+    return None
   worst = max(bad, key=lambda i: (needs[i] != needs[i], needs[i]))
   layer = report.layers[worst]
   m = layer.metrics[label]
   first = report.layers[bad[0]].name
-  name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "fn")
   nonfinite = (f"; {m.nan} NaN and {m.inf} infinite values where the "
                f"reference has {m.ref_nan} and {m.ref_inf}"
                if m.nan + m.inf != m.ref_nan + m.ref_inf else "")
-  raise AssertionError(
-      f"{name} is not robust to {label!r} ({report.numerics[label]}, target "
+  return (
+      f"{label!r} ({report.numerics[label]}, target "
       f"{report.target}, vs {report.reference}): worst layer {layer.name!r} "
       f"(#{worst} of {len(report.layers)}) has max |error| {_fmt(m.max_abs)} "
       f"(rel_rms {_fmt(m.rel_rms)}); {100 * m.frac_outside:.3g}% of its "

@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprec._src import check as check_lib
 from jaxprec._src import compat
+from jaxprec._src import harness
+from jaxprec._src import numerics
 from jaxprec._src import report as report_lib
 from jaxprec._src.precision import PrecisionLike
 from jaxprec._src.report import TrainingReport
@@ -93,7 +94,7 @@ def _batches(batches: Any, steps: int | None) -> list[Any]:
 def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
                    batches: Any, optimizer: Any, *,
                    precisions: Sequence[PrecisionLike] | PrecisionLike =
-                   check_lib.DEFAULT_PRECISIONS,
+                   harness.DEFAULT_PRECISIONS,
                    steps: int | None = None, reference: str = "float32",
                    target: str = "tpu", mode: str = "auto",
                    threshold: float = DEFAULT_THRESHOLD,
@@ -126,6 +127,8 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
     A :class:`jaxprec.TrainingReport`.
 
   Raises:
+    TypeError: ``loss_fn`` not callable; ``optimizer`` not an optax
+      ``GradientTransformation`` (e.g. the string ``'sgd'``).
     ValueError: bad precision, target, mode, steps or reference.
 
   Examples:
@@ -145,13 +148,19 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
   import optax
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
-  target = check_lib._check_choice(target, check_lib.TARGETS, "target")
-  mode = check_lib.resolve_mode(mode, target)
-  plans = check_lib._plans(precisions, target, mode)
-  if not isinstance(reference, str) or reference.lower() in check_lib._FLOAT64_NAMES:
+  if not (callable(getattr(optimizer, "init", None))
+          and callable(getattr(optimizer, "update", None))):
+    raise TypeError(f"optimizer must be an optax.GradientTransformation (with "
+                    f"init and update), e.g. optax.sgd(0.1); got {optimizer!r} "
+                    f"of type {type(optimizer).__name__}.")
+  target = numerics.check_target(target)
+  mode = numerics.resolve_mode(mode, target)
+  plans = harness.plans(precisions, target, mode)
+  if not isinstance(reference, str) or reference.strip().lower() in \
+      harness.FLOAT64_NAMES or "=" in reference:
     raise ValueError(f"check_training's reference must be a precision name "
                      f"such as 'float32'; got {reference!r}")
-  ref_plan = check_lib._reference_plan(reference, target, mode)
+  ref_plan = harness.reference_plan(reference, target, mode)
   if not threshold > 0:
     raise ValueError(f"threshold must be > 0; got {threshold}")
   batch_list = _batches(batches, steps)
@@ -175,7 +184,7 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
       drifts.append(jnp.sqrt(diff) / jnp.maximum(ref_norm, np.float32(1e-30)))
     return new_states, jnp.stack(losses), jnp.stack(drifts)
 
-  step = check_lib._Jit(step)
+  step = harness.jit(step)
   opt_state = optimizer.init(params)
   states = [(params, opt_state)] * len(run_fns)
   all_losses, all_drifts = [], []

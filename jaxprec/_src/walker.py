@@ -24,12 +24,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxprec._src import compat
+from jaxprec._src import trees
 
-__all__ = ["Rule", "SplitArgs", "TracedCall", "WalkedEqn", "bind_unchanged", "interpret",
-           "iter_eqns", "trace", "trace_call", "transform"]
+__all__ = ["OPAQUE_PRIMITIVES", "Rule", "SplitArgs", "TracedCall", "WalkedEqn",
+           "bind_unchanged", "interpret", "iter_eqns", "opaque_name", "trace",
+           "trace_call", "transform"]
 
 # A rule sees an equation and its input values and returns the output values
 # that replace it (a list, one per outvar), or None to keep the equation.
@@ -54,23 +55,39 @@ class WalkedEqn:
   trip_count: int = 1
 
 
+# Primitives whose numerics jaxprec can neither see nor change: compiled
+# kernels (Pallas, Mosaic, Triton), foreign functions (FFI, custom_call) and
+# host callbacks. The walker binds them unchanged; the audit lists them and
+# the emulation warns (jaxprec.OpaqueOpWarning).
+OPAQUE_PRIMITIVES = frozenset({
+    "pallas_call", "ffi_call", "custom_call", "pure_callback", "io_callback",
+    "tpu_custom_call", "triton_kernel_call", "mosaic_gpu_call"})
+
+
+def opaque_name(eqn) -> str | None:
+  """``"pallas_call 'kernel'"`` for an opaque equation (its primitive and,
+  where JAX records one, the kernel, FFI target or callback name); None for
+  every other equation."""
+  prim = eqn.primitive.name
+  if prim not in OPAQUE_PRIMITIVES:
+    return None
+  params = eqn.params
+  name = (params.get("name") or params.get("target_name")
+          or params.get("call_target_name"))
+  if not name and isinstance(params.get("jaxpr"), compat.Jaxpr):
+    name = getattr(params["jaxpr"].debug_info, "func_name", None)
+  if not name and "callback" in params:
+    func = getattr(params["callback"], "callback_func", params["callback"])
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+  return f"{prim} {str(name)!r}" if name else prim
+
+
 def _sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
   """Yields (open Jaxpr, multiplier) for every jaxpr in an equation's params."""
   mult = 1
   if eqn.primitive.name == "scan":
     mult = int(eqn.params.get("length", 1))
-  for v in eqn.params.values():
-    yield from ((j, mult) for j in _jaxprs_in(v))
-
-
-def _jaxprs_in(v) -> Iterator[Any]:
-  if isinstance(v, compat.ClosedJaxpr):
-    yield v.jaxpr
-  elif isinstance(v, compat.Jaxpr):
-    yield v
-  elif isinstance(v, (tuple, list)):
-    for x in v:
-      yield from _jaxprs_in(x)
+  yield from ((j, mult) for j in compat.jaxprs_in_params(eqn.params))
 
 
 def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1
@@ -147,11 +164,6 @@ class TracedCall:
     return jax.tree_util.tree_unflatten(self.out_tree, outs)
 
 
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, jax.core.Tracer)) or (
-      hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type))
-
-
 def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
                cache: dict | None = None, extra_key: Any = ()) -> TracedCall:
   """Traces ``fn(*args, **kwargs)`` to a jaxpr over its array leaves.
@@ -159,18 +171,26 @@ def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
   Array leaves (including tracers and NumPy arrays) become jaxpr inputs; every
   other leaf is static, as under ``jax.jit(static_argnames=...)``. With
   ``cache`` (a dict the caller owns), a call with the same pytree structure,
-  shapes, dtypes, static values and ``extra_key`` reuses the earlier trace, so
-  ``fn``'s Python code runs once per signature, as under ``jax.jit``.
+  shapes, dtypes, static values, JAX trace context (the matmul precision flag,
+  x64, the jaxprec policy in force and every other config ``jax.jit`` keys
+  on: :func:`compat.trace_context`) and ``extra_key`` reuses the earlier
+  trace, so ``fn``'s Python code runs once per signature, as under
+  ``jax.jit``, and never where ``jax.jit`` would trace again.
+
+  Raises:
+    TypeError: ``fn`` returned a leaf that is not a JAX type (a string, say),
+      naming its position in the output, as ``jax.jit`` does.
   """
   leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-  is_array = tuple(_is_array(x) for x in leaves)
+  is_array = tuple(trees.is_array(x) for x in leaves)
   static = tuple(None if a else x for x, a in zip(leaves, is_array))
   dynamic = [x for x, a in zip(leaves, is_array) if a]
   avals = tuple(compat.typeof(x) for x in dynamic)
   key = None
   if cache is not None:
     try:
-      key = (treedef, avals, is_array, static, extra_key)
+      key = (treedef, avals, is_array, static, compat.trace_context(),
+             extra_key)
       hash(key)
     except TypeError:
       key = None
@@ -183,13 +203,30 @@ def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
     it = iter(dyn)
     full = [next(it) if a else s for s, a in zip(static, is_array)]
     a, kw = jax.tree_util.tree_unflatten(treedef, full)
-    out_leaves, store["out_tree"] = jax.tree_util.tree_flatten(fn(*a, **kw))
+    out = fn(*a, **kw)
+    out_leaves, store["out_tree"] = jax.tree_util.tree_flatten(out)
+    _check_outputs(fn, out, out_leaves)
     return out_leaves
 
   closed = trace(flat_fn, avals, debug_info=compat.debug_info(fn, avals))
   if key is not None:
     cache[key] = (closed, store["out_tree"])
   return TracedCall(closed, store["out_tree"], dynamic)
+
+
+def _check_outputs(fn, out, leaves) -> None:
+  """TypeError, as ``jax.jit``'s, for an output leaf that is not a JAX type."""
+  for i, x in enumerate(leaves):
+    if trees.is_jax_type(x):
+      continue
+    paths = jax.tree_util.tree_flatten_with_path(out)[0]
+    where = (f" at output{jax.tree_util.keystr(paths[i][0])}"
+             if i < len(paths) and paths[i][0] else "")
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    raise TypeError(
+        f"{name} returned a value of type {type(x)}{where}, which is not a "
+        f"valid JAX type: only arrays (and pytrees of arrays) can be returned, "
+        f"as under jax.jit.")
 
 
 class SplitArgs:
@@ -208,8 +245,7 @@ class SplitArgs:
       if isinstance(x, jax.ShapeDtypeStruct):
         raise TypeError(f"{who} runs the function: pass arrays, not "
                         "jax.ShapeDtypeStruct (jaxprec.audit takes those)")
-    self.is_array = tuple(isinstance(x, (jax.Array, np.ndarray, np.generic))
-                          for x in leaves)
+    self.is_array = tuple(trees.is_array(x, abstract=False) for x in leaves)
     self.static = tuple(None if a else x for x, a in zip(leaves, self.is_array))
     self.dynamic = [x for x, a in zip(leaves, self.is_array) if a]
     try:
@@ -281,6 +317,10 @@ def _hoisted(rule: Rule, closed):
 def _rebind(eqn, invals, rule: Rule) -> list[Any]:
   name = eqn.primitive.name
   params = dict(eqn.params)
+  if name in OPAQUE_PRIMITIVES:
+    # A kernel's body (Pallas: a jaxpr over refs) is not a function of its
+    # inputs that can be re-traced: bind it as recorded.
+    return bind_unchanged(eqn, invals)
   handler = _HANDLERS.get(name)
   if handler is not None:
     return handler(eqn, invals, rule, params)

@@ -8,7 +8,7 @@ same variables; the user's model is never modified.
   (same name, same fields, same variables) that runs every method call under
   the policy: each submodule call runs with JAX's precision flag at the
   precision the policy gives that module's path, type and op kind
-  (:mod:`jaxprec._src.modules.interception`). With ``emulate=True``,
+  (:mod:`jaxprec._src.flax.interception`). With ``emulate=True``,
   ``apply`` and ``init_with_output`` also run under :func:`jaxprec.emulate`,
   which emulates each op at the precision recorded for it.
 * **Hugging Face Flax models** (``FlaxPreTrainedModel``): a shallow copy whose
@@ -16,7 +16,7 @@ same variables; the user's model is never modified.
   ``self.module.apply``, so both call styles run under the policy.
 * **NNX**: ``nnx.clone(model)`` with each matched module's ``precision`` set
   (and emulated ops injected with ``emulate=True``; see
-  :func:`jaxprec._src.modules.nnx.configure`).
+  :func:`jaxprec._src.flax.nnx.configure`).
 
 This module imports Flax only when called.
 """
@@ -30,7 +30,10 @@ import sys
 import weakref
 from typing import Any
 
+from jaxprec._src import numerics
 from jaxprec._src import policy as policy_lib
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax.scope import policy_scope
 from jaxprec._src.policy import PolicyLike, PolicyReport
 
 __all__ = ["policy_report", "swap"]
@@ -114,8 +117,7 @@ def swap(model: Any, policy: PolicyLike, *, emulate: bool = False,
     >>> bool(jnp.array_equal(fast.apply(params, x), model.apply(params, x)))  # CPU
     True
   """
-  from jaxprec._src.emulate import _check_target  # noqa: PLC0415
-  target = _check_target(target)
+  target = numerics.check_target(target, emulation=True)
   policy = policy_lib.as_policy(policy)
   if "flax" not in sys.modules or isinstance(model, type):
     raise _accepted(model)
@@ -224,9 +226,9 @@ def _swapped_class(base: type, cfg: _SwapConfig) -> type:
   if hasattr(base, "_call_wrapped_method"):
     @nn.nowrap
     def _call_wrapped_method(self, fun, args, kwargs):
-      with policy_lib.policy_scope(cfg.policy, cfg.recorder, what=cfg.what) as scope:
-        # Policy paths are relative to the swapped module (maybe a submodule).
-        scope.state.setdefault("root_path", tuple(self.path) if self.scope else ())
+      # Policy paths are relative to the swapped module (maybe a submodule).
+      with policy_scope(cfg.policy, cfg.recorder, what=cfg.what,
+                        root_path=tuple(self.path) if self.scope else ()):
         return base._call_wrapped_method(self, fun, args, kwargs)  # noqa: SLF001
     ns["_call_wrapped_method"] = _call_wrapped_method
   return type(base.__name__, (base,), ns)
@@ -237,7 +239,7 @@ def _policy_method(method, cfg: _SwapConfig):
 
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
-    with policy_lib.policy_scope(cfg.policy, cfg.recorder, what=cfg.what):
+    with policy_scope(cfg.policy, cfg.recorder, what=cfg.what):
       if not cfg.emulate:
         return method(self, *args, **kwargs)
       fn = functools.partial(method, self)
@@ -252,20 +254,11 @@ def _policy_method(method, cfg: _SwapConfig):
 def _swap_nnx(model, policy, emulate: bool, target: str):
   from flax import nnx
 
-  from jaxprec._src.modules import interception
-  from jaxprec._src.modules import nnx as nnx_modules
+  from jaxprec._src.flax import nnx as nnx_modules
 
   new = nnx.clone(model)
   recorder = policy_lib.Recorder(policy)
-  for path, node in list(nnx.iter_graph(new)):
-    if not isinstance(node, nnx.Module):
-      continue
-    module_type, kind = interception.classify_nnx(node)
-    if module_type is None or not hasattr(node, "precision"):
-      continue
-    path_str = "/".join(str(k) for k in path)
-    p, rule = policy.match(path_str, module_type, kind)
-    recorder.record(path_str, module_type, kind, p, rule)
+  for node, p, _ in nnx_policy.decide(new, policy, recorder):
     keep = not emulate  # a jaxprec layer built with emulate=True stays emulated
     nnx_modules.configure(
         node, precision=p, set_precision=p is not None and node.precision is None,

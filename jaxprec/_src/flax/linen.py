@@ -35,32 +35,13 @@ from typing import Any
 
 from flax import linen as nn
 from flax.core import lift
-from jax import lax
 
-from jaxprec._src import emulated_ops
-from jaxprec._src.modules import emulated
-from jaxprec._src.precision import resolve
+from jaxprec._src import numerics
+from jaxprec._src.flax import emulated
+from jaxprec._src.flax.nnx_policy import per_op_precision
 
 __all__ = ["Conv", "ConvTranspose", "Dense", "DenseGeneral", "Einsum",
            "MultiHeadDotProductAttention"]
-
-
-def per_op_precision(value: Any, *, conv: bool) -> Any:
-  """What Flax should pass to ``lax`` for a jaxprec ``precision=`` value."""
-  if value is None or isinstance(value, lax.DotAlgorithm):
-    return value
-  if (isinstance(value, (tuple, list)) and len(value) == 2
-      and all(isinstance(v, lax.Precision) for v in value)
-      and value[0] != value[1]):
-    return tuple(value)
-  p = resolve(value)
-  if p.flag is None:
-    return None
-  return p.level if conv else p.per_op
-
-
-def check_target(target: Any) -> str:
-  return emulated_ops._check_target(target)  # noqa: SLF001 -- one message for all
 
 
 def _set(module: Any, name: str, value: Any) -> None:
@@ -85,7 +66,7 @@ def _hook(module: Any, name: str, make: Any, cls_field: str | None) -> None:
 
 def _prepare(module: Any, *, conv: bool) -> None:
   _set(module, "precision", per_op_precision(module.precision, conv=conv))
-  _set(module, "target", check_target(module.target))
+  _set(module, "target", numerics.check_target(module.target, emulation=True))
 
 
 def _emulating(module: Any) -> bool:
@@ -121,11 +102,22 @@ def _emulated_call(method, module, *args, **kwargs):
 # ---------------------------------------------------------------------------
 # The modules.
 
+def _post_init(base: type, *, conv: bool, hooks: tuple[tuple[str, str], ...] = ()):
+  """A ``__post_init__``: jaxprec's ``precision=`` and ``target=``, then the
+  emulated op in each ``(hook, its *_cls field)`` of ``hooks``, then
+  ``base``'s."""
+  make = emulated.EmulatedConv if conv else emulated.EmulatedDotGeneral
+
+  def __post_init__(self):
+    _prepare(self, conv=conv)
+    for name, cls_field in hooks:
+      _hook(self, name, make(self.target), cls_field)
+    base.__post_init__(self)
+  return __post_init__
+
+
 class Dense(nn.Dense):
   """``flax.linen.Dense`` with jaxprec precision names and TPU/GPU emulation.
-
-  Same fields, variables and computation as Flax's ``flax.linen.Dense``, plus
-  ``emulate`` and ``target``.
 
   Attributes:
     precision: any spelling :func:`jaxprec.resolve` accepts, stored as the
@@ -147,25 +139,14 @@ class Dense(nn.Dense):
 
   emulate: bool = False
   target: str = "tpu"
-
-  def __post_init__(self):
-    _prepare(self, conv=False)
-    _hook(self, "dot_general", emulated.EmulatedDotGeneral(self.target),
-          "dot_general_cls")
-    super().__post_init__()
+  __post_init__ = _post_init(nn.Dense, conv=False,
+                             hooks=(("dot_general", "dot_general_cls"),))
 
 
 class DenseGeneral(nn.DenseGeneral):
   """``flax.linen.DenseGeneral`` with jaxprec precision names and emulation.
 
-  Same fields, variables and computation as Flax's ``flax.linen.DenseGeneral``, plus
-  ``emulate`` and ``target``.
-
-  Attributes:
-    precision: any spelling :func:`jaxprec.resolve` accepts, stored as the
-      value Flax passes to ``lax``.
-    emulate: compute as ``target`` does, on any backend.
-    target: ``'tpu'`` (default), ``'gpu'``, or ``'cpu'``/``'native'``.
+  Fields as :class:`Dense`'s, besides Flax's.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxprec.linen as jpl
@@ -177,25 +158,15 @@ class DenseGeneral(nn.DenseGeneral):
 
   emulate: bool = False
   target: str = "tpu"
-
-  def __post_init__(self):
-    _prepare(self, conv=False)
-    _hook(self, "dot_general", emulated.EmulatedDotGeneral(self.target),
-          "dot_general_cls")
-    super().__post_init__()
+  __post_init__ = _post_init(nn.DenseGeneral, conv=False,
+                             hooks=(("dot_general", "dot_general_cls"),))
 
 
 class Einsum(nn.Einsum):
   """``flax.linen.Einsum`` with jaxprec precision names and emulation.
 
-  Same fields, variables and computation as Flax's ``flax.linen.Einsum``, plus
-  ``emulate`` and ``target``.
-
-  Attributes:
-    precision: any spelling :func:`jaxprec.resolve` accepts, stored as the
-      value Flax passes to ``lax``.
-    emulate: compute as ``target`` does, on any backend.
-    target: ``'tpu'`` (default), ``'gpu'``, or ``'cpu'``/``'native'``.
+  Fields as :class:`Dense`'s, besides Flax's. Flax's ``Einsum`` has no op
+  hook: with ``emulate=True`` its call is lifted into :func:`jaxprec.emulate`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxprec.linen as jpl
@@ -207,10 +178,7 @@ class Einsum(nn.Einsum):
 
   emulate: bool = False
   target: str = "tpu"
-
-  def __post_init__(self):
-    _prepare(self, conv=False)
-    super().__post_init__()
+  __post_init__ = _post_init(nn.Einsum, conv=False)
 
   def __call__(self, inputs, einsum_str=None):
     if _emulating(self):
@@ -221,15 +189,8 @@ class Einsum(nn.Einsum):
 class Conv(nn.Conv):
   """``flax.linen.Conv`` with jaxprec precision names and emulation.
 
-  Same fields, variables and computation as Flax's ``flax.linen.Conv``, plus
-  ``emulate`` and ``target``.
-
-  Attributes:
-    precision: any spelling :func:`jaxprec.resolve` accepts, stored as the
-      value Flax passes to ``lax``;
-      a preset becomes its level, as convolutions understand levels only.
-    emulate: compute as ``target`` does, on any backend.
-    target: ``'tpu'`` (default), ``'gpu'``, or ``'cpu'``/``'native'``.
+  Fields as :class:`Dense`'s, besides Flax's; a preset ``precision`` becomes
+  its level, as convolutions understand levels only.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxprec.linen as jpl
@@ -243,26 +204,17 @@ class Conv(nn.Conv):
 
   emulate: bool = False
   target: str = "tpu"
-
-  def __post_init__(self):
-    _prepare(self, conv=True)
-    _hook(self, "conv_general_dilated", emulated.EmulatedConv(self.target),
-          "conv_general_dilated_cls")
-    super().__post_init__()
+  __post_init__ = _post_init(
+      nn.Conv, conv=True,
+      hooks=(("conv_general_dilated", "conv_general_dilated_cls"),))
 
 
 class ConvTranspose(nn.ConvTranspose):
   """``flax.linen.ConvTranspose`` with jaxprec precision names and emulation.
 
-  Same fields, variables and computation as Flax's ``flax.linen.ConvTranspose``, plus
-  ``emulate`` and ``target``.
-
-  Attributes:
-    precision: any spelling :func:`jaxprec.resolve` accepts, stored as the
-      value Flax passes to ``lax``;
-      a preset becomes its level, as convolutions understand levels only.
-    emulate: compute as ``target`` does, on any backend.
-    target: ``'tpu'`` (default), ``'gpu'``, or ``'cpu'``/``'native'``.
+  Fields as :class:`Conv`'s, besides Flax's. Flax's ``ConvTranspose`` has no
+  op hook: with ``emulate=True`` its call is lifted into
+  :func:`jaxprec.emulate`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxprec.linen as jpl
@@ -274,10 +226,7 @@ class ConvTranspose(nn.ConvTranspose):
 
   emulate: bool = False
   target: str = "tpu"
-
-  def __post_init__(self):
-    _prepare(self, conv=True)
-    super().__post_init__()
+  __post_init__ = _post_init(nn.ConvTranspose, conv=True)
 
   def __call__(self, inputs):
     if _emulating(self):
@@ -296,12 +245,6 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   einsums' (``einsum_dot_general=``, for ``flax.linen.dot_product_attention``
   and functions with that argument; any other function is wrapped in
   :func:`jaxprec.emulate`).
-
-  Attributes:
-    precision: any spelling :func:`jaxprec.resolve` accepts, stored as the
-      value Flax passes to ``lax``.
-    emulate: compute as ``target`` does, on any backend.
-    target: ``'tpu'`` (default), ``'gpu'``, or ``'cpu'``/``'native'``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxprec.linen as jpl

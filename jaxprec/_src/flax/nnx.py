@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxprec._src.modules import emulated
-from jaxprec._src.modules.linen import check_target, per_op_precision
+from jaxprec._src import numerics
+from jaxprec._src.flax import emulated
+from jaxprec._src.flax.nnx_policy import per_op_precision
 
 __all__ = ["Conv", "ConvTranspose", "Einsum", "Linear", "LinearGeneral",
            "MultiHeadAttention", "configure"]
@@ -71,7 +72,7 @@ def configure(module: Any, *, precision: Any = None, set_precision: bool = True,
     ValueError: bad precision or target, or ``emulate=True`` on a module whose
       hook holds a user function.
   """
-  target = check_target(target)
+  target = numerics.check_target(target, emulation=True)
   if set_precision:
     module.precision = per_op_precision(precision,
                                         conv=isinstance(module, _CONV_TYPES))
@@ -253,7 +254,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   def __init__(self, *args, precision=None, emulate: bool = False,
                target: str = "tpu", **kwargs):
     # The projections are built in __init__ with this precision and hooks.
-    target = check_target(target)
+    target = numerics.check_target(target, emulation=True)
     p = per_op_precision(precision, conv=False)
     if emulate and emulated.emulates(target):
       for name in ("qkv_dot_general", "out_dot_general"):

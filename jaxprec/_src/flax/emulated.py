@@ -16,11 +16,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from jaxprec._src import emulated_ops
-from jaxprec._src.precision import resolve
+from jaxprec._src.flax.nnx_policy import PrecisionScoped
 
 __all__ = ["EmulatedConv", "EmulatedDotGeneral", "EmulatedEinsum",
            "EmulatedFunction", "PrecisionScoped", "WithEinsumDotGeneral",
@@ -115,34 +114,6 @@ class EmulatedFunction:
       fn = functools.partial(fn, module=kwargs.pop("module"))
     return emulate(fn, target=self.target,
                    tf32_rounding=self.tf32_rounding)(*args, **kwargs)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionScoped:
-  """An attention function run with JAX's flag at its ``precision=`` argument.
-
-  Flax NNX's ``dot_product_attention`` ignores ``precision`` for the score and
-  weighting matmuls when there is no dropout: it calls
-  ``jax.nn.dot_product_attention``, which has no precision argument and uses
-  the flag for float32 inputs (SEMANTICS.md pitfall 3). Setting the flag for
-  the call makes ``precision`` reach them; ops given a precision keep it.
-  """
-
-  fn: Callable[..., Any]
-
-  @property
-  def __signature__(self):
-    return inspect.signature(self.fn)
-
-  def __call__(self, *args, **kwargs):
-    try:
-      flag = resolve(kwargs.get("precision")).flag
-    except ValueError:  # a custom lax.DotAlgorithm: nothing to scope
-      flag = None
-    if flag is None:
-      return self.fn(*args, **kwargs)
-    with jax.default_matmul_precision(flag):
-      return self.fn(*args, **kwargs)
 
 
 def unwrap(value: Any) -> Any:

@@ -1,0 +1,21 @@
+"""The Flax side of jaxprec: policy scopes, interception, swap and modules.
+
+Rooms, lowest first (each may import only the rooms above it in this list,
+plus :mod:`jaxprec._src.policy`, :mod:`jaxprec._src.numerics` and the other
+core modules; nothing below imports these back, not even lazily):
+
+* :mod:`.paths`: the one source of Flax module paths (for the interceptor and
+  for :func:`jaxprec.audit`). Imports Flax only when called.
+* :mod:`.state`: the typed runtime state of a policy scope (thread-local).
+* :mod:`.nnx_policy`: a policy's precisions set on an NNX module graph, and
+  the hook :func:`jaxprec.emulate` and :func:`jaxprec.cost` call for NNX
+  models. Imports Flax only when called.
+* :mod:`.interception`: linen method interception (imports Flax).
+* :mod:`.scope`: :func:`policy_scope`, the one way a policy comes in force
+  (imports :mod:`.interception` only once Flax linen is imported).
+* :mod:`.emulated`, :mod:`.linen`, :mod:`.nnx`: the precision-aware Flax
+  modules (import Flax; may call :func:`jaxprec.emulate`).
+* :mod:`.swap`: :func:`jaxprec.swap` and :func:`jaxprec.policy_report`.
+
+``import jaxprec`` imports none of the rooms that import Flax.
+"""

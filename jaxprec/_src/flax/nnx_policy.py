@@ -1,0 +1,189 @@
+"""A policy's precisions on Flax NNX modules, and the Flax-free helpers they share.
+
+NNX has no method interception: a policy reaches an NNX model by setting the
+``precision`` of each matched module of a clone (:func:`decide`,
+:func:`set_precision`). :func:`jaxprec.swap` does that once;
+:func:`bind` does it each time a function is traced, for
+:func:`jaxprec.emulate`, :func:`jaxprec.cost` and the search, which are given
+an ``nnx.Module`` (or a bound method of one) as the function. Paths are the
+``'/'``-joined attribute names of :func:`flax.nnx.iter_graph`, as in
+:func:`jaxprec.swap`.
+
+Also here, because modules at every level use them: :func:`per_op_precision`
+(what a Flax module passes to ``lax`` for a jaxprec ``precision=``),
+:class:`PrecisionScoped` and :func:`is_attention_name`.
+
+This module imports Flax only when called with NNX objects; it never imports
+:func:`jaxprec.emulate` (which calls it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax import lax
+
+from jaxprec._src import numerics
+from jaxprec._src.policy import Policy, Recorder
+from jaxprec._src.precision import Precision, resolve
+
+__all__ = ["PrecisionScoped", "bind", "classify_nnx", "decide",
+           "is_attention_name", "per_op_precision", "set_precision"]
+
+
+def per_op_precision(value: Any, *, conv: bool) -> Any:
+  """What a Flax module should pass to ``lax`` for a jaxprec ``precision=``.
+
+  None and ``lax.DotAlgorithm`` objects pass through, as do pairs of
+  different levels; anything else is resolved and becomes
+  :func:`jaxprec._src.numerics.per_op` of its kind (a convolution gets a
+  preset's level).
+  """
+  if value is None or isinstance(value, lax.DotAlgorithm):
+    return value
+  if (isinstance(value, (tuple, list)) and len(value) == 2
+      and all(isinstance(v, lax.Precision) for v in value)
+      and value[0] != value[1]):
+    return tuple(value)
+  return numerics.per_op(resolve(value), "conv" if conv else "dot")
+
+
+def is_attention_name(cls: type) -> bool:
+  """Whether a class is an attention module by its name.
+
+  Attention modules of other libraries (Hugging Face's
+  ``FlaxBertSelfAttention``, ``FlaxWav2Vec2Attention``, ...) subclass nothing
+  of Flax's: go by the name.
+  """
+  return "Attention" in cls.__name__
+
+
+def classify_nnx(module: Any) -> tuple[str | None, str]:
+  """``(module type, op kind)`` of an NNX module; type None for other modules."""
+  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
+  if isinstance(module, nnx.MultiHeadAttention):
+    return "Attention", "attention"
+  if isinstance(module, nnx.ConvTranspose):
+    return "ConvTranspose", "conv"
+  if isinstance(module, nnx.Conv):
+    return "Conv", "conv"
+  if isinstance(module, nnx.LinearGeneral):
+    return "DenseGeneral", "dot"
+  if isinstance(module, nnx.Linear):
+    return "Dense", "dot"
+  if isinstance(module, nnx.Einsum):
+    return "Einsum", "dot"
+  if is_attention_name(type(module)):
+    return "Attention", "attention"
+  return None, "dot"
+
+
+def decide(model: Any, policy: Policy, recorder: Recorder | None
+           ) -> Iterator[tuple[Any, Precision | None, str]]:
+  """``(module, precision, op kind)`` for each NNX module a policy can set.
+
+  Modules of :data:`jaxprec._src.policy.MODULE_TYPES` (by class or alias)
+  that have a ``precision`` attribute, in graph order; the precision is the
+  policy's for the module's path, type and kind (None: leave as is). Each
+  decision is recorded in ``recorder``.
+  """
+  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
+  for path, node in list(nnx.iter_graph(model)):
+    if not isinstance(node, nnx.Module):
+      continue
+    module_type, kind = classify_nnx(node)
+    if module_type is None or not hasattr(node, "precision"):
+      continue
+    path_str = "/".join(str(k) for k in path)
+    p, rule = policy.match(path_str, module_type, kind)
+    if recorder is not None:
+      recorder.record(path_str, module_type, kind, p, rule)
+    yield node, p, kind
+
+
+def set_precision(module: Any, p: Precision | None, kind: str) -> None:
+  """Gives an NNX module (of a clone) precision ``p``, in place.
+
+  A ``precision`` the module already has is kept (the model's code chose
+  it), as :func:`jaxprec.swap` keeps it. Attention modules' attention
+  function runs with JAX's flag at the module's precision
+  (:class:`PrecisionScoped`), so that it reaches the score and weighting
+  matmuls.
+  """
+  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
+  if p is not None and module.precision is None:
+    module.precision = per_op_precision(p, conv=kind == "conv")
+  if (isinstance(module, nnx.MultiHeadAttention)
+      and not isinstance(module.attention_fn, PrecisionScoped)):
+    module.attention_fn = PrecisionScoped(module.attention_fn)
+
+
+def bind(fn: Callable[..., Any], policy: Policy | None,
+         recorder: Recorder | None = None) -> Callable[..., Any]:
+  """``fn`` with ``policy``'s path rules reaching its NNX modules.
+
+  For an ``nnx.Module`` or a bound method of one, returns a function that,
+  each time it is called (for :func:`jaxprec.emulate`, each time it is
+  traced), clones the module, sets the policy's precisions on the clone
+  (:func:`decide`, :func:`set_precision`) and calls it. Any other ``fn``
+  (or no policy) is returned as is: a linen model meets the policy through
+  the interception of :func:`jaxprec._src.flax.scope.policy_scope`. The
+  user's module is never modified.
+  """
+  nnx_mod = sys.modules.get("flax.nnx")
+  if policy is None or nnx_mod is None:
+    return fn
+  if isinstance(fn, nnx_mod.Module):
+    module, method = fn, type(fn).__call__
+  elif (isinstance(fn, types.MethodType)
+        and isinstance(fn.__self__, nnx_mod.Module)):
+    module, method = fn.__self__, fn.__func__
+  else:
+    return fn
+
+  def with_policy(*args, **kwargs):
+    clone = nnx_mod.clone(module)
+    for node, p, kind in decide(clone, policy, recorder):
+      set_precision(node, p, kind)
+    return method(clone, *args, **kwargs)
+
+  with_policy.__wrapped__ = fn
+  with_policy.__name__ = getattr(method, "__name__", "__call__")
+  with_policy.__qualname__ = (getattr(fn, "__qualname__", None)
+                              or type(module).__qualname__)
+  with_policy.__doc__ = getattr(fn, "__doc__", None)
+  return with_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionScoped:
+  """An attention function run with JAX's flag at its ``precision=`` argument.
+
+  Flax NNX's ``dot_product_attention`` ignores ``precision`` for the score and
+  weighting matmuls when there is no dropout: it calls
+  ``jax.nn.dot_product_attention``, which has no precision argument and uses
+  the flag for float32 inputs (SEMANTICS.md pitfall 3). Setting the flag for
+  the call makes ``precision`` reach them; ops given a precision keep it.
+  """
+
+  fn: Callable[..., Any]
+
+  @property
+  def __signature__(self):
+    return inspect.signature(self.fn)
+
+  def __call__(self, *args, **kwargs):
+    try:
+      flag = resolve(kwargs.get("precision")).flag
+    except ValueError:  # a custom lax.DotAlgorithm: nothing to scope
+      flag = None
+    if flag is None:
+      return self.fn(*args, **kwargs)
+    with jax.default_matmul_precision(flag):
+      return self.fn(*args, **kwargs)

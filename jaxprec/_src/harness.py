@@ -1,0 +1,582 @@
+"""The run harness: how ``check``, ``search_policy`` and ``check_training`` run ``fn``.
+
+One place owns what the checkers share:
+
+* **arguments**: :class:`Args` splits a call's arguments into array leaves
+  (jit arguments) and static leaves;
+* **rows**: :func:`plan` says how one precision or :class:`jaxprec.Policy`
+  is computed for a target in a mode (:class:`Plan`);
+* **the reference**: :func:`build_reference` computes it at a precision, or
+  reads hidden states computed elsewhere (:mod:`jaxprec._src.reference`),
+  and packs it on the device;
+* **programs**: the jitted reference and candidate programs, cached per
+  function (held weakly) and per static description of the call.
+
+Cached programs hold no arrays: every array (the arguments, the packed
+reference, the tolerances) is an argument of the compiled program, and the
+function is held through a weak reference, so nothing a caller passed stays
+alive once the caller drops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxprec._src import compat
+from jaxprec._src import layers as layers_lib
+from jaxprec._src import metrics as metrics_lib
+from jaxprec._src import numerics
+from jaxprec._src import policy as policy_lib
+from jaxprec._src import reference as reference_lib
+from jaxprec._src import trees
+from jaxprec._src.emulate import emulate
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import scope as flax_scope
+from jaxprec._src.policy import Policy
+from jaxprec._src.precision import Precision, PrecisionLike, resolve
+
+__all__ = ["Args", "DEFAULT_PRECISIONS", "FLOAT64_NAMES", "Plan", "Reference",
+           "build_reference", "plan", "plans", "reference_plan",
+           "run_candidate"]
+
+DEFAULT_PRECISIONS = ("bfloat16", "bfloat16_3x", "tensorfloat32")
+FLOAT64_NAMES = ("float64", "f64", "fp64", "double")
+# The framework floor: the row an external reference adds first.
+FLOOR = "float32"
+# User spellings emulated with the numerics their name says (check's docstring).
+_LITERAL = {
+    "bfloat16": ("bfloat16", "tpu"), "bf16": ("bfloat16", "tpu"),
+    "medium": ("bfloat16", "tpu"),
+    "bfloat16_3x": ("bfloat16_3x", "tpu"), "bf16_3x": ("bfloat16_3x", "tpu"),
+    "tensorfloat32": ("tensorfloat32", "gpu"), "tf32": ("tensorfloat32", "gpu"),
+}
+_ONE_ROW = (str, lax.Precision, lax.DotAlgorithmPreset, Precision, Policy)
+
+
+# ---------------------------------------------------------------------------
+# Arguments.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+  """The static part of a call: everything but the array leaves."""
+
+  treedef: Any
+  is_array: tuple[bool, ...]
+  leaves: tuple[Any, ...]  # None where is_array
+
+  def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
+    it = iter(dynamic)
+    full = [next(it) if a else s for s, a in zip(self.leaves, self.is_array)]
+    args, kwargs = jax.tree_util.tree_unflatten(self.treedef, full)
+    return fn(*args, **kwargs)
+
+
+class Args:
+  """``args``/``kwargs`` of a call the harness runs, split for ``jax.jit``.
+
+  Array leaves (JAX and NumPy arrays and scalars) are ``dynamic``: they become
+  jit arguments and are converted as ``jax.jit`` converts them (a NumPy
+  float64 is float32 unless x64 is on). Every other leaf is static.
+  ``jax.ShapeDtypeStruct`` leaves are refused, naming ``who``. ``static``
+  holds no arrays (compiled programs keep it); ``key`` is a hashable
+  description of it, or None.
+  """
+
+  def __init__(self, args: Sequence[Any], kwargs: dict, *, who: str):
+    leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+    for x in leaves:
+      if isinstance(x, jax.ShapeDtypeStruct):
+        raise TypeError(f"{who} runs the function: pass arrays, not "
+                        "jax.ShapeDtypeStruct (jaxprec.audit takes those)")
+    is_array = tuple(trees.is_array(x, abstract=False) for x in leaves)
+    self.static = _Static(treedef, is_array,
+                          tuple(None if a else x for x, a in zip(leaves, is_array)))
+    self.dynamic = [x for x, a in zip(leaves, is_array) if a]
+    try:
+      self.key = (treedef, is_array, self.static.leaves)
+      hash(self.key)
+    except TypeError:
+      self.key = None
+
+  def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
+    """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
+    return self.static.call(fn, dynamic)
+
+
+def signature(dynamic: Sequence[Any]) -> tuple:
+  """Shapes and dtypes as ``jax.jit`` sees them (x64 off: float64 -> float32)."""
+  return tuple((tuple(np.shape(x)),
+                np.dtype(jax.dtypes.canonicalize_dtype(x.dtype)))
+               for x in dynamic)
+
+
+# ---------------------------------------------------------------------------
+# Rows.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How one row (a precision or a policy) is computed.
+
+  Attributes:
+    label: the row's label: as the user wrote a precision; ``str(policy)``.
+    precision: the resolved precision (native runs set JAX's flag to it), or
+      the :class:`jaxprec.Policy`.
+    emulate_target: ``'tpu'``/``'gpu'`` to emulate as that target, None to
+      run natively.
+    algorithm: what runs for float32 matmuls, e.g. ``'bf16x1'``
+      (``'policy'`` for a policy).
+    description: for the report, e.g. ``'tf32 (emulated, gpu numerics)'``.
+  """
+
+  label: str
+  precision: Precision | Policy
+  emulate_target: str | None
+  algorithm: str
+  description: str
+
+  @property
+  def key(self) -> tuple:
+    p = self.precision
+    return (p if isinstance(p, Policy) else p.name, self.emulate_target)
+
+  def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` computed as this row computes it."""
+    if self.emulate_target is not None:
+      return emulate(fn, self.precision, target=self.emulate_target)
+    if isinstance(self.precision, Policy):
+      return _native_policy(fn, self.precision)
+    flag = self.precision.flag
+
+    @functools.wraps(fn)
+    def native(*args, **kwargs):
+      with jax.default_matmul_precision(flag):
+        return fn(*args, **kwargs)
+    return native
+
+
+def _native_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+  """``fn`` run natively under ``policy`` (as :func:`jaxprec.swap` runs models)."""
+  outside = policy.precision_for("", None, "dot")
+  bound = nnx_policy.bind(fn, policy)  # NNX path rules
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    flag = (contextlib.nullcontext() if outside is None
+            else jax.default_matmul_precision(outside.flag))
+    with flag, flax_scope.policy_scope(policy):
+      return bound(*args, **kwargs)
+  return run
+
+
+def _label(p: Any) -> str:
+  if isinstance(p, str):
+    return p
+  if isinstance(p, lax.Precision):
+    return p.name.lower()
+  if isinstance(p, (Precision, lax.DotAlgorithmPreset)):
+    return p.name
+  return str(p)
+
+
+def plan(precision: PrecisionLike | Policy, target: str, mode: str,
+         backend: str | None = None) -> Plan:
+  """How a row is computed for ``target`` in ``mode``.
+
+  Args:
+    precision: a precision (any spelling :func:`jaxprec.resolve` accepts), a
+      :class:`jaxprec.Policy` or a policy string (with ``=``).
+    target: ``'tpu'`` or ``'gpu'``.
+    mode: ``'emulate'`` or ``'native'`` (resolve ``'auto'`` first).
+    backend: the backend native runs use (default: JAX's).
+
+  Returns:
+    The :class:`Plan`.
+
+  Examples:
+    >>> from jaxprec._src.harness import plan
+    >>> plan("tensorfloat32", "tpu", "emulate").description
+    'tf32 (emulated, gpu numerics)'
+    >>> plan("float32", "tpu", "emulate").algorithm
+    'bf16x6'
+    >>> plan("default=bf16,dense=float32", "tpu", "emulate").label
+    'dense=float32,default=bfloat16'
+  """
+  if isinstance(precision, Policy) or (isinstance(precision, str)
+                                       and "=" in precision):
+    pol = policy_lib.as_policy(precision)
+    label = str(pol)
+    if mode == "native":
+      backend = backend or compat.backend_platform()
+      return Plan(label, pol, None, "policy", f"policy (native {backend})")
+    return Plan(label, pol, target, "policy", "policy (emulated)")
+  label = _label(precision)
+  literal = _LITERAL.get(label.strip().lower()) if isinstance(precision, str) else None
+  p = resolve(literal[0] if literal else precision)
+  if mode == "native":
+    backend = backend or compat.backend_platform()
+    algo = p.on(backend).algorithm if backend in ("tpu", "gpu", "cuda", "rocm",
+                                                   "cpu") else "?"
+    return Plan(label, p, None, algo, f"{algo} (native {backend})")
+  emu_target = literal[1] if literal else target
+  algo = numerics.algorithm_for(p.per_op, emu_target, jnp.float32, jnp.float32)
+  if algo == "native" and p.flag is None:
+    algo = numerics.algorithm_for(lax.Precision.DEFAULT, emu_target,
+                                  jnp.float32, jnp.float32)
+  desc = f"{algo} (emulated)" if emu_target == target else (
+      f"{algo} (emulated, {emu_target} numerics)")
+  return Plan(label, p, emu_target, algo, desc)
+
+
+def plans(precisions: Any, target: str, mode: str) -> list[Plan]:
+  """One :class:`Plan` per row; TypeError/ValueError naming a bad value."""
+  if isinstance(precisions, _ONE_ROW):
+    precisions = (precisions,)
+  if precisions is None or not isinstance(precisions, (Sequence, set, frozenset)):
+    raise TypeError(
+        f"precisions must be a precision name, a jaxprec.Policy, or a sequence "
+        f"of them, e.g. precisions=('bfloat16', 'float32'); got "
+        f"{precisions!r} of type {type(precisions).__name__}.")
+  precisions = tuple(precisions)
+  if not precisions:
+    raise ValueError("precisions is empty: name at least one, e.g. "
+                     "precisions=('bfloat16',)")
+  out = [plan(p, target, mode) for p in precisions]
+  labels = [p.label for p in out]
+  if len(set(labels)) != len(labels):
+    raise ValueError(f"precisions repeats a name: {labels}")
+  return out
+
+
+def native_float32(label: str = "float32") -> Plan:
+  """float32 natively: exact where the backend has it (6 bf16 passes on a TPU)."""
+  backend = compat.backend_platform()
+  algo = resolve("float32").on(backend).algorithm
+  return Plan(label, resolve("float32"), None, algo, f"{algo} (native {backend})")
+
+
+def reference_plan(reference: Any, target: str, mode: str) -> Plan | None:
+  """None for float64; float32 runs natively (exact where the backend is)."""
+  if isinstance(reference, str) and reference.strip().lower() in FLOAT64_NAMES:
+    return None
+  is_policy = isinstance(reference, Policy) or (isinstance(reference, str)
+                                                and "=" in reference)
+  if not is_policy and resolve(reference).name in ("float32", "F32_F32_F32"):
+    return native_float32(_label(reference))
+  return plan(reference, target, mode)
+
+
+def is_computed(reference: Any) -> bool:
+  """Whether ``reference`` is computed (a precision or policy), not read."""
+  if isinstance(reference, (Policy, Precision, lax.Precision,
+                            lax.DotAlgorithmPreset)):
+    return True
+  return isinstance(reference, str) and not reference_lib.is_file(reference)
+
+
+# ---------------------------------------------------------------------------
+# Compiled programs.
+
+
+class _Jit:
+  """``jax.jit(fn)`` whose calls wait for their results."""
+
+  def __init__(self, fn: Callable[..., Any]):
+    self._jit = jax.jit(fn)
+
+  def __call__(self, *args):
+    return jax.block_until_ready(self._jit(*args))
+
+  def lower(self, *args):
+    return self._jit.lower(*args)
+
+
+def jit(fn: Callable[..., Any]) -> _Jit:
+  """``jax.jit`` whose calls block until the results are ready."""
+  return _Jit(fn)
+
+
+# fn -> {key: program}. Values hold fn weakly (a strong reference from a
+# value would keep its key alive forever) and no arrays.
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _program(fn: Callable[..., Any], key: Any,
+             make: Callable[[Callable[[], Any]], Any], cache: dict | None = None):
+  """The program ``make(fn_ref)``, cached under ``key`` (None: not cached)."""
+  try:
+    fn_ref = weakref.ref(fn)
+  except TypeError:  # not weak-referenceable: no caching
+    return make(lambda: fn)
+  if key is None:
+    return make(fn_ref)
+  per_fn = _PROGRAMS.setdefault(fn, {}) if cache is None else cache
+  prog = per_fn.get(key)
+  if prog is None:
+    prog = per_fn[key] = make(fn_ref)
+  return prog
+
+
+@dataclasses.dataclass
+class Reference:
+  """The reference layers, packed on the device.
+
+  Attributes:
+    names, shapes, dtypes: the checked layers, in order.
+    layout: their sizes (:class:`jaxprec._src.metrics.Layout`).
+    hi: packed ``(n_chunks, CHUNK)`` float32.
+    lo: the same for ``ref - hi`` of a float64 reference, else None.
+    stats: :func:`jaxprec._src.metrics.reference_stats` of it.
+    description: for the report (``'(reference)'`` numerics).
+    name: the report's ``reference``.
+    external: read (a file, a mapping, a pytree), not computed.
+  """
+
+  names: list[str]
+  shapes: list[tuple[int, ...]]
+  dtypes: list[str]
+  layout: metrics_lib.Layout
+  hi: Any
+  lo: Any
+  stats: Any = None
+  description: str = ""
+  name: str = ""
+  external: bool = False
+
+
+_reference_stats = jax.jit(metrics_lib.reference_stats, static_argnums=(2,))
+
+
+def _info(layers) -> list[tuple[str, tuple[int, ...], str]]:
+  return [(n, tuple(v.shape), str(v.dtype)) for n, v in layers]
+
+
+def _layout(info) -> metrics_lib.Layout:
+  return metrics_lib.Layout(tuple(int(np.prod(s)) for _, s, _ in info))
+
+
+def _pick(layers, select: tuple[str, ...] | None):
+  if select is None:
+    return layers
+  by_name = dict(layers)
+  return [(n, by_name[n]) for n in select]
+
+
+def _reference_program(fn, call: Args, ref_plan: Plan | None,
+                       select: tuple[str, ...] | None, cache: dict | None):
+  """The jitted program ``dynamic -> (hi, lo, stats, layers)``."""
+  x64 = ref_plan is None
+  key = ("ref", "float64" if x64 else ref_plan.key, call.key, select)
+  static = call.static
+
+  def make(fn_ref):
+    holder: dict[tuple, list] = {}
+
+    def program(dynamic):
+      f = fn_ref()
+      if x64:
+        dyn = [x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating)
+               else x for x in dynamic]
+        layers = layers_lib.ordered_layers(lambda g: g, f, static, dyn)
+      else:
+        layers = layers_lib.ordered_layers(ref_plan.wrap, f, static, dynamic)
+      layers = _pick(layers, select)
+      info = _info(layers)
+      holder[signature(dynamic)] = info
+      layout = _layout(info)
+      values = [v for _, v in layers]
+      lo = None
+      if x64:
+        pairs = [metrics_lib.split_reference_jax(v) for v in values]
+        hi = metrics_lib.pack([h for h, _ in pairs], layout)
+        if any(l is not None for _, l in pairs):
+          lo = metrics_lib.pack([jnp.zeros(h.shape, jnp.float32) if l is None
+                                 else l for h, l in pairs], layout)
+      else:
+        hi = metrics_lib.pack(values, layout)
+      stats = metrics_lib.reference_stats(hi, lo, layout)
+      # The layers are returned (and dropped unread) so that XLA computes
+      # them once instead of fusing their producers into the packing
+      # concatenate (see _candidate_program).
+      return hi, lo, stats, values
+    jitted = _Jit(program)
+    jitted.holder = holder  # type: ignore[attr-defined]
+    return jitted
+
+  return _program(fn, key, make, cache)
+
+
+def output_info(fn, call: Args) -> list[tuple[str, tuple[int, ...], str]]:
+  """``(name, shape, dtype)`` of every layer of ``fn``'s output (no run)."""
+  holder: dict[str, Any] = {}
+  static = call.static
+
+  def flat(dynamic):
+    layers = layers_lib.ordered_layers(lambda g: g, fn, static, dynamic)
+    holder["info"] = _info(layers)
+    return [v for _, v in layers]
+  jax.eval_shape(flat, call.dynamic)
+  return holder["info"]
+
+
+def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
+                    select: Sequence[str] | None = None,
+                    cache: dict | None = None) -> Reference:
+  """The reference: computed at a precision or policy, or read.
+
+  Args:
+    fn: the function.
+    call: its arguments.
+    reference: ``'float32'`` (natively), ``'float64'`` (x64 in a scope that
+      is always restored), another precision or a policy (computed as a row
+      is), or hidden states computed elsewhere
+      (:func:`jaxprec._src.reference.load`).
+    target, mode: for computed references.
+    select: the layers to keep (default: all), in output order.
+    cache: where to keep the program (default: the global per-fn cache).
+
+  Raises:
+    ValueError: an output without floating layers; a bad reference.
+    ReferenceMismatchError: a read reference that does not match the output.
+  """
+  select = None if select is None else tuple(select)
+  if not is_computed(reference):
+    found = reference_lib.load(reference)
+    info = output_info(fn, call)
+    if select is not None:
+      by_name = {n: (n, s, d) for n, s, d in info}
+      info = [by_name[n] for n in select]
+    values = reference_lib.match(found, info, extra_ok=select is not None)
+    his, los = zip(*(metrics_lib.split_reference(v) for v in values)) if values \
+        else ((), ())
+    layout = _layout(info)
+    hi = jnp.asarray(metrics_lib.pack_numpy(list(his), layout))
+    lo = None
+    if any(l is not None for l in los):
+      lo = jnp.asarray(metrics_lib.pack_numpy(
+          [np.zeros(np.shape(h), np.float32) if l is None else l
+           for h, l in zip(his, los)], layout))
+    ref = Reference([n for n, _, _ in info], [s for _, s, _ in info],
+                    [d for _, _, d in info], layout, hi, lo,
+                    description="external", name=reference_lib.describe(reference),
+                    external=True)
+    ref.stats = _reference_stats(ref.hi, ref.lo, ref.layout)
+    return ref
+  try:
+    ref_plan = reference_plan(reference, target, mode)
+  except ValueError as e:
+    raise ValueError(f"Unknown reference {reference!r}: {e} A reference is "
+                     f"{reference_lib.SUPPORTED}.") from None
+  x64 = ref_plan is None
+  prog = _reference_program(fn, call, ref_plan, select, cache)
+  with (jax.enable_x64(True) if x64 else contextlib.nullcontext()):
+    hi, lo, stats, layers = prog(call.dynamic)
+    info = prog.holder[signature(call.dynamic)]
+  del layers  # never copied to the host
+  name = str(reference) if isinstance(reference, Policy) else (
+      reference if isinstance(reference, str) else _label(reference))
+  desc = "float64 (native, x64)" if x64 else ref_plan.description
+  return Reference([n for n, _, _ in info], [s for _, s, _ in info],
+                   [d for _, _, d in info], _layout(info), hi, lo, stats,
+                   description=desc, name=name)
+
+
+def _candidate_program(fn, call: Args, p: Plan, ref: Reference,
+                       cache: dict | None):
+  """The jitted program ``(hi, lo, stats, dynamic, atol, rtol) -> stats``."""
+  names = tuple(ref.names)
+  layout, static = ref.layout, call.static
+  key = ("cand", p.key, call.key, names, layout, ref.lo is not None)
+
+  def make(fn_ref):
+    def program(hi, lo, stats, dynamic, atol, rtol):
+      layers = layers_lib.ordered_layers(p.wrap, fn_ref(), static, dynamic)
+      by_name = dict(layers)
+      missing = [n for n in names if n not in by_name]
+      if missing:
+        got = [n for n, _ in layers]
+        raise ValueError(
+            f"At precision {p.label!r} the output has layers {got[:6]}, "
+            f"the reference {list(names)[:6]}")
+      values = [by_name[n] for n in names]
+      # The layers are returned too (and dropped unread): otherwise XLA fuses
+      # their producers into the packing concatenate and computes them twice
+      # (measured: 1.3x the time of the forward pass on wav2vec2-small). They
+      # stay on the device and are freed at once.
+      return metrics_lib.layer_stats(values, hi, lo, stats, layout,
+                                     atol=atol, rtol=rtol), values
+    return _Jit(program)
+
+  return _program(fn, key, make, cache)
+
+
+def _layers_program(fn, call: Args, p: Plan, names: tuple[str, ...],
+                    cache: dict | None):
+  """The jitted program ``dynamic -> layers`` (for :func:`run_candidate`)."""
+  static = call.static
+  key = ("layers", p.key, call.key, names)
+
+  def make(fn_ref):
+    def program(dynamic):
+      by_name = dict(layers_lib.ordered_layers(p.wrap, fn_ref(), static,
+                                               dynamic))
+      return [by_name[n] for n in names]
+    return _Jit(program)
+
+  return _program(fn, key, make, cache)
+
+
+# Depends on the layers' sizes only: kept for later runs.
+@functools.lru_cache(maxsize=8)
+def _metrics_program(layout: metrics_lib.Layout):
+  def program(values, hi, lo, stats, atol, rtol):
+    return metrics_lib.layer_stats(values, hi, lo, stats, layout, atol=atol,
+                                   rtol=rtol)
+  return jax.jit(program)
+
+
+def candidate_args(call: Args, ref: Reference, atol: float, rtol: float):
+  """The arguments of a candidate program."""
+  if ref.stats is None:
+    ref.stats = _reference_stats(ref.hi, ref.lo, ref.layout)
+  return (ref.hi, ref.lo, ref.stats, call.dynamic, np.float32(atol),
+          np.float32(rtol))
+
+
+def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
+                  rtol: float, cache: dict | None = None, *,
+                  fused: bool = True) -> list[metrics_lib.LayerMetrics]:
+  """Runs one row and returns its metrics, one per reference layer.
+
+  Args:
+    fn, call: the function and its arguments.
+    p: the row.
+    ref: the reference (:func:`build_reference`).
+    atol, rtol: the tolerance of ``frac_outside`` and ``required_atol``.
+    cache: where to keep the program (default: the global per-fn cache).
+    fused: one program computes the layers and their metrics (best when the
+      program is reused: ``check``); else the metrics are a second program,
+      compiled once per layout (best when every row is a new program: the
+      search, ``benchmarks/bench_search.py``).
+  """
+  hi, lo, stats, dynamic, atol, rtol = candidate_args(call, ref, atol, rtol)
+  if fused:
+    prog = _candidate_program(fn, call, p, ref, cache)
+    out, layers = prog(hi, lo, stats, dynamic, atol, rtol)
+    del layers  # never copied to the host
+  else:
+    values = _layers_program(fn, call, p, tuple(ref.names), cache)(dynamic)
+    out = _metrics_program(ref.layout)(values, hi, lo, stats, atol, rtol)
+    del values
+  return metrics_lib.finish(jax.device_get(out), ref.layout)

@@ -1,1 +1,0 @@
-"""Flax modules and the Flax side of precision policies (imports Flax)."""

@@ -1,0 +1,269 @@
+"""PyTorch as the reference: a PyTorch model's outputs as jaxprec layers.
+
+:func:`capture` runs a ``torch.nn.Module`` and returns its floating outputs
+(and, with ``modules=``, its submodules' outputs) as ``{name: np.ndarray}``,
+named as :func:`jaxprec.named_layers` names a JAX output
+(``'last_hidden_state'``, ``'hidden_states[3]'``), ready for
+``jaxprec.check(..., reference=...)``. :func:`from_torch` converts a tensor, a
+Hugging Face ``ModelOutput`` or a structure of them the same way, and returns
+None for anything else: objects are recognised by their type's module, so
+PyTorch is imported only when the object is PyTorch's.
+
+:func:`flax_params` gives a Flax Hugging Face model the weights of its
+PyTorch twin with transformers' own converter; :data:`TWINS` builds the twin
+pairs behind ``jaxprec check --model hf-wav2vec2 --reference pytorch``
+(:mod:`jaxprec._src.torch_twins`).
+
+Nothing here imports JAX, PyTorch or transformers at import time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["capture", "flax_params", "from_torch", "import_torch"]
+
+INSTALL_HINT = "pip install 'jaxprec[torch]' (PyTorch and transformers)"
+
+
+def import_torch():
+  """``torch``, or ImportError with the install hint."""
+  try:
+    import torch  # noqa: PLC0415 -- optional, imported when used
+  except ImportError as e:
+    raise ImportError(f"jaxprec.torch needs PyTorch: {INSTALL_HINT}") from e
+  return torch
+
+
+def _top_module(obj: Any) -> str:
+  return (type(obj).__module__ or "").split(".")[0]
+
+
+def _is_tensor(x: Any) -> bool:
+  """A torch.Tensor (or Parameter), known without importing torch."""
+  return _top_module(x) == "torch" and hasattr(x, "detach") and hasattr(
+      x, "dtype") and hasattr(x, "shape")
+
+
+def _is_model_output(x: Any) -> bool:
+  """A Hugging Face PyTorch ``ModelOutput`` (an ordered dict of tensors)."""
+  return any(c.__name__ == "ModelOutput" and
+             (c.__module__ or "").startswith("transformers")
+             for c in type(x).__mro__) and isinstance(x, Mapping)
+
+
+def _holds_tensor(x: Any, depth: int = 0) -> bool:
+  if _is_tensor(x):
+    return True
+  if depth > 8:
+    return False
+  if isinstance(x, Mapping):
+    return any(_holds_tensor(v, depth + 1) for v in x.values())
+  if isinstance(x, (tuple, list)):
+    return any(_holds_tensor(v, depth + 1) for v in x)
+  return False
+
+
+def _to_numpy(t: Any) -> np.ndarray:
+  """A tensor as NumPy; bfloat16 and float16 widened exactly to float32."""
+  torch = import_torch()
+  t = t.detach()
+  if t.dtype in (torch.bfloat16, torch.float16):
+    t = t.to(torch.float32)  # every bfloat16/float16 value is a float32
+  return t.cpu().numpy()
+
+
+def _is_float_tensor(t: Any) -> bool:
+  return bool(getattr(t, "is_floating_point", lambda: False)())
+
+
+def _is_float_array(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or not hasattr(x, "shape"):
+    return False
+  try:
+    return np.issubdtype(np.dtype(dtype), np.floating) or str(dtype) == "bfloat16"
+  except TypeError:
+    return False
+
+
+def _key(k: Any) -> str:
+  return f".{k}" if isinstance(k, str) else f"[{k!r}]"
+
+
+def _named(x: Any, path: str, out: dict[str, np.ndarray]) -> None:
+  """Adds the floating tensors of ``x`` under ``path`` (jaxprec's naming)."""
+  if _is_tensor(x):
+    if _is_float_tensor(x):
+      out[path.lstrip(".") or "output"] = _to_numpy(x)
+    return
+  if isinstance(x, Mapping):  # ModelOutputs hold only their non-None fields
+    for k, v in x.items():
+      if v is not None:
+        _named(v, path + _key(k), out)
+    return
+  if isinstance(x, (tuple, list)):
+    for i, v in enumerate(x):
+      _named(v, f"{path}[{i}]", out)
+    return
+  if _is_float_array(x):
+    out[path.lstrip(".") or "output"] = np.asarray(x)
+
+
+def from_torch(obj: Any) -> dict[str, np.ndarray] | None:
+  """A PyTorch output as ``{name: np.ndarray}``, or None if it is not one.
+
+  Accepts a ``torch.Tensor``, a Hugging Face ``ModelOutput``, or a dict, list
+  or tuple holding tensors; names follow :func:`jaxprec.named_layers`
+  (``'last_hidden_state'``, ``'hidden_states[3]'``, ``'output'`` for a bare
+  tensor). Only floating tensors are kept; bfloat16 and float16 are widened
+  exactly to float32. Anything else gives None, without importing PyTorch.
+
+  Examples:
+    >>> import numpy as np
+    >>> from jaxprec._src.torch_ref import from_torch
+    >>> from_torch({"h": np.zeros(2)}) is None  # no tensor: not PyTorch's
+    True
+  """
+  if not (_is_tensor(obj) or _is_model_output(obj) or (
+      isinstance(obj, (Mapping, tuple, list)) and _holds_tensor(obj))):
+    return None
+  out: dict[str, np.ndarray] = {}
+  _named(obj, "", out)
+  return out
+
+
+def _rename(found: dict[str, np.ndarray],
+            names: Mapping[str, str | None] | Callable[[str], str | None] | None
+            ) -> dict[str, np.ndarray]:
+  if names is None:
+    return found
+  if not (isinstance(names, Mapping) or callable(names)):
+    raise TypeError(f"names= must be a dict or a callable mapping PyTorch "
+                    f"names to the JAX side's names; got {type(names).__name__}")
+  out: dict[str, np.ndarray] = {}
+  for k, v in found.items():
+    new = names.get(k, k) if isinstance(names, Mapping) else names(k)
+    if new is None:
+      continue  # dropped
+    if not isinstance(new, str):
+      raise TypeError(f"names= gave {new!r} for {k!r}: expected a str (or "
+                      f"None to drop the layer)")
+    if new in out:
+      raise ValueError(f"names= maps two layers to {new!r}")
+    out[new] = v
+  return out
+
+
+def _as_torch(x: Any, torch) -> Any:
+  return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def capture(module: Any, *args: Any, modules: str | None = None,
+            names: Mapping[str, str | None] | Callable[[str], str | None]
+            | None = None, **kwargs: Any) -> dict[str, np.ndarray]:
+  """Runs a PyTorch module and returns its hidden states, named for jaxprec.
+
+  ``module(*args, **kwargs)`` runs under ``torch.no_grad()`` in eval mode;
+  every submodule's training flag is restored afterwards, on errors too.
+  NumPy arrays among ``args``/``kwargs`` are passed as tensors.
+
+  Args:
+    module: a ``torch.nn.Module`` (e.g. a Hugging Face model).
+    *args: its positional arguments.
+    modules: a regular expression, matched in full against the names of
+      ``module.named_modules()`` (``'encoder.layers.0.attention'``): each
+      matching submodule's output is added, named by its path, through
+      forward hooks that are always removed.
+    names: maps PyTorch names to the JAX side's names: a dict (unlisted
+      names are kept) or a callable; a mapped value of None drops the layer.
+    **kwargs: its keyword arguments (e.g. ``output_hidden_states=True``).
+
+  Returns:
+    An insertion-ordered ``{name: np.ndarray}``: the output's floating
+    tensors (``'last_hidden_state'``, ``'hidden_states[3]'``), then the hooked
+    submodules' (``'encoder.layers.0'``, ``'encoder.layers.0[0]'`` when a
+    submodule returns a tuple). bfloat16 and float16 are widened exactly to
+    float32.
+
+  Raises:
+    ImportError: PyTorch is not installed (with the install hint).
+    ValueError: ``modules=`` is not a valid regular expression or matches no
+      submodule (listing some names).
+  """
+  torch = import_torch()
+  if not isinstance(module, torch.nn.Module):
+    raise TypeError(f"capture() needs a torch.nn.Module; got "
+                    f"{type(module).__name__}")
+  pattern = None
+  if modules is not None:
+    try:
+      pattern = re.compile(modules)
+    except (re.error, TypeError) as e:
+      raise ValueError(f"modules={modules!r} is not a regular expression: "
+                       f"{e}") from None
+  hooked: dict[str, np.ndarray] = {}
+  handles = []
+  flags = {m: m.training for m in module.modules()}
+  try:
+    if pattern is not None:
+      all_names = [n for n, _ in module.named_modules() if n]
+      for name, sub in module.named_modules():
+        if name and pattern.fullmatch(name):
+          def hook(_mod, _inputs, output, name=name):
+            _named(output, name, hooked)
+          handles.append(sub.register_forward_hook(hook))
+      if not handles:
+        shown = ", ".join(repr(n) for n in all_names[:8])
+        raise ValueError(
+            f"modules={modules!r} matches no submodule (matched in full "
+            f"against named_modules(): {shown}{'...' if len(all_names) > 8 else ''})")
+    module.eval()
+    args = tuple(_as_torch(a, torch) for a in args)
+    kwargs = {k: _as_torch(v, torch) for k, v in kwargs.items()}
+    with torch.no_grad():
+      output = module(*args, **kwargs)
+  finally:
+    for h in handles:
+      h.remove()
+    for m, training in flags.items():
+      m.training = training
+  found: dict[str, np.ndarray] = {}
+  _named(output, "", found)
+  for k, v in hooked.items():
+    if k in found:
+      raise ValueError(f"submodule {k!r} has the name of an output layer; "
+                       f"rename one with names=")
+    found[k] = v
+  return _rename(found, names)
+
+
+def flax_params(pt_model: Any, flax_model: Any) -> Any:
+  """The Flax twin's parameters from a PyTorch Hugging Face model.
+
+  Uses transformers' own converter
+  (``modeling_flax_pytorch_utils.convert_pytorch_state_dict_to_flax``); neither
+  model is changed.
+
+  Args:
+    pt_model: a transformers PyTorch model (``Wav2Vec2Model``, ``BertModel``).
+    flax_model: its Flax counterpart (``FlaxWav2Vec2Model``, ...), built with
+      the same config.
+
+  Returns:
+    The parameters for ``flax_model(..., params=...)``.
+
+  Raises:
+    ImportError: transformers or PyTorch is missing (with the install hint).
+  """
+  import_torch()
+  try:
+    from transformers import modeling_flax_pytorch_utils as convert  # noqa: PLC0415
+  except ImportError as e:
+    raise ImportError(f"flax_params needs transformers: {INSTALL_HINT}") from e
+  state = {k: v.detach().clone() for k, v in pt_model.state_dict().items()}
+  return convert.convert_pytorch_state_dict_to_flax(state, flax_model)

@@ -1,0 +1,144 @@
+"""PyTorch/Flax twin pairs: one Hugging Face model in both frameworks.
+
+:func:`twin` builds a tiny Hugging Face model in PyTorch with random weights
+(seeded, PyTorch's global RNG left as it was), its Flax counterpart carrying
+the same weights (:func:`jaxprec._src.torch_ref.flax_params`), and synthetic
+inputs. ``jaxprec check --model hf-wav2vec2 --reference pytorch`` checks the
+Flax twin against the PyTorch original with them. Nothing is downloaded.
+
+Imports transformers and PyTorch when a twin is built, never at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxprec._src import torch_ref
+
+__all__ = ["TWINS", "Twin", "twin"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Twin:
+  """A Hugging Face model in PyTorch and in Flax, with the same weights.
+
+  Attributes:
+    name: e.g. ``'hf-wav2vec2'``.
+    torch_model: the PyTorch model (e.g. ``transformers.Wav2Vec2Model``).
+    flax_model: its Flax counterpart (e.g. ``FlaxWav2Vec2Model``).
+    params: the Flax parameters, converted from ``torch_model``.
+    inputs: the inputs by argument name, as NumPy arrays, in call order.
+  """
+
+  name: str
+  torch_model: Any
+  flax_model: Any
+  params: Any
+  inputs: dict[str, np.ndarray]
+
+  def reference(self, **kwargs: Any) -> dict[str, np.ndarray]:
+    """The PyTorch model's hidden states (:func:`jaxprec.torch.capture`)."""
+    return torch_ref.capture(self.torch_model, **self.inputs,
+                             output_hidden_states=True, **kwargs)
+
+  def fn(self, params: Any, *inputs: Any) -> Any:
+    """The Flax model's hidden states, ``fn(params, *inputs.values())``."""
+    return self.flax_model(*inputs, params=params, output_hidden_states=True)
+
+  def args(self) -> tuple:
+    """``(params, *inputs)``, the arguments of :meth:`fn`."""
+    return (self.params, *self.inputs.values())
+
+
+def _wav2vec2(transformers, layers: int) -> tuple[Any, Any, Any]:
+  config = transformers.Wav2Vec2Config(
+      hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+      intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 2, 2),
+      conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16,
+      num_conv_pos_embedding_groups=4,
+      # The Flax model implements only the "stable layer norm" variant.
+      do_stable_layer_norm=True, feat_extract_norm="layer",
+      hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+      feat_proj_dropout=0.0, layerdrop=0.0)
+  return config, transformers.Wav2Vec2Model, transformers.FlaxWav2Vec2Model
+
+
+def _wav2vec2_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+  t = np.arange(8000, dtype=np.float64) / 16000
+  audio = 0.5 * np.sin(2 * np.pi * 220 * t) + 0.1 * rng.standard_normal(t.size)
+  return {"input_values": audio[None].astype(np.float32)}
+
+
+def _bert(transformers, layers: int) -> tuple[Any, Any, Any]:
+  config = transformers.BertConfig(
+      vocab_size=1000, hidden_size=64, num_hidden_layers=layers,
+      num_attention_heads=4, intermediate_size=128,
+      max_position_embeddings=64, hidden_dropout_prob=0.0,
+      attention_probs_dropout_prob=0.0,
+      # At BERT's init scale (0.02) random blocks barely move the residual
+      # stream, and so neither does their rounding; 0.2 makes them count.
+      initializer_range=0.2)
+  return config, transformers.BertModel, transformers.FlaxBertModel
+
+
+def _bert_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+  ids = rng.integers(1, 1000, size=(1, 32)).astype(np.int32)
+  return {"input_ids": ids, "attention_mask": np.ones_like(ids),
+          "token_type_ids": np.zeros_like(ids)}
+
+
+# name -> (config and classes, inputs).
+TWINS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "hf-wav2vec2": (_wav2vec2, _wav2vec2_inputs),
+    "hf-bert": (_bert, _bert_inputs),
+}
+_LAYERS = 4
+
+
+def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
+  """A built-in twin pair: a tiny random Hugging Face model in both frameworks.
+
+  Args:
+    name: ``'hf-wav2vec2'`` or ``'hf-bert'``.
+    seed: seeds the PyTorch weights (PyTorch's global RNG is restored) and
+      the inputs.
+    layers: the number of transformer layers (default 4).
+
+  Returns:
+    A :class:`Twin`.
+
+  Raises:
+    ValueError: an unknown name (naming the choices).
+    ImportError: PyTorch or transformers is missing (with the install hint).
+  """
+  if name not in TWINS:
+    import difflib  # noqa: PLC0415
+    close = difflib.get_close_matches(str(name), list(TWINS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"Unknown twin {name!r}; choose one of "
+                     f"{', '.join(TWINS)}.{hint}")
+  torch = torch_ref.import_torch()
+  try:
+    import transformers  # noqa: PLC0415 -- optional, imported when used
+  except ImportError as e:
+    raise ImportError(f"twin models need transformers: "
+                      f"{torch_ref.INSTALL_HINT}") from e
+  make, inputs = TWINS[name]
+  config, torch_cls, flax_cls = make(transformers, _LAYERS if layers is None
+                                     else int(layers))
+  verbosity = transformers.logging.get_verbosity()
+  transformers.logging.set_verbosity_error()  # "Flax classes are deprecated"
+  try:
+    with torch.random.fork_rng(devices=[]):
+      torch.manual_seed(seed)
+      torch_model = torch_cls(config).eval()
+    flax_model = flax_cls(config, seed=seed)
+    params = torch_ref.flax_params(torch_model, flax_model)
+  finally:
+    transformers.logging.set_verbosity(verbosity)
+  return Twin(name=name, torch_model=torch_model, flax_model=flax_model,
+              params=params, inputs=inputs(np.random.default_rng(seed)))

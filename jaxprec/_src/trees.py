@@ -1,0 +1,60 @@
+"""Which pytree leaves are arrays: the one rule every entry point uses.
+
+jaxprec splits a call's arguments into array leaves (traced, or passed to
+``jax.jit`` as arguments) and static ones (passed as they are), and checks a
+traced function's outputs. Both questions are answered here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["is_array", "is_jax_type"]
+
+_CONCRETE = (jax.Array, np.ndarray, np.generic)
+_SCALARS = (bool, int, float, complex)
+
+
+def is_array(x: Any, *, abstract: bool = True) -> bool:
+  """Whether a pytree leaf is an array argument.
+
+  Args:
+    x: the leaf.
+    abstract: also count shape-and-dtype stand-ins (``jax.ShapeDtypeStruct``
+      and any object with ``shape`` and ``dtype``), as tracing does; False for
+      entry points that run the function and need real values.
+
+  Returns:
+    True for JAX arrays (tracers included), NumPy arrays and scalars, and with
+    ``abstract`` anything with ``shape`` and ``dtype`` that is not a class
+    (``np.float32`` the type has both attributes).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jaxprec._src.trees import is_array
+    >>> is_array(jnp.ones(2)), is_array(np.float32(1)), is_array(2.0)
+    (True, True, False)
+    >>> is_array(jax.ShapeDtypeStruct((2,), jnp.float32)), is_array(np.float32)
+    (True, False)
+    >>> is_array(jax.ShapeDtypeStruct((2,), jnp.float32), abstract=False)
+    False
+  """
+  if isinstance(x, _CONCRETE):
+    return True
+  if not abstract or isinstance(x, type):
+    return False
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def is_jax_type(x: Any) -> bool:
+  """Whether ``jax.jit`` accepts ``x`` as an output leaf.
+
+  Arrays, tracers, NumPy values, Python numbers and objects with
+  ``__jax_array__``; not strings, ``None`` leaves of custom nodes, or other
+  objects.
+  """
+  return (isinstance(x, _CONCRETE + _SCALARS) and not isinstance(x, type)) \
+      or hasattr(x, "__jax_array__")

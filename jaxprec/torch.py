@@ -1,0 +1,22 @@
+"""PyTorch as the reference: ``jaxprec.torch``.
+
+PyTorch and transformers are imported only when these are used.
+
+* :func:`capture`: a PyTorch module's hidden states as ``{name: array}``,
+  named as :func:`jaxprec.named_layers` names JAX outputs, for
+  ``jaxprec.check(..., reference=...)``.
+* :func:`from_torch`: a tensor or Hugging Face ``ModelOutput`` the same way
+  (``check`` also accepts them directly as ``reference=``).
+* :func:`flax_params`: a Flax Hugging Face model's parameters from its PyTorch
+  twin, with transformers' own converter.
+* :func:`twin`: the built-in twin pairs ``'hf-wav2vec2'`` and ``'hf-bert'``.
+"""
+
+from jaxprec._src.torch_ref import capture
+from jaxprec._src.torch_ref import flax_params
+from jaxprec._src.torch_ref import from_torch
+from jaxprec._src.torch_twins import TWINS
+from jaxprec._src.torch_twins import Twin
+from jaxprec._src.torch_twins import twin
+
+__all__ = ("TWINS", "Twin", "capture", "flax_params", "from_torch", "twin")

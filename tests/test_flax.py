@@ -1,0 +1,197 @@
+"""The Flax side: one source of module paths; NNX policies under emulate and cost."""
+
+import re
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxprec
+from jaxprec._src import numerics
+from jaxprec._src.precision import resolve
+
+import models
+
+# Precisions whose recorded form differs from each other's (for dots).
+_COLORS = ("bfloat16", "tensorfloat32", "float32", "BF16_BF16_F32",
+           "BF16_BF16_F32_X3", "BF16_BF16_F32_X6", "BF16_BF16_F32_X9",
+           "TF32_TF32_F32", "TF32_TF32_F32_X3", "F16_F16_F32", "F32_F32_F32")
+
+
+def _recorded_name(precision: str, primitive: str) -> str:
+  """What jaxprec.audit shows for an op run at ``precision``."""
+  kind = numerics.op_kind(primitive)
+  value = numerics.per_op(resolve(precision), kind)
+  if isinstance(value, tuple):
+    value = value[0] if value[0] == value[1] else value
+  return value.name
+
+
+def assert_audit_paths_are_interceptor_paths(model, fn_of, *args):
+  """Each op's audit ``module_path`` is the path the policy interceptor gave it.
+
+  Two colourings of the audit's paths with distinct precisions (a path rule
+  each, by ``re.escape``) are swapped in; every op must then record the colour
+  of its audit path, and every rule must be used.
+  """
+  paths = sorted({r.module_path for r in jaxprec.audit(fn_of(model), *args)})
+  assert len(paths) >= 4, paths
+  n = len(_COLORS)
+  for color in (lambda i: i % n, lambda i: (i // n + i) % n):
+    colors = {p: _COLORS[color(i)] for i, p in enumerate(paths)}
+    policy = jaxprec.Policy(rules=[jaxprec.Rule(path=re.escape(p), precision=c)
+                                   for p, c in colors.items()])
+    swapped = jaxprec.swap(model, policy)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", jaxprec.UnusedRuleWarning)
+      got = jaxprec.audit(fn_of(swapped), *args).rows
+    assert {r.module_path for r in got} == set(paths)
+    for r in got:
+      assert r.precision_name == _recorded_name(colors[r.module_path], r.primitive), (
+          r.module_path, r.primitive)
+    assert not jaxprec.policy_report(swapped).unused_rules
+  return paths
+
+
+class Cell(nn.Module):
+  @nn.compact
+  def __call__(self, c, x):
+    return nn.Dense(4, name="inner")(c) + x, None
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(4, name="fc")(x)
+    return nn.remat(nn.Dense)(4, name="rem")(x) + x @ x.T @ x  # own op: "block"
+
+
+class Nested(nn.Module):
+  """Nested modules, ``nn.remat``, ``nn.scan`` and ops in a module's own body."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = Block(name="block")(x)
+    x = nn.remat(Block)(name="remat_block")(x)
+    x, _ = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False},
+                   length=3)(name="scan")(x, jnp.ones((3, *x.shape)))
+    x = nn.Conv(4, (1,), name="conv")(x[..., None, :])[..., 0, :]
+    return nn.Dense(2, name="head")(x) + x @ x.T @ x[:, :2]  # own op: ""
+
+
+def test_audit_and_interceptor_paths_agree_on_a_nested_linen_model():
+  model, x = Nested(), jnp.ones((2, 4))
+  params = jax.jit(model.init)(jax.random.key(0), x)
+  paths = assert_audit_paths_are_interceptor_paths(
+      model, lambda m: m.apply, params, x)
+  assert {"", "block", "block/fc", "block/rem", "remat_block/fc",
+          "remat_block/rem", "scan/inner", "conv", "head"} == set(paths)
+
+
+def test_audit_and_interceptor_paths_agree_on_hugging_face_bert():
+  transformers = pytest.importorskip("transformers")
+  config = transformers.BertConfig(
+      vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+      intermediate_size=32, max_position_embeddings=16)
+  model = transformers.FlaxBertModel(config, input_shape=(1, 8), _do_init=False)
+  ids = (jnp.arange(16).reshape(2, 8) * 7) % 64
+  params = jax.jit(model.init_weights, static_argnums=1)(jax.random.key(0), ids.shape)
+
+  def call(m):
+    return lambda params, ids: m(ids, params=params).last_hidden_state
+
+  paths = assert_audit_paths_are_interceptor_paths(model, call, params, ids)
+  assert "encoder/layer/1/attention/self" in paths and "pooler/dense" in paths
+  assert len(paths) >= 13
+
+
+# -- NNX path rules under emulate, cost and the search's native runs ----------------
+
+
+class TwoLayers(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.fc1 = nnx.Linear(16, 32, rngs=rngs)
+    self.fc2 = nnx.Linear(32, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc2(nnx.relu(self.fc1(x)))
+
+  def hidden(self, x):
+    return nnx.relu(self.fc1(x))
+
+
+def _bf16(a):
+  return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _reference(model, x, fc1_bf16: bool, fc2_bf16: bool):
+  """NumPy in float64: a layer at bfloat16 rounds its operands to bfloat16 once
+  (a TPU's one pass), a layer at float32 is exact (a TPU's six passes are
+  within float32 rounding of it)."""
+  def layer(lin, h, low):
+    w = np.asarray(lin.kernel[...], np.float64)
+    h = np.asarray(h, np.float64)
+    out = (_bf16(h) @ _bf16(w)) if low else h @ w
+    return (out + np.asarray(lin.bias[...], np.float64)).astype(np.float32)
+  h = np.maximum(layer(model.fc1, x, fc1_bf16), 0)
+  return layer(model.fc2, h, fc2_bf16)
+
+
+@pytest.fixture(scope="module")
+def two_layers():
+  model = TwoLayers(rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (4, 16), jnp.float32)
+  return model, x
+
+
+def test_emulate_applies_nnx_path_rules(two_layers):
+  # Issue 12 item 2: fc2=float32 was ignored (the output was all-bfloat16).
+  model, x = two_layers
+  mixed = _reference(model, x, fc1_bf16=True, fc2_bf16=False)
+  low = _reference(model, x, fc1_bf16=True, fc2_bf16=True)
+  assert np.abs(mixed - low).max() > 1e-3  # the two answers are far apart
+  policy = "default=bfloat16,fc2=float32"
+  for fn in (model, model.__call__):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", jaxprec.UnusedRuleWarning)
+      emulated = jaxprec.emulate(fn, policy)
+      for got in (emulated(x), jax.jit(emulated)(x)):
+        np.testing.assert_allclose(np.asarray(got), mixed, rtol=0, atol=2e-6)
+    report = jaxprec.policy_report(emulated)
+    assert {(m.path, m.precision.name) for m in report.matches} >= {
+        ("fc1", "bfloat16"), ("fc2", "float32")}
+    assert not report.unused_rules
+  np.testing.assert_allclose(np.asarray(jaxprec.emulate(model, "bfloat16")(x)),
+                             low, rtol=0, atol=2e-6)
+  # A bound method other than __call__, and the user's model is untouched.
+  hidden = jaxprec.emulate(model.hidden, "default=float32,fc1=bf16")(x)
+  w, b = np.asarray(model.fc1.kernel[...], np.float64), np.asarray(model.fc1.bias[...])
+  np.testing.assert_allclose(
+      np.asarray(hidden), np.maximum(_bf16(x) @ _bf16(w) + b, 0), rtol=0, atol=2e-6)
+  assert model.fc1.precision is None and model.fc2.precision is None
+
+
+def test_cost_counts_nnx_path_rules(two_layers):
+  model, x = two_layers
+  flops1, flops2 = 2 * 4 * 16 * 32, 2 * 4 * 32 * 8
+  r = jaxprec.cost(model, x, policy="default=bfloat16,fc2=float32")
+  assert r.by_algorithm == {"bf16x1": flops1, "bf16x6": flops2}
+  assert r.cost == flops1 * 1 + flops2 * 6 and r.float32_cost == 6 * (flops1 + flops2)
+  assert jaxprec.cost(model, x, policy="bfloat16").by_algorithm == {
+      "bf16x1": flops1 + flops2}
+
+
+def test_native_policy_runs_apply_nnx_path_rules(two_layers):
+  from jaxprec._src import harness  # noqa: PLC0415
+  model, x = two_layers
+  run = harness._native_policy(model, jaxprec.Policy.parse(  # noqa: SLF001
+      "default=bfloat16,fc2=float32"))
+  precisions = [e.params["precision"] for e in jax.make_jaxpr(run)(x).jaxpr.eqns
+                if e.primitive.name == "dot_general"]
+  assert [numerics.effective(p, "dot").name for p in precisions] == [
+      "bfloat16", "float32"]

@@ -1,0 +1,269 @@
+"""PyTorch as the reference (issue 10): jaxprec.torch and check(reference=torch).
+
+The twins are tiny Hugging Face models with random weights, built in PyTorch
+and converted to Flax with transformers' own converter; the float32 floor is
+the two frameworks' disagreement, and the bfloat16 row is a TPU's default
+(one bfloat16 pass, emulated).
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+import jaxprec  # noqa: E402
+import jaxprec.torch as jt  # noqa: E402
+from jaxprec._src import reference as reference_lib  # noqa: E402
+from jaxprec._src.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["hf-wav2vec2", "hf-bert"])
+def twin(request):
+  return jt.twin(request.param, seed=0)
+
+
+# ---------------------------------------------------------------------------
+# capture and from_torch.
+
+
+class TwoLayer(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.fc1 = torch.nn.Linear(8, 16)
+    self.fc2 = torch.nn.Linear(16, 4)
+    self.drop = torch.nn.Dropout(0.5)
+    self.fail = False
+
+  def forward(self, x):
+    h = torch.tanh(self.fc1(x))
+    if self.fail:
+      raise RuntimeError("forward failed")
+    return {"hidden": self.drop(h), "logits": self.fc2(h),
+            "ids": torch.arange(3)}
+
+
+def test_capture_names_eval_mode_and_no_grad():
+  torch.manual_seed(0)
+  m = TwoLayer().train()
+  m.fc2.eval()  # a submodule with its own flag
+  x = torch.randn(2, 8)
+  out = jt.capture(m, x, modules=r"fc\d")
+  assert list(out) == ["hidden", "logits", "fc1", "fc2"]  # ints dropped
+  # Eval mode: dropout off, so "hidden" is tanh(fc1(x)) exactly.
+  w1, b1 = m.fc1.weight.detach().numpy(), m.fc1.bias.detach().numpy()
+  np.testing.assert_allclose(out["hidden"], np.tanh(x.numpy() @ w1.T + b1),
+                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(out["fc1"], x.numpy() @ w1.T + b1, rtol=1e-6,
+                             atol=1e-6)
+  assert all(isinstance(v, np.ndarray) and v.dtype == np.float32
+             for v in out.values())
+  assert m.training and m.fc1.training and not m.fc2.training
+  assert not m.fc1._forward_hooks and not m.fc2._forward_hooks
+  assert torch.is_grad_enabled()  # no_grad only inside
+
+
+def test_hooks_removed_and_flags_restored_after_an_exception():
+  m = TwoLayer().train()
+  m.fail = True
+  with pytest.raises(RuntimeError, match="forward failed"):
+    jt.capture(m, torch.randn(2, 8), modules="fc1|fc2")
+  assert m.training and m.fc1.training and m.fc2.training and m.drop.training
+  assert not any(sub._forward_hooks for sub in m.modules())
+
+
+def test_capture_argument_errors():
+  m = TwoLayer()
+  with pytest.raises(ValueError, match=r"matches no submodule.*'fc1'"):
+    jt.capture(m, torch.randn(2, 8), modules="encoder")
+  with pytest.raises(ValueError, match="not a regular expression"):
+    jt.capture(m, torch.randn(2, 8), modules="fc(")
+  with pytest.raises(TypeError, match="torch.nn.Module"):
+    jt.capture(lambda x: x, torch.randn(2))
+  with pytest.raises(TypeError, match="dict or a callable"):
+    jt.capture(m, torch.randn(2, 8), names=3)
+
+
+def test_bfloat16_and_float16_are_widened_exactly():
+  values = np.array([1.0, 1 + 2**-7, -3.140625, 2**-100, 65504.0], np.float32)
+  for dtype, np_dtype in ((torch.bfloat16, ml_dtypes.bfloat16),
+                          (torch.float16, np.float16)):
+    t = torch.tensor(values).to(dtype)
+    got = jt.from_torch({"a": t})["a"]
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, values.astype(np_dtype).astype(np.float32))
+
+
+def test_from_torch_is_none_for_other_objects_and_needs_no_torch_import():
+  assert jt.from_torch({"h": np.zeros(2)}) is None
+  assert jt.from_torch([1.0, 2.0]) is None and jt.from_torch(None) is None
+  assert jt.from_torch(jnp.zeros(2)) is None
+  # A fresh interpreter: importing jaxprec and converting non-torch objects
+  # imports neither torch nor transformers.
+  code = ("import sys, numpy as np, jaxprec; "
+          "from jaxprec._src import reference; "
+          "reference.load({'h': np.zeros(2, np.float32)}); "
+          "print('torch' in sys.modules, 'transformers' in sys.modules)")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, timeout=120)
+  assert proc.stdout.split() == ["False", "False"], proc.stderr
+
+
+def test_from_torch_names_like_named_layers():
+  t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+  got = jt.from_torch({"hidden_states": (t, t + 1), "mask": torch.ones(2, dtype=torch.int64)})
+  assert list(got) == ["hidden_states[0]", "hidden_states[1]"]
+  assert list(got) == list(jaxprec.named_layers(
+      {"hidden_states": (np.zeros(2), np.zeros(2)), "mask": np.ones(2, int)}))
+  assert list(jt.from_torch(t)) == ["output"]
+
+
+def test_plain_torch_mlp_against_a_flax_mlp_through_names():
+  import flax.linen as nn
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = jnp.tanh(nn.Dense(16, name="dense_0")(x))
+      return {"h": h, "y": nn.Dense(4, name="dense_1")(h)}
+
+  torch.manual_seed(1)
+  pt = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                           torch.nn.Linear(16, 4))
+  params = {"params": {
+      "dense_0": {"kernel": pt[0].weight.detach().numpy().T,
+                  "bias": pt[0].bias.detach().numpy()},
+      "dense_1": {"kernel": pt[2].weight.detach().numpy().T,
+                  "bias": pt[2].bias.detach().numpy()}}}
+  x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+  ref = jt.capture(pt, x, modules=r"1|2", names={"1": "h", "2": "y",
+                                                   "output": None})
+  assert list(ref) == ["h", "y"]
+  report = jaxprec.check(MLP().apply, params, x, reference=ref,
+                         precisions=("float32", "bfloat16"))
+  floor = {l.name: l.metrics["float32"].rel_rms for l in report.layers}
+  bf16 = {l.name: l.metrics["bfloat16"].rel_rms for l in report.layers}
+  assert set(floor) == {"h", "y"}
+  assert max(floor.values()) <= 1e-6, floor
+  # One bfloat16 pass: about 2**-9 relative error per product.
+  assert all(1e-4 < v < 2e-2 for v in bf16.values()), bf16
+  # The same through a callable.
+  ref2 = jt.capture(pt, x, modules=r"\d",
+                    names=lambda n: {"1": "h", "2": "y"}.get(n))
+  assert list(ref2) == ["h", "y"]
+  np.testing.assert_array_equal(ref2["y"], ref["y"])
+
+
+# ---------------------------------------------------------------------------
+# Twins and check(reference=<torch object>).
+
+
+def test_twin_float32_floor_and_tpu_bfloat16(twin):
+  report = jaxprec.check(twin.fn, *twin.args(), reference=twin.reference(),
+                         precisions=("float32", "bfloat16"))
+  names = [l.name for l in report.layers]
+  assert "last_hidden_state" in names and "hidden_states[4]" in names
+  for layer in report.layers:  # the framework floor, every layer
+    assert layer.metrics["float32"].rel_rms <= 1e-5, (layer.name,
+                                                     layer.metrics["float32"])
+  last = report.layers[names.index("last_hidden_state")].metrics["bfloat16"]
+  assert 3e-3 <= last.rel_rms <= 3e-2, last
+
+
+def test_torch_objects_as_reference_give_the_capture_numbers():
+  tw = jt.twin("hf-bert", seed=1)
+  inputs = {k: torch.from_numpy(v) for k, v in tw.inputs.items()}
+  with torch.no_grad():
+    output = tw.torch_model(**inputs, output_hidden_states=True)
+  direct = reference_lib.load(output)
+  captured = tw.reference()
+  assert list(direct) == list(captured)
+  for k in captured:
+    np.testing.assert_array_equal(direct[k], captured[k])
+  a = jaxprec.check(tw.fn, *tw.args(), reference=output, precisions="bfloat16")
+  b = jaxprec.check(tw.fn, *tw.args(), reference=captured, precisions="bfloat16")
+  assert [l.metrics for l in a.layers] == [l.metrics for l in b.layers]
+  # A bare tensor: one layer.
+  t = output.last_hidden_state
+  c = jaxprec.check(lambda p, *i: tw.fn(p, *i).last_hidden_state, *tw.args(),
+                    reference=t, precisions="bfloat16")
+  assert c.layers[0].metrics["bfloat16"] == b.layers[
+      [l.name for l in b.layers].index("last_hidden_state")].metrics["bfloat16"]
+
+
+def test_twin_with_one_layer_too_few_is_refused():
+  full = jt.twin("hf-bert", seed=0)
+  short = jt.twin("hf-bert", seed=0, layers=3)
+  with pytest.raises(ValueError, match=r"hidden_states\[4\]"):
+    jaxprec.check(short.fn, *short.args(), reference=full.reference(),
+                  precisions="bfloat16")
+
+
+def test_twin_leaves_torch_rng_alone_and_unknown_names():
+  torch.manual_seed(123)
+  before = torch.get_rng_state()
+  jt.twin("hf-bert", seed=5)
+  assert torch.equal(before, torch.get_rng_state())
+  with pytest.raises(ValueError, match="Did you mean 'hf-bert'"):
+    jt.twin("hf-bret")
+
+
+def test_flax_params_do_not_change_the_models():
+  tw = jt.twin("hf-wav2vec2", seed=0)
+  state = {k: v.clone() for k, v in tw.torch_model.state_dict().items()}
+  flax_before = jax.tree_util.tree_map(np.asarray, tw.flax_model.params)
+  jt.flax_params(tw.torch_model, tw.flax_model)
+  for k, v in tw.torch_model.state_dict().items():
+    assert torch.equal(v, state[k])
+  jax.tree_util.tree_map(np.testing.assert_array_equal, flax_before,
+                         jax.tree_util.tree_map(np.asarray, tw.flax_model.params))
+
+
+# ---------------------------------------------------------------------------
+# The command line.
+
+
+def test_cli_reference_pytorch_writes_report_and_plot(tmp_path, capsys):
+  out = tmp_path / "rep"
+  rc = main(["check", "--model", "hf-bert", "--reference", "pytorch",
+             "--precisions", "bfloat16", "--out", str(out), "--json"])
+  stdout, err = capsys.readouterr()
+  assert rc == 0, err
+  import json
+  report = json.loads(stdout)
+  assert report["reference"] == "pytorch:BertModel"
+  assert (out / "report.json").is_file()
+  assert (out / "divergence.png").is_file() or "matplotlib" in err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--model", "bert", "--reference", "pytorch"],
+     "--reference pytorch needs a model with a PyTorch twin"),
+    (["--model", "hf-bert", "--size", "base"], "--size applies to --model"),
+])
+def test_cli_reference_pytorch_usage_errors(argv, fragment, capsys):
+  rc = main(["check", *argv])
+  _, err = capsys.readouterr()
+  assert rc == 2
+  assert err.count("\n") == 1 and fragment in err and "Traceback" not in err
+
+
+def test_cli_without_torch_gives_the_install_hint(tmp_path):
+  # A fresh interpreter in which `import torch` fails.
+  code = ("import sys; sys.modules['torch'] = None; "
+          "from jaxprec._src.cli import main; "
+          "sys.exit(main(['check', '--model', 'hf-wav2vec2', '--reference', "
+          f"'pytorch', '--out', {str(tmp_path / 'r')!r}]))")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "pip install 'jaxprec[torch]'" in lines[0]
+  assert "Traceback" not in proc.stderr
