@@ -19,7 +19,9 @@ arguments include the kept reference). After a check, ``jax.live_arrays()``
 shows what it left on the device.
 
     python benchmarks/bench_check.py [--model wav2vec2] [--sizes small,base]
-        [--seconds 1.0] [--repeats 7]
+        [--seconds 1.0] [--repeats 7] [--quick]
+
+``--quick`` (a smoke test, seconds): a two-layer function, one repeat.
 
 The metrics cost a fixed few nanoseconds per hidden-state element per
 precision; the forward pass costs FLOPs. So the ratio is largest for models
@@ -36,10 +38,12 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 import jaxprec
 import jaxprec.models
-from jaxprec._src import check as check_lib
+from jaxprec._src import harness
+from jaxprec._src import numerics
 
 PRECISIONS = ("bfloat16", "bfloat16_3x", "tensorfloat32")
 
@@ -59,14 +63,26 @@ def _mb(n: float) -> str:
   return f"{n / 2**20:7.1f} MB"
 
 
+def _mlp():
+  """A two-layer function (the --quick smoke test)."""
+  def fn(w, x):
+    h = jnp.tanh(x @ w)
+    return {"h": h, "out": jnp.tanh(h @ w)}
+  w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+  x = jax.random.normal(jax.random.key(1), (8, 64))
+  return fn, (w, x)
+
+
 def bench(model: str, size: str, seconds: float, repeats: int) -> None:
   if model == "wav2vec2":
     fn, args = jaxprec.models.wav2vec2(size, seconds=seconds)
+  elif model == "mlp":
+    fn, args = _mlp()
   else:
     fn, args = jaxprec.models.bert(size)
-  target, mode = "tpu", check_lib.resolve_mode("auto", "tpu")
-  plans = [check_lib.plan(p, target, mode) for p in PRECISIONS]
-  ref_plan = check_lib._reference_plan("float32", target, mode)
+  target, mode = "tpu", numerics.resolve_mode("auto", "tpu")
+  plans = [harness.plan(p, target, mode) for p in PRECISIONS]
+  ref_plan = harness.reference_plan("float32", target, mode)
   print(f"\n== {model} {size}; target {target}, mode {mode}")
 
   # Plain forward passes: the reference and one per precision.
@@ -110,15 +126,15 @@ def bench(model: str, size: str, seconds: float, repeats: int) -> None:
           f"{'<=1.20':>6}  {c / native:18.2f}")
 
   # Memory.
-  call = check_lib._Args(args, {})
-  ref = check_lib._run_reference(fn, call, ref_plan)
-  ref_prog = check_lib._reference_program(fn, call, ref_plan)
+  call = harness.Args(args, {}, who="bench")
+  ref = harness.build_reference(fn, call, "float32", target=target, mode=mode)
+  ref_prog = harness._reference_program(fn, call, ref_plan, None, None)  # noqa: SLF001
   ref_peak = _peak(ref_prog.lower(call.dynamic).compile())
   fwd_peak = {k: _peak(f.lower(*args).compile()) for k, f in fwd.items()}
   cand_peak = {}
   for p in plans:
-    prog = check_lib._candidate_program(fn, call, p, ref)
-    cargs = check_lib._candidate_args(call, ref, 1e-3, 1e-3)
+    prog = harness._candidate_program(fn, call, p, ref, None)  # noqa: SLF001
+    cargs = harness.candidate_args(call, ref, 1e-3, 1e-3)
     cand_peak[p.label] = _peak(prog.lower(*cargs).compile())
   arg_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(args))
   kept = ref.hi.nbytes + (0 if ref.lo is None else ref.lo.nbytes)
@@ -147,13 +163,17 @@ def bench(model: str, size: str, seconds: float, repeats: int) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model", default="wav2vec2", choices=("wav2vec2", "bert"))
+  parser.add_argument("--model", default="wav2vec2", choices=("wav2vec2", "bert", "mlp"))
   parser.add_argument("--sizes", default="small,base",
                       help="comma-separated sizes (tiny, small, base)")
   parser.add_argument("--seconds", type=float, default=1.0,
                       help="audio length for wav2vec2")
   parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--quick", action="store_true",
+                      help="a smoke test that runs in seconds")
   a = parser.parse_args()
+  if a.quick:
+    a.model, a.sizes, a.repeats = "mlp", "-", 1
   print(f"jaxprec {jaxprec.__version__}, jax {jax.__version__}, backend "
         f"{jax.default_backend()}, {os.cpu_count()} CPUs "
         f"({platform.machine()}); precisions: {', '.join(PRECISIONS)}")

@@ -11,7 +11,10 @@ Claims (docs/search.md, jaxprec/_src/search.py):
    under 60 s on 2 CPU cores: its evaluations, wall time and the policy's
    cost relative to float32 are printed next to the uniform policies'.
 
-    python benchmarks/bench_search.py [--policies 4] [--tolerance 1e-3]
+    python benchmarks/bench_search.py [--policies 4] [--tolerance 1e-3] [--quick]
+
+``--quick`` (a smoke test, seconds): one policy each way on a two-layer
+function, and a search on it.
 
 Times include tracing and XLA compilation (what an evaluation costs); the
 policies differ, so nothing is cached between them.
@@ -26,45 +29,40 @@ import statistics
 import time
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 import jaxprec
 import jaxprec.models
-from jaxprec._src import metrics as metrics_lib
-from jaxprec._src import search as search_lib
+from jaxprec._src import harness
 
 
-def per_evaluation(fn, args, n: int) -> None:
-  call = search_lib._Args(args, {})  # noqa: SLF001
-  shapes = jaxprec.named_layers(jax.eval_shape(fn, *args))
-  names = list(shapes)
-  layout = metrics_lib.Layout(tuple(int(np.prod(v.shape))
-                                    for v in shapes.values()))
-  runner = search_lib._Runner(  # noqa: SLF001
-      fn, call, names, layout, "tpu", "emulate")
-  reference = search_lib._float32_reference(fn)  # noqa: SLF001
-  ref = runner.layers_program(reference)(call.dynamic)
-  runner.set_reference(ref)
-  runner.run(jaxprec.Policy.parse("default=float32"))  # compiles the metrics
+def _wav2vec2_policy(i: int, fused: bool) -> str:
+  return (f"default=bfloat16_3x,conv_layers_{i}/conv=bfloat16,"
+          f"layers_{i % 2}/attention={'float32' if fused else 'bfloat16'}")
 
-  def fused(policy):
-    wrapped = runner.wrap(policy)
 
-    def program(dynamic, hi, stats):
-      values = search_lib._select(call.call(wrapped, dynamic), names)  # noqa: SLF001
-      return metrics_lib.layer_stats(values, hi, None, stats, layout,
-                                     atol=0.0, rtol=0.0), values
-    stats, _ = jax.jit(program)(call.dynamic, runner.hi, runner.stats)
-    return metrics_lib.finish(jax.device_get(stats), layout)
+def _quick_policy(i: int, fused: bool) -> str:
+  return f"default={('bfloat16', 'float32')[i % 2]}" if fused else (
+      f"default={('bfloat16_3x', 'tensorfloat32')[i % 2]}")
+
+
+def per_evaluation(fn, args, n: int, make_policy=_wav2vec2_policy) -> None:
+  call = harness.Args(args, {}, who="bench")
+  ref = harness.build_reference(fn, call, "float32", target="tpu",
+                                mode="emulate")
+
+  def run(policy, fused):
+    p = harness.plan(policy, "tpu", "emulate")
+    return harness.run_candidate(fn, call, p, ref, 0.0, 0.0, cache={},
+                                 fused=fused)
+  run(jaxprec.Policy.parse("default=float32"), False)  # compiles the metrics
 
   times: dict[str, list[float]] = {"separate": [], "fused": []}
   for i in range(n):  # interleaved; a new policy (a new compilation) each time
     for kind in ("separate", "fused"):
-      policy = jaxprec.Policy.parse(
-          f"default=bfloat16_3x,conv_layers_{i}/conv=bfloat16,"
-          f"layers_{i % 2}/attention={'float32' if kind == 'fused' else 'bfloat16'}")
+      policy = jaxprec.Policy.parse(make_policy(i, kind == "fused"))
       t0 = time.perf_counter()
-      (runner.run if kind == "separate" else fused)(policy)
+      run(policy, kind == "fused")
       times[kind].append(time.perf_counter() - t0)
   sep, fus = (statistics.median(times[k]) for k in ("separate", "fused"))
   print(f"time per evaluation (median of {n}, compilation included):")
@@ -86,13 +84,30 @@ def whole_search(fn, args, tolerance: float) -> None:
   print(f"  policy: {r.policy}")
 
 
+def _quick_model():
+  def fn(w, x):
+    h = jnp.tanh(x @ w)
+    return {"h": h, "out": jnp.tanh(h @ w)}
+  w = jax.random.normal(jax.random.key(0), (32, 32)) / 6
+  x = jax.random.normal(jax.random.key(1), (4, 32))
+  return fn, (w, x)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--policies", type=int, default=4)
   parser.add_argument("--tolerance", type=float, default=1e-3)
+  parser.add_argument("--quick", action="store_true",
+                      help="a smoke test that runs in seconds")
   ns = parser.parse_args()
   print(f"jax {jax.__version__}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, backend {jax.default_backend()}")
+  if ns.quick:
+    fn, args = _quick_model()
+    print("\n== quick: a two-layer function")
+    per_evaluation(fn, args, 1, _quick_policy)
+    whole_search(fn, args, 1e-4)
+    return
   fn, args = jaxprec.models.wav2vec2("tiny")
   print("\n== wav2vec2 tiny")
   per_evaluation(fn, args, ns.policies)

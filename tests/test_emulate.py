@@ -406,3 +406,10 @@ def test_emulate_warns_once_naming_opaque_ops_and_runs_them_natively():
   k = float(np.float32(8 * (1 + 2.0**-10) ** 2) * 2)
   np.testing.assert_allclose(got, np.full((8, 8), 8 * bf16(np.float32(k)) * 1.0),
                              rtol=0)
+
+
+def test_check_warns_about_opaque_ops_through_emulate():
+  f = _opaque_fn()
+  x = np.ones((8, 8), np.float32)
+  with pytest.warns(jaxprec.OpaqueOpWarning, match=r"pallas_call 'kernel'"):
+    jaxprec.check(f, x, x, precisions=["bfloat16"], mode="emulate")

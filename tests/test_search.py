@@ -304,9 +304,87 @@ def test_native_mode_on_cpu_warns():
 def test_builtin_wav2vec2_tiny():
   import jaxprec.models
   fn, args = jaxprec.models.wav2vec2("tiny")
-  r = jaxprec.search_policy(fn, *args, tolerance=0.05, verbose=False)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no UnusedRuleWarning on a built-in model
+    r = jaxprec.search_policy(fn, *args, tolerance=0.05, verbose=False)
   assert str(r.policy) == "default=bfloat16" and r.evaluations == 1
   assert len(r.units) == 23 and r.units[0] == "conv_layers_0/conv"
+  # check re-checks the searched policy and reproduces the search's figures.
+  c = jaxprec.check(fn, *args, precisions=[r.policy])
+  assert_same_figures(c, r)
+
+
+def assert_same_figures(report, result):
+  """``report`` (a check with the row ``str(result.policy)``) measures what
+  the search's final step measured, layer by layer and metric by metric."""
+  label = str(result.policy)
+  assert report.precisions == (label,)
+  assert [l.name for l in report.layers] == list(result.values)
+  for got, want in zip(report.layers, result.report.layers):
+    g, w = got.metrics[label], want.metrics["policy"]
+    for k in ("rel_rms", "max_abs", "max_rel", "cosine", "sqnr_db"):
+      np.testing.assert_allclose(getattr(g, k), getattr(w, k), rtol=1e-5,
+                                 atol=1e-12, err_msg=f"{got.name} {k}")
+  np.testing.assert_allclose(report.metric(result.metric, label),
+                             list(result.values.values()), rtol=1e-5)
+
+
+def test_check_rechecks_a_mixed_searched_policy(bad100):
+  _, fn, args = MODELS[100.0]
+  assert len(set(levels(bad100).values())) == 2  # a mixed policy
+  c = jaxprec.check(fn, *args, precisions=[bad100.policy])
+  assert_same_figures(c, bad100)
+  # And as the user would paste it: the policy string.
+  c2 = jaxprec.check(fn, *args, precisions=str(bad100.policy))
+  assert c2.metric("rel_rms", str(bad100.policy)) == c.metric(
+      "rel_rms", str(bad100.policy))
+
+
+def test_search_reads_every_reference_check_reads(tmp_path, bad100):
+  _, fn, args = MODELS[100.0]
+  with jax.default_matmul_precision("float32"):
+    ref = jax.jit(fn)(*args)
+  # A file (suffix in upper case), with float64 values and names as
+  # another framework writes them ('/'-separated, matched as check matches).
+  path = tmp_path / "torch.NPZ"
+  with open(path, "wb") as f:
+    np.savez(f, **{f"/{k}": np.asarray(v, np.float64) for k, v in ref.items()})
+  r = search(100.0, reference=path)
+  assert str(r.policy) == str(bad100.policy)
+  assert r.report.reference == f"file:{path}"
+  np.testing.assert_allclose(list(r.values.values()),
+                             list(bad100.values.values()), rtol=1e-5)
+  # float64, computed.
+  r64 = search(100.0, reference="float64", layers=["layer_5"])
+  assert list(r64.values) == ["layer_5"]
+  np.testing.assert_allclose(r64.values["layer_5"], bad100.values["layer_5"],
+                             rtol=1e-2)
+  with pytest.raises(ValueError, match=r"Cannot read the reference file"):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    search(100.0, reference=bad)
+
+
+def test_numpy_float64_arguments_with_x64_off():
+  _, fn, (params, x) = MODELS[100.0]
+  params64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  r = search(100.0)
+  r64 = jaxprec.search_policy(fn, params64, np.asarray(x, np.float64),
+                              tolerance=TOL, verbose=False)
+  assert str(r64.policy) == str(r.policy)
+  assert r64.values == r.values
+
+
+def test_search_keeps_no_argument_alive():
+  import gc
+  import weakref
+  _, fn, (params, x) = MODELS[0.0]
+  x = jnp.asarray(np.asarray(x)) + 0
+  ref = weakref.ref(x)
+  jaxprec.search_policy(fn, params, x, tolerance=TOL, verbose=False)
+  del x
+  gc.collect()
+  assert ref() is None
 
 
 def test_builtin_bert_tiny_cheaper_than_uniform():

@@ -110,3 +110,17 @@ def test_divergence_step_definition():
   assert divergence_step([1.0, math.inf], [1.0, math.inf]) is None
   assert divergence_step([0.0, 2e-13], [0.0, 0.0], 0.1) == 1  # floor 1e-12
   np.testing.assert_equal(divergence_step([], []), None)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", None, optax.sgd])
+def test_optimizer_must_be_a_gradient_transformation(optimizer):
+  with pytest.raises(TypeError, match=r"optimizer must be an "
+                     r"optax.GradientTransformation .* got "):
+    jaxprec.check_training(loss_fn, PARAMS, BATCHES, optimizer)
+
+
+@pytest.mark.parametrize("precisions", [None, 3])
+def test_precisions_must_be_names_or_policies(precisions):
+  with pytest.raises(TypeError, match=rf"precisions must be .* got {precisions}"):
+    jaxprec.check_training(loss_fn, PARAMS, BATCHES, optax.sgd(0.1),
+                           precisions=precisions)

@@ -329,7 +329,8 @@ def _rows(closed, module_paths: dict[str, str] | None = None,
     depth = len(w.scope)
     relative = compat.eqn_name_stack(eqn)
     path = _join(prefix.get(depth, ""), relative)
-    module = flax_paths.lookup(relative, module_paths or {})
+    module = flax_paths.lookup(relative, module_paths or {},
+                               module_prefix.get(depth, ""))
     if module is None:
       module = module_prefix.get(depth, "")
     module_prefix[depth + 1] = module

@@ -32,9 +32,6 @@ TPU ``'bfloat16_3x'`` and ``'tensorfloat32'`` are the same row; the report's
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -52,34 +49,11 @@ from jaxprec._src.reference import ReferenceMismatchError, save_layers
 from jaxprec._src.report import DivergenceReport, LayerResult
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_PRECISIONS", "DEFAULT_RTOL",
-           "ReferenceMismatchError", "check", "check_module", "check_tolerance",
-           "named_layers", "plan", "save_layers"]
+           "ReferenceMismatchError", "check", "check_module", "named_layers",
+           "plan", "save_layers"]
 
 DEFAULT_ATOL = 1e-3
 DEFAULT_RTOL = 1e-3
-_HAS_FLOOR = "floor" in {f.name for f in dataclasses.fields(DivergenceReport)}
-
-
-def check_tolerance(name: str, value: Any) -> float:
-  """``value`` as a float >= 0 (inf allowed); TypeError/ValueError naming it.
-
-  Examples:
-    >>> from jaxprec._src.check import check_tolerance
-    >>> check_tolerance("atol", 1e-3)
-    0.001
-    >>> check_tolerance("rtol", None)
-    Traceback (most recent call last):
-    ...
-    TypeError: rtol must be a number >= 0, e.g. rtol=1e-3; got None of type NoneType.
-  """
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{name} must be a number >= 0, e.g. {name}=1e-3; got "
-                    f"{value!r} of type {type(value).__name__}.")
-  v = float(value)
-  if math.isnan(v) or v < 0:
-    raise ValueError(f"{name} must be a number >= 0, e.g. {name}=1e-3; got "
-                     f"{value!r}.")
-  return v
 
 
 def check(fn: Callable[..., Any], *args: Any,
@@ -178,7 +152,8 @@ def check(fn: Callable[..., Any], *args: Any,
                     f"{type(fn).__name__}")
   target = numerics.check_target(target)
   mode = numerics.resolve_mode(mode, target)
-  atol, rtol = check_tolerance("atol", atol), check_tolerance("rtol", rtol)
+  atol = metrics_lib.check_tolerance("atol", atol)
+  rtol = metrics_lib.check_tolerance("rtol", rtol)
   external = not harness.is_computed(reference)
   if external and precisions is DEFAULT_PRECISIONS:
     precisions = (harness.FLOOR, *DEFAULT_PRECISIONS)
@@ -215,21 +190,17 @@ def check(fn: Callable[..., Any], *args: Any,
       p.emulate_target == "gpu" for p in plans):
     notes.append("'tensorfloat32' shows TF32 (GPU) numerics; on a TPU JAX's "
                  "tensorfloat32 level is 3 bfloat16 passes, like 'bfloat16_3x'")
-  if floor is not None:
-    notes.append(f"{floor!r} is the framework floor: JAX's float32 against the "
-                 f"external reference; no precision can do better")
   layers = tuple(
       LayerResult(name=n, shape=s, dtype=d,
                   metrics={p.label: results[p.label][i] for p in plans})
       for i, (n, s, d) in enumerate(zip(ref.names, ref.shapes, ref.dtypes)))
   numerics_ = {p.label: p.description for p in plans}
-  extra = {"floor": floor} if _HAS_FLOOR else {}
   return DivergenceReport(
       layers=layers, precisions=tuple(p.label for p in plans),
       reference=ref.name, target=target, mode=mode, backend=backend,
       atol=atol, rtol=rtol,
       numerics={**numerics_, "(reference)": ref.description},
-      notes=tuple(notes), seconds=seconds, **extra)
+      notes=tuple(notes), seconds=seconds, floor=floor)
 
 
 def _linen_intermediates(tree: Any, path: tuple[str, ...], out: dict) -> None:

@@ -434,7 +434,9 @@ def _check(ns: argparse.Namespace) -> int:
                       "MODULE:FUNCTION (not both)")
   if ns.size is not None and ns.model not in _MODELS:
     raise _UsageError(f"--size applies to --model {' or '.join(_MODELS)} only")
-  precisions = ("bfloat16", "bfloat16_3x", "tensorfloat32")
+  from jaxprec._src import check as check_lib
+  # check's own default: with an external reference it adds the float32 floor.
+  precisions = check_lib.DEFAULT_PRECISIONS
   if ns.precisions is not None:
     precisions = tuple(p.strip() for p in ns.precisions.split(",") if p.strip())
     if not precisions:
@@ -465,7 +467,6 @@ def _check(ns: argparse.Namespace) -> int:
     if v is not None and not v >= 0:
       raise _UsageError(f"--{name} must be >= 0, got {v}")
   enforce = ns.atol is not None or ns.rtol is not None
-  from jaxprec._src import check as check_lib
   tol = {"atol": check_lib.DEFAULT_ATOL if ns.atol is None else ns.atol,
          "rtol": check_lib.DEFAULT_RTOL if ns.rtol is None else ns.rtol}
   if ns.atol is None and ns.rtol is not None:

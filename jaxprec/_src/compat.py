@@ -125,6 +125,13 @@ def shard_map_add_replicated_inputs(params: dict, n: int) -> dict:
   return params
 
 
+def _rewritten_body(call_jaxpr: ClosedJaxpr, rule, eval_fn):
+  """A custom_*_call's body as a WrappedFun that evaluates it with ``rule``."""
+  return wrap_init(
+      lambda *a: eval_fn(call_jaxpr.jaxpr, call_jaxpr.consts, rule, a),
+      debug_info=call_jaxpr.jaxpr.debug_info)
+
+
 def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
   """Bind params of a custom_jvp_call whose body and JVP are both rewritten."""
   from jax._src import custom_derivatives as cd
@@ -132,9 +139,7 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
   call_jaxpr = params.pop("call_jaxpr")
   num_consts = params.pop("num_consts")
   jvp_jaxpr_fun = params.pop("jvp_jaxpr_fun")
-  fun = wrap_init(
-      lambda *a: eval_fn(call_jaxpr.jaxpr, call_jaxpr.consts, rule, a),
-      debug_info=call_jaxpr.jaxpr.debug_info)
+  fun = _rewritten_body(call_jaxpr, rule, eval_fn)
 
   # As jax._src.custom_derivatives.lift_jvp, evaluating with the rule.
   def jvp(*xs):
@@ -163,9 +168,7 @@ def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:
   num_consts = params.pop("num_consts")
   fwd_jaxpr_thunk = params.pop("fwd_jaxpr_thunk")
   bwd = params.pop("bwd")
-  fun = wrap_init(
-      lambda *a: eval_fn(call_jaxpr.jaxpr, call_jaxpr.consts, rule, a),
-      debug_info=call_jaxpr.jaxpr.debug_info)
+  fun = _rewritten_body(call_jaxpr, rule, eval_fn)
 
   # As jax._src.custom_derivatives.lift_fwd, evaluating with the rule.
   def fwd(*args):

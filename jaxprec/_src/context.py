@@ -62,7 +62,7 @@ def _warn_preset_once(p: Precision) -> None:
 
 def _conv_rule(p: Precision) -> walker.Rule:
   """Rewrites convs that recorded a preset to the preset's level."""
-  level = (p.level, p.level)
+  level = (numerics.per_op(p, "conv"),) * 2  # a preset: its level
 
   def rule(eqn, invals):
     if (eqn.primitive is lax.conv_general_dilated_p

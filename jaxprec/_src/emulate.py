@@ -172,7 +172,7 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
     return fn
   cache: dict[Any, Any] = {}
   warned: set[str] = set()
-  recorder = None if policy is None else policy_lib.Recorder(policy)
+  recorder = None if policy is None else flax_scope.Recorder(policy)
   what = getattr(fn, "__qualname__", type(fn).__name__)
   traced = nnx_policy.bind(fn, policy, recorder)  # NNX path rules
 
@@ -217,7 +217,7 @@ def _warn_opaque(found: list[str], warned: set[str], what: str) -> None:
 
 
 def _record_unset(closed, policy: policy_lib.Policy,
-                  recorder: policy_lib.Recorder) -> None:
+                  recorder: flax_scope.Recorder) -> None:
   """Records the policy's decision for ops that recorded no precision."""
   seen = set()
   for w in walker.iter_eqns(closed):

@@ -82,7 +82,7 @@ from jax import lax
 from jaxprec._src import compat
 from jaxprec._src import walker
 from jaxprec._src.numerics import (ALGORITHMS, EMULATION_TARGETS, PASSES,
-                                   algorithm_for, check_target,
+                                   PRIMITIVES, algorithm_for, check_target,
                                    emulatable)
 from jaxprec._src.precision import PrecisionLike
 from jaxprec._src.rounding import round_to, split_bf16, split_tf32
@@ -96,7 +96,7 @@ __all__ = ["ALGORITHMS", "MARKER", "TARGETS", "TF32_ROUNDINGS", "algorithm_for",
 
 TARGETS = EMULATION_TARGETS
 TF32_ROUNDINGS = ("nearest", "nearest_away", "truncate")
-OPS = ("dot_general", "conv_general_dilated")
+OPS = tuple(PRIMITIVES)  # the primitives emulated, from the one table
 # The explicit mark of jaxprec's own emulated ops: every emulated op is bound
 # inside ``jax.named_scope(MARKER)``, which JAX keeps on the equation's name
 # stack through jit, grad, vmap and scan (tested). ``jaxprec.emulate`` leaves

@@ -40,7 +40,6 @@ from jaxprec._src import policy as policy_lib
 from jaxprec._src import reference as reference_lib
 from jaxprec._src import trees
 from jaxprec._src.emulate import emulate
-from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.policy import Policy
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
@@ -169,14 +168,13 @@ class Plan:
 def _native_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
   """``fn`` run natively under ``policy`` (as :func:`jaxprec.swap` runs models)."""
   outside = policy.precision_for("", None, "dot")
-  bound = nnx_policy.bind(fn, policy)  # NNX path rules
 
   @functools.wraps(fn)
   def run(*args, **kwargs):
     flag = (contextlib.nullcontext() if outside is None
             else jax.default_matmul_precision(outside.flag))
     with flag, flax_scope.policy_scope(policy):
-      return bound(*args, **kwargs)
+      return fn(*args, **kwargs)
   return run
 
 
@@ -211,7 +209,7 @@ def plan(precision: PrecisionLike | Policy, target: str, mode: str,
     >>> plan("float32", "tpu", "emulate").algorithm
     'bf16x6'
     >>> plan("default=bf16,dense=float32", "tpu", "emulate").label
-    'dense=float32,default=bfloat16'
+    'default=bfloat16,dense=float32'
   """
   if isinstance(precision, Policy) or (isinstance(precision, str)
                                        and "=" in precision):

@@ -3,7 +3,8 @@
 Three parts, so that only scalars leave the device:
 
 * :func:`reference_stats` (once per check) and :func:`layer_stats` (once per
-  precision) run inside ``jax.jit``: all layers, packed into one array (see
+  precision), in :mod:`jaxprec._src.metric_stats` and importable from here,
+  run inside ``jax.jit``: all layers, packed into one array (see
   :class:`Layout`), are reduced to a few numbers per layer (sums, maxima,
   counts, a histogram for the ULP median) next to the computation that
   produced them;

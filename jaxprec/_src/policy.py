@@ -31,8 +31,6 @@ import dataclasses
 import difflib
 import functools
 import re
-import threading
-import warnings
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -582,40 +580,3 @@ class PolicyReport:
     lines.append("unused rules: " + (", ".join(str(r) for r in unused)
                                      if unused else "none"))
     return "\n".join(lines)
-
-
-class Recorder:
-  """Collects a policy's decisions (thread-safe) and warns once per unused rule."""
-
-  def __init__(self, policy: Policy):
-    self.policy = policy
-    self._lock = threading.Lock()
-    self._counts: dict[tuple, int] = {}
-    self._warned: set[Rule] = set()
-
-  def record(self, path: str, module_type: str | None, op: str,
-             precision: Precision | None, rule: Rule | None) -> None:
-    key = (path, module_type, op, precision, rule)
-    with self._lock:
-      self._counts[key] = self._counts.get(key, 0) + 1
-
-  def report(self) -> PolicyReport:
-    with self._lock:
-      items = list(self._counts.items())
-    return PolicyReport(policy=self.policy, matches=tuple(
-        PolicyMatch(path=k[0], module_type=k[1], op=k[2], precision=k[3],
-                    rule=k[4], calls=n) for k, n in items))
-
-  def warn_unused(self, what: str = "the model", stacklevel: int = 3) -> None:
-    unused = self.report().unused_rules
-    with self._lock:
-      new = [r for r in unused if r not in self._warned]
-      self._warned.update(new)
-    if new:
-      warnings.warn(
-          f"jaxprec policy rules that decided the precision of nothing in "
-          f"{what}: {', '.join(repr(str(r)) for r in new)}. A rule is unused "
-          f"when it matches no module (check paths with jaxprec.audit(...) "
-          f"rows' .module_path) or only modules an earlier rule matched. "
-          f"See jaxprec.policy_report(...).",
-          UnusedRuleWarning, stacklevel=stacklevel)

@@ -177,10 +177,10 @@ def _rich_table(report: Any):
     if j >= 3:
       p, _, m = c.rpartition(" ")
       c = f"{p}\n{m}"
-    table.add_column(c, justify="left" if j in (1, 2) else "right",
+    # Text, not a string: "[floor]" and names are not rich markup.
+    table.add_column(Text(c), justify="left" if j in (1, 2) else "right",
                      no_wrap=True)
   for r in _rows(report):
-    # Cells are literal text: no rich markup in layer names is interpreted.
     table.add_row(*[Text(c, style="bold red") if c.endswith(" !") or " ! " in c
                     else Text(c) for c in r])
   return table

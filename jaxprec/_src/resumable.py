@@ -81,6 +81,7 @@ def wrap(fn: Callable[..., Any], scope: Scope) -> Callable[..., Any]:
     >>> g = wrap(gen, lambda: jax.default_matmul_precision("float32"))()
     >>> next(g), jaxprec.current().name, next(g)
     ('float32', 'backend-default', 'float32')
+    >>> g.close()
   """
   what = kind(fn)
   if what == "generator":

@@ -168,8 +168,12 @@ class _Runner:
   """Evaluates policies with the shared harness: one program per policy.
 
   Each policy compiles one program (``jax.jit`` of the emulated, or native,
-  function with the metrics inside, as :func:`jaxprec.check` runs a row),
-  kept for this search only; only per-layer scalars reach the host.
+  function, as :func:`jaxprec.check` runs a row), kept for this search only;
+  the metrics are a second program, compiled once per layout, so the layers
+  stay on the device and only per-layer scalars reach the host. (Fusing both
+  into one program, as ``check`` does for programs it reuses, made every
+  evaluation about 1.4x to 1.8x slower on the built-in tiny Wav2Vec2:
+  ``benchmarks/bench_search.py``.)
   """
 
   def __init__(self, fn, call: harness.Args, ref: harness.Reference,
@@ -182,7 +186,7 @@ class _Runner:
   def run(self, policy: Policy) -> list[metrics_lib.LayerMetrics]:
     p = harness.plan(policy, self.target, self.mode)
     return harness.run_candidate(self.fn, self.call, p, self.ref, 0.0, 0.0,
-                                 cache=self._programs)
+                                 cache=self._programs, fused=False)
 
 
 def _check_layers(layers: Any, names: Sequence[str]) -> list[str]:

@@ -9,7 +9,8 @@ from jax import lax
 
 from jaxprec._src import check as check_lib
 from jaxprec._src.precision import PrecisionLike
-from jaxprec._src.report import DivergenceReport, _fmt
+from jaxprec._src.render import fmt as _fmt
+from jaxprec._src.report import DivergenceReport
 
 __all__ = ["assert_precision_robust"]
 

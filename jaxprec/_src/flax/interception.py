@@ -35,29 +35,22 @@ import jax
 from flax import linen as nn
 
 from jaxprec._src import numerics
-from jaxprec._src.flax.nnx_policy import is_attention_name
+from jaxprec._src.flax.nnx_policy import classify
 from jaxprec._src.flax.state import ActiveScope, active
 
 __all__ = ["classify_linen", "intercept"]
 
 
+_LINEN_TYPES = ((nn.MultiHeadDotProductAttention, "Attention"),
+                (nn.ConvTranspose, "ConvTranspose"),
+                ((nn.Conv, nn.ConvLocal), "Conv"),
+                (nn.DenseGeneral, "DenseGeneral"), (nn.Dense, "Dense"),
+                (nn.Einsum, "Einsum"))
+
+
 def classify_linen(module: nn.Module) -> tuple[str | None, str]:
   """``(module type, op kind)`` of a linen module; type None for other modules."""
-  if isinstance(module, nn.MultiHeadDotProductAttention):
-    return "Attention", "attention"
-  if isinstance(module, nn.ConvTranspose):
-    return "ConvTranspose", "conv"
-  if isinstance(module, (nn.Conv, nn.ConvLocal)):
-    return "Conv", "conv"
-  if isinstance(module, nn.DenseGeneral):
-    return "DenseGeneral", "dot"
-  if isinstance(module, nn.Dense):
-    return "Dense", "dot"
-  if isinstance(module, nn.Einsum):
-    return "Einsum", "dot"
-  if is_attention_name(type(module)):
-    return "Attention", "attention"
-  return None, "dot"
+  return classify(module, _LINEN_TYPES)
 
 
 @contextlib.contextmanager

@@ -20,20 +20,22 @@ This module imports Flax only when called with NNX objects; it never imports
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 from jax import lax
 
 from jaxprec._src import numerics
-from jaxprec._src.policy import Policy, Recorder
+from jaxprec._src.flax.state import Recorder
+from jaxprec._src.policy import Policy
 from jaxprec._src.precision import Precision, resolve
 
-__all__ = ["PrecisionScoped", "bind", "classify_nnx", "decide",
+__all__ = ["PrecisionScoped", "bind", "classify", "classify_nnx", "decide",
            "is_attention_name", "per_op_precision", "set_precision"]
 
 
@@ -64,24 +66,39 @@ def is_attention_name(cls: type) -> bool:
   return "Attention" in cls.__name__
 
 
-def classify_nnx(module: Any) -> tuple[str | None, str]:
-  """``(module type, op kind)`` of an NNX module; type None for other modules."""
-  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
-  if isinstance(module, nnx.MultiHeadAttention):
-    return "Attention", "attention"
-  if isinstance(module, nnx.ConvTranspose):
-    return "ConvTranspose", "conv"
-  if isinstance(module, nnx.Conv):
-    return "Conv", "conv"
-  if isinstance(module, nnx.LinearGeneral):
-    return "DenseGeneral", "dot"
-  if isinstance(module, nnx.Linear):
-    return "Dense", "dot"
-  if isinstance(module, nnx.Einsum):
-    return "Einsum", "dot"
+def classify(module: Any, table: Sequence[tuple[Any, str]]
+             ) -> tuple[str | None, str]:
+  """``(module type, op kind)`` of a Flax module; type None for other modules.
+
+  The type is that of the first ``(classes, type)`` row of ``table`` whose
+  classes ``module`` is an instance of, else ``'Attention'`` for a class named
+  so (:func:`is_attention_name`). The op kind follows from the type:
+  ``'attention'`` for attention modules, ``'conv'`` for convolutions,
+  ``'dot'`` for the rest.
+  """
+  for classes, module_type in table:
+    if isinstance(module, classes):
+      return module_type, _KINDS.get(module_type, "dot")
   if is_attention_name(type(module)):
     return "Attention", "attention"
   return None, "dot"
+
+
+_KINDS = {"Attention": "attention", "Conv": "conv", "ConvTranspose": "conv"}
+
+
+@functools.cache
+def _nnx_types() -> tuple[tuple[Any, str], ...]:
+  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
+  return ((nnx.MultiHeadAttention, "Attention"),
+          (nnx.ConvTranspose, "ConvTranspose"), (nnx.Conv, "Conv"),
+          (nnx.LinearGeneral, "DenseGeneral"), (nnx.Linear, "Dense"),
+          (nnx.Einsum, "Einsum"))
+
+
+def classify_nnx(module: Any) -> tuple[str | None, str]:
+  """``(module type, op kind)`` of an NNX module (:func:`classify`)."""
+  return classify(module, _nnx_types())
 
 
 def decide(model: Any, policy: Policy, recorder: Recorder | None

@@ -72,16 +72,20 @@ class ModulePaths:
 
 
 @contextlib.contextmanager
-def record() -> Iterator[dict[str, str]]:
+def record() -> Iterator[dict[str, list[str]]]:
   """Records, while tracing, the JAX name stack of every linen module call.
 
   Yields a dict filled as modules run: the name stack (as text, relative to
   the jaxpr being traced, as equations record it) of each module method call
-  -> that module's path (:func:`join` of :meth:`ModulePaths.of`). Flax's named
-  scopes are switched on for the block so that equations carry their modules'
-  names. Without Flax linen imported, the dict stays empty.
+  -> the paths (:func:`join` of :meth:`ModulePaths.of`) of the modules called
+  with that name stack, in first-call order. Several modules share a relative
+  name stack when they run in different sub-jaxprs (``nn.remat(Dense)(name=
+  'rem')`` in two parents: ``'rem'`` in each); :func:`lookup` tells them
+  apart. Flax's named scopes are switched on for the block so that equations
+  carry their modules' names. Without Flax linen imported, the dict stays
+  empty.
   """
-  found: dict[str, str] = {}
+  found: dict[str, list[str]] = {}
   if "flax.linen" not in sys.modules:
     yield found
     return
@@ -91,7 +95,9 @@ def record() -> Iterator[dict[str, str]]:
 
   def interceptor(next_fun, args, kwargs, context):
     path = paths.of(context.module)
-    found.setdefault(compat.current_name_stack(), join(path))
+    seen = found.setdefault(compat.current_name_stack(), [])
+    if join(path) not in seen:
+      seen.append(join(path))
     with paths.entered(path):
       return next_fun(*args, **kwargs)
 
@@ -103,11 +109,25 @@ def record() -> Iterator[dict[str, str]]:
     yield found
 
 
-def lookup(name_stack: str, found: dict[str, str]) -> str | None:
-  """Path of the innermost recorded module call enclosing ``name_stack``
-  (a relative name stack as an equation records it); None if none."""
+def lookup(name_stack: str, found: dict[str, list[str]],
+           within: str = "") -> str | None:
+  """The module path of an equation, from what :func:`record` found.
+
+  Args:
+    name_stack: the equation's name stack, relative to its jaxpr.
+    found: the dict :func:`record` filled.
+    within: the module path of the equation that holds the jaxpr (``''`` at
+      the top): the equation's module is inside it.
+
+  Returns:
+    The path of the innermost recorded module call enclosing ``name_stack``
+    that lies within ``within`` (the first recorded if several do); None if
+    none.
+  """
   while True:
-    hit = found.get(name_stack)
-    if hit is not None or "/" not in name_stack:
-      return hit
+    for path in found.get(name_stack, ()):
+      if not within or path == within or path.startswith(within + "/"):
+        return path
+    if "/" not in name_stack:
+      return None
     name_stack = name_stack.rsplit("/", 1)[0]

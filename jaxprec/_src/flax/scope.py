@@ -16,10 +16,10 @@ import jax
 
 from jaxprec._src import compat
 from jaxprec._src.flax import state
-from jaxprec._src.flax.state import ActiveScope, active
-from jaxprec._src.policy import Policy, Recorder
+from jaxprec._src.flax.state import ActiveScope, Recorder, active
+from jaxprec._src.policy import Policy
 
-__all__ = ["ActiveScope", "active", "policy_scope"]
+__all__ = ["ActiveScope", "Recorder", "active", "policy_scope"]
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """The runtime state of a policy in force: typed, thread-local.
 
 :func:`jaxprec._src.flax.scope.policy_scope` pushes an :class:`ActiveScope`;
-the linen interceptor reads it. No Flax here.
+the linen interceptor reads it; a :class:`Recorder` collects what the policy
+decided (for :func:`jaxprec.policy_report`). No Flax here.
 """
 
 from __future__ import annotations
@@ -9,13 +10,54 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from jaxprec._src.flax.paths import ModulePaths
-from jaxprec._src.policy import Policy, Recorder
+from jaxprec._src.flax.paths import ModulePaths, join
+from jaxprec._src.policy import (Policy, PolicyMatch, PolicyReport, Rule,
+                                 UnusedRuleWarning)
+from jaxprec._src.precision import Precision
 
-__all__ = ["ActiveScope", "active", "pushed", "recording"]
+__all__ = ["ActiveScope", "Recorder", "active", "pushed", "recording"]
+
+
+class Recorder:
+  """Collects a policy's decisions (thread-safe) and warns once per unused rule."""
+
+  def __init__(self, policy: Policy):
+    self.policy = policy
+    self._lock = threading.Lock()
+    self._counts: dict[tuple, int] = {}
+    self._warned: set[Rule] = set()
+
+  def record(self, path: str, module_type: str | None, op: str,
+             precision: Precision | None, rule: Rule | None) -> None:
+    key = (path, module_type, op, precision, rule)
+    with self._lock:
+      self._counts[key] = self._counts.get(key, 0) + 1
+
+  def report(self) -> PolicyReport:
+    with self._lock:
+      items = list(self._counts.items())
+    return PolicyReport(policy=self.policy, matches=tuple(
+        PolicyMatch(path=k[0], module_type=k[1], op=k[2], precision=k[3],
+                    rule=k[4], calls=n) for k, n in items))
+
+  def warn_unused(self, what: str = "the model", stacklevel: int = 3) -> None:
+    unused = self.report().unused_rules
+    with self._lock:
+      new = [r for r in unused if r not in self._warned]
+      self._warned.update(new)
+    if new:
+      warnings.warn(
+          f"jaxprec policy rules that decided the precision of nothing in "
+          f"{what}: {', '.join(repr(str(r)) for r in new)}. A rule is unused "
+          f"when it matches no module (check paths with jaxprec.audit(...) "
+          f"rows' .module_path) or only modules an earlier rule matched. "
+          f"See jaxprec.policy_report(...).",
+          UnusedRuleWarning, stacklevel=stacklevel)
+
 
 _local = threading.local()
 
@@ -51,7 +93,7 @@ class ActiveScope:
   def relative(self, path: tuple[str, ...]) -> str:
     """``path`` as the policy sees it: relative to :attr:`root_path`."""
     root = self.root_path or ()
-    return "/".join(path[len(root):] if path[:len(root)] == root else path)
+    return join(path[len(root):] if path[:len(root)] == root else path)
 
 
 def active() -> ActiveScope | None:

@@ -33,6 +33,7 @@ from typing import Any
 from jaxprec._src import numerics
 from jaxprec._src import policy as policy_lib
 from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.flax.scope import policy_scope
 from jaxprec._src.policy import PolicyLike, PolicyReport
 
@@ -46,7 +47,7 @@ class _SwapConfig:
   policy: policy_lib.Policy
   emulate: bool
   target: str
-  recorder: policy_lib.Recorder
+  recorder: flax_scope.Recorder
   what: str
 
 
@@ -171,7 +172,7 @@ def policy_report(model: Any) -> PolicyReport:
   return rec.report()
 
 
-def _recorder(model: Any) -> policy_lib.Recorder | None:
+def _recorder(model: Any) -> flax_scope.Recorder | None:
   cfg = getattr(type(model), "_jaxprec_swap", None)
   if isinstance(cfg, _SwapConfig):
     return cfg.recorder
@@ -180,7 +181,7 @@ def _recorder(model: Any) -> policy_lib.Recorder | None:
   if isinstance(cfg, _SwapConfig):
     return cfg.recorder
   rec = getattr(model, "_jaxprec_recorder", None)
-  if isinstance(rec, policy_lib.Recorder):
+  if isinstance(rec, flax_scope.Recorder):
     return rec
   try:
     return _NNX_RECORDERS.get(model)
@@ -196,7 +197,7 @@ def _swap_linen(module, policy, emulate: bool, target: str):
   base = getattr(type(module), "_jaxprec_base", type(module))
   what = f"{base.__name__} (jaxprec.swap)"
   cfg = _SwapConfig(policy=policy, emulate=emulate, target=target,
-                    recorder=policy_lib.Recorder(policy), what=what)
+                    recorder=flax_scope.Recorder(policy), what=what)
   cls = _swapped_class(base, cfg)
   fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
             if f.init and f.name != "parent"}
@@ -257,7 +258,7 @@ def _swap_nnx(model, policy, emulate: bool, target: str):
   from jaxprec._src.flax import nnx as nnx_modules
 
   new = nnx.clone(model)
-  recorder = policy_lib.Recorder(policy)
+  recorder = flax_scope.Recorder(policy)
   for node, p, _ in nnx_policy.decide(new, policy, recorder):
     keep = not emulate  # a jaxprec layer built with emulate=True stays emulated
     nnx_modules.configure(
