@@ -29,7 +29,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 import jaxprec
 import jaxprec.models
@@ -84,15 +83,6 @@ def whole_search(fn, args, tolerance: float) -> None:
   print(f"  policy: {r.policy}")
 
 
-def _quick_model():
-  def fn(w, x):
-    h = jnp.tanh(x @ w)
-    return {"h": h, "out": jnp.tanh(h @ w)}
-  w = jax.random.normal(jax.random.key(0), (32, 32)) / 6
-  x = jax.random.normal(jax.random.key(1), (4, 32))
-  return fn, (w, x)
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--policies", type=int, default=4)
@@ -103,7 +93,8 @@ def main() -> None:
   print(f"jax {jax.__version__}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, backend {jax.default_backend()}")
   if ns.quick:
-    fn, args = _quick_model()
+    from bench_check import _mlp  # noqa: PLC0415 -- the same smoke-test function
+    fn, args = _mlp()
     print("\n== quick: a two-layer function")
     per_evaluation(fn, args, 1, _quick_policy)
     whole_search(fn, args, 1e-4)

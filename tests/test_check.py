@@ -421,8 +421,10 @@ def test_transformers_flax_bert_hidden_states(hf):
 
 
 def test_transposed_bf16_matmul_runs_on_xla_cpu():
-  # XLA:CPU folds the transpose into the emulated bfloat16 dot and then
-  # refuses to run it; check compiles such a program again without that fold.
+  # XLA:CPU would fold the transpose into the emulated bfloat16 dot and then
+  # refuse to run it ("Unsupported element type for DotThunk"); the
+  # emulation's reduce_precision guard (emulated_ops) prevents the fold, so
+  # the checker needs no retry without XLA's algebraic simplifier.
   r = jaxprec.check(lambda x: {"t": (x @ W[0]).T}, X, precisions=["bf16"],
                     mode="emulate")
   assert 1e-4 < r.layers[0].metrics["bf16"].rel_rms < 1e-2
@@ -475,6 +477,33 @@ def test_policy_rows_on_a_linen_model_match_emulate():
   # 'b' at float32 (6 passes) adds little to what 'a' at bfloat16 brought in.
   a, b = r.metric("rel_rms", text)
   assert 1e-4 < a < 1e-2 and b < 2 * a
+
+
+def test_policy_rows_on_an_nnx_model_match_emulate():
+  from flax import nnx
+
+  class Two(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(48, 48, rngs=rngs)
+      self.b = nnx.Linear(48, 48, rngs=rngs)
+
+    def __call__(self, x):
+      h = jnp.tanh(self.a(x))
+      return {"b": jnp.tanh(self.b(h)), "a": h}  # not in sorted order
+  model = Two(nnx.Rngs(0))
+  text = "default=bfloat16,a=float32"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the rule 'a' is used
+    r = jaxprec.check(model, X, precisions=[text, "bf16"], mode="emulate")
+  assert [l.name for l in r.layers] == ["b", "a"]
+  with jax.default_matmul_precision("float32"):
+    ref = model(X)
+  got = jaxprec.emulate(model, text)(X)
+  np.testing.assert_allclose(r.metric("rel_rms", text),
+                             [_rel_rms(got[k], ref[k]) for k in ("b", "a")],
+                             rtol=1e-4)
+  # 'a' at float32 (6 passes) is far closer than all-bfloat16.
+  assert r.metric("rel_rms", text)[1] < 1e-3 * r.metric("rel_rms", "bf16")[1]
 
 
 # -- Caches hold no user arrays (issue 12, item 7) -----------------------------

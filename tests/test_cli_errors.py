@@ -265,7 +265,8 @@ def test_numpy_float64_arguments_are_accepted(project, capsys):
 
 
 @pytest.mark.parametrize("reference, fragments", [
-    ("ref.npy", ["'ref.npy'", ".npz", ".safetensors"]),
+    ("ref.txt", ["'ref.txt'", ".npz", ".npy", ".safetensors"]),
+    ("ref.h5", ["'ref.h5'", ".npz", ".npy", ".safetensors"]),
     ("missing.npz", ["'missing.npz'", "no such reference file"]),
     ("sub/missing.safetensors", ["'sub/missing.safetensors'", "no such"]),
     ("corrupt.npz", ["'corrupt.npz'", ".npz", ".safetensors"]),
@@ -274,7 +275,7 @@ def test_numpy_float64_arguments_are_accepted(project, capsys):
 ])
 def test_bad_reference_files_exit_2_naming_the_file(project, capsys, reference,
                                                     fragments):
-  np.save(project / "ref.npy", np.zeros((4, 32), np.float32))
+  (project / "ref.txt").write_text("0 1 2")
   (project / "corrupt.npz").write_bytes(b"PK\x03\x04 this is not a zip file")
   (project / "CORRUPT.NPZ").write_bytes(b"garbage")
   np.savez(project / "pickled.npz", h=np.array([{"a": 1}], dtype=object))
@@ -293,3 +294,12 @@ def test_upper_case_npz_reference_is_read(project, capsys):
   # The file is read (no "Invalid precision"); its numbers are unrelated to
   # the model's, so this only checks that the check ran against the file.
   assert rc == 0, err
+
+
+def test_npy_reference_is_read_as_the_one_layer(project, capsys):
+  np.save(project / "ref.npy", np.zeros((4, 32), np.float32))
+  rc, out, err = run(capsys, "check", "clierr_model:make", "--reference",
+                     "ref.npy", "--precisions", "bf16", "--out", "rn", "--json")
+  assert rc == 0, err
+  import json
+  assert json.loads(out)["reference"] == "file:ref.npy"

@@ -349,6 +349,6 @@ def test_split_modules_and_old_import_paths():
   assert report.TrainingReport is training_report.TrainingReport
   assert report.maybe_progress is progress.maybe_progress
   assert report.Progress is progress.Progress
-  assert report.encode_float(float("inf")) == "inf"
+  assert render.encode_float(float("inf")) == "inf"
   assert render.decode_float("-inf") == -math.inf
   assert render.fmt(1.5e-3) == "1.50e-03"

@@ -314,7 +314,7 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
 # Rows.
 
 
-def _rows(closed, module_paths: dict[str, str] | None = None,
+def _rows(closed, module_paths: dict[str, list[str]] | None = None,
           opaque: list[OpaqueRow] | None = None) -> Iterator[AuditRow]:
   """The rows of ``closed``; opaque ops are appended to ``opaque``."""
   # Name stacks are relative to the enclosing jaxpr; ``prefix[d]`` is the path

@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import functools
 import re
+import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,6 +88,18 @@ def layers(tree: Any) -> list[tuple[str, Any]]:
   return out
 
 
+def _nnx_method(fn: Any) -> tuple[Any, Any]:
+  """``(module, unbound method)`` for an NNX module or a bound method of one."""
+  nnx = sys.modules.get("flax.nnx")  # never imported here
+  if nnx is None:
+    return None, None
+  if isinstance(fn, nnx.Module):
+    return fn, type(fn).__call__
+  if isinstance(fn, types.MethodType) and isinstance(fn.__self__, nnx.Module):
+    return fn.__self__, fn.__func__
+  return None, None
+
+
 def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
                    fn: Callable[..., Any], call: Any,
                    dynamic: Sequence[Any]) -> list[tuple[str, Any]]:
@@ -103,12 +117,21 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
     dynamic: the array arguments.
   """
   order: list[list[str]] = []
-
-  @functools.wraps(fn)
-  def observed(*a, **k):
-    out = fn(*a, **k)
-    order.append([n for n, _ in layers(out)])
-    return out
+  module, method = _nnx_method(fn)
+  if module is not None:
+    # Stay a method of the NNX module, so that a policy's path rules still
+    # find it (jaxprec._src.flax.nnx_policy.bind).
+    def observed_method(self, *a, **k):
+      out = method(self, *a, **k)
+      order.append([n for n, _ in layers(out)])
+      return out
+    observed = types.MethodType(observed_method, module)
+  else:
+    @functools.wraps(fn)
+    def observed(*a, **k):
+      out = fn(*a, **k)
+      order.append([n for n, _ in layers(out)])
+      return out
   found = layers(call.call(wrap(observed), dynamic))
   if not order:
     return found

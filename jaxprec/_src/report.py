@@ -59,10 +59,9 @@ from typing import Any
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import render
 from jaxprec._src.metrics import LayerMetrics
-# Importable from here until their importers move (see each module).
+# Importable from here until check.py and training.py import them from
+# progress and training_report.
 from jaxprec._src.progress import Progress, maybe_progress  # noqa: F401
-from jaxprec._src.render import decode_float, encode_float  # noqa: F401
-from jaxprec._src.render import fmt as _fmt  # noqa: F401
 from jaxprec._src.training_report import TrainingReport  # noqa: F401
 
 __all__ = ["DivergenceReport", "Finding", "LayerResult", "SCHEMA",
@@ -397,13 +396,13 @@ class DivergenceReport:
       ref = l.get("reference", {})
       ms = {}
       for p, m in l["metrics"].items():
-        m = {k: decode_float(v) for k, v in m.items()}
+        m = {k: render.decode_float(v) for k, v in m.items()}
         ms[p] = LayerMetrics(
             **{k: m[k] for k in metrics_lib.METRICS},
             required_atol=m.get("required_atol", float("nan")),
             size=l.get("size", 0),
-            ref_rms=decode_float(ref.get("rms", 0.0)),
-            ref_max_abs=decode_float(ref.get("max_abs", 0.0)),
+            ref_rms=render.decode_float(ref.get("rms", 0.0)),
+            ref_max_abs=render.decode_float(ref.get("max_abs", 0.0)),
             ref_nan=ref.get("nan", 0), ref_inf=ref.get("inf", 0))
       layers.append(LayerResult(name=l["name"], shape=tuple(l["shape"]),
                                 dtype=l.get("dtype", ""), metrics=ms))
