@@ -176,6 +176,27 @@ def test_emulate_applies_nnx_path_rules(two_layers):
   assert model.fc1.precision is None and model.fc2.precision is None
 
 
+@pytest.mark.parametrize("policy", ["bfloat16", "default=bfloat16,fc2=float32"])
+def test_emulate_of_an_nnx_model_sees_weights_changed_in_place(policy):
+  # A cached trace baked the module's parameters in: after an in-place update
+  # (an optimizer step) the emulated model answered with the old weights.
+  model = TwoLayers(rngs=nnx.Rngs(3))
+  x = jax.random.normal(jax.random.key(4), (4, 16), jnp.float32)
+  emulated = jaxprec.emulate(model, policy)
+  before = np.asarray(emulated(x))
+  model.fc2.kernel[...] = model.fc2.kernel[...] * 2
+  model.fc2.bias[...] = model.fc2.bias[...] + 1
+  after = np.asarray(emulated(x))
+  fc2_low = policy == "bfloat16"
+  np.testing.assert_allclose(
+      after, _reference(model, x, fc1_bf16=True, fc2_bf16=fc2_low),
+      rtol=0, atol=4e-6)
+  assert not np.allclose(after, before)
+  # The same module under jit, and the user's module is not modified.
+  np.testing.assert_array_equal(np.asarray(jax.jit(emulated)(x)), after)
+  assert model.fc2.precision is None
+
+
 def test_cost_counts_nnx_path_rules(two_layers):
   model, x = two_layers
   flops1, flops2 = 2 * 4 * 16 * 32, 2 * 4 * 32 * 8

@@ -29,14 +29,20 @@ JAX is imported by the commands, not by ``--help``.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Any
+
+from jaxprec._src.cli_inputs import Failure as _Failure
+from jaxprec._src.cli_inputs import PYTORCH as _PYTORCH
+from jaxprec._src.cli_inputs import UsageError as _UsageError
+from jaxprec._src.cli_inputs import call_target as _call_target
+from jaxprec._src.cli_inputs import check_out as _check_out
+from jaxprec._src.cli_inputs import check_reference_file as _check_reference_file
+from jaxprec._src.cli_inputs import is_reference_file as _is_reference_file
+from jaxprec._src.cli_inputs import one_line as _one_line
 
 __all__ = ["main"]
 
@@ -44,16 +50,6 @@ _PROG = "jaxprec"
 # Built-in models (jaxprec.models) and PyTorch/Flax twins (jaxprec.torch).
 _MODELS = ("wav2vec2", "bert")
 _TWINS = ("hf-wav2vec2", "hf-bert")
-# `check --reference pytorch`: the PyTorch twin of the --model.
-_PYTORCH = "pytorch"
-
-
-class _UsageError(Exception):
-  """Bad usage: printed as one line, exit status 2."""
-
-
-class _Failure(Exception):
-  """The user's code failed: printed as one line, exit status 1."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -273,10 +269,6 @@ def _policy(text: str):
     raise _UsageError(str(e)) from None
 
 
-def _one_line(e: BaseException) -> str:
-  return " ".join(str(e).split())
-
-
 # ---------------------------------------------------------------------------
 # Commands.
 
@@ -348,84 +340,6 @@ def _twin(name: str, seed: int):
     raise _UsageError(f"--model {name} needs PyTorch and transformers "
                       f"({_one_line(e)}); install them with: pip install "
                       f"'jaxprec[torch]'") from None
-
-
-def _call_target(target: str) -> tuple[Any, tuple, dict]:
-  """``(fn, args, kwargs)`` from ``MODULE:FUNCTION``, whose FUNCTION() makes them."""
-  factory = _load(target)
-  try:
-    made = factory()
-  except Exception as e:  # noqa: BLE001 -- reported as one line
-    raise _Failure(f"{target}() raised {type(e).__name__}: {e}") from None
-  if (not isinstance(made, tuple) or len(made) not in (2, 3)
-      or not isinstance(made[1], (tuple, list))
-      or (len(made) == 3 and not isinstance(made[2], dict))):
-    raise _UsageError(
-        f"{target}() must return (fn, args) or (fn, args, kwargs) with args "
-        f"a tuple and kwargs a dict; got {_describe(made)}")
-  return made[0], tuple(made[1]), (made[2] if len(made) == 3 else {})
-
-
-def _describe(x: Any) -> str:
-  if isinstance(x, tuple):
-    return f"a tuple of {len(x)} ({', '.join(type(v).__name__ for v in x)})"
-  return f"{type(x).__name__}"
-
-
-def _load(target: str):
-  """The callable named by ``MODULE:FUNCTION`` or ``path/file.py:FUNCTION``."""
-  module_part, sep, attr = target.rpartition(":")
-  if not sep or not module_part or not attr or not all(
-      s.isidentifier() for s in attr.split(".")):
-    raise _UsageError(
-        f"expected MODULE:FUNCTION or path/to/file.py:FUNCTION, got {target!r}")
-  # Like `python -m`: the current directory comes first on sys.path.
-  cwd = os.getcwd()
-  if cwd not in sys.path and "" not in sys.path:
-    sys.path.insert(0, cwd)
-  is_path = (module_part.endswith(".py") or "/" in module_part
-             or os.sep in module_part)
-  try:
-    module = _import_path(module_part) if is_path else importlib.import_module(
-        module_part)
-  except _UsageError:
-    raise
-  except Exception as e:  # noqa: BLE001 -- import errors are usage errors
-    raise _UsageError(
-        f"cannot import {module_part!r}: {type(e).__name__}: {e}") from None
-  obj: Any = module
-  for name in attr.split("."):
-    if not hasattr(obj, name):
-      raise _UsageError(f"{module_part!r} has no attribute {attr!r}")
-    obj = getattr(obj, name)
-  if not callable(obj):
-    raise _UsageError(f"{target} is not callable (it is a {type(obj).__name__})")
-  return obj
-
-
-def _import_path(path: str):
-  path = os.path.abspath(path)
-  if not os.path.isfile(path):
-    raise _UsageError(f"no such file: {path}")
-  name = os.path.splitext(os.path.basename(path))[0]
-  # Like `python file.py`: the file's directory is importable.
-  directory = os.path.dirname(path)
-  if directory not in sys.path:
-    sys.path.insert(0, directory)
-  loaded = sys.modules.get(name)
-  if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
-    name = f"_jaxprec_audit_{name}"  # Never shadow an imported module (json.py).
-  spec = importlib.util.spec_from_file_location(name, path)
-  if spec is None or spec.loader is None:
-    raise _UsageError(f"cannot import {path!r}: not a Python file")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module
-  try:
-    spec.loader.exec_module(module)
-  except BaseException:
-    sys.modules.pop(name, None)
-    raise
-  return module
 
 
 def _check(ns: argparse.Namespace) -> int:
@@ -514,51 +428,6 @@ def _check(ns: argparse.Namespace) -> int:
       raise _Failure(f"outside atol={tol['atol']:g} rtol={tol['rtol']:g}: "
                      + "; ".join(parts))
   return 0
-
-
-def _is_reference_file(reference: str) -> bool:
-  """Whether ``--reference`` names a file rather than a precision."""
-  from jaxprec._src import names
-  if names.canonical(reference) is not None or reference == _PYTORCH:
-    return False
-  return ("/" in reference or os.sep in reference or os.path.exists(reference)
-          or bool(os.path.splitext(reference)[1]))
-
-
-def _check_reference_file(path: str) -> None:
-  """Reads the ``--reference`` file before the model is built: exit 2 if unusable."""
-  from jaxprec._src import reference as reference_lib
-  kinds = f"supported types: {', '.join(reference_lib.FILE_TYPES)}"
-  suffix = os.path.splitext(path)[1]
-  if suffix.lower() not in reference_lib.FILE_TYPES:
-    raise _UsageError(f"unsupported reference file {path!r} ({kinds})")
-  if not os.path.isfile(path):
-    raise _UsageError(f"no such reference file: {path!r} ({kinds})")
-  try:
-    reference_lib.load(path)
-  except Exception as e:  # noqa: BLE001 -- any failure to read it is usage
-    message = _one_line(e)
-    if path not in message:
-      message = f"cannot read reference file {path!r}: {message}"
-    if "supported" not in message.lower():
-      message += f" ({kinds})"
-    raise _UsageError(message) from None
-
-
-def _check_out(out: str) -> None:
-  """Fails before the check runs when ``--out`` cannot be a writable directory."""
-  path = os.path.abspath(out)
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise _UsageError(f"--out {out!r} exists and is not a directory")
-  existing = path
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    raise _UsageError(f"--out {out!r} cannot be created: {existing!r} is not "
-                      f"a directory")
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise _UsageError(f"--out {out!r} is not writable (no write permission "
-                      f"on {existing!r})")
 
 
 def _print_report(report) -> None:

@@ -174,7 +174,9 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
   warned: set[str] = set()
   recorder = None if policy is None else flax_scope.Recorder(policy)
   what = getattr(fn, "__qualname__", type(fn).__name__)
-  traced = nnx_policy.bind(fn, policy, recorder)  # NNX path rules
+  # An NNX module's state is an argument of each call, not a constant of the
+  # cached trace (no stale weights); the policy's path rules reach its copy.
+  lifted = nnx_policy.lift(fn, policy, recorder)
 
   @functools.wraps(fn)
   def emulated(*args, **kwargs):
@@ -186,8 +188,14 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
       # precision in force (the policy's unmatched layers record it), x64,
       # the policy. Key on all of it, as jax.jit would (no stale traces).
       outer = (compat.trace_context(), getattr(active, "outer_flag", None))
+      traced, call_args = fn, args
+      if lifted is not None:
+        graphdef, state = lifted.split()
+        traced = functools.partial(lifted.call, graphdef)
+        call_args, outer = (state, *args), (*outer, graphdef)
       with jax.default_matmul_precision(None):
-        call = walker.trace_call(traced, args, kwargs, cache, extra_key=outer)
+        call = walker.trace_call(traced, call_args, kwargs, cache,
+                                 extra_key=outer)
       if policy is not None:
         _record_unset(call.jaxpr, policy, recorder)
     opaque: list[str] = []

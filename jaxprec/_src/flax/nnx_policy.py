@@ -35,8 +35,8 @@ from jaxprec._src.flax.state import Recorder
 from jaxprec._src.policy import Policy
 from jaxprec._src.precision import Precision, resolve
 
-__all__ = ["PrecisionScoped", "bind", "classify", "classify_nnx", "decide",
-           "is_attention_name", "per_op_precision", "set_precision"]
+__all__ = ["Lifted", "PrecisionScoped", "bind", "classify", "classify_nnx", "decide",
+           "is_attention_name", "lift", "per_op_precision", "set_precision"]
 
 
 def per_op_precision(value: Any, *, conv: bool) -> Any:
@@ -176,6 +176,52 @@ def bind(fn: Callable[..., Any], policy: Policy | None,
                               or type(module).__qualname__)
   with_policy.__doc__ = getattr(fn, "__doc__", None)
   return with_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Lifted:
+  """An NNX module's method as a pure function of the module's state.
+
+  :func:`jaxprec.emulate` keeps a trace cache. A trace of ``module(x)`` would
+  bake the module's parameters in as constants, and a later call after the
+  user changed them in place (an optimizer step, ``nnx.update``) would answer
+  with the old ones: a stale number. Instead each call passes the module's
+  current state as an argument of :meth:`call` and keys the trace on the
+  graph definition, as ``nnx.jit`` does. State the method changes (batch
+  statistics, RNG counters) stays in the traced copy: the user's module is
+  never modified.
+  """
+
+  module: Any
+  method: Callable[..., Any]
+  policy: Policy | None
+  recorder: Recorder | None
+
+  def split(self) -> tuple[Any, Any]:
+    """``(graphdef, state)`` of the module now."""
+    return sys.modules["flax.nnx"].split(self.module)
+
+  def call(self, graphdef: Any, state: Any, *args, **kwargs):
+    nnx_mod = sys.modules["flax.nnx"]
+    module = nnx_mod.merge(graphdef, state)
+    if self.policy is not None:
+      for node, p, kind in decide(module, self.policy, self.recorder):
+        set_precision(node, p, kind)
+    return self.method(module, *args, **kwargs)
+
+
+def lift(fn: Callable[..., Any], policy: Policy | None = None,
+         recorder: Recorder | None = None) -> Lifted | None:
+  """A :class:`Lifted` for an ``nnx.Module`` or a bound method of one, with
+  ``policy``'s path rules applied to each traced copy; None for anything else."""
+  nnx_mod = sys.modules.get("flax.nnx")
+  if nnx_mod is None:
+    return None
+  if isinstance(fn, nnx_mod.Module):
+    return Lifted(fn, type(fn).__call__, policy, recorder)
+  if isinstance(fn, types.MethodType) and isinstance(fn.__self__, nnx_mod.Module):
+    return Lifted(fn.__self__, fn.__func__, policy, recorder)
+  return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,161 @@
+"""What the ``jaxprec`` command line reads: targets, reference files, ``--out``.
+
+* ``MODULE:FUNCTION`` (or ``path/to/file.py:FUNCTION``): imported as
+  ``python -m`` or ``python file.py`` would, and called for ``(fn, args)`` or
+  ``(fn, args, kwargs)``.
+* ``check --reference FILE`` and ``check --out DIR``: checked before any model
+  is built, so that bad usage exits 2 at once.
+
+Errors: :class:`UsageError` (one line, exit 2) and :class:`Failure` (the
+user's code failed: one line, exit 1). ``sys.exit`` in the user's code is left
+to propagate (the command line exits as Python would).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+__all__ = ["PYTORCH", "Failure", "UsageError", "call_target", "check_out",
+           "check_reference_file", "is_reference_file", "one_line"]
+
+# `check --reference pytorch`: the PyTorch twin of the --model.
+PYTORCH = "pytorch"
+
+
+class UsageError(Exception):
+  """Bad usage: printed as one line, exit status 2."""
+
+
+class Failure(Exception):
+  """The user's code failed: printed as one line, exit status 1."""
+
+
+def one_line(e: BaseException) -> str:
+  return " ".join(str(e).split())
+
+
+def call_target(target: str) -> tuple[Any, tuple, dict]:
+  """``(fn, args, kwargs)`` from ``MODULE:FUNCTION``, whose FUNCTION() makes them."""
+  factory = load(target)
+  try:
+    made = factory()
+  except Exception as e:  # noqa: BLE001 -- reported as one line
+    raise Failure(f"{target}() raised {type(e).__name__}: {e}") from None
+  if (not isinstance(made, tuple) or len(made) not in (2, 3)
+      or not isinstance(made[1], (tuple, list))
+      or (len(made) == 3 and not isinstance(made[2], dict))):
+    raise UsageError(
+        f"{target}() must return (fn, args) or (fn, args, kwargs) with args "
+        f"a tuple and kwargs a dict; got {describe(made)}")
+  return made[0], tuple(made[1]), (made[2] if len(made) == 3 else {})
+
+
+def describe(x: Any) -> str:
+  if isinstance(x, tuple):
+    return f"a tuple of {len(x)} ({', '.join(type(v).__name__ for v in x)})"
+  return f"{type(x).__name__}"
+
+
+def load(target: str):
+  """The callable named by ``MODULE:FUNCTION`` or ``path/file.py:FUNCTION``."""
+  module_part, sep, attr = target.rpartition(":")
+  if not sep or not module_part or not attr or not all(
+      s.isidentifier() for s in attr.split(".")):
+    raise UsageError(
+        f"expected MODULE:FUNCTION or path/to/file.py:FUNCTION, got {target!r}")
+  # Like `python -m`: the current directory comes first on sys.path.
+  cwd = os.getcwd()
+  if cwd not in sys.path and "" not in sys.path:
+    sys.path.insert(0, cwd)
+  is_path = (module_part.endswith(".py") or "/" in module_part
+             or os.sep in module_part)
+  try:
+    module = import_path(module_part) if is_path else importlib.import_module(
+        module_part)
+  except UsageError:
+    raise
+  except Exception as e:  # noqa: BLE001 -- import errors are usage errors
+    raise UsageError(
+        f"cannot import {module_part!r}: {type(e).__name__}: {e}") from None
+  obj: Any = module
+  for name in attr.split("."):
+    if not hasattr(obj, name):
+      raise UsageError(f"{module_part!r} has no attribute {attr!r}")
+    obj = getattr(obj, name)
+  if not callable(obj):
+    raise UsageError(f"{target} is not callable (it is a {type(obj).__name__})")
+  return obj
+
+
+def import_path(path: str):
+  path = os.path.abspath(path)
+  if not os.path.isfile(path):
+    raise UsageError(f"no such file: {path}")
+  name = os.path.splitext(os.path.basename(path))[0]
+  # Like `python file.py`: the file's directory is importable.
+  directory = os.path.dirname(path)
+  if directory not in sys.path:
+    sys.path.insert(0, directory)
+  loaded = sys.modules.get(name)
+  if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
+    name = f"_jaxprec_audit_{name}"  # Never shadow an imported module (json.py).
+  spec = importlib.util.spec_from_file_location(name, path)
+  if spec is None or spec.loader is None:
+    raise UsageError(f"cannot import {path!r}: not a Python file")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    sys.modules.pop(name, None)
+    raise
+  return module
+
+
+def is_reference_file(reference: str) -> bool:
+  """Whether ``--reference`` names a file rather than a precision."""
+  from jaxprec._src import names
+  if names.canonical(reference) is not None or reference == PYTORCH:
+    return False
+  return ("/" in reference or os.sep in reference or os.path.exists(reference)
+          or bool(os.path.splitext(reference)[1]))
+
+
+def check_reference_file(path: str) -> None:
+  """Reads the ``--reference`` file before the model is built: exit 2 if unusable."""
+  from jaxprec._src import reference as reference_lib
+  kinds = f"supported types: {', '.join(reference_lib.FILE_TYPES)}"
+  suffix = os.path.splitext(path)[1]
+  if suffix.lower() not in reference_lib.FILE_TYPES:
+    raise UsageError(f"unsupported reference file {path!r} ({kinds})")
+  if not os.path.isfile(path):
+    raise UsageError(f"no such reference file: {path!r} ({kinds})")
+  try:
+    reference_lib.load(path)
+  except Exception as e:  # noqa: BLE001 -- any failure to read it is usage
+    message = one_line(e)
+    if path not in message:
+      message = f"cannot read reference file {path!r}: {message}"
+    if "supported" not in message.lower():
+      message += f" ({kinds})"
+    raise UsageError(message) from None
+
+
+def check_out(out: str) -> None:
+  """Fails before the check runs when ``--out`` cannot be a writable directory."""
+  path = os.path.abspath(out)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UsageError(f"--out {out!r} exists and is not a directory")
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise UsageError(f"--out {out!r} cannot be created: {existing!r} is not "
+                      f"a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise UsageError(f"--out {out!r} is not writable (no write permission "
+                      f"on {existing!r})")
