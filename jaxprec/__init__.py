@@ -45,6 +45,10 @@ from jaxprec._src.env import env_for
 from jaxprec._src.env import set_default
 from jaxprec._src.env import validate_env
 from jaxprec._src.explain import explain
+from jaxprec._src.kernels import KernelChoice
+from jaxprec._src.kernels import current_kernel
+from jaxprec._src.kernels import set_kernel
+from jaxprec._src.kernels import use_kernel
 from jaxprec._src.metrics import LayerMetrics
 from jaxprec._src.policy import Policy
 from jaxprec._src.policy import PolicyMatch
@@ -59,7 +63,7 @@ from jaxprec._src.precision import valid_names
 from jaxprec._src.report import DivergenceReport
 from jaxprec._src.report import Finding
 from jaxprec._src.report import LayerResult
-from jaxprec._src.report import TrainingReport
+from jaxprec._src.training_report import TrainingReport
 from jaxprec._src.rounding import round_to
 from jaxprec._src.search import SearchResult
 from jaxprec._src.search import SearchStep
@@ -79,6 +83,7 @@ __all__ = (
     "DivergenceReport",
     "ENV_VAR",
     "Finding",
+    "KernelChoice",
     "LayerMetrics",
     "LayerResult",
     "Numerics",
@@ -100,6 +105,7 @@ __all__ = (
     "check_training",
     "cost",
     "current",
+    "current_kernel",
     "emulate",
     "emulated_conv_general_dilated",
     "emulated_dot_general",
@@ -113,7 +119,9 @@ __all__ = (
     "save_layers",
     "search_policy",
     "set_default",
+    "set_kernel",
     "swap",
+    "use_kernel",
     "valid_names",
     "validate_env",
 )

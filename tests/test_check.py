@@ -504,6 +504,15 @@ def test_policy_rows_on_an_nnx_model_match_emulate():
                              rtol=1e-4)
   # 'a' at float32 (6 passes) is far closer than all-bfloat16.
   assert r.metric("rel_rms", text)[1] < 1e-3 * r.metric("rel_rms", "bf16")[1]
+  # check_module too: submodule by submodule, the model left as it was.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    m = jaxprec.check_module(model, X, precisions=[text], mode="emulate")
+  assert model.a.precision is None
+  by_name = {l.name: l.metrics[text].rel_rms for l in m.layers}
+  np.testing.assert_allclose(by_name["output.b"], r.metric("rel_rms", text)[0],
+                             rtol=1e-4)
+  assert by_name["a"] < 1e-6 < 1e-3 < by_name["b"]
 
 
 # -- Caches hold no user arrays (issue 12, item 7) -----------------------------

@@ -303,3 +303,19 @@ def test_npy_reference_is_read_as_the_one_layer(project, capsys):
   assert rc == 0, err
   import json
   assert json.loads(out)["reference"] == "file:ref.npy"
+
+
+def test_console_script_with_a_bad_env_var():
+  script = os.path.join(os.path.dirname(sys.executable), "jaxprec")
+  if not os.path.exists(script):
+    pytest.skip("the jaxprec console script is not installed next to python")
+  env = dict(os.environ, **{names.ENV_VAR: "bogus"})
+  help_ = subprocess.run([script, "--help"], capture_output=True, text=True,
+                         env=env, timeout=120)
+  assert help_.returncode == 0 and help_.stdout.startswith("usage: jaxprec")
+  assert help_.stderr.startswith("jaxprec: warning: ignoring ")
+  info = subprocess.run([script, "info"], capture_output=True, text=True,
+                        env=env, timeout=120)
+  assert info.returncode == 2 and info.stdout == ""
+  assert info.stderr.count("\n") == 1 and info.stderr.startswith(
+      "jaxprec: error: JAX_DEFAULT_MATMUL_PRECISION")

@@ -41,6 +41,8 @@ from jaxprec._src import harness
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import numerics
 from jaxprec._src import report as report_lib
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import state as flax_state
 from jaxprec._src.harness import DEFAULT_PRECISIONS, plan
 from jaxprec._src.layers import named_layers
 from jaxprec._src.policy import Policy
@@ -290,7 +292,11 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     graphdef, state = nnx.split(module)
 
     def nnx_fn(state, *inputs, **kw):
-      m = nnx.merge(graphdef, state)
+      m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
+      scope = flax_state.active()
+      if scope is not None:  # a policy row: its path rules reach NNX modules
+        for node, p, kind in nnx_policy.decide(m, scope.policy, scope.recorder):
+          nnx_policy.set_precision(node, p, kind)
       target_fn = m if method is None else getattr(m, method)
       _, inter = nnx.capture(target_fn, nnx.Intermediate,
                              method_outputs=nnx.Intermediate)(*inputs, **kw)

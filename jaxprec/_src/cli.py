@@ -17,12 +17,16 @@
   ``FUNCTION()`` (the ``audit`` convention), prints the table, and writes
   ``report.json`` and ``divergence.png`` to ``--out``; with ``--atol`` or
   ``--rtol`` it exits 1 when a layer is outside the tolerance (for CI).
+  ``--model hf-wav2vec2|hf-bert --reference pytorch`` checks a Hugging Face
+  Flax model against its PyTorch twin (:mod:`jaxprec.torch`).
 * ``jaxprec search [--model NAME | MODULE:FUNCTION] --tolerance T [options]``:
   runs :func:`jaxprec.search_policy` and prints the cheapest policy found (in
   the text ``jaxprec run --policy`` takes), its cost relative to float32 and
   the number of evaluations; exits 1 when no policy meets the tolerance.
 
-Bad usage prints one line, ``jaxprec: error: ...``, to stderr and exits 2.
+Bad usage prints one line, ``jaxprec: error: ...``, to stderr and exits 2;
+arguments are checked before any model runs. ``sys.exit`` in the user's code
+exits as Python would.
 JAX is imported by the commands, not by ``--help``.
 """
 

@@ -300,3 +300,25 @@ def jit_key_scope(value: str):
         "The jaxprec policy in force while tracing (set by jaxprec only).",
         include_in_jit_key=True, include_in_trace_context=True)
   return _POLICY_KEY_STATE(value)
+
+
+_KERNEL_STATE = None
+
+
+def kernel_state():
+  """The JAX config state holding jaxprec's emulation kernel setting.
+
+  Like :func:`jit_key_scope`: ``include_in_jit_key`` makes the kernel part of
+  ``jax.jit``'s cache key and of :func:`trace_context`, so a function jitted
+  under one kernel is traced again under another. Created on first use;
+  ``State(...)`` for a thread-local scope, ``.set_global`` / ``.value``.
+  Written against jax 0.10.2.
+  """
+  global _KERNEL_STATE
+  if _KERNEL_STATE is None:
+    from jax._src import config as jax_config
+    _KERNEL_STATE = jax_config.State(
+        "jaxprec_kernel", None,
+        "The jaxprec emulation kernel setting (set by jaxprec only).",
+        include_in_jit_key=True, include_in_trace_context=True)
+  return _KERNEL_STATE

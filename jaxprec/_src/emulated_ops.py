@@ -80,12 +80,13 @@ import numpy as np
 from jax import lax
 
 from jaxprec._src import compat
+from jaxprec._src import kernels
+from jaxprec._src import passes
 from jaxprec._src import walker
 from jaxprec._src.numerics import (ALGORITHMS, EMULATION_TARGETS, PASSES,
                                    PRIMITIVES, algorithm_for, check_target,
                                    emulatable)
 from jaxprec._src.precision import PrecisionLike
-from jaxprec._src.rounding import round_to, split_bf16, split_tf32
 
 # ``TARGETS``, ``ALGORITHMS`` and ``algorithm_for`` live in
 # :mod:`jaxprec._src.numerics` (the one table); re-exported here for callers
@@ -118,87 +119,6 @@ def _check_tf32_rounding(mode: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The algorithms. `op(lhs, rhs)` is one pass: the lax op with all its other
-# arguments bound and a float32 result; it picks the pass precision from the
-# operand dtype. Operands are float32; `parts` is the dtype of bfloat16 parts.
-
-_Op = Callable[[jax.Array, jax.Array], jax.Array]
-
-
-def _zero_nan(x: jax.Array) -> jax.Array:
-  # XLA's ReplaceNaNWithZeros: select(compare(inf >= |x|), x, 0).
-  return jnp.where(jnp.abs(x) <= np.float32(np.inf), x, np.float32(0))
-
-
-def _zero_nonfinite(x: jax.Array) -> jax.Array:
-  # XLA's Triton ZeroNaNs: select(compare(inf > |x|), x, 0).
-  return jnp.where(jnp.abs(x) < np.float32(np.inf), x, np.float32(0))
-
-
-def _bf16x1(op: _Op, lhs, rhs, _, parts) -> jax.Array:
-  (l,), (r,) = split_bf16(lhs, 1, dtype=parts), split_bf16(rhs, 1, dtype=parts)
-  return op(l, r)
-
-
-def _bf16x3(op: _Op, lhs, rhs, _, parts) -> jax.Array:
-  lh, ll = split_bf16(lhs, 2, dtype=parts)
-  rh, rl = split_bf16(rhs, 2, dtype=parts)
-  low_sum = _zero_nan(op(ll, rh) + op(lh, rl))
-  return low_sum + op(lh, rh)
-
-
-def _bf16x6(op: _Op, lhs, rhs, _, parts) -> jax.Array:
-  lh, lm, ll = split_bf16(lhs, 3, dtype=parts)
-  rh, rm, rl = split_bf16(rhs, 3, dtype=parts)
-  s = op(lm, rm) + op(lh, rl)
-  s = s + op(ll, rh)
-  s = s + op(lh, rm)
-  s = s + op(lm, rh)
-  return _zero_nan(s) + op(lh, rh)
-
-
-def _bf16x9(op: _Op, lhs, rhs, _, parts) -> jax.Array:
-  lh, lm, ll = split_bf16(lhs, 3, dtype=parts)
-  rh, rm, rl = split_bf16(rhs, 3, dtype=parts)
-  s = op(ll, rl)
-  for a, b in ((lm, rl), (ll, rm), (lm, rm), (ll, rh), (lh, rl), (lm, rh),
-               (lh, rm)):
-    s = s + op(a, b)
-  return _zero_nonfinite(s) + op(lh, rh)
-
-
-def _tf32(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
-  return op(round_to(lhs, "tensorfloat32", rounding),
-            round_to(rhs, "tensorfloat32", rounding))
-
-
-def _tf32x3(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
-  lb, ls = split_tf32(lhs, rounding)
-  rb, rs = split_tf32(rhs, rounding)
-  small = _zero_nan(op(ls, rb) + op(lb, rs))
-  return small + op(lb, rb)
-
-
-def _f16(op: _Op, lhs, rhs, _, __) -> jax.Array:
-  return op(round_to(lhs, "float16"), round_to(rhs, "float16"))
-
-
-def _bf16_out(op: _Op, lhs, rhs, r, parts) -> jax.Array:
-  return round_to(_bf16x1(op, lhs, rhs, r, parts), "bfloat16")
-
-
-def _f16_out(op: _Op, lhs, rhs, r, parts) -> jax.Array:
-  return round_to(_f16(op, lhs, rhs, r, parts), "float16")
-
-
-_ALGORITHM_FNS = {
-    "bf16x1": _bf16x1, "bf16x3": _bf16x3, "bf16x6": _bf16x6,
-    "bf16x9": _bf16x9, "tf32": _tf32, "tf32x3": _tf32x3, "f16": _f16,
-    "bf16_bf16_bf16": _bf16_out, "f16_f16_f16": _f16_out,
-}
-
-
-# ---------------------------------------------------------------------------
 # The custom VJP shared by both ops.
 
 
@@ -221,6 +141,7 @@ class _Spec:
   algorithm: str
   tf32_rounding: str
   contraction: int = 0  # products summed per output element
+  kernel: str = "bf16"  # 'bf16' or 'f32' (jaxprec._src.kernels)
 
   def lax_op(self) -> Callable[..., jax.Array]:
     fn = lax.dot_general if self.op == "dot_general" else lax.conv_general_dilated
@@ -229,10 +150,10 @@ class _Spec:
 
 def _make_spec(op: str, params: Mapping[str, Any], lhs, rhs,
                preferred_element_type, algorithm: str,
-               tf32_rounding: str) -> _Spec:
+               tf32_rounding: str, kernel: str) -> _Spec:
   params = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
   spec = _Spec(op, params, preferred_element_type, np.dtype(np.float32),
-               algorithm, tf32_rounding)
+               algorithm, tf32_rounding, kernel=kernel)
   # The native op's result type (and its shape checks, with lax's messages).
   out = jax.eval_shape(
       functools.partial(spec.lax_op(), precision=_LOW,
@@ -284,7 +205,8 @@ MATMUL = (((1,), (0,)), ((), ()))
 def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
   out_shape = None
-  if spec.op == "dot_general":
+  fns = passes.F32 if spec.kernel == "f32" else passes.BF16
+  if spec.op == "dot_general" and spec.kernel == "bf16":
     # bfloat16 parts run as bfloat16 dots with float32 results: exact
     # products, float32 sums, and 0.5x the time of a float32 dot on CPUs with
     # AVX512-BF16 (SEMANTICS.md section 4).
@@ -293,8 +215,9 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
     base = functools.partial(lax.dot_general, dimension_numbers=dn)
     parts = jnp.bfloat16
   else:
-    # XLA:CPU widens bfloat16 conv operands to float32 anyway; float32 parts
-    # holding bfloat16 values compute the same exact products.
+    # The f32 kernel, and convolutions (XLA:CPU widens bfloat16 conv operands
+    # to float32 anyway): float32 parts holding bfloat16 values compute the
+    # same exact products.
     base = spec.lax_op()
     parts = jnp.float32
 
@@ -303,7 +226,8 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
     # or float16 values at HIGHEST, so that no backend rounds them again.
     p = _LOW if l.dtype == jnp.bfloat16 else _EXACT
     out = base(l, r, precision=p, preferred_element_type=jnp.float32)
-    if PASSES[spec.algorithm] > 1 and spec.contraction == 1:
+    if (PASSES[spec.algorithm] > 1 and spec.contraction == 1 and
+        spec.kernel == "bf16"):
       # XLA:CPU turns a length-1 contraction into a multiply and, in the
       # fused loop that sums the passes, contracts multiply and add into an
       # FMA, which changes the result where a product overflows or underflows
@@ -320,8 +244,7 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
       out = lax.reduce_precision(out, exponent_bits=8, mantissa_bits=23)
     return out
 
-  out = _ALGORITHM_FNS[spec.algorithm](one_pass, lhs, rhs, spec.tf32_rounding,
-                                       parts)
+  out = fns[spec.algorithm](one_pass, lhs, rhs, spec.tf32_rounding, parts)
   if out_shape is not None:
     out = out.reshape(out_shape)
   return out.astype(spec.out_dtype)
@@ -368,7 +291,8 @@ def _emulated_bwd(spec: _Spec, res, ct):
     params = dict(eqn.params)
     params.pop("precision", None)
     pet = params.pop("preferred_element_type", None)
-    s = _make_spec(name, params, l, r, pet, spec.algorithm, spec.tf32_rounding)
+    s = _make_spec(name, params, l, r, pet, spec.algorithm, spec.tf32_rounding,
+                   spec.kernel)
     return [_marked(s, l, r)]
 
   gl, gr = walker.interpret(closed, rule, lhs, rhs, ct)
@@ -398,7 +322,7 @@ def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
   if algorithm == "f32":
     return native(_EXACT)
   spec = _make_spec(op, params, lhs, rhs, preferred_element_type, algorithm,
-                    tf32_rounding)
+                    tf32_rounding, kernels.kernel_for(algorithm, op))
   out = _marked(spec, lhs, rhs)
   if out_sharding is not None:
     out = lax.with_sharding_constraint(out, out_sharding)

@@ -1,0 +1,304 @@
+"""Which kernel computes the emulated passes: bfloat16 dots or float32 dots.
+
+Both kernels compute the same algorithms (:mod:`jaxprec._src.emulated_ops`);
+they differ in the dots that run the passes (``docs/emulation.md``):
+
+``'bf16'``
+  One bfloat16-operand dot with float32 results per pass, combined in XLA's
+  order: bit for bit XLA's result at contraction length 1. Fast where the
+  device has bfloat16 dot units (TPU, GPU, CPUs with AVX512-BF16 or AMX);
+  CPUs without them widen every bfloat16 dot to float32 and pay for it.
+``'f32'``
+  Float32 dots on operands rounded in float32, passes merged where the
+  products stay exact (X3 in 2 dots, X6 in 3, X9 in 3, TF32x3 in 2): within
+  the accumulation bound of the ``bf16`` kernel, not bit for bit.
+``'auto'`` (default)
+  GPU and TPU backends use ``bf16``. On CPU a microbenchmark of a few
+  milliseconds times a bfloat16 dot against a float32 dot once per process
+  and device kind (cached on disk, keyed by CPU model and jaxlib version,
+  under :func:`cache_dir`), and each algorithm gets the kernel that runs
+  fewer float32-dot equivalents: ``bf16`` when ``ratio * bf16_dots <
+  f32_dots``.
+
+Set it with ``JAXPREC_KERNEL=auto|bf16|f32``, :func:`set_kernel` (global) or
+:func:`use_kernel` (a thread-local scope); a scope beats the global setting,
+which beats the environment. The setting is part of ``jax.jit``'s cache key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import json
+import os
+import platform
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprec._src import compat
+
+__all__ = ["ENV_VAR", "KERNELS", "KernelChoice", "cache_dir", "check_kernel",
+           "current_kernel", "kernel_for", "set_kernel", "use_kernel"]
+
+ENV_VAR = "JAXPREC_KERNEL"
+CACHE_ENV_VAR = "JAXPREC_CACHE_DIR"
+KERNELS = ("auto", "bf16", "f32")
+
+# Dots per algorithm: (bfloat16 dots of the bf16 kernel, float32 dots of the
+# bf16 kernel, float32 dots of the f32 kernel). TF32 and float16 passes run as
+# float32 dots in both kernels.
+DOTS: dict[str, tuple[int, int, int]] = {
+    "bf16x1": (1, 0, 1), "bf16x3": (3, 0, 2), "bf16x6": (6, 0, 3),
+    "bf16x9": (9, 0, 3), "bf16_bf16_bf16": (1, 0, 1),
+    "tf32": (0, 1, 1), "tf32x3": (0, 3, 2), "f16": (0, 1, 1),
+    "f16_f16_f16": (0, 1, 1),
+}
+_BENCH_SIZE = 256
+_BENCH_REPEATS = 5
+
+
+def check_kernel(name: Any) -> str:
+  """``name`` if it is a kernel setting; otherwise a ValueError naming the choices."""
+  if isinstance(name, str) and name.strip().lower() in KERNELS:
+    return name.strip().lower()
+  msg = (f"Unknown emulation kernel {name!r}; valid choices: "
+         f"{', '.join(map(repr, KERNELS))}.")
+  if isinstance(name, str):
+    close = difflib.get_close_matches(name.strip().lower(), KERNELS, n=1)
+    if close:
+      msg += f" Did you mean {close[0]!r}?"
+  raise ValueError(msg)
+
+
+def set_kernel(name: str | None) -> None:
+  """Sets the emulation kernel for the process (all threads).
+
+  Args:
+    name: ``'auto'``, ``'bf16'`` or ``'f32'`` (see :mod:`jaxprec._src.kernels`);
+      None goes back to ``JAXPREC_KERNEL``, or ``'auto'`` when it is unset.
+
+  Raises:
+    ValueError: an unknown name; the message lists the choices.
+
+  Examples:
+    >>> import jaxprec
+    >>> jaxprec.set_kernel("f32")
+    >>> jaxprec.current_kernel().setting
+    'f32'
+    >>> jaxprec.set_kernel(None)
+  """
+  compat.kernel_state().set_global(None if name is None else check_kernel(name))
+
+
+@contextlib.contextmanager
+def use_kernel(name: str) -> Iterator[None]:
+  """A scope (this thread) in which emulation runs on kernel ``name``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxprec
+    >>> x = jnp.array([[1 + 2.0**-9]])
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> with jaxprec.use_kernel("f32"):
+    ...   float(jaxprec.emulated_dot_general(x, x, dn, "high")[0, 0])
+    1.00390625
+  """
+  with compat.kernel_state()(check_kernel(name)):
+    yield
+
+
+def _setting() -> tuple[str, str]:
+  """(setting, source): source is 'scope', 'global', 'env' or 'default'."""
+  state = compat.kernel_state()
+  local = state.get_local()
+  if isinstance(local, str):  # jax marks "no thread-local value" otherwise
+    return local, "scope"
+  glob = state.get_global()
+  if glob is not None:
+    return glob, "global"
+  env = os.environ.get(ENV_VAR)
+  if env:
+    try:
+      return check_kernel(env), "env"
+    except ValueError as e:
+      raise ValueError(f"{ENV_VAR}: {e}") from None
+  return "auto", "default"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelChoice:
+  """The kernel setting in force and what it means on this backend.
+
+  Attributes:
+    setting: ``'auto'``, ``'bf16'`` or ``'f32'``.
+    source: where it comes from: ``'scope'`` (:func:`use_kernel`),
+      ``'global'`` (:func:`set_kernel`), ``'env'`` (``JAXPREC_KERNEL``) or
+      ``'default'``.
+    backend: the JAX backend (``'cpu'``, ``'gpu'``, ``'tpu'``).
+    device_kind: its first device's kind.
+    ratio: measured time of a bfloat16 dot over a float32 dot (``auto`` on
+      CPU only; None otherwise).
+    reason: one sentence saying why.
+  """
+
+  setting: str
+  source: str
+  backend: str
+  device_kind: str
+  ratio: float | None
+  reason: str
+
+  def kernel_for(self, algorithm: str, op: str = "dot_general") -> str:
+    """``'bf16'`` or ``'f32'``: the kernel that runs ``algorithm`` for ``op``."""
+    if self.setting != "auto":
+      return self.setting
+    if self.ratio is None:  # GPU, TPU: bfloat16 dot units
+      return "bf16"
+    bf16_dots, f32_dots, merged = DOTS.get(algorithm, (0, 1, 1))
+    if op != "dot_general":  # convolution passes run in float32 either way
+      f32_dots, bf16_dots = f32_dots + bf16_dots, 0
+    return "bf16" if self.ratio * bf16_dots + f32_dots < merged else "f32"
+
+  def per_algorithm(self) -> dict[str, str]:
+    """The kernel of each multi-kernel algorithm, for matmuls."""
+    return {a: self.kernel_for(a) for a in DOTS}
+
+
+def current_kernel() -> KernelChoice:
+  """The emulation kernel in force here, measured if the setting is ``'auto'``.
+
+  Starts the JAX backend. On CPU with ``'auto'``, the first call per process
+  and device kind runs (or reads from disk) the microbenchmark.
+
+  Raises:
+    ValueError: ``JAXPREC_KERNEL`` holds an unknown value.
+  """
+  setting, source = _setting()
+  backend = jax.default_backend()
+  kind = jax.devices()[0].device_kind
+  if setting != "auto":
+    how = {"scope": "jaxprec.use_kernel", "global": "jaxprec.set_kernel",
+           "env": f"{ENV_VAR}={setting}"}[source]
+    return KernelChoice(setting=setting, source=source, backend=backend,
+                        device_kind=kind, ratio=None,
+                        reason=f"set by {how}")
+  if backend != "cpu":
+    return KernelChoice(setting=setting, source=source, backend=backend,
+                        device_kind=kind, ratio=None,
+                        reason=f"{backend} backends have bfloat16 dot units")
+  ratio, where = _ratio(kind)
+  return KernelChoice(
+      setting=setting, source=source, backend=backend, device_kind=kind,
+      ratio=ratio,
+      reason=(f"measured on {_cpu_model()}: a bfloat16 dot takes {ratio:.2f}x "
+              f"a float32 dot ({where})"))
+
+
+def kernel_for(algorithm: str, op: str = "dot_general") -> str:
+  """The kernel (``'bf16'`` or ``'f32'``) that runs ``algorithm`` now."""
+  return current_kernel().kernel_for(algorithm, op)
+
+
+# ---------------------------------------------------------------------------
+# The measurement.
+
+_MEASURED: dict[str, float] = {}
+
+
+def cache_dir() -> str:
+  """Where jaxprec keeps its caches: ``JAXPREC_CACHE_DIR``, else the user's cache dir.
+
+  The user's cache dir is ``$XDG_CACHE_HOME/jaxprec`` (``~/.cache/jaxprec``),
+  ``~/Library/Caches/jaxprec`` on macOS or ``%LOCALAPPDATA%\\jaxprec`` on
+  Windows. Delete the directory to clear it.
+  """
+  explicit = os.environ.get(CACHE_ENV_VAR)
+  if explicit:
+    return explicit
+  home = os.path.expanduser("~")
+  if os.name == "nt":
+    base = os.environ.get("LOCALAPPDATA") or os.path.join(home, "AppData", "Local")
+  elif platform.system() == "Darwin":
+    base = os.path.join(home, "Library", "Caches")
+  else:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
+  return os.path.join(base, "jaxprec")
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _disk_key(kind: str) -> str:
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  return f"{_cpu_model()} | {kind} | jaxlib {jaxlib.__version__}"
+
+
+def _cache_file() -> str:
+  return os.path.join(cache_dir(), "kernel_benchmark.json")
+
+
+def _ratio(kind: str) -> tuple[float, str]:
+  """(bfloat16 dot time / float32 dot time, where the figure comes from)."""
+  if kind in _MEASURED:
+    return _MEASURED[kind], "measured in this process"
+  key = _disk_key(kind)
+  path = _cache_file()
+  try:
+    with open(path, encoding="utf-8") as f:
+      cached = json.load(f)
+    ratio = float(cached[key])
+    _MEASURED[kind] = ratio
+    return ratio, f"cached in {path}"
+  except (OSError, ValueError, KeyError, TypeError):
+    cached = None
+  ratio = measure()
+  _MEASURED[kind] = ratio
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    data = cached if isinstance(cached, dict) else {}
+    data[key] = ratio
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+  except OSError:
+    pass  # a read-only cache dir: measure again next process
+  return ratio, "measured in this process"
+
+
+def measure(size: int = _BENCH_SIZE, repeats: int = _BENCH_REPEATS) -> float:
+  """Times a ``size``-cubed bfloat16 dot (float32 result) over a float32 dot.
+
+  The best of ``repeats`` alternating runs of each, after compiling: a few
+  milliseconds on a CPU. Below 1 where the device has bfloat16 dot units.
+  """
+  dn = (((1,), (0,)), ((), ()))
+  rng = np.random.default_rng(0)
+  a = jnp.asarray(rng.standard_normal((size, size), np.float32))
+  b = jnp.asarray(rng.standard_normal((size, size), np.float32))
+  f32 = jax.jit(lambda x, y: jax.lax.dot_general(
+      x, y, dn, precision=jax.lax.Precision.HIGHEST))
+  bf16 = jax.jit(lambda x, y: jax.lax.dot_general(
+      x, y, dn, preferred_element_type=jnp.float32))
+  a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+  best = {"f32": np.inf, "bf16": np.inf}
+  jax.block_until_ready((f32(a, b), bf16(a16, b16)))
+  for _ in range(repeats):
+    for name, fn, args in (("f32", f32, (a, b)), ("bf16", bf16, (a16, b16))):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      best[name] = min(best[name], time.perf_counter() - t)
+  return float(best["bf16"] / best["f32"])

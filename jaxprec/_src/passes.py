@@ -1,0 +1,186 @@
+"""The emulated algorithms as passes of a matmul or convolution, per kernel.
+
+Each function takes ``op(lhs, rhs)``, one pass (the lax op with its other
+arguments bound, a float32 result, precision picked from the operand dtype),
+the float32 operands, the TF32 rounding mode and the dtype of bfloat16 parts.
+
+:data:`BF16` (the ``bf16`` kernel) runs one pass per pair of parts, combined as
+XLA combines them: bit for bit XLA at contraction length 1.
+
+:data:`F32` (the ``f32`` kernel) runs float32 passes on parts rounded in
+float32 and merges passes (``shared/SEMANTICS.md`` section 4). With ``h, m,
+l`` the bfloat16 parts of ``split_bf16``, ``hm = h + m`` and ``all = h + m +
+l`` (exact sums: at most 16 and 24 significant bits):
+
+* X3 (XLA: ``(l*h + h*l)``, NaN -> 0, ``+ h*h``): ``a_h*(b_h + b_l)`` then
+  ``+ a_l*b_h``, 2 dots; every product is exact (8 x 16 bits), so only the
+  order of the float32 additions differs.
+* X6 (XLA: ``h*l + l*h + m*m + h*m + m*h``, NaN -> 0, ``+ h*h``):
+  ``a_h*b_all + a_m*b_hm + a_l*b_h``, 3 dots, the same six products; the
+  first (8 x 24 bits) rounds once, to float32 (at most 2**-24 relative), the
+  others are exact.
+* X9 (Triton: all nine products, non-finite -> 0, ``+ h*h``):
+  ``a_h*b_all + a_m*b_all + a_l*b_all``, 3 dots, each product rounded once.
+* TF32x3 (Triton: ``(s*b + b*s)``, NaN -> 0, ``+ b*b``): ``a_b*(b_b + b_s)
+  + a_s*b_b``, 2 dots, the first product (11 x 22 bits) rounded once.
+* One-pass algorithms: one float32 dot on pre-rounded operands (products
+  exact, as in the ``bf16`` kernel).
+
+So the ``f32`` kernel's result is within ``(k + passes) * 2**-24 *
+sum|products|`` of the exact sum of the algorithm's products, the bound the
+``bf16`` kernel has for contraction length ``k > 1``; it is not bit-exact.
+
+NaN cleaning. XLA zeroes NaN (X9: every non-finite value) in the sum of the
+small products before adding ``h*h``. Those NaN come from an operand that is
+inf or NaN (its lower parts are ``inf - inf``), or from ``0 * inf`` between a
+zero lower part and an infinite high part. The ``f32`` kernel cleans the
+operands instead: an operand element that is not finite keeps only its high
+part, ``h`` (``truncate``: inf, or the inf that XLA's mask makes of a NaN with
+a low payload), in the products where XLA has ``h*h``, and is zero in the
+products XLA counts among the small ones. The result then equals XLA's
+wherever XLA's ``h*h`` sum is infinite or NaN. It differs only where a sum of
+small products itself overflows with both signs while ``h*h`` stays finite
+(magnitudes near the float32 maximum), which XLA turns into a zero and the
+``f32`` kernel into a NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprec._src.rounding import round_to, split_bf16, split_tf32
+
+__all__ = ["BF16", "F32"]
+
+_Op = Callable[[jax.Array, jax.Array], jax.Array]
+_ZERO = np.float32(0)
+_INF = np.float32(np.inf)
+
+
+def _zero_nan(x: jax.Array) -> jax.Array:
+  # XLA's ReplaceNaNWithZeros: select(compare(inf >= |x|), x, 0).
+  return jnp.where(jnp.abs(x) <= _INF, x, _ZERO)
+
+
+def _zero_nonfinite(x: jax.Array) -> jax.Array:
+  # XLA's Triton ZeroNaNs: select(compare(inf > |x|), x, 0).
+  return jnp.where(jnp.abs(x) < _INF, x, _ZERO)
+
+
+# ---------------------------------------------------------------------------
+# The bf16 kernel: one pass per pair of parts, in XLA's order.
+
+
+def _bf16x1(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+  (l,), (r,) = split_bf16(lhs, 1, dtype=parts), split_bf16(rhs, 1, dtype=parts)
+  return op(l, r)
+
+
+def _bf16x3(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+  lh, ll = split_bf16(lhs, 2, dtype=parts)
+  rh, rl = split_bf16(rhs, 2, dtype=parts)
+  low_sum = _zero_nan(op(ll, rh) + op(lh, rl))
+  return low_sum + op(lh, rh)
+
+
+def _bf16x6(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+  lh, lm, ll = split_bf16(lhs, 3, dtype=parts)
+  rh, rm, rl = split_bf16(rhs, 3, dtype=parts)
+  s = op(lm, rm) + op(lh, rl)
+  s = s + op(ll, rh)
+  s = s + op(lh, rm)
+  s = s + op(lm, rh)
+  return _zero_nan(s) + op(lh, rh)
+
+
+def _bf16x9(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+  lh, lm, ll = split_bf16(lhs, 3, dtype=parts)
+  rh, rm, rl = split_bf16(rhs, 3, dtype=parts)
+  s = op(ll, rl)
+  for a, b in ((lm, rl), (ll, rm), (lm, rm), (ll, rh), (lh, rl), (lm, rh),
+               (lh, rm)):
+    s = s + op(a, b)
+  return _zero_nonfinite(s) + op(lh, rh)
+
+
+def _tf32(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
+  return op(round_to(lhs, "tensorfloat32", rounding),
+            round_to(rhs, "tensorfloat32", rounding))
+
+
+def _tf32x3(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
+  lb, ls = split_tf32(lhs, rounding)
+  rb, rs = split_tf32(rhs, rounding)
+  small = _zero_nan(op(ls, rb) + op(lb, rs))
+  return small + op(lb, rb)
+
+
+def _f16(op: _Op, lhs, rhs, _, __) -> jax.Array:
+  return op(round_to(lhs, "float16"), round_to(rhs, "float16"))
+
+
+def _bf16_out(op: _Op, lhs, rhs, r, parts) -> jax.Array:
+  return round_to(_bf16x1(op, lhs, rhs, r, parts), "bfloat16")
+
+
+def _f16_out(op: _Op, lhs, rhs, r, parts) -> jax.Array:
+  return round_to(_f16(op, lhs, rhs, r, parts), "float16")
+
+
+BF16 = {
+    "bf16x1": _bf16x1, "bf16x3": _bf16x3, "bf16x6": _bf16x6,
+    "bf16x9": _bf16x9, "tf32": _tf32, "tf32x3": _tf32x3, "f16": _f16,
+    "bf16_bf16_bf16": _bf16_out, "f16_f16_f16": _f16_out,
+}
+
+# ---------------------------------------------------------------------------
+# The f32 kernel: merged float32 passes on operands cleaned of non-finite
+# values (see the module docstring).
+
+
+def _parts(x: jax.Array, n: int):
+  """(finite mask, high part, cleaned lower parts...) as float32 arrays."""
+  fin = jnp.abs(x) < _INF
+  hi, *rest = split_bf16(x, n, dtype=jnp.float32)
+  return (fin, hi, *(jnp.where(fin, p, _ZERO) for p in rest))
+
+
+def _f32x3(op: _Op, lhs, rhs, _, __) -> jax.Array:
+  _, ah, al = _parts(lhs, 2)
+  bfin, bh, bl = _parts(rhs, 2)
+  small = op(al, jnp.where(bfin, bh, _ZERO))
+  return small + op(ah, bh + bl)
+
+
+def _f32x6(op: _Op, lhs, rhs, _, __) -> jax.Array:
+  _, ah, am, al = _parts(lhs, 3)
+  bfin, bh, bm, bl = _parts(rhs, 3)
+  bh0 = jnp.where(bfin, bh, _ZERO)
+  bhm = bh0 + bm
+  s = op(al, bh0) + op(am, bhm)
+  return s + op(ah, (bh + bm) + bl)
+
+
+def _f32x9(op: _Op, lhs, rhs, _, __) -> jax.Array:
+  _, ah, am, al = _parts(lhs, 3)
+  bfin, bh, bm, bl = _parts(rhs, 3)
+  b_all = (bh + bm) + bl
+  b_all0 = jnp.where(bfin, b_all, _ZERO)
+  s = op(al, b_all0) + op(am, b_all0)
+  return s + op(ah, b_all)
+
+
+def _f32_tf32x3(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
+  lb, ls = split_tf32(lhs, rounding)
+  rb, rs = split_tf32(rhs, rounding)
+  lfin, rfin = jnp.abs(lhs) < _INF, jnp.abs(rhs) < _INF
+  small = op(jnp.where(lfin, ls, _ZERO), jnp.where(rfin, rb, _ZERO))
+  return small + op(lb, rb + jnp.where(rfin, rs, _ZERO))
+
+
+F32 = dict(BF16, bf16x3=_f32x3, bf16x6=_f32x6, bf16x9=_f32x9,
+           tf32x3=_f32_tf32x3)
