@@ -71,8 +71,7 @@ from jaxprec._src.search import search_policy
 from jaxprec._src.flax.swap import policy_report
 from jaxprec._src.flax.swap import swap
 from jaxprec._src.training import check_training
-
-__version__ = "0.1.0.dev0"
+from jaxprec._src.version import __version__
 
 __all__ = (
     "AuditError",

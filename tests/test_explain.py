@@ -121,3 +121,17 @@ def test_docs_precision_table_matches_resolve():
   # Every canonical name is documented.
   canonical = {jaxprec.resolve(n).name for n in jaxprec.valid_names()}
   assert seen == canonical
+
+
+def test_explain_names_the_kernel_and_why():
+  with jaxprec.use_kernel("f32"):
+    d = explain_dict()
+    text = jaxprec.explain()
+  assert d["kernel"]["setting"] == "f32" and d["kernel"]["source"] == "scope"
+  assert set(d["kernel"]["per_algorithm"].values()) == {"f32"}
+  assert ("emulation kernel: f32 (source: scope): f32 dots for bf16x1, bf16x3, "
+          "bf16x6, bf16x9, tf32x3") in text
+  assert "why: set by jaxprec.use_kernel" in text
+  auto = explain_dict()["kernel"]
+  if auto["setting"] == "auto" and d["backend"] == "cpu":
+    assert auto["ratio"] > 0 and "a bfloat16 dot takes" in auto["reason"]

@@ -64,7 +64,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _version() -> str:
-  from jaxprec import __version__
+  from jaxprec._src.version import __version__
   return __version__
 
 

@@ -10,13 +10,13 @@ change it, and the pitfalls (SEMANTICS.md sections 2 and 3).
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import jax
 
 from jaxprec._src import context
 from jaxprec._src import env as env_lib
+from jaxprec._src import kernels
 from jaxprec._src.precision import Numerics, Precision
 
 __all__ = ["explain", "explain_dict"]
@@ -85,11 +85,12 @@ def explain_dict() -> dict[str, Any]:
     ('bf16x6', 'f32')
   """
   # Read, not imported: the package imports this module (no import cycle).
-  __version__ = getattr(sys.modules.get("jaxprec"), "__version__", "unknown")
+  from jaxprec._src.version import __version__
   p = context.current()
   platform = jax.default_backend()
   devices = jax.devices()
   here = _here(p, platform)
+  kernel = kernels.current_kernel()
   return {
       "jaxprec_version": __version__,
       "jax_version": jax.__version__,
@@ -109,6 +110,15 @@ def explain_dict() -> dict[str, Any]:
           "tpu": _numerics(p.tpu),
           "gpu": _numerics(p.gpu),
           "cpu": _numerics(p.cpu),
+      },
+      "kernel": {
+          "setting": kernel.setting,
+          "source": kernel.source,
+          "env": {"name": kernels.ENV_VAR,
+                  "value": os.environ.get(kernels.ENV_VAR)},
+          "ratio": kernel.ratio,
+          "reason": kernel.reason,
+          "per_algorithm": kernel.per_algorithm(),
       },
       "how_to_change": dict(HOW_TO_CHANGE),
       "pitfalls": list(PITFALLS),
@@ -130,6 +140,18 @@ def _describe(n: dict[str, Any] | None) -> str:
     return f"{n['algorithm']}: {n['note']}"
   return (f"{n['algorithm']}: {n['note']} ({n['operand_bits']} significand "
           f"bits, relative error per product ~{n['rel_error']:.1e})")
+
+
+def _kernel_lines(k: dict[str, Any]) -> list[str]:
+  """Which kernel runs the emulated passes, and why (docs/emulation.md)."""
+  by_kernel: dict[str, list[str]] = {}
+  for algorithm in ("bf16x1", "bf16x3", "bf16x6", "bf16x9", "tf32x3"):
+    by_kernel.setdefault(k["per_algorithm"][algorithm], []).append(algorithm)
+  runs = "; ".join(f"{name} dots for {', '.join(algs)}"
+                   for name, algs in sorted(by_kernel.items()))
+  return [f"emulation kernel: {k['setting']} (source: {k['source']}): {runs}",
+          f"  why: {k['reason']}; change it with {k['env']['name']}="
+          "auto|bf16|f32 or jaxprec.set_kernel(...)"]
 
 
 def explain() -> str:
@@ -169,6 +191,7 @@ def explain() -> str:
       f"  GPU: {_describe(num['gpu'])}",
       "how to change it:",
   ]
+  lines[-1:-1] = _kernel_lines(d["kernel"])
   width = max(len(k) for k in d["how_to_change"])
   lines += [f"  {k + ':':<{width + 1}} {v}" for k, v in d["how_to_change"].items()]
   lines.append("pitfalls:")

@@ -358,7 +358,7 @@ class DivergenceReport:
   # -- serialisation -----------------------------------------------------------
   def to_dict(self) -> dict[str, Any]:
     """The report as JSON-safe values (schema in the module docstring)."""
-    from jaxprec import __version__
+    from jaxprec._src.version import __version__
     layers = []
     for l in self.layers:
       first = l.metrics[self.precisions[0]] if self.precisions else None

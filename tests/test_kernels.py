@@ -1,0 +1,124 @@
+"""The emulation kernel setting: precedence, errors, jit keys, the measurement."""
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import jaxprec
+from jaxprec._src import kernels
+
+MATMUL = (((1,), (0,)), ((), ()))
+
+
+def _dots(fn, x):
+  return re.findall(r"stablehlo.dot_general.*", jax.jit(fn).lower(x, x).as_text())
+
+
+def test_precedence_scope_global_env(monkeypatch):
+  monkeypatch.setenv(kernels.ENV_VAR, "f32")
+  assert (jaxprec.current_kernel().setting, jaxprec.current_kernel().source) == ("f32", "env")
+  try:
+    jaxprec.set_kernel("bf16")
+    assert jaxprec.current_kernel().setting == "bf16"
+    assert jaxprec.current_kernel().source == "global"
+    with jaxprec.use_kernel("F32"):
+      assert jaxprec.current_kernel().setting == "f32"
+      assert jaxprec.current_kernel().source == "scope"
+      assert jaxprec.current_kernel().reason == "set by jaxprec.use_kernel"
+    assert jaxprec.current_kernel().setting == "bf16"
+  finally:
+    jaxprec.set_kernel(None)
+  monkeypatch.delenv(kernels.ENV_VAR)
+  assert jaxprec.current_kernel().source == "default"
+  assert jaxprec.current_kernel().setting == "auto"
+
+
+def test_bad_values_name_the_choices(monkeypatch):
+  with pytest.raises(ValueError, match=r"Unknown emulation kernel 'f23'; valid "
+                     r"choices: 'auto', 'bf16', 'f32'\. Did you mean 'f32'\?"):
+    jaxprec.set_kernel("f23")
+  with pytest.raises(ValueError, match=r"Unknown emulation kernel 3"):
+    with jaxprec.use_kernel(3):
+      pass
+  monkeypatch.setenv(kernels.ENV_VAR, "bf61")
+  with pytest.raises(ValueError, match=r"JAXPREC_KERNEL: Unknown emulation "
+                     r"kernel 'bf61'.*Did you mean 'bf16'"):
+    jaxprec.current_kernel()
+
+
+def test_kernel_is_part_of_the_jit_key():
+  x = np.ones((8, 8), np.float32)
+  fn = jax.jit(lambda a, b: jaxprec.emulated_dot_general(a, b, MATMUL, "high"))
+  with jaxprec.use_kernel("bf16"):
+    assert len(_dots(fn, x)) == 3
+  with jaxprec.use_kernel("f32"):
+    assert len(_dots(fn, x)) == 2
+  # The same jitted function gives each kernel's numbers, not a stale trace.
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((16, 64)).astype(np.float32)
+  b = rng.standard_normal((64, 16)).astype(np.float32)
+  with jaxprec.use_kernel("bf16"):
+    via_bf16 = np.asarray(fn(a, b))
+  with jaxprec.use_kernel("f32"):
+    via_f32 = np.asarray(fn(a, b))
+  assert (via_bf16 != via_f32).any()
+  np.testing.assert_allclose(via_bf16, via_f32, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ratio,expected", [
+    (0.3, {"bf16x1": "bf16", "bf16x3": "bf16", "bf16x6": "bf16", "bf16x9": "bf16"}),
+    (0.56, {"bf16x1": "bf16", "bf16x3": "bf16", "bf16x6": "f32", "bf16x9": "f32"}),
+    (1.6, {"bf16x1": "f32", "bf16x3": "f32", "bf16x6": "f32", "bf16x9": "f32"}),
+])
+def test_auto_picks_the_fewer_float32_dot_equivalents(ratio, expected):
+  choice = kernels.KernelChoice(setting="auto", source="default", backend="cpu",
+                                device_kind="cpu", ratio=ratio, reason="")
+  got = choice.per_algorithm()
+  assert {a: got[a] for a in expected} == expected
+  assert got["tf32x3"] == "f32"  # float32 passes either way: merged is fewer
+  assert choice.kernel_for("bf16x3", "conv_general_dilated") == "f32"
+
+
+def test_gpu_and_tpu_use_bf16_dots():
+  for backend in ("gpu", "tpu"):
+    choice = kernels.KernelChoice(setting="auto", source="default",
+                                  backend=backend, device_kind="x", ratio=None,
+                                  reason="")
+    assert set(choice.per_algorithm().values()) == {"bf16"}
+
+
+def test_auto_measures_once_and_caches_on_disk(monkeypatch, tmp_path):
+  monkeypatch.setenv(kernels.CACHE_ENV_VAR, str(tmp_path))
+  monkeypatch.setattr(kernels, "_MEASURED", {})
+  calls = []
+  real = kernels.measure
+  monkeypatch.setattr(kernels, "measure",
+                      lambda: calls.append(1) or real(size=64, repeats=2))
+  first = jaxprec.current_kernel()
+  assert first.setting == "auto" and first.ratio > 0 and len(calls) == 1
+  assert "measured in this process" in first.reason
+  assert jaxprec.current_kernel().ratio == first.ratio and len(calls) == 1
+  data = json.loads((tmp_path / "kernel_benchmark.json").read_text())
+  (key, value), = data.items()
+  assert "jaxlib" in key and value == first.ratio
+  monkeypatch.setattr(kernels, "_MEASURED", {})  # a new process: read the disk
+  again = jaxprec.current_kernel()
+  assert again.ratio == first.ratio and len(calls) == 1
+  assert "cached in" in again.reason
+
+
+def test_measure_is_a_time_ratio():
+  r = kernels.measure(size=64, repeats=2)
+  assert 0.01 < r < 100
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+  monkeypatch.setenv(kernels.CACHE_ENV_VAR, str(tmp_path))
+  assert kernels.cache_dir() == str(tmp_path)
+  monkeypatch.delenv(kernels.CACHE_ENV_VAR)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  if kernels.platform.system() == "Linux":
+    assert kernels.cache_dir() == str(tmp_path / "xdg" / "jaxprec")
