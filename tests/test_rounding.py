@@ -253,6 +253,49 @@ def test_lowering_is_reduce_precision_or_bit_ops_never_a_convert_pair(fmt, mode)
   assert not re.search(r"[<x]b?f16>", txt), txt
 
 
+def _compiled_ops(fn, x) -> tuple[int, str]:
+  """(instructions in XLA's optimized HLO, its text)."""
+  txt = jax.jit(fn).lower(x).compile().as_text()
+  return len(re.findall(r"^\s+\S+ = ", txt, re.M)), txt
+
+
+@pytest.mark.parametrize("what,limit", [
+    ("split1_bf16", 4), ("split1_f32", 3), ("split2_bf16", 20),
+    ("split3_bf16", 36), ("round_bf16", 14), ("round_tf32", 14)])
+def test_compiled_rounding_is_small_and_keeps_reduce_precision(what, limit):
+  # Before issue 11 these compiled to 31, 23, 56, 84, 23 and 23 instructions.
+  x = np.ones(64, np.float32)
+  fns = {
+      "split1_bf16": lambda v: rounding.split_bf16(v, 1),
+      "split1_f32": lambda v: rounding.split_bf16(v, 1, dtype=jnp.float32),
+      "split2_bf16": lambda v: rounding.split_bf16(v, 2),
+      "split3_bf16": lambda v: rounding.split_bf16(v, 3),
+      "round_bf16": lambda v: jaxprec.round_to(v, "bf16"),
+      "round_tf32": lambda v: jaxprec.round_to(v, "tf32"),
+  }
+  n, txt = _compiled_ops(fns[what], x)
+  assert n <= limit, txt
+  # The rounding survives XLA's optimizations as a reduce-precision.
+  assert "reduce-precision(" in txt, txt
+
+
+def test_bf16_operand_is_ml_dtypes_on_a_million_random_bit_patterns():
+  u = np.random.default_rng(11).integers(0, 2**32, 1_000_000, dtype=np.uint64)
+  x = np.concatenate([u.astype(np.uint32), SPECIAL_BITS]).view(np.float32)
+  (got,) = jax.jit(rounding.split_bf16, static_argnums=1)(x, 1)
+  with np.errstate(invalid="ignore"):
+    want = x.astype(ml_dtypes.bfloat16)
+  got, want = np.asarray(got), np.asarray(want)
+  nan = np.isnan(want.astype(np.float32))
+  np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+  np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+  with np.errstate(invalid="ignore"):
+    assert_same(jax.jit(lambda v: jaxprec.round_to(v, "bf16"))(x),
+                want.astype(np.float32))
+    assert_same(jax.jit(lambda v: jaxprec.round_to(v, "tf32"))(x),
+                ref.round_ref(x, "tensorfloat32"))
+
+
 # ---------------------------------------------------------------------------
 # The splits used by the multi-pass matmuls.
 

@@ -160,19 +160,25 @@ def _f16_subnormal(a: jax.Array, mode: str, rnd: jax.Array | None) -> jax.Array:
   return _bits(k.astype(jnp.float32) * _TWO_M24)
 
 
+def _quiet_nan(x: jax.Array) -> jax.Array:
+  """The bit pattern a narrowing convert makes of a NaN: high payload, quiet."""
+  return (_bits(x) & _BF16_MASK) | _QUIET
+
+
 def _round_f32(x: jax.Array, fmt: str, mode: str, key: Any) -> jax.Array:
+  if fmt in ("bfloat16", "tensorfloat32") and mode == "nearest":
+    # XLA's reduce-precision rounds to nearest even and handles subnormals,
+    # overflow and inf exactly (SEMANTICS.md section 4; tested bit for bit
+    # against ml_dtypes), and survives XLA's simplifier, which a convert pair
+    # may not. It keeps a NaN's low payload bits: only NaN needs a select.
+    exp_bits, man_bits = FORMATS[fmt]
+    r = lax.reduce_precision(x, exponent_bits=exp_bits, mantissa_bits=man_bits)
+    return jnp.where(x != x, _float(_quiet_nan(x)), r)
   u = _bits(x)
   sign = u & _SIGN
   a = u & _ABS
   rnd = _random_bits(key, x.shape) if mode == "stochastic" else None
-  if fmt in ("bfloat16", "tensorfloat32") and mode == "nearest":
-    # XLA's reduce-precision rounds to nearest even and handles subnormals,
-    # overflow and inf exactly (SEMANTICS.md section 4; tested bit for bit
-    # against ml_dtypes). Only NaN needs care below.
-    exp_bits, man_bits = FORMATS[fmt]
-    r = _bits(lax.reduce_precision(x, exponent_bits=exp_bits,
-                                   mantissa_bits=man_bits)) & _ABS
-  elif fmt == "bfloat16":
+  if fmt == "bfloat16":
     r = _drop_low_bits(a, 16, mode, rnd)
   elif fmt == "tensorfloat32":
     r = _drop_low_bits(a, 13, mode, rnd)
@@ -187,8 +193,7 @@ def _round_f32(x: jax.Array, fmt: str, mode: str, key: Any) -> jax.Array:
   is_nan = a > _EXP_ALL_ONES
   # A NaN stays a NaN that the narrow format can hold: keep the high payload
   # bits and set the quiet bit (as a float32 -> bfloat16 convert does).
-  nan = (u & _BF16_MASK) | _QUIET
-  return _float(jnp.where(is_nan, nan, r | sign))
+  return _float(jnp.where(is_nan, _quiet_nan(x), r | sign))
 
 
 def _contains(fmt: str, dtype: np.dtype) -> bool:
@@ -289,16 +294,24 @@ def _truncate_bf16_raw(x: jax.Array) -> jax.Array:
   return _float(_bits(x) & _BF16_MASK)
 
 
-def _as_bf16(x: jax.Array) -> jax.Array:
-  """A float32 array holding bfloat16 values -> bfloat16 dtype, exactly.
+def _rne_bf16(x: jax.Array) -> jax.Array:
+  """XLA's ``RoundToBF16`` on float32: one ``reduce_precision``.
 
-  Takes the high 16 bits (integer ops, no float convert); a NaN is made quiet
-  so that dropping its low bits cannot turn it into inf, as a convert would.
+  Unlike :func:`round_to` it leaves a NaN's payload alone (a NaN stays a NaN;
+  the parts only feed matmuls).
   """
-  u = _bits(x)
-  u = jnp.where((u & _ABS) > _EXP_ALL_ONES, u | _QUIET, u)
-  hi = jnp.right_shift(u, _u32(16)).astype(jnp.uint16)
-  return lax.bitcast_convert_type(hi, jnp.bfloat16)
+  return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+
+
+def _as_bf16(x: jax.Array) -> jax.Array:
+  """A float32 array holding bfloat16 values (or NaN) -> bfloat16, exactly.
+
+  One convert: it cannot round, as every value is a bfloat16 value, and XLA
+  converts a NaN to a NaN. Should XLA fold this convert with a widening one
+  after it (CPUs without bfloat16 dot units widen bfloat16 dots), the values
+  are the same: the rounding is the ``reduce_precision`` or bit mask before.
+  """
+  return x.astype(jnp.bfloat16)
 
 
 def split_bf16(x: jax.Array, n: int, *, dtype: Any = jnp.bfloat16
@@ -345,14 +358,13 @@ def split_bf16(x: jax.Array, n: int, *, dtype: Any = jnp.bfloat16
   else:
     raise ValueError(f"split_bf16: dtype must be bfloat16 or float32, got {dtype}.")
   if n == 1:
-    return (out(round_to(x, "bfloat16")),)
+    return (out(_rne_bf16(x)),)
   hi = _truncate_bf16_raw(x)
   rest = x - hi
   if n == 2:
-    return out(hi), out(round_to(rest, "bfloat16"))
+    return out(hi), out(_rne_bf16(rest))
   mid = _truncate_bf16_raw(rest)
-  lo = round_to(rest - mid, "bfloat16")
-  return out(hi), out(mid), out(lo)
+  return out(hi), out(mid), out(_rne_bf16(rest - mid))
 
 
 def split_tf32(x: jax.Array, mode: str = "nearest") -> tuple[jax.Array, jax.Array]:
