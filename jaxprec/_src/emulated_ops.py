@@ -206,14 +206,14 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
   out_shape = None
   fns = passes.F32 if spec.kernel == "f32" else passes.BF16
-  if spec.op == "dot_general" and spec.kernel == "bf16":
+  if spec.op == "dot_general":
     # bfloat16 parts run as bfloat16 dots with float32 results: exact
     # products, float32 sums, and 0.5x the time of a float32 dot on CPUs with
     # AVX512-BF16 (SEMANTICS.md section 4).
     lhs, rhs, dn, out_shape = _canonical_dot(
         lhs, rhs, dict(spec.params)["dimension_numbers"])
     base = functools.partial(lax.dot_general, dimension_numbers=dn)
-    parts = jnp.bfloat16
+    parts = jnp.bfloat16 if spec.kernel == "bf16" else jnp.float32
   else:
     # The f32 kernel, and convolutions (XLA:CPU widens bfloat16 conv operands
     # to float32 anyway): float32 parts holding bfloat16 values compute the
