@@ -289,9 +289,13 @@ def jit_key_scope(value: str):
   A policy decides precisions while a function is traced (through Flax method
   interception) in a way JAX cannot see; without this, a function jitted once
   under one policy would silently reuse that trace under another. Uses a JAX
-  config state with ``include_in_jit_key`` (jax/_src/config.py ``State``),
-  created on first use. Written against jax 0.10.2.
+  config state with ``include_in_jit_key`` (jax/_src/config.py ``State``).
+  Written against jax 0.10.2.
   """
+  return _policy_state()(value)
+
+
+def _policy_state():
   global _POLICY_KEY_STATE
   if _POLICY_KEY_STATE is None:
     from jax._src import config as jax_config
@@ -299,7 +303,7 @@ def jit_key_scope(value: str):
         "jaxprec_policy", None,
         "The jaxprec policy in force while tracing (set by jaxprec only).",
         include_in_jit_key=True, include_in_trace_context=True)
-  return _POLICY_KEY_STATE(value)
+  return _POLICY_KEY_STATE
 
 
 _KERNEL_STATE = None
@@ -310,8 +314,8 @@ def kernel_state():
 
   Like :func:`jit_key_scope`: ``include_in_jit_key`` makes the kernel part of
   ``jax.jit``'s cache key and of :func:`trace_context`, so a function jitted
-  under one kernel is traced again under another. Created on first use;
-  ``State(...)`` for a thread-local scope, ``.set_global`` / ``.value``.
+  under one kernel is traced again under another. ``State(...)`` for a
+  thread-local scope, ``.set_global`` / ``.value``.
   Written against jax 0.10.2.
   """
   global _KERNEL_STATE
@@ -322,3 +326,10 @@ def kernel_state():
         "The jaxprec emulation kernel setting (set by jaxprec only).",
         include_in_jit_key=True, include_in_trace_context=True)
   return _KERNEL_STATE
+
+
+# Both states join JAX's trace context when created. Created at import, before
+# anything is traced: a state created later would change every trace context
+# and make jax.jit trace each function again once.
+_policy_state()
+kernel_state()

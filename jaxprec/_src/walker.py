@@ -28,7 +28,7 @@ import jax
 from jaxprec._src import compat
 from jaxprec._src import trees
 
-__all__ = ["OPAQUE_PRIMITIVES", "Rule", "SplitArgs", "TracedCall", "WalkedEqn",
+__all__ = ["OPAQUE_PRIMITIVES", "Rule", "TracedCall", "WalkedEqn",
            "bind_unchanged", "interpret", "iter_eqns", "opaque_name", "trace",
            "trace_call", "transform"]
 
@@ -189,8 +189,8 @@ def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
   key = None
   if cache is not None:
     try:
-      key = (treedef, avals, is_array, static, compat.trace_context(),
-             extra_key)
+      key = (treedef, avals, is_array, trees.static_key(static),
+             compat.trace_context(), extra_key)
       hash(key)
     except TypeError:
       key = None
@@ -227,39 +227,6 @@ def _check_outputs(fn, out, leaves) -> None:
         f"{name} returned a value of type {type(x)}{where}, which is not a "
         f"valid JAX type: only arrays (and pytrees of arrays) can be returned, "
         f"as under jax.jit.")
-
-
-class SplitArgs:
-  """``args``/``kwargs`` of a call that jaxprec *runs*, split into array leaves and static ones.
-
-  Used by the checker and the search, which compile the call for several
-  precisions: array leaves (JAX and NumPy arrays) become jit arguments, every
-  other leaf stays static. ``jax.ShapeDtypeStruct`` leaves are refused, naming
-  ``who``: these entry points run the function (``jaxprec.audit`` takes them).
-  ``key`` is a hashable description of the static part, or None.
-  """
-
-  def __init__(self, args: Sequence[Any], kwargs: dict, *, who: str):
-    leaves, self.treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-    for x in leaves:
-      if isinstance(x, jax.ShapeDtypeStruct):
-        raise TypeError(f"{who} runs the function: pass arrays, not "
-                        "jax.ShapeDtypeStruct (jaxprec.audit takes those)")
-    self.is_array = tuple(trees.is_array(x, abstract=False) for x in leaves)
-    self.static = tuple(None if a else x for x, a in zip(leaves, self.is_array))
-    self.dynamic = [x for x, a in zip(leaves, self.is_array) if a]
-    try:
-      self.key = (self.treedef, self.is_array, self.static)
-      hash(self.key)
-    except TypeError:
-      self.key = None
-
-  def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
-    """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
-    it = iter(dynamic)
-    full = [next(it) if a else s for s, a in zip(self.static, self.is_array)]
-    args, kwargs = jax.tree_util.tree_unflatten(self.treedef, full)
-    return fn(*args, **kwargs)
 
 
 def _eval(jaxpr, consts, rule: Rule, args) -> list[Any]:
