@@ -523,14 +523,23 @@ def test_lowering_dots_per_kernel(algorithm, bf16_dots, f32_dots, kernel):
     assert len(dots) == bf16_dots and all("bf16>" in d for d in dots)
 
 
-def test_lowering_uses_bfloat16_matmuls_and_no_convert_pair(kernel):
-  if kernel == "f32":
-    pytest.skip("bfloat16 matmuls are the bf16 kernel's")
+@pytest.mark.parametrize("algorithm", ["bf16x1", "bf16x3", "bf16x6"])
+def test_lowering_rounds_before_every_narrowing_convert(algorithm, kernel):
+  # The rounding is a reduce_precision or a bit mask; a convert to bfloat16
+  # only changes the dtype of a value that is already a bfloat16 value, so
+  # XLA cannot change the numbers by folding it with a widening convert.
   x = np.ones((8, 8), F32)
-  txt = jax.jit(emulated("bf16x3")).lower(x, x).as_text()
-  dots = re.findall(r"stablehlo.dot_general.*", txt)
-  assert len(dots) == 3 and all("bf16>" in d for d in dots)
-  assert not re.search(r"stablehlo.convert[^\n]*f32>\) -> tensor<[0-9x]*bf16>", txt)
+  txt = jax.jit(emulated(algorithm)).lower(x, x).as_text()
+  defs = dict(re.findall(r"(%\w+) = (stablehlo\.\w+)", txt))
+  narrowing = re.findall(r"stablehlo.convert (%\w+) : \(tensor<[0-9x]*f32>\) -> "
+                         r"tensor<[0-9x]*bf16>", txt)
+  assert len(narrowing) == (0 if kernel == "f32" else 2 * {
+      "bf16x1": 1, "bf16x3": 2, "bf16x6": 3}[algorithm]), txt
+  for operand in narrowing:
+    assert defs[operand] in ("stablehlo.reduce_precision",
+                             "stablehlo.bitcast_convert"), (operand, txt)
+  compiled = jax.jit(emulated(algorithm)).lower(x, x).compile().as_text()
+  assert "reduce-precision(" in compiled
 
 
 # ---------------------------------------------------------------------------

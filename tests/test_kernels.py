@@ -122,3 +122,35 @@ def test_cache_dir(monkeypatch, tmp_path):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
   if kernels.platform.system() == "Linux":
     assert kernels.cache_dir() == str(tmp_path / "xdg" / "jaxprec")
+
+
+@pytest.mark.parametrize("ratio,dots", [(2.0, 2), (0.3, 3)])
+def test_auto_decides_from_the_measurement_inside_jit(monkeypatch, tmp_path, ratio,
+                                                      dots):
+  # The first emulated op traced under jit runs the measurement; its figure
+  # decides the kernel: 3 bfloat16 dots, or 2 float32 dots, for X3.
+  monkeypatch.setenv(kernels.CACHE_ENV_VAR, str(tmp_path))
+  monkeypatch.setattr(kernels, "_MEASURED", {})
+  monkeypatch.setattr(kernels, "measure", lambda: ratio)
+  x = np.ones((8, 8), np.float32)
+  fn = lambda a, b: jaxprec.emulated_dot_general(a, b, MATMUL, "high")  # noqa: E731
+  found = _dots(fn, x)
+  assert len(found) == dots
+  assert all(("bf16>" in d) == (dots == 3) for d in found)
+
+
+def test_emulate_under_jit_follows_the_kernel():
+  # jax.jit(jaxprec.emulate(f)) is traced again when the kernel changes: the
+  # kernel is in JAX's trace context, which keys jit's cache and emulate's.
+  rng = np.random.default_rng(1)
+  a = rng.standard_normal((16, 64)).astype(np.float32)
+  b = rng.standard_normal((64, 16)).astype(np.float32)
+  fn = jax.jit(jaxprec.emulate(lambda x, y: x @ y, "highest", target="tpu"))
+  got = {}
+  for kernel in ("bf16", "f32", "bf16"):
+    with jaxprec.use_kernel(kernel):
+      got.setdefault(kernel, []).append(np.asarray(fn(a, b)))
+      direct = jaxprec.emulated_dot_general(a, b, MATMUL, "highest")
+      np.testing.assert_array_equal(got[kernel][-1], direct)
+  np.testing.assert_array_equal(got["bf16"][0], got["bf16"][1])
+  assert (got["bf16"][0] != got["f32"][0]).any()  # so a stale trace would show

@@ -353,3 +353,55 @@ def test_check_of_the_issue_reproducer_at_1e10():
   assert m.cosine == pytest.approx(at1.cosine, abs=1e-5)
   assert m.sqnr_db == pytest.approx(at1.sqnr_db, abs=1.5)
   assert m.ref_rms == pytest.approx(at1.ref_rms * 1e20, rel=1e-5)
+
+
+def normal_pair(scale, n=3000, seed=1):
+  """Like :func:`scaled_pair`, every element a normal float32 (>= 0.1 scale)."""
+  rng = np.random.default_rng(seed)
+  z = rng.standard_normal(n)
+  r = (np.sign(z) * np.clip(np.abs(z), 0.1, 4.5) * scale).astype(np.float32)
+  assert np.abs(r).min() >= 2.0**-126
+  return bf16_round(r), r
+
+
+@pytest.mark.parametrize("scale", [2.0**-110, 2.0**-118, 1e-36])
+def test_subnormal_errors_are_not_flushed_to_zero(scale):
+  # The reference is normal but its bfloat16 error is below float32's
+  # smallest normal (2**-126): CPUs flush such differences to zero, which
+  # reported an exact match (rel_rms 0, sqnr inf). Scaled before subtracting.
+  c, r = normal_pair(scale)
+  atol, rtol = 0.0, 1e-3
+  got = M.compare(c, r, atol=atol, rtol=rtol)
+  want = reference_metrics(c, r, atol, rtol)
+  for k in ("max_abs", "max_rel", "required_atol", "rel_rms", "sqnr_db"):
+    assert getattr(got, k) == pytest.approx(want[k], rel=1e-5), k
+  assert 1 - got.cosine == pytest.approx(1 - want["cosine"], rel=1e-3)
+  assert got.frac_outside == want["frac_outside"]
+  assert got.ulp_max == want["ulp_max"]
+  assert 1e-3 < got.rel_rms < 1e-2
+
+
+def test_tiny_reference_with_a_huge_candidate_stays_finite():
+  # Scaling a tiny reference up must not overflow a large candidate.
+  c, r = normal_pair(1e-36, n=500)
+  c = r.copy()
+  c[7] = np.float32(1e3)
+  got = M.compare(c, r)
+  want = reference_metrics(c, r, 0.0, 0.0)
+  assert got.max_rel == np.inf  # 1.7e39: beyond float32, where it is kept
+  for k in ("max_abs", "required_atol", "rel_rms", "sqnr_db"):
+    assert getattr(got, k) == pytest.approx(want[k], rel=1e-5), k
+  assert (got.nan, got.inf) == (0, 0)
+
+
+def test_check_end_to_end_at_1e_minus_36():
+  import jaxprec
+  rng = np.random.default_rng(3)
+  z = rng.standard_normal((16, 16))
+  x = (np.sign(z) * np.clip(np.abs(z), 0.5, 4) * 1e-36).astype(np.float32)
+  m = jaxprec.check(lambda p: (p @ jnp.eye(16)) * 0.5, x,
+                    precisions="bfloat16").layers[0].metrics["bfloat16"]
+  want = reference_metrics(bf16_round(x) * np.float32(0.5),
+                           x * np.float32(0.5), 0.0, 0.0)
+  assert m.rel_rms == pytest.approx(want["rel_rms"], rel=1e-5)
+  assert m.max_abs == pytest.approx(want["max_abs"], rel=1e-5)

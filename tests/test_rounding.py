@@ -256,7 +256,7 @@ def test_lowering_is_reduce_precision_or_bit_ops_never_a_convert_pair(fmt, mode)
 def _compiled_ops(fn, x) -> tuple[int, str]:
   """(instructions in XLA's optimized HLO, its text)."""
   txt = jax.jit(fn).lower(x).compile().as_text()
-  return len(re.findall(r"^\s+\S+ = ", txt, re.M)), txt
+  return len(re.findall(r"^\s+\S+ = ", txt, re.MULTILINE)), txt
 
 
 @pytest.mark.parametrize("what,limit", [

@@ -25,6 +25,7 @@ matmuls run at the forward's emulated precision, as on a TPU, so
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import warnings
 from collections.abc import Callable
@@ -137,15 +138,15 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
       other ops the precision its rules give ops of their kind outside any
       module (path ``''``), else its default.
     target: ``'tpu'``, ``'gpu'``, or ``'cpu'``/``'native'`` for no emulation.
-    **options: passed to the emulated ops: ``tf32_rounding`` (``'nearest'``
-      or ``'truncate'``).
+    **options: passed to the emulated ops: ``tf32_rounding`` (``'nearest'``,
+      ``'nearest_away'`` or ``'truncate'``).
 
   Returns:
     The emulated function.
 
   Raises:
-    TypeError: ``fn`` is not callable.
-    ValueError: unknown precision or target.
+    TypeError: ``fn`` is not callable, or an unknown option.
+    ValueError: unknown precision, target or ``tf32_rounding``.
 
   Examples:
     >>> import jax.numpy as jnp, jaxprec
@@ -160,6 +161,7 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
     raise TypeError(f"jaxprec.emulate expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
   target = numerics.check_target(target, emulation=True)
+  options = _check_options(options)
   policy = None
   if isinstance(precision, policy_lib.Policy) or (
       isinstance(precision, str) and "=" in precision):
@@ -209,6 +211,24 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
   if recorder is not None:
     emulated._jaxprec_recorder = recorder  # for jaxprec.policy_report
   return emulated  # type: ignore[return-value]
+
+
+_OPTIONS = ("tf32_rounding",)
+
+
+def _check_options(options: dict[str, Any]) -> dict[str, Any]:
+  """``options`` checked now, not at the first call: names and values."""
+  for name in options:
+    if name not in _OPTIONS:
+      close = difflib.get_close_matches(name, _OPTIONS, n=1)
+      hint = f" Did you mean {close[0]!r}?" if close else ""
+      raise TypeError(
+          f"jaxprec.emulate got an unknown option {name!r}; valid options: "
+          f"{', '.join(map(repr, _OPTIONS))}.{hint}")
+  if "tf32_rounding" in options:
+    options = dict(options, tf32_rounding=numerics.check_choice(
+        options["tf32_rounding"], emulated_ops.TF32_ROUNDINGS, "tf32_rounding"))
+  return options
 
 
 def _warn_opaque(found: list[str], warned: set[str], what: str) -> None:

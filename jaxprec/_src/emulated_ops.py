@@ -59,10 +59,19 @@ each pass accumulates its products, which XLA does not fix either, and the
 error against the exact sum of the same products is at most
 ``(k + passes) * 2**-24 * sum|products|``. Arithmetic runs in the host's
 float32 mode: XLA:CPU flushes subnormal inputs and results to zero (as TPUs
-do). bfloat16 matmul passes run as bfloat16 dots with float32 results, which
-on CPUs with AVX512-BF16 cost 0.5x a float32 dot each (measured, see
-``benchmarks/bench_emulated_matmul.py``); convolution passes run on float32
-arrays holding bfloat16 values (XLA:CPU widens bfloat16 convolutions anyway).
+do).
+
+Kernels (:mod:`jaxprec._src.kernels`, :mod:`jaxprec._src.passes`). On the
+``bf16`` kernel, all the above holds: bfloat16 matmul passes run as bfloat16
+dots with float32 results, which on CPUs with AVX512-BF16 cost 0.5x a float32
+dot each (measured, see ``benchmarks/bench_emulated_matmul.py``); convolution
+passes run on float32 arrays holding bfloat16 values (XLA:CPU widens bfloat16
+convolutions anyway). On the ``f32`` kernel the passes are float32 dots on
+operands rounded in float32, merged where the products stay exact or round
+once (X3 in 2 dots, X6 and X9 in 3, TF32x3 in 2): within the same bound at
+every contraction length, not bit-exact. The kernel in force
+(``jaxprec.use_kernel``, ``jaxprec.set_kernel``, ``JAXPREC_KERNEL``; ``auto``
+measures) is read when the op is traced and is part of ``jax.jit``'s key.
 See ``docs/emulation.md``.
 """
 
@@ -154,14 +163,28 @@ def _make_spec(op: str, params: Mapping[str, Any], lhs, rhs,
   params = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
   spec = _Spec(op, params, preferred_element_type, np.dtype(np.float32),
                algorithm, tf32_rounding, kernel=kernel)
+  try:
+    return _complete(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
+                     tuple(rhs.shape), np.dtype(rhs.dtype))
+  except TypeError as e:
+    if "unhashable" not in str(e):
+      raise
+    return _complete.__wrapped__(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
+                                 tuple(rhs.shape), np.dtype(rhs.dtype))
+
+
+@functools.lru_cache(maxsize=4096)
+def _complete(spec: _Spec, lhs_shape, lhs_dtype, rhs_shape, rhs_dtype) -> _Spec:
+  """``spec`` with its result dtype and contraction length (cached: a model
+  repeats the same op signature in every layer, and tracing it is slow)."""
   # The native op's result type (and its shape checks, with lax's messages).
   out = jax.eval_shape(
       functools.partial(spec.lax_op(), precision=_LOW,
-                        preferred_element_type=preferred_element_type),
-      jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
-      jax.ShapeDtypeStruct(rhs.shape, rhs.dtype))
+                        preferred_element_type=spec.preferred_element_type),
+      jax.ShapeDtypeStruct(lhs_shape, lhs_dtype),
+      jax.ShapeDtypeStruct(rhs_shape, rhs_dtype))
   return dataclasses.replace(spec, out_dtype=np.dtype(out.dtype),
-                             contraction=_contraction(spec, lhs.shape, rhs.shape))
+                             contraction=_contraction(spec, lhs_shape, rhs_shape))
 
 
 def _contraction(spec: _Spec, lhs_shape, rhs_shape) -> int:
@@ -206,14 +229,14 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
   out_shape = None
   fns = passes.F32 if spec.kernel == "f32" else passes.BF16
-  if spec.op == "dot_general":
+  if spec.op == "dot_general" and spec.kernel == "bf16":
     # bfloat16 parts run as bfloat16 dots with float32 results: exact
     # products, float32 sums, and 0.5x the time of a float32 dot on CPUs with
     # AVX512-BF16 (SEMANTICS.md section 4).
     lhs, rhs, dn, out_shape = _canonical_dot(
         lhs, rhs, dict(spec.params)["dimension_numbers"])
     base = functools.partial(lax.dot_general, dimension_numbers=dn)
-    parts = jnp.bfloat16 if spec.kernel == "bf16" else jnp.float32
+    parts = jnp.bfloat16
   else:
     # The f32 kernel, and convolutions (XLA:CPU widens bfloat16 conv operands
     # to float32 anyway): float32 parts holding bfloat16 values compute the

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import platform
@@ -60,7 +61,7 @@ DOTS: dict[str, tuple[int, int, int]] = {
     "f16_f16_f16": (0, 1, 1),
 }
 _BENCH_SIZE = 256
-_BENCH_REPEATS = 5
+_BENCH_REPEATS = 9
 
 
 def check_kernel(name: Any) -> str:
@@ -230,6 +231,7 @@ def cache_dir() -> str:
   return os.path.join(base, "jaxprec")
 
 
+@functools.cache
 def _cpu_model() -> str:
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:

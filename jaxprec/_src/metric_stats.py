@@ -120,6 +120,17 @@ def bucket_value(b: np.ndarray) -> np.ndarray:
   return np.where(hi - lo <= 1, lo, (lo + hi) / 2) - 1
 
 
+# Layers whose reference lies below 2**-_TINY may have subnormal errors.
+_TINY = 64
+
+
+def _up_exp(c: jax.Array, r_exp: jax.Array, layout: Layout) -> jax.Array:
+  """Per layer, ``u >= 0`` with the reference and ``c`` times ``2**u`` below 1."""
+  c_abs = jnp.where(jnp.isfinite(c), jnp.abs(c), np.float32(0))
+  c_exp = _scale_exp(_per_layer([c_abs], layout, "max")[0])
+  return jnp.maximum(jnp.minimum(r_exp, c_exp), 0)
+
+
 def _pow2(k: jax.Array) -> jax.Array:
   """``2.0 ** k`` in float32, exactly, for integer ``k`` in [-126, 127]."""
   return lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
@@ -213,9 +224,12 @@ def reference_stats(ref_hi: jax.Array, ref_lo: jax.Array | None,
 # Sums are of scaled values: sum_r2 of r * 2**r_exp, sum_e2 of e * 2**e_exp,
 # sum_er of both; max_half is max |e| / 2 (finite when max_abs overflows).
 INT_ROWS = ("n_valid", "nan", "inf", "mismatch", "outside", "ulp_lo",
-             "ulp_hi", "ref_nan", "ref_inf", "r_exp", "e_exp")
+             "ulp_hi", "ref_nan", "ref_inf", "r_exp", "e_exp", "u_exp")
 FLOAT_ROWS = ("sum_e2", "sum_er", "max_abs", "max_rel", "required", "sum_r2",
                "ref_max_abs", "max_half")
+# max_abs, required and max_half are of errors computed on values scaled by
+# 2**u_exp >= 1 (u_exp > 0 for a tiny layer only: its differences would
+# otherwise fall below float32's smallest normal and flush to zero on CPU).
 # The error is scaled like the reference unless that leaves its largest
 # magnitude outside [2**-40, 2**40] (squares could then overflow, or lose
 # the error to underflow): then a second pass scales it by its own maximum.
@@ -256,21 +270,27 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
   scale = _pow2(r_exp)[seg][:, None]
   sizes = jnp.asarray(np.array(layout.sizes, np.int32))
   zeros = jnp.zeros((n_layers,), i32)
+  u_exp = lax.cond(jnp.any(r_exp > _TINY), lambda: _up_exp(c, r_exp, layout),
+                   lambda: zeros)
+  up = _pow2(u_exp)[seg][:, None]  # exact, and c * up cannot overflow
+  rest = _pow2(r_exp - u_exp)[seg][:, None]
 
   def error(c, hi):
-    e = c - hi
-    return e if lo is None else e - lo
+    e = c * up - hi * up
+    return e if lo is None else e - lo * up
 
   def common(c0, r0, e, valid, mismatch):
-    ae, ar = jnp.abs(e), jnp.abs(r0)
-    outside = (ae > atol + rtol * ar) | mismatch
-    e_s, r_s = e * scale, r0 * scale
+    # e is scaled by up; so are ae, ar and the tolerance.
+    ae, ar = jnp.abs(e), jnp.abs(r0 * up)
+    outside = (ae > atol * up + rtol * ar) | mismatch
+    floor_up = floor * up
+    e_s, r_s = e * rest, r0 * scale
     if valid is None:
       sums = _per_layer([e_s * e_s, e_s * r_s], layout, "sum")
       sums = [sums[0], sums[1], ref["sum_r2"]]
     else:  # the reference's sum too, over the valid elements only
       sums = _per_layer([e_s * e_s, e_s * r_s, r_s * r_s], layout, "sum")
-    maxes = _per_layer([ae, ae / jnp.maximum(ar, floor),
+    maxes = _per_layer([ae, ae / jnp.maximum(ar, floor_up),
                         ae - rtol * ar], layout, "max")
     ulp = _ulp_distance(c0, r0)
     if valid is not None:
@@ -321,22 +341,22 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
     # its own largest magnitude.
     fin = jnp.isfinite(c) & jnp.isfinite(hi)
     half = f32(0.5)
-    e_h = (c * half - hi * half)
+    e_h = (c * up * half - hi * up * half)
     if lo is not None:
-      e_h = e_h - lo * half
+      e_h = e_h - lo * up * half
     e_h = jnp.where(fin, e_h, f32(0))
     max_half = _per_layer([jnp.abs(e_h)], layout, "max")[0]
     k = _scale_exp(max_half)
     e_s = e_h * _pow2(k)[seg][:, None]
     r_s = jnp.where(fin, hi, f32(0)) * scale
     sums = _per_layer([e_s * e_s, e_s * r_s], layout, "sum")
-    return dict(out, sum_e2=sums[0], sum_er=sums[1], e_exp=k - 1,
+    return dict(out, sum_e2=sums[0], sum_er=sums[1], e_exp=k - 1 + u_exp,
                 max_half=max_half)
 
   finite = ref["finite"] & jnp.all(jnp.isfinite(c))
   out = lax.cond(finite, fast, masked, c)
   out.update(e_exp=r_exp, max_half=out["max_abs"] * f32(0.5))
-  m_s = out["max_abs"] * _pow2(r_exp)
+  m_s = out["max_abs"] * _pow2(r_exp - u_exp)
   unsafe = (m_s > _SAFE) | ((m_s < 1 / _SAFE) & (m_s > 0))
   out = lax.cond(jnp.any(unsafe), rescaled, lambda out: out, out)
   out["required"] = jnp.where(out["mismatch"] > 0, f32(np.inf), out["required"])
@@ -346,7 +366,7 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
                              axis=1)
   out["ulp_hi"] = jnp.argmax(cum > (n_valid // 2)[:, None], axis=1)
   out.update(ref_max_abs=ref["max_abs"],
-             ref_nan=ref["nan"], ref_inf=ref["inf"], r_exp=r_exp)
+             ref_nan=ref["nan"], ref_inf=ref["inf"], r_exp=r_exp, u_exp=u_exp)
   return {"int": jnp.stack([out[k].astype(i32) for k in INT_ROWS]),
           "float": jnp.stack([out[k].astype(f32) for k in FLOAT_ROWS]),
           "ulp_max": out["ulp_max"]}

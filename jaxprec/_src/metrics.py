@@ -187,7 +187,8 @@ def _finish_one(s: Mapping[str, Any], size: int, ulp_lo: float,
   n_valid = int(s["n_valid"])
   nan = float("nan")
   # Undo the scaling in float64 (whose range holds every square of float32).
-  r_exp, e_exp = int(s["r_exp"]), int(s["e_exp"])
+  # Errors were computed on values scaled by 2**u_exp (tiny layers).
+  r_exp, e_exp, u_exp = int(s["r_exp"]), int(s["e_exp"]), int(s["u_exp"])
   sum_r2 = math.ldexp(float(s["sum_r2"]), -2 * r_exp)
   sum_e2 = math.ldexp(float(s["sum_e2"]), -2 * e_exp)
   sum_er = math.ldexp(float(s["sum_er"]), -(r_exp + e_exp))
@@ -195,9 +196,10 @@ def _finish_one(s: Mapping[str, Any], size: int, ulp_lo: float,
     max_abs = max_rel = rel_rms = cosine = sqnr = ulp_med = ulp_max = nan
     ref_rms = ref_max = nan
   else:
-    max_abs, max_rel = float(s["max_abs"]), float(s["max_rel"])
+    max_abs = math.ldexp(float(s["max_abs"]), -u_exp)
+    max_rel = float(s["max_rel"])
     if math.isinf(max_abs) and not int(s["mismatch"]):  # c - r overflowed
-      max_abs = 2.0 * float(s["max_half"])
+      max_abs = 2.0 * math.ldexp(float(s["max_half"]), -u_exp)
     if sum_r2 > 0:
       rel_rms = math.sqrt(sum_e2 / sum_r2)
     else:
@@ -216,8 +218,9 @@ def _finish_one(s: Mapping[str, Any], size: int, ulp_lo: float,
       sqnr = -math.inf
     else:
       sqnr = 10.0 * math.log10(sum_r2 / sum_e2)
-    ulp_med = (float(ulp_lo) + float(ulp_hi)) / 2.0
     ulp_max = float(int(s["ulp_max"]))
+    # The median's bucket midpoint may pass the exact maximum: clamp it.
+    ulp_med = min((float(ulp_lo) + float(ulp_hi)) / 2.0, ulp_max)
     ref_rms = math.sqrt(sum_r2 / n_valid)
     ref_max = float(s["ref_max_abs"])
   return LayerMetrics(
@@ -225,7 +228,8 @@ def _finish_one(s: Mapping[str, Any], size: int, ulp_lo: float,
       sqnr_db=sqnr, ulp_median=ulp_med, ulp_max=ulp_max,
       frac_outside=int(s["outside"]) / size if size else 0.0,
       nan=int(s["nan"]), inf=int(s["inf"]),
-      required_atol=float(s["required"]), size=int(size), ref_rms=ref_rms,
+      required_atol=math.ldexp(float(s["required"]), -u_exp), size=int(size),
+      ref_rms=ref_rms,
       ref_max_abs=ref_max, ref_nan=int(s["ref_nan"]), ref_inf=int(s["ref_inf"]))
 
 

@@ -528,9 +528,12 @@ class PolicyMatch:
     path: the module path (``''`` for the top module or no module).
     module_type: one of :data:`MODULE_TYPES`, or None.
     op: the op kind the decision is for.
-    precision: the precision given, or None (left as it was).
+    precision: the precision given, or None (left as it was); when
+      :attr:`kept`, the module's own.
     rule: the rule that gave it; None for the default or no decision.
     calls: how many module method calls (or traced ops) it covered.
+    kept: the module's code set its own ``precision=``, which it keeps:
+      ``rule`` (or the default) matched it but decided nothing.
   """
 
   path: str
@@ -539,6 +542,7 @@ class PolicyMatch:
   precision: Precision | None
   rule: Rule | None
   calls: int = 1
+  kept: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -560,13 +564,15 @@ class PolicyReport:
   @property
   def unused_rules(self) -> tuple[Rule, ...]:
     """Rules that decided nothing: they matched no module, or only modules
-    that an earlier rule had already matched."""
-    used = {m.rule for m in self.matches if m.rule is not None}
+    that an earlier rule had already matched, or only modules that keep their
+    own ``precision=``."""
+    used = {m.rule for m in self.matches if m.rule is not None and not m.kept}
     return tuple(r for r in self.policy.rules if r not in used)
 
   @property
   def default_used(self) -> bool:
-    return any(m.rule is None and m.precision is not None for m in self.matches)
+    return any(m.rule is None and m.precision is not None and not m.kept
+               for m in self.matches)
 
   def __str__(self) -> str:
     lines = [f"policy: {self.policy}"]
@@ -574,6 +580,8 @@ class PolicyReport:
       what = "-" if m.precision is None else m.precision.name
       why = str(m.rule) if m.rule is not None else (
           "default" if m.precision is not None else "no rule, no default")
+      if m.kept:
+        why = f"its own precision= (kept; {why} not applied)"
       lines.append(f"  {m.path or '(top)'} [{m.module_type or '-'}, {m.op}]: "
                    f"{what}  <- {why}")
     unused = self.unused_rules

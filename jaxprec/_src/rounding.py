@@ -173,7 +173,7 @@ def _round_f32(x: jax.Array, fmt: str, mode: str, key: Any) -> jax.Array:
     # may not. It keeps a NaN's low payload bits: only NaN needs a select.
     exp_bits, man_bits = FORMATS[fmt]
     r = lax.reduce_precision(x, exponent_bits=exp_bits, mantissa_bits=man_bits)
-    return jnp.where(x != x, _float(_quiet_nan(x)), r)
+    return jnp.where(jnp.isnan(x), _float(_quiet_nan(x)), r)
   u = _bits(x)
   sign = u & _SIGN
   a = u & _ABS

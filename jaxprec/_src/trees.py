@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["is_array", "is_jax_type"]
+__all__ = ["is_array", "is_jax_type", "static_key"]
 
 _CONCRETE = (jax.Array, np.ndarray, np.generic)
 _SCALARS = (bool, int, float, complex)
@@ -58,3 +58,24 @@ def is_jax_type(x: Any) -> bool:
   """
   return (isinstance(x, _CONCRETE + _SCALARS) and not isinstance(x, type)) \
       or hasattr(x, "__jax_array__")
+
+
+def static_key(leaves: tuple[Any, ...]) -> tuple[Any, ...]:
+  """A cache key for static leaves: equal keys only for interchangeable values.
+
+  Python's ``==`` equates ``1``, ``1.0`` and ``True`` (and ``0.0`` with
+  ``-0.0``), yet a function traced with one returns other dtypes, or other
+  signs, than with another. The key holds each leaf's type, and floats and
+  complex numbers by their exact ``repr``. Hashable when the leaves are.
+
+  Examples:
+    >>> from jaxprec._src.trees import static_key
+    >>> static_key((1,)) == static_key((1.0,))
+    False
+    >>> static_key((0.0,)) == static_key((-0.0,))
+    False
+    >>> static_key((None, "relu")) == static_key((None, "relu"))
+    True
+  """
+  return tuple((type(x), repr(x)) if isinstance(x, (float, complex))
+               else (type(x), x) for x in leaves)

@@ -35,7 +35,7 @@ import jax
 from flax import linen as nn
 
 from jaxprec._src import numerics
-from jaxprec._src.flax.nnx_policy import classify
+from jaxprec._src.flax.nnx_policy import classify, own_precision
 from jaxprec._src.flax.state import ActiveScope, active
 
 __all__ = ["classify_linen", "intercept"]
@@ -66,7 +66,9 @@ def intercept(scope: ActiveScope) -> Iterator[None]:
     path_str = scope.relative(path)
     p, rule = policy.match(path_str, module_type, kind)
     if recorder is not None and context.method_name != "setup":
-      recorder.record(path_str, module_type, kind, p, rule)
+      kept, shown = (own_precision(context.module, p, kind)
+                     if module_type is not None else (False, p))
+      recorder.record(path_str, module_type, kind, shown, rule, kept=kept)
     flag = outer if p is None else numerics.flag_for(p, kind)
     with scope.paths.entered(path), jax.default_matmul_precision(flag):
       return next_fun(*args, **kwargs)

@@ -36,7 +36,8 @@ from jaxprec._src.policy import Policy
 from jaxprec._src.precision import Precision, resolve
 
 __all__ = ["Lifted", "PrecisionScoped", "bind", "classify", "classify_nnx", "decide",
-           "is_attention_name", "lift", "per_op_precision", "set_precision"]
+           "is_attention_name", "lift", "own_precision", "per_op_precision",
+           "set_precision"]
 
 
 def per_op_precision(value: Any, *, conv: bool) -> Any:
@@ -54,6 +55,24 @@ def per_op_precision(value: Any, *, conv: bool) -> Any:
       and value[0] != value[1]):
     return tuple(value)
   return numerics.per_op(resolve(value), "conv" if conv else "dot")
+
+
+def own_precision(module: Any, p: Precision | None, kind: str
+                  ) -> tuple[bool, Precision | None]:
+  """``(kept, precision)``: whether a Flax module keeps its own ``precision=``
+  rather than the policy's ``p``, and the precision it runs at.
+
+  A module whose ``precision`` already is what ``p`` would set (a swapped
+  model) is the policy's decision, not the module's.
+  """
+  own = getattr(module, "precision", None)
+  if own is None or (p is not None
+                     and own == per_op_precision(p, conv=kind == "conv")):
+    return False, p
+  try:
+    return True, resolve(own)
+  except (TypeError, ValueError):
+    return True, None
 
 
 def is_attention_name(cls: type) -> bool:
@@ -120,7 +139,8 @@ def decide(model: Any, policy: Policy, recorder: Recorder | None
     path_str = "/".join(str(k) for k in path)
     p, rule = policy.match(path_str, module_type, kind)
     if recorder is not None:
-      recorder.record(path_str, module_type, kind, p, rule)
+      kept, shown = own_precision(node, p, kind)
+      recorder.record(path_str, module_type, kind, shown, rule, kept=kept)
     yield node, p, kind
 
 

@@ -32,8 +32,10 @@ class Recorder:
     self._warned: set[Rule] = set()
 
   def record(self, path: str, module_type: str | None, op: str,
-             precision: Precision | None, rule: Rule | None) -> None:
-    key = (path, module_type, op, precision, rule)
+             precision: Precision | None, rule: Rule | None, *,
+             kept: bool = False) -> None:
+    """Counts one decision; ``kept``: the module keeps its own precision."""
+    key = (path, module_type, op, precision, rule, kept)
     with self._lock:
       self._counts[key] = self._counts.get(key, 0) + 1
 
@@ -42,7 +44,7 @@ class Recorder:
       items = list(self._counts.items())
     return PolicyReport(policy=self.policy, matches=tuple(
         PolicyMatch(path=k[0], module_type=k[1], op=k[2], precision=k[3],
-                    rule=k[4], calls=n) for k, n in items))
+                    rule=k[4], kept=k[5], calls=n) for k, n in items))
 
   def warn_unused(self, what: str = "the model", stacklevel: int = 3) -> None:
     unused = self.report().unused_rules
@@ -54,7 +56,8 @@ class Recorder:
           f"jaxprec policy rules that decided the precision of nothing in "
           f"{what}: {', '.join(repr(str(r)) for r in new)}. A rule is unused "
           f"when it matches no module (check paths with jaxprec.audit(...) "
-          f"rows' .module_path) or only modules an earlier rule matched. "
+          f"rows' .module_path), only modules an earlier rule matched, or "
+          f"only modules whose code set their own precision=. "
           f"See jaxprec.policy_report(...).",
           UnusedRuleWarning, stacklevel=stacklevel)
 

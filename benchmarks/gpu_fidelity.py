@@ -1,0 +1,224 @@
+"""How closely jaxprec's GPU emulation matches a real NVIDIA GPU, per algorithm.
+
+For every precision level and ``DotAlgorithmPreset`` that the GPU accepts, runs
+the native dot (and, for levels, the native convolution) on the GPU and
+``jaxprec.emulated_dot_general`` / ``emulated_conv_general_dilated`` with
+``target="gpu"`` on the CPU, on each emulation kernel (``bf16``, ``f32``),
+on the same float32 inputs, and reports per algorithm:
+
+* the bit-equality rate of the results;
+* ULP differences (median, 99th percentile, max);
+* the largest difference between emulated and native results relative to
+  ``max|exact result|`` (float64), next to XLA's own GPU test tolerance for
+  that algorithm (relative: BF16_BF16_F32 6e-5, X3 7e-6, X6 and X9 2e-6, TF32
+  1e-3, TF32_X3 3e-6), and whether it stays within it;
+* for context, the native and the emulated errors against the exact result.
+
+Shapes: a contraction of length 1 (one product per element: where the
+emulation should be bit-exact), and a few matmuls and convolutions of longer
+contractions. Runs in a few minutes on one GPU; the shapes are small.
+
+    python benchmarks/gpu_fidelity.py [--markdown docs/fidelity.md]
+    python benchmarks/gpu_fidelity.py --quick   # dry run: builds every case and
+                                                # runs the CPU side only; no GPU
+
+Without a GPU (and without ``--quick``) it says so and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+
+import jax
+import numpy as np
+from jax import lax
+
+import jaxprec
+
+F32 = np.float32
+MATMUL = (((1,), (0,)), ((), ()))
+KERNELS = ("bf16", "f32")
+
+# What each request computes on an Ampere+ GPU (SEMANTICS.md section 2) and
+# XLA's GPU test tolerance for it (relative; None: no XLA figure).
+TOLERANCE = {
+    "bf16x1": 6e-5, "bf16x3": 7e-6, "bf16x6": 2e-6, "bf16x9": 2e-6,
+    "tf32": 1e-3, "tf32x3": 3e-6, "f32": 1e-6, "f16": None,
+}
+DOT_PRECISIONS = ("default", "high", "highest", "BF16_BF16_F32",
+                  "BF16_BF16_F32_X3", "BF16_BF16_F32_X6", "BF16_BF16_F32_X9",
+                  "TF32_TF32_F32", "TF32_TF32_F32_X3", "F32_F32_F32",
+                  "F16_F16_F32")
+CONV_PRECISIONS = ("default", "high", "highest")  # convolutions take levels only
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  op: str  # 'dot' or 'conv'
+  precision: str
+  shape: str  # a label
+  lhs: np.ndarray
+  rhs: np.ndarray
+
+  @property
+  def algorithm(self) -> str:
+    op = "dot_general" if self.op == "dot" else "conv_general_dilated"
+    return jaxprec._src.numerics.algorithm_for(  # pylint: disable=protected-access
+        self.precision, "gpu", F32, F32, op=op)
+
+
+def _operands(rng, shape):
+  # random significands and exponents: the low bits of every split matter
+  return (rng.standard_normal(shape) * np.exp2(rng.integers(-4, 5, shape))).astype(F32)
+
+
+def build_cases(quick: bool) -> list[Case]:
+  rng = np.random.default_rng(0)
+  small = quick
+  dot_shapes = {"k=1 (bit-exact)": ((64, 1), (1, 64)),
+                "256x512 @ 512x128": ((256, 512), (512, 128)),
+                "64x4096 @ 4096x64": ((64, 4096), (4096, 64))}
+  conv_shapes = {"1x1 kernel (bit-exact)": ((2, 1, 16, 16), (8, 1, 1, 1)),
+                 "3x3, 32 channels": ((4, 32, 32, 32), (32, 32, 3, 3))}
+  if small:
+    dot_shapes = {"k=1 (bit-exact)": ((8, 1), (1, 8)),
+                  "16x32 @ 32x8": ((16, 32), (32, 8))}
+    conv_shapes = {"3x3, 4 channels": ((1, 4, 8, 8), (4, 4, 3, 3))}
+  cases = []
+  for label, (ls, rs) in dot_shapes.items():
+    lhs, rhs = _operands(rng, ls), _operands(rng, rs)
+    cases += [Case("dot", p, label, lhs, rhs) for p in DOT_PRECISIONS]
+  for label, (ls, rs) in conv_shapes.items():
+    lhs, rhs = _operands(rng, ls), _operands(rng, rs)
+    cases += [Case("conv", p, label, lhs, rhs) for p in CONV_PRECISIONS]
+  return cases
+
+
+def _native(case: Case, device):
+  lhs, rhs = (jax.device_put(x, device) for x in (case.lhs, case.rhs))
+  if case.op == "dot":
+    fn = jax.jit(functools.partial(lax.dot_general, dimension_numbers=MATMUL,
+                                   precision=case.precision))
+  else:
+    fn = jax.jit(functools.partial(lax.conv_general_dilated,
+                                   window_strides=(1, 1), padding="SAME",
+                                   precision=case.precision))
+  return np.asarray(fn(lhs, rhs))
+
+
+def _emulated(case: Case, kernel: str, device):
+  lhs, rhs = (jax.device_put(x, device) for x in (case.lhs, case.rhs))
+  with jaxprec.use_kernel(kernel):
+    if case.op == "dot":
+      fn = jax.jit(functools.partial(jaxprec.emulated_dot_general,
+                                     dimension_numbers=MATMUL,
+                                     precision=case.precision, target="gpu"))
+    else:
+      fn = jax.jit(functools.partial(jaxprec.emulated_conv_general_dilated,
+                                     window_strides=(1, 1), padding="SAME",
+                                     precision=case.precision, target="gpu"))
+    return np.asarray(fn(lhs, rhs))
+
+
+def _exact(case: Case) -> np.ndarray:
+  l, r = case.lhs.astype(np.float64), case.rhs.astype(np.float64)
+  if case.op == "dot":
+    return l @ r
+  # NCHW x OIHW, stride 1, SAME padding (odd kernels), in float64.
+  kh, kw = r.shape[2:]
+  ph, pw = kh // 2, kw // 2
+  padded = np.pad(l, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+  h, w = l.shape[2:]
+  out = np.zeros((l.shape[0], r.shape[0], h, w))
+  for i in range(kh):
+    for j in range(kw):
+      out += np.einsum("nchw,oc->nohw", padded[:, :, i:i + h, j:j + w], r[:, :, i, j])
+  return out
+
+
+def ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """ULP distance between float32 arrays (ordered bit patterns)."""
+  def ordered(x):
+    i = np.asarray(x, F32).view(np.int32).astype(np.int64)
+    return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+  return np.abs(ordered(a) - ordered(b))
+
+
+def stats(got: np.ndarray, want: np.ndarray, exact: np.ndarray) -> dict:
+  u = ulps(got, want)
+  scale = max(float(np.abs(exact).max()), np.finfo(F32).tiny)
+  return {"equal": float(np.mean(got.view(np.int32) == want.view(np.int32))),
+          "ulp_median": float(np.median(u)), "ulp_p99": float(np.percentile(u, 99)),
+          "ulp_max": int(u.max()),
+          "rel_err": float(np.abs(got.astype(np.float64) - exact).max() / scale),
+          "rel_diff": float(np.abs(got.astype(np.float64) - want).max() / scale)}
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true",
+                  help="dry run without a GPU: build every case, run the CPU side")
+  ap.add_argument("--markdown", help="also write the table to this file")
+  args = ap.parse_args(argv)
+
+  gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
+  if not gpus and not args.quick:
+    print("gpu_fidelity: no GPU here (JAX backend: "
+          f"{jax.default_backend()}); run it on a machine with an NVIDIA GPU "
+          "and jax[cuda], or pass --quick for a dry run on CPU.", file=sys.stderr)
+    return 2
+  cpu = jax.devices("cpu")[0]
+  cases = build_cases(args.quick)
+  t0 = time.perf_counter()
+  rows = []
+  for case in cases:
+    exact = _exact(case)
+    if gpus:
+      try:
+        native = _native(case, gpus[0])
+      except Exception as e:  # pylint: disable=broad-except
+        rows.append((case, None, f"not accepted by the GPU: {type(e).__name__}"))
+        continue
+      kind = gpus[0].device_kind
+    else:  # dry run: the "native" column is the bf16 kernel on the CPU
+      native = _emulated(case, "bf16", cpu)
+      kind = "none, dry run: 'native' is the bf16 kernel on the CPU"
+    for kernel in KERNELS:
+      emu = _emulated(case, kernel, cpu)
+      s = stats(emu, native, exact)
+      s["native_rel_err"] = stats(native, native, exact)["rel_err"]
+      rows.append((case, kernel, s))
+
+  lines = [f"jax {jax.__version__}, jaxprec {jaxprec.__version__}, GPU: {kind}, "
+           f"{len(cases)} cases in {time.perf_counter() - t0:.1f} s", "",
+           "| op | precision | algorithm | shape | kernel | bit-equal | ULP median / p99 / max "
+           "| rel. error native | rel. error emulated | rel. difference | XLA tolerance | within |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for case, kernel, s in rows:
+    if isinstance(s, str):
+      lines.append(f"| {case.op} | {case.precision} | {case.algorithm} | {case.shape} "
+                   f"| - | {s} | | | | | | |")
+      continue
+    tol = TOLERANCE.get(case.algorithm)
+    nat = s["native_rel_err"]
+    within = "" if tol is None else ("yes" if s["rel_diff"] <= tol else "NO")
+    lines.append(
+        f"| {case.op} | {case.precision} | {case.algorithm} | {case.shape} | {kernel} "
+        f"| {s['equal']:.4f} | {s['ulp_median']:g} / {s['ulp_p99']:g} / {s['ulp_max']} "
+        f"| {nat:.2e} | {s['rel_err']:.2e} | {s['rel_diff']:.2e} "
+        f"| {'-' if tol is None else f'{tol:g}'} | {within} |")
+  text = "\n".join(lines)
+  print(text)
+  if args.markdown:
+    with open(args.markdown, "w", encoding="utf-8") as f:
+      f.write("# GPU fidelity of jaxprec's emulation\n\n"
+              "Written by `benchmarks/gpu_fidelity.py`.\n\n" + text + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,56 @@
+"""The benchmark scripts run (``--quick``) and print their side-by-side ratios."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def run(script, *args, ok=True, tmp_path=None):
+  env = dict(os.environ, JAXPREC_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT,
+                        capture_output=True, text=True, env=env, timeout=300)
+  if ok:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+  return proc
+
+
+def test_bench_emulated_matmul_quick(tmp_path):
+  out = run("bench_emulated_matmul.py", "--quick", tmp_path=tmp_path).stdout
+  assert re.search(r"native float32\s+[\d.]+\s+1\.00", out), out
+  for passes in ("1 pass", "3 pass", "6 pass"):
+    for kernel in ("bf16", "f32"):
+      assert re.search(rf"{passes} \(.*\)\s+{kernel}\s+[\d.]+\s+[\d.]+\s+<= ", out), out
+  assert "(auto)" in out and "auto: " in out
+
+
+def test_bench_emulate_bert_quick(tmp_path):
+  pytest.importorskip("transformers")
+  out = run("bench_emulate_bert.py", "--quick", tmp_path=tmp_path).stdout
+  for kernel in ("bf16", "f32 "):
+    assert re.search(rf"emulated 1 pass, {kernel} kernel: .* ratio [\d.]+x", out), out
+    for precision in ("default", "high   ", "highest"):
+      assert re.search(rf"compile time, emulated {precision} \({kernel}\): .* ratio "
+                       rf"[\d.]+x", out), out
+
+
+def test_bench_import_quick(tmp_path):
+  out = run("bench_import.py", "--quick", tmp_path=tmp_path).stdout
+  assert re.search(r"jaxprec adds [-+][\d.]+ s .* ratio [\d.]+x", out), out
+
+
+def test_gpu_fidelity_dry_run_and_no_gpu_message(tmp_path):
+  out = run("gpu_fidelity.py", "--quick", tmp_path=tmp_path).stdout
+  assert "dry run" in out
+  for algorithm in ("bf16x1", "bf16x3", "bf16x6", "bf16x9", "tf32", "tf32x3"):
+    assert f"| {algorithm} |" in out, out
+  assert "| NO |" not in out  # the two CPU kernels agree within XLA's tolerances
+  proc = run("gpu_fidelity.py", ok=False, tmp_path=tmp_path)
+  assert proc.returncode == 2
+  assert "no GPU here" in proc.stderr
