@@ -170,3 +170,26 @@ def test_rule_on_module_with_own_precision_is_reported_unused_nnx():
   assert _by_path(report)["fc1"].kept
   assert not _by_path(report)["fc2"].kept
   assert [str(r) for r in report.unused_rules] == ["fc1=bfloat16_3x"]
+
+
+def test_swapped_nnx_model_emulated_with_its_policy_warns_nothing():
+  # The precisions swap set are the policy's decisions, not the model's own.
+  import warnings
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.fc1 = nnx.Linear(4, 4, rngs=rngs)
+      self.fc2 = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.fc2(self.fc1(x))
+  pol = "default=bfloat16,fc1=float32"
+  swapped = jaxprec.swap(Net(nnx.Rngs(0)), pol)
+  f = jaxprec.emulate(swapped, pol)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxprec.UnusedRuleWarning)
+    f(jnp.ones((2, 4)))
+  report = jaxprec.policy_report(f)
+  assert not any(m.kept for m in report.matches)
+  assert report.unused_rules == ()

@@ -175,6 +175,15 @@ def test_twin_float32_floor_and_tpu_bfloat16(twin):
                                                      layer.metrics["float32"])
   last = report.layers[names.index("last_hidden_state")].metrics["bfloat16"]
   assert 3e-3 <= last.rel_rms <= 3e-2, last
+  # Depth order: the embeddings' output first, the last hidden state after
+  # every layer (a ModelOutput lists it first, which made it the "first
+  # divergence" of every report).
+  hidden = [n for n in names if n.startswith("hidden_states[")]
+  assert hidden == [f"hidden_states[{i}]" for i in range(len(hidden))]
+  assert names.index("hidden_states[0]") < names.index("last_hidden_state")
+  assert names.index(hidden[-1]) < names.index("last_hidden_state")
+  first = report.first_divergence(atol=1e-3, rtol=1e-3, precision="bfloat16")
+  assert first is not None and first.index < names.index("last_hidden_state"), first
 
 
 def test_torch_objects_as_reference_give_the_capture_numbers():
@@ -191,7 +200,7 @@ def test_torch_objects_as_reference_give_the_capture_numbers():
   b = jaxprec.check(tw.fn, *tw.args(), reference=captured, precisions="bfloat16")
   assert [l.metrics for l in a.layers] == [l.metrics for l in b.layers]
   # A bare tensor: one layer, the same numbers as its NumPy copy.
-  last = lambda p, *i: tw.fn(p, *i).last_hidden_state  # noqa: E731
+  last = lambda p, *i: tw.fn(p, *i)["last_hidden_state"]  # noqa: E731
   c = jaxprec.check(last, *tw.args(), reference=output.last_hidden_state,
                     precisions="bfloat16")
   d = jaxprec.check(last, *tw.args(),

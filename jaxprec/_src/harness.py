@@ -103,7 +103,7 @@ class Args:
                           tuple(None if a else x for x, a in zip(leaves, is_array)))
     self.dynamic = [x for x, a in zip(leaves, is_array) if a]
     try:
-      self.key = (treedef, is_array, self.static.leaves)
+      self.key = (treedef, is_array, trees.static_key(self.static.leaves))
       hash(self.key)
     except TypeError:
       self.key = None

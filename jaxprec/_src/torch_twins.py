@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxprec._src import torch_ref
 
-__all__ = ["TWINS", "Twin", "twin"]
+__all__ = ["TWINS", "Twin", "depth_ordered", "twin"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +46,41 @@ class Twin:
                              output_hidden_states=True, **kwargs)
 
   def fn(self, params: Any, *inputs: Any) -> Any:
-    """The Flax model's hidden states, ``fn(params, *inputs.values())``."""
-    return self.flax_model(*inputs, params=params, output_hidden_states=True)
+    """The Flax model's hidden states, ``fn(params, *inputs.values())``.
+
+    In depth order (:func:`depth_ordered`), so that a report's first
+    divergence is the first layer that diverges, not ``last_hidden_state``.
+    """
+    return depth_ordered(
+        self.flax_model(*inputs, params=params, output_hidden_states=True))
 
   def args(self) -> tuple:
     """``(params, *inputs)``, the arguments of :meth:`fn`."""
     return (self.params, *self.inputs.values())
+
+
+# Hugging Face ModelOutput fields in the order the model computes them; a
+# ModelOutput lists last_hidden_state first.
+_DEPTH = ("extract_features", "hidden_states", "last_hidden_state",
+          "pooler_output")
+
+
+def depth_ordered(output: Any) -> dict[str, Any]:
+  """A Hugging Face ``ModelOutput``'s fields as a dict in depth order.
+
+  ``extract_features``, ``hidden_states`` (one layer per entry, embeddings
+  first), ``last_hidden_state``, ``pooler_output``, then any other non-None
+  field in its own order. Layer names are unchanged (``hidden_states[3]``).
+
+  Examples:
+    >>> from jaxprec._src.torch_twins import depth_ordered
+    >>> list(depth_ordered({"last_hidden_state": 1, "hidden_states": (0,),
+    ...                     "attentions": None}))
+    ['hidden_states', 'last_hidden_state']
+  """
+  fields = {k: v for k, v in dict(output).items() if v is not None}
+  first = [k for k in _DEPTH if k in fields]
+  return {k: fields[k] for k in first + [k for k in fields if k not in first]}
 
 
 def _wav2vec2(transformers, layers: int) -> tuple[Any, Any, Any]:
