@@ -91,6 +91,7 @@ def test_gpu_and_tpu_use_bf16_dots():
 
 
 def test_auto_measures_once_and_caches_on_disk(monkeypatch, tmp_path):
+  monkeypatch.delenv(kernels.ENV_VAR, raising=False)  # the test is about 'auto'
   monkeypatch.setenv(kernels.CACHE_ENV_VAR, str(tmp_path))
   monkeypatch.setattr(kernels, "_MEASURED", {})
   calls = []
@@ -129,6 +130,7 @@ def test_auto_decides_from_the_measurement_inside_jit(monkeypatch, tmp_path, rat
                                                       dots):
   # The first emulated op traced under jit runs the measurement; its figure
   # decides the kernel: 3 bfloat16 dots, or 2 float32 dots, for X3.
+  monkeypatch.delenv(kernels.ENV_VAR, raising=False)  # the test is about 'auto'
   monkeypatch.setenv(kernels.CACHE_ENV_VAR, str(tmp_path))
   monkeypatch.setattr(kernels, "_MEASURED", {})
   monkeypatch.setattr(kernels, "measure", lambda: ratio)
