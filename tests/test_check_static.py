@@ -22,3 +22,15 @@ def test_check_does_not_reuse_a_program_across_int_and_float_static_args():
   assert (as_float.layers[0].metrics["bfloat16"].ref_max_abs
           == fresh.layers[0].metrics["bfloat16"].ref_max_abs)
   np.testing.assert_allclose(as_int.layers[0].metrics["bfloat16"].ref_max_abs, 4.0)
+
+
+def test_an_all_zero_reference_is_said_out_loud():
+  # a @ a at 1e-20 is about 1e-40: below float32's normal range, flushed to
+  # zero, so every metric reads "exact". The report says why.
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((16, 16)), jnp.float32)
+  r = jaxprec.check(lambda a: a @ a, a * 1e-20, precisions="bfloat16")
+  assert r.layers[0].metrics["bfloat16"].ref_max_abs == 0.0
+  assert any("'output' is all zeros" in n and "1.2e-38" in n for n in r.notes)
+  assert "all zeros" in r.to_markdown()
+  fine = jaxprec.check(lambda a: a @ a, a, precisions="bfloat16")
+  assert not any("all zeros" in n for n in fine.notes)

@@ -32,11 +32,13 @@ TPU ``'bfloat16_3x'`` and ``'tensorfloat32'`` are the same row; the report's
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxprec._src import compat
+from jaxprec._src import compile_cache
 from jaxprec._src import harness
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import numerics
@@ -63,7 +65,9 @@ def check(fn: Callable[..., Any], *args: Any,
           DEFAULT_PRECISIONS,
           reference: Any = "float32", target: str = "tpu", mode: str = "auto",
           atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
-          progress: bool = False, **kwargs: Any) -> DivergenceReport:
+          progress: bool = False,
+          cache: bool | str | os.PathLike = False,
+          **kwargs: Any) -> DivergenceReport:
   """How far each layer of ``fn(*args, **kwargs)`` drifts at each precision.
 
   ``fn`` returns a pytree of hidden states (a dict, list, tuple, dataclass, or
@@ -116,6 +120,12 @@ def check(fn: Callable[..., Any], *args: Any,
       multi-pass precisions pass on typical models and one-pass formats
       (bfloat16, TF32) do not: pass your own.
     progress: show a progress bar on stderr (when it is a terminal).
+    cache: JAX's persistent compilation cache for this call (JAX's settings
+      are restored afterwards): ``False`` (default: as JAX is configured),
+      ``True`` (``$JAXPREC_CACHE_DIR/jax-compilation``, else under the
+      user's cache directory) or a directory. A later process checking the
+      same programs loads them instead of compiling them again (see
+      :func:`jaxprec.enable_compilation_cache`).
     **kwargs: keyword arguments for ``fn``. (To pass a keyword named like one
       of the above, wrap ``fn`` with ``functools.partial``.)
 
@@ -129,7 +139,8 @@ def check(fn: Callable[..., Any], *args: Any,
       tolerance; an unreadable reference file or an unsupported reference
       (the message names the supported ones); a reference that does not
       match the output (the message names the first mismatching path and
-      both shapes); an output without floating leaves.
+      both shapes); an output without floating leaves; a ``cache``
+      directory that cannot be created.
     FileNotFoundError: a reference path that does not exist.
 
   Examples:
@@ -152,6 +163,12 @@ def check(fn: Callable[..., Any], *args: Any,
   if not callable(fn):
     raise TypeError(f"jaxprec.check expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
+  directory = compile_cache.resolve_cache(cache, "jaxprec.check")
+  if directory is not None:
+    with compile_cache.compilation_cache(directory):
+      return check(fn, *args, precisions=precisions, reference=reference,
+                   target=target, mode=mode, atol=atol, rtol=rtol,
+                   progress=progress, cache=False, **kwargs)
   target = numerics.check_target(target)
   mode = numerics.resolve_mode(mode, target)
   atol = metrics_lib.check_tolerance("atol", atol)
@@ -196,6 +213,10 @@ def check(fn: Callable[..., Any], *args: Any,
       LayerResult(name=n, shape=s, dtype=d,
                   metrics={p.label: results[p.label][i] for p in plans})
       for i, (n, s, d) in enumerate(zip(ref.names, ref.shapes, ref.dtypes)))
+  zero = [layer.name for layer in layers
+          if all(m.ref_max_abs == 0 for m in layer.metrics.values())]
+  if zero:
+    notes.append(_zero_reference_note(zero))
   numerics_ = {p.label: p.description for p in plans}
   return DivergenceReport(
       layers=layers, precisions=tuple(p.label for p in plans),
@@ -203,6 +224,17 @@ def check(fn: Callable[..., Any], *args: Any,
       atol=atol, rtol=rtol,
       numerics={**numerics_, "(reference)": ref.description},
       notes=tuple(notes), seconds=seconds, floor=floor)
+
+
+def _zero_reference_note(names: Sequence[str]) -> str:
+  """Says out loud that a layer's reference is all zeros (metrics say 'exact')."""
+  shown = ", ".join(repr(n) for n in names[:5]) + (
+      f" and {len(names) - 5} more" if len(names) > 5 else "")
+  return (f"the reference of {shown} is all zeros: relative metrics there "
+          f"compare nothing and read as exact. If these values are not zero "
+          f"in exact arithmetic, they are below float32's smallest normal "
+          f"(about 1.2e-38), which XLA flushes to zero on CPU and TPU: "
+          f"rescale the inputs")
 
 
 def _linen_intermediates(tree: Any, path: tuple[str, ...], out: dict) -> None:
@@ -239,6 +271,7 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                  reference: Any = "float32", target: str = "tpu",
                  mode: str = "auto", atol: float = DEFAULT_ATOL,
                  rtol: float = DEFAULT_RTOL, progress: bool = False,
+                 cache: bool | str | os.PathLike = False,
                  **kwargs: Any) -> DivergenceReport:
   """:func:`check` over every submodule's output of a Flax module.
 
@@ -258,7 +291,7 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     capture: linen only: ``True`` (every submodule's ``__call__``) or a
       filter ``(module, method_name) -> bool`` as ``capture_intermediates``
       takes.
-    precisions, reference, target, mode, atol, rtol, progress: as
+    precisions, reference, target, mode, atol, rtol, progress, cache: as
       :func:`check`.
     **kwargs: keyword arguments for the module call (e.g.
       ``deterministic=True``).
@@ -270,7 +303,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     TypeError: ``module`` is not a Flax module, or linen variables are missing.
   """
   common = dict(precisions=precisions, reference=reference, target=target,
-                mode=mode, atol=atol, rtol=rtol, progress=progress)
+                mode=mode, atol=atol, rtol=rtol, progress=progress,
+                cache=cache)
   import flax.linen as nn
   from flax import nnx
   if isinstance(module, nn.Module):
