@@ -30,6 +30,7 @@ from jaxprec._src.check import check
 from jaxprec._src.check import check_module
 from jaxprec._src.check import named_layers
 from jaxprec._src.check import save_layers
+from jaxprec._src.compile_cache import enable_compilation_cache
 from jaxprec._src.context import PresetConvWarning
 from jaxprec._src.context import current
 from jaxprec._src.context import precision
@@ -108,6 +109,7 @@ __all__ = (
     "emulate",
     "emulated_conv_general_dilated",
     "emulated_dot_general",
+    "enable_compilation_cache",
     "env_for",
     "explain",
     "named_layers",

@@ -1,7 +1,22 @@
 """Shared fixtures: every test leaves JAX's global precision state as it found it."""
 
+import os
+
 import jax
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+  """jaxprec's caches (kernel benchmark, compiled programs) go to a temporary
+  directory, never to the user's ~/.cache; subprocesses inherit it."""
+  before = os.environ.get("JAXPREC_CACHE_DIR")
+  os.environ["JAXPREC_CACHE_DIR"] = str(tmp_path_factory.mktemp("jaxprec-cache"))
+  yield
+  if before is None:
+    os.environ.pop("JAXPREC_CACHE_DIR", None)
+  else:
+    os.environ["JAXPREC_CACHE_DIR"] = before
 
 
 @pytest.fixture(autouse=True)

@@ -38,6 +38,14 @@ MODEL = textwrap.dedent("""\
     """)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compilation_cache_dir(tmp_path_factory):
+  """The CLI's compilation cache goes to a temporary directory, not ~/.cache."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("JAXPREC_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    yield
+
+
 @pytest.fixture(scope="module")
 def project_dir(tmp_path_factory):
   """One model file for the module: its functions (and so the compiled
@@ -163,7 +171,8 @@ def test_wav2vec2_end_to_end_under_60_seconds(tmp_path):
   """The README's main command, in a fresh interpreter, JAX compile included."""
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-       os.environ.get("PYTHONPATH", "")]))
+       os.environ.get("PYTHONPATH", "")]),
+      JAXPREC_CACHE_DIR=str(tmp_path / "cache"))  # cold: compile included
   t0 = time.perf_counter()
   proc = subprocess.run(
       [sys.executable, "-m", "jaxprec", "check", "--model", "wav2vec2", "--out",

@@ -42,6 +42,14 @@ CHECK_ENV = ("import os; print(os.environ.get('JAXPREC_POLICY')); "
              "print(os.environ.get('JAX_DEFAULT_MATMUL_PRECISION'))")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compilation_cache_dir(tmp_path_factory):
+  """The CLI's compilation cache goes to a temporary directory, not ~/.cache."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("JAXPREC_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    yield
+
+
 @pytest.fixture
 def project(tmp_path, monkeypatch):
   (tmp_path / "clisearch_model.py").write_text(MODEL)

@@ -205,3 +205,115 @@ def test_cost_counts_nnx_path_rules(two_layers):
   assert r.cost == flops1 * 1 + flops2 * 6 and r.float32_cost == 6 * (flops1 + flops2)
   assert jaxprec.cost(model, x, policy="bfloat16").by_algorithm == {
       "bf16x1": flops1 + flops2}
+
+
+# -- NNX module paths in the audit (issue 12 item 2, issue 13 item 4) ---------------
+
+
+class _Block(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.attn = nnx.MultiHeadAttention(2, 8, decode=False, rngs=rngs)
+    self.mlp = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.mlp(nnx.relu(self.attn(x)))
+
+
+class _Nested(nnx.Module):
+  """Nested modules, a list of layers, a convolution and an einsum."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.layers = nnx.List([_Block(rngs=rngs) for _ in range(2)])
+    self.conv = nnx.Conv(8, 8, (3,), rngs=rngs)
+    self.head = nnx.Einsum("btd,dk->btk", (8, 4), rngs=rngs)
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = layer(x)
+    return self.head(self.conv(x))
+
+  def body(self, x):
+    return self.layers[1](x)
+
+
+_NESTED_PATHS = [
+    f"layers/{i}/{p}" for i in range(2)
+    for p in ("attn/query", "attn/key", "attn/value", "attn", "attn", "attn/out",
+              "mlp")] + ["conv", "head"]
+
+
+def test_audit_gives_nnx_module_paths_as_swap_names_them():
+  # Before: every op of an NNX model had module_path '' (one search unit).
+  model = _Nested(rngs=nnx.Rngs(0))
+  x = jax.ShapeDtypeStruct((2, 5, 8), jnp.float32)
+  report = jaxprec.audit(model, x)
+  assert [r.module_path for r in report.rows] == _NESTED_PATHS
+  assert report.function == "_Nested"
+  # The paths are those swap and policy_report give the same modules.
+  swapped = jaxprec.policy_report(jaxprec.swap(model, "bfloat16"))
+  assert {m.path for m in swapped.matches} == set(_NESTED_PATHS)
+  # Each op's name stack names its module; FLOPs of the two attention
+  # einsums (2*B*N*T*S*H each) are the attention module's own.
+  for r in report.rows:
+    assert r.name_stack.startswith(r.module_path), r
+  attn = [r.flops for r in report.rows if r.module_path == "layers/0/attn"]
+  assert attn == [2 * 2 * 2 * 5 * 5 * 4] * 2
+  assert [r.flops for r in report.rows if r.module_path == "conv"] == [
+      2 * 2 * 5 * 8 * 3 * 8]
+  # A bound method other than __call__: paths from the module it is bound to.
+  body = jaxprec.audit(model.body, x)
+  assert [r.module_path for r in body.rows] == _NESTED_PATHS[7:14]
+  # The user's modules are untouched (no class swapped, no precision set).
+  assert type(model.layers[0].attn) is nnx.MultiHeadAttention
+  assert type(model.conv) is nnx.Conv and model.conv.precision is None
+
+
+class _ScannedBlock(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.relu(self.fc(x))
+
+
+class _Scanned(nnx.Module):
+  """Three stacked blocks run by nnx.scan, then a head."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return _ScannedBlock(rngs=rngs)
+    self.blocks = make(rngs)
+    self.out = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(block, h):
+      return block(h)
+    return self.out(body(self.blocks, x))
+
+
+def test_audit_paths_of_nnx_layers_run_by_scan():
+  # nnx.scan runs a copy of the stacked blocks: the path goes with it.
+  model = _Scanned(rngs=nnx.Rngs(0))
+  x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+  rows = jaxprec.audit(model, x).rows
+  assert [(r.module_path, r.scope, r.trip_count, r.flops) for r in rows] == [
+      ("blocks/fc", ("scan",), 3, 3 * 2 * 4 * 8 * 8), ("out", (), 1, 2 * 4 * 8 * 2)]
+  swapped = jaxprec.policy_report(jaxprec.swap(model, "bfloat16"))
+  assert {m.path for m in swapped.matches} == {"blocks/fc", "out"}
+  r = jaxprec.cost(model, x, policy="default=bfloat16,blocks/fc=float32")
+  assert [(row.path, row.algorithms) for row in r.rows] == [
+      ("blocks/fc", ("bf16x6",)), ("out", ("bf16x1",))]
+  assert type(model.blocks.fc) is nnx.Linear
+
+
+def test_cost_rows_per_nnx_path(two_layers):
+  # Before: one "(top)" row for the whole NNX model.
+  model, x = two_layers
+  flops1, flops2 = 2 * 4 * 16 * 32, 2 * 4 * 32 * 8
+  r = jaxprec.cost(model, x, policy="default=bfloat16,fc2=float32")
+  assert [(row.path, row.flops, row.algorithms, row.cost) for row in r.rows] == [
+      ("fc1", flops1, ("bf16x1",), flops1), ("fc2", flops2, ("bf16x6",), 6 * flops2)]
+  assert [row.path for row in jaxprec.cost(model.__call__, x).rows] == ["fc1", "fc2"]

@@ -43,6 +43,7 @@ from jaxprec._src import compat
 from jaxprec._src import numerics
 from jaxprec._src import trees
 from jaxprec._src import walker
+from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.precision import Numerics, Precision
 
@@ -92,11 +93,15 @@ class AuditRow:
     risky: True when float32 operands lose their low bits where the code does
       not say so (see the module docstring).
     reason: why the row is risky (``''`` when it is not).
-    module_path: the Flax linen module that runs the op, as
+    module_path: the Flax module that runs the op, as
       :class:`jaxprec.Policy` rules match it: module names joined by ``'/'``,
       e.g. ``'encoder/layer/0/attention/self'`` (the attention einsums of a
       module belong to it); ``''`` for the top module and for ops outside
-      linen modules (and for NNX, which records no module calls).
+      modules. For Flax NNX (``fn`` an ``nnx.Module`` or a bound method of
+      one), the path of the innermost module that a policy can set (Linear,
+      LinearGeneral, Einsum, Conv, ConvTranspose, attention), as
+      :func:`jaxprec.swap` names it (``'layers/0/attn'``); other NNX modules
+      record no calls.
     emulated: False for an op inside an opaque kernel (the dots of a Pallas
       kernel's body): :func:`jaxprec.emulate` cannot reach it, and the
       precision shown is the kernel's own.
@@ -287,6 +292,7 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
         f"of type {type(fn).__name__}")
   name = _qualname(fn)
   in_force = _precision_in_force()
+  fn = nnx_policy.bind(fn, None)  # a traced copy of an NNX module, with paths
 
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
   is_array = [trees.is_array(x) for x in leaves]
@@ -490,7 +496,8 @@ def _qualname(fn) -> str:
     name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
     if isinstance(name, str):
       return name
-  return repr(fn)
+  # A callable object (an NNX module): its class, not a many-line repr.
+  return type(fn).__qualname__
 
 
 def _precision_in_force() -> str:

@@ -24,6 +24,11 @@
   the text ``jaxprec run --policy`` takes), its cost relative to float32 and
   the number of evaluations; exits 1 when no policy meets the tolerance.
 
+``check`` and ``search`` turn on JAX's persistent compilation cache
+(:func:`jaxprec.enable_compilation_cache`: ``$JAXPREC_CACHE_DIR/jax-compilation``,
+else under the user's cache directory), so that a second run loads its
+programs instead of compiling them; ``--no-cache`` turns it off.
+
 Bad usage prints one line, ``jaxprec: error: ...``, to stderr and exits 2;
 arguments are checked before any model runs. ``sys.exit`` in the user's code
 exits as Python would.
@@ -33,11 +38,12 @@ JAX is imported by the commands, not by ``--help``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from jaxprec._src.cli_inputs import Failure as _Failure
 from jaxprec._src.cli_inputs import PYTORCH as _PYTORCH
@@ -174,6 +180,7 @@ def _parser() -> argparse.ArgumentParser:
                           "(default ./jaxprec-report)")
   check.add_argument("--seed", type=int, default=0,
                      help="seed of the built-in model (default 0)")
+  _add_no_cache(check)
   check.set_defaults(handler=_check)
 
   search = sub.add_parser(
@@ -216,8 +223,40 @@ def _parser() -> argparse.ArgumentParser:
                       help="most evaluations (default 24)")
   search.add_argument("--json", action="store_true",
                       help="print the result as JSON")
+  _add_no_cache(search)
   search.set_defaults(handler=_search)
   return parser
+
+
+def _add_no_cache(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--no-cache", action="store_true",
+                      help="do not use JAX's persistent compilation cache "
+                           "(default: compiled programs are kept in "
+                           "$JAXPREC_CACHE_DIR/jax-compilation, else "
+                           "~/.cache/jaxprec/jax-compilation, and reused by "
+                           "the next run)")
+
+
+@contextlib.contextmanager
+def _compilation_cache(ns: argparse.Namespace) -> Iterator[None]:
+  """JAX's persistent compilation cache on for check and search (not --no-cache).
+
+  JAX's settings are restored afterwards (main() may run in-process). A cache
+  directory that cannot be created is a warning, not a failure.
+  """
+  if getattr(ns, "no_cache", True):  # other commands compile nothing
+    yield
+    return
+  from jaxprec._src import compile_cache
+  try:
+    path = compile_cache.checked_dir(None)
+  except ValueError as e:
+    print(f"{_PROG}: warning: compilation cache off: {_one_line(e)}",
+          file=sys.stderr)
+    yield
+    return
+  with compile_cache.compilation_cache(path):
+    yield
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -240,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise _UsageError("missing command: choose one of info, audit, run, "
                         "check, search (see jaxprec --help)")
     try:
-      return ns.handler(ns)
+      with _compilation_cache(ns):
+        return ns.handler(ns)
     except SystemExit as e:  # the user's module or function called sys.exit
       return _exit_status(e)
   except _UsageError as e:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +65,7 @@ import numpy as np
 from jax import lax
 
 from jaxprec._src import compat
+from jaxprec._src import compile_cache
 from jaxprec._src import cost as cost_lib
 from jaxprec._src import harness
 from jaxprec._src import metrics as metrics_lib
@@ -241,7 +243,9 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   target: str = "tpu", budget: int = DEFAULT_BUDGET,
                   layers: Sequence[str] | str | None = None,
                   reference: Any = "float32", mode: str = "auto",
-                  verbose: bool = True, **kwargs: Any) -> SearchResult:
+                  verbose: bool = True,
+                  cache: bool | str | os.PathLike = False,
+                  **kwargs: Any) -> SearchResult:
   """Finds the cheapest per-layer precision policy that meets a tolerance.
 
   Every Flax module path that runs a matmul or convolution (as
@@ -286,6 +290,9 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     mode: ``'auto'`` (native on the target's own hardware, emulated
       elsewhere), ``'emulate'`` or ``'native'``.
     verbose: print a line per evaluation to stderr.
+    cache: JAX's persistent compilation cache for this call, as for
+      :func:`jaxprec.check`: ``False`` (default), ``True`` (the default
+      directory) or a directory; JAX's settings are restored afterwards.
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
@@ -296,7 +303,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     TypeError: ``fn`` is not callable; a non-numeric tolerance.
     ValueError: an unknown metric, candidate, target, mode or layer; a
       negative tolerance; a budget below 1; an output without floating
-      layers; a reference that does not match the output.
+      layers; a reference that does not match the output; a ``cache``
+      directory that cannot be created.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxprec
@@ -315,6 +323,13 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   if not callable(fn):
     raise TypeError(f"jaxprec.search_policy expects a callable; got {fn!r} of "
                     f"type {type(fn).__name__}")
+  directory = compile_cache.resolve_cache(cache, "jaxprec.search_policy")
+  if directory is not None:
+    with compile_cache.compilation_cache(directory):
+      return search_policy(
+          fn, *args, tolerance=tolerance, metric=metric, candidates=candidates,
+          target=target, budget=budget, layers=layers, reference=reference,
+          mode=mode, verbose=verbose, cache=False, **kwargs)
   metric, tolerance, cands, target, budget = check_arguments(
       tolerance=tolerance, metric=metric, candidates=candidates,
       target=target, budget=budget)

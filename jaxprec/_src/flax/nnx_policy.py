@@ -7,7 +7,11 @@ NNX has no method interception: a policy reaches an NNX model by setting the
 :func:`jaxprec.emulate`, :func:`jaxprec.cost` and the search, which are given
 an ``nnx.Module`` (or a bound method of one) as the function. Paths are the
 ``'/'``-joined attribute names of :func:`flax.nnx.iter_graph`, as in
-:func:`jaxprec.swap`.
+:func:`jaxprec.swap` (:func:`jaxprec._src.flax.paths.nnx_modules`, the one
+source). While :func:`jaxprec.audit` traces (a
+:func:`jaxprec._src.flax.paths.record` block), the traced copy's modules that
+a policy can set run inside :func:`jaxprec._src.flax.paths.nnx_call`, so that
+the audit's rows get their paths (:func:`mark_paths`).
 
 Also here, because modules at every level use them: :func:`per_op_precision`
 (what a Flax module passes to ``lax`` for a jaxprec ``precision=``),
@@ -31,12 +35,13 @@ import jax
 from jax import lax
 
 from jaxprec._src import numerics
+from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.flax.state import Recorder
 from jaxprec._src.policy import Policy
 from jaxprec._src.precision import Precision, resolve
 
 __all__ = ["Lifted", "PrecisionScoped", "bind", "classify", "classify_nnx", "decide",
-           "is_attention_name", "lift", "own_precision", "per_op_precision",
+           "is_attention_name", "lift", "mark_paths", "own_precision", "per_op_precision",
            "set_precision"]
 
 
@@ -129,19 +134,63 @@ def decide(model: Any, policy: Policy, recorder: Recorder | None
   policy's for the module's path, type and kind (None: leave as is). Each
   decision is recorded in ``recorder``.
   """
-  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
-  for path, node in list(nnx.iter_graph(model)):
-    if not isinstance(node, nnx.Module):
-      continue
-    module_type, kind = classify_nnx(node)
-    if module_type is None or not hasattr(node, "precision"):
-      continue
-    path_str = "/".join(str(k) for k in path)
-    p, rule = policy.match(path_str, module_type, kind)
+  for path, node, module_type, kind in _settable(model):
+    p, rule = policy.match(path, module_type, kind)
     if recorder is not None:
       kept, shown = own_precision(node, p, kind)
-      recorder.record(path_str, module_type, kind, shown, rule, kept=kept)
+      recorder.record(path, module_type, kind, shown, rule, kept=kept)
     yield node, p, kind
+
+
+def _settable(model: Any) -> Iterator[tuple[str, Any, str, str]]:
+  """``(path, module, module type, op kind)`` of each NNX module of ``model``
+  that a policy can set (:func:`decide`), in graph order."""
+  for path, node in flax_paths.nnx_modules(model):
+    module_type, kind = classify_nnx(node)
+    if module_type is not None and hasattr(node, "precision"):
+      yield path, node, module_type, kind
+
+
+def mark_paths(model: Any) -> None:
+  """Makes each module of ``model`` (a traced copy) that a policy can set run
+  inside :func:`jaxprec._src.flax.paths.nnx_call` of its path, in place.
+
+  Only inside a :func:`jaxprec._src.flax.paths.record` block (an audit);
+  elsewhere it does nothing. Each such module gets a subclass of its class
+  (same name) that holds its path and whose ``__call__`` does that; being in
+  the class, the path follows the module into the copies that NNX transforms
+  make (``nnx.scan`` over stacked layers). A class that cannot be subclassed
+  so is left as is (its ops then belong to the enclosing module).
+  """
+  if not flax_paths.recording():
+    return
+  for path, node, _, _ in _settable(model):
+    base = getattr(type(node), "_jaxprec_nnx_base", type(node))
+    scoped = _path_scoped_class(base, path)
+    if scoped is None:
+      continue
+    try:
+      object.__setattr__(node, "__class__", scoped)
+    except TypeError:  # an incompatible layout (__slots__)
+      continue
+
+
+@functools.lru_cache(maxsize=4096)
+def _path_scoped_class(cls: type, path: str) -> type | None:
+  """``cls`` with ``__call__`` run inside ``nnx_call(path)``."""
+  call = cls.__call__
+
+  def __call__(self, *args, **kwargs):
+    with flax_paths.nnx_call(path):
+      return call(self, *args, **kwargs)
+
+  try:
+    return type(cls.__name__, (cls,), {
+        "__call__": functools.wraps(call)(__call__),
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__, "_jaxprec_nnx_base": cls})
+  except TypeError:  # a class whose subclassing needs arguments
+    return None
 
 
 def set_precision(module: Any, p: Precision | None, kind: str) -> None:
@@ -166,15 +215,16 @@ def bind(fn: Callable[..., Any], policy: Policy | None,
   """``fn`` with ``policy``'s path rules reaching its NNX modules.
 
   For an ``nnx.Module`` or a bound method of one, returns a function that,
-  each time it is called (for :func:`jaxprec.emulate`, each time it is
-  traced), clones the module, sets the policy's precisions on the clone
-  (:func:`decide`, :func:`set_precision`) and calls it. Any other ``fn``
-  (or no policy) is returned as is: a linen model meets the policy through
-  the interception of :func:`jaxprec._src.flax.scope.policy_scope`. The
-  user's module is never modified.
+  each time it is called (for :func:`jaxprec.audit` and :func:`jaxprec.cost`,
+  each time it is traced), clones the module, sets the policy's precisions
+  (if any) on the clone (:func:`decide`, :func:`set_precision`), marks its
+  modules' paths for the audit (:func:`mark_paths`) and calls it. Any other
+  ``fn`` is returned as is: a linen model meets the policy through the
+  interception of :func:`jaxprec._src.flax.scope.policy_scope`. The user's
+  module is never modified.
   """
   nnx_mod = sys.modules.get("flax.nnx")
-  if policy is None or nnx_mod is None:
+  if nnx_mod is None:
     return fn
   if isinstance(fn, nnx_mod.Module):
     module, method = fn, type(fn).__call__
@@ -186,8 +236,10 @@ def bind(fn: Callable[..., Any], policy: Policy | None,
 
   def with_policy(*args, **kwargs):
     clone = nnx_mod.clone(module)
-    for node, p, kind in decide(clone, policy, recorder):
-      set_precision(node, p, kind)
+    if policy is not None:
+      for node, p, kind in decide(clone, policy, recorder):
+        set_precision(node, p, kind)
+    mark_paths(clone)
     return method(clone, *args, **kwargs)
 
   with_policy.__wrapped__ = fn
@@ -227,6 +279,7 @@ class Lifted:
     if self.policy is not None:
       for node, p, kind in decide(module, self.policy, self.recorder):
         set_precision(node, p, kind)
+    mark_paths(module)
     return self.method(module, *args, **kwargs)
 
 

@@ -8,20 +8,32 @@ audit (:func:`record`, :func:`lookup`) both ask it, so a policy rule written
 from ``jaxprec.audit(...)`` rows' ``.module_path`` matches the modules the
 interceptor sees.
 
+An NNX module's path is the ``'/'``-joined attribute names of
+:func:`flax.nnx.iter_graph` (:func:`nnx_modules`), for
+:func:`jaxprec.swap` and the policy's NNX hook
+(:mod:`jaxprec._src.flax.nnx_policy`) alike; NNX records no module calls, so
+that hook runs each NNX module it can set inside :func:`nnx_call`, which
+names a ``jax.named_scope`` after the path and records it for the audit.
+
 This module imports Flax only inside :func:`record`, and only when Flax linen
-is already imported.
+is already imported; :func:`nnx_modules` uses Flax NNX only when given an
+NNX object.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
+import jax
+
 from jaxprec._src import compat
 
-__all__ = ["ModulePaths", "join", "lookup", "record"]
+__all__ = ["ModulePaths", "join", "lookup", "nnx_call", "nnx_modules", "record",
+           "recording"]
 
 
 def join(path: tuple[str, ...]) -> str:
@@ -82,13 +94,21 @@ def record() -> Iterator[dict[str, list[str]]]:
   name stack when they run in different sub-jaxprs (``nn.remat(Dense)(name=
   'rem')`` in two parents: ``'rem'`` in each); :func:`lookup` tells them
   apart. Flax's named scopes are switched on for the block so that equations
-  carry their modules' names. Without Flax linen imported, the dict stays
-  empty.
+  carry their modules' names. NNX module calls that :func:`nnx_call` marks
+  are recorded too. Without Flax linen imported, only those are.
   """
   found: dict[str, list[str]] = {}
-  if "flax.linen" not in sys.modules:
-    yield found
-    return
+  with _recording_into(found):
+    if "flax.linen" not in sys.modules:
+      yield found
+    else:
+      with _record_linen(found):
+        yield found
+
+
+@contextlib.contextmanager
+def _record_linen(found: dict[str, list[str]]) -> Iterator[None]:
+  """Fills ``found`` (:func:`record`) from linen module calls."""
   from flax import linen as nn  # noqa: PLC0415 -- Flax only when in use
 
   paths = ModulePaths()
@@ -106,7 +126,72 @@ def record() -> Iterator[dict[str, list[str]]]:
   named = getattr(nn.module, "_use_named_call", True)
   with (contextlib.nullcontext() if named else nn.override_named_call(True)), \
        nn.intercept_methods(interceptor):
-    yield found
+    yield
+
+
+class _Local(threading.local):
+  """This thread's :func:`record` dicts and NNX module calls, innermost last."""
+
+  def __init__(self):
+    self.found: list[dict[str, list[str]]] = []
+    self.nnx_frames: list[str] = []
+
+
+_LOCAL = _Local()
+
+
+@contextlib.contextmanager
+def _recording_into(found: dict[str, list[str]]) -> Iterator[None]:
+  _LOCAL.found.append(found)
+  try:
+    yield
+  finally:
+    _LOCAL.found.pop()
+
+
+def recording() -> bool:
+  """Whether a :func:`record` block is active in this thread."""
+  return bool(_LOCAL.found)
+
+
+def nnx_modules(model: Any) -> Iterator[tuple[str, Any]]:
+  """``(path, module)`` for each NNX module of ``model``, in graph order.
+
+  The path is :func:`join` of the attribute names (list indices as text) of
+  :func:`flax.nnx.iter_graph` (``''`` for ``model``); a module reachable by
+  several paths is listed once, under its first.
+  """
+  nnx = sys.modules["flax.nnx"]
+  for path, node in list(nnx.iter_graph(model)):
+    if isinstance(node, nnx.Module):
+      yield join(tuple(str(k) for k in path)), node
+
+
+@contextlib.contextmanager
+def nnx_call(path: str) -> Iterator[None]:
+  """The block is the call of the NNX module at ``path`` (:func:`nnx_modules`).
+
+  Inside a :func:`record` block, the block runs in a ``jax.named_scope`` named
+  after the path (relative to the NNX module call that encloses it, as linen
+  names a submodule's scope) and its name stack is recorded as the path's,
+  so that :func:`lookup` finds the module of the block's equations. Outside
+  one, it does nothing.
+  """
+  if not _LOCAL.found or not path:  # the top module's ops are ''s anyway
+    yield
+    return
+  frames = _LOCAL.nnx_frames
+  outer = frames[-1] if frames else ""
+  name = path[len(outer) + 1:] if outer and path.startswith(outer + "/") else path
+  frames.append(path)
+  try:
+    with jax.named_scope(name):
+      seen = _LOCAL.found[-1].setdefault(compat.current_name_stack(), [])
+      if path not in seen:
+        seen.append(path)
+      yield
+  finally:
+    frames.pop()
 
 
 def lookup(name_stack: str, found: dict[str, list[str]],
