@@ -309,6 +309,25 @@ def test_audit_paths_of_nnx_layers_run_by_scan():
   assert type(model.blocks.fc) is nnx.Linear
 
 
+class _WithStats(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.fc = nnx.Linear(4, 4, rngs=rngs)
+    self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.bn(self.fc(x))
+
+
+def test_audit_of_an_nnx_model_that_updates_its_state():
+  # Before: tracing wrote batch statistics into the user's module and failed
+  # (flax TraceContextError, "Cannot mutate BatchStat from a different trace").
+  model = _WithStats(rngs=nnx.Rngs(0))
+  rows = jaxprec.audit(model, jnp.ones((2, 4), jnp.float32)).rows
+  assert [(r.module_path, r.flops) for r in rows] == [("fc", 2 * 2 * 4 * 4)]
+  assert isinstance(model.bn.mean[...], jax.Array)  # not a leaked tracer
+  np.testing.assert_array_equal(np.asarray(model.bn.mean[...]), np.zeros(4))
+
+
 def test_cost_rows_per_nnx_path(two_layers):
   # Before: one "(top)" row for the whole NNX model.
   model, x = two_layers

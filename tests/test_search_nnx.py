@@ -68,33 +68,38 @@ def _truncate_bf16(a):
   return bits.view(np.float32).astype(np.float64)
 
 
+def _numpy_layer(layer, i: int, h, level: str = "float32"):
+  """Layer ``i``'s output for input ``h``, in float64 NumPy. At
+  ``'bfloat16'`` the layer rounds its operands to bfloat16 once (one TPU
+  pass); at ``'bfloat16_3x'`` it splits each float32 operand into a high part
+  (truncated to bfloat16) and a low part (the rest, rounded to bfloat16) and
+  sums hi*hi + hi*lo + lo*hi (XLA's three passes, SEMANTICS.md section 4); at
+  ``'float32'`` it is exact (six passes are within float32 rounding of it)."""
+  w = np.asarray(layer.kernel[...], np.float64)
+  b = np.asarray(layer.bias[...], np.float64)
+  h = np.asarray(h, np.float32)
+  a = (h + np.float32(OFFSET) if i == BAD else h).astype(np.float64)
+  if level == "bfloat16":
+    y = _bf16(a) @ _bf16(w)
+  elif level == "bfloat16_3x":
+    a_hi, w_hi = _truncate_bf16(a), _truncate_bf16(w)
+    a_lo, w_lo = _bf16(a - a_hi), _bf16(w - w_hi)
+    y = a_hi @ w_hi + a_hi @ w_lo + a_lo @ w_hi
+  else:
+    y = a @ w
+  y = y + b
+  if i == BAD:
+    y = y - y.mean(axis=0, keepdims=True)
+  return np.tanh(y)
+
+
 def _numpy_forward(model, x, levels: dict[int, str] | None = None):
-  """Each layer's output in float64 NumPy. A layer at ``'bfloat16'`` in
-  ``levels`` rounds its operands to bfloat16 once (one TPU pass); at
-  ``'bfloat16_3x'`` it splits each float32 operand into a high part (truncated
-  to bfloat16) and a low part (the rest, rounded to bfloat16) and sums
-  hi*hi + hi*lo + lo*hi (XLA's three passes, SEMANTICS.md section 4); others
-  are exact (float32's six passes are within float32 rounding of exact)."""
+  """Each layer's output (:func:`_numpy_layer` at ``levels``, float32 by
+  default), the model run end to end."""
   levels = levels or {}
-  out, h = {}, np.asarray(x, np.float64)
+  out, h = {}, x
   for i, layer in enumerate(model.layers):
-    w = np.asarray(layer.kernel[...], np.float64)
-    b = np.asarray(layer.bias[...], np.float64)
-    a = (h.astype(np.float32) + np.float32(OFFSET) if i == BAD else h
-         ).astype(np.float32).astype(np.float64)
-    level = levels.get(i, "float32")
-    if level == "bfloat16":
-      y = _bf16(a) @ _bf16(w)
-    elif level == "bfloat16_3x":
-      a_hi, w_hi = _truncate_bf16(a), _truncate_bf16(w)
-      a_lo, w_lo = _bf16(a - a_hi), _bf16(w - w_hi)
-      y = a_hi @ w_hi + a_hi @ w_lo + a_lo @ w_hi
-    else:
-      y = a @ w
-    y = y + b
-    if i == BAD:
-      y = y - y.mean(axis=0, keepdims=True)
-    h = np.tanh(y)
+    h = _numpy_layer(layer, i, h, levels.get(i, "float32"))
     out[f"layer_{i}"] = h
   return out
 
@@ -147,9 +152,21 @@ def test_searched_policy_against_numpy(model_x, result):
   got = jaxprec.emulate(model, result.policy)(x)
   by_path = result.precision_by_path()
   exact = _numpy_forward(model, x)
-  want = _numpy_forward(model, x, {i: by_path[f"layers/{i}"] for i in range(6)})
-  for k in exact:
-    np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=0, atol=1e-4,
-                               err_msg=k)
-    assert _rel_rms(np.asarray(got[k], np.float64), exact[k]) <= TOL
+  h = x
+  for i, layer in enumerate(model.layers):
+    k = f"layer_{i}"
+    g = np.asarray(got[k], np.float64)
+    # Each layer at its searched precision, on the emulated input: within
+    # float32 accumulation. In the cancellation of layer 3 that is rel_rms
+    # ~2e-5, where exact float32 would be 1.6e-3 away.
+    want = _numpy_layer(layer, i, h, by_path[f"layers/{i}"])
+    if i == BAD:
+      assert _rel_rms(g, want) < 2e-4, (k, str(result.policy))
+    else:
+      np.testing.assert_allclose(g, want, rtol=0, atol=1e-6,
+                                 err_msg=f"{k} {result.policy}")
+    # Far from float32 everywhere (rel_rms 2e-3 to 6e-3 here), within the
+    # tolerance of it.
+    assert 1e-3 < _rel_rms(g, exact[k]) <= TOL, (k, str(result.policy))
+    h = got[k]
   assert type(model.layers[BAD]) is nnx.Linear and model.layers[BAD].precision is None

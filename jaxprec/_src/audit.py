@@ -68,9 +68,10 @@ class AuditRow:
       Chex and jaxprec (the user's line), or ``''`` when unknown.
     op: the innermost frame outside JAX as ``'function (file:line)'``, e.g.
       ``'Dense.__call__ (.../flax/linen/linear.py:287)'``: names the Flax module
-      class when the op comes from one (Flax NNX records no name stack).
+      class when the op comes from one.
     name_stack: the full name stack, e.g. ``'jit(f)/MLP/dense1'``: enclosing
-      ``jit`` names, ``jax.named_scope`` names and Flax linen module paths.
+      ``jit`` names, ``jax.named_scope`` names and Flax module paths (for
+      NNX, those of :attr:`module_path`).
     scope: enclosing higher-order primitives, outermost first, e.g.
       ``('jit', 'scan')``.
     trip_count: how many times the op runs per call (``scan`` lengths
@@ -261,7 +262,9 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
   traced; every other leaf (Python numbers, strings, ...) is passed as is.
 
   Args:
-    fn: the function to audit.
+    fn: the function to audit. An ``nnx.Module`` or a bound method of one is
+      traced on a copy (the module is never modified), and its rows get the
+      paths of its NNX modules (:attr:`AuditRow.module_path`).
     *args: its positional arguments (pytrees).
     **kwargs: its keyword arguments (pytrees).
 

@@ -8,8 +8,9 @@ core modules; nothing below imports these back, not even lazily):
   for :func:`jaxprec.audit`). Imports Flax only when called.
 * :mod:`.state`: the typed runtime state of a policy scope (thread-local).
 * :mod:`.nnx_policy`: a policy's precisions set on an NNX module graph, and
-  the hook :func:`jaxprec.emulate` and :func:`jaxprec.cost` call for NNX
-  models. Imports Flax only when called.
+  the hook :func:`jaxprec.emulate`, :func:`jaxprec.cost` and
+  :func:`jaxprec.audit` call for NNX models (which also gives the audit NNX
+  module paths). Imports Flax only when called.
 * :mod:`.interception`: linen method interception (imports Flax).
 * :mod:`.scope`: :func:`policy_scope`, the one way a policy comes in force
   (imports :mod:`.interception` only once Flax linen is imported).
