@@ -280,7 +280,23 @@ def trace_context() -> Any:
   return jax_config.trace_context()
 
 
-_POLICY_KEY_STATE = None
+def _jit_key_state(name: str, doc: str):
+  """A JAX config state that is part of ``jax.jit``'s cache key and of
+  :func:`trace_context` (``jax._src.config.State`` with ``include_in_jit_key``;
+  written against jax 0.10.2, no public equivalent)."""
+  from jax._src import config as jax_config
+  return jax_config.State(name, None, doc, include_in_jit_key=True,
+                          include_in_trace_context=True)
+
+
+# Created at import, before anything is traced: a state created later would
+# change every trace context and make jax.jit trace each function again once.
+_POLICY_KEY_STATE = _jit_key_state(
+    "jaxprec_policy",
+    "The jaxprec policy in force while tracing (set by jaxprec only).")
+_KERNEL_STATE = _jit_key_state(
+    "jaxprec_kernel",
+    "The jaxprec emulation kernel setting (set by jaxprec only).")
 
 
 def jit_key_scope(value: str):
@@ -288,48 +304,17 @@ def jit_key_scope(value: str):
 
   A policy decides precisions while a function is traced (through Flax method
   interception) in a way JAX cannot see; without this, a function jitted once
-  under one policy would silently reuse that trace under another. Uses a JAX
-  config state with ``include_in_jit_key`` (jax/_src/config.py ``State``).
-  Written against jax 0.10.2.
+  under one policy would silently reuse that trace under another.
   """
-  return _policy_state()(value)
-
-
-def _policy_state():
-  global _POLICY_KEY_STATE
-  if _POLICY_KEY_STATE is None:
-    from jax._src import config as jax_config
-    _POLICY_KEY_STATE = jax_config.State(
-        "jaxprec_policy", None,
-        "The jaxprec policy in force while tracing (set by jaxprec only).",
-        include_in_jit_key=True, include_in_trace_context=True)
-  return _POLICY_KEY_STATE
-
-
-_KERNEL_STATE = None
+  return _POLICY_KEY_STATE(value)
 
 
 def kernel_state():
   """The JAX config state holding jaxprec's emulation kernel setting.
 
-  Like :func:`jit_key_scope`: ``include_in_jit_key`` makes the kernel part of
-  ``jax.jit``'s cache key and of :func:`trace_context`, so a function jitted
-  under one kernel is traced again under another. ``State(...)`` for a
-  thread-local scope, ``.set_global`` / ``.value``.
-  Written against jax 0.10.2.
+  Like :func:`jit_key_scope`: the kernel is part of ``jax.jit``'s cache key
+  and of :func:`trace_context`, so a function jitted under one kernel is
+  traced again under another. ``State(...)`` for a thread-local scope,
+  ``.set_global`` / ``.value``.
   """
-  global _KERNEL_STATE
-  if _KERNEL_STATE is None:
-    from jax._src import config as jax_config
-    _KERNEL_STATE = jax_config.State(
-        "jaxprec_kernel", None,
-        "The jaxprec emulation kernel setting (set by jaxprec only).",
-        include_in_jit_key=True, include_in_trace_context=True)
   return _KERNEL_STATE
-
-
-# Both states join JAX's trace context when created. Created at import, before
-# anything is traced: a state created later would change every trace context
-# and make jax.jit trace each function again once.
-_policy_state()
-kernel_state()
