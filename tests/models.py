@@ -162,3 +162,25 @@ def nnx_apply(model):
   def apply(state, x):
     return nnx.merge(graphdef, state)(x)
   return apply, state
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+
+def tiny_bert(dtype=jnp.float32, seed: int = 0):
+  """(model, params, ids): a tiny transformers ``FlaxBertModel`` computing in ``dtype``.
+
+  hidden 32, 2 layers, 2 heads, intermediate 37, vocabulary 99; random weights
+  (float32, the same for every ``dtype`` and ``seed``-determined), nothing
+  downloaded. Skips the test when transformers is not installed.
+  """
+  import numpy as np  # noqa: PLC0415
+  import pytest  # noqa: PLC0415
+  transformers = pytest.importorskip("transformers")
+  config = transformers.BertConfig(
+      vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+      intermediate_size=37)
+  model = transformers.FlaxBertModel(config, dtype=dtype, _do_init=False)
+  params = jax.jit(model.init_weights, static_argnums=1)(jax.random.key(seed), (1, 7))
+  ids = jnp.asarray(np.random.default_rng(seed).integers(3, 99, (2, 7)), jnp.int32)
+  return model, params, ids

@@ -183,11 +183,17 @@ def test_mixed_level_pair_reads_as_the_more_precise():
 @pytest.mark.parametrize("dtype, native", [
     (jnp.bfloat16, "native bfloat16"), (jnp.float16, "native float16"),
     (jnp.int8, "native int8")])
-def test_non_float32_operands_are_native_and_never_risky(dtype, native):
+def test_non_float32_operands_are_native_and_the_precision_is_no_risk(
+    dtype, native):
   with jax.default_matmul_precision("F32_F32_F32"):
     (row,) = audit(matmul, sds(4, 8, dtype=dtype), sds(8, 2, dtype=dtype)).rows
-  assert (row.tpu, row.gpu, row.risky) == (native, native, False)
+  assert (row.tpu, row.gpu) == (native, native)
   assert row.tpu_numerics is None and row.lhs_dtype == np.dtype(dtype).name
+  # The precision flag is no risk; accumulating in a 16-bit float is
+  # (tests/test_audit_dtype.py), and int8 accumulates in int8: not flagged.
+  assert "precision" not in row.reason
+  assert row.risky == (dtype != jnp.int8)
+  assert row.risky == row.reason.startswith("accumulates in ")
 
 
 def test_bf16_conv_with_preset_is_not_risky():
@@ -195,7 +201,11 @@ def test_bf16_conv_with_preset_is_not_risky():
   (row,) = audit(f, sds(1, 2, 4, 4, dtype=jnp.bfloat16),
                  sds(3, 2, 3, 3, dtype=jnp.bfloat16)).rows
   assert row.precision is D.F32_F32_F32
-  assert (row.tpu, row.risky) == ("native bfloat16", False)
+  assert row.tpu == "native bfloat16"
+  # Not the preset: bfloat16 operands run natively. Risky only because it
+  # accumulates in bfloat16 (its result dtype).
+  assert "preset" not in row.reason
+  assert row.reason.startswith("accumulates in bfloat16")
 
 
 # ---------------------------------------------------------------------------
@@ -417,7 +427,8 @@ def test_str_is_an_aligned_table_with_totals(mixed_report):
   lines = text.splitlines()
   header = lines[1]
   assert header.split() == ["#", "op", "name", "stack", "function", "source",
-                            "operands", "precision", "TPU", "GPU", "FLOPs", "risky"]
+                            "operands", "dtypes", "precision", "TPU", "GPU",
+                            "FLOPs", "risky"]
   col = header.index("TPU")
   assert [line[col:col + 6] for line in lines[3:6]] == ["bf16x1", "bf16x6", "bf16x6"]
   assert lines[3].rstrip().endswith("RISKY") and not lines[4].endswith("RISKY")

@@ -21,7 +21,17 @@ and nothing in the code says so. Concretely (SEMANTICS.md sections 2 and 3.1):
   GPU) whatever the preset says. For float32 operands this is always risky.
 
 Operands that are not float32 (bfloat16, float16, float64, integers) are
-computed natively and are never risky: the precision setting does not apply.
+computed natively: the precision setting does not apply.
+
+The dtype story of every op (issue 14): the compute dtypes of its operands
+(:attr:`AuditRow.lhs_dtype`), the dtypes they are stored in before a chain of
+``convert_element_type`` casts (:attr:`AuditRow.lhs_storage`: a Flax layer
+with ``dtype=bfloat16, param_dtype=float32`` reads float32 parameters and
+computes in bfloat16), and the accumulation dtype
+(:attr:`AuditRow.accumulation_dtype`: ``preferred_element_type``, else the
+result dtype). An op that accumulates in bfloat16 or float16 is risky too:
+its result keeps 8 (11) significand bits, and XLA need not sum the products
+in float32; ask ``preferred_element_type=jnp.float32``.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from jaxprec._src import audit_dtypes
 from jaxprec._src import audit_text
 from jaxprec._src import compat
 from jaxprec._src import numerics
@@ -77,7 +88,9 @@ class AuditRow:
     trip_count: how many times the op runs per call (``scan`` lengths
       multiply; a ``while`` body counts once).
     lhs_shape, rhs_shape, out_shape: operand and result shapes.
-    lhs_dtype, rhs_dtype, out_dtype: dtype names, e.g. ``'float32'``.
+    lhs_dtype, rhs_dtype, out_dtype: dtype names, e.g. ``'float32'``:
+      ``lhs_dtype``/``rhs_dtype`` are the compute dtypes, the operands' dtypes
+      at the op.
     precision: the ``precision`` param as recorded in the jaxpr: None, a pair
       of ``lax.Precision`` levels, or a ``lax.DotAlgorithmPreset``.
     precision_name: the same as text: ``'None'``, ``'DEFAULT'``,
@@ -92,8 +105,10 @@ class AuditRow:
       ``2*M*N*K`` (batch dims included) for a dot; ``2 * output elements *
       kernel spatial size * input features per group`` for a convolution.
     risky: True when float32 operands lose their low bits where the code does
-      not say so (see the module docstring).
-    reason: why the row is risky (``''`` when it is not).
+      not say so, or when the op accumulates in bfloat16 or float16 (see the
+      module docstring).
+    reason: why the row is risky (``''`` when it is not); two reasons are
+      joined with ``'; '``.
     module_path: the Flax module that runs the op, as
       :class:`jaxprec.Policy` rules match it: module names joined by ``'/'``,
       e.g. ``'encoder/layer/0/attention/self'`` (the attention einsums of a
@@ -106,6 +121,15 @@ class AuditRow:
     emulated: False for an op inside an opaque kernel (the dots of a Pallas
       kernel's body): :func:`jaxprec.emulate` cannot reach it, and the
       precision shown is the kernel's own.
+    lhs_storage, rhs_storage: the dtype each operand had before a chain of
+      ``convert_element_type`` (and layout ops: reshape, transpose,
+      broadcast, squeeze, expand_dims, copy) led to the op, followed across
+      ``jit``, ``scan``, ``cond``, ``while`` and remat bodies: what is stored,
+      e.g. ``'float32'`` for the float32 kernel of a Flax ``Dense(dtype=
+      jnp.bfloat16)``. Equal to the compute dtype when nothing casts.
+    accumulation_dtype: the dtype the products are summed in as far as the
+      program says: ``preferred_element_type`` when set, else the result
+      dtype. ``'bfloat16'`` or ``'float16'`` makes the row risky.
   """
 
   primitive: str
@@ -131,6 +155,15 @@ class AuditRow:
   reason: str
   module_path: str = ""
   emulated: bool = True
+  lhs_storage: str = ""
+  rhs_storage: str = ""
+  accumulation_dtype: str = ""
+
+  @property
+  def dtype_story(self) -> str:
+    """The dtypes compactly: ``'f32->bf16 x f32->bf16 -> bf16'`` (stored->
+    compute for each operand, then the accumulation dtype)."""
+    return audit_text.dtype_story(self)
 
   def to_dict(self) -> dict[str, Any]:
     """The row as JSON-able values (``precision`` becomes ``precision_name``)."""
@@ -333,9 +366,11 @@ def _rows(closed, module_paths: dict[str, list[str]] | None = None,
   # whose stacks match no module call belongs to its parent's module.
   prefix: dict[int, str] = {0: ""}
   module_prefix: dict[int, str] = {0: ""}
+  storage = audit_dtypes.Storage()
   for w in walker.iter_eqns(closed):
     eqn = w.eqn
     depth = len(w.scope)
+    storage.visit(eqn, depth)
     relative = compat.eqn_name_stack(eqn)
     path = _join(prefix.get(depth, ""), relative)
     module = flax_paths.lookup(relative, module_paths or {},
@@ -355,8 +390,10 @@ def _rows(closed, module_paths: dict[str, list[str]] | None = None,
                               scope=tuple(w.scope), trip_count=w.trip_count))
     if eqn.primitive.name in numerics.PRIMITIVES:
       inside = not walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope)
-      yield dataclasses.replace(_row(w, path), module_path=module,
-                                emulated=not inside)
+      yield dataclasses.replace(
+          _row(w, path), module_path=module, emulated=not inside,
+          lhs_storage=storage.of(eqn.invars[0], depth),
+          rhs_storage=storage.of(eqn.invars[1], depth))
 
 
 def _row(w: walker.WalkedEqn, name_stack: str) -> AuditRow:
@@ -366,8 +403,14 @@ def _row(w: walker.WalkedEqn, name_stack: str) -> AuditRow:
   out = eqn.outvars[0].aval
   precision = eqn.params.get("precision")
   lhs_dtype, rhs_dtype = np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name
+  preferred = eqn.params.get("preferred_element_type")
+  accumulation = np.dtype(out.dtype if preferred is None else preferred).name
   tpu, gpu, tpu_n, gpu_n = _effective(prim, precision, lhs_dtype, rhs_dtype)
   risky, reason = _risk(prim, precision, lhs_dtype, rhs_dtype, tpu_n)
+  acc_reason = audit_dtypes.accumulation_risk(accumulation,
+                                              preferred is not None)
+  if acc_reason:
+    risky, reason = True, "; ".join(r for r in (reason, acc_reason) if r)
   source, op = _frames(eqn)
   if prim == "dot_general":
     flops = _dot_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])
@@ -381,7 +424,8 @@ def _row(w: walker.WalkedEqn, name_stack: str) -> AuditRow:
       out_dtype=np.dtype(out.dtype).name, precision=precision,
       precision_name=_precision_name(precision), tpu=tpu, gpu=gpu,
       tpu_numerics=tpu_n, gpu_numerics=gpu_n, flops=flops * w.trip_count,
-      risky=risky, reason=reason)
+      risky=risky, reason=reason, lhs_storage=lhs_dtype, rhs_storage=rhs_dtype,
+      accumulation_dtype=accumulation)
 
 
 def _precision_name(precision: Any) -> str:

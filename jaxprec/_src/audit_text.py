@@ -7,8 +7,56 @@ from typing import Any
 
 from jaxprec._src import numerics
 
-__all__ = ["format_report"]
+__all__ = ["dtype_story", "format_report"]
 
+_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
+          "float64": "f64", "int8": "i8", "int32": "i32"}
+# Narrow floats: an op that accumulates in one is risky (audit_dtypes).
+_NARROW = ("bfloat16", "float16")
+
+
+def _short(dtype: str) -> str:
+  return _SHORT.get(dtype, dtype)
+
+
+def dtype_story(row: Any) -> str:
+  """``'f32->bf16 x f32->bf16 -> bf16'``: each operand's stored->compute
+  dtype (one name when nothing casts), then the accumulation dtype."""
+  def operand(stored: str, compute: str) -> str:
+    if stored and stored != compute:
+      return f"{_short(stored)}->{_short(compute)}"
+    return _short(compute)
+  acc = row.accumulation_dtype or row.out_dtype
+  return (f"{operand(row.lhs_storage, row.lhs_dtype)} x "
+          f"{operand(row.rhs_storage, row.rhs_dtype)} -> {_short(acc)}")
+
+
+def dtype_summary(rows: Any) -> str:
+  """One line on the dtypes of ``rows``, or ``''`` when all are float32."""
+  compute: dict[str, int] = {}
+  for r in rows:
+    for d in {r.lhs_dtype, r.rhs_dtype}:
+      compute[d] = compute.get(d, 0) + 1
+  narrow_acc = [r for r in rows if (r.accumulation_dtype or r.out_dtype)
+                in _NARROW]
+  cast = sum(1 for r in rows if (r.lhs_storage and r.lhs_storage != r.lhs_dtype)
+             or (r.rhs_storage and r.rhs_storage != r.rhs_dtype))
+  if set(compute) <= {"float32"} and not narrow_acc:
+    return ""
+  parts = [f"{n} {_verb(n, 'compute')} in {d}" for d, n in sorted(
+      compute.items(), key=lambda kv: (-kv[1], kv[0]))]
+  line = f"dtypes: of {len(rows)} ops, {', '.join(parts)}"
+  if cast:
+    line += f"; {cast} {_verb(cast, 'cast')} an operand from its stored dtype"
+  n = len(narrow_acc)
+  line += (f"; {n} {_verb(n, 'accumulate')} in bfloat16/float16 (risky: ask "
+           f"preferred_element_type=float32)" if narrow_acc
+           else "; none accumulates in bfloat16/float16")
+  return line
+
+
+def _verb(n: int, verb: str) -> str:
+  return verb + "s" if n == 1 else verb
 
 
 def _si(n: float) -> str:
@@ -19,9 +67,7 @@ def _si(n: float) -> str:
 
 
 def _shape(dtype: str, shape: tuple[int, ...]) -> str:
-  short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
-           "float64": "f64", "int8": "i8", "int32": "i32"}.get(dtype, dtype)
-  return f"{short}[{','.join(str(d) for d in shape)}]"
+  return f"{_short(dtype)}[{','.join(str(d) for d in shape)}]"
 
 
 def _short_path(source: str) -> str:
@@ -55,7 +101,7 @@ def format_report(report: Any) -> str:
     return "\n".join([head, "no matmuls or convolutions (dot_general, "
                        "conv_general_dilated) found", *opaque])
   cols = ("#", "op", "name stack", "function", "source", "operands",
-          "precision", "TPU", "GPU", "FLOPs", "risky")
+          "dtypes", "precision", "TPU", "GPU", "FLOPs", "risky")
   body = []
   for i, r in enumerate(report.rows, 1):
     op = numerics.op_kind(r.primitive)
@@ -67,10 +113,10 @@ def format_report(report: Any) -> str:
                  _short_path(r.source),
                  f"{_shape(r.lhs_dtype, r.lhs_shape)} x "
                  f"{_shape(r.rhs_dtype, r.rhs_shape)}",
-                 r.precision_name, r.tpu, r.gpu, _si(r.flops),
+                 dtype_story(r), r.precision_name, r.tpu, r.gpu, _si(r.flops),
                  "RISKY" if r.risky else ""))
   widths = [max(len(c), *(len(row[j]) for row in body)) for j, c in enumerate(cols)]
-  right = {0, 9}
+  right = {0, 10}
 
   def line(cells):
     return "  ".join(c.rjust(w) if j in right else c.ljust(w)
@@ -84,6 +130,9 @@ def format_report(report: Any) -> str:
       f"total: {len(report.rows)} ops, {n_risky} risky, "
       f"{_si(report.total_flops)} FLOPs per call; "
       f"TPU: {_share(by['tpu'])}; GPU: {_share(by['gpu'])}")
+  dtypes = dtype_summary(report.rows)
+  if dtypes:
+    out.append(dtypes)
   if n_risky:
     out.append("risky:")
     by_reason: dict[str, list[int]] = {}

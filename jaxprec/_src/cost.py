@@ -25,6 +25,17 @@ out of both totals; pass ``weights=`` to give them one.
 The float32 baseline is the same function with ``policy='float32'``: every
 op the policy can reach at float32, ops whose code sets a precision as they
 are.
+
+Bytes and time (issue 14): every op also moves its operands and its result
+at their dtypes (:attr:`CostRow.bytes`; the all-float32 program moves them
+at 4 bytes an element, :attr:`CostRow.float32_bytes`). With ``chip=`` (a
+key of :data:`jaxprec._src.chips.CHIPS`: ``'tpu-v4'``, ``'tpu-v5e'``,
+``'tpu-v5p'``, ``'a100'``, ``'h100'``) each op takes the roofline time
+``max(passes * FLOPs / peak of its pass type, bytes / HBM bandwidth)``
+(:func:`jaxprec._src.chips.op_seconds`), against the same op with float32
+operands and result at the target's float32 algorithm (``bf16x6`` on a TPU,
+``f32`` on a GPU). ``docs/cost.md`` has the figures, their sources and what
+the model leaves out (overlap, fusion, caches).
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxprec._src import audit as audit_lib
+from jaxprec._src import chips as chips_lib
+from jaxprec._src import cost_text
 from jaxprec._src import numerics
 from jaxprec._src import policy as policy_lib
 from jaxprec._src.flax import nnx_policy
@@ -50,7 +63,9 @@ from jaxprec._src.numerics import algorithm_for
 from jaxprec._src.policy import Policy, PolicyLike
 from jaxprec._src.precision import Precision
 
-__all__ = ["CostReport", "CostRow", "TARGETS", "WEIGHTS", "cost"]
+__all__ = ["CHIPS", "CostReport", "CostRow", "TARGETS", "WEIGHTS", "cost"]
+
+CHIPS = chips_lib.CHIPS
 
 TARGETS = numerics.TARGETS
 
@@ -189,6 +204,15 @@ class CostRow:
     cost: FLOPs times the weight of each op's algorithm.
     float32_cost: the same at ``policy='float32'``.
     unknown_flops: FLOPs of ops whose algorithm has no weight.
+    bytes: bytes the ops move per call: operands and results at their
+      dtypes (operands at their compute dtype, after any cast).
+    float32_bytes: the same with every operand and result float32.
+    seconds: with a chip, the sum of the ops' roofline times (see
+      :func:`jaxprec.cost`); None without one.
+    float32_seconds: the same ops all-float32 (float32 operands and
+      results, the target's float32 algorithm); None without a chip.
+    untimed_flops: FLOPs of ops whose pass type the chip has no peak for
+      (left out of both times).
   """
 
   path: str
@@ -198,17 +222,39 @@ class CostRow:
   cost: float
   float32_cost: float
   unknown_flops: int = 0
+  bytes: int = 0
+  float32_bytes: int = 0
+  seconds: float | None = None
+  float32_seconds: float | None = None
+  untimed_flops: int = 0
 
   @property
   def relative(self) -> float:
     """``cost / float32_cost`` (1.0 when both are 0)."""
     return _ratio(self.cost, self.float32_cost)
 
+  @property
+  def bytes_relative(self) -> float:
+    """``bytes / float32_bytes``: 0.5 for an all-bfloat16 op."""
+    return _ratio(self.bytes, self.float32_bytes)
+
+  @property
+  def time_relative(self) -> float | None:
+    """``seconds / float32_seconds``; None without a chip."""
+    if self.seconds is None or self.float32_seconds is None:
+      return None
+    return _ratio(self.seconds, self.float32_seconds)
+
   def to_dict(self) -> dict[str, Any]:
     return {"path": self.path, "ops": self.ops, "flops": self.flops,
             "algorithms": list(self.algorithms), "cost": self.cost,
             "float32_cost": self.float32_cost, "relative": self.relative,
-            "unknown_flops": self.unknown_flops}
+            "unknown_flops": self.unknown_flops, "bytes": self.bytes,
+            "float32_bytes": self.float32_bytes,
+            "bytes_relative": self.bytes_relative, "seconds": self.seconds,
+            "float32_seconds": self.float32_seconds,
+            "time_relative": self.time_relative,
+            "untimed_flops": self.untimed_flops}
 
 
 def _ratio(a: float, b: float) -> float:
@@ -233,6 +279,12 @@ class CostReport:
       both costs).
     by_algorithm: FLOPs per algorithm, largest first.
     weights: the weights used.
+    chip: the chip the times are for (a key of ``CHIPS``), or None.
+    bytes, float32_bytes: bytes moved per call by every op, at the ops'
+      dtypes and all-float32 (see :class:`CostRow`).
+    seconds, float32_seconds: with a chip, the roofline time of every op
+      with a known pass type, and of the same ops all-float32; None without.
+    untimed_flops: FLOPs of ops the chip has no peak for (out of both times).
   """
 
   function: str
@@ -245,11 +297,30 @@ class CostReport:
   unknown_flops: int
   by_algorithm: Mapping[str, int]
   weights: Mapping[str, float]
+  chip: str | None = None
+  bytes: int = 0
+  float32_bytes: int = 0
+  seconds: float | None = None
+  float32_seconds: float | None = None
+  untimed_flops: int = 0
 
   @property
   def relative(self) -> float:
     """``cost / float32_cost``: 1.0 for all-float32, below 1 when cheaper."""
     return _ratio(self.cost, self.float32_cost)
+
+  @property
+  def bytes_relative(self) -> float:
+    """``bytes / float32_bytes``: 0.5 when every operand and result is 16-bit."""
+    return _ratio(self.bytes, self.float32_bytes)
+
+  @property
+  def time_relative(self) -> float | None:
+    """``seconds / float32_seconds``, the time against all-float32 on the
+    chip; None without a chip."""
+    if self.seconds is None or self.float32_seconds is None:
+      return None
+    return _ratio(self.seconds, self.float32_seconds)
 
   def row(self, path: str) -> CostRow:
     """The row of module ``path``; KeyError naming close paths otherwise."""
@@ -270,6 +341,12 @@ class CostReport:
         "unknown_flops": self.unknown_flops,
         "by_algorithm": dict(self.by_algorithm),
         "weights": dict(self.weights),
+        "chip": self.chip, "bytes": self.bytes,
+        "float32_bytes": self.float32_bytes,
+        "bytes_relative": self.bytes_relative, "seconds": self.seconds,
+        "float32_seconds": self.float32_seconds,
+        "time_relative": self.time_relative,
+        "untimed_flops": self.untimed_flops,
         "rows": [r.to_dict() for r in self.rows],
     }
 
@@ -277,37 +354,7 @@ class CostReport:
     return json.dumps(self.to_dict(), indent=indent)
 
   def __str__(self) -> str:
-    head = (f"jaxprec cost of {self.function or 'function'} on {self.target}, "
-            f"policy {self.policy or '(none)'}: {_si(self.cost)} pass-FLOPs = "
-            f"{self.relative:.3f} of float32 ({_si(self.float32_cost)})")
-    cols = ("module path", "ops", "FLOPs", "runs as", "cost", "vs float32")
-    body = [(r.path or "(top)", str(r.ops), _si(r.flops),
-             "+".join(r.algorithms), _si(r.cost), f"{r.relative:.3f}")
-            for r in self.rows]
-    body.append(("total", str(sum(r.ops for r in self.rows)), _si(self.flops),
-                 "", _si(self.cost), f"{self.relative:.3f}"))
-    widths = [max(len(c), *(len(b[j]) for b in body)) for j, c in enumerate(cols)]
-
-    def line(cells):
-      return "  ".join(c.ljust(w) if j in (0, 3) else c.rjust(w)
-                       for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    out = [head, line(cols), line(["-" * w for w in widths])]
-    out += [line(b) for b in body]
-    used = [a for a in self.by_algorithm if a in self.weights]
-    out.append(f"weights ({self.target}, cost per FLOP): " + ", ".join(
-        f"{a} {self.weights[a]:g}" for a in used))
-    if self.unknown_flops:
-      unknown = [a for a in self.by_algorithm if a not in self.weights]
-      out.append(f"not counted: {_si(self.unknown_flops)} FLOPs of "
-                 f"{', '.join(unknown)} (no weight; pass weights=)")
-    return "\n".join(out)
-
-
-def _si(n: float) -> str:
-  for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-    if abs(n) >= scale:
-      return f"{n / scale:.3g}{unit}"
-  return f"{n:.3g}"
+    return cost_text.format_report(self)
 
 
 def _as_policy(policy: PolicyLike | None) -> Policy | None:
@@ -335,9 +382,44 @@ def _costs(rows, policy: Policy | None, target: str,
   return out
 
 
+def op_bytes(row: audit_lib.AuditRow) -> tuple[int, int]:
+  """``(bytes, float32 bytes)`` an audited op moves per call: its operands
+  and result at their dtypes, and with every floating one float32 (integers
+  keep their size), times its trip count."""
+  moved = f32 = 0
+  for shape, dtype in ((row.lhs_shape, row.lhs_dtype),
+                       (row.rhs_shape, row.rhs_dtype),
+                       (row.out_shape, row.out_dtype)):
+    n = _int(math.prod(shape))
+    dt = jnp.dtype(dtype)
+    moved += n * dt.itemsize
+    f32 += n * (4 if jnp.issubdtype(dt, jnp.floating) else dt.itemsize)
+  return moved * row.trip_count, f32 * row.trip_count
+
+
+def _int(x: Any) -> int:
+  try:
+    return int(x)
+  except (TypeError, ValueError):  # symbolic shapes (jax.export)
+    return 0
+
+
+def _target_and_chip(target: str | None, chip: str | None
+                     ) -> tuple[str, chips_lib.Chip | None]:
+  spec = None if chip is None else chips_lib.check_chip(chip)
+  if target is None:
+    return ("tpu" if spec is None else spec.target), spec
+  target = check_target(target)
+  if spec is not None and spec.target != target:
+    raise ValueError(
+        f"chip {spec.name!r} is a {spec.target.upper()} but target={target!r}; "
+        f"leave target unset or pass target={spec.target!r}")
+  return target, spec
+
+
 def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
-         target: str = "tpu", weights: Mapping[str, float] | None = None,
-         **kwargs: Any) -> CostReport:
+         target: str | None = None, weights: Mapping[str, float] | None = None,
+         chip: str | None = None, **kwargs: Any) -> CostReport:
   """The matmul and convolution cost of ``fn`` under a precision policy.
 
   Every ``dot_general`` and ``conv_general_dilated`` of ``fn(*args,
@@ -346,8 +428,14 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
   FLOPs times the passes its precision needs on ``target``: on a TPU one
   bfloat16 pass is 1, ``bfloat16_3x`` 3, ``float32`` 6; on an NVIDIA GPU one
   TF32 pass is 1, ``float32`` 8 (see :data:`WEIGHTS` and ``docs/search.md``).
-  The report gives the total, the ratio to all-float32 and a row per Flax
-  module path.
+  Each op also moves its operands and result at their dtypes (``bytes``;
+  ``float32_bytes`` all-float32). With ``chip``, each op takes the roofline
+  time ``max(passes * FLOPs / peak of its pass type, bytes / HBM
+  bandwidth)`` from the chip's spec sheet (:data:`CHIPS`), summed without
+  overlap or fusion, and ``time_relative`` compares it with the same ops
+  all-float32: float32 operands and results at the target's float32
+  algorithm (``docs/cost.md``). The report gives the totals, the ratios to
+  all-float32 and a row per Flax module path.
 
   Args:
     fn: the function; its arguments follow (arrays or
@@ -355,9 +443,11 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
     *args: positional arguments for ``fn``.
     policy: a :class:`jaxprec.Policy`, a policy string or one precision; None:
       the precision in force. Ops whose code sets a precision keep it.
-    target: ``'tpu'`` or ``'gpu'``.
+    target: ``'tpu'`` or ``'gpu'``; None: the chip's, else ``'tpu'``.
     weights: cost per FLOP by algorithm name, updating :data:`WEIGHTS` (e.g.
       ``{'f32': 7.4}`` for an H100 SXM).
+    chip: ``'tpu-v4'``, ``'tpu-v5e'``, ``'tpu-v5p'``, ``'a100'`` or
+      ``'h100'`` (:data:`CHIPS`) for times; None: no times.
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
@@ -365,7 +455,8 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
 
   Raises:
     TypeError: ``fn`` is not callable.
-    ValueError: unknown target, bad policy or weights.
+    ValueError: unknown target or chip (the message lists the choices and
+      the closest one), a chip of another target, bad policy or weights.
     jaxprec.AuditError: tracing ``fn`` failed.
 
   Examples:
@@ -377,11 +468,18 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
     (1024, 3072.0, 6144.0, 0.5)
     >>> jaxprec.cost(lambda x, w: x @ w, x, w, policy="tf32", target="gpu").relative
     0.125
+    >>> r.bytes, r.float32_bytes   # (8*16 + 16*4 + 8*4) float32 elements
+    (896, 896)
+    >>> xb = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
+    >>> wb = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    >>> r = jaxprec.cost(lambda x, w: x @ w, xb, wb, chip="tpu-v5e")
+    >>> r.target, r.bytes_relative, round(r.time_relative, 3)  # bandwidth-bound
+    ('tpu', 0.5, 0.5)
   """
   if not callable(fn):
     raise TypeError(f"jaxprec.cost expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
-  target = check_target(target)
+  target, spec = _target_and_chip(target, chip)
   table = weights_for(target, weights)
   pol = _as_policy(policy)
   base = Policy(default="float32")
@@ -395,13 +493,16 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
         f"relative to float32 needs the same ops")
   costs = _costs(rows, pol, target, table)
   base_costs = _costs(base_rows, base, target, table)
+  f32_algo = chips_lib.FLOAT32_ALGORITHM[target]
   per_path: dict[str, dict[str, Any]] = {}
   by_algo: dict[str, int] = {}
   for r, (algo, c), (_, c32) in zip(rows, costs, base_costs):
     by_algo[algo] = by_algo.get(algo, 0) + r.flops
     e = per_path.setdefault(r.module_path, {
         "ops": 0, "flops": 0, "algorithms": [], "cost": 0.0,
-        "float32_cost": 0.0, "unknown_flops": 0})
+        "float32_cost": 0.0, "unknown_flops": 0, "bytes": 0,
+        "float32_bytes": 0, "seconds": 0.0, "float32_seconds": 0.0,
+        "untimed_flops": 0})
     e["ops"] += 1
     e["flops"] += r.flops
     if algo not in e["algorithms"]:
@@ -411,10 +512,26 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
     else:
       e["cost"] += c
       e["float32_cost"] += c32
+    moved, moved32 = op_bytes(r)
+    e["bytes"] += moved
+    e["float32_bytes"] += moved32
+    if spec is not None:
+      t = chips_lib.op_seconds(spec, algo, r.flops, moved)
+      if t is None:  # no peak for its pass type: out of both times
+        e["untimed_flops"] += r.flops
+      else:
+        e["seconds"] += t
+        e["float32_seconds"] += chips_lib.op_seconds(
+            spec, f32_algo, r.flops, moved32)
+  timed = spec is not None
   out = tuple(CostRow(path=path, ops=e["ops"], flops=e["flops"],
                       algorithms=tuple(e["algorithms"]), cost=e["cost"],
                       float32_cost=e["float32_cost"],
-                      unknown_flops=e["unknown_flops"])
+                      unknown_flops=e["unknown_flops"], bytes=e["bytes"],
+                      float32_bytes=e["float32_bytes"],
+                      seconds=e["seconds"] if timed else None,
+                      float32_seconds=e["float32_seconds"] if timed else None,
+                      untimed_flops=e["untimed_flops"])
               for path, e in per_path.items())
   return CostReport(
       function=report.function,
@@ -423,4 +540,10 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
       float32_cost=sum(r.float32_cost for r in out),
       unknown_flops=sum(r.unknown_flops for r in out),
       by_algorithm=dict(sorted(by_algo.items(), key=lambda kv: (-kv[1], kv[0]))),
-      weights=table)
+      weights=table, chip=None if spec is None else spec.name,
+      bytes=sum(r.bytes for r in out),
+      float32_bytes=sum(r.float32_bytes for r in out),
+      seconds=sum(r.seconds for r in out) if timed else None,
+      float32_seconds=(sum(r.float32_seconds for r in out) if timed
+                       else None),
+      untimed_flops=sum(r.untimed_flops for r in out))

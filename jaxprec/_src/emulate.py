@@ -35,6 +35,7 @@ import jax
 from jax import lax
 
 from jaxprec._src import compat
+from jaxprec._src import dtype_emulation
 from jaxprec._src import emulated_ops
 from jaxprec._src import numerics
 from jaxprec._src import policy as policy_lib
@@ -86,6 +87,9 @@ def emulation_rule(default: Precision, *, target: str,
       if on_opaque is not None:
         on_opaque(opaque)
       return walker.bind_unchanged(eqn, invals)
+    low = dtype_emulation.rewrite(eqn, invals, target=target, **options)
+    if low is not None:  # bfloat16/float16 compute: one rounding per op
+      return low
     if prim is lax.dot_general_p:
       params = dict(eqn.params)
       prec = params.pop("precision")

@@ -5,7 +5,7 @@ One place owns what the checkers share:
 * **arguments**: :class:`Args` splits a call's arguments into array leaves
   (jit arguments) and static leaves;
 * **rows**: :func:`plan` says how one precision or :class:`jaxprec.Policy`
-  is computed for a target in a mode (:class:`Plan`);
+  is computed for a target in a mode (:class:`Plan`, :mod:`jaxprec._src.rows`);
 * **the reference**: :func:`build_reference` computes it at a precision, or
   reads hidden states computed elsewhere (:mod:`jaxprec._src.reference`),
   and packs it on the device;
@@ -30,37 +30,42 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxprec._src import compat
 from jaxprec._src import layers as layers_lib
 from jaxprec._src import metrics as metrics_lib
-from jaxprec._src import numerics
 from jaxprec._src import policy as policy_lib
 from jaxprec._src import reference as reference_lib
 from jaxprec._src import trees
-from jaxprec._src.emulate import emulate
-from jaxprec._src.flax import scope as flax_scope
+from jaxprec._src.flax import nnx_policy
 from jaxprec._src.policy import Policy
-from jaxprec._src.precision import Precision, PrecisionLike, resolve
+from jaxprec._src.rows import (  # noqa: F401 -- re-exported for the clients
+  DEFAULT_PRECISIONS,
+  FLOAT64_NAMES,
+  FLOOR,
+  Plan,
+  computes_narrow,
+  is_computed,
+  label_of,
+  native_float32,
+  plan,
+  plans,
+  reference_plan,
+  with_dtypes,
+)
 
-__all__ = ["Args", "DEFAULT_PRECISIONS", "FLOAT64_NAMES", "Plan", "Reference",
-           "build_reference", "plan", "plans", "reference_plan",
-           "run_candidate"]
-
-DEFAULT_PRECISIONS = ("bfloat16", "bfloat16_3x", "tensorfloat32")
-FLOAT64_NAMES = ("float64", "f64", "fp64", "double")
-# The framework floor: the row an external reference adds first.
-FLOOR = "float32"
-# User spellings emulated with the numerics their name says (check's docstring).
-_LITERAL = {
-    "bfloat16": ("bfloat16", "tpu"), "bf16": ("bfloat16", "tpu"),
-    "medium": ("bfloat16", "tpu"),
-    "bfloat16_3x": ("bfloat16_3x", "tpu"), "bf16_3x": ("bfloat16_3x", "tpu"),
-    "tensorfloat32": ("tensorfloat32", "gpu"), "tf32": ("tensorfloat32", "gpu"),
-}
-_ONE_ROW = (str, lax.Precision, lax.DotAlgorithmPreset, Precision, Policy)
-
+__all__ = [
+  "DEFAULT_PRECISIONS",
+  "FLOAT64_NAMES",
+  "Args",
+  "Plan",
+  "Reference",
+  "build_reference",
+  "has_dtype_decisions",
+  "plan",
+  "plans",
+  "reference_plan",
+  "run_candidate",
+]
 
 # ---------------------------------------------------------------------------
 # Arguments.
@@ -121,166 +126,29 @@ def signature(dynamic: Sequence[Any]) -> tuple:
 
 
 # ---------------------------------------------------------------------------
-# Rows.
+# Dtype decisions.
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """How one row (a precision or a policy) is computed.
+def has_dtype_decisions(fn, call: Args, cache: dict | None = None) -> bool:
+  """Whether ``fn`` computes in a narrow float (a model with dtype decisions).
 
-  Attributes:
-    label: the row's label: as the user wrote a precision; ``str(policy)``.
-    precision: the resolved precision (native runs set JAX's flag to it), or
-      the :class:`jaxprec.Policy`.
-    emulate_target: ``'tpu'``/``'gpu'`` to emulate as that target, None to
-      run natively.
-    algorithm: what runs for float32 matmuls, e.g. ``'bf16x1'``
-      (``'policy'`` for a policy).
-    description: for the report, e.g. ``'tf32 (emulated, gpu numerics)'``.
+  True when its program casts to bfloat16 or float16, or runs a matmul or
+  convolution on them: a model built with ``dtype=jnp.bfloat16`` (Flax,
+  Hugging Face) or a policy's ``dtype:``. A float32 or float64 reference of
+  such a model runs every module at the reference dtype
+  (:func:`jaxprec._src.policy.reference_policy`), so that a bfloat16 model is
+  compared with the float32 model. One trace per function and signature
+  (cached); a float32 model's reference is computed as before, unchanged.
   """
+  static = call.static
 
-  label: str
-  precision: Precision | Policy
-  emulate_target: str | None
-  algorithm: str
-  description: str
+  def make(fn_ref):
+    run = nnx_policy.bind(fn_ref(), None)  # an NNX model: a clone runs
+    closed = jax.make_jaxpr(lambda dynamic: static.call(run, dynamic))(
+        call.dynamic)
+    return computes_narrow(closed)
+  return _program(fn, ("narrow", call.key), make, cache)
 
-  @property
-  def key(self) -> tuple:
-    p = self.precision
-    return (p if isinstance(p, Policy) else p.name, self.emulate_target)
-
-  def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` computed as this row computes it."""
-    if self.emulate_target is not None:
-      return emulate(fn, self.precision, target=self.emulate_target)
-    if isinstance(self.precision, Policy):
-      return _native_policy(fn, self.precision)
-    flag = self.precision.flag
-
-    @functools.wraps(fn)
-    def native(*args, **kwargs):
-      with jax.default_matmul_precision(flag):
-        return fn(*args, **kwargs)
-    return native
-
-
-def _native_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
-  """``fn`` run natively under ``policy`` (as :func:`jaxprec.swap` runs models)."""
-  outside = policy.precision_for("", None, "dot")
-
-  @functools.wraps(fn)
-  def run(*args, **kwargs):
-    flag = (contextlib.nullcontext() if outside is None
-            else jax.default_matmul_precision(outside.flag))
-    with flag, flax_scope.policy_scope(policy):
-      return fn(*args, **kwargs)
-  return run
-
-
-def _label(p: Any) -> str:
-  if isinstance(p, str):
-    return p
-  if isinstance(p, lax.Precision):
-    return p.name.lower()
-  if isinstance(p, (Precision, lax.DotAlgorithmPreset)):
-    return p.name
-  return str(p)
-
-
-def plan(precision: PrecisionLike | Policy, target: str, mode: str,
-         backend: str | None = None) -> Plan:
-  """How a row is computed for ``target`` in ``mode``.
-
-  Args:
-    precision: a precision (any spelling :func:`jaxprec.resolve` accepts), a
-      :class:`jaxprec.Policy` or a policy string (with ``=``).
-    target: ``'tpu'`` or ``'gpu'``.
-    mode: ``'emulate'`` or ``'native'`` (resolve ``'auto'`` first).
-    backend: the backend native runs use (default: JAX's).
-
-  Returns:
-    The :class:`Plan`.
-
-  Examples:
-    >>> from jaxprec._src.harness import plan
-    >>> plan("tensorfloat32", "tpu", "emulate").description
-    'tf32 (emulated, gpu numerics)'
-    >>> plan("float32", "tpu", "emulate").algorithm
-    'bf16x6'
-    >>> plan("default=bf16,dense=float32", "tpu", "emulate").label
-    'default=bfloat16,dense=float32'
-  """
-  if isinstance(precision, Policy) or (isinstance(precision, str)
-                                       and "=" in precision):
-    pol = policy_lib.as_policy(precision)
-    label = str(pol)
-    if mode == "native":
-      backend = backend or compat.backend_platform()
-      return Plan(label, pol, None, "policy", f"policy (native {backend})")
-    return Plan(label, pol, target, "policy", "policy (emulated)")
-  label = _label(precision)
-  literal = _LITERAL.get(label.strip().lower()) if isinstance(precision, str) else None
-  p = resolve(literal[0] if literal else precision)
-  if mode == "native":
-    backend = backend or compat.backend_platform()
-    algo = p.on(backend).algorithm if backend in ("tpu", "gpu", "cuda", "rocm",
-                                                   "cpu") else "?"
-    return Plan(label, p, None, algo, f"{algo} (native {backend})")
-  emu_target = literal[1] if literal else target
-  algo = numerics.algorithm_for(p.per_op, emu_target, jnp.float32, jnp.float32)
-  if algo == "native" and p.flag is None:
-    algo = numerics.algorithm_for(lax.Precision.DEFAULT, emu_target,
-                                  jnp.float32, jnp.float32)
-  desc = f"{algo} (emulated)" if emu_target == target else (
-      f"{algo} (emulated, {emu_target} numerics)")
-  return Plan(label, p, emu_target, algo, desc)
-
-
-def plans(precisions: Any, target: str, mode: str) -> list[Plan]:
-  """One :class:`Plan` per row; TypeError/ValueError naming a bad value."""
-  if isinstance(precisions, _ONE_ROW):
-    precisions = (precisions,)
-  if precisions is None or not isinstance(precisions, (Sequence, set, frozenset)):
-    raise TypeError(
-        f"precisions must be a precision name, a jaxprec.Policy, or a sequence "
-        f"of them, e.g. precisions=('bfloat16', 'float32'); got "
-        f"{precisions!r} of type {type(precisions).__name__}.")
-  precisions = tuple(precisions)
-  if not precisions:
-    raise ValueError("precisions is empty: name at least one, e.g. "
-                     "precisions=('bfloat16',)")
-  out = [plan(p, target, mode) for p in precisions]
-  labels = [p.label for p in out]
-  if len(set(labels)) != len(labels):
-    raise ValueError(f"precisions repeats a name: {labels}")
-  return out
-
-
-def native_float32(label: str = "float32") -> Plan:
-  """float32 natively: exact where the backend has it (6 bf16 passes on a TPU)."""
-  backend = compat.backend_platform()
-  algo = resolve("float32").on(backend).algorithm
-  return Plan(label, resolve("float32"), None, algo, f"{algo} (native {backend})")
-
-
-def reference_plan(reference: Any, target: str, mode: str) -> Plan | None:
-  """None for float64; float32 runs natively (exact where the backend is)."""
-  if isinstance(reference, str) and reference.strip().lower() in FLOAT64_NAMES:
-    return None
-  is_policy = isinstance(reference, Policy) or (isinstance(reference, str)
-                                                and "=" in reference)
-  if not is_policy and resolve(reference).name in ("float32", "F32_F32_F32"):
-    return native_float32(_label(reference))
-  return plan(reference, target, mode)
-
-
-def is_computed(reference: Any) -> bool:
-  """Whether ``reference`` is computed (a precision or policy), not read."""
-  if isinstance(reference, (Policy, Precision, lax.Precision,
-                            lax.DotAlgorithmPreset)):
-    return True
-  return isinstance(reference, str) and not reference_lib.is_file(reference)
 
 
 # ---------------------------------------------------------------------------
@@ -372,10 +240,18 @@ def _pick(layers, select: tuple[str, ...] | None):
 
 
 def _reference_program(fn, call: Args, ref_plan: Plan | None,
-                       select: tuple[str, ...] | None, cache: dict | None):
-  """The jitted program ``dynamic -> (hi, lo, stats, layers)``."""
+                       select: tuple[str, ...] | None, cache: dict | None,
+                       dtypes: Policy | None = None):
+  """The jitted program ``dynamic -> (hi, lo, stats, layers)``.
+
+  ``dtypes``: the float64 reference's policy undoing dtype decisions.
+  """
   x64 = ref_plan is None
   key = ("ref", "float64" if x64 else ref_plan.key, call.key, select)
+  if x64 and dtypes is not None:
+    key += (str(dtypes),)
+  wrap64 = (lambda g: g) if dtypes is None else (
+      lambda g: with_dtypes(g, dtypes))
   static = call.static
 
   def make(fn_ref):
@@ -386,7 +262,7 @@ def _reference_program(fn, call: Args, ref_plan: Plan | None,
       if x64:
         dyn = [x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating)
                else x for x in dynamic]
-        layers = layers_lib.ordered_layers(lambda g: g, f, static, dyn)
+        layers = layers_lib.ordered_layers(wrap64, f, static, dyn)
       else:
         layers = layers_lib.ordered_layers(ref_plan.wrap, f, static, dynamic)
       layers = _pick(layers, select)
@@ -477,14 +353,24 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     raise ValueError(f"Unknown reference {reference!r}: {e} A reference is "
                      f"{reference_lib.SUPPORTED}.") from None
   x64 = ref_plan is None
-  prog = _reference_program(fn, call, ref_plan, select, cache)
+  undo = None
+  if (x64 or (not isinstance(ref_plan.precision, Policy) and ref_plan.precision.name
+              in ("float32", "F32_F32_F32"))) and has_dtype_decisions(fn, call, cache):
+    undo = policy_lib.reference_policy("float64" if x64 else "float32")
+    if not x64:
+      ref_plan = dataclasses.replace(
+          ref_plan, dtypes=undo,
+          description=f"{ref_plan.description}, modules at float32")
+  prog = _reference_program(fn, call, ref_plan, select, cache, dtypes=undo)
   with (jax.enable_x64(True) if x64 else contextlib.nullcontext()):
     hi, lo, stats, layers = prog(call.dynamic)
     info = prog.holder[signature(call.dynamic)]
   del layers  # never copied to the host
   name = str(reference) if isinstance(reference, Policy) else (
-      reference if isinstance(reference, str) else _label(reference))
+      reference if isinstance(reference, str) else label_of(reference))
   desc = "float64 (native, x64)" if x64 else ref_plan.description
+  if x64 and undo is not None:
+    desc += ", modules at float64"
   return Reference([n for n, _, _ in info], [s for _, s, _ in info],
                    [d for _, _, d in info], _layout(info), hi, lo, stats,
                    description=desc, name=name)

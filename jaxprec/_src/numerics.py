@@ -16,6 +16,9 @@ checker and the search. A fact written here once is never re-derived elsewhere
   :func:`flag_for`.
 * **What a target runs** for an op at a precision and operand dtypes:
   :func:`algorithm_for`, one of :data:`ALGORITHMS`, and its :data:`PASSES`.
+* **Compute dtypes** a policy may give a module: :data:`DTYPES`, their
+  spellings and sizes (:data:`DTYPE_BYTES`), and the one checker,
+  :func:`canonical_dtype`.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from jax import lax
 
 from jaxprec._src.precision import Precision, PrecisionLike, from_lax, resolve
 
-__all__ = ["ALGORITHMS", "EMULATION_TARGETS", "MODES", "OP_KINDS", "PASSES",
-           "PRIMITIVES", "TARGETS", "algorithm_for", "check_choice",
-           "check_target", "effective", "emulatable", "flag_for", "level_name",
-           "lowered", "op_kind", "per_op", "resolve_mode"]
+__all__ = ["ALGORITHMS", "DTYPES", "DTYPE_BYTES", "EMULATION_TARGETS", "MODES",
+           "OP_KINDS", "PASSES", "PRIMITIVES", "TARGETS", "algorithm_for",
+           "canonical_dtype", "check_choice", "check_target", "effective",
+           "emulatable", "flag_for", "level_name", "lowered", "op_kind",
+           "per_op", "resolve_mode"]
 
 # What a TPU or an Ampere+ GPU computes; 'cpu'/'native' emulate nothing.
 TARGETS = ("tpu", "gpu")
@@ -72,6 +76,16 @@ _PRESET_ALGORITHMS = {
     "ANY_F8_ANY_F8_F32_FAST_ACCUM": "native", "ANY_F8_ANY_F8_ANY": "native",
     "ANY_F8_ANY_F8_ANY_FAST_ACCUM": "native",
 }
+# Compute dtypes a policy may give a module (Rule(dtype=), default_dtype), by
+# their numpy names. float64 only for jaxprec's own reference runs.
+DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+_DTYPE_ALIASES = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "f16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "f32": "float32", "fp32": "float32",
+    "float64": "float64", "f64": "float64", "fp64": "float64", "double": "float64",
+}
 _EMULATED_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16),
                     np.dtype(np.float16))
 
@@ -99,6 +113,60 @@ def check_choice(value: Any, choices: Sequence[str], what: str) -> str:
       msg += f" Did you mean {close[0]!r}?"
     raise ValueError(msg)
   return v
+
+
+def canonical_dtype(value: Any, *, allow_float64: bool = False) -> str:
+  """The name of a compute dtype: ``'bfloat16'``, ``'float16'`` or ``'float32'``.
+
+  The one checker of dtypes for policies (``Rule(dtype=)``,
+  ``Policy(default_dtype=)``, the ``dtype:`` items of policy strings).
+
+  Args:
+    value: a name or alias (``'bf16'``; ``'f16'``, ``'fp16'``, ``'half'``;
+      ``'f32'``, ``'fp32'``; any case), a numpy dtype, or a scalar type
+      (``jnp.bfloat16``, ``np.float32``).
+    allow_float64: also accept float64 (``'f64'``, ``'fp64'``, ``'double'``),
+      for jaxprec's own float64 reference runs; policies never hold it.
+
+  Returns:
+    One of :data:`DTYPES` (or ``'float64'``).
+
+  Raises:
+    ValueError: naming the value, the valid choices and the closest match.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxprec._src.numerics import canonical_dtype
+    >>> canonical_dtype("bf16"), canonical_dtype(jnp.float32)
+    ('bfloat16', 'float32')
+    >>> canonical_dtype("bflaot16")
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown dtype 'bflaot16'; valid choices: 'bfloat16', 'float16', 'float32' ... Did you mean 'bfloat16'?
+  """
+  choices = DTYPES + (("float64",) if allow_float64 else ())
+  name = None
+  if isinstance(value, str):
+    name = _DTYPE_ALIASES.get(value.strip().lower())
+  elif value is not None and not isinstance(value, (bool, int, float)):
+    try:
+      name = np.dtype(value).name
+    except TypeError:
+      name = None
+  if name in choices:
+    return name
+  msg = (f"Unknown dtype {value!r}; valid choices: "
+         f"{', '.join(map(repr, choices))} (aliases: bf16, f16, fp16, half, "
+         f"f32, fp32; numpy dtypes and jnp.bfloat16, jnp.float32, ...).")
+  if name == "float64":
+    msg += (" float64 is not a compute dtype a policy can give; the float64 "
+            "reference is the checker's reference='float64'.")
+  elif isinstance(value, str):
+    key = value.strip().lower()
+    close = difflib.get_close_matches(key, list(_DTYPE_ALIASES), n=1, cutoff=0.6)
+    if close and _DTYPE_ALIASES[close[0]] in choices:
+      msg += f" Did you mean {_DTYPE_ALIASES[close[0]]!r}?"
+  raise ValueError(msg)
 
 
 def check_target(target: Any, *, emulation: bool = False) -> str:

@@ -1,6 +1,7 @@
-"""Precision policies: a precision per Flax module path, module type and op kind.
+"""Policies: a precision and a compute dtype per Flax module path, module type and op kind.
 
-A :class:`Policy` is an ordered list of :class:`Rule` values plus a default.
+A :class:`Policy` is an ordered list of :class:`Rule` values plus a default
+(and a default compute dtype: see :meth:`Policy.match_dtype`).
 Each matmul or convolution is attributed to the innermost Flax module whose
 code runs it, and gets the precision of the first rule that matches
 
@@ -28,90 +29,33 @@ this module and never the other way round.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
-import re
 from collections.abc import Sequence
 from typing import Any, Union
 
+from jaxprec._src import numerics
+from jaxprec._src.policy_text import (MODULE_TYPES, OP_KINDS, TYPE_ALIASES,
+                                      canonical_op, canonical_type,
+                                      compile_path, format_path, format_value,
+                                      parse_selector, parse_value, scan, split,
+                                      to_dtype, to_precision, unescape)
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
-__all__ = ["MODULE_TYPES", "OP_KINDS", "Policy", "PolicyLike", "PolicyMatch",
-           "PolicyReport", "Rule", "UnusedRuleWarning", "as_policy"]
-
-OP_KINDS = ("dot", "conv", "attention")
-MODULE_TYPES = ("Dense", "DenseGeneral", "Conv", "ConvTranspose", "Einsum",
-                "Attention")
-# Other spellings of the module types: Flax NNX's class names and the attention
-# classes of Flax linen. Matching is exact in policy strings, any case elsewhere.
-TYPE_ALIASES = {
-    "Linear": "Dense", "LinearGeneral": "DenseGeneral", "ConvLocal": "Conv",
-    "MultiHeadDotProductAttention": "Attention", "MultiHeadAttention": "Attention",
-    "SelfAttention": "Attention",
-}
-_PREFIXES = ("op:", "type:", "path:")
-_RESERVED = frozenset(("default", *OP_KINDS, *MODULE_TYPES, *TYPE_ALIASES))
-
+__all__ = ["MODULE_TYPES", "OP_KINDS", "TYPE_ALIASES", "Policy", "PolicyLike",
+           "PolicyMatch", "PolicyReport", "Rule", "UnusedRuleWarning",
+           "as_policy", "canonical_op", "canonical_type", "reference_policy"]
 
 class UnusedRuleWarning(UserWarning):
-  """Some rules of a policy decided the precision of no op of the model."""
-
-
-def _choices(values: Sequence[str]) -> str:
-  return ", ".join(repr(v) for v in values)
-
-
-def _unknown(what: str, value: Any, choices: Sequence[str]) -> ValueError:
-  msg = f"Unknown {what} {value!r}; valid choices: {_choices(choices)}."
-  if isinstance(value, str):
-    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
-    if not close:
-      lower = {c.lower(): c for c in choices}
-      close = [lower[c] for c in difflib.get_close_matches(
-          value.lower(), list(lower), n=1, cutoff=0.6)]
-    if close:
-      msg += f" Did you mean {close[0]!r}?"
-  return ValueError(msg)
-
-
-def canonical_op(op: Any) -> str:
-  """``'dot'``, ``'conv'`` or ``'attention'`` (any case); ValueError otherwise."""
-  if isinstance(op, str) and op.strip().lower() in OP_KINDS:
-    return op.strip().lower()
-  raise _unknown("op kind", op, OP_KINDS)
-
-
-def canonical_type(module_type: Any) -> str:
-  """One of :data:`MODULE_TYPES` for a type name or alias (any case)."""
-  if isinstance(module_type, str):
-    key = module_type.strip().lower()
-    for name in (*MODULE_TYPES, *TYPE_ALIASES):
-      if name.lower() == key:
-        return TYPE_ALIASES.get(name, name)
-  raise _unknown("module type", module_type, (*MODULE_TYPES, *TYPE_ALIASES))
-
-
-@functools.lru_cache(maxsize=1024)
-def _compile(pattern: str) -> re.Pattern:
-  try:
-    return re.compile(pattern)
-  except re.error as e:
-    raise ValueError(f"Invalid module path regex {pattern!r}: {e}.") from None
-
-
-def _precision(value: Any, where: str) -> Precision:
-  try:
-    return resolve(value)
-  except ValueError as e:
-    raise ValueError(f"{where}: {e}") from None
+  """Some rules of a policy decided the precision or dtype of nothing in the model."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rule:
-  """One rule of a :class:`Policy`: which ops, and their precision. Frozen, hashable.
+  """One rule of a :class:`Policy`: which modules, their precision and dtype. Frozen, hashable.
 
-  A rule matches an op when every criterion it sets matches; at least one must
-  be set (a rule for everything is the policy's ``default``).
+  A rule matches an op (or a module) when every criterion it sets matches; at
+  least one must be set (a rule for everything is the policy's ``default``).
+  It decides a precision, a compute dtype, or both: at least one of
+  ``precision`` and ``dtype`` must be set.
 
   Attributes:
     path: a regular expression that must match the whole module path
@@ -126,18 +70,25 @@ class Rule:
       ``'MultiHeadDotProductAttention'``, ``'MultiHeadAttention'``), any case.
     op: ``'dot'``, ``'conv'`` or ``'attention'``.
     precision: any spelling :func:`jaxprec.resolve` accepts; stored resolved.
+      None: the rule decides no precision.
+    dtype: the compute dtype of the matched modules: ``'bfloat16'``,
+      ``'float16'`` or ``'float32'`` (aliases ``bf16``, ``f16``/``fp16``/
+      ``half``, ``f32``/``fp32``; numpy dtypes, ``jnp.bfloat16``); stored as
+      the name. None: the rule decides no dtype.
 
   Raises:
-    ValueError: invalid regex, unknown type, op kind or precision, or no
-      criterion.
+    ValueError: invalid regex, unknown type, op kind, precision or dtype, no
+      criterion, or neither precision nor dtype.
 
   Examples:
-    >>> import jaxprec
+    >>> import jaxprec, jax.numpy as jnp
     >>> r = jaxprec.Rule(module_type="conv", precision="tf32")
     >>> r.module_type, r.precision.name
     ('Conv', 'tensorfloat32')
     >>> r.matches("features/conv_0", "Conv", "conv")
     True
+    >>> str(jaxprec.Rule(path=".*LayerNorm.*", dtype=jnp.float32))
+    '.*LayerNorm.*=dtype:float32'
     >>> jaxprec.Rule(path="enc(oder", precision="bf16")
     Traceback (most recent call last):
     ...
@@ -147,14 +98,15 @@ class Rule:
   path: str | None = None
   module_type: str | None = None
   op: str | None = None
-  precision: Precision
+  precision: Precision | None = None
+  dtype: str | None = None
 
   def __post_init__(self):
     if self.path is not None:
       if not isinstance(self.path, str):
         raise ValueError(f"Rule path must be a regex string; got {self.path!r}.")
-      _compile(self.path)
-      object.__setattr__(self, "path", _unescape(self.path))
+      compile_path(self.path)
+      object.__setattr__(self, "path", unescape(self.path))
     if self.module_type is not None:
       object.__setattr__(self, "module_type", canonical_type(self.module_type))
     if self.op is not None:
@@ -162,9 +114,17 @@ class Rule:
     if self.path is None and self.module_type is None and self.op is None:
       raise ValueError(
           "A Rule needs at least one of path=, module_type=, op=; for every op "
-          "use the policy's default (Policy(default=...), 'default=' in text).")
-    object.__setattr__(self, "precision", _precision(
-        self.precision, f"Rule {self._selector()!r}"))
+          "use the policy's default (Policy(default=..., default_dtype=...), "
+          "'default=' in text).")
+    if self.precision is None and self.dtype is None:
+      raise ValueError(
+          f"Rule {self._selector()!r} decides nothing: give precision=, dtype= "
+          f"or both.")
+    where = f"Rule {self._selector()!r}"
+    if self.precision is not None:
+      object.__setattr__(self, "precision", to_precision(self.precision, where))
+    if self.dtype is not None:
+      object.__setattr__(self, "dtype", to_dtype(self.dtype, where))
 
   def matches(self, path: str, module_type: str | None, op: str) -> bool:
     """Whether the rule applies to an op of kind ``op`` in such a module."""
@@ -172,12 +132,12 @@ class Rule:
       return False
     if self.module_type is not None and self.module_type != module_type:
       return False
-    return self.path is None or _compile(self.path).fullmatch(path) is not None
+    return self.path is None or compile_path(self.path).fullmatch(path) is not None
 
   def _selector(self) -> str:
     terms = []
     if self.path is not None:
-      terms.append(_format_path(self.path))
+      terms.append(format_path(self.path))
     if self.module_type is not None:
       terms.append(str(self.module_type))
     if self.op is not None:
@@ -185,145 +145,34 @@ class Rule:
     return "&".join(terms)
 
   def __str__(self) -> str:
-    return f"{self._selector()}={self.precision.name}"
+    return f"{self._selector()}={format_value(self.precision, self.dtype)}"
 
   def __repr__(self) -> str:
     parts = [f"{k}={getattr(self, k)!r}" for k in ("path", "module_type", "op")
              if getattr(self, k) is not None]
-    return f"jaxprec.Rule({', '.join(parts)}, precision={self.precision.name!r})"
-
-
-# ---------------------------------------------------------------------------
-# The text grammar.
-
-
-# A repetition ``{m,n}`` (its comma may be escaped: then a literal text that
-# must stay as written). Any other brace is a literal character in a regex.
-_REPEAT = re.compile(r"\{\d*(?:\\?,\d*)?\}")
-
-
-def _scan(text: str, seps: str, *, escaped: bool = False
-          ) -> list[tuple[int, str]]:
-  r"""Top-level separator positions: not inside (), [] or a ``{m,n}``.
-
-  With ``escaped=False``, unescaped separators; with ``escaped=True``, the
-  backslashes of top-level ``\<sep>`` pairs. Inserting or removing such a
-  backslash changes the scan of nothing else, so the formatter and the parser
-  agree on what is top level.
-  """
-  out = []
-  depth = 0
-  i = 0
-  while i < len(text):
-    c = text[i]
-    if c == "\\":
-      if escaped and depth == 0 and text[i + 1:i + 2] in tuple(seps):
-        out.append((i, text[i + 1]))
-      i += 2
-      continue
-    if c == "[":
-      i = _class_end(text, i)
-      continue
-    repeat = _REPEAT.match(text, i) if c == "{" else None
-    if repeat:
-      i = repeat.end()
-      continue
-    if c == "(":
-      depth += 1
-    elif c == ")":
-      depth = max(0, depth - 1)
-    elif depth == 0 and c in seps and not escaped:
-      out.append((i, c))
-    i += 1
-  return out
-
-
-def _class_end(text: str, i: int) -> int:
-  """The index after the character class that opens at ``text[i]`` (``[``)."""
-  j = i + 1
-  if text[j:j + 1] == "^":
-    j += 1
-  if text[j:j + 1] == "]":  # first in the class: a literal ']'
-    j += 1
-  while j < len(text):
-    if text[j] == "\\":
-      j += 2
-      continue
-    if text[j] == "]":
-      return j + 1
-    j += 1
-  return len(text)
-
-
-def _split(text: str, sep: str) -> list[str]:
-  parts, start = [], 0
-  for i, _ in _scan(text, sep):
-    parts.append(text[start:i])
-    start = i + 1
-  parts.append(text[start:])
-  return parts
-
-
-def _unescape(regex: str) -> str:
-  r"""Top-level ``\,`` and ``\&`` become ``,`` and ``&`` (same regex).
-
-  Inside (), [] and ``{m,n}`` they are kept as written: there they need no
-  escape in a policy string, and ``{1\,2}`` (literal text) must not become
-  the repetition ``{1,2}``. This is also the canonical form a :class:`Rule`
-  stores, so that ``Policy.parse(str(p)) == p``.
-  """
-  out = list(regex)
-  for i, _ in reversed(_scan(regex, ",&", escaped=True)):
-    del out[i]
-  return "".join(out)
-
-
-def _format_path(regex: str) -> str:
-  """A regex as a policy-string term that parses back to the same regex."""
-  escaped = list(regex)
-  for i, _ in reversed(_scan(regex, ",&")):
-    escaped[i] = "\\" + regex[i]
-  text = "".join(escaped)
-  if (text in _RESERVED or text.startswith(_PREFIXES) or text != text.strip()
-      or not text):
-    text = "path:" + text
-  return text
-
-
-def _parse_selector(selector: str, entry: str) -> dict[str, str]:
-  fields: dict[str, str] = {}
-  for raw in _split(selector, "&"):
-    term = raw.strip()
-    if not term:
-      raise ValueError(f"Invalid policy entry {entry!r}: empty term in {selector!r}.")
-    if term.startswith("op:"):
-      key, value = "op", term[3:].strip()
-    elif term.startswith("type:"):
-      key, value = "module_type", term[5:].strip()
-    elif term.startswith("path:"):
-      key, value = "path", _unescape(raw.lstrip()[5:])
-    elif term in OP_KINDS:
-      key, value = "op", term
-    elif term in MODULE_TYPES or term in TYPE_ALIASES:
-      key, value = "module_type", term
-    else:
-      key, value = "path", _unescape(term)
-    if key in fields:
-      raise ValueError(f"Invalid policy entry {entry!r}: two {key} terms.")
-    fields[key] = value
-  return fields
+    if self.precision is not None:
+      parts.append(f"precision={self.precision.name!r}")
+    if self.dtype is not None:
+      parts.append(f"dtype={self.dtype!r}")
+    return f"jaxprec.Rule({', '.join(parts)})"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Policy:
-  """Which precision each matmul and convolution of a Flax model gets. Frozen, hashable.
+  """Which precision and compute dtype each part of a Flax model gets. Frozen, hashable.
 
-  Rules are tried in order and the first that matches an op wins; ops no rule
-  matches get ``default``; with ``default=None`` they keep the precision in
-  force where the model runs (a ``jaxprec.precision`` scope, the global
-  setting, the backend default). See the module docstring of
-  ``jaxprec._src.policy`` for how an op is matched, and :meth:`parse` for the
-  text form. Pass a policy to :func:`jaxprec.swap` or :func:`jaxprec.emulate`.
+  Two axes, decided separately. **Precision**: for each matmul and
+  convolution, the first rule that sets a precision and matches the op wins;
+  ops no such rule matches get ``default``; with ``default=None`` they keep
+  the precision in force where the model runs (a ``jaxprec.precision`` scope,
+  the global setting, the backend default). **Dtype**: for each module, the
+  first rule that sets a dtype and matches the module wins, else
+  ``default_dtype``; with neither, the module keeps its own dtype (see
+  ``docs/modules.md``: a module with a ``dtype`` field computes in the
+  decided dtype; one without has its floating inputs and outputs cast). See
+  the module docstring of ``jaxprec._src.policy`` for how an op is matched,
+  and :meth:`parse` for the text form. Pass a policy to :func:`jaxprec.swap`
+  or :func:`jaxprec.emulate`.
 
   ``jaxprec.resolve(policy)`` raises ValueError: a policy is not one precision.
 
@@ -331,6 +180,10 @@ class Policy:
     rules: the rules, in order (a sequence of :class:`Rule`).
     default: precision for ops no rule matches (any spelling; stored
       resolved), or None.
+    default_dtype: compute dtype for modules no dtype rule matches
+      (``'bfloat16'``, ``'float16'``, ``'float32'`` or their spellings; stored
+      as the name), or None. ``default_dtype='float32'`` on a bfloat16 model
+      runs every module in float32: the "undo mixed precision" switch.
 
   Examples:
     >>> import jaxprec
@@ -348,10 +201,15 @@ class Policy:
     'tensorfloat32'
     >>> p.precision_for("pooler/dense", "Dense").name
     'bfloat16'
+    >>> d = jaxprec.Policy(rules=[jaxprec.Rule(path=".*LayerNorm.*", dtype="f32")],
+    ...                    default_dtype="bf16")
+    >>> str(d), d.dtype_for("encoder/LayerNorm"), d.dtype_for("encoder/dense")
+    ('default=dtype:bfloat16,.*LayerNorm.*=dtype:float32', 'float32', 'bfloat16')
   """
 
   rules: tuple[Rule, ...] = ()
   default: Precision | None = None
+  default_dtype: str | None = None
 
   def __post_init__(self):
     rules = self.rules
@@ -364,12 +222,18 @@ class Policy:
     object.__setattr__(self, "rules", tuple(rules))
     if self.default is not None:
       object.__setattr__(self, "default",
-                         _precision(self.default, "Policy default"))
+                         to_precision(self.default, "Policy default"))
+    if self.default_dtype is not None:
+      object.__setattr__(self, "default_dtype",
+                         to_dtype(self.default_dtype, "Policy default_dtype"))
 
   # -- matching ---------------------------------------------------------------
   def match(self, path: str = "", module_type: str | None = None,
             op: str = "dot") -> tuple[Precision | None, Rule | None]:
     """The precision for an op and the rule that gave it.
+
+    Only rules that set a precision take part (a dtype-only rule never
+    decides a precision).
 
     Args:
       path: the module path (``'/'``-joined names; ``''`` for none).
@@ -383,7 +247,7 @@ class Policy:
     """
     op = canonical_op(op)
     for r in self.rules:
-      if r.matches(path, module_type, op):
+      if r.precision is not None and r.matches(path, module_type, op):
         return r.precision, r
     return self.default, None
 
@@ -391,6 +255,40 @@ class Policy:
                     op: str = "dot") -> Precision | None:
     """The precision :meth:`match` gives (None: leave as is)."""
     return self.match(path, module_type, op)[0]
+
+  def match_dtype(self, path: str = "", module_type: str | None = None,
+                  op: str = "dot") -> tuple[str | None, Rule | None]:
+    """The compute dtype for a module and the rule that gave it.
+
+    Only rules that set a dtype take part (a precision-only rule never
+    decides a dtype).
+
+    Args:
+      path: the module path (``'/'``-joined names; ``''`` for the top one).
+      module_type: one of :data:`MODULE_TYPES`, or None for other modules.
+      op: the module's op kind: ``'dot'``, ``'conv'`` or ``'attention'``.
+
+    Returns:
+      ``(dtype, rule)``: the first matching dtype rule's dtype name and the
+      rule; ``(default_dtype, None)`` when none matches (``(None, None)``
+      without a default dtype: the module keeps its own).
+    """
+    op = canonical_op(op)
+    for r in self.rules:
+      if r.dtype is not None and r.matches(path, module_type, op):
+        return r.dtype, r
+    return self.default_dtype, None
+
+  def dtype_for(self, path: str = "", module_type: str | None = None,
+                op: str = "dot") -> str | None:
+    """The dtype :meth:`match_dtype` gives (None: leave as is)."""
+    return self.match_dtype(path, module_type, op)[0]
+
+  @property
+  def has_dtypes(self) -> bool:
+    """Whether any rule or the default sets a compute dtype."""
+    return self.default_dtype is not None or any(
+        r.dtype is not None for r in self.rules)
 
   # -- text -------------------------------------------------------------------
   @classmethod
@@ -400,14 +298,17 @@ class Policy:
     Grammar (the one every jaxprec entry point accepts)::
 
       policy    := entry ("," entry)*        (the empty string: no rules)
-      entry     := selector "=" precision
+      entry     := selector "=" value
       selector  := "default" | term ("&" term)*
       term      := KIND | TYPE | "op:" KIND | "type:" TYPE | "path:" REGEX | REGEX
       KIND      := dot | conv | attention
       TYPE      := Dense | DenseGeneral | Conv | ConvTranspose | Einsum | Attention
                    | Linear | LinearGeneral | ConvLocal | MultiHeadDotProductAttention
                    | MultiHeadAttention | SelfAttention
-      precision := any name jaxprec.resolve accepts (bf16, tf32, float32, F32_F32_F32, ...)
+      value     := item ("+" item)*         (at most one precision, one dtype)
+      item      := PRECISION | "dtype:" DTYPE | "precision:" PRECISION
+      PRECISION := any name jaxprec.resolve accepts (bf16, tf32, float32, F32_F32_F32, ...)
+      DTYPE     := bfloat16 | float16 | float32 (aliases bf16, f16, fp16, half, f32, fp32)
 
     * A bare term that is exactly an op kind (lower case) is an op kind, exactly
       a type name (as written above) is a module type, and anything else is a
@@ -415,17 +316,20 @@ class Policy:
       With a prefix (``op:``, ``type:``, ``path:``) the meaning is explicit and
       kinds and types may be in any case.
     * Terms joined by ``&`` must all match: ``Dense&encoder/.*=bf16``.
-    * An entry splits at its last ``=`` (precision names have none), so a
+    * A bare item is a precision; ``dtype:NAME`` is a compute dtype:
+      ``dense_2=dtype:bfloat16``, ``Dense=float32+dtype:bfloat16``,
+      ``default=bf16+dtype:float32``.
+    * An entry splits at its last ``=`` (values have none), so a
       regex may contain ``=``. Entries split at ``,`` and terms at ``&`` only
       outside ``()``, ``[]`` and ``{m,n}`` repetitions; elsewhere in a regex
       write ``\,`` and ``\&`` (read as ``,`` and ``&``: a rule stores its path
       so, and ``str`` writes them back escaped).
-    * Spaces around entries, terms and names are ignored.
-    * Rules keep their order (first match wins); ``default`` may appear
-      anywhere, at most once.
+    * Spaces around entries, terms, items and names are ignored.
+    * Rules keep their order (first match wins, per axis); ``default`` may
+      appear anywhere, at most once, with a precision, a dtype or both.
 
-    ``str(policy)`` writes this form (default first, canonical names) and
-    ``Policy.parse(str(policy)) == policy``.
+    ``str(policy)`` writes this form (default first, canonical names, the
+    precision before the dtype) and ``Policy.parse(str(policy)) == policy``.
 
     Args:
       text: the policy string.
@@ -435,7 +339,8 @@ class Policy:
 
     Raises:
       ValueError: naming the bad entry: no ``=``, an empty part, an unknown
-        precision, type or kind, an invalid regex, two defaults.
+        precision, dtype, type or kind, an invalid regex, two defaults, two
+        precisions or two dtypes in one value.
 
     Examples:
       >>> import jaxprec
@@ -445,10 +350,16 @@ class Policy:
       ('bfloat16', ['conv=tensorfloat32', '.*attention.*=float32'])
       >>> str(jaxprec.Policy.parse(r"Dense&layers_\d{1,2}=fp32"))
       'layers_\\d{1,2}&Dense=float32'
+      >>> str(jaxprec.Policy.parse("dense_2 = dtype:bf16, default=f32+dtype:fp32"))
+      'default=float32+dtype:float32,dense_2=dtype:bfloat16'
       >>> jaxprec.Policy.parse("conv=tf32,attention")
       Traceback (most recent call last):
       ...
       ValueError: Invalid policy entry 'attention': expected SELECTOR=PRECISION ...
+      >>> jaxprec.Policy.parse("dense_2=dtype:bflaot16")
+      Traceback (most recent call last):
+      ...
+      ValueError: Invalid policy entry 'dense_2=dtype:bflaot16': Unknown dtype 'bflaot16'; ... Did you mean 'bfloat16'?
     """
     if isinstance(text, Policy):
       return text
@@ -456,38 +367,42 @@ class Policy:
       raise ValueError(f"Policy.parse expects a string; got {text!r} of type "
                        f"{type(text).__name__}.")
     rules: list[Rule] = []
-    default = None
+    default: tuple[Precision | None, str | None] | None = None
     if not text.strip():
       return cls()
-    for entry in _split(text, ","):
+    for entry in split(text, ","):
       stripped = entry.strip()
-      eqs = [i for i, _ in _scan(entry, "=")] or [
+      eqs = [i for i, _ in scan(entry, "=")] or [
           i for i, c in enumerate(entry) if c == "="]  # unbalanced: regex error
       if not stripped or not eqs:
         raise ValueError(
             f"Invalid policy entry {stripped!r}: expected SELECTOR=PRECISION "
-            f"(e.g. 'default=bfloat16', 'conv=tf32', '.*attention.*=float32'); "
+            f"or SELECTOR=dtype:DTYPE (e.g. 'default=bfloat16', 'conv=tf32', "
+            f"'.*attention.*=float32', '.*LayerNorm.*=dtype:float32'); "
             f"entries are separated by ','.")
-      selector, name = entry[:eqs[-1]], entry[eqs[-1] + 1:].strip()
-      if not name:
-        raise ValueError(f"Invalid policy entry {stripped!r}: empty precision.")
+      selector, value = entry[:eqs[-1]], entry[eqs[-1] + 1:]
       if selector.strip() == "default":
         if default is not None:
           raise ValueError(f"Invalid policy {text!r}: two 'default' entries.")
-        default = _precision(name, f"Invalid policy entry {stripped!r}")
+        default = parse_value(value, stripped)
         continue
+      if not value.strip():
+        parse_value(value, stripped)  # raises: empty
       if not selector.strip():
         raise ValueError(f"Invalid policy entry {stripped!r}: empty selector.")
-      fields = _parse_selector(selector, stripped)
-      precision = _precision(name, f"Invalid policy entry {stripped!r}")
+      fields = parse_selector(selector, stripped)
+      precision, dtype = parse_value(value, stripped)
       try:
-        rules.append(Rule(precision=precision, **fields))
+        rules.append(Rule(precision=precision, dtype=dtype, **fields))
       except ValueError as e:
         raise ValueError(f"Invalid policy entry {stripped!r}: {e}") from None
-    return cls(rules=tuple(rules), default=default)
+    precision, dtype = default or (None, None)
+    return cls(rules=tuple(rules), default=precision, default_dtype=dtype)
 
   def __str__(self) -> str:
-    entries = [] if self.default is None else [f"default={self.default.name}"]
+    entries = []
+    if self.default is not None or self.default_dtype is not None:
+      entries.append(f"default={format_value(self.default, self.default_dtype)}")
     return ",".join(entries + [str(r) for r in self.rules])
 
   def __repr__(self) -> str:
@@ -516,8 +431,28 @@ def as_policy(value: PolicyLike) -> Policy:
   return Policy(default=resolve(value))
 
 
+def reference_policy(dtype: Any, base: Policy | None = None) -> Policy:
+  """A policy that runs every module at ``dtype``, for jaxprec's reference runs.
+
+  ``dtype`` may be ``'float64'`` (with ``jax_enable_x64``), which no user
+  policy holds; such a policy's string (``default=dtype:float64``) is for
+  cache keys and labels, and does not parse back. ``base``'s precisions are
+  kept (its dtype rules are dropped).
+  """
+  name = numerics.canonical_dtype(dtype, allow_float64=True)
+  base = base or Policy()
+  rules = tuple(dataclasses.replace(r, dtype=None) for r in base.rules
+                if r.precision is not None)
+  policy = Policy(rules=rules, default=base.default)
+  object.__setattr__(policy, "default_dtype", name)
+  return policy
+
+
 # ---------------------------------------------------------------------------
 # What a policy did: matches, unused rules.
+
+
+DTYPE_HOWS = ("field", "boundary", "skipped")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -530,10 +465,20 @@ class PolicyMatch:
     op: the op kind the decision is for.
     precision: the precision given, or None (left as it was); when
       :attr:`kept`, the module's own.
-    rule: the rule that gave it; None for the default or no decision.
+    rule: the rule that gave the precision; None for the default or no
+      decision.
     calls: how many module method calls (or traced ops) it covered.
     kept: the module's code set its own ``precision=``, which it keeps:
       ``rule`` (or the default) matched it but decided nothing.
+    dtype: the compute dtype given (``'bfloat16'``, ``'float16'``,
+      ``'float32'``), or None (left as it was).
+    dtype_how: how the dtype was applied: ``'field'`` (the module's
+      ``dtype`` attribute was set), ``'boundary'`` (a linen module without
+      one: its floating inputs and outputs were cast), ``'skipped'`` (an NNX
+      module without one under ``default_dtype``: left as it is); None: no
+      dtype decision.
+    dtype_rule: the rule that gave the dtype; None for the default dtype or
+      no decision.
   """
 
   path: str
@@ -543,6 +488,27 @@ class PolicyMatch:
   rule: Rule | None
   calls: int = 1
   kept: bool = False
+  dtype: str | None = None
+  dtype_how: str | None = None
+  dtype_rule: Rule | None = None
+
+
+def _precision_text(m: PolicyMatch) -> str:
+  what = "-" if m.precision is None else m.precision.name
+  why = str(m.rule) if m.rule is not None else (
+      "default" if m.precision is not None else "no rule, no default")
+  if m.kept:
+    why = f"its own precision= (kept; {why} not applied)"
+  return f"{what}  <- {why}"
+
+
+def _dtype_text(m: PolicyMatch) -> str:
+  if m.dtype_how is None:
+    return ""
+  why = str(m.dtype_rule) if m.dtype_rule is not None else "default"
+  if m.dtype_how == "skipped":
+    return f"dtype - (no dtype attribute; {why} not applied)"
+  return f"dtype {m.dtype} ({m.dtype_how})  <- {why}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -565,26 +531,51 @@ class PolicyReport:
   def unused_rules(self) -> tuple[Rule, ...]:
     """Rules that decided nothing: they matched no module, or only modules
     that an earlier rule had already matched, or only modules that keep their
-    own ``precision=``."""
+    own ``precision=`` (or, for a dtype rule, cannot take a dtype)."""
     used = {m.rule for m in self.matches if m.rule is not None and not m.kept}
+    used |= {m.dtype_rule for m in self.matches
+             if m.dtype_rule is not None and m.dtype_how in ("field", "boundary")}
     return tuple(r for r in self.policy.rules if r not in used)
 
   @property
   def default_used(self) -> bool:
-    return any(m.rule is None and m.precision is not None and not m.kept
+    return any((m.rule is None and m.precision is not None and not m.kept)
+               or (m.dtype_rule is None and m.dtype_how in ("field", "boundary"))
                for m in self.matches)
 
   def __str__(self) -> str:
     lines = [f"policy: {self.policy}"]
+    precisions = self.policy.default is not None or any(
+        r.precision is not None for r in self.policy.rules)
     for m in self.matches:
-      what = "-" if m.precision is None else m.precision.name
-      why = str(m.rule) if m.rule is not None else (
-          "default" if m.precision is not None else "no rule, no default")
-      if m.kept:
-        why = f"its own precision= (kept; {why} not applied)"
+      parts = [_precision_text(m)] if (
+          precisions or m.precision is not None or m.kept) else []
+      if m.dtype_how is not None:
+        parts.append(_dtype_text(m))
       lines.append(f"  {m.path or '(top)'} [{m.module_type or '-'}, {m.op}]: "
-                   f"{what}  <- {why}")
+                   + ("; ".join(parts) or _precision_text(m)))
     unused = self.unused_rules
     lines.append("unused rules: " + (", ".join(str(r) for r in unused)
                                      if unused else "none"))
+    return "\n".join(lines)
+
+  def to_markdown(self) -> str:
+    """The report as a markdown table: one row per decision."""
+    def cell(text: str) -> str:
+      return text.replace("|", "\\|")
+
+    lines = [f"Policy `{cell(str(self.policy))}`", "",
+             "| module | type | op | precision | dtype | how | rule |",
+             "|---|---|---|---|---|---|---|"]
+    for m in self.matches:
+      rules = [str(r) for r in (m.rule, m.dtype_rule) if r is not None]
+      lines.append("| " + " | ".join(cell(x) for x in (
+          m.path or "(top)", m.module_type or "-", m.op,
+          "-" if m.precision is None else m.precision.name
+          + (" (kept)" if m.kept else ""),
+          m.dtype or "-", m.dtype_how or "-", ", ".join(rules) or "default"))
+                   + " |")
+    unused = self.unused_rules
+    lines += ["", "Unused rules: " + (", ".join(f"`{cell(str(r))}`" for r in unused)
+                                      if unused else "none")]
     return "\n".join(lines)

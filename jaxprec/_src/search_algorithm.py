@@ -61,12 +61,19 @@ def metric_value(metric: str, m: metrics_lib.LayerMetrics) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-  """A candidate precision, with what it runs on the target and its cost."""
+  """A candidate precision (or a (dtype, precision) pair on the dtype axis),
+  with what it runs on the target and its cost."""
 
   label: str
-  precision: Precision
+  precision: Precision | None  # None: a dtype alone (the dtype axis alone)
   algorithm: str  # of a float32 dot on the target
   weight: float
+  dtype: str | None = None  # the compute dtype (the dtype axis)
+
+  @property
+  def is_float32(self) -> bool:
+    return ((self.precision is None or self.precision.name == "float32")
+            and self.dtype in (None, "float32"))
 
 
 # ---------------------------------------------------------------------------
@@ -86,6 +93,9 @@ class CostTable:
   unit_costs: np.ndarray  # (units, candidates)
   fixed_cost: float
   float32_cost: float
+  # The dtype axis: per unit, (a dtype decision reaches it, it runs matmuls
+  # a policy decides); None: the precision axis alone (units are matmuls).
+  reach: tuple[tuple[bool, bool], ...] | None = None
 
   @classmethod
   def of(cls, fn, args, kwargs, target: str, cands: list[Candidate],
@@ -159,9 +169,12 @@ class Search:
 
   def __init__(self, *, runner: Any, table: CostTable,
                cands: list[Candidate], metric: str, tolerance: float,
-               budget: int, verbose: bool):
+               budget: int, verbose: bool,
+               float32_policy: Policy = Policy(default="float32")):
     self.runner, self.cands = runner, cands
     self.units = table.units
+    self.reach = table.reach
+    self.float32_policy = float32_policy
     self.unit_costs = table.unit_costs  # (units, candidates)
     self.fixed_cost, self.float32_cost = table.fixed_cost, table.float32_cost
     self.metric, self.tolerance, self.budget = metric, tolerance, budget
@@ -189,14 +202,26 @@ class Search:
 
   def policy(self, levels: Sequence[int] | None) -> Policy:
     if levels is None:
-      return Policy(default="float32")
+      return self.float32_policy
     if not levels:
-      return Policy(default=self.cands[0].precision)
+      return _default(self.cands[0], ())
     counts = np.bincount(np.asarray(levels), minlength=len(self.cands))
     default = int(np.argmax(counts))  # most paths; ties: the cheaper
-    rules = [Rule(path=re.escape(u), precision=self.cands[l].precision)
-             for u, l in zip(self.units, levels) if l != default]
-    return Policy(rules=tuple(rules), default=self.cands[default].precision)
+    rules = [self.rule(i, self.cands[l])
+             for i, l in enumerate(levels) if l != default]
+    return _default(self.cands[default], tuple(r for r in rules if r))
+
+  def rule(self, i: int, c: Candidate) -> Rule | None:
+    """Unit ``i`` at ``c``: its precision if it runs matmuls, its dtype if a
+    dtype decision reaches it (None when neither)."""
+    kw: dict[str, Any] = {}
+    dtype_reaches, has_dots = (False, True) if self.reach is None else (
+        self.reach[i])
+    if has_dots and c.precision is not None:
+      kw["precision"] = c.precision
+    if dtype_reaches and c.dtype is not None:
+      kw["dtype"] = c.dtype
+    return Rule(path=re.escape(self.units[i]), **kw) if kw else None
 
   def can_try(self, reserve: int = 0) -> bool:
     # A failing trial leaves the best policy unevaluated last: keep one
@@ -439,12 +464,19 @@ class Search:
   def fallback(self) -> _Trial | None:
     """All-float32, measured if the search did or the budget allows."""
     for trial in self.trials.values():
-      if trial.policy == Policy(default="float32"):
+      if trial.policy == self.float32_policy or (
+          trial.levels and all(self.cands[l].is_float32 for l in trial.levels)):
         return trial
     if self.evaluations >= self.budget:
       return None
     levels = None  # float32 is not a candidate
     for k, c in enumerate(self.cands):
-      if c.precision.name == "float32":
+      if c.is_float32:
         levels = (k,) * len(self.units)
     return self.evaluate(levels, "all float32")
+
+
+def _default(c: Candidate, rules: tuple[Rule, ...]) -> Policy:
+  """The policy with ``rules`` and ``c`` as its default."""
+  kw: dict[str, Any] = {} if c.dtype is None else {"default_dtype": c.dtype}
+  return Policy(rules=rules, default=c.precision, **kw)

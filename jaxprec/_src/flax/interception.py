@@ -18,6 +18,20 @@ themselves (the attention-score ``jnp.einsum`` calls inside
 run time: the program is the one the model would give with those precisions
 written by hand.
 
+The interceptor also applies the policy's compute dtype, per module
+(:meth:`jaxprec.Policy.match_dtype`): a module with a ``dtype`` dataclass
+field (Flax's and Hugging Face's layers) runs its ``setup`` and each method
+with that field set to the decided dtype on the bound module (set with
+``object.__setattr__`` and restored in ``finally``; the user's module is never
+bound, hence never touched), so submodules built in ``setup`` or a compact
+method with ``dtype=self.dtype`` inherit it unless a rule decides otherwise for
+them. Flax's ``setup`` runs through the interceptors too (``method_name ==
+'setup'``, before any submodule is built; flax 0.10 and 0.12
+``Module._call_wrapped_method``). A module without a ``dtype`` field has its
+floating inputs and outputs cast at its boundary (as jmp does); parameters it
+reads are not cast. Parameters keep their stored dtype everywhere: Flax's
+``promote_dtype`` casts them at use.
+
 The op kind of an op is its innermost module's: ``'conv'`` in convolution
 modules, ``'attention'`` in attention modules (the score and weighting
 matmuls: the projections are ``Dense``/``DenseGeneral`` submodules with their
@@ -29,16 +43,21 @@ level).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Iterator
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from jaxprec._src import numerics
 from jaxprec._src.flax.nnx_policy import classify, own_precision
 from jaxprec._src.flax.state import ActiveScope, active
 
-__all__ = ["classify_linen", "intercept"]
+__all__ = ["cast_floating", "classify_linen", "has_dtype_field", "intercept"]
 
 
 _LINEN_TYPES = ((nn.MultiHeadDotProductAttention, "Attention"),
@@ -53,25 +72,84 @@ def classify_linen(module: nn.Module) -> tuple[str | None, str]:
   return classify(module, _LINEN_TYPES)
 
 
+@functools.lru_cache(maxsize=1024)
+def has_dtype_field(cls: type) -> bool:
+  """Whether a linen module class has a ``dtype`` dataclass field."""
+  try:
+    return any(f.name == "dtype" for f in dataclasses.fields(cls))
+  except TypeError:  # not a dataclass
+    return False
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+  """``tree`` with its floating arrays cast to ``dtype``; other leaves as they are.
+
+  Python scalars stay (weakly typed, they promote); integer and bool arrays
+  stay.
+  """
+  dtype = np.dtype(dtype)
+
+  def leaf(x):
+    if (isinstance(x, (jax.Array, np.ndarray))
+        and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype):
+      return x.astype(dtype)
+    return x
+
+  return jax.tree.map(leaf, tree)
+
+
+@contextlib.contextmanager
+def _field_dtype(module: nn.Module, dtype: Any) -> Iterator[None]:
+  """``module.dtype`` is ``dtype`` in the block (restored in finally)."""
+  old = module.dtype
+  object.__setattr__(module, "dtype", dtype)
+  try:
+    yield
+  finally:
+    object.__setattr__(module, "dtype", old)
+
+
+def _run(next_fun, args, kwargs, dtype_name: str | None, how: str | None,
+         module: nn.Module, setup: bool):
+  """Calls the method with the module's compute dtype applied."""
+  if how == "field" and module.scope is not None:  # bound: never the user's
+    with _field_dtype(module, getattr(jnp, dtype_name)):
+      return next_fun(*args, **kwargs)
+  if how == "boundary" and not setup:
+    args, kwargs = cast_floating((args, kwargs), getattr(jnp, dtype_name))
+    return cast_floating(next_fun(*args, **kwargs), getattr(jnp, dtype_name))
+  return next_fun(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def intercept(scope: ActiveScope) -> Iterator[None]:
-  """Runs linen module calls in the block at ``scope.policy``'s precisions."""
+  """Runs linen module calls in the block at ``scope.policy``'s precisions
+  and compute dtypes."""
   policy, recorder, outer = scope.policy, scope.recorder, scope.outer_flag
+  dtypes = policy.has_dtypes
 
   def interceptor(next_fun, args, kwargs, context):
     if active() is not scope:  # an inner scope (another policy) decides
       return next_fun(*args, **kwargs)
-    path = scope.paths.of(context.module)
-    module_type, kind = classify_linen(context.module)
+    module = context.module
+    path = scope.paths.of(module)
+    module_type, kind = classify_linen(module)
     path_str = scope.relative(path)
     p, rule = policy.match(path_str, module_type, kind)
-    if recorder is not None and context.method_name != "setup":
-      kept, shown = (own_precision(context.module, p, kind)
+    dt, drule, how = None, None, None
+    if dtypes:
+      dt, drule = policy.match_dtype(path_str, module_type, kind)
+      if dt is not None:
+        how = "field" if has_dtype_field(type(module)) else "boundary"
+    setup = context.method_name == "setup"
+    if recorder is not None and not setup:
+      kept, shown = (own_precision(module, p, kind)
                      if module_type is not None else (False, p))
-      recorder.record(path_str, module_type, kind, shown, rule, kept=kept)
+      recorder.record(path_str, module_type, kind, shown, rule, kept=kept,
+                      dtype=dt, dtype_how=how, dtype_rule=drule)
     flag = outer if p is None else numerics.flag_for(p, kind)
     with scope.paths.entered(path), jax.default_matmul_precision(flag):
-      return next_fun(*args, **kwargs)
+      return _run(next_fun, args, kwargs, dt, how, module, setup)
 
   with nn.intercept_methods(interceptor):
     yield

@@ -2,7 +2,9 @@
 
 NNX has no method interception: a policy reaches an NNX model by setting the
 ``precision`` of each matched module of a clone (:func:`decide`,
-:func:`set_precision`). :func:`jaxprec.swap` does that once;
+:func:`set_precision`), and the ``dtype`` of each module the policy gives a
+compute dtype (:func:`decide_dtype`; a dtype rule that matches a module without
+a ``dtype`` attribute is an error, :func:`check_dtypes`). :func:`jaxprec.swap` does that once;
 :func:`bind` does it each time a function is traced, for
 :func:`jaxprec.emulate`, :func:`jaxprec.cost` and the search, which are given
 an ``nnx.Module`` (or a bound method of one) as the function. Paths are the
@@ -40,9 +42,9 @@ from jaxprec._src.flax.state import Recorder
 from jaxprec._src.policy import Policy
 from jaxprec._src.precision import Precision, resolve
 
-__all__ = ["Lifted", "PrecisionScoped", "bind", "classify", "classify_nnx", "decide",
-           "is_attention_name", "lift", "mark_paths", "own_precision", "per_op_precision",
-           "set_precision"]
+__all__ = ["Lifted", "PrecisionScoped", "bind", "check_dtypes", "classify",
+           "classify_nnx", "decide", "decide_dtype", "is_attention_name", "lift",
+           "mark_paths", "own_precision", "per_op_precision", "set_precision"]
 
 
 def per_op_precision(value: Any, *, conv: bool) -> Any:
@@ -133,13 +135,76 @@ def decide(model: Any, policy: Policy, recorder: Recorder | None
   that have a ``precision`` attribute, in graph order; the precision is the
   policy's for the module's path, type and kind (None: leave as is). Each
   decision is recorded in ``recorder``.
+
+  ``model`` must be a copy (a clone or a traced copy): the policy's compute
+  dtypes are set on it in place as the modules are visited
+  (:func:`decide_dtype`: every module with a ``dtype`` attribute that the
+  policy gives a dtype), and recorded with the precision decisions.
+
+  Raises:
+    ValueError: an explicit dtype rule matches a module without a ``dtype``
+      attribute (:func:`check_dtypes`).
   """
-  for path, node, module_type, kind in _settable(model):
-    p, rule = policy.match(path, module_type, kind)
+  if policy.has_dtypes:
+    check_dtypes(model, policy)
+  for path, node in flax_paths.nnx_modules(model):
+    module_type, kind = classify_nnx(node)
+    settable = module_type is not None and hasattr(node, "precision")
+    dt, drule, how = decide_dtype(path, node, module_type, kind, policy)
+    if how == "field":
+      node.dtype = getattr(jax.numpy, dt)
+    if not settable and how is None:
+      continue
+    p, rule = policy.match(path, module_type, kind) if settable else (None, None)
     if recorder is not None:
-      kept, shown = own_precision(node, p, kind)
-      recorder.record(path, module_type, kind, shown, rule, kept=kept)
-    yield node, p, kind
+      kept, shown = own_precision(node, p, kind) if settable else (False, None)
+      recorder.record(path, module_type, kind, shown, rule, kept=kept,
+                      dtype=dt, dtype_how=how, dtype_rule=drule)
+    if settable:
+      yield node, p, kind
+
+
+def decide_dtype(path: str, node: Any, module_type: str | None, kind: str,
+                 policy: Policy) -> tuple[str | None, Any, str | None]:
+  """``(dtype, rule, how)`` of the policy for an NNX module.
+
+  ``how``: ``'field'`` (it has a ``dtype`` attribute, to be set),
+  ``'skipped'`` (none, and the dtype is the policy's default: left alone),
+  None (no dtype decision). A dtype rule matching a module without one is an
+  error (:func:`check_dtypes`), reported here as ``'skipped'``.
+  """
+  if not policy.has_dtypes:
+    return None, None, None
+  dt, rule = policy.match_dtype(path, module_type, kind)
+  if dt is None:
+    return None, None, None
+  if hasattr(node, "dtype"):
+    return dt, rule, "field"
+  return None, rule, "skipped"
+
+
+def check_dtypes(model: Any, policy: Policy) -> None:
+  """Raises if a dtype rule of ``policy`` matches an NNX module of ``model``
+  that has no ``dtype`` attribute.
+
+  NNX has no method interception, so such a module cannot be cast at its
+  boundary; under ``default_dtype`` such modules are left alone (and reported
+  as ``'skipped'``).
+
+  Raises:
+    ValueError: naming the module's path and type, and the rule.
+  """
+  for path, node in flax_paths.nnx_modules(model):
+    module_type, kind = classify_nnx(node)
+    dt, rule = policy.match_dtype(path, module_type, kind)
+    if rule is not None and not hasattr(node, "dtype"):
+      raise ValueError(
+          f"Policy rule {str(rule)!r} gives dtype {dt!r} to the NNX module at "
+          f"path {path or '(top)'!r} of type {type(node).__name__}, which has "
+          f"no dtype attribute. NNX modules cannot be cast at their boundary "
+          f"(NNX has no method interception): match only modules with a dtype "
+          f"attribute (e.g. nnx.Linear, nnx.LayerNorm), or use default_dtype, "
+          f"which leaves such modules as they are.")
 
 
 def _settable(model: Any) -> Iterator[tuple[str, Any, str, str]]:
@@ -233,6 +298,8 @@ def bind(fn: Callable[..., Any], policy: Policy | None,
     module, method = fn.__self__, fn.__func__
   else:
     return fn
+  if policy is not None and policy.has_dtypes:
+    check_dtypes(module, policy)  # now, not at the first call
 
   def with_policy(*args, **kwargs):
     clone = nnx_mod.clone(module)
@@ -286,15 +353,25 @@ class Lifted:
 def lift(fn: Callable[..., Any], policy: Policy | None = None,
          recorder: Recorder | None = None) -> Lifted | None:
   """A :class:`Lifted` for an ``nnx.Module`` or a bound method of one, with
-  ``policy``'s path rules applied to each traced copy; None for anything else."""
+  ``policy``'s path rules (and compute dtypes) applied to each traced copy;
+  None for anything else.
+
+  Raises:
+    ValueError: a dtype rule of ``policy`` matches a module without a
+      ``dtype`` attribute (:func:`check_dtypes`).
+  """
   nnx_mod = sys.modules.get("flax.nnx")
   if nnx_mod is None:
     return None
   if isinstance(fn, nnx_mod.Module):
-    return Lifted(fn, type(fn).__call__, policy, recorder)
-  if isinstance(fn, types.MethodType) and isinstance(fn.__self__, nnx_mod.Module):
-    return Lifted(fn.__self__, fn.__func__, policy, recorder)
-  return None
+    module, method = fn, type(fn).__call__
+  elif isinstance(fn, types.MethodType) and isinstance(fn.__self__, nnx_mod.Module):
+    module, method = fn.__self__, fn.__func__
+  else:
+    return None
+  if policy is not None and policy.has_dtypes:
+    check_dtypes(module, policy)  # now, not at the first call
+  return Lifted(module, method, policy, recorder)
 
 
 @dataclasses.dataclass(frozen=True)

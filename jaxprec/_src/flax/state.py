@@ -33,9 +33,14 @@ class Recorder:
 
   def record(self, path: str, module_type: str | None, op: str,
              precision: Precision | None, rule: Rule | None, *,
-             kept: bool = False) -> None:
-    """Counts one decision; ``kept``: the module keeps its own precision."""
-    key = (path, module_type, op, precision, rule, kept)
+             kept: bool = False, dtype: str | None = None,
+             dtype_how: str | None = None,
+             dtype_rule: Rule | None = None) -> None:
+    """Counts one decision; ``kept``: the module keeps its own precision;
+    ``dtype``, ``dtype_how``, ``dtype_rule``: its compute dtype decision
+    (see :class:`jaxprec.PolicyMatch`)."""
+    key = (path, module_type, op, precision, rule, kept, dtype, dtype_how,
+           dtype_rule)
     with self._lock:
       self._counts[key] = self._counts.get(key, 0) + 1
 
@@ -44,7 +49,8 @@ class Recorder:
       items = list(self._counts.items())
     return PolicyReport(policy=self.policy, matches=tuple(
         PolicyMatch(path=k[0], module_type=k[1], op=k[2], precision=k[3],
-                    rule=k[4], kept=k[5], calls=n) for k, n in items))
+                    rule=k[4], kept=k[5], dtype=k[6], dtype_how=k[7],
+                    dtype_rule=k[8], calls=n) for k, n in items))
 
   def warn_unused(self, what: str = "the model", stacklevel: int = 3) -> None:
     unused = self.report().unused_rules
@@ -53,7 +59,7 @@ class Recorder:
       self._warned.update(new)
     if new:
       warnings.warn(
-          f"jaxprec policy rules that decided the precision of nothing in "
+          f"jaxprec policy rules that decided the precision or dtype of nothing in "
           f"{what}: {', '.join(repr(str(r)) for r in new)}. A rule is unused "
           f"when it matches no module (check paths with jaxprec.audit(...) "
           f"rows' .module_path), only modules an earlier rule matched, or "
