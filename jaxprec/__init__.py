@@ -34,6 +34,7 @@ from jaxprec._src.compile_cache import enable_compilation_cache
 from jaxprec._src.context import PresetConvWarning
 from jaxprec._src.context import current
 from jaxprec._src.context import precision
+from jaxprec._src.cost import CHIPS
 from jaxprec._src.cost import CostReport
 from jaxprec._src.cost import CostRow
 from jaxprec._src.cost import cost
@@ -78,6 +79,7 @@ __all__ = (
     "AuditError",
     "AuditReport",
     "AuditRow",
+    "CHIPS",
     "CostReport",
     "CostRow",
     "DivergenceReport",

@@ -407,8 +407,7 @@ def _row(w: walker.WalkedEqn, name_stack: str) -> AuditRow:
   accumulation = np.dtype(out.dtype if preferred is None else preferred).name
   tpu, gpu, tpu_n, gpu_n = _effective(prim, precision, lhs_dtype, rhs_dtype)
   risky, reason = _risk(prim, precision, lhs_dtype, rhs_dtype, tpu_n)
-  acc_reason = audit_dtypes.accumulation_risk(accumulation,
-                                              preferred is not None)
+  acc_reason = audit_dtypes.accumulation_risk(accumulation)
   if acc_reason:
     risky, reason = True, "; ".join(r for r in (reason, acc_reason) if r)
   source, op = _frames(eqn)

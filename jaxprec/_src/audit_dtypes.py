@@ -92,18 +92,26 @@ def body_operands(eqn: Any) -> list[tuple[Any, list[Any]]]:
   return [(j, ins) for j in bodies if len(j.invars) == len(ins)]
 
 
-def accumulation_risk(accumulation: str, preferred: bool) -> str:
+def accumulation_risk(accumulation: str) -> str:
   """Why accumulating in ``accumulation`` is risky (``''`` when it is not):
   a floating dtype with 11 significand bits or fewer (bfloat16, float16,
-  float8)."""
+  float8).
+
+  Examples:
+    >>> from jaxprec._src.audit_dtypes import accumulation_risk
+    >>> accumulation_risk("float32"), accumulation_risk("int32")
+    ('', '')
+    >>> accumulation_risk("float16")[:51]
+    'accumulates in float16, its result dtype: sums of m'
+  """
   dtype = jax.numpy.dtype(accumulation)
   if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
     return ""
   bits = jax.numpy.finfo(dtype).nmant + 1
   if bits > 11:
     return ""
-  how = (f"preferred_element_type={accumulation}" if preferred
-         else "the result dtype, no preferred_element_type")
-  return (f"accumulates in {accumulation} ({how}): sums of many products "
-          f"keep {bits} significand bits (XLA need not sum in float32); ask "
-          f"preferred_element_type=float32")
+  # jnp.dot and jnp.einsum record preferred_element_type = the result dtype
+  # when the user asks for none, so the two cases read the same.
+  return (f"accumulates in {accumulation}, its result dtype: sums of many "
+          f"products keep {bits} significand bits, and XLA need not add them "
+          f"in float32. Ask preferred_element_type=float32")

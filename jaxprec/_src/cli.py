@@ -22,7 +22,8 @@
 * ``jaxprec search [--model NAME | MODULE:FUNCTION] --tolerance T [options]``:
   runs :func:`jaxprec.search_policy` and prints the cheapest policy found (in
   the text ``jaxprec run --policy`` takes), its cost relative to float32 and
-  the number of evaluations; exits 1 when no policy meets the tolerance.
+  the number of evaluations (``--axes precision,dtype``: a compute dtype per
+  module too); exits 1 when no policy meets the tolerance.
 
 ``check`` and ``search`` turn on JAX's persistent compilation cache
 (:func:`jaxprec.enable_compilation_cache`: ``$JAXPREC_CACHE_DIR/jax-compilation``,
@@ -48,11 +49,13 @@ from collections.abc import Iterator, Sequence
 from jaxprec._src.cli_inputs import Failure as _Failure
 from jaxprec._src.cli_inputs import PYTORCH as _PYTORCH
 from jaxprec._src.cli_inputs import UsageError as _UsageError
+from jaxprec._src.cli_inputs import add_search_axes as _add_search_axes
 from jaxprec._src.cli_inputs import call_target as _call_target
 from jaxprec._src.cli_inputs import check_out as _check_out
 from jaxprec._src.cli_inputs import check_reference_file as _check_reference_file
 from jaxprec._src.cli_inputs import is_reference_file as _is_reference_file
 from jaxprec._src.cli_inputs import one_line as _one_line
+from jaxprec._src.cli_inputs import search_axes as _search_axes
 
 __all__ = ["main"]
 
@@ -223,6 +226,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="most evaluations (default 24)")
   search.add_argument("--json", action="store_true",
                       help="print the result as JSON")
+  _add_search_axes(search)
   _add_no_cache(search)
   search.set_defaults(handler=_search)
   return parser
@@ -557,6 +561,7 @@ def _search(ns: argparse.Namespace) -> int:
       raise _UsageError("--candidates is empty; e.g. --candidates "
                         "bfloat16,float32")
   budget = search_lib.DEFAULT_BUDGET if ns.budget is None else ns.budget
+  axes = _search_axes(ns)
   try:  # the arguments, before the model is built
     search_lib.check_arguments(tolerance=ns.tolerance, metric=ns.metric,
                                candidates=candidates, target=ns.target,
@@ -570,7 +575,8 @@ def _search(ns: argparse.Namespace) -> int:
       warnings.simplefilter("always", UserWarning)
       result = search_lib.search_policy(
           fn, *args, tolerance=ns.tolerance, metric=ns.metric,
-          candidates=candidates, target=ns.target, budget=budget, **kwargs)
+          candidates=candidates, target=ns.target, budget=budget, **axes,
+          **kwargs)
   except Exception as e:  # noqa: BLE001 -- the user's code failed
     raise _Failure(f"searching {what} failed: {type(e).__name__}: "
                    f"{e}") from None

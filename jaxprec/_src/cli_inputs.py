@@ -5,6 +5,8 @@
   ``(fn, args, kwargs)``.
 * ``check --reference FILE`` and ``check --out DIR``: checked before any model
   is built, so that bad usage exits 2 at once.
+* ``search --axes precision,dtype``, ``--dtypes`` and ``--chip``
+  (:func:`add_search_axes`, :func:`search_axes`).
 
 Errors: :class:`UsageError` (one line, exit 2) and :class:`Failure` (the
 user's code failed: one line, exit 1). ``sys.exit`` in the user's code is left
@@ -19,8 +21,9 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["PYTORCH", "Failure", "UsageError", "call_target", "check_out",
-           "check_reference_file", "is_reference_file", "one_line"]
+__all__ = ["PYTORCH", "Failure", "UsageError", "add_search_axes",
+           "call_target", "check_out", "check_reference_file",
+           "is_reference_file", "one_line", "search_axes"]
 
 # `check --reference pytorch`: the PyTorch twin of the --model.
 PYTORCH = "pytorch"
@@ -159,3 +162,33 @@ def check_out(out: str) -> None:
   if not os.access(existing, os.W_OK | os.X_OK):
     raise UsageError(f"--out {out!r} is not writable (no write permission "
                       f"on {existing!r})")
+
+
+def add_search_axes(parser: Any) -> None:
+  """``search``'s ``--axes``, ``--dtypes`` and ``--chip`` options."""
+  parser.add_argument("--axes", default="precision",
+                      help="what to choose per module: precision (default), "
+                           "precision,dtype or dtype (the compute dtype)")
+  parser.add_argument("--dtypes", default=None,
+                      help="with --axes ...dtype: comma-separated compute "
+                           "dtypes to choose from (default bfloat16,float32)")
+  parser.add_argument("--chip", default=None,
+                      help="with --axes ...dtype: the chip whose roofline "
+                           "orders the costs (tpu-v4, tpu-v5e, tpu-v5p, a100, "
+                           "h100; default tpu-v5e for tpu, h100 for gpu)")
+
+
+def search_axes(ns: Any) -> dict[str, Any]:
+  """``search_policy``'s ``axes``, ``dtypes`` and ``chip`` from the options,
+  checked (:class:`UsageError` naming the bad value and the choices)."""
+  from jaxprec._src import chips, search_dtype  # noqa: PLC0415 -- as needed
+  try:
+    axes = search_dtype.check_axes(ns.axes)
+    dtypes = None if ns.dtypes is None else search_dtype.check_dtypes(ns.dtypes)
+    chip = None if ns.chip is None else chips.check_chip(ns.chip).name
+  except ValueError as e:
+    raise UsageError(f"--axes/--dtypes/--chip: {one_line(e)}") from None
+  if "dtype" not in axes and (dtypes is not None or chip is not None):
+    raise UsageError("--dtypes and --chip apply to --axes with dtype, e.g. "
+                     "--axes precision,dtype")
+  return {"axes": axes, "dtypes": dtypes, "chip": chip}

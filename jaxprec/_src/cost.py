@@ -66,6 +66,12 @@ from jaxprec._src.precision import Precision
 __all__ = ["CHIPS", "CostReport", "CostRow", "TARGETS", "WEIGHTS", "cost"]
 
 CHIPS = chips_lib.CHIPS
+"""Chips for ``jaxprec.cost(..., chip=...)``: ``'tpu-v4'``, ``'tpu-v5e'``,
+``'tpu-v5p'``, ``'a100'``, ``'h100'``, each a ``Chip`` with ``target``,
+``description``, ``peak`` (dense FLOP/s per pass type: ``'bfloat16'``,
+``'float16'``, ``'tensorfloat32'``, ``'float32'``, ``'int8'``),
+``hbm_bytes_per_s`` and ``source`` (the spec sheet). ``docs/cost.md`` has
+the table."""
 
 TARGETS = numerics.TARGETS
 

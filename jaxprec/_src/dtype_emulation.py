@@ -2,19 +2,23 @@
 
 What XLA:CPU does (jax 0.10.2, measured; ``docs/fidelity.md`` has the
 evidence): its ``float-normalization-bf16`` pass computes each bfloat16 HLO
-instruction in float32 between a pair of converts, and no pass of its default
-pipeline removes the pairs (``simplify-fp-conversions``, which drops
-``f32 -> bf16 -> f32`` pairs under ``xla_allow_excess_precision``, runs in
-XLA:GPU's pipeline and in XLA:CPU's oneDNN path only; the flag changes
-nothing here). So XLA:CPU rounds after every HLO instruction. A jaxpr op that
-lowers to several instructions rounds several times: ``integer_pow`` (``x**3``
-in ``gelu``) multiplies twice in bfloat16, ``logistic`` is expanded into
-bfloat16 arithmetic. A bfloat16 dot is widened to a float32 dot (exact
-products, float32 sums) and rounded once. A ``reduce_sum`` written in
-bfloat16 adds in bfloat16 (``jnp.sum`` and ``jnp.mean`` widen it first).
+instruction in float32 between a pair of converts. Between two bfloat16 ops
+the pair stays, so those round once per HLO instruction; a jaxpr op that
+lowers to several instructions rounds several times (``integer_pow``, i.e.
+``x**3`` in ``gelu``, multiplies twice in bfloat16; ``logistic`` is expanded
+into bfloat16 arithmetic). But where the program widens a bfloat16 result
+(``convert_element_type`` to float32: Flax's LayerNorm reading the Dense
+output, ``jnp.mean``, the softmax sum), the algebraic simplifier cancels the
+rounding convert against the widening one under ``xla_allow_excess_precision``
+(default true), and the consumer reads the unrounded float32 value: excess
+precision (measured: 32% of a bfloat16 LayerNorm's outputs differ by one ulp;
+``--xla_allow_excess_precision=false`` restores the rounding). A bfloat16 dot
+is widened to a float32 dot (exact products, float32 sums) and rounded once.
+A ``reduce_sum`` written in bfloat16 adds in bfloat16 (``jnp.sum`` and
+``jnp.mean`` widen it first).
 
 :func:`rewrite` makes one rounding per jaxpr op explicit, so that it holds on
-every backend and every XLA build, excess precision or not:
+every backend, every XLA build and every setting of the flag:
 
 * elementwise arithmetic with a bfloat16 or float16 result: the operands
   widened to float32 (exact), the op in float32, its result rounded once with

@@ -17,6 +17,12 @@ Which precision an op gets:
 * a convolution whose code passed a ``DotAlgorithmPreset`` is emulated at
   DEFAULT, because that is how JAX lowers it (SEMANTICS.md pitfall 1).
 
+Ops that compute in bfloat16 or float16 (a Flax model with
+``dtype=jnp.bfloat16``) are computed in float32 and rounded once per jaxpr op,
+and their dots sum exact products in float32 and round the result once
+(:mod:`jaxprec._src.dtype_emulation`; ``docs/fidelity.md`` says what XLA:CPU
+does natively and what may differ on a TPU).
+
 Gradients are emulated too: the emulated ops carry custom VJPs whose transposed
 matmuls run at the forward's emulated precision, as on a TPU, so
 ``jax.grad(emulate(f))`` and ``emulate(jax.grad(f))`` both see TPU numerics.
@@ -63,6 +69,9 @@ def emulation_rule(default: Precision, *, target: str,
                    on_opaque: Callable[[str], None] | None = None,
                    **options) -> walker.Rule:
   """The walker rule that emulates dots and convs (used by :func:`emulate`).
+
+  bfloat16/float16 compute is rounded once per op first
+  (:func:`jaxprec._src.dtype_emulation.rewrite`).
 
   Args:
     default: the precision for ops that recorded none.
@@ -128,7 +137,10 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
   or six bfloat16 passes) or an Ampere+ NVIDIA GPU (``target='gpu'``: TF32 or
   float32) at the given precision. It has ``fn``'s signature, composes with
   ``jax.jit``, ``jax.grad`` and ``jax.vmap`` in either order, and its
-  gradients' matmuls are emulated at the same precision. Under ``jax.jit`` the
+  gradients' matmuls are emulated at the same precision. Ops that compute in
+  bfloat16 or float16 are computed in float32 and rounded once each (dots:
+  float32 sums of exact products, one rounding), whatever XLA's excess
+  precision would do (docs/fidelity.md). Under ``jax.jit`` the
   emulated function traces once per input signature; called eagerly, it keeps
   a trace cache so ``fn``'s Python code runs once per signature (as under jit).
 

@@ -155,7 +155,8 @@ def canonical_dtype(value: Any, *, allow_float64: bool = False) -> str:
       name = None
   if name in choices:
     return name
-  msg = (f"Unknown dtype {value!r}; valid choices: "
+  shown = name if name is not None and not isinstance(value, str) else value
+  msg = (f"Unknown dtype {shown!r}; valid choices: "
          f"{', '.join(map(repr, choices))} (aliases: bf16, f16, fp16, half, "
          f"f32, fp32; numpy dtypes and jnp.bfloat16, jnp.float32, ...).")
   if name == "float64":

@@ -16,6 +16,10 @@ then, if no rule matches, the policy's default; with no default either, the op
 keeps the precision in force outside the model. Precisions the model's code
 passes explicitly (``precision=`` on a module or an op) are kept.
 
+The compute dtype is decided per module the same way, by the first rule that
+sets a ``dtype`` and matches the module, else ``default_dtype``
+(:meth:`Policy.match_dtype`); the two axes never decide for each other.
+
 The text form, :meth:`Policy.parse` and ``str(policy)``, is the one grammar
 that every entry point (Python, the command line, the environment) accepts; it
 is documented on :meth:`Policy.parse` and in ``docs/modules.md``.
@@ -33,11 +37,23 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 from jaxprec._src import numerics
-from jaxprec._src.policy_text import (MODULE_TYPES, OP_KINDS, TYPE_ALIASES,
-                                      canonical_op, canonical_type,
-                                      compile_path, format_path, format_value,
-                                      parse_selector, parse_value, scan, split,
-                                      to_dtype, to_precision, unescape)
+from jaxprec._src.policy_text import (
+  MODULE_TYPES,
+  OP_KINDS,
+  TYPE_ALIASES,
+  canonical_op,
+  canonical_type,
+  compile_path,
+  format_path,
+  format_value,
+  parse_selector,
+  parse_value,
+  scan,
+  split,
+  to_dtype,
+  to_precision,
+  unescape,
+)
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
 __all__ = ["MODULE_TYPES", "OP_KINDS", "TYPE_ALIASES", "Policy", "PolicyLike",

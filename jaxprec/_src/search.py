@@ -70,6 +70,7 @@ from jaxprec._src import cost as cost_lib
 from jaxprec._src import harness
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import numerics
+from jaxprec._src import search_dtype
 from jaxprec._src.policy import Policy
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 from jaxprec._src.report import DivergenceReport, LayerResult
@@ -215,17 +216,21 @@ def _check_layers(layers: Any, names: Sequence[str]) -> list[str]:
 
 def check_arguments(*, tolerance: Any, metric: Any = "rel_rms",
                     candidates: Any = None, target: Any = "tpu",
-                    budget: Any = DEFAULT_BUDGET):
+                    budget: Any = DEFAULT_BUDGET, axes: Any = ("precision",),
+                    dtypes: Any = None):
   """Validates :func:`search_policy`'s arguments (the command line checks
   them before building a model).
 
   Returns:
     ``(metric, tolerance, candidates, target, budget)``, normalized; the
-    candidates as internal records, cheapest first.
+    candidates as internal records, cheapest first. (``axes`` and
+    ``dtypes`` are checked, not returned: :func:`search_dtype.check_axes`.)
 
   Raises:
     TypeError, ValueError: as :func:`search_policy` does.
   """
+  search_dtype.check_axes(axes)
+  search_dtype.check_dtypes(dtypes)
   metric = _check_metric(metric)
   tolerance = _check_tolerance(tolerance, metric)
   target = numerics.check_target(target)
@@ -245,6 +250,9 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   reference: Any = "float32", mode: str = "auto",
                   verbose: bool = True,
                   cache: bool | str | os.PathLike = False,
+                  axes: Sequence[str] | str = ("precision",),
+                  dtypes: Sequence[Any] | None = None,
+                  chip: str | None = None,
                   **kwargs: Any) -> SearchResult:
   """Finds the cheapest per-layer precision policy that meets a tolerance.
 
@@ -293,6 +301,20 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     cache: JAX's persistent compilation cache for this call, as for
       :func:`jaxprec.check`: ``False`` (default), ``True`` (the default
       directory) or a directory; JAX's settings are restored afterwards.
+    axes: what the search decides per unit: ``('precision',)`` (default:
+      the matmul precision of each module path that runs matmuls),
+      ``('precision', 'dtype')`` (a compute dtype from ``dtypes`` and a
+      precision from ``candidates`` for each module a dtype decision
+      reaches, layer norms included) or ``('dtype',)`` (the compute dtype
+      alone); a comma-separated string is accepted. On the dtype axis the
+      candidates are ordered, and policies costed, by their roofline time on
+      ``chip`` (``docs/search.md``), and a float32 or float64 reference runs
+      a model built in bfloat16 at that dtype (as :func:`jaxprec.check`).
+    dtypes: the dtype axis's compute dtypes (default ``('bfloat16',
+      'float32')``; ``'float16'`` too on a GPU).
+    chip: the dtype axis's chip (:data:`jaxprec._src.chips.CHIPS`; default
+      ``'tpu-v5e'`` for a TPU target, ``'h100'`` for a GPU); its time is
+      :attr:`SearchResult.cost`'s ``seconds``.
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
@@ -301,8 +323,9 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
 
   Raises:
     TypeError: ``fn`` is not callable; a non-numeric tolerance.
-    ValueError: an unknown metric, candidate, target, mode or layer; a
-      negative tolerance; a budget below 1; an output without floating
+    ValueError: an unknown metric, candidate, target, mode, layer, axis,
+      dtype or chip; a negative tolerance; a budget below 1; an output
+      without floating
       layers; a reference that does not match the output; a ``cache``
       directory that cannot be created.
 
@@ -319,6 +342,10 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     >>> r = jaxprec.search_policy(f, w, x, tolerance=1e-4, verbose=False)
     >>> str(r.policy), r.meets_tolerance
     ('default=bfloat16_3x', True)
+
+    On a model with modules, ``axes=('precision', 'dtype')`` picks a compute
+    dtype per module too, e.g. ``'default=bfloat16+dtype:bfloat16,
+    dense_2=float32+dtype:float32'`` (``docs/search.md``).
   """
   if not callable(fn):
     raise TypeError(f"jaxprec.search_policy expects a callable; got {fn!r} of "
@@ -329,10 +356,12 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       return search_policy(
           fn, *args, tolerance=tolerance, metric=metric, candidates=candidates,
           target=target, budget=budget, layers=layers, reference=reference,
-          mode=mode, verbose=verbose, cache=False, **kwargs)
+          mode=mode, verbose=verbose, cache=False, axes=axes, dtypes=dtypes,
+          chip=chip, **kwargs)
   metric, tolerance, cands, target, budget = check_arguments(
       tolerance=tolerance, metric=metric, candidates=candidates,
-      target=target, budget=budget)
+      target=target, budget=budget, axes=axes, dtypes=dtypes)
+  axes = search_dtype.check_axes(axes)
   mode = numerics.resolve_mode(mode, target)
   weights = cost_lib.weights_for(target)
   if mode == "native" and compat.backend_platform() == "cpu":
@@ -342,7 +371,16 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   t_start = time.perf_counter()
   fn = cost_lib.unjit(fn)  # each policy must trace fn anew
   call = harness.Args(args, dict(kwargs), who="jaxprec.search_policy")
-  table = CostTable.of(fn, args, kwargs, target, cands, weights)
+  float32_policy = Policy(default="float32")
+  if "dtype" in axes:
+    table, cands = search_dtype.table(
+        fn, args, kwargs, target=target, axes=axes,
+        dtypes=search_dtype.check_dtypes(dtypes), precisions=cands, chip=chip)
+    chip = chip or search_dtype.DEFAULT_CHIPS[target]
+    float32_policy = Policy(default="float32" if "precision" in axes else None,
+                            default_dtype="float32")
+  else:
+    table = CostTable.of(fn, args, kwargs, target, cands, weights)
 
   # Output layers and the reference (read or computed as check does).
   info = harness.output_info(fn, call)
@@ -357,7 +395,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   runner = _Runner(fn, call, ref, target, mode)
 
   search = Search(runner=runner, table=table, cands=cands, metric=metric,
-                   tolerance=tolerance, budget=budget, verbose=verbose)
+                  tolerance=tolerance, budget=budget, verbose=verbose,
+                  float32_policy=float32_policy)
   search.run()
   best = search.finish()
   if best is not None:
@@ -370,7 +409,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
           UserWarning, stacklevel=2)
   else:
     trial = search.fallback()
-    policy = Policy(default="float32")
+    policy = float32_policy
     metrics = None if trial is None else trial.metrics
     meets = trial is not None and trial.passed
     msg = ("no policy of the candidates met the tolerance"
@@ -388,13 +427,15 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       n: metric_value(metric, m) for n, m in zip(ref.names, metrics)}
   del runner, call  # they hold the arguments
   cost_report = cost_lib.cost(fn, *args, policy=policy, target=target,
+                              **({} if "dtype" not in axes else {"chip": chip}),
                               **kwargs)
   return SearchResult(
       policy=policy, meets_tolerance=meets, report=report, values=values,
       cost=cost_report, evaluations=search.evaluations, budget=budget,
       history=tuple(search.history), metric=metric, tolerance=tolerance,
       candidates=tuple(c.label for c in cands), target=target, mode=mode,
-      units=tuple(table.units), seconds=time.perf_counter() - t_start)
+      units=tuple(table.units), seconds=time.perf_counter() - t_start,
+      axes=axes)
 
 
 def _report(policy: Policy, metrics, ref: harness.Reference, target: str,

@@ -164,8 +164,8 @@ def _trace(fn, args, kwargs, dtype: str):
   rows = audit_lib.audit(traced, *args, **kwargs).rows
   reached: dict[str, str] = {}
   for m in recorder.report().matches:
-    if getattr(m, "dtype", None) is not None and m.path not in reached:
-      reached[m.path] = getattr(m, "dtype_how", None) or "field"
+    if m.dtype_how in ("field", "boundary") and m.path not in reached:
+      reached[m.path] = m.dtype_how
   return rows, reached, found
 
 

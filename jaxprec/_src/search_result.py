@@ -85,6 +85,8 @@ class SearchResult:
     target, mode: whose numerics, and ``'emulate'`` or ``'native'``.
     units: the module paths the search assigned, in execution order.
     seconds: wall time of the whole search.
+    axes: what the search decided per unit: ``('precision',)``,
+      ``('precision', 'dtype')`` or ``('dtype',)``.
   """
 
   policy: Policy
@@ -102,6 +104,24 @@ class SearchResult:
   mode: str
   units: tuple[str, ...]
   seconds: float = 0.0
+  axes: tuple[str, ...] = ("precision",)
+
+  @property
+  def relative_cost(self) -> float:
+    """The policy's cost relative to all-float32.
+
+    On the precision axis alone, ``cost.relative`` (matmul passes). With the
+    dtype axis, the search's own roofline estimate on the chip (matmuls, and
+    the memory traffic of modules without matmuls, such as layer norms), as
+    its last step (always of :attr:`policy`) shows it; ``cost`` has the
+    matmuls' time alone (``cost.time_relative``).
+    """
+    if "dtype" in self.axes:
+      if self.history and self.history[-1].policy == self.policy:
+        return self.history[-1].relative_cost
+      if getattr(self.cost, "time_relative", None) is not None:
+        return self.cost.time_relative
+    return self.cost.relative
 
   def precision_by_path(self) -> dict[str, str]:
     """Module path -> the candidate the policy gives it."""
@@ -111,6 +131,20 @@ class SearchResult:
       out[path] = p.name if p is not None else "-"
     return out
 
+  def dtype_by_path(self) -> dict[str, str]:
+    """Module path -> the compute dtype the policy gives it (``'-'``: none)."""
+    return {path: self.policy.dtype_for(path, None, "dot") or "-"
+            for path in self.units}
+
+  def _by_path(self) -> dict[str, str]:
+    if self.axes == ("precision",):
+      return self.precision_by_path()
+    dtypes = self.dtype_by_path()
+    if "precision" not in self.axes:
+      return dtypes
+    return {path: f"{p}+dtype:{dtypes[path]}"
+            for path, p in self.precision_by_path().items()}
+
   def to_dict(self) -> dict[str, Any]:
     """JSON-able values (non-finite numbers as strings, as in check reports)."""
     return {
@@ -118,20 +152,22 @@ class SearchResult:
         "meets_tolerance": self.meets_tolerance, "metric": self.metric,
         "tolerance": self.tolerance, "target": self.target, "mode": self.mode,
         "candidates": list(self.candidates),
-        "relative_cost": _json_float(self.cost.relative),
+        "relative_cost": _json_float(self.relative_cost),
         "evaluations": self.evaluations, "budget": self.budget,
         "values": {k: _json_float(v) for k, v in self.values.items()},
         "precision_by_path": self.precision_by_path(),
         "cost": self.cost.to_dict(),
         "history": [s.to_dict() for s in self.history],
         "seconds": self.seconds,
+        **({} if self.axes == ("precision",) else {
+            "axes": list(self.axes), "dtype_by_path": self.dtype_by_path()}),
     }
 
   def to_json(self, indent: int | None = 2) -> str:
     return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
   def __str__(self) -> str:
-    rel = "{:.3f}".format(self.cost.relative)
+    rel = "{:.3f}".format(self.relative_cost)
     bound = {"cosine": "1 - cosine <=", "sqnr_db": "sqnr_db >="}.get(
         self.metric, f"{self.metric} <=")
     status = "meets" if self.meets_tolerance else "DOES NOT meet"
@@ -140,7 +176,8 @@ class SearchResult:
         f"layers; target {self.target} ({self.mode}); candidates "
         f"{', '.join(self.candidates)}",
         f"policy: {self.policy}",
-        f"cost: {rel} of float32 on {self.target} ({status} the tolerance)",
+        f"cost: {rel} of float32 on {self.target}{self._cost_unit()} "
+        f"({status} the tolerance)",
         f"evaluations: {self.evaluations} (budget {self.budget}; plus 1 "
         f"reference run), {self.seconds:.1f} s",
     ]
@@ -149,11 +186,16 @@ class SearchResult:
       lines.append(f"worst layer: {worst} ({self.metric} "
                    f"{self.values[worst]:.3g})")
     counts: dict[str, int] = {}
-    for p in self.precision_by_path().values():
+    for p in self._by_path().values():
       counts[p] = counts.get(p, 0) + 1
     lines.append("module paths: " + ", ".join(
         f"{n} at {p}" for p, n in counts.items()))
     return "\n".join(lines)
+
+  def _cost_unit(self) -> str:
+    chip = getattr(self.cost, "chip", None)
+    return "" if self.axes == ("precision",) or not chip else (
+        f" (roofline time on {chip})")
 
   def _badness(self, v: float) -> float:
     if math.isnan(v):

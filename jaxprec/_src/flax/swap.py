@@ -14,8 +14,8 @@ same variables; the user's model is never modified.
 * **Hugging Face Flax models** (``FlaxPreTrainedModel``): a shallow copy whose
   ``module`` is the swapped linen module; ``model(inputs, params=...)`` calls
   ``self.module.apply``, so both call styles run under the policy.
-* **NNX**: ``nnx.clone(model)`` with each matched module's ``precision`` set
-  (and emulated ops injected with ``emulate=True``; see
+* **NNX**: ``nnx.clone(model)`` with each matched module's ``precision`` (and
+  ``dtype``) set (and emulated ops injected with ``emulate=True``; see
   :func:`jaxprec._src.flax.nnx.configure`).
 
 This module imports Flax only when called.
@@ -77,6 +77,12 @@ def swap(model: Any, policy: PolicyLike, *, emulate: bool = False,
   gives its innermost module (path, type, op kind; see :class:`jaxprec.Policy`),
   including the attention score and weighting einsums of attention modules,
   which are not modules themselves. Ops with an explicit precision keep it.
+  A policy with compute dtypes (``Rule(dtype=)``, ``default_dtype``) also
+  runs each module it decides for in that dtype: modules with a ``dtype``
+  field (attribute, in NNX) get it set on the swapped model's bound copies
+  (linen, Hugging Face) or on the clone (NNX); linen modules without one have
+  their floating inputs and outputs cast at their boundary
+  (``docs/modules.md``, "Compute dtypes").
   The returned model uses the same variables; ``model`` is not modified. It
   works under ``jax.jit``, ``jax.grad`` and friends, and in native mode costs
   nothing at run time: the program is the one the model gives with those
@@ -102,7 +108,8 @@ def swap(model: Any, policy: PolicyLike, *, emulate: bool = False,
 
   Raises:
     TypeError: ``model`` is not a Flax model.
-    ValueError: bad policy or target.
+    ValueError: bad policy or target; a dtype rule that matches an NNX module
+      without a ``dtype`` attribute.
 
   Examples:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxprec

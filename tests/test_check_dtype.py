@@ -1,0 +1,125 @@
+"""check(...) with dtype rows, and the reference of a model built in bfloat16 (issue 14)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxprec
+from jaxprec._src import harness
+from jaxprec._src import metric_stats
+from tests.models import tiny_bert
+
+ROWS = ("default=dtype:bfloat16",
+        "default=dtype:bfloat16,.*LayerNorm.*=dtype:float32",
+        "default=bfloat16+dtype:bfloat16,.*LayerNorm.*=float32+dtype:float32")
+
+
+@pytest.fixture(scope="module")
+def berts():
+  m32, params, ids = tiny_bert(jnp.float32)
+  m16, params16, _ = tiny_bert(jnp.bfloat16)
+  jax.tree.map(np.testing.assert_array_equal, params, params16)  # same weights
+
+  def fn(model):
+    return lambda p, ids: model(ids, params=p, output_hidden_states=True
+                                ).hidden_states
+  return fn(m32), fn(m16), params, ids
+
+
+def _rel_rms(got, ref):
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  return float(np.sqrt(np.sum((got - ref) ** 2) / np.sum(ref ** 2)))
+
+
+def test_reference_of_a_bfloat16_bert_is_the_float32_model_bit_for_bit(berts):
+  fn32, fn16, params, ids = berts
+  call = harness.Args((params, ids), {}, who="test")
+  assert harness.has_dtype_decisions(fn16, call)
+  assert not harness.has_dtype_decisions(fn32, call)
+  ref16 = harness.build_reference(fn16, call, "float32", target="tpu",
+                                  mode="emulate")
+  ref32 = harness.build_reference(fn32, call, "float32", target="tpu",
+                                  mode="emulate")
+  assert ref16.names == ref32.names == ["[0]", "[1]", "[2]"]
+  assert ref16.dtypes == ["float32"] * 3  # every module at float32
+  np.testing.assert_array_equal(np.asarray(ref16.hi), np.asarray(ref32.hi))
+  assert ref32.description == "f32 (native cpu)"  # a float32 model: as before
+  assert ref16.description == "f32 (native cpu), modules at float32"
+  # ... and the float32 model's own outputs.
+  with jax.default_matmul_precision("float32"):
+    want = jax.jit(fn32)(params, ids)
+  packed = metric_stats.pack_numpy([np.asarray(w) for w in want], ref16.layout)
+  np.testing.assert_array_equal(np.asarray(ref16.hi), packed)
+
+
+def test_check_rows_may_be_dtype_policies(berts):
+  fn32, fn16, params, ids = berts
+  r = jaxprec.check(fn16, params, ids, precisions=(*ROWS, "bfloat16"),
+                    mode="emulate")
+  assert r.precisions == (*ROWS, "bfloat16")  # both axes in the labels
+  assert r.reference == "float32"
+  assert r.numerics["(reference)"] == "f32 (native cpu), modules at float32"
+  # The all-bfloat16 row is the bfloat16 model as built, against the float32
+  # model: measured here with NumPy in float64.
+  with jax.default_matmul_precision("float32"):
+    want = [np.asarray(a, np.float64) for a in fn32(params, ids)]
+  got = fn16(params, ids)
+  np.testing.assert_allclose(r.metric("rel_rms", ROWS[0]),
+                             [_rel_rms(g, w) for g, w in zip(got, want)],
+                             rtol=1e-4)
+  bf16, ln32 = r.metric("rel_rms", ROWS[0]), r.metric("rel_rms", ROWS[1])
+  assert all(1e-3 < v < 5e-2 for v in (*bf16, *ln32))
+  # Layer norms in float32 change the later layers (the dropout modules
+  # after them, which have no dtype field, still cast to bfloat16 at their
+  # boundary under the bfloat16 default, so hidden_states[0] is the same).
+  assert ln32[0] == bf16[0] and ln32[1:] != bf16[1:]
+  # A float32 BERT checked with the same rows gives the same numbers: its
+  # reference is the same, and so is each row's program.
+  r32 = jaxprec.check(fn32, params, ids, precisions=ROWS, mode="emulate")
+  assert r32.numerics["(reference)"] == "f32 (native cpu)"
+  for row in ROWS:
+    np.testing.assert_array_equal(r32.metric("rel_rms", row),
+                                  r.metric("rel_rms", row))
+
+
+def test_float64_reference_of_a_bfloat16_model_runs_modules_at_float64():
+  class MLP(nn.Module):
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+      h = jnp.tanh(nn.Dense(16, dtype=self.dtype)(x))
+      return nn.LayerNorm(dtype=self.dtype)(nn.Dense(8, dtype=self.dtype)(h))
+
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  params = MLP().init(jax.random.key(0), x)
+  r = jaxprec.check(MLP(dtype=jnp.bfloat16).apply, params, x,
+                    precisions=["default=float32+dtype:float32", "bfloat16"],
+                    reference="float64", mode="emulate")
+  assert r.numerics["(reference)"] == (
+      "float64 (native, x64), modules at float64")
+  # The float32 row of the bfloat16 model is near the float64 model, far
+  # closer than bfloat16 would be.
+  assert r.layers[0].metrics["default=float32+dtype:float32"].rel_rms < 1e-5
+  assert r.layers[0].metrics["bfloat16"].rel_rms > 1e-3  # the model as built
+  assert not jax.config.jax_enable_x64
+
+
+def test_a_float32_model_checks_as_before():
+  # No dtype decisions: the reference program is the one issue 13 compiled.
+  def mlp(w, x):
+    return {"h": jnp.tanh(x @ w)}
+  w = jax.random.normal(jax.random.key(0), (16, 16))
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  r = jaxprec.check(mlp, w, x, precisions=["bf16"], mode="emulate")
+  assert r.numerics["(reference)"] == "f32 (native cpu)"
+  call = harness.Args((w, x), {}, who="test")
+  assert not harness.has_dtype_decisions(mlp, call)
+  assert harness.has_dtype_decisions(
+      lambda w, x: mlp(w.astype(jnp.bfloat16), x), call)
