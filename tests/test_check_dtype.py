@@ -123,3 +123,34 @@ def test_a_float32_model_checks_as_before():
   assert not harness.has_dtype_decisions(mlp, call)
   assert harness.has_dtype_decisions(
       lambda w, x: mlp(w.astype(jnp.bfloat16), x), call)
+
+
+def test_reference_of_a_bfloat16_nnx_model_is_the_float32_model():
+  from flax import nnx  # noqa: PLC0415
+
+  class Net(nnx.Module):
+    def __init__(self, dtype, rngs):
+      self.a = nnx.Linear(16, 16, dtype=dtype, rngs=rngs)
+      self.norm = nnx.LayerNorm(16, dtype=dtype, rngs=rngs)
+      self.b = nnx.Linear(16, 4, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+      h = self.norm(jnp.tanh(self.a(x)))
+      return {"h": h, "out": self.b(h)}
+
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  m16, m32 = Net(jnp.bfloat16, nnx.Rngs(0)), Net(jnp.float32, nnx.Rngs(0))
+  call = harness.Args((x,), {}, who="test")
+  ref16 = harness.build_reference(m16, call, "float32", target="tpu",
+                                  mode="emulate")
+  ref32 = harness.build_reference(m32, call, "float32", target="tpu",
+                                  mode="emulate")
+  np.testing.assert_array_equal(np.asarray(ref16.hi), np.asarray(ref32.hi))
+  assert m16.a.dtype == jnp.bfloat16  # the user's model is untouched
+  r = jaxprec.check(m16, x, precisions=["default=dtype:bfloat16"],
+                    mode="emulate")
+  with jax.default_matmul_precision("float32"):
+    want, got = m32(x), m16(x)
+  np.testing.assert_allclose(r.metric("rel_rms", "default=dtype:bfloat16"),
+                             [_rel_rms(got[k], want[k]) for k in ("h", "out")],
+                             rtol=1e-4)

@@ -257,3 +257,21 @@ def test_a_dtype_policy_moves_bfloat16_bytes_for_the_matched_layer():
   undo = _mlp_cost(BF16, 1, chip="tpu-v5e",
                    policy=jaxprec.Policy(default_dtype="float32"))
   assert undo.bytes == f32.bytes and undo.bytes_relative == 1.0
+
+
+def test_hugging_face_bert_in_bfloat16_moves_fewer_bytes_than_float32():
+  import models  # noqa: PLC0415 -- tests/models.py, skips without transformers
+  costs = {}
+  for dtype in (F32, BF16):
+    model, params, ids = models.tiny_bert(dtype=dtype)
+    costs[dtype] = jaxprec.cost(
+        lambda p, i, m=model: m(i, params=p).last_hidden_state, params, ids,
+        chip="tpu-v5e")
+  f32, bf16 = costs[F32], costs[BF16]
+  assert f32.flops == bf16.flops and f32.bytes == f32.float32_bytes
+  assert bf16.float32_bytes == f32.float32_bytes
+  # Every operand and result is bfloat16 but the int32 head mask of the
+  # attention einsums: just over half the bytes; tiny shapes: bandwidth-bound.
+  assert 0.5 < bf16.bytes_relative < 0.52
+  assert bf16.seconds < f32.seconds
+  assert bf16.time_relative == pytest.approx(bf16.bytes_relative, rel=0.05)

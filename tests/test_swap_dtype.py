@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxprec
-from tests.models import nnx_model, tiny_bert
+from models import nnx_model, tiny_bert
 
 # -- a linen model with one fragile layer ------------------------------------------------
 
@@ -99,6 +99,11 @@ def test_default_dtype_reaches_every_module_and_a_rule_keeps_one_float32():
   np.testing.assert_array_equal(np.asarray(got["dense_2"]), [[0.25], [0.5]])  # kept exact
   # The top module has a dtype field too: set, then restored.
   assert model.dtype is jnp.float32
+  # Parameters keep their stored dtype: init gives the same variables.
+  init = swapped.init(jax.random.key(0), X)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), init) == jax.tree.map(
+      lambda a: (a.shape, a.dtype), model.init(jax.random.key(0), X))
+  assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(init))
   assert {m.path: m.dtype_how for m in jaxprec.policy_report(swapped).matches} == {
       p: "field" for p in ("", "dense_1", "dense_2", "dense_3", "dense_4")}
 

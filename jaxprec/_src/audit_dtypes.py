@@ -49,6 +49,9 @@ class Storage:
     return np.dtype(var.aval.dtype).name
 
   def visit(self, eqn: Any, depth: int) -> None:
+    """Records what ``eqn`` (met at ``depth``) tells about storage: call it
+    for every equation, in order, before asking :meth:`of` about its
+    operands."""
     while self._open and self._open[-1][0] >= depth:
       self._close(*self._open.pop())
     env = self._env.setdefault(depth, {})

@@ -37,23 +37,11 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 from jaxprec._src import numerics
-from jaxprec._src.policy_text import (
-  MODULE_TYPES,
-  OP_KINDS,
-  TYPE_ALIASES,
-  canonical_op,
-  canonical_type,
-  compile_path,
-  format_path,
-  format_value,
-  parse_selector,
-  parse_value,
-  scan,
-  split,
-  to_dtype,
-  to_precision,
-  unescape,
-)
+from jaxprec._src.policy_text import (MODULE_TYPES, OP_KINDS, TYPE_ALIASES,
+                                      canonical_op, canonical_type,
+                                      compile_path, format_path, format_value,
+                                      parse_selector, parse_value, scan, split,
+                                      to_dtype, to_precision, unescape)
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
 __all__ = ["MODULE_TYPES", "OP_KINDS", "TYPE_ALIASES", "Policy", "PolicyLike",

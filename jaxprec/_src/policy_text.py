@@ -18,24 +18,10 @@ from typing import Any
 from jaxprec._src import numerics
 from jaxprec._src.precision import Precision, resolve
 
-__all__ = [
-  "MODULE_TYPES",
-  "OP_KINDS",
-  "TYPE_ALIASES",
-  "canonical_op",
-  "canonical_type",
-  "compile_path",
-  "format_path",
-  "format_value",
-  "parse_selector",
-  "parse_value",
-  "scan",
-  "split",
-  "to_dtype",
-  "to_precision",
-  "unescape",
-  "unknown",
-]
+__all__ = ["MODULE_TYPES", "OP_KINDS", "TYPE_ALIASES", "canonical_op",
+           "canonical_type", "compile_path", "format_path", "format_value",
+           "parse_selector", "parse_value", "scan", "split", "to_dtype",
+           "to_precision", "unescape", "unknown"]
 
 OP_KINDS = ("dot", "conv", "attention")
 MODULE_TYPES = ("Dense", "DenseGeneral", "Conv", "ConvTranspose", "Einsum",
