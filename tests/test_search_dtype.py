@@ -169,6 +169,9 @@ def test_bad_dtypes_and_chip(fragile):
   with pytest.raises(ValueError, match="h100.*gpu chip"):
     jaxprec.search_policy(model.apply, params, x, tolerance=1e-2,
                           axes="dtype", chip="h100", verbose=False)
+  with pytest.raises(ValueError, match="dtypes= and chip= apply to the dtype"):
+    jaxprec.search_policy(model.apply, params, x, tolerance=1e-2,
+                          dtypes=("bfloat16",), verbose=False)
   with pytest.raises(ValueError, match="float16.*no peak"):
     jaxprec.search_policy(model.apply, params, x, tolerance=1e-2,
                           axes="dtype", dtypes=("float16", "float32"),
@@ -238,6 +241,7 @@ def test_cli_search_axes_precision_dtype(cli_project, capsys):
                                     "'precision', 'dtype'. Did you mean 'dtype'?"),
     (["--axes", "dtype", "--dtypes", "bf17"], "Unknown dtype 'bf17'"),
     (["--axes", "dtype", "--chip", "tpu-v6"], "Unknown chip 'tpu-v6'"),
+    (["--axes", "dtype", "--chip", "a100"], "'a100' is a gpu chip"),
     (["--dtypes", "bfloat16"], "--dtypes and --chip apply to --axes with dtype"),
 ])
 def test_cli_search_bad_axes_exit_2(cli_project, capsys, argv, fragment):

@@ -565,7 +565,7 @@ def _search(ns: argparse.Namespace) -> int:
   try:  # the arguments, before the model is built
     search_lib.check_arguments(tolerance=ns.tolerance, metric=ns.metric,
                                candidates=candidates, target=ns.target,
-                               budget=budget)
+                               budget=budget, **axes)
   except (ValueError, TypeError) as e:
     raise _UsageError(str(e)) from None
   fn, args, kwargs, what = _model_or_target(ns)

@@ -217,20 +217,20 @@ def _check_layers(layers: Any, names: Sequence[str]) -> list[str]:
 def check_arguments(*, tolerance: Any, metric: Any = "rel_rms",
                     candidates: Any = None, target: Any = "tpu",
                     budget: Any = DEFAULT_BUDGET, axes: Any = ("precision",),
-                    dtypes: Any = None):
+                    dtypes: Any = None, chip: Any = None):
   """Validates :func:`search_policy`'s arguments (the command line checks
   them before building a model).
 
   Returns:
     ``(metric, tolerance, candidates, target, budget)``, normalized; the
-    candidates as internal records, cheapest first. (``axes`` and
-    ``dtypes`` are checked, not returned: :func:`search_dtype.check_axes`.)
+    candidates as internal records, cheapest first. (``axes``,
+    ``dtypes`` and ``chip`` are checked, not returned:
+    :func:`search_dtype.check_axes`.)
 
   Raises:
     TypeError, ValueError: as :func:`search_policy` does.
   """
-  search_dtype.check_axes(axes)
-  search_dtype.check_dtypes(dtypes)
+  search_dtype.check_arguments(axes, dtypes, chip, target)
   metric = _check_metric(metric)
   tolerance = _check_tolerance(tolerance, metric)
   target = numerics.check_target(target)
@@ -360,7 +360,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
           chip=chip, **kwargs)
   metric, tolerance, cands, target, budget = check_arguments(
       tolerance=tolerance, metric=metric, candidates=candidates,
-      target=target, budget=budget, axes=axes, dtypes=dtypes)
+      target=target, budget=budget, axes=axes, dtypes=dtypes, chip=chip)
   axes = search_dtype.check_axes(axes)
   mode = numerics.resolve_mode(mode, target)
   weights = cost_lib.weights_for(target)

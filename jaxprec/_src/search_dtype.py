@@ -50,8 +50,8 @@ from jaxprec._src.policy import Policy
 from jaxprec._src.precision import Precision, resolve
 from jaxprec._src.search_algorithm import Candidate, CostTable
 
-__all__ = ["AXES", "DEFAULT_CHIPS", "DEFAULT_DTYPES", "check_axes",
-           "check_dtypes", "table"]
+__all__ = ["AXES", "DEFAULT_CHIPS", "DEFAULT_DTYPES", "check_arguments",
+           "check_axes", "check_dtypes", "table"]
 
 AXES = ("precision", "dtype")
 DEFAULT_DTYPES = ("bfloat16", "float32")
@@ -110,6 +110,26 @@ def check_dtypes(dtypes: Any) -> tuple[str, ...]:
                      "dtypes=('bfloat16', 'float32').")
   return tuple(sorted(set(names), key=lambda d: (numerics.DTYPE_BYTES[d],
                                                  numerics.DTYPES.index(d))))
+
+
+def check_arguments(axes: Any, dtypes: Any, chip: Any, target: Any) -> None:
+  """Checks ``search_policy``'s ``axes``, ``dtypes`` and ``chip``.
+
+  Raises:
+    ValueError: a bad value (naming it and the choices); ``dtypes`` or
+      ``chip`` without the dtype axis; a chip of another target.
+  """
+  axes = check_axes(axes)
+  check_dtypes(dtypes)
+  if "dtype" not in axes and (dtypes is not None or chip is not None):
+    raise ValueError(f"dtypes= and chip= apply to the dtype axis; got axes="
+                     f"{axes!r}: pass axes=('precision', 'dtype') or "
+                     f"('dtype',).")
+  if chip is not None:
+    spec = chips_lib.check_chip(chip)
+    if target in DEFAULT_CHIPS and spec.target != target:
+      raise ValueError(f"chip {spec.name!r} is a {spec.target} chip; the "
+                       f"target is {target!r}.")
 
 
 # ---------------------------------------------------------------------------
