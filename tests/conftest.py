@@ -1,9 +1,34 @@
-"""Shared fixtures: every test leaves JAX's global precision state as it found it."""
+"""Shared fixtures: every test leaves JAX's global precision state as it found it.
+
+The suite runs in parallel (pytest-xdist, ``-n auto --dist loadfile`` in the
+README's command): every worker has its own temporary directories (tmp_path,
+the session's ``JAXPREC_CACHE_DIR``), and no test writes into the repository.
+"""
 
 import os
 
 import jax
 import pytest
+
+# Workers ``-n auto`` starts at most: each imports JAX, Flax, PyTorch and
+# transformers (a few hundred MB), and the slowest test file bounds the run.
+MAX_AUTO_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+  """``-n auto``: one worker per CPU this process may run on (logical CPUs,
+  cgroup affinity respected; psutil's default counts physical cores, which is
+  1 on a 2-vCPU cloud machine), at most ``MAX_AUTO_WORKERS``;
+  ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it."""
+  del config
+  env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+  if env:
+    return int(env)
+  try:
+    cpus = len(os.sched_getaffinity(0))
+  except AttributeError:  # macOS, Windows
+    cpus = os.cpu_count() or 1
+  return max(1, min(cpus, MAX_AUTO_WORKERS))
 
 
 @pytest.fixture(autouse=True, scope="session")

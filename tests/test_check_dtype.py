@@ -13,7 +13,8 @@ import pytest
 import jaxprec
 from jaxprec._src import harness
 from jaxprec._src import metric_stats
-from tests.models import tiny_bert
+
+import models
 
 ROWS = ("default=dtype:bfloat16",
         "default=dtype:bfloat16,.*LayerNorm.*=dtype:float32",
@@ -22,8 +23,8 @@ ROWS = ("default=dtype:bfloat16",
 
 @pytest.fixture(scope="module")
 def berts():
-  m32, params, ids = tiny_bert(jnp.float32)
-  m16, params16, _ = tiny_bert(jnp.bfloat16)
+  m32, params, ids = models.tiny_bert(jnp.float32)
+  m16, params16, _ = models.tiny_bert(jnp.bfloat16)
   jax.tree.map(np.testing.assert_array_equal, params, params16)  # same weights
 
   def fn(model):

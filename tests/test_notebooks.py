@@ -18,8 +18,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-CELL_TIMEOUT_S = 120      # one cell
-NOTEBOOK_BUDGET_S = 120   # a whole notebook, kernel start included (CI has 2 cores)
+CELL_TIMEOUT_S = 120      # one cell (wall clock)
+# A whole notebook, kernel start included, in CPU seconds of its kernel: what
+# the notebook costs on CI's 2 cores whatever else runs there (the suite runs
+# in parallel, pytest-xdist, so wall-clock time depends on the other worker).
+NOTEBOOK_BUDGET_S = 120
 TEST_EXTRA = 'pip install -e ".[test]"'
 
 nbformat = pytest.importorskip(
@@ -85,14 +88,26 @@ def test_notebook_runs(path, tmp_path):
   nbclient = pytest.importorskip(
       "nbclient", reason=f"nbclient is part of the test extra: {TEST_EXTRA}")
   pytest.importorskip("ipykernel", reason=f"ipykernel is part of the test extra: {TEST_EXTRA}")
+  psutil = pytest.importorskip("psutil", reason=f"psutil comes with ipykernel: {TEST_EXTRA}")
   nb = nbformat.read(path, as_version=4)
   # The kernel inherits this environment: start it at the backend default, as a
   # fresh user would, whatever the CI machine sets.
   env = {k: v for k, v in os.environ.items() if k != "JAX_DEFAULT_MATMUL_PRECISION"}
   env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+  km = _kernel_manager(tmp_path)
+  kernel, cpu = [], [0.0]
+
+  def on_notebook_start(**_):
+    kernel.append(psutil.Process(km.provisioner.pid))
+
+  def on_cell_executed(**_):  # the kernel is still running; after the last cell it is gone
+    t = kernel[0].cpu_times()
+    cpu[0] = t.user + t.system + t.children_user + t.children_system
+
   client = nbclient.NotebookClient(
-      nb, km=_kernel_manager(tmp_path), timeout=CELL_TIMEOUT_S,
-      resources={"metadata": {"path": str(path.parent)}})
+      nb, km=km, timeout=CELL_TIMEOUT_S,
+      resources={"metadata": {"path": str(path.parent)}},
+      on_notebook_start=on_notebook_start, on_cell_executed=on_cell_executed)
   start = time.perf_counter()
   try:
     client.execute(env=env)
@@ -108,7 +123,8 @@ def test_notebook_runs(path, tmp_path):
   # The committed file is untouched: execution happened on the copy in memory.
   assert not any(c.get("outputs") for c in nbformat.read(path, as_version=4).cells
                  if c.cell_type == "code")
-  assert elapsed < NOTEBOOK_BUDGET_S, (
-      f"{path.name} took {elapsed:.0f} s; notebooks must run in CI in under "
-      f"{NOTEBOOK_BUDGET_S} s on 2 cores")
-  print(f"{path.name}: executed in {elapsed:.1f} s")
+  assert kernel and cpu[0] > 0, "the kernel's CPU time was not measured"
+  assert cpu[0] < NOTEBOOK_BUDGET_S, (
+      f"{path.name} took {cpu[0]:.0f} s of CPU ({elapsed:.0f} s wall); notebooks "
+      f"must run in CI in under {NOTEBOOK_BUDGET_S} s on 2 cores")
+  print(f"{path.name}: executed in {elapsed:.1f} s ({cpu[0]:.1f} s of CPU)")

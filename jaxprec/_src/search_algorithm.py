@@ -170,11 +170,11 @@ class Search:
   def __init__(self, *, runner: Any, table: CostTable,
                cands: list[Candidate], metric: str, tolerance: float,
                budget: int, verbose: bool,
-               float32_policy: Policy = Policy(default="float32")):
+               float32_policy: Policy | None = None):
     self.runner, self.cands = runner, cands
     self.units = table.units
     self.reach = table.reach
-    self.float32_policy = float32_policy
+    self.float32_policy = float32_policy or Policy(default="float32")
     self.unit_costs = table.unit_costs  # (units, candidates)
     self.fixed_cost, self.float32_cost = table.fixed_cost, table.float32_cost
     self.metric, self.tolerance, self.budget = metric, tolerance, budget
