@@ -83,9 +83,17 @@ _F32 = np.dtype(np.float32)
 _HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 
+def _np_dtype(dtype: Any) -> np.dtype | None:
+  """``dtype`` as a NumPy dtype; None for JAX's extended dtypes (PRNG keys)."""
+  try:
+    return np.dtype(dtype)
+  except TypeError:
+    return None
+
+
 def _low(x: Any) -> str | None:
   """The rounding format of ``x``'s dtype when it is bfloat16/float16."""
-  return LOW_DTYPES.get(np.dtype(getattr(x, "dtype", np.float32)))
+  return LOW_DTYPES.get(_np_dtype(getattr(x, "dtype", np.float32)))
 
 
 def _out_dtypes(eqn) -> list[np.dtype] | None:
@@ -93,7 +101,8 @@ def _out_dtypes(eqn) -> list[np.dtype] | None:
   avals = [v.aval for v in eqn.outvars]
   if any(getattr(a, "weak_type", False) for a in avals):
     return None
-  return [np.dtype(a.dtype) for a in avals]
+  dtypes = [_np_dtype(a.dtype) for a in avals]
+  return None if any(d is None for d in dtypes) else dtypes
 
 
 def _widen(x: Any) -> Any:
