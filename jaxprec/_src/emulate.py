@@ -153,7 +153,10 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
       called by ``fn`` their own precisions (as :func:`jaxprec.swap`), and
       other ops the precision its rules give ops of their kind outside any
       module (path ``''``), else its default.
-    target: ``'tpu'``, ``'gpu'``, or ``'cpu'``/``'native'`` for no emulation.
+    target: ``'tpu'``, ``'gpu'``, or ``'cpu'``/``'native'`` for no emulation:
+      then ``fn`` runs natively with the precision (or the policy's
+      precisions and compute dtypes) applied as :func:`jaxprec.swap` applies
+      them, so on a TPU or GPU it computes what was asked.
     **options: passed to the emulated ops: ``tf32_rounding`` (``'nearest'``,
       ``'nearest_away'`` or ``'truncate'``).
 
@@ -187,7 +190,11 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
   else:
     dot_fixed = conv_fixed = None if precision is None else resolve(precision)
   if target in ("cpu", "native"):
-    return fn
+    if policy is None and precision is None:
+      return fn
+    # Nothing emulated, but what was asked still applies: precisions as JAX's
+    # flags (a TPU or GPU runs them), compute dtypes as the modules' own.
+    return _native(fn, policy or policy_lib.Policy(default=resolve(precision)))
   cache: dict[Any, Any] = {}
   warned: set[str] = set()
   recorder = None if policy is None else flax_scope.Recorder(policy)
@@ -227,6 +234,26 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
   if recorder is not None:
     emulated._jaxprec_recorder = recorder  # for jaxprec.policy_report
   return emulated  # type: ignore[return-value]
+
+
+def _native(fn: Callable[..., Any], policy: policy_lib.Policy
+            ) -> Callable[..., Any]:
+  """``fn`` run natively under ``policy``: its precisions as JAX's flags (per
+  module, as :func:`jaxprec.swap`), its compute dtypes, nothing emulated."""
+  recorder = flax_scope.Recorder(policy)
+  what = getattr(fn, "__qualname__", type(fn).__name__)
+  bound = nnx_policy.bind(fn, policy, recorder)
+  outside = policy.precision_for("", None, "dot")
+
+  @functools.wraps(fn)
+  def native(*args, **kwargs):
+    flag = (contextlib.nullcontext() if outside is None
+            else jax.default_matmul_precision(numerics.flag_for(outside, "dot")))
+    with flag, flax_scope.policy_scope(policy, recorder, what=what):
+      return bound(*args, **kwargs)
+
+  native._jaxprec_recorder = recorder  # for jaxprec.policy_report
+  return native
 
 
 _OPTIONS = ("tf32_rounding",)
