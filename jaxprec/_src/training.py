@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 from jaxprec._src import compat
 from jaxprec._src import harness
 from jaxprec._src import numerics
+from jaxprec._src import policy as policy_lib
 from jaxprec._src import report as report_lib
 from jaxprec._src.precision import PrecisionLike
 from jaxprec._src.report import TrainingReport
@@ -117,7 +119,9 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
     precisions: the precisions to train at.
     steps: number of steps (default: ``len(batches)``).
     reference: the reference precision (default ``'float32'``, exact where the
-      backend has it; float64 is not supported here).
+      backend has it; float64 is not supported here). A model that computes
+      in bfloat16 or float16 (Flax ``dtype=``, a policy's ``dtype:``) trains
+      its float32 reference with every module at float32: the float32 model.
     target, mode: as in :func:`jaxprec.check`.
     threshold: the relative loss difference from the reference that counts
       as divergence (default 0.1, i.e. 10%; see :func:`divergence_step`).
@@ -167,6 +171,13 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
   if not batch_list:
     raise ValueError("no training steps: give at least one batch")
   n_steps = len(batch_list)
+  if ref_plan.precision.name in ("float32", "F32_F32_F32") and \
+      harness.has_dtype_decisions(loss_fn, harness.Args(
+          (params, batch_list[0]), {}, who="jaxprec.check_training")):
+    # A bfloat16 model trains against the float32 model, as check compares.
+    ref_plan = dataclasses.replace(
+        ref_plan, dtypes=policy_lib.reference_policy("float32"),
+        description=f"{ref_plan.description}, modules at float32")
   run_fns = [ref_plan.wrap(loss_fn)] + [p.wrap(loss_fn) for p in plans]
 
   def step(states, batch):
