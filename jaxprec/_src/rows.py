@@ -11,7 +11,6 @@ dtype (:func:`with_dtypes`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -87,7 +86,8 @@ class Plan:
     if self.emulate_target is not None:
       return emulate(fn, self.precision, target=self.emulate_target)
     if isinstance(self.precision, Policy):
-      return _native_policy(fn, self.precision)
+      # Natively: the policy's precisions as JAX's flags, per module.
+      return emulate(fn, self.precision, target="native")
     flag = self.precision.flag
 
     @functools.wraps(fn)
@@ -95,19 +95,6 @@ class Plan:
       with jax.default_matmul_precision(flag):
         return fn(*args, **kwargs)
     return native
-
-
-def _native_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
-  """``fn`` run natively under ``policy`` (as :func:`jaxprec.swap` runs models)."""
-  outside = policy.precision_for("", None, "dot")
-
-  @functools.wraps(fn)
-  def run(*args, **kwargs):
-    flag = (contextlib.nullcontext() if outside is None
-            else jax.default_matmul_precision(outside.flag))
-    with flag, flax_scope.policy_scope(policy):
-      return fn(*args, **kwargs)
-  return run
 
 
 def with_dtypes(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
