@@ -2,10 +2,12 @@
 
 The suite runs in parallel (pytest-xdist, ``-n auto --dist loadfile`` in the
 README's command): every worker has its own temporary directories (tmp_path,
-the session's ``JAXPREC_CACHE_DIR``), and no test writes into the repository.
+``JAXPREC_CACHE_DIR``), and no test writes into the repository.
 """
 
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -31,17 +33,28 @@ def pytest_xdist_auto_num_workers(config):
   return max(1, min(cpus, MAX_AUTO_WORKERS))
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _private_cache_dir(tmp_path_factory):
+_CACHE_DIR = pytest.StashKey[tuple]()
+
+
+def pytest_configure(config):
   """jaxprec's caches (kernel benchmark, compiled programs) go to a temporary
-  directory, never to the user's ~/.cache; subprocesses inherit it."""
-  before = os.environ.get("JAXPREC_CACHE_DIR")
-  os.environ["JAXPREC_CACHE_DIR"] = str(tmp_path_factory.mktemp("jaxprec-cache"))
-  yield
+  directory of this process (each xdist worker has its own), never to the
+  user's ~/.cache: for the tests and for ``jaxprec``'s doctests (which this
+  conftest's fixtures do not reach); subprocesses inherit it."""
+  path = tempfile.mkdtemp(prefix="jaxprec-cache-")
+  config.stash[_CACHE_DIR] = (path, os.environ.get("JAXPREC_CACHE_DIR"))
+  os.environ["JAXPREC_CACHE_DIR"] = path
+
+
+def pytest_unconfigure(config):
+  if _CACHE_DIR not in config.stash:
+    return
+  path, before = config.stash[_CACHE_DIR]
   if before is None:
     os.environ.pop("JAXPREC_CACHE_DIR", None)
   else:
     os.environ["JAXPREC_CACHE_DIR"] = before
+  shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

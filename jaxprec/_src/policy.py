@@ -39,6 +39,7 @@ from typing import Any, Union
 from jaxprec._src import numerics
 from jaxprec._src.policy_text import (MODULE_TYPES, OP_KINDS, TYPE_ALIASES,
                                       canonical_op, canonical_type,
+                                      check_item_typo,
                                       compile_path, format_path, format_value,
                                       parse_selector, parse_value, scan, split,
                                       to_dtype, to_precision, unescape)
@@ -344,7 +345,7 @@ class Policy:
     Raises:
       ValueError: naming the bad entry: no ``=``, an empty part, an unknown
         precision, dtype, type or kind, an invalid regex, two defaults, two
-        precisions or two dtypes in one value.
+        precisions or two dtypes in one value, ``x=dtype=bf16`` (for ``:``).
 
     Examples:
       >>> import jaxprec
@@ -385,6 +386,7 @@ class Policy:
             f"'.*attention.*=float32', '.*LayerNorm.*=dtype:float32'); "
             f"entries are separated by ','.")
       selector, value = entry[:eqs[-1]], entry[eqs[-1] + 1:]
+      check_item_typo(selector, value, stripped)
       if selector.strip() == "default":
         if default is not None:
           raise ValueError(f"Invalid policy {text!r}: two 'default' entries.")

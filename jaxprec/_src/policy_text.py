@@ -19,7 +19,8 @@ from jaxprec._src import numerics
 from jaxprec._src.precision import Precision, resolve
 
 __all__ = ["MODULE_TYPES", "OP_KINDS", "TYPE_ALIASES", "canonical_op",
-           "canonical_type", "compile_path", "format_path", "format_value",
+           "canonical_type", "check_item_typo", "compile_path", "format_path",
+           "format_value",
            "parse_selector", "parse_value", "scan", "split", "to_dtype",
            "to_precision", "unescape", "unknown"]
 
@@ -37,6 +38,8 @@ _PREFIXES = ("op:", "type:", "path:")
 _RESERVED = frozenset(("default", *OP_KINDS, *MODULE_TYPES, *TYPE_ALIASES))
 # The prefixes of a value's items (a bare item is a precision).
 _ITEM_PREFIXES = ("dtype:", "precision:")
+# A selector that ends so reads as a value item typo (check_item_typo).
+_ITEM_TYPO = re.compile(r"=\s*(dtype|precision)\s*$", re.IGNORECASE)
 
 
 def _choices(values: Sequence[str]) -> str:
@@ -192,7 +195,7 @@ def format_path(regex: str) -> str:
     escaped[i] = "\\" + regex[i]
   text = "".join(escaped)
   if (text in _RESERVED or text.startswith(_PREFIXES) or text != text.strip()
-      or not text):
+      or not text or _ITEM_TYPO.search(text)):
     text = "path:" + text
   return text
 
@@ -255,6 +258,20 @@ def parse_value(value: str, entry: str) -> tuple[Precision | None, str | None]:
       raise ValueError(f"{where}: two precisions.")
     precision = _item_precision(item, where)
   return precision, dtype
+
+
+def check_item_typo(selector: str, value: str, entry: str) -> None:
+  """ValueError for ``X=dtype=NAME`` (or ``X=precision=NAME``): a value item
+  written with ``=`` instead of ``:``, which would read as a path ``X=dtype``."""
+  head, sep, tail = selector.rpartition("=")
+  if split(selector, "&")[-1].strip().startswith("path:"):
+    return  # explicit: a regex that ends with "=dtype" (format_path writes it)
+  if sep and tail.strip().lower() in ("dtype", "precision"):
+    item = f"{tail.strip().lower()}:{value.strip()}"
+    raise ValueError(
+        f"Invalid policy entry {entry!r}: a value item is written "
+        f"'{tail.strip().lower()}:NAME', with ':'. Did you mean "
+        f"'{head.strip()}={item}'?")
 
 
 def _item_precision(item: str, where: str) -> Precision:

@@ -36,7 +36,9 @@ MIN_GAIN = 0.01
 
 def _power(metric: str, m: metrics_lib.LayerMetrics) -> float:
   v = float(getattr(m, metric))
-  if math.isnan(v):
+  # The metrics skip non-finite elements; NaN or inf where the reference has
+  # none (an overflow in float16 or bfloat16) fails any tolerance.
+  if math.isnan(v) or math.isinf(m.required_atol):
     return math.inf
   if metric == "cosine":
     return max(0.0, 1.0 - v)
@@ -401,7 +403,9 @@ class Search:
       trial = self.evaluate(self.lowered(base.levels, left_units, t),
                             f"measure {_paths(len(left_units))} at {name}")
       left_sens = self.sensitivity(trial, base)
-      right_sens = np.maximum(node.sens - left_sens, 0.0)
+      with np.errstate(invalid="ignore"):  # inf - inf: an overflow in both
+        right_sens = np.maximum(node.sens - left_sens, 0.0)
+      right_sens = np.where(np.isnan(right_sens), np.inf, right_sens)
       d_left = self.density(_Node((), left_sens, True), room)
       d_right = self.density(_Node((), right_sens, False), room)
       concentrated = min(d_left, d_right) <= 0.1 * max(d_left, d_right)

@@ -117,10 +117,11 @@ def check_arguments(axes: Any, dtypes: Any, chip: Any, target: Any) -> None:
 
   Raises:
     ValueError: a bad value (naming it and the choices); ``dtypes`` or
-      ``chip`` without the dtype axis; a chip of another target.
+      ``chip`` without the dtype axis; a chip of another target; a narrow
+      dtype the chip (or the target's default chip) has no peak figure for.
   """
   axes = check_axes(axes)
-  check_dtypes(dtypes)
+  names = check_dtypes(dtypes)
   if "dtype" not in axes and (dtypes is not None or chip is not None):
     raise ValueError(f"dtypes= and chip= apply to the dtype axis; got axes="
                      f"{axes!r}: pass axes=('precision', 'dtype') or "
@@ -130,6 +131,15 @@ def check_arguments(axes: Any, dtypes: Any, chip: Any, target: Any) -> None:
     if target in DEFAULT_CHIPS and spec.target != target:
       raise ValueError(f"chip {spec.name!r} is a {spec.target} chip; the "
                        f"target is {target!r}.")
+  if "dtype" in axes and (chip is not None or target in DEFAULT_CHIPS):
+    spec = chips_lib.check_chip(chip or DEFAULT_CHIPS[target])
+    ok = [d for d in numerics.DTYPES if d == "float32" or d in spec.peak]
+    for d in names:  # a narrow dtype's matmuls run natively in it
+      if d not in ok:
+        raise ValueError(
+            f"dtype {d!r} has no peak figure on {spec.name}, so its matmuls "
+            f"cannot be costed; choose dtypes from "
+            f"{', '.join(map(repr, ok))}, or a chip that has it (a gpu one).")
 
 
 # ---------------------------------------------------------------------------

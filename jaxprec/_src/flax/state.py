@@ -30,6 +30,7 @@ class Recorder:
     self._lock = threading.Lock()
     self._counts: dict[tuple, int] = {}
     self._warned: set[Rule] = set()
+    self._idle_warned = False  # the default dtype reached no module
 
   def record(self, path: str, module_type: str | None, op: str,
              precision: Precision | None, rule: Rule | None, *,
@@ -53,10 +54,24 @@ class Recorder:
                     dtype_rule=k[8], calls=n) for k, n in items))
 
   def warn_unused(self, what: str = "the model", stacklevel: int = 3) -> None:
-    unused = self.report().unused_rules
+    report = self.report()
+    unused = report.unused_rules
+    dtype = self.policy.default_dtype
+    idle = dtype is not None and not any(
+        m.dtype_how in ("field", "boundary") for m in report.matches)
     with self._lock:
       new = [r for r in unused if r not in self._warned]
       self._warned.update(new)
+      idle, self._idle_warned = idle and not self._idle_warned, (
+          self._idle_warned or idle)
+    if idle:  # e.g. a plain JAX function: no module to give the dtype
+      warnings.warn(
+          f"jaxprec policy default dtype {dtype!r} decided the dtype of "
+          f"nothing in {what}: compute dtypes are decided per Flax module "
+          f"(linen or Hugging Face modules it calls, or the NNX module "
+          f"given as the function itself, with a dtype attribute), and none "
+          f"ran; cast the inputs or write the dtype into the code instead.",
+          UnusedRuleWarning, stacklevel=stacklevel)
     if new:
       warnings.warn(
           f"jaxprec policy rules that decided the precision or dtype of nothing in "
