@@ -13,7 +13,7 @@ import pytest
 
 import jaxprec
 
-# --------------------------------------------------------------------------- grammar
+# ---------------------------------------------------------------- grammar
 
 
 @pytest.mark.parametrize("text, meant", [
@@ -41,7 +41,7 @@ def test_other_regexes_with_equals_plus_and_colon_are_paths():
   assert jaxprec.Policy.parse(str(p)) == p
 
 
-# --------------------------------------------------------------------------- default dtype
+# ---------------------------------------------------------------- default dtype
 
 
 class _Model(nn.Module):
@@ -75,7 +75,7 @@ def test_a_default_dtype_that_reaches_a_module_does_not_warn():
   assert out.dtype == jnp.bfloat16 and not _unused(record)
 
 
-# --------------------------------------------------------------------------- search
+# ---------------------------------------------------------------- search
 
 
 class _Scale(nn.Module):
