@@ -122,8 +122,9 @@ def test_a_float32_model_checks_as_before():
   assert r.numerics["(reference)"] == "f32 (native cpu)"
   call = harness.Args((w, x), {}, who="test")
   assert not harness.has_dtype_decisions(mlp, call)
-  assert harness.has_dtype_decisions(
-      lambda w, x: mlp(w.astype(jnp.bfloat16), x), call)
+  # Narrow, but in no module jaxprec can set: nothing to undo.
+  assert harness.narrow_compute(
+      lambda w, x: mlp(w.astype(jnp.bfloat16), x), call) == (True, False, True)
 
 
 def test_reference_of_a_bfloat16_nnx_model_is_the_float32_model():
@@ -155,3 +156,23 @@ def test_reference_of_a_bfloat16_nnx_model_is_the_float32_model():
   np.testing.assert_allclose(r.metric("rel_rms", "default=dtype:bfloat16"),
                              [_rel_rms(got[k], want[k]) for k in ("h", "out")],
                              rtol=1e-4)
+
+
+def test_narrow_casts_outside_modules_are_said_out_loud():
+  # A plain function that casts to bfloat16 itself: no module to set, so the
+  # reference keeps the casts, and says so instead of "modules at float32".
+  def own_casts(w, x):
+    return (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
+
+  w = jax.random.normal(jax.random.key(0), (8, 4))
+  x = jax.random.normal(jax.random.key(1), (2, 8))
+  call = harness.Args((w, x), {}, who="test")
+  assert harness.narrow_compute(own_casts, call) == (True, False, True)
+  assert not harness.has_dtype_decisions(own_casts, call)
+  r = jaxprec.check(own_casts, w, x, precisions=["bfloat16"], mode="emulate")
+  ref = r.numerics["(reference)"]
+  assert "modules at float32" not in ref
+  assert "outside any module" in ref and "kept" in ref
+  r64 = jaxprec.check(own_casts, w, x, precisions=["bfloat16"],
+                      reference="float64", mode="emulate")
+  assert "outside any module" in r64.numerics["(reference)"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,7 +38,8 @@ from jaxprec._src import policy as policy_lib
 from jaxprec._src import reference as reference_lib
 from jaxprec._src import trees
 from jaxprec._src.flax import nnx_policy
-from jaxprec._src.policy import Policy
+from jaxprec._src.flax import scope as flax_scope
+from jaxprec._src.policy import Policy, UnusedRuleWarning
 from jaxprec._src.rows import (  # noqa: F401 -- re-exported for the clients
   DEFAULT_PRECISIONS,
   FLOAT64_NAMES,
@@ -130,15 +132,28 @@ def signature(dynamic: Sequence[Any]) -> tuple:
 
 
 def has_dtype_decisions(fn, call: Args, cache: dict | None = None) -> bool:
-  """Whether ``fn`` computes in a narrow float (a model with dtype decisions).
+  """Whether ``fn`` computes in a narrow float in modules jaxprec can set.
 
   True when its program casts to bfloat16 or float16, or runs a matmul or
-  convolution on them: a model built with ``dtype=jnp.bfloat16`` (Flax,
-  Hugging Face) or a policy's ``dtype:``. A float32 or float64 reference of
-  such a model runs every module at the reference dtype
-  (:func:`jaxprec._src.policy.reference_policy`), so that a bfloat16 model is
-  compared with the float32 model. One trace per function and signature
-  (cached); a float32 model's reference is computed as before, unchanged.
+  convolution on them (a model built with ``dtype=jnp.bfloat16`` (Flax,
+  Hugging Face) or a policy's ``dtype:``), and the reference dtype policy
+  (:func:`jaxprec._src.policy.reference_policy`) reaches at least one of its
+  modules. A float32 or float64 reference of such a model runs every module
+  at the reference dtype, so that a bfloat16 model is compared with the
+  float32 model. A float32 model's reference is computed as before.
+  """
+  return narrow_compute(fn, call, cache)[1]
+
+
+def narrow_compute(fn, call: Args, cache: dict | None = None
+                   ) -> tuple[bool, bool, bool]:
+  """``(narrow, undoable, narrow_after)`` for ``fn`` at ``call``'s signature.
+
+  ``narrow``: its program computes in bfloat16 or float16; ``undoable``: the
+  float32 reference policy reaches one of its modules (a ``dtype`` field set
+  or a boundary cast); ``narrow_after``: under that policy it still computes
+  narrow (its own casts outside any module it can set). Two traces at most,
+  once per function and signature (cached).
   """
   static = call.static
 
@@ -146,9 +161,20 @@ def has_dtype_decisions(fn, call: Args, cache: dict | None = None) -> bool:
     run = nnx_policy.bind(fn_ref(), None)  # an NNX model: a clone runs
     closed = jax.make_jaxpr(lambda dynamic: static.call(run, dynamic))(
         call.dynamic)
-    return computes_narrow(closed)
+    if not computes_narrow(closed):
+      return False, False, False
+    undo = policy_lib.reference_policy("float32")
+    recorder = flax_scope.Recorder(undo)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", UnusedRuleWarning)
+      bound = nnx_policy.bind(fn_ref(), undo, recorder)
+      with flax_scope.policy_scope(undo, recorder):
+        after = jax.make_jaxpr(lambda dynamic: static.call(bound, dynamic))(
+            call.dynamic)
+    reached = any(m.dtype_how in ("field", "boundary")
+                  for m in recorder.report().matches)
+    return True, reached, computes_narrow(after) if reached else True
   return _program(fn, ("narrow", call.key), make, cache)
-
 
 
 # ---------------------------------------------------------------------------
@@ -354,13 +380,22 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
                      f"{reference_lib.SUPPORTED}.") from None
   x64 = ref_plan is None
   undo = None
-  if (x64 or (not isinstance(ref_plan.precision, Policy) and ref_plan.precision.name
-              in ("float32", "F32_F32_F32"))) and has_dtype_decisions(fn, call, cache):
-    undo = policy_lib.reference_policy("float64" if x64 else "float32")
-    if not x64:
+  note = ""
+  if x64 or (not isinstance(ref_plan.precision, Policy) and ref_plan.precision.name
+             in ("float32", "F32_F32_F32")):
+    narrow, undoable, narrow_after = narrow_compute(fn, call, cache)
+    if narrow_after:  # said out loud: what the reference cannot undo
+      note = ("; it computes in bfloat16/float16 outside any module jaxprec "
+              "can set (its own casts are kept)")
+    if undoable:
+      undo = policy_lib.reference_policy("float64" if x64 else "float32")
+    if undoable and not x64:
       ref_plan = dataclasses.replace(
           ref_plan, dtypes=undo,
-          description=f"{ref_plan.description}, modules at float32")
+          description=f"{ref_plan.description}, modules at float32{note}")
+    elif not x64:
+      ref_plan = dataclasses.replace(
+          ref_plan, description=f"{ref_plan.description}{note}")
   prog = _reference_program(fn, call, ref_plan, select, cache, dtypes=undo)
   with (jax.enable_x64(True) if x64 else contextlib.nullcontext()):
     hi, lo, stats, layers = prog(call.dynamic)
@@ -371,6 +406,8 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
   desc = "float64 (native, x64)" if x64 else ref_plan.description
   if x64 and undo is not None:
     desc += ", modules at float64"
+  if x64:
+    desc += note
   return Reference([n for n, _, _ in info], [s for _, s, _ in info],
                    [d for _, _, d in info], _layout(info), hi, lo, stats,
                    description=desc, name=name)
