@@ -17,6 +17,7 @@ import pytest
 MAX_AUTO_WORKERS = 8
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, if installed
 def pytest_xdist_auto_num_workers(config):
   """``-n auto``: one worker per CPU this process may run on (logical CPUs,
   cgroup affinity respected; psutil's default counts physical cores, which is
@@ -44,9 +45,33 @@ def pytest_configure(config):
   path = tempfile.mkdtemp(prefix="jaxprec-cache-")
   config.stash[_CACHE_DIR] = (path, os.environ.get("JAXPREC_CACHE_DIR"))
   os.environ["JAXPREC_CACHE_DIR"] = path
+  _share_compiled_programs(config)
+
+
+_XLA_CACHE_ENV = "JAXPREC_TESTS_XLA_CACHE"
+_XLA_CACHE = pytest.StashKey[str]()
+
+
+def _share_compiled_programs(config):
+  """JAX's persistent compilation cache, in one temporary directory for this
+  run (shared by the xdist workers, removed at the end): tests that compile
+  the same program (a tiny BERT checked at the same rows, say) compile it
+  once. In this process only, never through the environment JAX reads, so
+  the command-line tests' subprocesses still compile cold. jaxprec's own
+  cache (``cache=``, the CLI) switches directory and restores this one."""
+  path = os.environ.get(_XLA_CACHE_ENV)
+  if path is None:  # the controller (or a run without xdist) owns it
+    path = tempfile.mkdtemp(prefix="jaxprec-tests-xla-")
+    os.environ[_XLA_CACHE_ENV] = path
+    config.stash[_XLA_CACHE] = path
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 def pytest_unconfigure(config):
+  if _XLA_CACHE in config.stash:
+    os.environ.pop(_XLA_CACHE_ENV, None)
+    shutil.rmtree(config.stash[_XLA_CACHE], ignore_errors=True)
   if _CACHE_DIR not in config.stash:
     return
   path, before = config.stash[_CACHE_DIR]
