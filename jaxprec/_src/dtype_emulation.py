@@ -165,27 +165,35 @@ def rewrite(eqn, invals: Sequence[Any], *, target: str,
   return [round_result(y, d) for y, d in zip(res, outs)]
 
 
-def _dot(eqn, invals, target: str, options: dict) -> list[Any] | None:
+def _narrow_operands(eqn, invals) -> tuple[str, np.dtype] | None:
+  """``(format, result dtype)`` of a dot or conv on two operands of one narrow
+  format with a narrow or float32 result; None for anything else."""
   lhs, rhs = invals
   fmt = _low(lhs)
   outs = _out_dtypes(eqn)
   if fmt is None or _low(rhs) != fmt or not outs or (
       outs[0] not in LOW_DTYPES and outs[0] != _F32):
     return None
+  return fmt, outs[0]
+
+
+def _dot(eqn, invals, target: str, options: dict) -> list[Any] | None:
+  found = _narrow_operands(eqn, invals)
+  if found is None:
+    return None
+  (fmt, out), (lhs, rhs) = found, invals
   acc = emulated_ops.emulated_dot_general(
       _widen(lhs), _widen(rhs), eqn.params["dimension_numbers"],
       precision=DOT_PRESETS[fmt], preferred_element_type=_F32,
       target=target, **options)
-  return [acc if outs[0] == _F32 else round_result(acc, outs[0])]
+  return [acc if out == _F32 else round_result(acc, out)]
 
 
 def _conv(eqn, invals) -> list[Any] | None:
-  lhs, rhs = invals
-  fmt = _low(lhs)
-  outs = _out_dtypes(eqn)
-  if fmt is None or _low(rhs) != fmt or not outs or (
-      outs[0] not in LOW_DTYPES and outs[0] != _F32):
+  found = _narrow_operands(eqn, invals)
+  if found is None:
     return None
+  (_, out), (lhs, rhs) = found, invals
   params = dict(eqn.params, precision=_HIGHEST, preferred_element_type=_F32)
   acc = eqn.primitive.bind(_widen(lhs), _widen(rhs), **params)
-  return [acc if outs[0] == _F32 else round_result(acc, outs[0])]
+  return [acc if out == _F32 else round_result(acc, out)]
