@@ -176,3 +176,15 @@ def test_narrow_casts_outside_modules_are_said_out_loud():
   r64 = jaxprec.check(own_casts, w, x, precisions=["bfloat16"],
                       reference="float64", mode="emulate")
   assert "outside any module" in r64.numerics["(reference)"]
+
+
+def test_narrow_answer_is_not_reused_across_input_dtypes():
+  # One function, float32 then bfloat16 arguments: the cached answer for the
+  # first must not stand for the second (a stale reference otherwise).
+  def square(a):
+    return a @ a
+
+  a = jnp.eye(4)
+  assert harness.narrow_compute(square, harness.Args((a,), {}, who="t"))[0] is False
+  assert harness.narrow_compute(
+      square, harness.Args((a.astype(jnp.bfloat16),), {}, who="t"))[0] is True

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprec._src import compat
 from jaxprec._src import layers as layers_lib
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import policy as policy_lib
@@ -174,7 +175,11 @@ def narrow_compute(fn, call: Args, cache: dict | None = None
     reached = any(m.dtype_how in ("field", "boundary")
                   for m in recorder.report().matches)
     return True, reached, computes_narrow(after) if reached else True
-  return _program(fn, ("narrow", call.key), make, cache)
+  # Keyed on the arguments' shapes and dtypes and on what jax.jit keys on
+  # (x64, a policy in force, ...): a bfloat16 input may make ``fn`` narrow.
+  key = None if call.key is None else (
+      "narrow", call.key, signature(call.dynamic), compat.trace_context())
+  return _program(fn, key, make, cache)
 
 
 # ---------------------------------------------------------------------------
