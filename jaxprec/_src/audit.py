@@ -356,9 +356,15 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
 # Rows.
 
 
-def _rows(closed, module_paths: dict[str, list[str]] | None = None,
-          opaque: list[OpaqueRow] | None = None) -> Iterator[AuditRow]:
-  """The rows of ``closed``; opaque ops are appended to ``opaque``."""
+def walk_modules(closed, module_paths: dict[str, list[str]] | None = None
+                 ) -> Iterator[tuple[walker.WalkedEqn, str, str]]:
+  """``(walked equation, name stack, module path)`` of every equation of ``closed``.
+
+  ``module_paths`` is what :func:`jaxprec._src.flax.paths.record` found
+  while ``closed`` was traced. The one place that gives an equation its
+  module path: the audit's rows and the search's switched program
+  (:mod:`jaxprec._src.switch`) both read it.
+  """
   # Name stacks are relative to the enclosing jaxpr; ``prefix[d]`` is the path
   # of the body at depth d. iter_eqns yields a parent right before its bodies,
   # depth first, so the last parent seen at depth d - 1 encloses depth d.
@@ -366,11 +372,9 @@ def _rows(closed, module_paths: dict[str, list[str]] | None = None,
   # whose stacks match no module call belongs to its parent's module.
   prefix: dict[int, str] = {0: ""}
   module_prefix: dict[int, str] = {0: ""}
-  storage = audit_dtypes.Storage()
   for w in walker.iter_eqns(closed):
     eqn = w.eqn
     depth = len(w.scope)
-    storage.visit(eqn, depth)
     relative = compat.eqn_name_stack(eqn)
     path = _join(prefix.get(depth, ""), relative)
     module = flax_paths.lookup(relative, module_paths or {},
@@ -382,6 +386,16 @@ def _rows(closed, module_paths: dict[str, list[str]] | None = None,
       prefix[depth + 1] = _join(path, f"jit({eqn.params.get('name', '')})")
     else:
       prefix[depth + 1] = path
+    yield w, path, module
+
+
+def _rows(closed, module_paths: dict[str, list[str]] | None = None,
+          opaque: list[OpaqueRow] | None = None) -> Iterator[AuditRow]:
+  """The rows of ``closed``; opaque ops are appended to ``opaque``."""
+  storage = audit_dtypes.Storage()
+  for w, path, module in walk_modules(closed, module_paths):
+    eqn = w.eqn
+    storage.visit(eqn, len(w.scope))
     name = walker.opaque_name(eqn)
     if name is not None and opaque is not None:
       source, _ = _frames(eqn)
@@ -390,6 +404,7 @@ def _rows(closed, module_paths: dict[str, list[str]] | None = None,
                               scope=tuple(w.scope), trip_count=w.trip_count))
     if eqn.primitive.name in numerics.PRIMITIVES:
       inside = not walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope)
+      depth = len(w.scope)
       yield dataclasses.replace(
           _row(w, path), module_path=module, emulated=not inside,
           lhs_storage=storage.of(eqn.invars[0], depth),

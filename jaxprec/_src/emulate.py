@@ -51,7 +51,8 @@ from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
-__all__ = ["OpaqueOpWarning", "TARGETS", "emulate", "emulation_rule"]
+__all__ = ["OpaqueOpWarning", "TARGETS", "emulate", "emulation_rule",
+           "warn_opaque"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -228,7 +229,7 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
                           conv_default=conv_fixed or now,
                           on_opaque=opaque.append, **options)
     out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
-    _warn_opaque(opaque, warned, what)
+    warn_opaque(opaque, warned, what)
     return out
 
   if recorder is not None:
@@ -274,7 +275,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
   return options
 
 
-def _warn_opaque(found: list[str], warned: set[str], what: str) -> None:
+def warn_opaque(found: list[str], warned: set[str], what: str) -> None:
   """Warns once per emulated function about opaque ops not warned about yet."""
   new = [n for n in dict.fromkeys(found) if n not in warned]  # program order
   if not new:

@@ -68,6 +68,7 @@ __all__ = [
   "plans",
   "reference_plan",
   "run_candidate",
+  "run_indexed",
 ]
 
 # ---------------------------------------------------------------------------
@@ -505,4 +506,32 @@ def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
     values = _layers_program(fn, call, p, tuple(ref.names), cache)(dynamic)
     out = _metrics_program(ref.layout)(values, hi, lo, stats, atol, rtol)
     del values
+  return metrics_lib.finish(jax.device_get(out), ref.layout)
+
+
+def run_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
+                                               Callable[..., Any]],
+                key: Any, index: Any, ref: Reference, cache: dict
+                ) -> list[metrics_lib.LayerMetrics]:
+  """Runs the program ``wrap(fn, index)`` and returns its metrics.
+
+  One program per ``key`` serves every ``index`` (an array argument): the
+  search's switched program (:mod:`jaxprec._src.switch`), where the index
+  array chooses each unit's precision at run time. The metrics are a second
+  program, as :func:`run_candidate` with ``fused=False``.
+  """
+  names, static = tuple(ref.names), call.static
+
+  def make(fn_ref):
+    def program(index, dynamic):
+      by_name = dict(layers_lib.ordered_layers(
+          lambda f: wrap(f, index), fn_ref(), static, dynamic))
+      return [by_name[n] for n in names]
+    return _Jit(program)
+
+  prog = _program(fn, ("indexed", key, call.key, names), make, cache)
+  hi, lo, stats, dynamic, atol, rtol = candidate_args(call, ref, 0.0, 0.0)
+  values = prog(index, dynamic)
+  out = _metrics_program(ref.layout)(values, hi, lo, stats, atol, rtol)
+  del values
   return metrics_lib.finish(jax.device_get(out), ref.layout)

@@ -6,9 +6,10 @@ and what does that cost?" (NVIDIA's Polygraphy answers it for TensorRT with
 precisions to every Flax module path that runs a matmul or convolution the
 policy can reach (the *units*: :attr:`jaxprec.AuditRow.module_path` of the
 ops that record no precision of their own, ``''`` for ops outside modules),
-runs the function under each candidate :class:`jaxprec.Policy` (compiled
-once per policy: ``jax.jit`` of :func:`jaxprec.emulate`, or natively on the
-target's own hardware), compares every output layer with a float32 reference
+runs the function under each candidate :class:`jaxprec.Policy` (emulated:
+one switched program for every policy, :mod:`jaxprec._src.switch`; natively
+on the target's own hardware, or on the dtype axis: one ``jax.jit`` per
+policy), compares every output layer with a float32 reference
 using :mod:`jaxprec._src.metrics` inside the jitted program, and keeps the
 cheapest assignment, by :func:`jaxprec.cost`, that meets the tolerance on
 every checked layer.
@@ -53,6 +54,7 @@ unit that must stay precise, and ``budget`` caps it.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 import time
@@ -71,6 +73,7 @@ from jaxprec._src import harness
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import numerics
 from jaxprec._src import search_dtype
+from jaxprec._src import switch
 from jaxprec._src.policy import Policy
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 from jaxprec._src.report import DivergenceReport, LayerResult
@@ -168,28 +171,63 @@ def _candidates(candidates: Any, target: str,
   return out
 
 class _Runner:
-  """Evaluates policies with the shared harness: one program per policy.
+  """Evaluates policies with the shared harness.
 
-  Each policy compiles one program (``jax.jit`` of the emulated, or native,
-  function, as :func:`jaxprec.check` runs a row), kept for this search only;
-  the metrics are a second program, compiled once per layout, so the layers
-  stay on the device and only per-layer scalars reach the host. (Fusing both
-  into one program, as ``check`` does for programs it reuses, made every
-  evaluation about 1.4x to 1.8x slower on the built-in tiny Wav2Vec2:
+  Emulating on the precision axis, every evaluation after the first runs one
+  switched program (:mod:`jaxprec._src.switch`): compiled once, with each
+  unit's precision chosen at run time by an index array. The first
+  evaluation, and every evaluation the switch cannot serve (the dtype axis,
+  native runs, a unit the switched trace does not find), compile one
+  program per policy (``jax.jit`` of the emulated, or native, function, as
+  :func:`jaxprec.check` runs a row), kept for this search only. The metrics
+  are a second program, compiled once per layout, so the layers stay on the
+  device and only per-layer scalars reach the host. (Fusing both into one
+  program, as ``check`` does for programs it reuses, made every evaluation
+  about 1.4x to 1.8x slower on the built-in tiny Wav2Vec2:
   ``benchmarks/bench_search.py``.)
   """
 
   def __init__(self, fn, call: harness.Args, ref: harness.Reference,
-               target: str, mode: str):
+               target: str, mode: str, *, units: Sequence[str] = (),
+               precisions: Sequence[Precision] | None = None):
     self.fn, self.call, self.ref = fn, call, ref
     self.names = tuple(ref.names)
     self.target, self.mode = target, mode
     self._programs: dict[Any, Any] = {}
+    self.units = tuple(units)
+    # The switch's choices: the candidates' precisions, float32 last when
+    # no candidate is float32 (levels None); None: no switched program.
+    self.precisions = None if precisions is None else tuple(precisions)
+    self.fell_back: str | None = None  # why the switch could not be used
+    self.fixed_runs = 0
 
-  def run(self, policy: Policy) -> list[metrics_lib.LayerMetrics]:
-    p = harness.plan(policy, self.target, self.mode)
-    return harness.run_candidate(self.fn, self.call, p, self.ref, 0.0, 0.0,
-                                 cache=self._programs, fused=False)
+  def run(self, policy: Policy, levels: Sequence[int] | None = None, *,
+          fixed: bool = False) -> tuple[list[metrics_lib.LayerMetrics], str]:
+    """``(metrics, program)``: ``program`` is ``'fixed'`` or ``'switched'``."""
+    if (fixed or self.precisions is None or self.fell_back is not None
+        or self.fixed_runs == 0):
+      self.fixed_runs += 1
+      p = harness.plan(policy, self.target, self.mode)
+      return harness.run_candidate(self.fn, self.call, p, self.ref, 0.0, 0.0,
+                                   cache=self._programs, fused=False), "fixed"
+    index = switch.index_of(
+        [len(self.precisions) - 1] * len(self.units) if levels is None
+        else levels)
+    try:
+      return harness.run_indexed(
+          self.fn, self.call, self._wrap, (self.precisions, self.units),
+          index, self.ref, self._programs), "switched"
+    except switch.SwitchError as e:
+      self.fell_back = str(e)
+      warnings.warn(
+          f"jaxprec.search_policy: {e}; each policy compiles a program of "
+          f"its own instead (the search is slower, its answers the same).",
+          UserWarning, stacklevel=4)
+      return self.run(policy, levels, fixed=True)
+
+  def _wrap(self, f, index):
+    g = switch.switched(f, self.units, self.precisions, target=self.target)
+    return functools.partial(g, index)
 
 
 def _check_layers(layers: Any, names: Sequence[str]) -> list[str]:
@@ -253,6 +291,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   axes: Sequence[str] | str = ("precision",),
                   dtypes: Sequence[Any] | None = None,
                   chip: str | None = None,
+                  compile_once: bool = True,
                   **kwargs: Any) -> SearchResult:
   """Finds the cheapest per-layer precision policy that meets a tolerance.
 
@@ -266,10 +305,12 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   most accuracy per unit of cost, measuring the sensitivity of groups of
   paths by bisection so that the number of runs stays near logarithmic in
   the number of paths (details: :mod:`jaxprec._src.search`,
-  ``docs/search.md``). Each candidate policy is compiled once: ``jax.jit``
-  of :func:`jaxprec.emulate` (on the target's own hardware, natively), with
-  the metrics computed inside the program. One line per evaluation goes to
-  stderr unless ``verbose=False``.
+  ``docs/search.md``). Emulated on the precision axis, the search compiles
+  one program for every policy it tries after the first: each path's
+  matmuls are a ``lax.switch`` among the candidates, chosen at run time
+  (``compile_once``); the returned policy's report comes from the program
+  compiled for it alone, as :func:`jaxprec.check` compiles it. One line per
+  evaluation goes to stderr unless ``verbose=False``.
 
   Args:
     fn: returns the layers to check: any pytree of arrays (its floating
@@ -315,6 +356,15 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     chip: the dtype axis's chip (:data:`jaxprec._src.chips.CHIPS`; default
       ``'tpu-v5e'`` for a TPU target, ``'h100'`` for a GPU); its time is
       :attr:`SearchResult.cost`'s ``seconds``.
+    compile_once: emulating on the precision axis, run every evaluation
+      after the first in one switched program (each path's precision chosen
+      at run time by an index array: :mod:`jaxprec._src.switch`) instead of
+      compiling a program per policy. Its emulated matmuls are bit for bit
+      the per-policy program's; XLA may round the model's other ops in
+      another order around them (a few float32 ulps), so the returned
+      report is always measured by the policy's own program. ``False``
+      compiles one program per policy, as before. The dtype axis and native
+      runs always compile per policy.
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
@@ -322,7 +372,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     ``.evaluations``, ``.history``.
 
   Raises:
-    TypeError: ``fn`` is not callable; a non-numeric tolerance.
+    TypeError: ``fn`` is not callable; a non-numeric tolerance; a
+      ``compile_once`` that is not a bool.
     ValueError: an unknown metric, candidate, target, mode, layer, axis,
       dtype or chip; a negative tolerance; a budget below 1; an output
       without floating
@@ -350,6 +401,9 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   if not callable(fn):
     raise TypeError(f"jaxprec.search_policy expects a callable; got {fn!r} of "
                     f"type {type(fn).__name__}")
+  if not isinstance(compile_once, (bool, np.bool_)):
+    raise TypeError(f"compile_once must be True or False; got "
+                    f"{compile_once!r}.")
   directory = compile_cache.resolve_cache(cache, "jaxprec.search_policy")
   if directory is not None:
     with compile_cache.compilation_cache(directory):
@@ -357,7 +411,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
           fn, *args, tolerance=tolerance, metric=metric, candidates=candidates,
           target=target, budget=budget, layers=layers, reference=reference,
           mode=mode, verbose=verbose, cache=False, axes=axes, dtypes=dtypes,
-          chip=chip, **kwargs)
+          chip=chip, compile_once=compile_once, **kwargs)
   metric, tolerance, cands, target, budget = check_arguments(
       tolerance=tolerance, metric=metric, candidates=candidates,
       target=target, budget=budget, axes=axes, dtypes=dtypes, chip=chip)
@@ -392,7 +446,10 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   ref = harness.build_reference(
       fn, call, reference, target=target, mode=mode,
       select=None if names == all_names else names)
-  runner = _Runner(fn, call, ref, target, mode)
+  switchable = (compile_once and mode == "emulate" and "dtype" not in axes
+                and bool(table.units))
+  runner = _Runner(fn, call, ref, target, mode, units=table.units,
+                   precisions=_choices(cands) if switchable else None)
 
   search = Search(runner=runner, table=table, cands=cands, metric=metric,
                   tolerance=tolerance, budget=budget, verbose=verbose,
@@ -401,6 +458,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   best = search.finish()
   if best is not None:
     policy, metrics, meets = best.policy, best.metrics, True
+    if best.program == "switched":
+      metrics, meets = _fixed_run(runner, search, best)
     if search.exhausted:
       warnings.warn(
           f"jaxprec.search_policy: the budget of {budget} evaluations ran "
@@ -412,6 +471,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     policy = float32_policy
     metrics = None if trial is None else trial.metrics
     meets = trial is not None and trial.passed
+    if trial is not None and trial.program == "switched":
+      metrics, meets = _fixed_run(runner, search, trial)
     msg = ("no policy of the candidates met the tolerance"
            if not search.exhausted else
            f"the budget of {budget} evaluations ran out before any policy "
@@ -436,6 +497,35 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       candidates=tuple(c.label for c in cands), target=target, mode=mode,
       units=tuple(table.units), seconds=time.perf_counter() - t_start,
       axes=axes)
+
+
+def _choices(cands: Sequence[Candidate]) -> tuple[Precision, ...]:
+  """The switched program's choices: the candidates' precisions, cheapest
+  first, and float32 last when no candidate is (the all-float32 fallback)."""
+  out = tuple(c.precision for c in cands)
+  return out if any(c.is_float32 for c in cands) else (*out, resolve("float32"))
+
+
+def _fixed_run(runner: _Runner, search: Search, trial) -> tuple[list, bool]:
+  """The returned policy's metrics from its own compiled program.
+
+  The switched program computes every emulated op as that program does, bit
+  for bit; around them XLA may fuse a model's native ops (a LayerNorm's sums)
+  with an emulated op's last addition only where no ``lax.switch`` stands
+  between them, and round those sums in another order (a few float32 ulps:
+  ``docs/performance.md``). So the returned report is measured by the
+  program :func:`jaxprec.check` would compile for the policy.
+  """
+  metrics, _ = runner.run(trial.policy, fixed=True)
+  powers = np.array([search.power(m) for m in metrics])
+  passed = bool(np.all(powers <= search.tol_power))
+  if trial.passed and not passed:
+    warnings.warn(
+        f"jaxprec.search_policy: {trial.policy} met the tolerance in the "
+        f"search's switched program but not in its own compiled program (the "
+        f"two round the model's non-matmul ops in another order); it is "
+        f"returned with meets_tolerance=False.", UserWarning, stacklevel=3)
+  return metrics, passed
 
 
 def _report(policy: Policy, metrics, ref: harness.Reference, target: str,

@@ -136,6 +136,7 @@ class _Trial:
   metrics: list
   passed: bool
   index: int
+  program: str = "fixed"  # SearchStep.program
 
 
 @dataclasses.dataclass(eq=False)
@@ -162,8 +163,9 @@ def _paths(n: int) -> str:
 class Search:
   """The search's state: the evaluations made, the best policy, the budget.
 
-  ``runner.run(policy)`` evaluates a policy (one metrics record per checked
-  layer, named by ``runner.names``).
+  ``runner.run(policy, levels)`` evaluates a policy: ``(metrics, program)``,
+  one metrics record per checked layer (named by ``runner.names``) and the
+  kind of program that ran it (:attr:`SearchStep.program`).
 
   A state is a tuple of levels, one index into the candidates (cheapest
   first) per unit; ``None`` is all-float32 when float32 is not a candidate.
@@ -192,6 +194,10 @@ class Search:
   @property
   def evaluations(self) -> int:
     return len(self.history)
+
+  def power(self, m: metrics_lib.LayerMetrics) -> float:
+    """The power of ``m``'s metric (errors add in power)."""
+    return _power(self.metric, m)
 
   def relative_cost(self, levels: Sequence[int] | None) -> float:
     """Predicted cost relative to float32 (``levels`` None: all-float32)."""
@@ -243,12 +249,12 @@ class Search:
       return hit
     policy = self.policy(levels)
     t0 = time.perf_counter()
-    metrics = self.runner.run(policy)
+    metrics, program = self.runner.run(policy, levels)
     seconds = time.perf_counter() - t0
     powers = np.array([_power(self.metric, m) for m in metrics])
     passed = bool(np.all(powers <= self.tol_power))
     trial = _Trial(levels, policy, powers, metrics, passed,
-                   self.evaluations + 1)
+                   self.evaluations + 1, program)
     self.trials[levels] = trial
     self._record(trial, phase, seconds)
     if levels is not None and passed and (
@@ -272,14 +278,15 @@ class Search:
     step = SearchStep(index=trial.index, phase=phase, policy=trial.policy,
                       passed=trial.passed, worst_layer=name,
                       worst_value=value, relative_cost=rel,
-                      counts=counts, seconds=seconds)
+                      counts=counts, seconds=seconds, program=trial.program)
     self.history.append(step)
     if self.verbose:
       what = ", ".join(f"{k} {v}" for k, v in counts.items()) or "no paths"
       verdict = "pass" if trial.passed else "FAIL"
       print(f"jaxprec search [{trial.index}/{self.budget}] {phase} "
             f"({what}): {verdict}, worst {self.metric} {value:.2e} at "
-            f"{name}; cost {rel:.3f} of float32; {seconds:.1f} s",
+            f"{name}; cost {rel:.3f} of float32; {seconds:.1f} s"
+            f"{' (switched program)' if trial.program == 'switched' else ''}",
             file=sys.stderr, flush=True)
 
   # -- the algorithm ------------------------------------------------------------

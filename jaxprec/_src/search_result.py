@@ -30,6 +30,9 @@ class SearchStep:
     relative_cost: the policy's cost relative to all-float32.
     counts: candidate -> number of module paths at it.
     seconds: wall time, compilation included.
+    program: ``'fixed'`` (a program compiled for this policy) or
+      ``'switched'`` (the search's one program for every policy, with each
+      path's precision chosen at run time: :mod:`jaxprec._src.switch`).
   """
 
   index: int
@@ -41,6 +44,7 @@ class SearchStep:
   relative_cost: float
   counts: Mapping[str, int]
   seconds: float
+  program: str = "fixed"
 
   def to_dict(self) -> dict[str, Any]:
     return {"index": self.index, "phase": self.phase,
@@ -48,7 +52,8 @@ class SearchStep:
             "worst_layer": self.worst_layer,
             "worst_value": _json_float(self.worst_value),
             "relative_cost": _json_float(self.relative_cost),
-            "counts": dict(self.counts), "seconds": self.seconds}
+            "counts": dict(self.counts), "seconds": self.seconds,
+            "program": self.program}
 
 
 def _json_float(x: float) -> float | str:

@@ -1,0 +1,136 @@
+"""One compiled program for every precision policy the search tries.
+
+:func:`jaxprec.search_policy` assigns one of a few candidate precisions to
+each *unit* (a Flax module path whose matmuls or convolutions record no
+precision of their own; ``''`` for ops outside modules) and evaluates many
+such assignments. Compiling one program per assignment made the search's
+cold run mostly compilation (issue 11: 15 evaluations of 3.2 to 3.5 s each on
+the built-in tiny Wav2Vec2, against milliseconds of computing).
+
+:func:`switched` traces ``fn`` once and emulates each of those ops as a
+``lax.switch`` among its candidates' emulations, indexed by an ``int32``
+array argument with one entry per unit. One compiled program then runs every
+assignment: the index array is the policy. Each branch is exactly the op the
+fixed-policy program (``jaxprec.emulate(fn, policy)``) computes for that
+candidate, so the numerics are identical (tested bit for bit:
+``tests/test_switch.py``).
+
+Which equations are a unit's: :func:`jaxprec._src.audit.walk_modules`, the
+audit's own mapping from equations to module paths, over a trace recorded
+with :func:`jaxprec._src.flax.paths.record`, so the units found here are the
+ones :func:`jaxprec.cost`'s table lists. A unit that this trace does not find
+is an error (:class:`SwitchError`); the search then falls back to one
+program per policy and says so.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxprec._src import audit as audit_lib
+from jaxprec._src import emulate as emulate_lib
+from jaxprec._src import numerics
+from jaxprec._src import walker
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import paths as flax_paths
+from jaxprec._src.precision import Precision
+
+__all__ = ["SwitchError", "switched"]
+
+
+class SwitchError(ValueError):
+  """The switched trace does not match the units (the search falls back to
+  one program per policy)."""
+
+
+def switched(fn: Callable[..., Any], units: Sequence[str],
+             precisions: Sequence[Precision], *, target: str,
+             **options: Any) -> Callable[..., Any]:
+  """``fn`` emulated with unit ``u``'s ops at ``precisions[index[u]]``.
+
+  Args:
+    fn: the function (not jitted: the search looks through a top-level jit).
+    units: module paths, as :attr:`jaxprec.AuditRow.module_path` gives them.
+    precisions: the choices, in index order.
+    target: ``'tpu'`` or ``'gpu'``.
+    **options: the emulated ops' options (``tf32_rounding``).
+
+  Returns:
+    ``g(index, *args, **kwargs)``: ``index`` an ``int32`` array of shape
+    ``(len(units),)``; ``g`` computes what ``jaxprec.emulate(fn, policy,
+    target=target)`` computes for the policy that gives unit ``u`` the
+    precision ``precisions[index[u]]``. Ops with a precision of their own,
+    and ops in no unit, are emulated as ``jaxprec.emulate(fn)`` emulates
+    them (they are fixed in the search).
+
+  Raises:
+    SwitchError: (when ``g`` is traced) a unit whose ops the trace does not
+      find.
+  """
+  units = tuple(units)
+  position = {u: i for i, u in enumerate(units)}
+  # One emulation rule per choice; ops without a precision take the
+  # choice's (convolutions its level, as a policy gives them).
+  opaque: list[str] = []
+  warned: set[str] = set()
+  what = getattr(fn, "__qualname__", type(fn).__name__)
+  rules = [emulate_lib.emulation_rule(p, target=target, conv_default=p,
+                                      **options) for p in precisions]
+  fixed = emulate_lib.emulation_rule(None, target=target,
+                                     on_opaque=opaque.append, **options)
+  bound = nnx_policy.bind(fn, None)  # an NNX module: a traced copy, with paths
+
+  def traced(*args, **kwargs):
+    with jax.default_matmul_precision(None):
+      return bound(*args, **kwargs)
+
+  @functools.wraps(fn)
+  def run(index, *args, **kwargs):
+    with flax_paths.record() as found:
+      call = walker.trace_call(traced, args, kwargs)
+    unit_of: dict[int, tuple[Any, int]] = {}
+    for w, _, module in audit_lib.walk_modules(call.jaxpr, found):
+      eqn = w.eqn
+      if (eqn.primitive.name in numerics.PRIMITIVES
+          and eqn.params.get("precision") is None and module in position
+          and numerics.emulatable(eqn.invars[0].aval.dtype,
+                                  eqn.invars[1].aval.dtype)):
+        unit_of[id(eqn)] = (eqn, position[module])
+    missing = set(units) - {units[i] for _, i in unit_of.values()}
+    if missing:
+      raise SwitchError(
+          f"the switched trace found no matmul of the units "
+          f"{sorted(missing)[:4]}")
+
+    def rule(eqn, invals):
+      hit = unit_of.get(id(eqn))
+      if hit is None or hit[0] is not eqn:
+        return fixed(eqn, invals)
+      branches = [_branch(r, eqn) for r in rules]
+      return [lax.switch(index[hit[1]], branches, *invals)]
+
+    out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
+    emulate_lib.warn_opaque(opaque, warned, what)
+    return out
+
+  return run
+
+
+def _branch(rule: walker.Rule, eqn) -> Callable[..., jax.Array]:
+  def branch(*invals):
+    out = rule(eqn, list(invals))
+    if out is None:  # nothing to emulate at this choice: the op as recorded
+      out = walker.bind_unchanged(eqn, list(invals))
+    return out[0]
+  return branch
+
+
+def index_of(levels: Sequence[int]) -> jax.Array:
+  """The ``index`` argument for per-unit choice indices."""
+  return jnp.asarray(levels, jnp.int32)
