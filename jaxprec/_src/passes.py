@@ -51,6 +51,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxprec._src.rounding import round_to, split_bf16, split_tf32
 
@@ -58,7 +59,28 @@ __all__ = ["BF16", "F32"]
 
 _Op = Callable[[jax.Array, jax.Array], jax.Array]
 _ZERO = np.float32(0)
+_NEG_ZERO = np.float32(-0.0)
 _INF = np.float32(np.inf)
+
+
+def _last(small: jax.Array, big: jax.Array) -> jax.Array:
+  """``small + big``, bit for bit, computed where nothing else is fused in.
+
+  The last addition of a multi-pass algorithm. As a plain ``add``, XLA fuses
+  it into the ops that read the result (a LayerNorm's sums, say) and may then
+  sum those in another order than where the result is read from memory, as
+  it is across the search's ``lax.switch`` (:mod:`jaxprec._src.switch`;
+  measured: a few ulps after a LayerNorm, which later bfloat16 roundings
+  amplify). XLA does not fuse a reduction into the ops that read it, so the
+  sum ends in one: a reduction over the sum and one ``-0.0`` (the exact
+  identity of addition) appended by a pad. XLA's simplifier folds a
+  reduction over two stacked arrays back into an ``add``, but not this one
+  (jax 0.10.2; ``tests/test_switch.py`` fails if a later XLA does).
+  """
+  total = (small + big)[None]
+  padded = lax.pad(total, _NEG_ZERO,
+                   [(0, 1, 0)] + [(0, 0, 0)] * (total.ndim - 1))
+  return lax.reduce(padded, _NEG_ZERO, lax.add, (0,))
 
 
 def _zero_nan(x: jax.Array) -> jax.Array:
@@ -84,7 +106,7 @@ def _bf16x3(op: _Op, lhs, rhs, _, parts) -> jax.Array:
   lh, ll = split_bf16(lhs, 2, dtype=parts)
   rh, rl = split_bf16(rhs, 2, dtype=parts)
   low_sum = _zero_nan(op(ll, rh) + op(lh, rl))
-  return low_sum + op(lh, rh)
+  return _last(low_sum, op(lh, rh))
 
 
 def _bf16x6(op: _Op, lhs, rhs, _, parts) -> jax.Array:
@@ -94,7 +116,7 @@ def _bf16x6(op: _Op, lhs, rhs, _, parts) -> jax.Array:
   s = s + op(ll, rh)
   s = s + op(lh, rm)
   s = s + op(lm, rh)
-  return _zero_nan(s) + op(lh, rh)
+  return _last(_zero_nan(s), op(lh, rh))
 
 
 def _bf16x9(op: _Op, lhs, rhs, _, parts) -> jax.Array:
@@ -104,7 +126,7 @@ def _bf16x9(op: _Op, lhs, rhs, _, parts) -> jax.Array:
   for a, b in ((lm, rl), (ll, rm), (lm, rm), (ll, rh), (lh, rl), (lm, rh),
                (lh, rm)):
     s = s + op(a, b)
-  return _zero_nonfinite(s) + op(lh, rh)
+  return _last(_zero_nonfinite(s), op(lh, rh))
 
 
 def _tf32(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
@@ -116,7 +138,7 @@ def _tf32x3(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
   lb, ls = split_tf32(lhs, rounding)
   rb, rs = split_tf32(rhs, rounding)
   small = _zero_nan(op(ls, rb) + op(lb, rs))
-  return small + op(lb, rb)
+  return _last(small, op(lb, rb))
 
 
 def _f16(op: _Op, lhs, rhs, _, __) -> jax.Array:
@@ -153,7 +175,7 @@ def _f32x3(op: _Op, lhs, rhs, _, __) -> jax.Array:
   _, ah, al = _parts(lhs, 2)
   bfin, bh, bl = _parts(rhs, 2)
   small = op(al, jnp.where(bfin, bh, _ZERO))
-  return small + op(ah, bh + bl)
+  return _last(small, op(ah, bh + bl))
 
 
 def _f32x6(op: _Op, lhs, rhs, _, __) -> jax.Array:
@@ -162,7 +184,7 @@ def _f32x6(op: _Op, lhs, rhs, _, __) -> jax.Array:
   bh0 = jnp.where(bfin, bh, _ZERO)
   bhm = bh0 + bm
   s = op(al, bh0) + op(am, bhm)
-  return s + op(ah, (bh + bm) + bl)
+  return _last(s, op(ah, (bh + bm) + bl))
 
 
 def _f32x9(op: _Op, lhs, rhs, _, __) -> jax.Array:
@@ -171,7 +193,7 @@ def _f32x9(op: _Op, lhs, rhs, _, __) -> jax.Array:
   b_all = (bh + bm) + bl
   b_all0 = jnp.where(bfin, b_all, _ZERO)
   s = op(al, b_all0) + op(am, b_all0)
-  return s + op(ah, b_all)
+  return _last(s, op(ah, b_all))
 
 
 def _f32_tf32x3(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
@@ -179,7 +201,7 @@ def _f32_tf32x3(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
   rb, rs = split_tf32(rhs, rounding)
   lfin, rfin = jnp.abs(lhs) < _INF, jnp.abs(rhs) < _INF
   small = op(jnp.where(lfin, ls, _ZERO), jnp.where(rfin, rb, _ZERO))
-  return small + op(lb, rb + jnp.where(rfin, rs, _ZERO))
+  return _last(small, op(lb, rb + jnp.where(rfin, rs, _ZERO)))
 
 
 F32 = dict(BF16, bf16x3=_f32x3, bf16x6=_f32x6, bf16x9=_f32x9,

@@ -1,0 +1,281 @@
+"""The search's switched program: one compiled program for every policy.
+
+:func:`jaxprec._src.switch.switched` emulates each unit's matmuls as a
+``lax.switch`` among the candidates, indexed at run time. Its emulated ops
+must be bit for bit those of the fixed-policy program
+(``jax.jit(jaxprec.emulate(fn, policy))``); the search must compile it once,
+return the same answers as the per-policy search, and measure the returned
+policy's report with the policy's own program.
+"""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxprec
+import jaxprec.models
+from jaxprec._src import audit as audit_lib
+from jaxprec._src import cost as cost_lib
+from jaxprec._src import search as search_lib
+from jaxprec._src import search_algorithm
+from jaxprec._src import switch
+from jaxprec._src.precision import resolve
+
+CHOICES = {
+    "tpu": ("bfloat16", "bfloat16_3x", "float32", "BF16_BF16_F32_X9"),
+    "gpu": ("tensorfloat32", "TF32_TF32_F32_X3", "float32"),
+}
+
+
+def _special_operands(k):
+  """(12, k) x (k, 12) float32 operands with NaN, inf, subnormals, ties to even,
+  the bfloat16 maximum and values that are not bfloat16 or TF32 values."""
+  rng = np.random.default_rng(k)
+  x = rng.standard_normal((12, k)).astype(np.float32) * np.float32(3.7)
+  w = rng.standard_normal((k, 12)).astype(np.float32)
+  bf16_max = np.float32(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+  special = np.array([np.nan, np.inf, -np.inf, 1e-40, -3e-39, 1 + 2.0**-8,
+                      1 + 3 * 2.0**-8, bf16_max, 3e38, 1e-30, 1 + 2.0**-20,
+                      -0.0], np.float32)
+  x.reshape(-1)[:special.size] = special
+  w.reshape(-1)[-special.size:] = special[::-1]
+  return x, w
+
+
+def _same(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  return a.shape == b.shape and np.array_equal(a.view(np.uint32),
+                                               b.view(np.uint32))
+
+
+@pytest.mark.parametrize("kernel", ["bf16", "f32"])
+@pytest.mark.parametrize("target", ["tpu", "gpu"])
+@pytest.mark.parametrize("k", [1, 24])
+def test_each_emulated_dot_is_bit_for_bit_the_fixed_programs(target, kernel, k):
+  x, w = _special_operands(k)
+
+  def f(x, w):
+    return {"y": jnp.tanh(x @ w) + (x @ w) * 0.5}
+
+  names = CHOICES[target]
+  with jaxprec.use_kernel(kernel):
+    g = jax.jit(switch.switched(f, [""], [resolve(n) for n in names],
+                                target=target))
+    for i, name in enumerate(names):
+      fixed = jax.jit(jaxprec.emulate(f, jaxprec.Policy(default=name),
+                                      target=target))(x, w)
+      got = g(switch.index_of([i]), x, w)
+      assert _same(got["y"], fixed["y"]), (target, kernel, k, name)
+
+
+@pytest.mark.parametrize("target", ["tpu", "gpu"])
+def test_each_emulated_conv_is_bit_for_bit_the_fixed_programs(target):
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((2, 20, 8)).astype(np.float32) * np.float32(1e3)
+  x[0, 0, :3] = (np.inf, 1e-40, 1 + 2.0**-9)
+  w = rng.standard_normal((3, 8, 8)).astype(np.float32)
+  b = rng.standard_normal((8,)).astype(np.float32)
+
+  def f(x, w, b):
+    y = jax.lax.conv_general_dilated(x, w, (2,), "VALID",
+                                     dimension_numbers=("NWC", "WIO", "NWC"))
+    y = y + b  # a bias and a layer norm after it, as in Wav2Vec2's conv stack
+    y = y - y.mean(-1, keepdims=True)
+    return y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + 1e-5)
+
+  names = CHOICES[target]
+  g = jax.jit(switch.switched(f, [""], [resolve(n) for n in names],
+                              target=target))
+  for i, name in enumerate(names):
+    fixed = jax.jit(jaxprec.emulate(f, jaxprec.Policy(default=name),
+                                    target=target))
+    # The conv alone: what the switch changes is bit for bit the same.
+    conv_only = jax.jit(jaxprec.emulate(
+        lambda x, w: jax.lax.conv_general_dilated(
+            x, w, (2,), "VALID", dimension_numbers=("NWC", "WIO", "NWC")),
+        jaxprec.Policy(default=name), target=target))
+    got_conv = jax.jit(switch.switched(
+        lambda x, w: jax.lax.conv_general_dilated(
+            x, w, (2,), "VALID", dimension_numbers=("NWC", "WIO", "NWC")),
+        [""], [resolve(n) for n in names], target=target))(
+            switch.index_of([i]), x, w)
+    assert _same(got_conv, conv_only(x, w)), (target, name)
+    # With a layer norm reading it: XLA would fuse the norm's sums into the
+    # fixed program's last addition and round them in another order, were
+    # that addition not computed where nothing is fused in (passes._last).
+    assert _same(g(switch.index_of([i]), x, w, b), fixed(x, w, b)), name
+
+
+def _units_and_cands(fn, args, target="tpu"):
+  weights = cost_lib.weights_for(target)
+  cands = search_lib._candidates(None, target, weights)
+  table = search_algorithm.CostTable.of(fn, args, {}, target, cands, weights)
+  search = search_algorithm.Search(runner=None, table=table, cands=cands,
+                                   metric="rel_rms", tolerance=1e-3, budget=9,
+                                   verbose=False)
+  return table.units, cands, search
+
+
+def _policies(n_units, n_cands, count, seed=0):
+  rng = np.random.default_rng(seed)
+  out = [(c,) * n_units for c in range(n_cands)]
+  out += [tuple(int(v) for v in rng.integers(0, n_cands, n_units))
+          for _ in range(count)]
+  return out
+
+
+@pytest.mark.parametrize("target", ["tpu", "gpu"])
+def test_bert_switched_program_is_the_fixed_policy_program_bit_for_bit(target):
+  fn, args = jaxprec.models.bert("tiny")
+  fn = cost_lib.unjit(fn)
+  units, cands, search = _units_and_cands(fn, args, target)
+  assert len(units) > 8
+  g = jax.jit(switch.switched(fn, units, [c.precision for c in cands],
+                              target=target))
+  for levels in _policies(len(units), len(cands), 3):
+    fixed = jax.jit(jaxprec.emulate(fn, search.policy(levels), target=target))
+    want = jax.tree.leaves(fixed(*args))
+    got = jax.tree.leaves(g(switch.index_of(levels), *args))
+    assert len(got) == len(want)
+    assert all(_same(a, b) for a, b in zip(got, want)), str(search.policy(levels))
+
+
+def test_wav2vec2_switched_program_is_the_fixed_policy_program_bit_for_bit():
+  """Its conv stack's layer norms read emulated convolutions (passes._last)."""
+  fn, args = jaxprec.models.wav2vec2("tiny")
+  fn = cost_lib.unjit(fn)
+  units, cands, search = _units_and_cands(fn, args)
+  g = jax.jit(switch.switched(fn, units, [c.precision for c in cands],
+                              target="tpu"))
+  for levels in _policies(len(units), len(cands), 2, seed=1):
+    fixed = jax.jit(jaxprec.emulate(fn, search.policy(levels), target="tpu"))
+    want = jax.tree.leaves(fixed(*args))
+    got = jax.tree.leaves(g(switch.index_of(levels), *args))
+    assert all(_same(a, b) for a, b in zip(got, want)), str(search.policy(levels))
+
+
+# ---------------------------------------------------------------------------
+# The search.
+
+
+class FragileMLP(nn.Module):
+  """Layer ``dense_2`` computes 1000.25 - 1000 (needs float32); the rest are
+  well conditioned."""
+
+  @nn.compact
+  def __call__(self, x):
+    out = {}
+    h = x
+    for i in range(5):
+      y = nn.Dense(16, name=f"dense_{i}")(h + (1000.0 if i == 2 else 0.0))
+      if i == 2:
+        y = y - y.mean(axis=0, keepdims=True)
+      h = jnp.tanh(y)
+      out[f"layer_{i}"] = h
+    return out
+
+
+TRACES = []
+
+
+def _model():
+  model = FragileMLP()
+  x = jax.random.normal(jax.random.key(1), (16, 16))
+  params = model.init(jax.random.key(0), x)
+
+  def fn(params, x):
+    TRACES.append(1)
+    return model.apply(params, x)
+  return fn, (params, x)
+
+
+def _search(compile_once, **kw):
+  fn, args = _model()
+  TRACES.clear()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    r = jaxprec.search_policy(fn, *args, tolerance=kw.pop("tolerance", 1e-3),
+                              verbose=False, compile_once=compile_once, **kw)
+  return r, len(TRACES)
+
+
+@pytest.fixture(scope="module")
+def both():
+  return _search(True), _search(False)
+
+
+def test_search_compiles_one_program_for_every_policy_after_the_first(both):
+  (once, traces_once), (per_policy, traces_per_policy) = both
+  assert once.evaluations >= 5
+  programs = [s.program for s in once.history]
+  assert programs[0] == "fixed" and set(programs[1:]) == {"switched"}
+  assert {s.program for s in per_policy.history} == {"fixed"}
+  # fn is traced per program: per policy it grows with the evaluations, with
+  # the switch it does not (output info, cost table, reference, first
+  # evaluation, switched program, the returned policy's own program).
+  assert traces_per_policy >= per_policy.evaluations + 2
+  assert traces_once <= 7 < traces_per_policy
+  assert once.history[-1].to_dict()["program"] == "switched"
+
+
+def test_switched_search_gives_the_per_policy_search_answers(both):
+  (once, _), (per_policy, _) = both
+  assert str(once.policy) == str(per_policy.policy)
+  assert "dense_2" in str(once.policy)
+  assert [str(s.policy) for s in once.history] == [
+      str(s.policy) for s in per_policy.history]
+  assert [s.worst_value for s in once.history] == [
+      s.worst_value for s in per_policy.history]
+  assert once.values == per_policy.values
+
+
+def test_returned_report_is_measured_by_the_policys_own_program(both):
+  (once, _), _ = both
+  fn, args = _model()
+  report = jaxprec.check(fn, *args, precisions=[once.policy])
+  label = str(once.policy)
+  for layer in report.layers:
+    assert once.values[layer.name] == layer.metrics[label].rel_rms
+
+
+def test_a_unit_the_switched_trace_cannot_find_falls_back_and_says_so(
+    monkeypatch):
+  fn, args = _model()
+  monkeypatch.setattr(audit_lib, "walk_modules", lambda closed, found: iter(()))
+  with pytest.warns(UserWarning, match="compiles a program of its own"):
+    r = jaxprec.search_policy(fn, *args, tolerance=1e-3, verbose=False)
+  assert {s.program for s in r.history} == {"fixed"}
+  assert "dense_2" in str(r.policy) and r.meets_tolerance
+
+
+def test_dtype_axis_and_native_runs_compile_per_policy():
+  fn, args = _model()
+  r = jaxprec.search_policy(fn, *args, tolerance=1e-3, verbose=False,
+                            axes=("dtype",))
+  assert {s.program for s in r.history} == {"fixed"}
+  with pytest.warns(UserWarning, match="native mode on cpu"):
+    r = jaxprec.search_policy(fn, *args, tolerance=1.0, verbose=False,
+                              mode="native")
+  assert {s.program for s in r.history} == {"fixed"}
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_compile_once_must_be_a_bool(bad):
+  fn, args = _model()
+  with pytest.raises(TypeError, match="compile_once must be True or False"):
+    jaxprec.search_policy(fn, *args, tolerance=1e-3, compile_once=bad)
+
+
+def test_switched_requires_every_unit_in_its_trace():
+  def f(x, w):
+    return x @ w
+
+  g = jax.jit(switch.switched(f, ["", "no/such/module"],
+                              [resolve("bfloat16")], target="tpu"))
+  with pytest.raises(switch.SwitchError, match="no/such/module"):
+    g(switch.index_of([0, 0]), jnp.ones((2, 2)), jnp.ones((2, 2)))
