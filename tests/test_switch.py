@@ -19,7 +19,6 @@ import pytest
 
 import jaxprec
 import jaxprec.models
-from jaxprec._src import audit as audit_lib
 from jaxprec._src import cost as cost_lib
 from jaxprec._src import search as search_lib
 from jaxprec._src import search_algorithm
@@ -163,17 +162,18 @@ def test_wav2vec2_switched_program_is_the_fixed_policy_program_bit_for_bit():
 # The search.
 
 
-class FragileMLP(nn.Module):
-  """Layer ``dense_2`` computes 1000.25 - 1000 (needs float32); the rest are
-  well conditioned."""
+class OffsetMLP(nn.Module):
+  """``dense_3`` reads its input plus a common offset of 100 that the next
+  step removes: one bfloat16 pass loses the signal, three keep it (as in
+  tests/test_search.py); the other layers are fine in bfloat16."""
 
   @nn.compact
   def __call__(self, x):
     out = {}
     h = x
-    for i in range(5):
-      y = nn.Dense(16, name=f"dense_{i}")(h + (1000.0 if i == 2 else 0.0))
-      if i == 2:
+    for i in range(6):
+      y = nn.Dense(32, name=f"dense_{i}")(h + (100.0 if i == 3 else 0.0))
+      if i == 3:
         y = y - y.mean(axis=0, keepdims=True)
       h = jnp.tanh(y)
       out[f"layer_{i}"] = h
@@ -184,8 +184,8 @@ TRACES = []
 
 
 def _model():
-  model = FragileMLP()
-  x = jax.random.normal(jax.random.key(1), (16, 16))
+  model = OffsetMLP()
+  x = jax.random.normal(jax.random.key(1), (16, 32))
   params = model.init(jax.random.key(0), x)
 
   def fn(params, x):
@@ -199,7 +199,7 @@ def _search(compile_once, **kw):
   TRACES.clear()
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    r = jaxprec.search_policy(fn, *args, tolerance=kw.pop("tolerance", 1e-3),
+    r = jaxprec.search_policy(fn, *args, tolerance=kw.pop("tolerance", 2e-2),
                               verbose=False, compile_once=compile_once, **kw)
   return r, len(TRACES)
 
@@ -215,18 +215,20 @@ def test_search_compiles_one_program_for_every_policy_after_the_first(both):
   programs = [s.program for s in once.history]
   assert programs[0] == "fixed" and set(programs[1:]) == {"switched"}
   assert {s.program for s in per_policy.history} == {"fixed"}
-  # fn is traced per program: per policy it grows with the evaluations, with
-  # the switch it does not (output info, cost table, reference, first
-  # evaluation, switched program, the returned policy's own program).
-  assert traces_per_policy >= per_policy.evaluations + 2
-  assert traces_once <= 7 < traces_per_policy
+  # fn is traced once per program it is compiled into (and by the audits
+  # and the reference, alike in both): per policy once per evaluation; with
+  # the switch for the first evaluation, the switched program and the
+  # returned policy's own program, however many evaluations there are.
+  overhead = traces_per_policy - per_policy.evaluations
+  assert overhead >= 1
+  assert traces_once <= overhead + 3 < traces_per_policy
   assert once.history[-1].to_dict()["program"] == "switched"
 
 
 def test_switched_search_gives_the_per_policy_search_answers(both):
   (once, _), (per_policy, _) = both
   assert str(once.policy) == str(per_policy.policy)
-  assert "dense_2" in str(once.policy)
+  assert "dense_3" in str(once.policy)
   assert [str(s.policy) for s in once.history] == [
       str(s.policy) for s in per_policy.history]
   assert [s.worst_value for s in once.history] == [
@@ -246,17 +248,19 @@ def test_returned_report_is_measured_by_the_policys_own_program(both):
 def test_a_unit_the_switched_trace_cannot_find_falls_back_and_says_so(
     monkeypatch):
   fn, args = _model()
-  monkeypatch.setattr(audit_lib, "walk_modules", lambda closed, found: iter(()))
+  monkeypatch.setattr(switch, "unit_eqns", lambda closed, found, position: {})
   with pytest.warns(UserWarning, match="compiles a program of its own"):
-    r = jaxprec.search_policy(fn, *args, tolerance=1e-3, verbose=False)
+    r = jaxprec.search_policy(fn, *args, tolerance=2e-2, verbose=False)
   assert {s.program for s in r.history} == {"fixed"}
-  assert "dense_2" in str(r.policy) and r.meets_tolerance
+  assert "dense_3" in str(r.policy) and r.meets_tolerance
 
 
 def test_dtype_axis_and_native_runs_compile_per_policy():
   fn, args = _model()
-  r = jaxprec.search_policy(fn, *args, tolerance=1e-3, verbose=False,
-                            axes=("dtype",))
+  with pytest.warns(UserWarning, match="no policy of the candidates"):
+    r = jaxprec.search_policy(fn, *args, tolerance=2e-2, verbose=False,
+                              axes=("dtype",))
+  assert len(r.history) >= 2
   assert {s.program for s in r.history} == {"fixed"}
   with pytest.warns(UserWarning, match="native mode on cpu"):
     r = jaxprec.search_policy(fn, *args, tolerance=1.0, verbose=False,

@@ -45,7 +45,7 @@ from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.precision import Precision
 
-__all__ = ["SwitchError", "switched"]
+__all__ = ["SwitchError", "index_of", "switched", "unit_eqns"]
 
 
 class SwitchError(ValueError):
@@ -98,14 +98,7 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
   def run(index, *args, **kwargs):
     with flax_paths.record() as found:
       call = walker.trace_call(traced, args, kwargs)
-    unit_of: dict[int, tuple[Any, int]] = {}
-    for w, _, module in audit_lib.walk_modules(call.jaxpr, found):
-      eqn = w.eqn
-      if (eqn.primitive.name in numerics.PRIMITIVES
-          and eqn.params.get("precision") is None and module in position
-          and numerics.emulatable(eqn.invars[0].aval.dtype,
-                                  eqn.invars[1].aval.dtype)):
-        unit_of[id(eqn)] = (eqn, position[module])
+    unit_of = unit_eqns(call.jaxpr, found, position)
     missing = set(units) - {units[i] for _, i in unit_of.values()}
     if missing:
       raise SwitchError(
@@ -124,6 +117,21 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
     return out
 
   return run
+
+
+def unit_eqns(closed, found: dict[str, list[str]], position: dict[str, int]
+              ) -> dict[int, tuple[Any, int]]:
+  """``id(eqn) -> (eqn, unit index)`` for the matmuls and convolutions a
+  policy decides: float32 operands, no precision of their own, in a unit."""
+  out: dict[int, tuple[Any, int]] = {}
+  for w, _, module in audit_lib.walk_modules(closed, found):
+    eqn = w.eqn
+    if (eqn.primitive.name in numerics.PRIMITIVES
+        and eqn.params.get("precision") is None and module in position
+        and numerics.emulatable(eqn.invars[0].aval.dtype,
+                                eqn.invars[1].aval.dtype)):
+      out[id(eqn)] = (eqn, position[module])
+  return out
 
 
 def _branch(rule: walker.Rule, eqn) -> Callable[..., jax.Array]:
