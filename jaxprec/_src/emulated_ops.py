@@ -259,16 +259,11 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
       # bits, so rounding it to 23 is an identity that XLA cannot drop and
       # LLVM cannot see through: the passes are then summed as XLA sums them.
       out = lax.reduce_precision(out, exponent_bits=8, mantissa_bits=22)
-    elif l.dtype == jnp.bfloat16 or PASSES[spec.algorithm] > 1:
-      # An identity on float32 that XLA's simplifier cannot see through.
-      # It keeps the simplifier from folding a later transpose (e.g. of a
-      # gradient, or the user's `.T`) into a bfloat16 dot: XLA:CPU cannot run
-      # the folded form ("Unsupported element type for DotThunk::Execute: BF16
-      # x BF16 = F32"; measured, jax 0.10.2). And it keeps the passes apart:
-      # without it XLA merges two passes that share an operand,
-      # conv(x, a) + conv(x, b) -> conv(x, a + b), wherever its simplifier
-      # sees them together, so the sum's order would depend on the program
-      # around the op (measured on convolutions; tests/test_switch.py).
+    elif l.dtype == jnp.bfloat16:
+      # An identity on float32 that keeps XLA's simplifier from folding a
+      # later transpose (e.g. of a gradient, or the user's `.T`) into this
+      # bfloat16 dot: XLA:CPU cannot run the folded form ("Unsupported element
+      # type for DotThunk::Execute: BF16 x BF16 = F32"; measured, jax 0.10.2).
       out = lax.reduce_precision(out, exponent_bits=8, mantissa_bits=23)
     return out
 

@@ -51,7 +51,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxprec._src.rounding import round_to, split_bf16, split_tf32
 
@@ -59,28 +58,29 @@ __all__ = ["BF16", "F32"]
 
 _Op = Callable[[jax.Array, jax.Array], jax.Array]
 _ZERO = np.float32(0)
-_NEG_ZERO = np.float32(-0.0)
 _INF = np.float32(np.inf)
 
 
 def _last(small: jax.Array, big: jax.Array) -> jax.Array:
-  """``small + big``, bit for bit, computed where nothing else is fused in.
+  """``small + big``, computed where nothing that reads it is fused in.
 
   The last addition of a multi-pass algorithm. As a plain ``add``, XLA fuses
   it into the ops that read the result (a LayerNorm's sums, say) and may then
   sum those in another order than where the result is read from memory, as
   it is across the search's ``lax.switch`` (:mod:`jaxprec._src.switch`;
   measured: a few ulps after a LayerNorm, which later bfloat16 roundings
-  amplify). XLA does not fuse a reduction into the ops that read it, so the
-  sum ends in one: a reduction over the sum and one ``-0.0`` (the exact
-  identity of addition) appended by a pad. XLA's simplifier folds a
-  reduction over two stacked arrays back into an ``add``, but not this one
-  (jax 0.10.2; ``tests/test_switch.py`` fails if a later XLA does).
+  amplify). XLA does not fuse a scatter into the ops that read it, so the sum
+  is stored through one: its first element written back to itself, an
+  identity on every bit that costs one element (a reduction over the sum
+  and a padded ``-0.0`` also works, at about half a float32 matmul more per
+  1024 x 1024 result; measured). ``tests/test_switch.py`` fails if a later
+  XLA sees through it.
   """
-  total = (small + big)[None]
-  padded = lax.pad(total, _NEG_ZERO,
-                   [(0, 1, 0)] + [(0, 0, 0)] * (total.ndim - 1))
-  return lax.reduce(padded, _NEG_ZERO, lax.add, (0,))
+  total = small + big
+  if total.size == 0:
+    return total
+  first = (0,) * total.ndim
+  return total.at[first].set(total[first])
 
 
 def _zero_nan(x: jax.Array) -> jax.Array:

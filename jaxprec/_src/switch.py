@@ -14,10 +14,10 @@ assignment: the index array is the policy. Each branch is exactly the op the
 fixed-policy program (``jaxprec.emulate(fn, policy)``) computes for that
 candidate, so the numerics are identical (tested bit for bit:
 ``tests/test_switch.py``). That holds for the ops around them too because a
-multi-pass emulated op ends in a reduction (:func:`jaxprec._src.passes._last`),
-which XLA never fuses into the ops that read it: they read it from memory in
-both programs, as they must across a ``lax.switch``, and XLA compiles them
-alike.
+multi-pass emulated op stores its result through a scatter
+(:func:`jaxprec._src.passes._last`), which XLA does not fuse into the ops that
+read it: they read it from memory in both programs, as they must across a
+``lax.switch``, and XLA compiles them alike.
 
 Which equations are a unit's: :func:`jaxprec._src.audit.walk_modules`, the
 audit's own mapping from equations to module paths, over a trace recorded
