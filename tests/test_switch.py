@@ -283,3 +283,120 @@ def test_switched_requires_every_unit_in_its_trace():
                               [resolve("bfloat16")], target="tpu"))
   with pytest.raises(switch.SwitchError, match="no/such/module"):
     g(switch.index_of([0, 0]), jnp.ones((2, 2)), jnp.ones((2, 2)))
+
+
+# ---------------------------------------------------------------------------
+# Structure: units inside jit, remat, scan and custom-derivative bodies.
+
+
+@jax.jit
+def _jitted_layer(w, x):
+  return jnp.tanh(x @ w + 100.0) - jnp.tanh(x @ w)
+
+
+@jax.custom_jvp
+def _custom(w, x):
+  return jnp.tanh(x @ w)
+
+
+@_custom.defjvp
+def _custom_jvp(primals, tangents):
+  w, x = primals
+  dw, dx = tangents
+  y = _custom(w, x)
+  return y, (1 - y * y) * (x @ dw + dx @ w)
+
+
+class _Inner(nn.Module):
+  @nn.compact
+  def __call__(self, c, _=None):
+    y = jnp.tanh(nn.Dense(16, name="d")(c + 100.0) - 100.0)
+    return y, None
+
+
+class _Structured(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    out = {"pre": nn.Dense(16, name="pre")(x)}
+    h, _ = nn.remat(_Inner)(name="rem")(out["pre"])
+    h = nn.jit(nn.Dense)(16, name="jd")(h + 10.0)
+    scan = nn.scan(_Inner, variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=3)
+    h, _ = scan(name="layers")(h, None)
+    h = jax.lax.cond(True, lambda v: v + 1.0, lambda v: v - 1.0, h)
+    out["h"] = h
+    out["explicit"] = jnp.dot(h, h.T, precision="highest")  # fixed: not a unit
+    out["post"] = nn.Dense(16, name="post")(h)
+    return out
+
+
+def _plain(w1, w2, x):
+  h = _jitted_layer(w1, x)
+  return {"h": h, "c": _custom(w2, h)}
+
+
+def _structured():
+  x = np.asarray(jax.random.normal(jax.random.key(2), (8, 16)))  # NumPy input
+  model = _Structured()
+  return model.apply, (model.init(jax.random.key(0), jnp.asarray(x)), x)
+
+
+def _plain_args():
+  k = jax.random.split(jax.random.key(3), 3)
+  return _plain, (jax.random.normal(k[0], (16, 16)),
+                  jax.random.normal(k[1], (16, 16)) / 4,
+                  jax.random.normal(k[2], (4, 16)))
+
+
+@pytest.mark.parametrize("make", [_structured, _plain_args],
+                         ids=["remat-jit-scan-cond", "jit-custom_jvp"])
+def test_units_inside_bodies_are_switched_bit_for_bit(make):
+  fn, args = make()
+  units, cands, search = _units_and_cands(fn, args)
+  g = jax.jit(switch.switched(fn, units, [c.precision for c in cands],
+                              target="tpu"))
+  for levels in _policies(len(units), len(cands), 3, seed=4):
+    fixed = jax.jit(jaxprec.emulate(fn, search.policy(levels), target="tpu"))
+    want = jax.tree.leaves(fixed(*args))
+    got = jax.tree.leaves(g(switch.index_of(levels), *args))
+    assert all(_same(a, b) for a, b in zip(got, want)), str(search.policy(levels))
+
+
+@pytest.mark.parametrize("make", [_structured, _plain_args],
+                         ids=["remat-jit-scan-cond", "jit-custom_jvp"])
+def test_structured_search_switches_and_agrees_with_per_policy(make):
+  fn, args = make()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    once = jaxprec.search_policy(fn, *args, tolerance=1e-4, verbose=False)
+    per = jaxprec.search_policy(fn, *args, tolerance=1e-4, verbose=False,
+                                compile_once=False)
+  assert once.evaluations >= 2
+  assert "switched" in {s.program for s in once.history}
+  assert str(once.policy) == str(per.policy)
+  assert [s.worst_value for s in once.history] == [
+      s.worst_value for s in per.history]
+
+
+def test_nnx_model_search_switches():
+  from flax import nnx  # noqa: PLC0415
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(16, 16, rngs=rngs)
+      self.b = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+      h = jnp.tanh(self.a(x + 100.0))
+      return {"h": h, "o": self.b(h)}
+
+  x = jax.random.normal(jax.random.key(2), (8, 16))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    once = jaxprec.search_policy(Model(nnx.Rngs(0)), x, tolerance=1e-4,
+                                 verbose=False)
+    per = jaxprec.search_policy(Model(nnx.Rngs(0)), x, tolerance=1e-4,
+                                verbose=False, compile_once=False)
+  assert "switched" in {s.program for s in once.history}
+  assert str(once.policy) == str(per.policy) and "a=" in str(once.policy)
+  assert once.values == per.values

@@ -38,7 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxprec._src import audit as audit_lib
+from jaxprec._src import compat
 from jaxprec._src import emulate as emulate_lib
+from jaxprec._src import emulated_ops
 from jaxprec._src import numerics
 from jaxprec._src import walker
 from jaxprec._src.flax import nnx_policy
@@ -105,7 +107,15 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
           f"the switched trace found no matmul of the units "
           f"{sorted(missing)[:4]}")
 
+    inline = _holders(call.jaxpr, unit_of)
+
     def rule(eqn, invals):
+      if id(eqn) in inline:
+        # A jit or custom-derivative body holding a unit's matmul is
+        # evaluated in place: its own trace could not see ``index``. XLA
+        # inlines such calls anyway, and the forward pass of a custom
+        # derivative is its body, so the program computes the same.
+        return walker.interpret(_body(eqn), rule, *invals)
       hit = unit_of.get(id(eqn))
       if hit is None or hit[0] is not eqn:
         return fixed(eqn, invals)
@@ -131,6 +141,37 @@ def unit_eqns(closed, found: dict[str, list[str]], position: dict[str, int]
         and numerics.emulatable(eqn.invars[0].aval.dtype,
                                 eqn.invars[1].aval.dtype)):
       out[id(eqn)] = (eqn, position[module])
+  return out
+
+
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr"}
+
+
+def _body(eqn):
+  return eqn.params[_CALLS[eqn.primitive.name]]
+
+
+def _holders(closed, unit_of: dict[int, tuple[Any, int]]) -> set[int]:
+  """``id`` of every jit or custom-derivative call (at any depth) whose body
+  holds a unit's matmul (jaxprec's own emulated calls excepted)."""
+  out: set[int] = set()
+
+  def visit(jaxpr) -> bool:
+    found = False
+    for eqn in jaxpr.eqns:
+      if id(eqn) in unit_of:
+        found = True
+      inner = False
+      for sub in compat.jaxprs_in_params(eqn.params):
+        inner = visit(sub) or inner
+      if (inner and eqn.primitive.name in _CALLS
+          and not emulated_ops.is_emulated_call(eqn)):
+        out.add(id(eqn))
+      found = found or inner
+    return found
+
+  visit(closed.jaxpr)
   return out
 
 
