@@ -400,3 +400,40 @@ def test_nnx_model_search_switches():
   assert "switched" in {s.program for s in once.history}
   assert str(once.policy) == str(per.policy) and "a=" in str(once.policy)
   assert once.values == per.values
+
+
+def test_all_float32_fallback_is_a_branch_of_the_switched_program():
+  """Candidates without float32: the fallback's float32 is the switch's last
+  choice, and the reported values are still the policy's own program's."""
+  fn, args = _model()
+  kw = dict(candidates=("bfloat16", "bfloat16_3x"), tolerance=1e-7,
+            verbose=False)
+  with pytest.warns(UserWarning, match="no policy of the candidates"):
+    once = jaxprec.search_policy(fn, *args, **kw)
+  with pytest.warns(UserWarning, match="no policy of the candidates"):
+    per = jaxprec.search_policy(fn, *args, compile_once=False, **kw)
+  assert [s.program for s in once.history] == ["fixed", "switched", "switched"]
+  assert str(once.history[-1].policy) == "default=float32"
+  assert str(once.policy) == "default=float32" and not once.meets_tolerance
+  assert once.values == per.values
+  assert search_lib._choices(search_lib._candidates(
+      kw["candidates"], "tpu", cost_lib.weights_for("tpu")))[-1].name == "float32"
+
+
+def test_a_switched_result_the_policys_own_program_does_not_repeat_warns(
+    monkeypatch):
+  import dataclasses  # noqa: PLC0415
+  from jaxprec._src import harness  # noqa: PLC0415
+
+  real = harness.run_indexed
+
+  def off_by_a_little(*a, **k):  # as if the two programs rounded differently
+    return [dataclasses.replace(m, rel_rms=m.rel_rms * 0.5) for m in real(*a, **k)]
+
+  monkeypatch.setattr(harness, "run_indexed", off_by_a_little)
+  fn, args = _model()
+  with pytest.warns(UserWarning, match="measured differently"):
+    r = jaxprec.search_policy(fn, *args, tolerance=2e-2, verbose=False)
+  report = jaxprec.check(fn, *args, precisions=[r.policy])
+  for layer in report.layers:  # the report is the policy's own program's
+    assert r.values[layer.name] == layer.metrics[str(r.policy)].rel_rms
