@@ -711,3 +711,32 @@ def test_benchmark_runs_quick(script):
       env={**os.environ, "PYTHONPATH": str(root)})
   assert out.returncode == 0, out.stderr[-2000:]
   assert "ratio" in out.stdout
+
+
+def _log_layer(w, x):
+  h = x @ w[0]
+  return {"ok": h, "log": jnp.log(h), "after": jnp.tanh(h)}
+
+
+def _nan_in_candidate_only(x):
+  d = x @ x - 4 * (1 + 2.0**-9) ** 2  # < 0 in one bfloat16 pass only
+  return {"d": d, "sqrt": jnp.sqrt(d + 0.015)}
+
+
+@pytest.mark.parametrize("fn, args", [
+    (mlp, (W, X)), (_log_layer, (W, X)),
+    (_nan_in_candidate_only, (jnp.full((4, 4), 1 + 2.0**-9, jnp.float32),))])
+def test_fused_candidate_metrics_are_those_of_the_full_metrics(fn, args):
+  # check's fused program compiles the all-finite metrics only and falls back
+  # to the full metrics program on a NaN or an infinity: the same numbers
+  # either way, bit for bit (repr is exact for floats and keeps NaN).
+  from jaxprec._src import harness
+  call = harness.Args(args, {}, who="test")
+  ref = harness.build_reference(fn, call, "float32", target="tpu",
+                                mode="emulate")
+  p = harness.plan("bfloat16", "tpu", "emulate")
+  fused = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3)
+  full = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3, fused=False)
+  assert repr(fused) == repr(full)
+  if fn is not mlp:  # the fallback ran: the fast path counts no NaN
+    assert any(m.nan > 0 for m in fused)

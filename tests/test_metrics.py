@@ -405,3 +405,57 @@ def test_check_end_to_end_at_1e_minus_36():
                            x * np.float32(0.5), 0.0, 0.0)
   assert m.rel_rms == pytest.approx(want["rel_rms"], rel=1e-5)
   assert m.max_abs == pytest.approx(want["max_abs"], rel=1e-5)
+
+
+def _bits(tree):
+  return {k: np.asarray(v).view(np.uint8) for k, v in tree.items()}
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30, 1e-36])
+@pytest.mark.parametrize("f64", [False, True])
+def test_finite_only_is_bit_identical_to_the_cond_path(scale, f64):
+  # check's candidate programs compile the all-finite path alone
+  # (finite_only=True); where it holds, every number equals the default's.
+  sizes = (3000, 700, 1, 512, 0, 1025)
+  layout = M.Layout(sizes)
+  rng = np.random.default_rng(1)
+  refs = [rng.standard_normal(s) * scale for s in sizes]
+  refs[1][::7] = 0.0
+  cands = [(r * (1 + 1e-3 * rng.standard_normal(r.shape))).astype(np.float32)
+           for r in refs]
+  cands[3] = -cands[3] * 3  # a large error: the rescaled path
+  pairs = [M.split_reference(r if f64 else r.astype(np.float32)) for r in refs]
+  hi = jnp.asarray(M.pack_numpy([h for h, _ in pairs], layout))
+  lo = (jnp.asarray(M.pack_numpy([l for _, l in pairs], layout)) if f64
+        else None)
+  ref = jax.jit(M.reference_stats, static_argnums=(2,))(hi, lo, layout)
+
+  def run(finite_only):
+    return jax.device_get(jax.jit(
+        lambda c, hi, lo, ref, atol, rtol: M.layer_stats(
+            c, hi, lo, ref, layout, atol=atol, rtol=rtol,
+            finite_only=finite_only))(
+                cands, hi, lo, ref, np.float32(1e-3 * scale), np.float32(1e-3)))
+  fast, full = run(True), run(False)
+  assert bool(fast.pop("finite"))
+  assert fast.keys() == full.keys()
+  for k in full:
+    np.testing.assert_array_equal(_bits(fast)[k], _bits(full)[k], err_msg=k)
+  # repr: exact for floats, and NaN reads like NaN.
+  assert repr(M.finish(fast, layout)) == repr(M.finish(full, layout))
+
+
+@pytest.mark.parametrize("where", ["candidate", "reference"])
+def test_finite_only_says_when_it_does_not_hold(where):
+  layout = M.Layout((100, 30))
+  c = [np.ones(100, np.float32), np.ones(30, np.float32)]
+  r = [np.ones(100, np.float32), np.ones(30, np.float32)]
+  (c if where == "candidate" else r)[1][3] = np.nan
+  hi = jnp.asarray(M.pack_numpy(r, layout))
+  ref = M.reference_stats(hi, None, layout)
+  out = M.layer_stats(c, hi, None, ref, layout, atol=0.0, rtol=0.0,
+                      finite_only=True)
+  assert not bool(out["finite"])
+  assert "finite" not in M.layer_stats(c, hi, None, ref, layout, atol=0.0,
+                                       rtol=0.0)
+

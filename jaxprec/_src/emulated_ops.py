@@ -326,7 +326,26 @@ _emulated.defvjp(_emulated_fwd, _emulated_bwd)
 
 
 def _marked(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  """``_emulated`` bound under :data:`MARKER` (see :func:`is_emulated_call`)."""
+  """``_emulated`` bound under :data:`MARKER` (see :func:`is_emulated_call`),
+  through a ``jax.jit`` keyed on ``spec`` (see :func:`_traced_once`)."""
+  try:
+    hash(spec)
+  except TypeError:  # a parameter JAX itself would not take as static
+    with jax.named_scope(MARKER):
+      return _emulated(spec, lhs, rhs)
+  with jax.named_scope(MARKER):
+    return _traced_once(spec, lhs, rhs)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _traced_once(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  """``_emulated`` traced once per spec, shapes and dtypes (jit's cache).
+
+  A model repeats the same matmul in every layer: jit's trace cache then
+  traces the emulation once, and the lowering emits one private function
+  called once per layer. XLA inlines calls before it optimizes, so the
+  compiled program, and every number it computes, is the same (tested).
+  """
   with jax.named_scope(MARKER):
     return _emulated(spec, lhs, rhs)
 
@@ -475,9 +494,15 @@ def is_emulated_call(eqn) -> bool:
   Recognised by the explicit :data:`MARKER` on its name stack (kept through
   jit, grad, vmap and scan), never by a function's name. ``jaxprec.emulate``
   leaves these alone: their inner passes are float32 dots at HIGHEST that
-  must not be emulated a second time.
+  must not be emulated a second time. The ``jit`` call that wraps one (see
+  :func:`_traced_once`) counts too: marked, with that one call as its body.
   """
-  if eqn.primitive.name != "custom_vjp_call":
+  name = eqn.primitive.name
+  if name in ("jit", "pjit"):
+    body = eqn.params["jaxpr"].jaxpr.eqns
+    if len(body) != 1 or not is_emulated_call(body[0]):
+      return False
+  elif name != "custom_vjp_call":
     return False
   return _MARKED.search(compat.eqn_name_stack(eqn)) is not None
 

@@ -59,6 +59,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -190,7 +191,10 @@ class _Runner:
   def __init__(self, fn, call: harness.Args, ref: harness.Reference,
                target: str, mode: str, *, units: Sequence[str] = (),
                precisions: Sequence[Precision] | None = None):
-    self.fn, self.call, self.ref = fn, call, ref
+    # The harness keeps a program for a function it can reference weakly
+    # only: a callable that cannot be (an object of a class with
+    # ``__slots__``) would compile the switched program at every evaluation.
+    self.fn, self.call, self.ref = _referable(fn), call, ref
     self.names = tuple(ref.names)
     self.target, self.mode = target, mode
     self._programs: dict[Any, Any] = {}
@@ -228,6 +232,21 @@ class _Runner:
   def _wrap(self, f, index):
     g = switch.switched(f, self.units, self.precisions, target=self.target)
     return functools.partial(g, index)
+
+
+def _referable(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn``, or a function calling it where ``fn`` cannot be weakly
+  referenced (the runner holds it for the search)."""
+  try:
+    weakref.ref(fn)
+  except TypeError:
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+      return fn(*args, **kwargs)
+    if not hasattr(fn, "__qualname__"):
+      call.__qualname__ = call.__name__ = type(fn).__qualname__
+    return call
+  return fn
 
 
 def _check_layers(layers: Any, names: Sequence[str]) -> list[str]:

@@ -22,7 +22,10 @@ read it: they read it from memory in both programs, as they must across a
 Which equations are a unit's: :func:`jaxprec._src.audit.walk_modules`, the
 audit's own mapping from equations to module paths, over a trace recorded
 with :func:`jaxprec._src.flax.paths.record`, so the units found here are the
-ones :func:`jaxprec.cost`'s table lists. A unit that this trace does not find
+ones :func:`jaxprec.cost`'s table lists; the trace is its own (JAX's trace
+caches do not serve an earlier one) and is copied so that each equation
+occurs once (a jaxpr those caches share between two modules' calls belongs
+to both units: :func:`_unshared`). A unit that this trace does not find
 is an error (:class:`SwitchError`); the search then falls back to one
 program per policy and says so.
 """
@@ -30,6 +33,7 @@ program per policy and says so.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +52,9 @@ from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.precision import Precision
 
 __all__ = ["SwitchError", "index_of", "switched", "unit_eqns"]
+
+
+_TRACES = itertools.count()
 
 
 class SwitchError(ValueError):
@@ -98,16 +105,21 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
 
   @functools.wraps(fn)
   def run(index, *args, **kwargs):
-    with flax_paths.record() as found:
+    # A trace of its own: JAX's trace caches (a jax.checkpoint or jax.jit
+    # around the model's modules) would otherwise serve the audit's trace,
+    # in which no module call is recorded now.
+    with flax_paths.record() as found, compat.jit_key_scope(
+        f"jaxprec switched trace {next(_TRACES)}"):
       call = walker.trace_call(traced, args, kwargs)
-    unit_of = unit_eqns(call.jaxpr, found, position)
+    closed = _unshared(call.jaxpr)
+    unit_of = unit_eqns(closed, found, position)
     missing = set(units) - {units[i] for _, i in unit_of.values()}
     if missing:
       raise SwitchError(
           f"the switched trace found no matmul of the units "
           f"{sorted(missing)[:4]}")
 
-    inline = _holders(call.jaxpr, unit_of)
+    inline = _holders(closed, unit_of)
 
     def rule(eqn, invals):
       if id(eqn) in inline:
@@ -122,7 +134,7 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
       branches = [_branch(r, eqn) for r in rules]
       return [lax.switch(index[hit[1]], branches, *invals)]
 
-    out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
+    out = call.unflatten(walker.interpret(closed, rule, *call.dynamic))
     emulate_lib.warn_opaque(opaque, warned, what)
     return out
 
@@ -142,6 +154,30 @@ def unit_eqns(closed, found: dict[str, list[str]], position: dict[str, int]
                                 eqn.invars[1].aval.dtype)):
       out[id(eqn)] = (eqn, position[module])
   return out
+
+
+def _unshared(closed):
+  """``closed`` with a copy of every equation and nested jaxpr where it is
+  met, so that each equation object occurs once.
+
+  JAX's trace caches give two calls of one function (a ``jax.jit`` function,
+  the body of a ``lax.scan`` or the branches of a ``lax.cond`` written
+  outside the module) the same jaxpr, whose matmuls may belong to two units:
+  keyed by equation, one unit's index would choose for both.
+  """
+  def copy(value):
+    if isinstance(value, compat.ClosedJaxpr):
+      return value.replace(jaxpr=copy(value.jaxpr))
+    if isinstance(value, compat.Jaxpr):
+      return value.replace(eqns=[
+          e.replace(params={k: copy(v) for k, v in e.params.items()})
+          for e in value.eqns])
+    if isinstance(value, tuple) and any(
+        isinstance(v, (compat.ClosedJaxpr, compat.Jaxpr)) for v in value):
+      items = [copy(v) for v in value]  # a named tuple stays one
+      return value._make(items) if hasattr(value, "_make") else tuple(items)
+    return value
+  return copy(closed)
 
 
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",

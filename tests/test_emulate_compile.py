@@ -1,0 +1,166 @@
+"""Each distinct emulated op is traced once (issue 11, compile time).
+
+``emulated_ops._marked`` binds the emulation through a ``jax.jit`` keyed on
+the op's static spec: a model's identical layers reuse one trace and one
+lowered function, which XLA inlines before it optimizes. These tests prove
+that the compiled numbers are those of the unjitted emulation, bit for bit,
+and that the marker still identifies the (now jitted) emulated ops.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxprec
+from jaxprec._src import emulated_ops
+from jaxprec._src import walker
+
+MATMUL = (((1,), (0,)), ((), ()))
+# (target, precision) for each algorithm (as tests/test_emulated_ops.py).
+HOW = [("tpu", "default"), ("tpu", "high"), ("tpu", "highest"),
+       ("tpu", "BF16_BF16_F32_X9"), ("gpu", "default"),
+       ("gpu", "TF32_TF32_F32_X3"), ("tpu", "F16_F16_F32")]
+KERNELS = ("bf16", "f32")
+
+
+def _unjitted(spec, lhs, rhs):
+  """What ``_marked`` bound before it went through ``jax.jit``."""
+  with jax.named_scope(emulated_ops.MARKER):
+    return emulated_ops._emulated(spec, lhs, rhs)
+
+
+def _operands():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((3, 16, 24)).astype(np.float32)
+  w = (rng.standard_normal((24, 24)) * 0.2).astype(np.float32)
+  # Special values, one row each: inf, NaN, overflowing products, values
+  # whose lower parts fall below float32's normal range.
+  s = rng.standard_normal((8, 24)).astype(np.float32)
+  s[0, 0], s[1, 1], s[2, 2], s[3, :] = np.inf, -np.inf, np.nan, 3e38
+  s[4, :3] = [1 + 2.0**-9 + 2.0**-20, 2.0**-126, -1e-30]
+  s[5, :] = 2.0**-120 * (1 + 2.0**-12)
+  return x, w, s
+
+
+def _model(x, ws, s):
+  """Four identical layers, an einsum with a batch axis, a length-1
+  contraction and the special values."""
+  for w in ws:
+    x = jnp.tanh(x @ w)
+  att = jnp.einsum("bqd,bkd->bqk", x, x)
+  one = lax.dot_general(x[:, :, :1], x[:, :1, :], (((2,), (1,)), ((0,), (0,))))
+  return att, one, s @ ws[0], s[:, :1] @ s[:1, :]
+
+
+def _run(fn, x, w, s):
+  ws = [w * (1 + i / 4) for i in range(4)]
+
+  def loss(a, b):
+    return sum(jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0)) for o in fn(a, b, s))
+
+  out = jax.jit(fn)(x, ws, s)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, ws)
+  return jax.tree_util.tree_leaves((out, grads))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("target,precision", HOW)
+def test_jitted_emulation_is_bit_identical_to_the_unjitted_one(
+    monkeypatch, kernel, target, precision):
+  x, w, s = _operands()
+  with jaxprec.use_kernel(kernel):
+    fn = jaxprec.emulate(_model, precision, target=target)
+    jitted = _run(fn, x, w, s)
+    with monkeypatch.context() as m:
+      m.setattr(emulated_ops, "_traced_once", _unjitted)
+      fn = jaxprec.emulate(_model, precision, target=target)  # a fresh trace
+      plain = _run(fn, x, w, s)
+  assert len(jitted) == len(plain) == 9
+  assert np.isnan(jitted[2]).any() and np.isfinite(jitted[0]).all()
+  for a, b in zip(jitted, plain):
+    # Bit for bit, NaN payloads and zero signs included.
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32),
+                                  np.asarray(b).view(np.uint32))
+
+
+def test_emulated_conv_is_bit_identical_to_the_unjitted_one(monkeypatch):
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((2, 3, 9, 9)).astype(np.float32)
+  k = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+  conv = lambda a, b: lax.conv_general_dilated(a, b, (1, 1), "SAME")  # noqa: E731
+  f = jax.jit(jax.value_and_grad(
+      lambda a, b: jnp.sum(jaxprec.emulate(conv, "high")(a, b) ** 2), (0, 1)))
+  jitted = jax.tree_util.tree_leaves(f(x, k))
+  monkeypatch.setattr(emulated_ops, "_traced_once", _unjitted)
+  f = jax.jit(jax.value_and_grad(
+      lambda a, b: jnp.sum(jaxprec.emulate(conv, "high")(a, b) ** 2), (0, 1)))
+  for a, b in zip(jitted, jax.tree_util.tree_leaves(f(x, k))):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32),
+                                  np.asarray(b).view(np.uint32))
+
+
+@pytest.fixture(autouse=True)
+def _bf16_kernel():
+  """A fixed kernel: ``auto`` would measure, inside the first trace."""
+  with jaxprec.use_kernel("bf16"):
+    yield
+
+
+def test_identical_layers_share_one_trace_and_one_lowered_function():
+  x, w, _ = _operands()
+  ws = [w + i for i in range(4)]
+
+  def layers(a, bs):
+    for b in bs:
+      a = jnp.tanh(a @ b)
+    return jnp.einsum("bqd,bkd->bqk", a, a)
+
+  f = jaxprec.emulate(layers, "highest")
+  closed = jax.make_jaxpr(f)(x, ws)
+  calls = [e for e in closed.jaxpr.eqns if emulated_ops.is_emulated_call(e)]
+  # 4 layers and the einsum: the layers' calls hold one and the same jaxpr.
+  assert len(calls) == 5
+  assert len({id(e.params["jaxpr"]) for e in calls}) == 2
+  text = jax.jit(f).lower(x, ws).as_text()
+  assert len(re.findall(r"func.func private @_traced_once(_\d+)?\(", text)) == 2
+  assert len(re.findall(r"call @_traced_once(_\d+)?\(", text)) == 5
+
+
+def test_the_jit_wrapper_is_marked_and_emulating_again_keeps_it():
+  x, w, _ = _operands()
+  f = jaxprec.emulate(lambda a, b: a @ b, "high")
+  closed = jax.make_jaxpr(f)(x[1], w)
+  (call,) = closed.jaxpr.eqns
+  assert call.primitive.name in ("jit", "pjit")
+  assert emulated_ops.is_emulated_call(call)
+  inner = call.params["jaxpr"].jaxpr.eqns
+  assert [e.primitive.name for e in inner] == ["custom_vjp_call"]
+  assert emulated_ops.is_emulated_call(inner[0])
+  # Emulating the emulated function again binds the same call unchanged.
+  again = jax.make_jaxpr(jaxprec.emulate(f, "bfloat16"))(x[1], w)
+  (call2,) = again.jaxpr.eqns
+  assert call2.params["jaxpr"] is call.params["jaxpr"]
+  np.testing.assert_array_equal(jaxprec.emulate(f, "bfloat16")(x[1], w),
+                                f(x[1], w))
+
+
+def test_a_users_jit_around_a_marked_scope_is_not_an_emulated_call():
+  # A jit whose body is not one marked emulated op is walked into, as before.
+  x, w, _ = _operands()
+  g = jaxprec.emulate(lambda a, b: a @ b, "high")
+
+  @jax.jit
+  def user(a, b):
+    with jax.named_scope(emulated_ops.MARKER):
+      return g(a, b) + a @ b
+
+  closed = jax.make_jaxpr(user)(x[1], w)
+  (outer,) = closed.jaxpr.eqns
+  assert not emulated_ops.is_emulated_call(outer)
+  marked = [w_.eqn for w_ in walker.iter_eqns(closed)
+            if emulated_ops.is_emulated_call(w_.eqn)]
+  assert marked  # the emulated op inside is still found

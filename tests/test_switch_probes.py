@@ -1,0 +1,205 @@
+"""Probes of the search's switched program (jaxprec/_src/switch.py) found by
+trying odd model structures: each test failed before its fix."""
+
+import warnings
+import weakref
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxprec
+from jaxprec._src import cost as cost_lib
+from jaxprec._src import search as search_lib
+from jaxprec._src import search_algorithm
+from jaxprec._src import switch
+
+
+def _same(a, b):
+  a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
+  return a.shape == b.shape and np.array_equal(a.view(np.uint32),
+                                               b.view(np.uint32))
+
+
+def _units_and_cands(fn, args, target="tpu"):
+  weights = cost_lib.weights_for(target)
+  cands = search_lib._candidates(None, target, weights)
+  table = search_algorithm.CostTable.of(fn, args, {}, target, cands, weights)
+  search = search_algorithm.Search(runner=None, table=table, cands=cands,
+                                   metric="rel_rms", tolerance=1e-3, budget=9,
+                                   verbose=False)
+  return table.units, cands, search
+
+
+# ---------------------------------------------------------------------------
+# One jaxpr, two units: JAX's trace caches give two calls of a function
+# written outside the modules (a jax.jit function, a lax.scan body, lax.cond
+# branches) the same equations. Keyed by equation, the switched program ran
+# both calls at the second unit's precision (wrong numbers, no warning), or
+# found no matmul of the first unit and fell back to one program per policy.
+
+
+@jax.jit
+def _shared_jit(w, x):
+  return jnp.tanh(x @ w + 100.0) - jnp.tanh(x @ w)
+
+
+def _shared_scan_body(c, w):
+  return jnp.tanh(c @ w + 30.0), None
+
+
+def _branch_a(c, w):
+  return c @ w
+
+
+def _branch_b(c, w):
+  return c @ w.T
+
+
+class _Block(nn.Module):
+  own: bool = False  # a matmul of its own: the unit is found either way
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(0.3), (8, 8))
+    if self.own:
+      x = x @ (w * 0.5)
+    h = _shared_jit(w, x)
+    h = jax.lax.scan(_shared_scan_body, h, jnp.stack([w, w]))[0]
+    return jax.lax.cond(h[0, 0] > -10.0, _branch_a, _branch_b, h + 20.0, w)
+
+
+class _TwoBlocks(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return {"a": _Block(own=True, name="a")(x),
+            "b": _Block(name="b")(x * 0.01)}
+
+
+def _two_blocks():
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  model = _TwoBlocks()
+  return model.apply, (model.init(jax.random.key(0), x), x)
+
+
+def test_units_sharing_a_traced_function_are_switched_bit_for_bit():
+  fn, args = _two_blocks()
+  units, cands, search = _units_and_cands(fn, args)
+  assert set(units) == {"a", "b"}
+  g = jax.jit(switch.switched(fn, units, [c.precision for c in cands],
+                              target="tpu"))
+  for levels in [(0, 0), (2, 0), (0, 2), (1, 0), (2, 1)]:
+    fixed = jax.jit(jaxprec.emulate(fn, search.policy(levels), target="tpu"))
+    want, got = fixed(*args), g(switch.index_of(levels), *args)
+    for name in want:
+      assert _same(got[name], want[name]), (levels, name)
+
+
+def test_shared_traced_function_search_switches_and_agrees_with_per_policy():
+  fn, args = _two_blocks()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no fallback, no disagreement
+    once = jaxprec.search_policy(fn, *args, tolerance=1e-4, verbose=False)
+    per = jaxprec.search_policy(fn, *args, tolerance=1e-4, verbose=False,
+                                compile_once=False)
+  assert "switched" in {s.program for s in once.history}
+  assert [str(s.policy) for s in once.history] == [
+      str(s.policy) for s in per.history]
+  assert [s.worst_value for s in once.history] == [
+      s.worst_value for s in per.history]
+  assert str(once.policy) == str(per.policy) and once.values == per.values
+
+
+def test_unshared_copy_keeps_named_tuples_of_jaxprs():
+  """custom_linear_solve keeps its jaxprs in a named tuple (``.solve``)."""
+  w = jax.random.normal(jax.random.key(0), (8, 8))
+  a = w @ w.T + 8 * jnp.eye(8)
+
+  def f(a, b):
+    return jax.lax.custom_linear_solve(lambda v: a @ v, b,
+                                       lambda mv, r: r / 8.0, symmetric=True)
+
+  b = jnp.arange(8.0)
+  closed = jax.make_jaxpr(f)(a, b)
+  copied = switch._unshared(closed)
+  (eqn,) = [e for e in copied.jaxpr.eqns
+            if e.primitive.name == "custom_linear_solve"]
+  (original,) = [e for e in closed.jaxpr.eqns
+                 if e.primitive.name == "custom_linear_solve"]
+  assert type(eqn.params["jaxprs"]) is type(original.params["jaxprs"])
+  assert eqn.params["jaxprs"].solve is not None
+  assert eqn is not original
+  (out,) = jax.core.eval_jaxpr(copied.jaxpr, copied.consts, a, b)
+  assert _same(out, f(a, b))
+
+
+# ---------------------------------------------------------------------------
+# A callable that cannot be weakly referenced (an object of a class with
+# __slots__): the harness keeps no program for it, so the "compiled once"
+# switched program was compiled again at every evaluation (slower than one
+# program per policy).
+
+
+class _Slotted:
+  __slots__ = ("model", "traces")
+
+  def __init__(self, model):
+    self.model, self.traces = model, []
+
+  def __call__(self, params, x):
+    self.traces.append(1)
+    return self.model.apply(params, x)
+
+
+class _Offset(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(8, name="a")(x + 100.0) - 100.0)
+    return {"h": h, "o": nn.Dense(8, name="b")(h)}
+
+
+def test_unreferable_callable_compiles_the_switched_program_once():
+  model = _Offset()
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  params = model.init(jax.random.key(0), x)
+  slotted = _Slotted(model)
+  with pytest.raises(TypeError):
+    weakref.ref(slotted)
+  plain_traces = []
+
+  def plain(params, x):
+    plain_traces.append(1)
+    return model.apply(params, x)
+
+  kw = dict(tolerance=1e-5, verbose=False)
+  r = jaxprec.search_policy(slotted, params, x, **kw)
+  want = jaxprec.search_policy(plain, params, x, **kw)
+  assert r.evaluations >= 4 and "switched" in {s.program for s in r.history}
+  assert str(r.policy) == str(want.policy) and r.values == want.values
+  # fn is traced once per program (audits, reference, first evaluation,
+  # the switched program, the returned policy's own program), as a plain
+  # function is: not once more per switched evaluation.
+  assert len(slotted.traces) == len(plain_traces)
+
+
+# ---------------------------------------------------------------------------
+# A jax.checkpoint around the whole model: JAX keeps its trace, and the
+# switched trace was served the audit's, in which no module call ran, so it
+# found no unit and fell back to one program per policy.
+
+
+def test_checkpointed_model_switches():
+  model = _Offset()
+  x = jax.random.normal(jax.random.key(3), (4, 8))
+  params = model.init(jax.random.key(0), x)
+  fn = jax.checkpoint(model.apply)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no fallback
+    r = jaxprec.search_policy(fn, params, x, tolerance=1e-5, verbose=False)
+  assert set(r.units) == {"a", "b"}
+  assert "switched" in {s.program for s in r.history}
+  want = jaxprec.search_policy(model.apply, params, x, tolerance=1e-5,
+                               verbose=False, compile_once=False)
+  assert str(r.policy) == str(want.policy) and r.values == want.values
