@@ -203,3 +203,37 @@ def test_checkpointed_model_switches():
   want = jaxprec.search_policy(model.apply, params, x, tolerance=1e-5,
                                verbose=False, compile_once=False)
   assert str(r.policy) == str(want.policy) and r.values == want.values
+
+
+# Searching (or auditing) the same checkpointed model twice: the second audit
+# was served the first's trace, recorded no module call and gave every
+# matmul the path '' (a search over one unit, without a word).
+
+
+def test_a_second_search_of_a_checkpointed_model_finds_the_same_units():
+  model = _Offset()
+  x = jax.random.normal(jax.random.key(3), (4, 8))
+  params = model.init(jax.random.key(0), x)
+  fn = jax.checkpoint(model.apply)
+  first = jaxprec.search_policy(fn, params, x, tolerance=1e-5, verbose=False)
+  second = jaxprec.search_policy(fn, params, x, tolerance=1e-5, verbose=False)
+  assert set(first.units) == set(second.units) == {"a", "b"}
+  assert str(first.policy) == str(second.policy)
+  paths = [{r.module_path for r in jaxprec.audit(fn, params, x).rows}
+           for _ in range(2)]
+  assert paths[0] == paths[1] == {"a", "b"}
+
+
+def test_nested_jit_key_scopes_keep_the_outer_key():
+  from jaxprec._src import compat  # noqa: PLC0415
+  traces = []
+
+  @jax.jit
+  def f(x):
+    traces.append(1)
+    return x + 1
+
+  for outer in ("one", "two"):
+    with compat.jit_key_scope(outer), compat.jit_key_scope("inner"):
+      f(1.0)
+  assert len(traces) == 2  # the inner scope alone would have reused a trace

@@ -304,9 +304,12 @@ def jit_key_scope(value: str):
 
   A policy decides precisions while a function is traced (through Flax method
   interception) in a way JAX cannot see; without this, a function jitted once
-  under one policy would silently reuse that trace under another.
+  under one policy would silently reuse that trace under another. Scopes
+  nest: the key is the outer scope's value joined with ``value``, so an
+  inner scope never makes two different outer scopes look alike.
   """
-  return _POLICY_KEY_STATE(value)
+  outer = _POLICY_KEY_STATE.value
+  return _POLICY_KEY_STATE(value if outer is None else f"{outer} | {value}")
 
 
 def kernel_state():

@@ -23,6 +23,7 @@ NNX object.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import threading
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from typing import Any
 import jax
 
 from jaxprec._src import compat
+
+_RECORDS = itertools.count()
 
 __all__ = ["ModulePaths", "join", "lookup", "nnx_call", "nnx_modules", "record",
            "recording"]
@@ -98,7 +101,12 @@ def record() -> Iterator[dict[str, list[str]]]:
   are recorded too. Without Flax linen imported, only those are.
   """
   found: dict[str, list[str]] = {}
-  with _recording_into(found):
+  # A trace JAX serves from its caches (a jax.checkpoint or jax.jit function
+  # inside fn, traced by an earlier record) runs no module call, and would
+  # leave ``found`` empty: stale paths. A key of its own per record makes
+  # JAX trace again.
+  with _recording_into(found), compat.jit_key_scope(
+      f"jaxprec record {next(_RECORDS)}"):
     if "flax.linen" not in sys.modules:
       yield found
     else:
