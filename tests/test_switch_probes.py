@@ -237,3 +237,36 @@ def test_nested_jit_key_scopes_keep_the_outer_key():
     with compat.jit_key_scope(outer), compat.jit_key_scope("inner"):
       f(1.0)
   assert len(traces) == 2  # the inner scope alone would have reused a trace
+
+
+# An integer matmul under a GPU preset: the preset reached the native dot,
+# which the CPU lowering refuses (TF32 presets take floats only).
+
+
+@pytest.mark.parametrize("precision", ["TF32_TF32_F32_X3", "tensorfloat32",
+                                       "BF16_BF16_F32_X6"])
+def test_integer_matmul_under_a_float_preset_runs_exactly(precision):
+  a = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
+  for target in ("gpu", "tpu"):
+    got = jax.jit(jaxprec.emulate(lambda m: m @ m, precision, target=target))(a)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, np.asarray(a) @ np.asarray(a))
+
+
+def test_gpu_search_with_an_integer_matmul_in_a_module():
+  class WithInt(nn.Module):
+    @nn.compact
+    def __call__(self, x, idx):
+      counts = idx @ jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+      return {"h": jnp.tanh(nn.Dense(8, name="d")(x + 100.0)),
+              "c": counts.astype(jnp.float32)}
+
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  idx = jnp.ones((4, 3), jnp.int32)
+  model = WithInt()
+  params = model.init(jax.random.key(0), x, idx)
+  once = jaxprec.search_policy(model.apply, params, x, idx, tolerance=1e-5,
+                               target="gpu", verbose=False)
+  per = jaxprec.search_policy(model.apply, params, x, idx, tolerance=1e-5,
+                              target="gpu", verbose=False, compile_once=False)
+  assert str(once.policy) == str(per.policy) and once.values == per.values

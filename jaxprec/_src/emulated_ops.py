@@ -360,6 +360,11 @@ def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   algorithm = algorithm_for(precision, target, lhs.dtype, rhs.dtype, op=op)
   if algorithm == "native":
+    if not (jnp.issubdtype(lhs.dtype, jnp.inexact)
+            and jnp.issubdtype(rhs.dtype, jnp.inexact)):
+      # Integer products are exact at any precision; a preset the backend
+      # runs only on floats (TF32 on CPU) would be refused by the lowering.
+      return native(None)
     return native(precision)
   if algorithm == "f32":
     return native(_EXACT)
