@@ -270,3 +270,17 @@ def test_gpu_search_with_an_integer_matmul_in_a_module():
   per = jaxprec.search_policy(model.apply, params, x, idx, tolerance=1e-5,
                               target="gpu", verbose=False, compile_once=False)
   assert str(once.policy) == str(per.policy) and once.values == per.values
+
+
+def test_an_empty_output_layer_is_not_checked_and_said_so():
+  w = jax.random.normal(jax.random.key(0), (8, 8))
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+
+  def f(w, x):
+    y = jnp.tanh(x @ w)
+    return {"y": y, "z": y[:0]}
+
+  with pytest.warns(UserWarning, match="'z' has no elements and is not checked"):
+    r = jaxprec.search_policy(f, w, x, tolerance=1e-2, verbose=False)
+  assert r.meets_tolerance and str(r.policy) == "default=bfloat16"
+  assert set(r.values) == {"y"}

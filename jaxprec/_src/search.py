@@ -461,6 +461,15 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
                      f"floating arrays to compare")
   names = _check_layers(layers, all_names)
+  empty = [n for n, shape, _ in info if n in names and 0 in shape]
+  if empty and len(empty) < len(names):
+    # No elements, no error: its metrics are NaN, which no policy passes.
+    warnings.warn(
+        f"jaxprec.search_policy: {', '.join(map(repr, empty[:4]))} "
+        f"{'has' if len(empty) == 1 else 'have'} no elements and "
+        f"{'is' if len(empty) == 1 else 'are'} not checked.", UserWarning,
+        stacklevel=2)
+    names = [n for n in names if n not in empty]
   ref = harness.build_reference(
       fn, call, reference, target=target, mode=mode,
       select=None if names == all_names else names)
