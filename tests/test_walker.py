@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import jaxprec
 from jaxprec._src import walker
 
 
@@ -251,3 +252,31 @@ def test_one_array_leaf_rule():
   assert not trees.is_array(sd, abstract=False)
   assert [trees.is_jax_type(x) for x in (X, 1, 2.5, np.int8(1), "s", None)] == [
       True, True, True, True, False, False]
+
+
+def test_emulate_rewrites_inside_shard_map():
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  mesh = jax.make_mesh((1,), ("x",))
+
+  def f(a, b):
+    return jax.shard_map(lambda u, v: u @ v, mesh=mesh, in_specs=(P(), P()),
+                         out_specs=P())(a, b)
+
+  a = jnp.full((4, 4), 1 + 2.0**-9)  # not a bfloat16 value: rounds to 1
+  for g in (jaxprec.emulate(f, "bfloat16"),
+            jax.jit(jaxprec.emulate(f, "bfloat16"))):
+    np.testing.assert_array_equal(g(a, a), np.full((4, 4), 4.0, np.float32))
+  assert float(f(a, a)[0, 0]) > 4.0  # natively on CPU: float32
+
+
+def test_emulate_rewrites_inside_custom_linear_solve():
+  def g(a, b):
+    return jax.lax.custom_linear_solve(
+        lambda x: a @ x, b, lambda mv, x: jnp.linalg.solve(a, x))
+
+  a = jnp.eye(4) * 2 + 0.1
+  b = jnp.full((4,), 1 + 2.0**-9)
+  got = jaxprec.emulate(g, "bfloat16")(a, b)
+  np.testing.assert_allclose(got, np.linalg.solve(np.asarray(a, np.float64),
+                                                  np.asarray(b, np.float64)),
+                             rtol=1e-6)

@@ -300,7 +300,9 @@ def _rebind(eqn, invals, rule: Rule) -> list[Any]:
         params[k] = _closed(rule, v)
       elif isinstance(v, tuple) and v and all(
           isinstance(x, compat.ClosedJaxpr) for x in v):
-        params[k] = tuple(_closed(rule, x) for x in v)
+        items = [_closed(rule, x) for x in v]
+        # A named tuple stays one (custom_linear_solve's jaxprs: .solve, ...).
+        params[k] = v._make(items) if hasattr(v, "_make") else tuple(items)
       elif isinstance(v, compat.Jaxpr):
         raise NotImplementedError(
             f"jaxprec cannot rewrite inside the higher-order primitive {name!r}")
@@ -371,7 +373,9 @@ def _shard_map(eqn, invals, rule, params):
   if consts:
     params = compat.shard_map_add_replicated_inputs(params, len(consts))
   params["jaxpr"] = new.jaxpr
-  return _bind(eqn, [*consts, *invals], params)
+  # The primitive's own bind params (jax 0.10: ``subfuns`` made from the
+  # jaxpr; binding the recorded params raised KeyError 'subfuns').
+  return _bind(eqn, [*consts, *invals], eqn.primitive.get_bind_params(params))
 
 
 def _custom_jvp(eqn, invals, rule, params):
