@@ -19,9 +19,9 @@ import pytest
 
 import jaxprec
 import jaxprec.models
+import switching
 from jaxprec._src import cost as cost_lib
 from jaxprec._src import search as search_lib
-from jaxprec._src import search_algorithm
 from jaxprec._src import switch
 from jaxprec._src.precision import resolve
 
@@ -46,12 +46,6 @@ def _special_operands(k):
   return x, w
 
 
-def _same(a, b):
-  a, b = np.asarray(a), np.asarray(b)
-  return a.shape == b.shape and np.array_equal(a.view(np.uint32),
-                                               b.view(np.uint32))
-
-
 @pytest.mark.parametrize("kernel", ["bf16", "f32"])
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
 @pytest.mark.parametrize("k", [1, 24])
@@ -69,7 +63,7 @@ def test_each_emulated_dot_is_bit_for_bit_the_fixed_programs(target, kernel, k):
       fixed = jax.jit(jaxprec.emulate(f, jaxprec.Policy(default=name),
                                       target=target))(x, w)
       got = g(switch.index_of([i]), x, w)
-      assert _same(got["y"], fixed["y"]), (target, kernel, k, name)
+      assert switching.same(got["y"], fixed["y"]), (target, kernel, k, name)
 
 
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
@@ -103,59 +97,25 @@ def test_each_emulated_conv_is_bit_for_bit_the_fixed_programs(target):
             x, w, (2,), "VALID", dimension_numbers=("NWC", "WIO", "NWC")),
         [""], [resolve(n) for n in names], target=target))(
             switch.index_of([i]), x, w)
-    assert _same(got_conv, conv_only(x, w)), (target, name)
+    assert switching.same(got_conv, conv_only(x, w)), (target, name)
     # With a layer norm reading it: XLA would fuse the norm's sums into the
     # fixed program's last addition and round them in another order, were
     # that addition not computed where nothing is fused in (passes._last).
-    assert _same(g(switch.index_of([i]), x, w, b), fixed(x, w, b)), name
-
-
-def _units_and_cands(fn, args, target="tpu"):
-  weights = cost_lib.weights_for(target)
-  cands = search_lib._candidates(None, target, weights)
-  table = search_algorithm.CostTable.of(fn, args, {}, target, cands, weights)
-  search = search_algorithm.Search(runner=None, table=table, cands=cands,
-                                   metric="rel_rms", tolerance=1e-3, budget=9,
-                                   verbose=False)
-  return table.units, cands, search
-
-
-def _policies(n_units, n_cands, count, seed=0):
-  rng = np.random.default_rng(seed)
-  out = [(c,) * n_units for c in range(n_cands)]
-  out += [tuple(int(v) for v in rng.integers(0, n_cands, n_units))
-          for _ in range(count)]
-  return out
+    assert switching.same(g(switch.index_of([i]), x, w, b), fixed(x, w, b)), name
 
 
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
 def test_bert_switched_program_is_the_fixed_policy_program_bit_for_bit(target):
   fn, args = jaxprec.models.bert("tiny")
-  fn = cost_lib.unjit(fn)
-  units, cands, search = _units_and_cands(fn, args, target)
+  units = switching.assert_switched_is_fixed(cost_lib.unjit(fn), args, 3,
+                                             target=target)
   assert len(units) > 8
-  g = jax.jit(switch.switched(fn, units, [c.precision for c in cands],
-                              target=target))
-  for levels in _policies(len(units), len(cands), 3):
-    fixed = jax.jit(jaxprec.emulate(fn, search.policy(levels), target=target))
-    want = jax.tree.leaves(fixed(*args))
-    got = jax.tree.leaves(g(switch.index_of(levels), *args))
-    assert len(got) == len(want)
-    assert all(_same(a, b) for a, b in zip(got, want)), str(search.policy(levels))
 
 
 def test_wav2vec2_switched_program_is_the_fixed_policy_program_bit_for_bit():
   """Its conv stack's layer norms read emulated convolutions (passes._last)."""
   fn, args = jaxprec.models.wav2vec2("tiny")
-  fn = cost_lib.unjit(fn)
-  units, cands, search = _units_and_cands(fn, args)
-  g = jax.jit(switch.switched(fn, units, [c.precision for c in cands],
-                              target="tpu"))
-  for levels in _policies(len(units), len(cands), 2, seed=1):
-    fixed = jax.jit(jaxprec.emulate(fn, search.policy(levels), target="tpu"))
-    want = jax.tree.leaves(fixed(*args))
-    got = jax.tree.leaves(g(switch.index_of(levels), *args))
-    assert all(_same(a, b) for a, b in zip(got, want)), str(search.policy(levels))
+  switching.assert_switched_is_fixed(cost_lib.unjit(fn), args, 2, seed=1)
 
 
 # ---------------------------------------------------------------------------
@@ -352,14 +312,7 @@ def _plain_args():
                          ids=["remat-jit-scan-cond", "jit-custom_jvp"])
 def test_units_inside_bodies_are_switched_bit_for_bit(make):
   fn, args = make()
-  units, cands, search = _units_and_cands(fn, args)
-  g = jax.jit(switch.switched(fn, units, [c.precision for c in cands],
-                              target="tpu"))
-  for levels in _policies(len(units), len(cands), 3, seed=4):
-    fixed = jax.jit(jaxprec.emulate(fn, search.policy(levels), target="tpu"))
-    want = jax.tree.leaves(fixed(*args))
-    got = jax.tree.leaves(g(switch.index_of(levels), *args))
-    assert all(_same(a, b) for a, b in zip(got, want)), str(search.policy(levels))
+  switching.assert_switched_is_fixed(fn, args, 3, seed=4)
 
 
 @pytest.mark.parametrize("make", [_structured, _plain_args],

@@ -11,26 +11,8 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import cost as cost_lib
-from jaxprec._src import search as search_lib
-from jaxprec._src import search_algorithm
+import switching
 from jaxprec._src import switch
-
-
-def _same(a, b):
-  a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
-  return a.shape == b.shape and np.array_equal(a.view(np.uint32),
-                                               b.view(np.uint32))
-
-
-def _units_and_cands(fn, args, target="tpu"):
-  weights = cost_lib.weights_for(target)
-  cands = search_lib._candidates(None, target, weights)
-  table = search_algorithm.CostTable.of(fn, args, {}, target, cands, weights)
-  search = search_algorithm.Search(runner=None, table=table, cands=cands,
-                                   metric="rel_rms", tolerance=1e-3, budget=9,
-                                   verbose=False)
-  return table.units, cands, search
 
 
 # ---------------------------------------------------------------------------
@@ -86,7 +68,7 @@ def _two_blocks():
 
 def test_units_sharing_a_traced_function_are_switched_bit_for_bit():
   fn, args = _two_blocks()
-  units, cands, search = _units_and_cands(fn, args)
+  units, cands, search = switching.units_and_cands(fn, args)
   assert set(units) == {"a", "b"}
   g = jax.jit(switch.switched(fn, units, [c.precision for c in cands],
                               target="tpu"))
@@ -94,7 +76,7 @@ def test_units_sharing_a_traced_function_are_switched_bit_for_bit():
     fixed = jax.jit(jaxprec.emulate(fn, search.policy(levels), target="tpu"))
     want, got = fixed(*args), g(switch.index_of(levels), *args)
     for name in want:
-      assert _same(got[name], want[name]), (levels, name)
+      assert switching.same(got[name], want[name]), (levels, name)
 
 
 def test_shared_traced_function_search_switches_and_agrees_with_per_policy():
@@ -132,7 +114,7 @@ def test_unshared_copy_keeps_named_tuples_of_jaxprs():
   assert eqn.params["jaxprs"].solve is not None
   assert eqn is not original
   (out,) = jax.core.eval_jaxpr(copied.jaxpr, copied.consts, a, b)
-  assert _same(out, f(a, b))
+  assert switching.same(out, f(a, b))
 
 
 # ---------------------------------------------------------------------------
