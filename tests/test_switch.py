@@ -104,18 +104,20 @@ def test_each_emulated_conv_is_bit_for_bit_the_fixed_programs(target):
     assert switching.same(g(switch.index_of([i]), x, w, b), fixed(x, w, b)), name
 
 
-@pytest.mark.parametrize("target", ["tpu", "gpu"])
-def test_bert_switched_program_is_the_fixed_policy_program_bit_for_bit(target):
+@pytest.mark.parametrize("target,count", [("tpu", 3), ("gpu", 1)])
+def test_bert_switched_program_is_the_fixed_policy_program_bit_for_bit(
+    target, count):
   fn, args = jaxprec.models.bert("tiny")
-  units = switching.assert_switched_is_fixed(cost_lib.unjit(fn), args, 3,
-                                             target=target)
+  units = switching.assert_switched_is_fixed(
+      cost_lib.unjit(fn), args, count, target=target, uniform=target == "tpu")
   assert len(units) > 8
 
 
 def test_wav2vec2_switched_program_is_the_fixed_policy_program_bit_for_bit():
   """Its conv stack's layer norms read emulated convolutions (passes._last)."""
   fn, args = jaxprec.models.wav2vec2("tiny")
-  switching.assert_switched_is_fixed(cost_lib.unjit(fn), args, 2, seed=1)
+  switching.assert_switched_is_fixed(cost_lib.unjit(fn), args, 2, seed=1,
+                                     uniform=False)
 
 
 # ---------------------------------------------------------------------------
