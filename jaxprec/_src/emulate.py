@@ -45,6 +45,7 @@ from jaxprec._src import dtype_emulation
 from jaxprec._src import emulated_ops
 from jaxprec._src import numerics
 from jaxprec._src import policy as policy_lib
+from jaxprec._src import prepared
 from jaxprec._src import walker
 from jaxprec._src.context import current
 from jaxprec._src.flax import nnx_policy
@@ -68,6 +69,7 @@ class OpaqueOpWarning(UserWarning):
 def emulation_rule(default: Precision, *, target: str,
                    conv_default: Precision | None = None,
                    on_opaque: Callable[[str], None] | None = None,
+                   sources: prepared.Sources | None = None,
                    **options) -> walker.Rule:
   """The walker rule that emulates dots and convs (used by :func:`emulate`).
 
@@ -81,6 +83,8 @@ def emulation_rule(default: Precision, *, target: str,
       ``default`` (a policy's ``conv=`` rule).
     on_opaque: called with :func:`walker.opaque_name` of every opaque op met
       (bound unchanged: jaxprec cannot emulate inside it).
+    sources: where the top-level ops find operand parts prepared already
+      (:mod:`jaxprec._src.prepared`); None: every op splits its operands.
     **options: passed to the emulated ops (e.g. ``tf32_rounding='truncate'``).
   """
   dot_default = numerics.per_op(default, "dot")
@@ -104,7 +108,8 @@ def emulation_rule(default: Precision, *, target: str,
       params = dict(eqn.params)
       prec = params.pop("precision")
       lhs, rhs = invals
-      out = emulated_ops.emulated_dot_general(
+      out = emulated_ops.dot_general_with(
+          None if sources is None else sources.for_eqn(eqn),
           lhs, rhs, params.pop("dimension_numbers"),
           precision=dot_default if prec is None else prec,
           preferred_element_type=params.pop("preferred_element_type", None),
@@ -115,7 +120,8 @@ def emulation_rule(default: Precision, *, target: str,
       prec = p["precision"]
       prec = conv_default if prec is None else numerics.lowered(prec, "conv")
       lhs, rhs = invals
-      out = emulated_ops.emulated_conv_general_dilated(
+      out = emulated_ops.conv_general_dilated_with(
+          None if sources is None else sources.for_eqn(eqn),
           lhs, rhs, p["window_strides"], p["padding"],
           lhs_dilation=p["lhs_dilation"], rhs_dilation=p["rhs_dilation"],
           dimension_numbers=p["dimension_numbers"],
@@ -227,7 +233,9 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
     opaque: list[str] = []
     rule = emulation_rule(dot_fixed or now, target=target,
                           conv_default=conv_fixed or now,
-                          on_opaque=opaque.append, **options)
+                          on_opaque=opaque.append,
+                          sources=prepared.sources(call.jaxpr, call.dynamic),
+                          **options)
     out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
     warn_opaque(opaque, warned, what)
     return out

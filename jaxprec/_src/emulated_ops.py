@@ -199,42 +199,60 @@ def _contraction(spec: _Spec, lhs_shape, rhs_shape) -> int:
   return int(np.prod([rhs_shape[d] for d in rhs_spec[1:]], dtype=np.int64))
 
 
-def _canonical_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers):
-  """Any dot_general as (B,) M x K times (B,) K x N, plus the result shape.
+def _canonical_dot(lhs_shape, rhs_shape, dimension_numbers):
+  """Any dot_general as (B,) M x K times (B,) K x N.
 
-  XLA:CPU runs a bfloat16 x bfloat16 -> float32 dot only in some layouts
-  (it rejects, e.g., a lhs contracted on its first axis times a rhs with two
-  free axes: "Unsupported element type for DotThunk"); this form, and what
-  ``jax.vmap`` makes of it, always runs (tested).
+  Returns ``(lhs_move, rhs_move, dimension_numbers, out_shape)``: each
+  operand's data movement into that form (:func:`passes.move`), the form's
+  dimension numbers and the result's shape. XLA:CPU runs a bfloat16 x
+  bfloat16 -> float32 dot only in some layouts (it rejects, e.g., a lhs
+  contracted on its first axis times a rhs with two free axes: "Unsupported
+  element type for DotThunk"); this form, and what ``jax.vmap`` makes of it,
+  always runs (tested).
   """
   (lc, rc), (lb, rb) = dimension_numbers
-  lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
-  rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
-  size = lambda x, dims: int(np.prod([x.shape[d] for d in dims], dtype=np.int64))  # noqa: E731
-  b, m, k, n = size(lhs, lb), size(lhs, lf), size(lhs, lc), size(rhs, rf)
-  out_shape = tuple([lhs.shape[d] for d in lb] + [lhs.shape[d] for d in lf] +
-                    [rhs.shape[d] for d in rf])
-  lhs = jnp.transpose(lhs, (*lb, *lf, *lc))
-  rhs = jnp.transpose(rhs, (*rb, *rc, *rf))
-  if lb:
-    dn = (((2,), (1,)), ((0,), (0,)))
-    return lhs.reshape(b, m, k), rhs.reshape(b, k, n), dn, out_shape
-  return lhs.reshape(m, k), rhs.reshape(k, n), MATMUL, out_shape
+  lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
+  rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
+  size = lambda shape, dims: int(np.prod([shape[d] for d in dims], dtype=np.int64))  # noqa: E731
+  b, m = size(lhs_shape, lb), size(lhs_shape, lf)
+  k, n = size(lhs_shape, lc), size(rhs_shape, rf)
+  out_shape = tuple([lhs_shape[d] for d in lb] + [lhs_shape[d] for d in lf] +
+                    [rhs_shape[d] for d in rf])
+  lhs_form, rhs_form = ((b, m, k), (b, k, n)) if lb else ((m, k), (k, n))
+  dn = (((2,), (1,)), ((0,), (0,))) if lb else MATMUL
+  return (((*lb, *lf, *lc), lhs_form), ((*rb, *rc, *rf), rhs_form), dn,
+          out_shape)
 
 
 MATMUL = (((1,), (0,)), ((), ()))
 
+_NOT_READY = (None, None)
 
-def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
-  out_shape = None
-  fns = passes.F32 if spec.kernel == "f32" else passes.BF16
+
+def _moves(spec: _Spec, lhs_shape, rhs_shape):
+  """``(lhs_move, rhs_move, dimension_numbers, out_shape)``: how the operands
+  are moved before they are split (None: not moved)."""
   if spec.op == "dot_general" and spec.kernel == "bf16":
+    return _canonical_dot(lhs_shape, rhs_shape,
+                          dict(spec.params)["dimension_numbers"])
+  return None, None, None, None
+
+
+def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, ready=_NOT_READY,
+             asked=_NOT_READY) -> jax.Array:
+  """The emulated op. ``ready``: parts of each operand, moved as here,
+  prepared already (:mod:`jaxprec._src.prepared`); ``asked``: lists that
+  record the part keys each operand asks for (:func:`operand_needs`)."""
+  lhs_move, rhs_move, dn, out_shape = _moves(spec, lhs.shape, rhs.shape)
+  lhs = passes.Operand(passes.move(lhs.astype(jnp.float32), lhs_move),
+                       ready[0], asked[0])
+  rhs = passes.Operand(passes.move(rhs.astype(jnp.float32), rhs_move),
+                       ready[1], asked[1])
+  fns = passes.F32 if spec.kernel == "f32" else passes.BF16
+  if dn is not None:
     # bfloat16 parts run as bfloat16 dots with float32 results: exact
     # products, float32 sums, and 0.5x the time of a float32 dot on CPUs with
     # AVX512-BF16 (SEMANTICS.md section 4).
-    lhs, rhs, dn, out_shape = _canonical_dot(
-        lhs, rhs, dict(spec.params)["dimension_numbers"])
     base = functools.partial(lax.dot_general, dimension_numbers=dn)
     parts = jnp.bfloat16
   else:
@@ -274,18 +292,24 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _emulated(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  return _forward(spec, lhs, rhs)
+def _emulated(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
+              ready=_NOT_READY) -> jax.Array:
+  return _forward(spec, lhs, rhs, ready)
 
 
-def _emulated_fwd(spec: _Spec, lhs, rhs):
+def _emulated_fwd(spec: _Spec, lhs, rhs, ready=_NOT_READY):
   # Through the custom_vjp function itself, not `_forward`: higher-order
   # derivatives differentiate this rule, and the rounding inside `_forward`
   # (bit masks) would differentiate to zero.
-  return _emulated(spec, lhs, rhs), (lhs, rhs)
+  return _emulated(spec, lhs, rhs, ready), (lhs, rhs)
 
 
 def _emulated_bwd(spec: _Spec, res, ct):
+  gl, gr = _pullback(spec, res, ct)
+  return gl, gr, None  # prepared parts: no cotangent (lhs and rhs carry it)
+
+
+def _pullback(spec: _Spec, res, ct):
   """Transposes the native op, then emulates each transposed matmul/conv.
 
   The transposed ops come from JAX's own transpose rules (so every
@@ -325,20 +349,39 @@ def _emulated_bwd(spec: _Spec, res, ct):
 _emulated.defvjp(_emulated_fwd, _emulated_bwd)
 
 
-def _marked(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+def _marked(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
+            ready=None) -> jax.Array:
   """``_emulated`` bound under :data:`MARKER` (see :func:`is_emulated_call`),
-  through a ``jax.jit`` keyed on ``spec`` (see :func:`_traced_once`)."""
+  through a ``jax.jit`` keyed on ``spec`` (see :func:`_traced_once`).
+  ``ready``: prepared parts of the operands (:mod:`jaxprec._src.prepared`)."""
+  args = (lhs, rhs) if ready is None else (lhs, rhs, ready)
   try:
     hash(spec)
   except TypeError:  # a parameter JAX itself would not take as static
     with jax.named_scope(MARKER):
-      return _emulated(spec, lhs, rhs)
+      return _emulated(spec, *args)
   with jax.named_scope(MARKER):
-    return _traced_once(spec, lhs, rhs)
+    return _traced_once(spec, *args)
+
+
+@functools.lru_cache(maxsize=4096)
+def operand_needs(spec: _Spec, lhs_shape, lhs_dtype, rhs_shape, rhs_dtype):
+  """``((lhs_keys, lhs_move), (rhs_keys, rhs_move))``: the part keys
+  (:func:`jaxprec._src.passes.compute`) the emulated op asks of each operand
+  once moved by its move (:func:`jaxprec._src.passes.move`). An abstract
+  evaluation, cached."""
+  asked: tuple[list[str], list[str]] = ([], [])
+  jax.eval_shape(lambda l, r: _forward(spec, l, r, asked=asked),
+                 jax.ShapeDtypeStruct(lhs_shape, lhs_dtype),
+                 jax.ShapeDtypeStruct(rhs_shape, rhs_dtype))
+  lhs_move, rhs_move, _, _ = _moves(spec, lhs_shape, rhs_shape)
+  return ((tuple(dict.fromkeys(asked[0])), lhs_move),
+          (tuple(dict.fromkeys(asked[1])), rhs_move))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _traced_once(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+def _traced_once(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
+                 ready=_NOT_READY) -> jax.Array:
   """``_emulated`` traced once per spec, shapes and dtypes (jit's cache).
 
   A model repeats the same matmul in every layer: jit's trace cache then
@@ -347,12 +390,15 @@ def _traced_once(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   compiled program, and every number it computes, is the same (tested).
   """
   with jax.named_scope(MARKER):
-    return _emulated(spec, lhs, rhs)
+    return _emulated(spec, lhs, rhs, ready)
 
 
 def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
          precision, preferred_element_type, target: str, tf32_rounding: str,
-         out_sharding: Any) -> jax.Array:
+         out_sharding: Any, source: Callable[..., Any] | None = None
+         ) -> jax.Array:
+  """The emulated op. ``source``: where prepared operand parts are found
+  (:meth:`jaxprec._src.prepared.Sources.for_eqn`), or None."""
   target = check_target(target, emulation=True)
   tf32_rounding = _check_tf32_rounding(tf32_rounding)
   if target in ("cpu", "native"):
@@ -370,7 +416,13 @@ def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
     return native(_EXACT)
   spec = _make_spec(op, params, lhs, rhs, preferred_element_type, algorithm,
                     tf32_rounding, kernels.kernel_for(algorithm, op))
-  out = _marked(spec, lhs, rhs)
+  ready = None
+  if source is not None:
+    ready = source(*operand_needs(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
+                                  tuple(rhs.shape), np.dtype(rhs.dtype)))
+    if ready == _NOT_READY:
+      ready = None
+  out = _marked(spec, lhs, rhs, ready)
   if out_sharding is not None:
     out = lax.with_sharding_constraint(out, out_sharding)
   return out
@@ -429,13 +481,27 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
     >>> float(jaxprec.emulated_dot_general(x, x, dn, "highest")[0, 0])
     1.0039100646972656
   """
+  return dot_general_with(None, lhs, rhs, dimension_numbers, precision,
+                          preferred_element_type, target=target,
+                          tf32_rounding=tf32_rounding,
+                          out_sharding=out_sharding)
+
+
+def dot_general_with(source: Callable[..., Any] | None, lhs, rhs,
+                     dimension_numbers, precision=None,
+                     preferred_element_type=None, *, target: str = "tpu",
+                     tf32_rounding: str = "nearest",
+                     out_sharding: Any = None) -> jax.Array:
+  """:func:`emulated_dot_general` reading prepared operand parts from
+  ``source`` (:mod:`jaxprec._src.prepared`; None: none)."""
   def native(p):
     return lax.dot_general(lhs, rhs, dimension_numbers, p, preferred_element_type,
                            out_sharding=out_sharding)
 
   params = {"dimension_numbers": dimension_numbers}
   return _run("dot_general", native, params, lhs, rhs, precision,
-              preferred_element_type, target, tf32_rounding, out_sharding)
+              preferred_element_type, target, tf32_rounding, out_sharding,
+              source)
 
 
 def emulated_conv_general_dilated(
@@ -476,6 +542,21 @@ def emulated_conv_general_dilated(
     >>> jaxprec.emulated_conv_general_dilated(x, w, (1,), "VALID").tolist()
     [[[2.0, 2.0]]]
   """
+  return conv_general_dilated_with(
+      None, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+      dimension_numbers, feature_group_count, batch_group_count, precision,
+      preferred_element_type, out_sharding, target=target,
+      tf32_rounding=tf32_rounding)
+
+
+def conv_general_dilated_with(
+    source: Callable[..., Any] | None, lhs, rhs, window_strides, padding,
+    lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+    feature_group_count: int = 1, batch_group_count: int = 1, precision=None,
+    preferred_element_type=None, out_sharding: Any = None, *,
+    target: str = "tpu", tf32_rounding: str = "nearest") -> jax.Array:
+  """:func:`emulated_conv_general_dilated` reading prepared operand parts
+  from ``source`` (:mod:`jaxprec._src.prepared`; None: none)."""
   def native(p):
     return lax.conv_general_dilated(
         lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
@@ -490,7 +571,8 @@ def emulated_conv_general_dilated(
       "batch_group_count": batch_group_count,
   }
   return _run("conv_general_dilated", native, params, lhs, rhs, precision,
-              preferred_element_type, target, tf32_rounding, out_sharding)
+              preferred_element_type, target, tf32_rounding, out_sharding,
+              source)
 
 
 def is_emulated_call(eqn) -> bool:

@@ -36,6 +36,7 @@ from jaxprec._src import compat
 from jaxprec._src import layers as layers_lib
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import policy as policy_lib
+from jaxprec._src import prepared
 from jaxprec._src import reference as reference_lib
 from jaxprec._src import trees
 from jaxprec._src.flax import nnx_policy
@@ -66,6 +67,7 @@ __all__ = [
   "has_dtype_decisions",
   "plan",
   "plans",
+  "prepare_indexed",
   "reference_plan",
   "run_candidate",
   "run_indexed",
@@ -517,27 +519,56 @@ def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
 
 def run_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
                                                Callable[..., Any]],
-                key: Any, index: Any, ref: Reference, cache: dict
+                key: Any, index: Any, ref: Reference, cache: dict,
+                ready: prepared.Ready | None = None
                 ) -> list[metrics_lib.LayerMetrics]:
   """Runs the program ``wrap(fn, index)`` and returns its metrics.
 
   One program per ``key`` serves every ``index`` (an array argument): the
   search's switched program (:mod:`jaxprec._src.switch`), where the index
   array chooses each unit's precision at run time. The metrics are a second
-  program, as :func:`run_candidate` with ``fused=False``.
+  program, as :func:`run_candidate` with ``fused=False``. ``ready``: the
+  parameters' parts, from :func:`prepare_indexed`.
   """
-  names, static = tuple(ref.names), call.static
-
-  def make(fn_ref):
-    def program(index, dynamic):
-      by_name = dict(layers_lib.ordered_layers(
-          lambda f: wrap(f, index), fn_ref(), static, dynamic))
-      return [by_name[n] for n in names]
-    return _Jit(program)
-
-  prog = _program(fn, ("indexed", key, call.key, names), make, cache)
+  prog = _indexed_program(fn, call, wrap, key, tuple(ref.names), cache)
   hi, lo, stats, dynamic, atol, rtol = candidate_args(call, ref, 0.0, 0.0)
-  values = prog(index, dynamic)
+  values = prog(index, ready or {}, dynamic)
   out = _metrics_program(ref.layout)(values, hi, lo, stats, atol, rtol)
   del values
   return metrics_lib.finish(jax.device_get(out), ref.layout)
+
+
+def prepare_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
+                                                   Callable[..., Any]],
+                    key: Any, index: Any, ref: Reference, cache: dict
+                    ) -> prepared.Ready:
+  """The parts of the parameters that :func:`run_indexed`'s program splits,
+  computed once (:mod:`jaxprec._src.prepared`): the program is traced
+  abstractly to learn which parts of which arguments its matmuls ask for,
+  at every choice of ``index``."""
+  names, static = tuple(ref.names), call.static
+
+  def body(index, dynamic):
+    with prepared.recording(dynamic) as asked:
+      by_name = dict(layers_lib.ordered_layers(
+          lambda f: wrap(f, index), fn, static, dynamic))
+      requests.update(asked)
+    return [by_name[n] for n in names]
+  requests: prepared.Requests = {}
+  jax.eval_shape(body, index, call.dynamic)
+  return prepared.prepare(call.dynamic, requests)
+
+
+def _indexed_program(fn, call: Args, wrap, key: Any, names: tuple[str, ...],
+                     cache: dict):
+  static = call.static
+
+  def make(fn_ref):
+    def program(index, ready, dynamic):
+      with prepared.serving(dynamic, ready):
+        by_name = dict(layers_lib.ordered_layers(
+            lambda f: wrap(f, index), fn_ref(), static, dynamic))
+      return [by_name[n] for n in names]
+    return _Jit(program)
+
+  return _program(fn, ("indexed", key, call.key, names), make, cache)

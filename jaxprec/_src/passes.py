@@ -54,7 +54,7 @@ import numpy as np
 
 from jaxprec._src.rounding import round_to, split_bf16, split_tf32
 
-__all__ = ["BF16", "F32"]
+__all__ = ["BF16", "F32", "Operand", "compute", "move"]
 
 _Op = Callable[[jax.Array, jax.Array], jax.Array]
 _ZERO = np.float32(0)
@@ -94,24 +94,126 @@ def _zero_nonfinite(x: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------
+# Operands and their parts.
+
+
+class Operand:
+  """A float32 operand of a pass function, and the parts it asks for.
+
+  ``get(key)`` returns :func:`compute`'s parts of the operand for ``key``:
+  from ``ready`` when they were prepared already (the parameters of a
+  search's program, moved as the op moves them: :mod:`jaxprec._src.prepared`),
+  else computed here.
+  ``asked`` (a list) records every key asked for.
+  """
+
+  __slots__ = ("value", "ready", "asked")
+
+  def __init__(self, value: jax.Array, ready: dict | None = None,
+               asked: list | None = None):
+    self.value, self.ready, self.asked = value, ready, asked
+
+  def get(self, key: str) -> tuple[jax.Array, ...]:
+    if self.asked is not None:
+      self.asked.append(key)
+    hit = None if self.ready is None else self.ready.get(key)
+    return tuple(hit) if hit is not None else compute(key, self.value)
+
+
+
+def move(x: jax.Array, how: tuple[tuple[int, ...], tuple[int, ...]] | None
+         ) -> jax.Array:
+  """``x`` transposed by ``how[0]`` and reshaped to ``how[1]`` (None: ``x``)."""
+  if how is None:
+    return x
+  perm, shape = how
+  return jnp.transpose(x, perm).reshape(shape)
+
+
+def _clean(x: jax.Array, n: int):
+  """(finite mask, high part, lower parts zero where x is not finite), float32."""
+  fin = jnp.abs(x) < _INF
+  hi, *rest = split_bf16(x, n, dtype=jnp.float32)
+  return (fin, hi, *(jnp.where(fin, p, _ZERO) for p in rest))
+
+
+def _f32x3_lhs(x):
+  _, h, l = _clean(x, 2)
+  return h, l
+
+
+def _f32x3_rhs(x):
+  fin, h, l = _clean(x, 2)
+  return jnp.where(fin, h, _ZERO), h + l
+
+
+def _f32x6_lhs(x):
+  return _clean(x, 3)[1:]
+
+
+def _f32x6_rhs(x):
+  fin, h, m, l = _clean(x, 3)
+  h0 = jnp.where(fin, h, _ZERO)
+  return h0, h0 + m, (h + m) + l
+
+
+def _f32x9_rhs(x):
+  fin, h, m, l = _clean(x, 3)
+  b_all = (h + m) + l
+  return jnp.where(fin, b_all, _ZERO), b_all
+
+
+def _f32_tf32x3(x, mode):
+  big, small = split_tf32(x, mode)
+  fin = jnp.abs(x) < _INF
+  return big, jnp.where(fin, small, _ZERO), jnp.where(fin, big, _ZERO)
+
+
+_COMPUTE: dict[str, Callable[..., tuple[jax.Array, ...]]] = {
+    "bf16": lambda x, n, dtype: split_bf16(x, int(n), dtype=jnp.dtype(dtype)),
+    "tf32": lambda x, mode: (round_to(x, "tensorfloat32", mode),),
+    "tf32x3": split_tf32,
+    "f16": lambda x: (round_to(x, "float16"),),
+    "f32x3_lhs": _f32x3_lhs, "f32x3_rhs": _f32x3_rhs,
+    "f32x6_lhs": _f32x6_lhs, "f32x6_rhs": _f32x6_rhs, "f32x9_rhs": _f32x9_rhs,
+    "f32tf32x3": _f32_tf32x3,
+}
+
+
+def compute(key: str, x: jax.Array) -> tuple[jax.Array, ...]:
+  """The parts of float32 ``x`` that ``key`` names, e.g. ``'bf16/2/bfloat16'``
+  (:func:`split_bf16` in 2 bfloat16 parts) or ``'tf32/nearest'``.
+
+  Every part is computed by bit operations and exact float32 sums, so it is
+  the same bit for bit in whatever program computes it.
+  """
+  kind, *args = key.split("/")
+  return tuple(_COMPUTE[kind](x, *args))
+
+
+def _bf16(n: int, dtype) -> str:
+  return f"bf16/{n}/{np.dtype(dtype).name}"
+
+
+# ---------------------------------------------------------------------------
 # The bf16 kernel: one pass per pair of parts, in XLA's order.
 
 
-def _bf16x1(op: _Op, lhs, rhs, _, parts) -> jax.Array:
-  (l,), (r,) = split_bf16(lhs, 1, dtype=parts), split_bf16(rhs, 1, dtype=parts)
+def _bf16x1(op: _Op, lhs: Operand, rhs: Operand, _, parts) -> jax.Array:
+  (l,), (r,) = lhs.get(_bf16(1, parts)), rhs.get(_bf16(1, parts))
   return op(l, r)
 
 
-def _bf16x3(op: _Op, lhs, rhs, _, parts) -> jax.Array:
-  lh, ll = split_bf16(lhs, 2, dtype=parts)
-  rh, rl = split_bf16(rhs, 2, dtype=parts)
+def _bf16x3(op: _Op, lhs: Operand, rhs: Operand, _, parts) -> jax.Array:
+  lh, ll = lhs.get(_bf16(2, parts))
+  rh, rl = rhs.get(_bf16(2, parts))
   low_sum = _zero_nan(op(ll, rh) + op(lh, rl))
   return _last(low_sum, op(lh, rh))
 
 
-def _bf16x6(op: _Op, lhs, rhs, _, parts) -> jax.Array:
-  lh, lm, ll = split_bf16(lhs, 3, dtype=parts)
-  rh, rm, rl = split_bf16(rhs, 3, dtype=parts)
+def _bf16x6(op: _Op, lhs: Operand, rhs: Operand, _, parts) -> jax.Array:
+  lh, lm, ll = lhs.get(_bf16(3, parts))
+  rh, rm, rl = rhs.get(_bf16(3, parts))
   s = op(lm, rm) + op(lh, rl)
   s = s + op(ll, rh)
   s = s + op(lh, rm)
@@ -119,9 +221,9 @@ def _bf16x6(op: _Op, lhs, rhs, _, parts) -> jax.Array:
   return _last(_zero_nan(s), op(lh, rh))
 
 
-def _bf16x9(op: _Op, lhs, rhs, _, parts) -> jax.Array:
-  lh, lm, ll = split_bf16(lhs, 3, dtype=parts)
-  rh, rm, rl = split_bf16(rhs, 3, dtype=parts)
+def _bf16x9(op: _Op, lhs: Operand, rhs: Operand, _, parts) -> jax.Array:
+  lh, lm, ll = lhs.get(_bf16(3, parts))
+  rh, rm, rl = rhs.get(_bf16(3, parts))
   s = op(ll, rl)
   for a, b in ((lm, rl), (ll, rm), (lm, rm), (ll, rh), (lh, rl), (lm, rh),
                (lh, rm)):
@@ -129,20 +231,21 @@ def _bf16x9(op: _Op, lhs, rhs, _, parts) -> jax.Array:
   return _last(_zero_nonfinite(s), op(lh, rh))
 
 
-def _tf32(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
-  return op(round_to(lhs, "tensorfloat32", rounding),
-            round_to(rhs, "tensorfloat32", rounding))
+def _tf32(op: _Op, lhs: Operand, rhs: Operand, rounding, _) -> jax.Array:
+  (l,), (r,) = lhs.get(f"tf32/{rounding}"), rhs.get(f"tf32/{rounding}")
+  return op(l, r)
 
 
-def _tf32x3(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
-  lb, ls = split_tf32(lhs, rounding)
-  rb, rs = split_tf32(rhs, rounding)
+def _tf32x3(op: _Op, lhs: Operand, rhs: Operand, rounding, _) -> jax.Array:
+  lb, ls = lhs.get(f"tf32x3/{rounding}")
+  rb, rs = rhs.get(f"tf32x3/{rounding}")
   small = _zero_nan(op(ls, rb) + op(lb, rs))
   return _last(small, op(lb, rb))
 
 
-def _f16(op: _Op, lhs, rhs, _, __) -> jax.Array:
-  return op(round_to(lhs, "float16"), round_to(rhs, "float16"))
+def _f16(op: _Op, lhs: Operand, rhs: Operand, _, __) -> jax.Array:
+  (l,), (r,) = lhs.get("f16"), rhs.get("f16")
+  return op(l, r)
 
 
 def _bf16_out(op: _Op, lhs, rhs, r, parts) -> jax.Array:
@@ -161,48 +264,38 @@ BF16 = {
 
 # ---------------------------------------------------------------------------
 # The f32 kernel: merged float32 passes on operands cleaned of non-finite
-# values (see the module docstring).
+# values (see the module docstring). Each operand's parts, and the exact sums
+# of them that the merged passes read, are one key (so they are prepared
+# together).
 
 
-def _parts(x: jax.Array, n: int):
-  """(finite mask, high part, cleaned lower parts...) as float32 arrays."""
-  fin = jnp.abs(x) < _INF
-  hi, *rest = split_bf16(x, n, dtype=jnp.float32)
-  return (fin, hi, *(jnp.where(fin, p, _ZERO) for p in rest))
+def _f32x3(op: _Op, lhs: Operand, rhs: Operand, _, __) -> jax.Array:
+  ah, al = lhs.get("f32x3_lhs")
+  bh0, b_all = rhs.get("f32x3_rhs")
+  return _last(op(al, bh0), op(ah, b_all))
 
 
-def _f32x3(op: _Op, lhs, rhs, _, __) -> jax.Array:
-  _, ah, al = _parts(lhs, 2)
-  bfin, bh, bl = _parts(rhs, 2)
-  small = op(al, jnp.where(bfin, bh, _ZERO))
-  return _last(small, op(ah, bh + bl))
-
-
-def _f32x6(op: _Op, lhs, rhs, _, __) -> jax.Array:
-  _, ah, am, al = _parts(lhs, 3)
-  bfin, bh, bm, bl = _parts(rhs, 3)
-  bh0 = jnp.where(bfin, bh, _ZERO)
-  bhm = bh0 + bm
+def _f32x6(op: _Op, lhs: Operand, rhs: Operand, _, __) -> jax.Array:
+  ah, am, al = lhs.get("f32x6_lhs")
+  bh0, bhm, b_all = rhs.get("f32x6_rhs")
   s = op(al, bh0) + op(am, bhm)
-  return _last(s, op(ah, (bh + bm) + bl))
+  return _last(s, op(ah, b_all))
 
 
-def _f32x9(op: _Op, lhs, rhs, _, __) -> jax.Array:
-  _, ah, am, al = _parts(lhs, 3)
-  bfin, bh, bm, bl = _parts(rhs, 3)
-  b_all = (bh + bm) + bl
-  b_all0 = jnp.where(bfin, b_all, _ZERO)
+def _f32x9(op: _Op, lhs: Operand, rhs: Operand, _, __) -> jax.Array:
+  ah, am, al = lhs.get("f32x6_lhs")
+  b_all0, b_all = rhs.get("f32x9_rhs")
   s = op(al, b_all0) + op(am, b_all0)
   return _last(s, op(ah, b_all))
 
 
-def _f32_tf32x3(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
-  lb, ls = split_tf32(lhs, rounding)
-  rb, rs = split_tf32(rhs, rounding)
-  lfin, rfin = jnp.abs(lhs) < _INF, jnp.abs(rhs) < _INF
-  small = op(jnp.where(lfin, ls, _ZERO), jnp.where(rfin, rb, _ZERO))
-  return _last(small, op(lb, rb + jnp.where(rfin, rs, _ZERO)))
+def _f32_tf32x3_pass(op: _Op, lhs: Operand, rhs: Operand, rounding, _
+                     ) -> jax.Array:
+  lb, ls0, _ = lhs.get(f"f32tf32x3/{rounding}")
+  rb, rs0, rb0 = rhs.get(f"f32tf32x3/{rounding}")
+  small = op(ls0, rb0)
+  return _last(small, op(lb, rb + rs0))
 
 
 F32 = dict(BF16, bf16x3=_f32x3, bf16x6=_f32x6, bf16x9=_f32x9,
-           tf32x3=_f32_tf32x3)
+           tf32x3=_f32_tf32x3_pass)

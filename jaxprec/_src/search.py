@@ -204,6 +204,10 @@ class _Runner:
     self.precisions = None if precisions is None else tuple(precisions)
     self.fell_back: str | None = None  # why the switch could not be used
     self.fixed_runs = 0
+    # The parameters' parts the switched program reads (prepared once:
+    # jaxprec._src.prepared); dropped with the runner, at the search's end.
+    self._ready: dict | None = None
+    self._traces: dict[Any, Any] = {}
 
   def run(self, policy: Policy, levels: Sequence[int] | None = None, *,
           fixed: bool = False) -> tuple[list[metrics_lib.LayerMetrics], str]:
@@ -217,10 +221,15 @@ class _Runner:
     index = switch.index_of(
         [len(self.precisions) - 1] * len(self.units) if levels is None
         else levels)
+    key = (self.precisions, self.units)
     try:
+      if self._ready is None:  # the parameters' parts, once per search
+        self._ready = harness.prepare_indexed(
+            self.fn, self.call, self._wrap, key, index, self.ref,
+            self._programs)
       return harness.run_indexed(
-          self.fn, self.call, self._wrap, (self.precisions, self.units),
-          index, self.ref, self._programs), "switched"
+          self.fn, self.call, self._wrap, key, index, self.ref,
+          self._programs, self._ready), "switched"
     except switch.SwitchError as e:
       self.fell_back = str(e)
       warnings.warn(
@@ -230,7 +239,10 @@ class _Runner:
       return self.run(policy, levels, fixed=True)
 
   def _wrap(self, f, index):
-    g = switch.switched(f, self.units, self.precisions, target=self.target)
+    # ``f`` is a new wrapper of self.fn at each trace: one trace of it serves
+    # both traces of the switched program (prepare_indexed's and jit's).
+    g = switch.switched(f, self.units, self.precisions, target=self.target,
+                        traces=self._traces)
     return functools.partial(g, index)
 
 

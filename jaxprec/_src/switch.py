@@ -46,6 +46,7 @@ from jaxprec._src import compat
 from jaxprec._src import emulate as emulate_lib
 from jaxprec._src import emulated_ops
 from jaxprec._src import numerics
+from jaxprec._src import prepared
 from jaxprec._src import walker
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import paths as flax_paths
@@ -64,7 +65,7 @@ class SwitchError(ValueError):
 
 def switched(fn: Callable[..., Any], units: Sequence[str],
              precisions: Sequence[Precision], *, target: str,
-             **options: Any) -> Callable[..., Any]:
+             traces: dict | None = None, **options: Any) -> Callable[..., Any]:
   """``fn`` emulated with unit ``u``'s ops at ``precisions[index[u]]``.
 
   Args:
@@ -72,6 +73,10 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
     units: module paths, as :attr:`jaxprec.AuditRow.module_path` gives them.
     precisions: the choices, in index order.
     target: ``'tpu'`` or ``'gpu'``.
+    traces: where ``fn``'s traces are kept, per signature (default: a dict
+      of this function's). Calls that pass one dict share them: the
+      search's runner passes its own, for the wrappers of one function that
+      :func:`jaxprec._src.layers.ordered_layers` makes at each trace.
     **options: the emulated ops' options (``tf32_rounding``).
 
   Returns:
@@ -88,38 +93,60 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
   """
   units = tuple(units)
   position = {u: i for i, u in enumerate(units)}
-  # One emulation rule per choice; ops without a precision take the
-  # choice's (convolutions its level, as a policy gives them).
   opaque: list[str] = []
   warned: set[str] = set()
   what = getattr(fn, "__qualname__", type(fn).__name__)
-  rules = [emulate_lib.emulation_rule(p, target=target, conv_default=p,
-                                      **options) for p in precisions]
-  fixed = emulate_lib.emulation_rule(None, target=target,
-                                     on_opaque=opaque.append, **options)
   bound = nnx_policy.bind(fn, None)  # an NNX module: a traced copy, with paths
+  # fn's trace per signature (walker.trace_call), and what each trace holds.
+  # fn's trace per signature and JAX context, with what it holds.
+  traces = {} if traces is None else traces
+  # A jit key of the traces' own (see trace()), the same for every trace
+  # kept in ``traces``: a new one would make each trace a new key there.
+  scope = traces.setdefault("switch: scope",
+                            f"jaxprec switched trace {next(_TRACES)}")
 
   def traced(*args, **kwargs):
     with jax.default_matmul_precision(None):
       return bound(*args, **kwargs)
 
-  @functools.wraps(fn)
-  def run(index, *args, **kwargs):
+  def trace(args, kwargs):
     # A trace of its own: JAX's trace caches (a jax.checkpoint or jax.jit
     # around the model's modules) would otherwise serve the audit's trace,
-    # in which no module call is recorded now.
-    with flax_paths.record() as found, compat.jit_key_scope(
-        f"jaxprec switched trace {next(_TRACES)}"):
-      call = walker.trace_call(traced, args, kwargs)
-    closed = _unshared(call.jaxpr)
-    unit_of = unit_eqns(closed, found, position)
+    # in which no module call is recorded now. Kept per signature and
+    # context (keyed outside the scopes, which are new at each record),
+    # with the module paths it recorded, for the next trace of the program
+    # (the search traces it twice: :func:`jaxprec._src.prepared.recording`).
+    key, dynamic = walker.call_key(args, kwargs)
+    held = None if key is None else traces.get(key)
+    if held is None:
+      with flax_paths.record() as found, compat.jit_key_scope(scope):
+        call = walker.trace_call(traced, args, kwargs)
+      closed = _unshared(call.jaxpr)
+      unit_of = unit_eqns(closed, found, position)
+      held = (closed, call.out_tree, unit_of, _holders(closed, unit_of))
+      if key is not None:
+        traces[key] = held
+    closed, out_tree, unit_of, inline = held
+    return walker.TracedCall(closed, out_tree, dynamic), (closed, unit_of, inline)
+
+  @functools.wraps(fn)
+  def run(index, *args, **kwargs):
+    call, (closed, unit_of, inline) = trace(args, kwargs)
     missing = set(units) - {units[i] for _, i in unit_of.values()}
     if missing:
       raise SwitchError(
           f"the switched trace found no matmul of the units "
           f"{sorted(missing)[:4]}")
-
-    inline = _holders(closed, unit_of)
+    # One emulation rule per choice; ops without a precision take the
+    # choice's (convolutions its level, as a policy gives them). The
+    # parameters' parts may be prepared (jaxprec._src.prepared).
+    sources = prepared.sources(closed, call.dynamic)
+    rules = [emulate_lib.emulation_rule(p, target=target, conv_default=p,
+                                        sources=sources, **options)
+             for p in precisions]
+    fixed = emulate_lib.emulation_rule(None, target=target,
+                                       on_opaque=opaque.append,
+                                       sources=sources, **options)
 
     def rule(eqn, invals):
       if id(eqn) in inline:

@@ -29,8 +29,8 @@ from jaxprec._src import compat
 from jaxprec._src import trees
 
 __all__ = ["OPAQUE_PRIMITIVES", "Rule", "TracedCall", "WalkedEqn",
-           "bind_unchanged", "interpret", "iter_eqns", "opaque_name", "trace",
-           "trace_call", "transform"]
+           "bind_unchanged", "call_key", "interpret", "iter_eqns",
+           "opaque_name", "trace", "trace_call", "transform"]
 
 # A rule sees an equation and its input values and returns the output values
 # that replace it (a list, one per outvar), or None to keep the equation.
@@ -181,19 +181,8 @@ def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
     TypeError: ``fn`` returned a leaf that is not a JAX type (a string, say),
       naming its position in the output, as ``jax.jit`` does.
   """
-  leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-  is_array = tuple(trees.is_array(x) for x in leaves)
-  static = tuple(None if a else x for x, a in zip(leaves, is_array))
-  dynamic = [x for x, a in zip(leaves, is_array) if a]
-  avals = tuple(compat.typeof(x) for x in dynamic)
-  key = None
-  if cache is not None:
-    try:
-      key = (treedef, avals, is_array, trees.static_key(static),
-             compat.trace_context(), extra_key)
-      hash(key)
-    except TypeError:
-      key = None
+  key, (treedef, is_array, static, dynamic, avals) = _key(
+      args, kwargs, extra_key, cache is not None)
   hit = cache.get(key) if key is not None else None
   if hit is not None:
     return TracedCall(hit[0], hit[1], dynamic)
@@ -212,6 +201,32 @@ def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
   if key is not None:
     cache[key] = (closed, store["out_tree"])
   return TracedCall(closed, store["out_tree"], dynamic)
+
+
+def call_key(args: Sequence[Any], kwargs: dict, extra_key: Any = ()
+             ) -> tuple[Any, list]:
+  """``(key, dynamic)``: the key :func:`trace_call` keeps a trace of
+  ``args``/``kwargs`` under, in the JAX context of now (None: not
+  hashable), and their array leaves."""
+  key, (_, _, _, dynamic, _) = _key(args, kwargs, extra_key, True)
+  return key, dynamic
+
+
+def _key(args, kwargs, extra_key, want: bool):
+  leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+  is_array = tuple(trees.is_array(x) for x in leaves)
+  static = tuple(None if a else x for x, a in zip(leaves, is_array))
+  dynamic = [x for x, a in zip(leaves, is_array) if a]
+  avals = tuple(compat.typeof(x) for x in dynamic)
+  key = None
+  if want:
+    try:
+      key = (treedef, avals, is_array, trees.static_key(static),
+             compat.trace_context(), extra_key)
+      hash(key)
+    except TypeError:
+      key = None
+  return key, (treedef, is_array, static, dynamic, avals)
 
 
 def _check_outputs(fn, out, leaves) -> None:

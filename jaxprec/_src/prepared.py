@@ -1,0 +1,221 @@
+"""Operands rounded once: the parameters that feed matmuls, split per format.
+
+An emulated matmul splits or rounds its float32 operands into the parts its
+algorithm multiplies (:mod:`jaxprec._src.passes`: bfloat16 parts, TF32
+parts, float16 values). Within one :func:`jaxprec.search_policy`, every
+evaluation runs the same program on the same parameters, and splitting a
+model's weights costs a good part of a forward pass (BERT-base, batch 1:
+``benchmarks/bench_prepared.py``). So a program can take them ready:
+
+* :func:`provenance` finds the operands of a traced function's top-level
+  matmuls and convolutions that are one of its float32 array arguments
+  through data movement only (transposes, reshapes, broadcasts, slices,
+  same-dtype converts): a Flax ``Dense`` or ``Conv`` kernel.
+* :func:`recording` traces the program once, abstractly, and collects which
+  parts (:func:`jaxprec._src.passes.compute` keys) each such argument's
+  operands ask for, at every candidate precision.
+* :func:`prepare` computes them once, in a program of their own.
+* :func:`serving` gives them to the program, which applies the same data
+  movement to each part and multiplies them.
+
+The parts are computed by the same bit operations in either program (an
+exact split: nothing is summed or rounded twice), so the numbers are the same
+bit for bit (``tests/test_prepared.py``). Operands computed from the
+parameters (a weight norm, say), operands of matmuls inside a nested
+``jax.jit``, ``scan`` or ``remat`` body, and activations are split where they
+are used, as before. The parts cost memory while the search runs: up to six
+bfloat16 values per parameter that feeds a matmul (1, 2 and 3 parts for the
+one-, three- and six-pass candidates), i.e. three times the float32 weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxprec._src import compat
+from jaxprec._src import passes
+from jaxprec._src import walker
+
+__all__ = ["Requests", "Sources", "prepare", "provenance", "recording",
+           "serving", "sources"]
+
+# Data movement: each output element is one input element, unchanged, so
+# moving a part is the part of the moved operand.
+_MOVES = frozenset({"transpose", "reshape", "broadcast_in_dim", "squeeze",
+                    "expand_dims", "rev", "slice", "copy", "copy_p",
+                    "convert_element_type"})
+
+# A request: the parts (keys) of program argument ``arg`` moved by ``chain``
+# (data-movement equations) and then by ``move`` (:func:`passes.move`), as
+# one emulated op reads them; named by :func:`_name`.
+Request = tuple[int, tuple[Any, ...], Any, set]  # (arg, chain, move, keys)
+Requests = dict[str, Request]
+Ready = dict[str, dict[str, tuple[jax.Array, ...]]]  # name -> key -> parts
+
+
+def provenance(jaxpr) -> dict[Any, tuple[int, tuple[Any, ...]]]:
+  """``var -> (input index, data-movement equations)`` at ``jaxpr``'s top level.
+
+  Every float32 input maps to itself; an equation that only moves the
+  elements of a mapped float32 variable maps its output to the same input,
+  with the equation appended (a float32-to-float32 convert, a change of weak
+  type, is left out: it moves nothing).
+  """
+  if isinstance(jaxpr, compat.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
+  out: dict[Any, tuple[int, tuple[Any, ...]]] = {}
+  for i, v in enumerate(jaxpr.invars):
+    if v.aval.dtype == np.float32:
+      out[v] = (i, ())
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name not in _MOVES or len(eqn.invars) != 1 or len(eqn.outvars) != 1:
+      continue
+    src, dst = eqn.invars[0], eqn.outvars[0]
+    if isinstance(src, compat.Literal) or src not in out:
+      continue
+    if dst.aval.dtype != np.float32:
+      continue
+    i, chain = out[src]
+    out[dst] = (i, chain if name == "convert_element_type" else (*chain, eqn))
+  return out
+
+
+def _moved(x: jax.Array, chain: tuple[Any, ...], how: Any) -> jax.Array:
+  for eqn in chain:
+    (x,) = walker.bind_unchanged(eqn, [x])
+  return passes.move(x, how)
+
+
+def _name(arg: int, chain: tuple[Any, ...], how: Any) -> str:
+  """A name for the moved argument, the same in every trace of a program."""
+  text = repr([(e.primitive.name, sorted((k, repr(v)) for k, v in
+                                         e.params.items())) for e in chain])
+  digest = hashlib.sha1(f"{text}|{how!r}".encode()).hexdigest()[:16]
+  return f"{arg}:{digest}"
+
+
+class _State(threading.local):
+  def __init__(self):
+    self.mode: str | None = None  # 'record' or 'serve'
+    self.index: dict[int, int] = {}  # id(program argument) -> its index
+    self.requests: Requests = {}
+    self.ready: Ready = {}
+
+
+_STATE = _State()
+
+
+@contextlib.contextmanager
+def recording(dynamic: Sequence[Any]) -> Iterator[Requests]:
+  """Traces run in this scope record the parts their operands ask for.
+
+  ``dynamic``: the program's array arguments (tracers); the yielded dict
+  fills with :data:`Requests` while the program is traced.
+  Nothing is served: the traced program splits every operand itself.
+  """
+  with _scope("record", dynamic, {}) as state:
+    yield state.requests
+
+
+@contextlib.contextmanager
+def serving(dynamic: Sequence[Any], ready: Ready | None) -> Iterator[None]:
+  """Traces run in this scope read prepared parts from ``ready``
+  (:func:`prepare`'s result, as program arguments) where they are there."""
+  if not ready:
+    yield
+    return
+  with _scope("serve", dynamic, ready):
+    yield
+
+
+@contextlib.contextmanager
+def _scope(mode: str, dynamic: Sequence[Any], ready: Ready):
+  saved = (_STATE.mode, _STATE.index, _STATE.requests, _STATE.ready)
+  _STATE.mode, _STATE.ready, _STATE.requests = mode, ready, {}
+  _STATE.index = {id(x): i for i, x in enumerate(dynamic)}
+  try:
+    yield _STATE
+  finally:
+    _STATE.mode, _STATE.index, _STATE.requests, _STATE.ready = saved
+
+
+class Sources:
+  """Where a traced function's top-level matmuls find their operands' parts.
+
+  :meth:`for_eqn` gives the emulated op of an equation a callable
+  ``source(lhs_keys, rhs_keys) -> (lhs_ready, rhs_ready)``, or None when
+  neither operand is a prepared argument.
+  """
+
+  def __init__(self, jaxpr, dynamic: Sequence[Any]):
+    self._where = provenance(jaxpr)
+    # input index of the traced function -> program argument index
+    self._arg = {i: _STATE.index.get(id(x)) for i, x in enumerate(dynamic)}
+
+  def for_eqn(self, eqn):
+    found = []
+    for v in eqn.invars[:2]:
+      hit = None if isinstance(v, compat.Literal) else self._where.get(v)
+      arg = None if hit is None else self._arg.get(hit[0])
+      found.append(None if arg is None else (arg, hit[1]))
+    if found == [None, None]:
+      return None
+    mode, requests, ready = _STATE.mode, _STATE.requests, _STATE.ready
+
+    def source(*needs):
+      """``needs``: ``(keys, move)`` per operand (emulated_ops.operand_needs)."""
+      out = []
+      for where, (wanted, how) in zip(found, needs):
+        if where is None or not wanted:
+          out.append(None)
+          continue
+        arg, chain = where
+        name = _name(arg, chain, how)
+        if mode == "record":
+          requests.setdefault(name, (arg, chain, how, set()))[3].update(wanted)
+          out.append(None)
+          continue
+        have = ready.get(name, {})
+        # Not prepared (an op the recording trace did not meet): split here.
+        out.append({k: have[k] for k in wanted}
+                   if all(k in have for k in wanted) else None)
+      return tuple(out)
+    return source
+
+
+def sources(jaxpr, dynamic: Sequence[Any]) -> Sources | None:
+  """:class:`Sources` for a function traced to ``jaxpr`` from ``dynamic``
+  inside :func:`recording` or :func:`serving`; None outside them."""
+  if _STATE.mode is None or not any(id(x) in _STATE.index for x in dynamic):
+    return None
+  return Sources(jaxpr, dynamic)
+
+
+def prepare(dynamic: Sequence[Any], requests: Requests) -> Ready:
+  """The parts ``requests`` asks for, computed once, in one jitted program.
+
+  The data movement and the split are the ones the program would apply
+  (the same bit operations: an exact split), so the parts are bit for bit
+  those it would compute. Compiled once per call (a search calls it once).
+
+  Returns:
+    ``{name: {key: parts}}``, the ``ready`` of :func:`serving`.
+  """
+  plan = [(name, requests[name]) for name in sorted(requests)
+          if requests[name][3]]
+  if not plan:
+    return {}
+
+  def build(leaves):
+    return {name: {k: passes.compute(k, _moved(x, chain, how))
+                   for k in sorted(keys)}
+            for (name, (_, chain, how, keys)), x in zip(plan, leaves)}
+  return jax.jit(build)([dynamic[arg] for _, (arg, *_) in plan])
