@@ -240,11 +240,18 @@ def test_the_search_prepares_once_and_its_program_reads_the_parts(monkeypatch):
   monkeypatch.setattr(prepared, "prepare", counting)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    res = jaxprec.search_policy(fn, params, x, tolerance=1e-3)
+    plain = jaxprec.search_policy(fn, params, x, tolerance=1e-3,
+                                  verbose=False)
+    assert calls == []  # off by default
+    res = jaxprec.search_policy(fn, params, x, tolerance=1e-3,
+                                prepare_weights=True, verbose=False)
     slow = jaxprec.search_policy(fn, params, x, tolerance=1e-3,
-                                 compile_once=False)
+                                 compile_once=False, verbose=False)
   switched = [s for s in res.history if s.program == "switched"]
   assert switched and len(calls) == 1 and calls[0]
+  assert str(res.policy) == str(plain.policy)
+  assert [s.worst_value for s in res.history] == [
+      s.worst_value for s in plain.history]
   assert str(res.policy) == str(slow.policy)
   assert [s.worst_value for s in res.history] == [s.worst_value for s in slow.history]
 
@@ -284,3 +291,73 @@ def test_run_indexed_reads_what_prepare_indexed_prepared():
                                    ready)
   without = harness.run_indexed(fn, call, wrap, "k2", index, ref, {})
   assert [m.rel_rms for m in with_parts] == [m.rel_rms for m in without]
+
+
+class _Shared(nn.Module):
+  """Two modules call one jitted function (JAX's trace cache gives both
+  calls one body): with a parameter at one call, a computed weight at the
+  other."""
+
+  @nn.compact
+  def __call__(self, x):
+    mm = jax.jit(lambda a, b: jnp.tanh(a @ b))
+    w1 = self.param("w1", nn.initializers.normal(), (8, 8))
+    w2 = self.param("w2", nn.initializers.normal(), (8, 8))
+    h = _Call(name="first")(mm, x, w1)
+    return _Call(name="second")(mm, h, w2 * 2.0)
+
+
+class _Call(nn.Module):
+  @nn.compact
+  def __call__(self, mm, a, b):
+    return mm(a, b)
+
+
+def test_a_body_shared_by_two_calls_serves_each_call_its_own_parts():
+  net = _Shared()
+  x = jax.random.normal(jax.random.key(0), (3, 8))
+  params = net.init(jax.random.key(1), x)
+
+  def fn(p, x):
+    return net.apply(p, x)
+  paths, _ = jax.tree_util.tree_flatten_with_path((params, x))
+  where = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(paths)}
+  with jaxprec.use_kernel("bf16"):
+    served, plain, requests = _programs(
+        jax.jit(fn), ["first", "second"],
+        ("bfloat16", "bfloat16_3x", "float32"), (params, x))
+  args = _args(requests)
+  assert where["[0]['params']['w1']"] in args  # followed into the jit body
+  assert where["[0]['params']['w2']"] not in args  # w2 * 2.0: computed
+  for levels in ([0, 1], [1, 0], [2, 2], [0, 0]):
+    assert _same_tree(served(levels), plain(levels)), levels
+    fixed = jax.jit(jaxprec.emulate(fn, jaxprec.Policy.parse(
+        f"default=float32,first={('bfloat16', 'bfloat16_3x', 'float32')[levels[0]]},"
+        f"second={('bfloat16', 'bfloat16_3x', 'float32')[levels[1]]}")))
+    assert _same_tree(served(levels), fixed(params, x)), levels
+
+
+def test_parts_over_the_memory_limit_are_not_prepared():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((4, 16)).astype(np.float32)
+  w = rng.standard_normal((16, 16)).astype(np.float32)
+  f = lambda x, w: x @ w  # noqa: E731
+  with jaxprec.use_kernel("bf16"):
+    served, plain, requests = _programs(f, [""], ("bfloat16", "bfloat16_3x"),
+                                        (x, w))
+  leaves = [x, w]
+  need = prepared.nbytes(jax.eval_shape(prepared.preparer(requests), leaves))
+  # x and w, each in 1 and 2 bfloat16 parts: 3 bfloat16 values per element.
+  assert need == 3 * 2 * (x.size + w.size)
+  assert prepared.prepare(leaves, requests, limit=need - 1) == {}
+  ready = prepared.prepare(leaves, requests, limit=need)
+  assert prepared.nbytes(ready) == need
+  assert prepared.prepare(leaves, requests, limit=None).keys() == ready.keys()
+  assert prepared.LIMIT_BYTES == 1 << 30
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_prepare_weights_must_be_a_bool(bad):
+  with pytest.raises(TypeError, match="prepare_weights must be True or False"):
+    jaxprec.search_policy(lambda x: x @ x, jnp.ones((2, 2)), tolerance=1e-3,
+                          prepare_weights=bad)

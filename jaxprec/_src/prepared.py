@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -43,8 +43,8 @@ from jaxprec._src import compat
 from jaxprec._src import passes
 from jaxprec._src import walker
 
-__all__ = ["Requests", "Sources", "prepare", "provenance", "recording",
-           "serving", "sources"]
+__all__ = ["LIMIT_BYTES", "Requests", "Sources", "nbytes", "prepare",
+           "preparer", "provenance", "recording", "serving", "sources"]
 
 # Data movement: each output element is one input element, unchanged, so
 # moving a part is the part of the moved operand.
@@ -60,20 +60,26 @@ Requests = dict[str, Request]
 Ready = dict[str, dict[str, tuple[jax.Array, ...]]]  # name -> key -> parts
 
 
-def provenance(jaxpr) -> dict[Any, tuple[int, tuple[Any, ...]]]:
-  """``var -> (input index, data-movement equations)`` at ``jaxpr``'s top level.
+def provenance(jaxpr, inputs: dict[int, Any] | None = None
+               ) -> dict[Any, tuple[Any, tuple[Any, ...]]]:
+  """``var -> (input, data-movement equations)`` at ``jaxpr``'s top level.
 
-  Every float32 input maps to itself; an equation that only moves the
-  elements of a mapped float32 variable maps its output to the same input,
-  with the equation appended (a float32-to-float32 convert, a change of weak
-  type, is left out: it moves nothing).
+  Every float32 input ``i`` maps to ``(inputs[i], ())`` (default: ``i``;
+  inputs missing from ``inputs`` map to nothing); an equation that only
+  moves the elements of a mapped float32 variable maps its output to the
+  same input, with the equation appended (a float32-to-float32 convert, a
+  change of weak type, is left out: it moves nothing).
   """
   if isinstance(jaxpr, compat.ClosedJaxpr):
     jaxpr = jaxpr.jaxpr
-  out: dict[Any, tuple[int, tuple[Any, ...]]] = {}
+  out: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
   for i, v in enumerate(jaxpr.invars):
-    if v.aval.dtype == np.float32:
+    if v.aval.dtype != np.float32:
+      continue
+    if inputs is None:
       out[v] = (i, ())
+    elif i in inputs:
+      out[v] = inputs[i]
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name not in _MOVES or len(eqn.invars) != 1 or len(eqn.outvars) != 1:
@@ -148,24 +154,42 @@ def _scope(mode: str, dynamic: Sequence[Any], ready: Ready):
 
 
 class Sources:
-  """Where a traced function's top-level matmuls find their operands' parts.
+  """Where a traced function's matmuls find their operands' parts.
 
   :meth:`for_eqn` gives the emulated op of an equation a callable
-  ``source(lhs_keys, rhs_keys) -> (lhs_ready, rhs_ready)``, or None when
-  neither operand is a prepared argument.
+  ``source(lhs_needs, rhs_needs) -> (lhs_ready, rhs_ready)``, or None when
+  neither operand is a prepared argument. Equations are those at the top
+  level of the traced jaxpr and of the bodies :meth:`enter` follows, known
+  by identity (each equation object occurs once there:
+  :func:`jaxprec._src.switch._unshared`; a variable may not, when JAX's
+  trace caches share a body between two calls).
   """
 
   def __init__(self, jaxpr, dynamic: Sequence[Any]):
-    self._where = provenance(jaxpr)
-    # input index of the traced function -> program argument index
-    self._arg = {i: _STATE.index.get(id(x)) for i, x in enumerate(dynamic)}
+    # input index of the traced function -> (program argument index, ())
+    args = {i: (_STATE.index[id(x)], ()) for i, x in enumerate(dynamic)
+            if id(x) in _STATE.index}
+    self._operands: dict[int, list[Any]] = {}  # id(eqn) -> per input
+    self._add(jaxpr, args)
+
+  def _add(self, jaxpr, inputs: dict[int, Any]) -> None:
+    where = provenance(jaxpr, inputs)
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+      found = [None if isinstance(v, compat.Literal) else where.get(v)
+               for v in eqn.invars]
+      if any(f is not None for f in found):
+        self._operands[id(eqn)] = found
+
+  def enter(self, eqn, body) -> None:
+    """Follows ``eqn``'s operands into ``body``, the jaxpr of a call that
+    is evaluated in place (:func:`jaxprec._src.switch.switched` inlines a
+    ``jax.jit`` body holding a unit's matmul): its inputs are the call's."""
+    found = self._operands.get(id(eqn))
+    if found is not None:
+      self._add(body, {i: f for i, f in enumerate(found) if f is not None})
 
   def for_eqn(self, eqn):
-    found = []
-    for v in eqn.invars[:2]:
-      hit = None if isinstance(v, compat.Literal) else self._where.get(v)
-      arg = None if hit is None else self._arg.get(hit[0])
-      found.append(None if arg is None else (arg, hit[1]))
+    found = self._operands.get(id(eqn), [None, None])[:2]
     if found == [None, None]:
       return None
     mode, requests, ready = _STATE.mode, _STATE.requests, _STATE.ready
@@ -199,23 +223,52 @@ def sources(jaxpr, dynamic: Sequence[Any]) -> Sources | None:
   return Sources(jaxpr, dynamic)
 
 
-def prepare(dynamic: Sequence[Any], requests: Requests) -> Ready:
+LIMIT_BYTES = 1 << 30
+"""The most memory prepared parts may take (1 GiB). Above it nothing is
+prepared: the program splits its operands itself, as it does without them."""
+
+
+def prepare(dynamic: Sequence[Any], requests: Requests,
+            limit: int | None = LIMIT_BYTES) -> Ready:
   """The parts ``requests`` asks for, computed once, in one jitted program.
 
   The data movement and the split are the ones the program would apply
   (the same bit operations: an exact split), so the parts are bit for bit
-  those it would compute. Compiled once per call (a search calls it once).
+  those it would compute. Compiled at each call (a search calls it once);
+  :func:`preparer` gives the program itself.
+
+  Args:
+    dynamic: the program's array arguments.
+    requests: what :func:`recording` recorded.
+    limit: the most bytes the parts may take (None: no limit); above it,
+      nothing is prepared (``{}``).
 
   Returns:
     ``{name: {key: parts}}``, the ``ready`` of :func:`serving`.
   """
+  run = preparer(requests)
+  if limit is not None and nbytes(jax.eval_shape(run, dynamic)) > limit:
+    return {}
+  return run(dynamic)
+
+
+def nbytes(tree: Any) -> int:
+  """Bytes of the arrays (or shapes) in ``tree``."""
+  return sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree_util.tree_leaves(tree))
+
+
+def preparer(requests: Requests) -> Callable[[Sequence[Any]], Ready]:
+  """The jitted program ``dynamic -> ready`` of :func:`prepare`."""
   plan = [(name, requests[name]) for name in sorted(requests)
           if requests[name][3]]
-  if not plan:
-    return {}
 
+  @jax.jit
   def build(leaves):
     return {name: {k: passes.compute(k, _moved(x, chain, how))
                    for k in sorted(keys)}
             for (name, (_, chain, how, keys)), x in zip(plan, leaves)}
-  return jax.jit(build)([dynamic[arg] for _, (arg, *_) in plan])
+
+  def run(dynamic: Sequence[Any]) -> Ready:
+    return build([dynamic[arg] for _, (arg, *_) in plan]) if plan else {}
+  return run

@@ -154,6 +154,8 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
         # evaluated in place: its own trace could not see ``index``. XLA
         # inlines such calls anyway, and the forward pass of a custom
         # derivative is its body, so the program computes the same.
+        if sources is not None:
+          sources.enter(eqn, _body(eqn))
         return walker.interpret(_body(eqn), rule, *invals)
       hit = unit_of.get(id(eqn))
       if hit is None or hit[0] is not eqn:
