@@ -22,7 +22,7 @@ Both programs give the same numbers, bit for bit (checked here too, and in
 ``tests/test_prepared.py``).
 
   python benchmarks/bench_prepared.py [--layers 12] [--repeats 15]
-  python benchmarks/bench_prepared.py --quick    # 1 layer, seq 16: seconds
+  python benchmarks/bench_prepared.py --quick    # a small MLP: seconds
 """
 
 import argparse
@@ -77,30 +77,44 @@ def main() -> None:
   ap.add_argument("--seq", type=int, default=128)
   ap.add_argument("--repeats", type=int, default=15)
   ap.add_argument("--quick", action="store_true",
-                  help="1 layer, seq 16, 3 repeats: a few seconds")
+                  help="a small Flax MLP, 3 repeats: a few seconds")
   args = ap.parse_args()
   if args.quick:
     args.layers, args.seq, args.repeats = 1, 16, 3
 
-  from transformers import BertConfig, FlaxBertModel
-  cfg = BertConfig(num_hidden_layers=args.layers)  # BERT-base sizes otherwise
-  if args.quick:
-    cfg = BertConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128,
-                     num_attention_heads=2)
-  model = FlaxBertModel(cfg, input_shape=(1, args.seq), seed=0, _do_init=True)
-  ids = jnp.ones((1, args.seq), jnp.int32)
+  if args.quick:  # a two-layer Flax MLP: no transformers import, seconds
+    import flax.linen as nn
 
-  def fn(params, ids):
-    return model(ids, params=params).last_hidden_state
+    class MLP(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(32, name="out")(jnp.tanh(nn.Dense(64, name="hidden")(x)))
+    mlp = MLP()
+    inputs = jnp.ones((args.seq, 32))
+    params = mlp.init(jax.random.key(0), inputs)
+
+    def fn(params, x):
+      return mlp.apply(params, x)
+    title = f"a Flax MLP 32-64-32, {args.seq} rows"
+  else:
+    from transformers import BertConfig, FlaxBertModel
+    cfg = BertConfig(num_hidden_layers=args.layers)  # BERT-base otherwise
+    model = FlaxBertModel(cfg, input_shape=(1, args.seq), seed=0,
+                          _do_init=True)
+    params, inputs = model.params, jnp.ones((1, args.seq), jnp.int32)
+
+    def fn(params, ids):
+      return model(ids, params=params).last_hidden_state
+    title = (f"FlaxBertModel, {args.layers} layers, hidden {cfg.hidden_size}, "
+             f"batch 1, seq {args.seq}")
 
   print(f"CPU: {_cpu()}; {os.cpu_count()} cores; jax {jax.__version__}")
-  print(f"FlaxBertModel, {args.layers} layers, hidden {cfg.hidden_size}, "
-        f"batch 1, seq {args.seq}; choices {', '.join(CHOICES)}")
-  units = [r.module_path for r in jaxprec.audit(fn, model.params, ids).rows
+  print(f"{title}; choices {', '.join(CHOICES)}")
+  units = [r.module_path for r in jaxprec.audit(fn, params, inputs).rows
            if r.module_path]
   units = tuple(dict.fromkeys(units))
   precisions = [resolve(p) for p in CHOICES]
-  call = harness.Args((model.params, ids), {}, who="bench")
+  call = harness.Args((params, inputs), {}, who="bench")
   leaves = call.dynamic
   native = jax.jit(lambda d: call.call(fn, d))
   rng = np.random.default_rng(0)

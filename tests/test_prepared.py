@@ -2,6 +2,7 @@
 program reads the parameters' parts prepared once, and computes the same
 numbers, bit for bit, as the program that splits them itself."""
 
+import re
 import warnings
 
 import flax.linen as nn
@@ -361,3 +362,13 @@ def test_prepare_weights_must_be_a_bool(bad):
   with pytest.raises(TypeError, match="prepare_weights must be True or False"):
     jaxprec.search_policy(lambda x: x @ x, jnp.ones((2, 2)), tolerance=1e-3,
                           prepare_weights=bad)
+
+
+def test_bench_prepared_quick(tmp_path):
+  from test_benchmarks import run
+  out = run("bench_prepared.py", "--quick", tmp_path=tmp_path).stdout
+  for kernel in ("bf16", "f32"):
+    assert re.search(rf"{kernel} kernel: \d+ arrays prepared once", out), out
+  lines = re.findall(r"ratio ([\d.]+)x; prepared / native [\d.]+x; "
+                     r"bit-identical: (\w+)", out)
+  assert len(lines) == 4 and all(same == "True" for _, same in lines), out
