@@ -226,6 +226,15 @@ def _parser() -> argparse.ArgumentParser:
                       help="most evaluations (default 24)")
   search.add_argument("--json", action="store_true",
                       help="print the result as JSON")
+  search.add_argument("--program-per-policy", action="store_true",
+                      help="compile one program per policy tried instead of "
+                           "one switched program for every evaluation after "
+                           "the first (slower; the same answers)")
+  search.add_argument("--prepare-weights", action="store_true",
+                      help="split the weights into the candidates' parts "
+                           "once per search instead of at every evaluation "
+                           "(the same numbers; pays off in long searches of "
+                           "large models, costs up to 3x the weights' memory)")
   _add_search_axes(search)
   _add_no_cache(search)
   search.set_defaults(handler=_search)
@@ -576,7 +585,8 @@ def _search(ns: argparse.Namespace) -> int:
       result = search_lib.search_policy(
           fn, *args, tolerance=ns.tolerance, metric=ns.metric,
           candidates=candidates, target=ns.target, budget=budget, **axes,
-          **kwargs)
+          compile_once=not ns.program_per_policy,
+          prepare_weights=ns.prepare_weights, **kwargs)
   except Exception as e:  # noqa: BLE001 -- the user's code failed
     raise _Failure(f"searching {what} failed: {type(e).__name__}: "
                    f"{e}") from None
