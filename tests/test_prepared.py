@@ -286,7 +286,7 @@ def test_run_indexed_reads_what_prepare_indexed_prepared():
         index, *a, **k)
   cache: dict = {}
   index = switch.index_of([0, 1])
-  ready = harness.prepare_indexed(fn, call, wrap, "k", index, ref, cache)
+  ready = harness.prepare_indexed(fn, call, wrap, index, ref)
   assert ready and all(isinstance(v, dict) for v in ready.values())
   with_parts = harness.run_indexed(fn, call, wrap, "k", index, ref, cache,
                                    ready)

@@ -418,8 +418,13 @@ def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
                     tf32_rounding, kernels.kernel_for(algorithm, op))
   ready = None
   if source is not None:
-    ready = source(*operand_needs(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
-                                  tuple(rhs.shape), np.dtype(rhs.dtype)))
+    shapes = (spec, tuple(lhs.shape), np.dtype(lhs.dtype), tuple(rhs.shape),
+              np.dtype(rhs.dtype))
+    try:
+      needs = operand_needs(*shapes)
+    except TypeError:  # a spec JAX would not take as static: not cached
+      needs = operand_needs.__wrapped__(*shapes)
+    ready = source(*needs)
     if ready == _NOT_READY:
       ready = None
   out = _marked(spec, lhs, rhs, ready)

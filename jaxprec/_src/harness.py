@@ -540,8 +540,7 @@ def run_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
 
 def prepare_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
                                                    Callable[..., Any]],
-                    key: Any, index: Any, ref: Reference, cache: dict
-                    ) -> prepared.Ready:
+                    index: Any, ref: Reference) -> prepared.Ready:
   """The parts of the parameters that :func:`run_indexed`'s program splits,
   computed once (:mod:`jaxprec._src.prepared`): the program is traced
   abstractly to learn which parts of which arguments its matmuls ask for,

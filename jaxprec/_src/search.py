@@ -226,8 +226,7 @@ class _Runner:
     try:
       if self._ready is None:  # the parameters' parts, once per search
         self._ready = harness.prepare_indexed(
-            self.fn, self.call, self._wrap, key, index, self.ref,
-            self._programs)
+            self.fn, self.call, self._wrap, index, self.ref)
       return harness.run_indexed(
           self.fn, self.call, self._wrap, key, index, self.ref,
           self._programs, self._ready), "switched"
