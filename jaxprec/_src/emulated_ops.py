@@ -244,10 +244,16 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, ready=_NOT_READY,
   prepared already (:mod:`jaxprec._src.prepared`); ``asked``: lists that
   record the part keys each operand asks for (:func:`operand_needs`)."""
   lhs_move, rhs_move, dn, out_shape = _moves(spec, lhs.shape, rhs.shape)
-  lhs = passes.Operand(passes.move(lhs.astype(jnp.float32), lhs_move),
-                       ready[0], asked[0])
-  rhs = passes.Operand(passes.move(rhs.astype(jnp.float32), rhs_move),
-                       ready[1], asked[1])
+  # Each operand as it is, behind a barrier XLA does not move ops across:
+  # otherwise XLA folds a transpose before this op (``w.T @ w``) into a
+  # bfloat16 dot, a layout XLA:CPU cannot run ("Unsupported element type
+  # for DotThunk"), or into a float32 dot, which then sums in another order
+  # than where the operand reaches the op as an argument (the search's
+  # switched program: jaxprec._src.switch; tests/test_prepared_probes.py).
+  lhs, rhs = lax.optimization_barrier((lhs.astype(jnp.float32),
+                                       rhs.astype(jnp.float32)))
+  lhs = passes.Operand(passes.move(lhs, lhs_move), ready[0], asked[0])
+  rhs = passes.Operand(passes.move(rhs, rhs_move), ready[1], asked[1])
   fns = passes.F32 if spec.kernel == "f32" else passes.BF16
   if dn is not None:
     # bfloat16 parts run as bfloat16 dots with float32 results: exact

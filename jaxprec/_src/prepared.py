@@ -9,23 +9,31 @@ model's weights costs a good part of a forward pass (BERT-base, batch 1:
 
 * :func:`provenance` finds the operands of a traced function's top-level
   matmuls and convolutions that are one of its float32 array arguments
-  through data movement only (transposes, reshapes, broadcasts, slices,
-  same-dtype converts): a Flax ``Dense`` or ``Conv`` kernel.
+  through data movement (reshapes, transposes, slices, broadcasts,
+  same-dtype converts); those moved in order and count only (not a
+  transpose, see ``_MOVES``), that the emulated op does not transpose
+  either and that are not on both sides of one matmul are served: a
+  Flax ``Dense`` or ``Conv`` kernel, a ``DenseGeneral`` kernel contracted
+  on its leading axes. It follows them into the ``jax.jit`` bodies that
+  :func:`jaxprec._src.switch.switched` evaluates in place.
 * :func:`recording` traces the program once, abstractly, and collects which
   parts (:func:`jaxprec._src.passes.compute` keys) each such argument's
   operands ask for, at every candidate precision.
 * :func:`prepare` computes them once, in a program of their own.
-* :func:`serving` gives them to the program, which applies the same data
-  movement to each part and multiplies them.
+* :func:`serving` gives them to the program, moved as the program would
+  move them, and the emulated ops multiply them.
 
 The parts are computed by the same bit operations in either program (an
-exact split: nothing is summed or rounded twice), so the numbers are the same
-bit for bit (``tests/test_prepared.py``). Operands computed from the
-parameters (a weight norm, say), operands of matmuls inside a nested
-``jax.jit``, ``scan`` or ``remat`` body, and activations are split where they
-are used, as before. The parts cost memory while the search runs: up to six
-bfloat16 values per parameter that feeds a matmul (1, 2 and 3 parts for the
-one-, three- and six-pass candidates), i.e. three times the float32 weights.
+exact split: nothing is summed or rounded twice) and reach the dots laid out
+alike, so the numbers are the same bit for bit (``tests/test_prepared.py``,
+``tests/test_prepared_probes.py``). Operands computed from the parameters (a
+weight norm, say), transposed ones, an argument on both sides of one matmul,
+operands of matmuls inside a ``scan``, ``remat`` or ``cond`` body or a
+``jax.jit`` the program does not inline, and activations are split where
+they are used, as before. The parts cost memory while the search runs: up to
+six bfloat16 values per parameter that feeds a matmul (1, 2 and 3 parts for
+the one-, three- and six-pass candidates), i.e. three times the float32
+weights, and six float32 values on the ``f32`` kernel.
 """
 
 from __future__ import annotations
@@ -46,11 +54,30 @@ from jaxprec._src import walker
 __all__ = ["LIMIT_BYTES", "Requests", "Sources", "nbytes", "prepare",
            "preparer", "provenance", "recording", "serving", "sources"]
 
-# Data movement: each output element is one input element, unchanged, so
-# moving a part is the part of the moved operand.
-_MOVES = frozenset({"transpose", "reshape", "broadcast_in_dim", "squeeze",
-                    "expand_dims", "rev", "slice", "copy", "copy_p",
-                    "convert_element_type"})
+# Data movement: each output element is one input element. Provenance
+# follows all of it (so that one argument on both sides of a matmul is seen
+# as one), but only operands moved in order and count are served (_SERVED):
+# the served operand is then laid out as the one the program would compute.
+# A transpose (or a reversal) is not: XLA folds a transpose into the dot that
+# reads a computed operand, and may then run another dot kernel (summing in
+# another order) than on a transposed argument (tests/test_prepared_probes.py);
+# a broadcast that adds elements would be prepared at its own size.
+_MOVES = frozenset({"transpose", "rev", "reshape", "squeeze", "expand_dims",
+                    "slice", "copy", "copy_p", "convert_element_type",
+                    "broadcast_in_dim"})
+_REORDER = frozenset({"transpose", "rev"})
+
+
+def _served(chain: tuple[Any, ...]) -> bool:
+  """Whether an operand moved by ``chain`` may be served (see _MOVES)."""
+  for eqn in chain:
+    if eqn.primitive.name in _REORDER:
+      return False
+    if (eqn.primitive.name == "broadcast_in_dim"
+        and eqn.outvars[0].aval.size != eqn.invars[0].aval.size):
+      return False
+  return True
+
 
 # A request: the parts (keys) of program argument ``arg`` moved by ``chain``
 # (data-movement equations) and then by ``move`` (:func:`passes.move`), as
@@ -190,6 +217,12 @@ class Sources:
 
   def for_eqn(self, eqn):
     found = self._operands.get(id(eqn), [None, None])[:2]
+    if found[0] is not None and found[1] is not None and (
+        found[0][0] == found[1][0]):
+      # One argument on both sides (``w.T @ w``): XLA rounds it once for
+      # both and folds the transpose into the dot; serving one side would
+      # change the dot it runs (tests/test_prepared_probes.py).
+      return None
     if found == [None, None]:
       return None
     mode, requests, ready = _STATE.mode, _STATE.requests, _STATE.ready
@@ -202,6 +235,10 @@ class Sources:
           out.append(None)
           continue
         arg, chain = where
+        if not _served(chain) or (
+            how is not None and tuple(how[0]) != tuple(range(len(how[0])))):
+          out.append(None)  # moved out of order (by fn or the op): _MOVES
+          continue
         name = _name(arg, chain, how)
         if mode == "record":
           requests.setdefault(name, (arg, chain, how, set()))[3].update(wanted)
