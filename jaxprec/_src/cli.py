@@ -226,15 +226,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="most evaluations (default 24)")
   search.add_argument("--json", action="store_true",
                       help="print the result as JSON")
-  search.add_argument("--program-per-policy", action="store_true",
-                      help="compile one program per policy tried instead of "
-                           "one switched program for every evaluation after "
-                           "the first (slower; the same answers)")
-  search.add_argument("--prepare-weights", action="store_true",
-                      help="split the weights into the candidates' parts "
-                           "once per search instead of at every evaluation "
-                           "(the same numbers; pays off in long searches of "
-                           "large models, costs up to 3x the weights' memory)")
+  search.add_argument("--program-per-policy", action="store_true", help=(
+      "compile a program per policy, not one for all (the same answers)"))
+  search.add_argument("--prepare-weights", action="store_true", help=(
+      "split the weights once per search, not at each evaluation (the same "
+      "numbers; up to 3x the weights' memory)"))
   _add_search_axes(search)
   _add_no_cache(search)
   search.set_defaults(handler=_search)

@@ -66,10 +66,15 @@ class OpaqueOpWarning(UserWarning):
   host callback): they run natively, not as the emulated target would."""
 
 
+_CONV_PARAMS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
+                "dimension_numbers", "feature_group_count", "batch_group_count")
+
+
 def emulation_rule(default: Precision, *, target: str,
                    conv_default: Precision | None = None,
                    on_opaque: Callable[[str], None] | None = None,
                    sources: prepared.Sources | None = None,
+                   guarded: frozenset = frozenset(),
                    **options) -> walker.Rule:
   """The walker rule that emulates dots and convs (used by :func:`emulate`).
 
@@ -85,12 +90,19 @@ def emulation_rule(default: Precision, *, target: str,
       (bound unchanged: jaxprec cannot emulate inside it).
     sources: where the top-level ops find operand parts prepared already
       (:mod:`jaxprec._src.prepared`); None: every op splits its operands.
+    guarded: variables a transpose made
+      (:func:`jaxprec._src.prepared.guarded`): an op reads them behind
+      an optimization barrier.
     **options: passed to the emulated ops (e.g. ``tf32_rounding='truncate'``).
   """
   dot_default = numerics.per_op(default, "dot")
   conv_level = numerics.per_op(
       default if conv_default is None else conv_default, "conv")
   conv_default = None if conv_level is None else (conv_level, conv_level)
+
+  def guard(eqn) -> tuple[bool, bool]:
+    return tuple(not isinstance(v, compat.Literal) and v in guarded
+                 for v in eqn.invars[:2])
 
   def rule(eqn, invals):
     prim = eqn.primitive
@@ -104,33 +116,21 @@ def emulation_rule(default: Precision, *, target: str,
     low = dtype_emulation.rewrite(eqn, invals, target=target, **options)
     if low is not None:  # bfloat16/float16 compute: one rounding per op
       return low
+    p = eqn.params
     if prim is lax.dot_general_p:
-      params = dict(eqn.params)
-      prec = params.pop("precision")
-      lhs, rhs = invals
-      out = emulated_ops.dot_general_with(
-          None if sources is None else sources.for_eqn(eqn),
-          lhs, rhs, params.pop("dimension_numbers"),
-          precision=dot_default if prec is None else prec,
-          preferred_element_type=params.pop("preferred_element_type", None),
-          target=target, **options)
-      return [out]
-    if prim is lax.conv_general_dilated_p:
-      p = dict(eqn.params)
-      prec = p["precision"]
-      prec = conv_default if prec is None else numerics.lowered(prec, "conv")
-      lhs, rhs = invals
-      out = emulated_ops.conv_general_dilated_with(
-          None if sources is None else sources.for_eqn(eqn),
-          lhs, rhs, p["window_strides"], p["padding"],
-          lhs_dilation=p["lhs_dilation"], rhs_dilation=p["rhs_dilation"],
-          dimension_numbers=p["dimension_numbers"],
-          feature_group_count=p["feature_group_count"],
-          batch_group_count=p["batch_group_count"], precision=prec,
-          preferred_element_type=p.get("preferred_element_type"),
-          target=target, **options)
-      return [out]
-    return None
+      params = {"dimension_numbers": p["dimension_numbers"]}
+      prec = dot_default if p["precision"] is None else p["precision"]
+    elif prim is lax.conv_general_dilated_p:
+      params = {k: p[k] for k in _CONV_PARAMS}
+      prec = (conv_default if p["precision"] is None
+              else numerics.lowered(p["precision"], "conv"))
+    else:
+      return None
+    out = emulated_ops.emulated_op(
+        prim.name, *invals, params, prec, p.get("preferred_element_type"),
+        target=target, guard=guard(eqn),
+        source=None if sources is None else sources.for_eqn(eqn), **options)
+    return [out]
   return rule
 
 
@@ -235,6 +235,7 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
                           conv_default=conv_fixed or now,
                           on_opaque=opaque.append,
                           sources=prepared.sources(call.jaxpr, call.dynamic),
+                          guarded=prepared.guarded(call.jaxpr),
                           **options)
     out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
     warn_opaque(opaque, warned, what)

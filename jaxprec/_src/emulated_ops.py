@@ -102,7 +102,8 @@ from jaxprec._src.precision import PrecisionLike
 # that imported them from this module.
 __all__ = ["ALGORITHMS", "MARKER", "TARGETS", "TF32_ROUNDINGS", "algorithm_for",
            "emulated_conv_general_dilated", "emulated_dot_general",
-           "is_emulated_call"]
+           "emulated_op",
+           "is_emulated_call", "operand_needs"]
 
 TARGETS = EMULATION_TARGETS
 TF32_ROUNDINGS = ("nearest", "nearest_away", "truncate")
@@ -151,6 +152,8 @@ class _Spec:
   tf32_rounding: str
   contraction: int = 0  # products summed per output element
   kernel: str = "bf16"  # 'bf16' or 'f32' (jaxprec._src.kernels)
+  # (lhs, rhs): read behind an optimization barrier (a transpose made it).
+  guard: tuple[bool, bool] = (False, False)
 
   def lax_op(self) -> Callable[..., jax.Array]:
     fn = lax.dot_general if self.op == "dot_general" else lax.conv_general_dilated
@@ -159,10 +162,12 @@ class _Spec:
 
 def _make_spec(op: str, params: Mapping[str, Any], lhs, rhs,
                preferred_element_type, algorithm: str,
-               tf32_rounding: str, kernel: str) -> _Spec:
+               tf32_rounding: str, kernel: str,
+               guard: tuple[bool, bool] = (False, False)) -> _Spec:
   params = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
   spec = _Spec(op, params, preferred_element_type, np.dtype(np.float32),
-               algorithm, tf32_rounding, kernel=kernel)
+               algorithm, tf32_rounding, kernel=kernel,
+               guard=(bool(guard[0]), bool(guard[1])))
   try:
     return _complete(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
                      tuple(rhs.shape), np.dtype(rhs.dtype))
@@ -244,14 +249,11 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, ready=_NOT_READY,
   prepared already (:mod:`jaxprec._src.prepared`); ``asked``: lists that
   record the part keys each operand asks for (:func:`operand_needs`)."""
   lhs_move, rhs_move, dn, out_shape = _moves(spec, lhs.shape, rhs.shape)
-  # Each operand as it is, behind a barrier XLA does not move ops across:
-  # otherwise XLA folds a transpose before this op (``w.T @ w``) into a
-  # bfloat16 dot, a layout XLA:CPU cannot run ("Unsupported element type
-  # for DotThunk"), or into a float32 dot, which then sums in another order
-  # than where the operand reaches the op as an argument (the search's
-  # switched program: jaxprec._src.switch; tests/test_prepared_probes.py).
-  lhs, rhs = lax.optimization_barrier((lhs.astype(jnp.float32),
-                                       rhs.astype(jnp.float32)))
+  lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+  if spec.guard[0]:
+    lhs = lax.optimization_barrier(lhs)
+  if spec.guard[1]:
+    rhs = lax.optimization_barrier(rhs)
   lhs = passes.Operand(passes.move(lhs, lhs_move), ready[0], asked[0])
   rhs = passes.Operand(passes.move(rhs, rhs_move), ready[1], asked[1])
   fns = passes.F32 if spec.kernel == "f32" else passes.BF16
@@ -401,10 +403,11 @@ def _traced_once(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
 
 def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
          precision, preferred_element_type, target: str, tf32_rounding: str,
-         out_sharding: Any, source: Callable[..., Any] | None = None
-         ) -> jax.Array:
+         out_sharding: Any, source: Callable[..., Any] | None = None,
+         guard: tuple[bool, bool] = (False, False)) -> jax.Array:
   """The emulated op. ``source``: where prepared operand parts are found
-  (:meth:`jaxprec._src.prepared.Sources.for_eqn`), or None."""
+  (:meth:`jaxprec._src.prepared.Sources.for_eqn`), or None; ``guard``:
+  which operands a transpose made (:func:`jaxprec._src.prepared.guarded`)."""
   target = check_target(target, emulation=True)
   tf32_rounding = _check_tf32_rounding(tf32_rounding)
   if target in ("cpu", "native"):
@@ -421,7 +424,7 @@ def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
   if algorithm == "f32":
     return native(_EXACT)
   spec = _make_spec(op, params, lhs, rhs, preferred_element_type, algorithm,
-                    tf32_rounding, kernels.kernel_for(algorithm, op))
+                    tf32_rounding, kernels.kernel_for(algorithm, op), guard)
   ready = None
   if source is not None:
     shapes = (spec, tuple(lhs.shape), np.dtype(lhs.dtype), tuple(rhs.shape),
@@ -492,27 +495,33 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
     >>> float(jaxprec.emulated_dot_general(x, x, dn, "highest")[0, 0])
     1.0039100646972656
   """
-  return dot_general_with(None, lhs, rhs, dimension_numbers, precision,
-                          preferred_element_type, target=target,
-                          tf32_rounding=tf32_rounding,
-                          out_sharding=out_sharding)
+  return emulated_op("dot_general", lhs, rhs,
+                     {"dimension_numbers": dimension_numbers}, precision,
+                     preferred_element_type, target=target,
+                     tf32_rounding=tf32_rounding, out_sharding=out_sharding)
 
 
-def dot_general_with(source: Callable[..., Any] | None, lhs, rhs,
-                     dimension_numbers, precision=None,
-                     preferred_element_type=None, *, target: str = "tpu",
-                     tf32_rounding: str = "nearest",
-                     out_sharding: Any = None) -> jax.Array:
-  """:func:`emulated_dot_general` reading prepared operand parts from
-  ``source`` (:mod:`jaxprec._src.prepared`; None: none)."""
+def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
+                preferred_element_type=None, *, target: str = "tpu",
+                tf32_rounding: str = "nearest", out_sharding: Any = None,
+                source: Callable[..., Any] | None = None,
+                guard: tuple[bool, bool] = (False, False)) -> jax.Array:
+  """The emulated ``op`` (``'dot_general'`` or ``'conv_general_dilated'``),
+  ``params`` the lax op's other arguments, for the emulation rule: reading
+  prepared operand parts from ``source`` (:mod:`jaxprec._src.prepared`) and
+  the operands ``guard`` marks behind an optimization barrier
+  (:func:`jaxprec._src.prepared.guarded`)."""
   def native(p):
-    return lax.dot_general(lhs, rhs, dimension_numbers, p, preferred_element_type,
-                           out_sharding=out_sharding)
-
-  params = {"dimension_numbers": dimension_numbers}
-  return _run("dot_general", native, params, lhs, rhs, precision,
-              preferred_element_type, target, tf32_rounding, out_sharding,
-              source)
+    if op == "dot_general":
+      return lax.dot_general(lhs, rhs, params["dimension_numbers"], p,
+                             preferred_element_type, out_sharding=out_sharding)
+    return lax.conv_general_dilated(
+        lhs, rhs, params["window_strides"], params["padding"],
+        params["lhs_dilation"], params["rhs_dilation"],
+        params["dimension_numbers"], params["feature_group_count"],
+        params["batch_group_count"], p, preferred_element_type, out_sharding)
+  return _run(op, native, params, lhs, rhs, precision, preferred_element_type,
+              target, tf32_rounding, out_sharding, source, guard)
 
 
 def emulated_conv_general_dilated(
@@ -553,27 +562,6 @@ def emulated_conv_general_dilated(
     >>> jaxprec.emulated_conv_general_dilated(x, w, (1,), "VALID").tolist()
     [[[2.0, 2.0]]]
   """
-  return conv_general_dilated_with(
-      None, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
-      dimension_numbers, feature_group_count, batch_group_count, precision,
-      preferred_element_type, out_sharding, target=target,
-      tf32_rounding=tf32_rounding)
-
-
-def conv_general_dilated_with(
-    source: Callable[..., Any] | None, lhs, rhs, window_strides, padding,
-    lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
-    feature_group_count: int = 1, batch_group_count: int = 1, precision=None,
-    preferred_element_type=None, out_sharding: Any = None, *,
-    target: str = "tpu", tf32_rounding: str = "nearest") -> jax.Array:
-  """:func:`emulated_conv_general_dilated` reading prepared operand parts
-  from ``source`` (:mod:`jaxprec._src.prepared`; None: none)."""
-  def native(p):
-    return lax.conv_general_dilated(
-        lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
-        dimension_numbers, feature_group_count, batch_group_count, p,
-        preferred_element_type, out_sharding)
-
   params = {
       "window_strides": window_strides, "padding": padding,
       "lhs_dilation": lhs_dilation, "rhs_dilation": rhs_dilation,
@@ -581,9 +569,9 @@ def conv_general_dilated_with(
       "feature_group_count": feature_group_count,
       "batch_group_count": batch_group_count,
   }
-  return _run("conv_general_dilated", native, params, lhs, rhs, precision,
-              preferred_element_type, target, tf32_rounding, out_sharding,
-              source)
+  return emulated_op("conv_general_dilated", lhs, rhs, params, precision,
+                     preferred_element_type, target=target,
+                     tf32_rounding=tf32_rounding, out_sharding=out_sharding)
 
 
 def is_emulated_call(eqn) -> bool:

@@ -141,12 +141,15 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
     # choice's (convolutions its level, as a policy gives them). The
     # parameters' parts may be prepared (jaxprec._src.prepared).
     sources = prepared.sources(closed, call.dynamic)
+    guarded = prepared.guarded(closed)  # as emulate: the same ops
     rules = [emulate_lib.emulation_rule(p, target=target, conv_default=p,
-                                        sources=sources, **options)
+                                        sources=sources, guarded=guarded,
+                                        **options)
              for p in precisions]
     fixed = emulate_lib.emulation_rule(None, target=target,
                                        on_opaque=opaque.append,
-                                       sources=sources, **options)
+                                       sources=sources, guarded=guarded,
+                                       **options)
 
     def rule(eqn, invals):
       if id(eqn) in inline:
