@@ -518,6 +518,7 @@ def test_policy_rows_on_an_nnx_model_match_emulate():
 # -- Caches hold no user arrays (issue 12, item 7) -----------------------------
 
 
+# One precision row below: every row is built alike, and each compiles.
 def _freed(make, run):
   import gc
   import weakref
@@ -543,7 +544,8 @@ def test_check_keeps_no_argument_alive(make, reference):
   def run(x):
     ref = {"output": np.asarray(x) @ np.asarray(x)} if reference == "mapping" \
         else reference
-    jaxprec.check(jnp.matmul, x, x, reference=ref, mode="emulate")
+    jaxprec.check(jnp.matmul, x, x, reference=ref, precisions=["bf16"],
+                  mode="emulate")
   assert _freed(make, run)
 
 
@@ -552,16 +554,18 @@ def test_check_module_keeps_no_argument_alive():
   from flax import nnx
   dense = nn.Dense(16)
   variables = dense.init(KEY, jnp.ones((2, 16)))
-  assert _freed(_jax_x, lambda x: jaxprec.check_module(dense, variables, x,
-                                                       mode="emulate"))
+  assert _freed(_jax_x, lambda x: jaxprec.check_module(
+      dense, variables, x, precisions=["bf16"], mode="emulate"))
   linear = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
-  assert _freed(_jax_x, lambda x: jaxprec.check_module(linear, x, mode="emulate"))
+  assert _freed(_jax_x, lambda x: jaxprec.check_module(
+      linear, x, precisions=["bf16"], mode="emulate"))
   # The parameters too.
   kernel = variables["params"]["kernel"] + 1
 
   def run(k):
     v = {"params": {**variables["params"], "kernel": k}}
-    jaxprec.check_module(dense, v, X[:, :16], mode="emulate")
+    jaxprec.check_module(dense, v, X[:, :16], precisions=["bf16"],
+                         mode="emulate")
   assert _freed(lambda: kernel + 0, run)
 
 

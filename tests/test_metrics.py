@@ -1,5 +1,6 @@
 """Divergence metrics (jaxprec._src.metrics) against NumPy float64 computations."""
 
+import functools
 import math
 
 import jax
@@ -411,6 +412,14 @@ def _bits(tree):
   return {k: np.asarray(v).view(np.uint8) for k, v in tree.items()}
 
 
+@functools.cache
+def _layer_stats_jit(finite_only):
+  return jax.jit(
+      lambda c, hi, lo, ref, layout, atol, rtol: M.layer_stats(
+          c, hi, lo, ref, layout, atol=atol, rtol=rtol,
+          finite_only=finite_only), static_argnums=(4,))
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30, 1e-36])
 @pytest.mark.parametrize("f64", [False, True])
 def test_finite_only_is_bit_identical_to_the_cond_path(scale, f64):
@@ -431,11 +440,11 @@ def test_finite_only_is_bit_identical_to_the_cond_path(scale, f64):
   ref = jax.jit(M.reference_stats, static_argnums=(2,))(hi, lo, layout)
 
   def run(finite_only):
-    return jax.device_get(jax.jit(
-        lambda c, hi, lo, ref, atol, rtol: M.layer_stats(
-            c, hi, lo, ref, layout, atol=atol, rtol=rtol,
-            finite_only=finite_only))(
-                cands, hi, lo, ref, np.float32(1e-3 * scale), np.float32(1e-3)))
+    # One jitted function per path (the scale is an argument): the four
+    # scales run the same two compiled programs, as check's do.
+    return jax.device_get(_layer_stats_jit(finite_only)(
+        cands, hi, lo, ref, layout, np.float32(1e-3 * scale),
+        np.float32(1e-3)))
   fast, full = run(True), run(False)
   assert bool(fast.pop("finite"))
   assert fast.keys() == full.keys()
@@ -452,10 +461,10 @@ def test_finite_only_says_when_it_does_not_hold(where):
   r = [np.ones(100, np.float32), np.ones(30, np.float32)]
   (c if where == "candidate" else r)[1][3] = np.nan
   hi = jnp.asarray(M.pack_numpy(r, layout))
-  ref = M.reference_stats(hi, None, layout)
-  out = M.layer_stats(c, hi, None, ref, layout, atol=0.0, rtol=0.0,
-                      finite_only=True)
+  ref = jax.jit(M.reference_stats, static_argnums=(2,))(hi, None, layout)
+  zero = np.float32(0.0)
+  out = _layer_stats_jit(True)(c, hi, None, ref, layout, zero, zero)
   assert not bool(out["finite"])
-  assert "finite" not in M.layer_stats(c, hi, None, ref, layout, atol=0.0,
-                                       rtol=0.0)
+  assert "finite" not in _layer_stats_jit(False)(c, hi, None, ref, layout,
+                                                 zero, zero)
 

@@ -104,7 +104,10 @@ def test_each_emulated_conv_is_bit_for_bit_the_fixed_programs(target):
     assert switching.same(g(switch.index_of([i]), x, w, b), fixed(x, w, b)), name
 
 
-@pytest.mark.parametrize("target,count", [("tpu", 3), ("gpu", 1)])
+# ``count`` random policies after the uniform ones: the first draw (seed 0)
+# mixes all three candidates over BERT's 14 units, as wav2vec2's (seed 1)
+# over its 23; each policy is one more compiled model.
+@pytest.mark.parametrize("target,count", [("tpu", 1), ("gpu", 1)])
 def test_bert_switched_program_is_the_fixed_policy_program_bit_for_bit(
     target, count):
   fn, args = jaxprec.models.bert("tiny")
@@ -116,7 +119,7 @@ def test_bert_switched_program_is_the_fixed_policy_program_bit_for_bit(
 def test_wav2vec2_switched_program_is_the_fixed_policy_program_bit_for_bit():
   """Its conv stack's layer norms read emulated convolutions (passes._last)."""
   fn, args = jaxprec.models.wav2vec2("tiny")
-  switching.assert_switched_is_fixed(cost_lib.unjit(fn), args, 2, seed=1,
+  switching.assert_switched_is_fixed(cost_lib.unjit(fn), args, 1, seed=1,
                                      uniform=False)
 
 
@@ -314,7 +317,9 @@ def _plain_args():
                          ids=["remat-jit-scan-cond", "jit-custom_jvp"])
 def test_units_inside_bodies_are_switched_bit_for_bit(make):
   fn, args = make()
-  switching.assert_switched_is_fixed(fn, args, 3, seed=4)
+  # Two random policies: with seed 4 they mix all three candidates over the
+  # structured model's five units (the plain function has one unit).
+  switching.assert_switched_is_fixed(fn, args, 2, seed=4)
 
 
 @pytest.mark.parametrize("make", [_structured, _plain_args],
