@@ -129,16 +129,22 @@ class _Net(nn.Module):
     return nn.Dense(4, name="c", precision="highest")(x)  # a fixed op
 
 
-def test_requests_name_the_parameters_that_feed_matmuls():
-  net = _Net()
+def _applied(net):
+  """``(fn, params, x, where)``: ``net`` applied, its arguments, and the
+  index of each argument leaf by its path."""
   x = jax.random.normal(jax.random.key(0), (3, 8))
   params = net.init(jax.random.key(1), x)
 
   def fn(p, x):
     return net.apply(p, x)
   paths, _ = jax.tree_util.tree_flatten_with_path((params, x))
-  leaves = [v for _, v in paths]
   where = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(paths)}
+  return fn, params, x, where
+
+
+def test_requests_name_the_parameters_that_feed_matmuls():
+  fn, params, x, where = _applied(_Net())
+  leaves = jax.tree_util.tree_leaves((params, x))
   kernels = {i for k, i in where.items() if k.endswith("['kernel']")}
   scale = where["[0]['params']['scale']"]
   assert len(kernels) == 3
@@ -234,12 +240,7 @@ def test_gradients_inside_the_served_program_are_the_split_ones():
 
 
 def test_the_search_prepares_once_and_its_program_reads_the_parts(monkeypatch):
-  net = _Net()
-  x = jax.random.normal(jax.random.key(0), (3, 8))
-  params = net.init(jax.random.key(1), x)
-
-  def fn(p, x):
-    return net.apply(p, x)
+  fn, params, x, _ = _applied(_Net())
   calls = []
   real = prepared.prepare
 
@@ -277,12 +278,7 @@ def test_a_switched_program_without_parameters_runs_unserved():
 
 
 def test_run_indexed_reads_what_prepare_indexed_prepared():
-  net = _Net()
-  x = jax.random.normal(jax.random.key(0), (3, 8))
-  params = net.init(jax.random.key(1), x)
-
-  def fn(p, x):
-    return net.apply(p, x)
+  fn, params, x, _ = _applied(_Net())
   call = harness.Args((params, x), {}, who="test")
   ref = harness.build_reference(fn, call, "float32", target="tpu",
                                 mode="emulate")
@@ -323,14 +319,7 @@ class _Call(nn.Module):
 
 
 def test_a_body_shared_by_two_calls_serves_each_call_its_own_parts():
-  net = _Shared()
-  x = jax.random.normal(jax.random.key(0), (3, 8))
-  params = net.init(jax.random.key(1), x)
-
-  def fn(p, x):
-    return net.apply(p, x)
-  paths, _ = jax.tree_util.tree_flatten_with_path((params, x))
-  where = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(paths)}
+  fn, params, x, where = _applied(_Shared())
   with jaxprec.use_kernel("bf16"):
     served, plain, requests = _programs(
         jax.jit(fn), ["first", "second"],
