@@ -57,7 +57,7 @@ __all__ = ["LIMIT_BYTES", "Requests", "Sources", "guarded", "nbytes",
 
 # Data movement: each output element is one input element. Provenance
 # follows all of it (so that one argument on both sides of a matmul is seen
-# as one), but only operands moved in order and count are served (_SERVED):
+# as one), but only operands moved in order and count are served (_served):
 # the served operand is then laid out as the one the program would compute.
 # A transpose (or a reversal) is not: XLA folds a transpose into the dot that
 # reads a computed operand, and may then run another dot kernel (summing in
