@@ -369,3 +369,15 @@ def test_bench_prepared_quick(tmp_path):
   lines = re.findall(r"ratio ([\d.]+)x; prepared / native [\d.]+x; "
                      r"bit-identical: (\w+)", out)
   assert len(lines) == 4 and all(same == "True" for _, same in lines), out
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({"compile_once": False}, "compile_once=False"),
+    ({"axes": "dtype"}, "the dtype axis"),
+    ({"mode": "native", "target": "tpu"}, "natively")])
+def test_prepare_weights_where_it_cannot_apply_says_so(kw, why):
+  fn, params, x, _ = _applied(_Net())
+  with pytest.warns(UserWarning, match=f"prepare_weights=True has no effect "
+                                       f"here \\(.*{why}"):
+    jaxprec.search_policy(fn, params, x, tolerance=1e-2, verbose=False,
+                          prepare_weights=True, budget=2, **kw)

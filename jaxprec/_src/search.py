@@ -406,7 +406,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       about as much as 20 to 45 evaluations save (``docs/performance.md``),
       and the parts take up to 3x (``bf16`` kernel) or 6x (``f32``) the
       float32 weights' memory while the search runs (nothing is prepared
-      above 1 GiB). Default False.
+      above 1 GiB). Default False; a warning says when it cannot apply
+      (``compile_once=False``, native runs, the dtype axis).
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
@@ -501,6 +502,15 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       select=None if names == all_names else names)
   switchable = (compile_once and mode == "emulate" and "dtype" not in axes
                 and bool(table.units))
+  if prepare_weights and not switchable:
+    why = ("compile_once=False" if not compile_once else
+           "it runs natively" if mode != "emulate" else
+           "the dtype axis compiles a program per policy" if "dtype" in axes
+           else "no module path runs a matmul")
+    warnings.warn(
+        f"jaxprec.search_policy: prepare_weights=True has no effect here "
+        f"({why}): the weights are prepared for the switched program only.",
+        UserWarning, stacklevel=2)
   runner = _Runner(fn, call, ref, target, mode, units=table.units,
                    precisions=_choices(cands) if switchable else None,
                    prepare_weights=bool(prepare_weights))
