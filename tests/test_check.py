@@ -727,9 +727,12 @@ def _nan_in_candidate_only(x):
   return {"d": d, "sqrt": jnp.sqrt(d + 0.015)}
 
 
-@pytest.mark.parametrize("fn, args", [
+_FINITE_CASES = [
     (mlp, (W, X)), (_log_layer, (W, X)),
-    (_nan_in_candidate_only, (jnp.full((4, 4), 1 + 2.0**-9, jnp.float32),))])
+    (_nan_in_candidate_only, (jnp.full((4, 4), 1 + 2.0**-9, jnp.float32),))]
+
+
+@pytest.mark.parametrize("fn, args", _FINITE_CASES)
 def test_fused_candidate_metrics_are_those_of_the_full_metrics(fn, args):
   # check's fused program compiles the all-finite metrics only and falls back
   # to the full metrics program on a NaN or an infinity: the same numbers
@@ -744,3 +747,25 @@ def test_fused_candidate_metrics_are_those_of_the_full_metrics(fn, args):
   assert repr(fused) == repr(full)
   if fn is not mlp:  # the fallback ran: the fast path counts no NaN
     assert any(m.nan > 0 for m in fused)
+
+
+@pytest.mark.parametrize("fn, args", _FINITE_CASES)
+def test_unfused_candidate_metrics_are_those_of_the_masked_path(fn, args):
+  # The search's rows (fused=False) compute the all-finite metrics program
+  # too, and fall back to the masked one on a NaN or an infinity: the same
+  # numbers as the masked path alone, bit for bit.
+  import jax as jax_
+  from jaxprec._src import harness, metrics as metrics_lib
+  call = harness.Args(args, {}, who="test")
+  ref = harness.build_reference(fn, call, "float32", target="tpu",
+                                mode="emulate")
+  p = harness.plan("bfloat16", "tpu", "emulate")
+  got = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3, fused=False)
+  hi, lo, stats, dynamic, atol, rtol = harness.candidate_args(
+      call, ref, 1e-3, 1e-3)
+  values = harness._layers_program(fn, call, p, tuple(ref.names), None)(
+      dynamic)
+  masked = harness._metrics_program(ref.layout)(values, hi, lo, stats, atol,
+                                                rtol)
+  want = metrics_lib.finish(jax_.device_get(masked), ref.layout)
+  assert repr(got) == repr(want)

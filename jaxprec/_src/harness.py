@@ -470,12 +470,23 @@ def _layers_program(fn, call: Args, p: Plan, names: tuple[str, ...],
 
 
 # Depends on the layers' sizes only: kept for later runs.
-@functools.lru_cache(maxsize=8)
-def _metrics_program(layout: metrics_lib.Layout):
+@functools.lru_cache(maxsize=16)
+def _metrics_program(layout: metrics_lib.Layout, finite_only: bool = False):
   def program(values, hi, lo, stats, atol, rtol):
     return metrics_lib.layer_stats(values, hi, lo, stats, layout, atol=atol,
-                                   rtol=rtol)
+                                   rtol=rtol, finite_only=finite_only)
   return jax.jit(program)
+
+
+def _metrics(values, hi, lo, stats, layout, atol, rtol) -> dict:
+  """The metrics of ``values``: the all-finite program, then, where a NaN or
+  an infinity makes its numbers wrong, the masked one (as the fused
+  candidate program does: see :func:`_candidate_program`)."""
+  out = jax.device_get(_metrics_program(layout, True)(
+      values, hi, lo, stats, atol, rtol))
+  if not out.pop("finite"):
+    out = _metrics_program(layout)(values, hi, lo, stats, atol, rtol)
+  return out
 
 
 def candidate_args(call: Args, ref: Reference, atol: float, rtol: float):
@@ -497,10 +508,17 @@ def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
     ref: the reference (:func:`build_reference`).
     atol, rtol: the tolerance of ``frac_outside`` and ``required_atol``.
     cache: where to keep the program (default: the global per-fn cache).
-    fused: one program computes the layers and their metrics (best when the
-      program is reused: ``check``); else the metrics are a second program,
-      compiled once per layout (best when every row is a new program: the
-      search, ``benchmarks/bench_search.py``).
+    fused: one program computes the layers and their metrics (default:
+      ``check``, which reuses its programs); else the metrics are a second
+      program, compiled once per layout and shared by every row (the
+      search, whose rows are new programs). Measured on the built-in tiny
+      Wav2Vec2 and BERT, three rows: the second program compiles a cold
+      check in 4.9-5.2 s instead of 6.3-6.8 s and 2.4-2.5 s instead of 3.3
+      s, and runs as fast there, but on Wav2Vec2-base a warm check costs
+      1.20-1.33x its forwards instead of 1.06-1.13x
+      (``benchmarks/bench_check.py``), so ``check`` keeps one program. Both
+      compile the all-finite metrics only, and compute them again with the
+      masked path where a NaN or an infinity needs it.
   """
   hi, lo, stats, dynamic, atol, rtol = candidate_args(call, ref, atol, rtol)
   if fused:
@@ -512,7 +530,7 @@ def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
     del layers  # never copied to the host
   else:
     values = _layers_program(fn, call, p, tuple(ref.names), cache)(dynamic)
-    out = _metrics_program(ref.layout)(values, hi, lo, stats, atol, rtol)
+    out = _metrics(values, hi, lo, stats, ref.layout, atol, rtol)
     del values
   return metrics_lib.finish(jax.device_get(out), ref.layout)
 
@@ -533,7 +551,7 @@ def run_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
   prog = _indexed_program(fn, call, wrap, key, tuple(ref.names), cache)
   hi, lo, stats, dynamic, atol, rtol = candidate_args(call, ref, 0.0, 0.0)
   values = prog(index, ready or {}, dynamic)
-  out = _metrics_program(ref.layout)(values, hi, lo, stats, atol, rtol)
+  out = _metrics(values, hi, lo, stats, ref.layout, atol, rtol)
   del values
   return metrics_lib.finish(jax.device_get(out), ref.layout)
 
