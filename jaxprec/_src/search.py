@@ -205,8 +205,7 @@ class _Runner:
     self.precisions = None if precisions is None else tuple(precisions)
     self.fell_back: str | None = None  # why the switch could not be used
     self.fixed_runs = 0
-    # The parameters' parts the switched program reads (prepared once:
-    # jaxprec._src.prepared); dropped with the runner, at the search's end.
+    # Parameters' parts for the switched program (jaxprec._src.prepared).
     self._ready: dict | None = None if prepare_weights else {}
     self._traces: dict[Any, Any] = {}
 
@@ -222,14 +221,13 @@ class _Runner:
     index = switch.index_of(
         [len(self.precisions) - 1] * len(self.units) if levels is None
         else levels)
-    key = (self.precisions, self.units)
     try:
       if self._ready is None:  # the parameters' parts, once per search
         self._ready = harness.prepare_indexed(
             self.fn, self.call, self._wrap, index, self.ref)
       return harness.run_indexed(
-          self.fn, self.call, self._wrap, key, index, self.ref,
-          self._programs, self._ready), "switched"
+          self.fn, self.call, self._wrap, (self.precisions, self.units),
+          index, self.ref, self._programs, self._ready), "switched"
     except switch.SwitchError as e:
       self.fell_back = str(e)
       warnings.warn(
@@ -396,18 +394,14 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       in its own program, which checks so (a difference warns) and gives
       the report. ``False`` compiles one program per policy. The dtype axis
       and native runs always compile per policy.
-    prepare_weights: with the switched program, split the parameters that
-      feed matmuls (float32 arguments reaching them through data movement
-      only) into the parts each candidate multiplies once per search, and
-      let every evaluation read them (:mod:`jaxprec._src.prepared`), instead
-      of splitting them again at every evaluation. The same numbers, bit
-      for bit. It pays off in long searches of large models: measured on
-      BERT-base, each evaluation is 6 to 24% faster, but preparing costs
-      about as much as 20 to 45 evaluations save (``docs/performance.md``),
-      and the parts take up to 3x (``bf16`` kernel) or 6x (``f32``) the
-      float32 weights' memory while the search runs (nothing is prepared
-      above 1 GiB). Default False; a warning says when it cannot apply
-      (``compile_once=False``, native runs, the dtype axis).
+    prepare_weights: let the switched program read the parts of the
+      parameters that feed matmuls, split once per search, instead of
+      splitting them at every evaluation (:mod:`jaxprec._src.prepared`; the
+      same numbers, bit for bit). On BERT-base each evaluation is 6 to 24%
+      faster but preparing costs what 20 to 45 of them save, and the parts
+      take up to 3x (``bf16`` kernel) or 6x (``f32``) the weights' memory,
+      none above 1 GiB (``docs/performance.md``). Default False; it warns
+      where it cannot apply.
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
@@ -503,14 +497,12 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   switchable = (compile_once and mode == "emulate" and "dtype" not in axes
                 and bool(table.units))
   if prepare_weights and not switchable:
-    why = ("compile_once=False" if not compile_once else
-           "it runs natively" if mode != "emulate" else
-           "the dtype axis compiles a program per policy" if "dtype" in axes
-           else "no module path runs a matmul")
-    warnings.warn(
-        f"jaxprec.search_policy: prepare_weights=True has no effect here "
-        f"({why}): the weights are prepared for the switched program only.",
-        UserWarning, stacklevel=2)
+    why = ("compile_once=False" if not compile_once else "it runs natively"
+           if mode != "emulate" else "the dtype axis compiles a program per "
+           "policy" if "dtype" in axes else "no module path runs a matmul")
+    warnings.warn(f"jaxprec.search_policy: prepare_weights=True has no effect "
+                  f"here ({why}): only the switched program reads prepared "
+                  f"weights.", UserWarning, stacklevel=2)
   runner = _Runner(fn, call, ref, target, mode, units=table.units,
                    precisions=_choices(cands) if switchable else None,
                    prepare_weights=bool(prepare_weights))
