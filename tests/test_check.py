@@ -733,34 +733,19 @@ _FINITE_CASES = [
 
 
 @pytest.mark.parametrize("fn, args", _FINITE_CASES)
-def test_fused_candidate_metrics_are_those_of_the_full_metrics(fn, args):
-  # check's fused program compiles the all-finite metrics only and falls back
-  # to the full metrics program on a NaN or an infinity: the same numbers
-  # either way, bit for bit (repr is exact for floats and keeps NaN).
-  from jaxprec._src import harness
-  call = harness.Args(args, {}, who="test")
-  ref = harness.build_reference(fn, call, "float32", target="tpu",
-                                mode="emulate")
-  p = harness.plan("bfloat16", "tpu", "emulate")
-  fused = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3)
-  full = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3, fused=False)
-  assert repr(fused) == repr(full)
-  if fn is not mlp:  # the fallback ran: the fast path counts no NaN
-    assert any(m.nan > 0 for m in fused)
-
-
-@pytest.mark.parametrize("fn, args", _FINITE_CASES)
-def test_unfused_candidate_metrics_are_those_of_the_masked_path(fn, args):
-  # The search's rows (fused=False) compute the all-finite metrics program
-  # too, and fall back to the masked one on a NaN or an infinity: the same
-  # numbers as the masked path alone, bit for bit.
+def test_candidate_metrics_fused_or_not_are_those_of_the_masked_path(fn, args):
+  # check's fused program and the search's rows (fused=False) compile the
+  # all-finite metrics only and fall back to the masked metrics program on a
+  # NaN or an infinity: the numbers of the masked path alone, bit for bit
+  # (repr is exact for floats and keeps NaN).
   import jax as jax_
   from jaxprec._src import harness, metrics as metrics_lib
   call = harness.Args(args, {}, who="test")
   ref = harness.build_reference(fn, call, "float32", target="tpu",
                                 mode="emulate")
   p = harness.plan("bfloat16", "tpu", "emulate")
-  got = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3, fused=False)
+  fused = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3)
+  unfused = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3, fused=False)
   hi, lo, stats, dynamic, atol, rtol = harness.candidate_args(
       call, ref, 1e-3, 1e-3)
   values = harness._layers_program(fn, call, p, tuple(ref.names), None)(
@@ -768,4 +753,6 @@ def test_unfused_candidate_metrics_are_those_of_the_masked_path(fn, args):
   masked = harness._metrics_program(ref.layout)(values, hi, lo, stats, atol,
                                                 rtol)
   want = metrics_lib.finish(jax_.device_get(masked), ref.layout)
-  assert repr(got) == repr(want)
+  assert repr(fused) == repr(unfused) == repr(want)
+  if fn is not mlp:  # the fallback ran: the fast path counts no NaN
+    assert any(m.nan > 0 for m in fused)

@@ -203,6 +203,16 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
     # flags (a TPU or GPU runs them), compute dtypes as the modules' own.
     return _native(fn, policy or policy_lib.Policy(default=resolve(precision)))
   cache: dict[Any, Any] = {}
+  guarded: dict[int, tuple] = {}  # id(trace) -> (trace, its guarded vars)
+
+  def guards(closed) -> frozenset:
+    # Once per trace: an eager call reuses the cached trace at every call.
+    hit = guarded.get(id(closed))
+    if hit is None or hit[0] is not closed:
+      if len(guarded) >= 64:  # traces the cache does not keep: bounded
+        guarded.clear()
+      hit = guarded[id(closed)] = (closed, prepared.guarded(closed))
+    return hit[1]
   warned: set[str] = set()
   recorder = None if policy is None else flax_scope.Recorder(policy)
   what = getattr(fn, "__qualname__", type(fn).__name__)
@@ -235,7 +245,7 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
                           conv_default=conv_fixed or now,
                           on_opaque=opaque.append,
                           sources=prepared.sources(call.jaxpr, call.dynamic),
-                          guarded=prepared.guarded(call.jaxpr),
+                          guarded=guards(call.jaxpr),
                           **options)
     out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
     warn_opaque(opaque, warned, what)
