@@ -111,6 +111,40 @@ def test_auto_measures_once_and_caches_on_disk(monkeypatch, tmp_path):
   assert "cached in" in again.reason
 
 
+def test_the_disk_cache_keys_on_xla_flags_and_cpu_features(monkeypatch, tmp_path):
+  # A figure measured under other XLA flags (which pick the dot library) or on
+  # a CPU with other feature flags but the same model name is not reused.
+  monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+  monkeypatch.setenv(kernels.CACHE_ENV_VAR, str(tmp_path))
+  monkeypatch.setattr(kernels, "_MEASURED", {})
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  figures = iter([0.5, 1.25, 0.75])
+  monkeypatch.setattr(kernels, "measure", lambda: next(figures))
+  assert jaxprec.current_kernel().ratio == 0.5
+  plain = kernels._disk_key("cpu")
+  assert "XLA_FLAGS=''" in plain and "flags " in plain
+  monkeypatch.setattr(kernels, "_MEASURED", {})  # a new process, other flags
+  monkeypatch.setenv("XLA_FLAGS", " --xla_cpu_experimental_ynn_fusion_type= ")
+  other = jaxprec.current_kernel()
+  assert other.ratio == 1.25 and "measured in this process" in other.reason
+  assert other.kernel_for("bf16x3") == "f32"
+  monkeypatch.setattr(kernels, "_MEASURED", {})  # same flags again: cached
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")
+  assert jaxprec.current_kernel().ratio == 1.25
+  monkeypatch.delenv("XLA_FLAGS")
+  monkeypatch.setattr(kernels, "_MEASURED", {})
+  assert jaxprec.current_kernel().ratio == 0.5
+  # Same model name, another feature list: measured again.
+  real = kernels._cpuinfo
+  monkeypatch.setattr(kernels, "_cpuinfo", lambda field: (
+      "fpu sse2 avx2" if field == "flags" else real(field)))
+  monkeypatch.setattr(kernels, "_MEASURED", {})
+  assert kernels._disk_key("cpu") != plain
+  assert jaxprec.current_kernel().ratio == 0.75
+  data = json.loads((tmp_path / "kernel_benchmark.json").read_text())
+  assert sorted(data.values()) == [0.5, 0.75, 1.25]
+
+
 def test_measure_is_a_time_ratio():
   r = kernels.measure(size=64, repeats=2)
   assert 0.01 < r < 100

@@ -15,8 +15,8 @@ they differ in the dots that run the passes (``docs/emulation.md``):
 ``'auto'`` (default)
   GPU and TPU backends use ``bf16``. On CPU a microbenchmark of a few
   milliseconds times a bfloat16 dot against a float32 dot once per process
-  and device kind (cached on disk, keyed by CPU model and jaxlib version,
-  under :func:`cache_dir`), and each algorithm gets the kernel that runs
+  and device kind (cached on disk, keyed by CPU model and feature flags,
+  jaxlib version and ``XLA_FLAGS``, under :func:`cache_dir`), and each algorithm gets the kernel that runs
   fewer float32-dot equivalents: ``bf16`` when ``ratio * bf16_dots <
   f32_dots``.
 
@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -232,20 +233,45 @@ def cache_dir() -> str:
 
 
 @functools.cache
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+  """The first ``field : value`` line's value in ``/proc/cpuinfo`` (None: none)."""
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
+        name, sep, value = line.partition(":")
+        if sep and name.strip() == field:
+          return value.strip()
   except OSError:
     pass
-  return platform.processor() or platform.machine() or "unknown CPU"
+  return None
+
+
+def _cpu_model() -> str:
+  return (_cpuinfo("model name") or platform.processor() or platform.machine()
+          or "unknown CPU")
+
+
+def _cpu_features() -> str:
+  """A digest of the CPU's feature flags (x86 ``flags``, Arm ``Features``).
+
+  Machines that share a model name ("AMD EPYC" in a VM, say) can differ in
+  exactly the units that matter here (AVX512-BF16, AMX), so the flags are in
+  the key; where the OS does not list them, the platform's names stand in.
+  """
+  flags = _cpuinfo("flags") or _cpuinfo("Features") or platform.platform()
+  return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]
 
 
 def _disk_key(kind: str) -> str:
+  """Everything that changes the measured programs: the CPU (model and feature
+  flags), the device kind, jaxlib (XLA) and ``XLA_FLAGS``, which pick the
+  libraries that run dots (``--xla_cpu_experimental_ynn_fusion_type=`` sends
+  every dot to Eigen, where a bfloat16 dot is slower than a float32 one).
+  """
   import jaxlib  # pylint: disable=import-outside-toplevel
-  return f"{_cpu_model()} | {kind} | jaxlib {jaxlib.__version__}"
+  xla_flags = " ".join(os.environ.get("XLA_FLAGS", "").split())
+  return (f"{_cpu_model()} | flags {_cpu_features()} | {kind} | "
+          f"jaxlib {jaxlib.__version__} | XLA_FLAGS={xla_flags!r}")
 
 
 def _cache_file() -> str:
@@ -258,6 +284,7 @@ def _ratio(kind: str) -> tuple[float, str]:
     return _MEASURED[kind], "measured in this process"
   key = _disk_key(kind)
   path = _cache_file()
+  cached = None
   try:
     with open(path, encoding="utf-8") as f:
       cached = json.load(f)
@@ -265,7 +292,7 @@ def _ratio(kind: str) -> tuple[float, str]:
     _MEASURED[kind] = ratio
     return ratio, f"cached in {path}"
   except (OSError, ValueError, KeyError, TypeError):
-    cached = None
+    pass  # other machines' or settings' figures stay in the file
   ratio = measure()
   _MEASURED[kind] = ratio
   try:
