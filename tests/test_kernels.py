@@ -145,6 +145,46 @@ def test_the_disk_cache_keys_on_xla_flags_and_cpu_features(monkeypatch, tmp_path
   assert sorted(data.values()) == [0.5, 0.75, 1.25]
 
 
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"other": "x"}', ""])
+def test_a_damaged_cache_file_is_measured_again_and_repaired(monkeypatch, tmp_path,
+                                                              content):
+  monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+  monkeypatch.setenv(kernels.CACHE_ENV_VAR, str(tmp_path))
+  monkeypatch.setattr(kernels, "_MEASURED", {})
+  monkeypatch.setattr(kernels, "measure", lambda: 0.625)
+  (tmp_path / "kernel_benchmark.json").write_text(content)
+  choice = jaxprec.current_kernel()
+  assert choice.ratio == 0.625 and "measured in this process" in choice.reason
+  data = json.loads((tmp_path / "kernel_benchmark.json").read_text())
+  assert data[kernels._disk_key(choice.device_kind)] == 0.625
+  if content.startswith("{"):  # another key's figure is kept
+    assert data["other"] == "x"
+
+
+@pytest.mark.parametrize("ratio,expected", [
+    # A CPU with bfloat16 dot units: X6 costs 3.12 against 3 float32 dots, a
+    # near tie kept on bf16; X9 (4.68 against 3) runs on f32.
+    (0.52, {"bf16x1": "bf16", "bf16x3": "bf16", "bf16x6": "bf16",
+            "bf16x9": "f32"}),
+    (0.3, {"bf16x1": "bf16", "bf16x3": "bf16", "bf16x6": "bf16",
+           "bf16x9": "bf16"}),
+    # No bfloat16 dot units (a bfloat16 dot as dear as a float32 one): one
+    # pass stays on bf16, the multi-pass algorithms run on f32.
+    (1.0, {"bf16x1": "bf16", "bf16_bf16_bf16": "bf16", "bf16x3": "f32",
+           "bf16x6": "f32", "bf16x9": "f32"}),
+    (1.2, {"bf16x1": "f32", "bf16x3": "f32"}),
+])
+def test_auto_keeps_bf16_unless_f32_is_clearly_cheaper(ratio, expected):
+  choice = kernels.KernelChoice(setting="auto", source="default", backend="cpu",
+                                device_kind="cpu", ratio=ratio, reason="")
+  assert {a: choice.kernel_for(a) for a in expected} == expected
+  # Float32 passes in both kernels: the one with fewer dots, whatever ratio.
+  assert choice.kernel_for("tf32x3") == "f32"
+  assert choice.kernel_for("tf32") == "f32"
+  assert choice.kernel_for("bf16x3", op="conv_general_dilated") == "f32"
+  assert choice.kernel_for("bf16x1", op="conv_general_dilated") == "f32"
+
+
 def test_measure_is_a_time_ratio():
   r = kernels.measure(size=64, repeats=2)
   assert 0.01 < r < 100

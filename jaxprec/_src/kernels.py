@@ -16,9 +16,12 @@ they differ in the dots that run the passes (``docs/emulation.md``):
   GPU and TPU backends use ``bf16``. On CPU a microbenchmark of a few
   milliseconds times a bfloat16 dot against a float32 dot once per process
   and device kind (cached on disk, keyed by CPU model and feature flags,
-  jaxlib version and ``XLA_FLAGS``, under :func:`cache_dir`), and each algorithm gets the kernel that runs
-  fewer float32-dot equivalents: ``bf16`` when ``ratio * bf16_dots <
-  f32_dots``.
+  jaxlib version and ``XLA_FLAGS``, under :func:`cache_dir`). Each algorithm
+  runs on ``f32`` only where that is clearly cheaper: where its float32 dots
+  are fewer than :data:`F32_MARGIN` times the ``bf16`` kernel's cost in
+  float32-dot equivalents (``ratio * bf16_dots + f32_dots``). Near a tie the
+  ``bf16`` kernel, bit for bit XLA at contraction length 1, is kept, and the
+  measurement's noise (a few percent) cannot flip the choice.
 
 Set it with ``JAXPREC_KERNEL=auto|bf16|f32``, :func:`set_kernel` (global) or
 :func:`use_kernel` (a thread-local scope); a scope beats the global setting,
@@ -45,8 +48,9 @@ import numpy as np
 
 from jaxprec._src import compat
 
-__all__ = ["ENV_VAR", "KERNELS", "KernelChoice", "cache_dir", "check_kernel",
-           "current_kernel", "kernel_for", "set_kernel", "use_kernel"]
+__all__ = ["ENV_VAR", "F32_MARGIN", "KERNELS", "KernelChoice", "cache_dir",
+           "check_kernel", "current_kernel", "kernel_for", "set_kernel",
+           "use_kernel"]
 
 ENV_VAR = "JAXPREC_KERNEL"
 CACHE_ENV_VAR = "JAXPREC_CACHE_DIR"
@@ -61,7 +65,13 @@ DOTS: dict[str, tuple[int, int, int]] = {
     "tf32": (0, 1, 1), "tf32x3": (0, 3, 2), "f16": (0, 1, 1),
     "f16_f16_f16": (0, 1, 1),
 }
-_BENCH_SIZE = 256
+# 512: at 256 the bfloat16 dot's fixed costs showed, and the ratio moved
+# between 0.63 and 0.98 from process to process on a CPU where it is 0.52 for
+# real work; at 512 it stayed within 0.52-0.57 (measured, 8 processes each).
+_BENCH_SIZE = 512
+# The f32 kernel runs an algorithm where it costs below this fraction of the
+# bf16 kernel (in float32-dot equivalents).
+F32_MARGIN = 0.9
 _BENCH_REPEATS = 9
 
 
@@ -164,7 +174,10 @@ class KernelChoice:
     bf16_dots, f32_dots, merged = DOTS.get(algorithm, (0, 1, 1))
     if op != "dot_general":  # convolution passes run in float32 either way
       f32_dots, bf16_dots = f32_dots + bf16_dots, 0
-    return "bf16" if self.ratio * bf16_dots + f32_dots < merged else "f32"
+    if not bf16_dots:  # float32 passes in both kernels: the fewer dots
+      return "bf16" if f32_dots < merged else "f32"
+    bf16_cost = self.ratio * bf16_dots + f32_dots
+    return "f32" if merged < F32_MARGIN * bf16_cost else "bf16"
 
   def per_algorithm(self) -> dict[str, str]:
     """The kernel of each multi-kernel algorithm, for matmuls."""
@@ -264,14 +277,15 @@ def _cpu_features() -> str:
 
 def _disk_key(kind: str) -> str:
   """Everything that changes the measured programs: the CPU (model and feature
-  flags), the device kind, jaxlib (XLA) and ``XLA_FLAGS``, which pick the
-  libraries that run dots (``--xla_cpu_experimental_ynn_fusion_type=`` sends
+  flags), the device kind, jaxlib (XLA), the size of the timed dots, and
+  ``XLA_FLAGS``, which pick the libraries that run dots (``--xla_cpu_experimental_ynn_fusion_type=`` sends
   every dot to Eigen, where a bfloat16 dot is slower than a float32 one).
   """
   import jaxlib  # pylint: disable=import-outside-toplevel
   xla_flags = " ".join(os.environ.get("XLA_FLAGS", "").split())
   return (f"{_cpu_model()} | flags {_cpu_features()} | {kind} | "
-          f"jaxlib {jaxlib.__version__} | XLA_FLAGS={xla_flags!r}")
+          f"jaxlib {jaxlib.__version__} | XLA_FLAGS={xla_flags!r} | "
+          f"{_BENCH_SIZE}^3 dots")
 
 
 def _cache_file() -> str:
