@@ -145,19 +145,25 @@ def test_the_disk_cache_keys_on_xla_flags_and_cpu_features(monkeypatch, tmp_path
   assert sorted(data.values()) == [0.5, 0.75, 1.25]
 
 
-@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"other": "x"}', ""])
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"other": "x"}', "",
+                                     "KEY: NaN", "KEY: 0", "KEY: -1", 'KEY: "x"',
+                                     "KEY: Infinity", "KEY: null"])
 def test_a_damaged_cache_file_is_measured_again_and_repaired(monkeypatch, tmp_path,
                                                               content):
   monkeypatch.delenv(kernels.ENV_VAR, raising=False)
   monkeypatch.setenv(kernels.CACHE_ENV_VAR, str(tmp_path))
   monkeypatch.setattr(kernels, "_MEASURED", {})
   monkeypatch.setattr(kernels, "measure", lambda: 0.625)
+  if content.startswith("KEY"):  # this machine's key, holding no measurement
+    value = content.split(": ", 1)[1]
+    content = "{" + json.dumps(kernels._disk_key(jax.devices()[0].device_kind)) + \
+        ": " + value + "}"
   (tmp_path / "kernel_benchmark.json").write_text(content)
   choice = jaxprec.current_kernel()
   assert choice.ratio == 0.625 and "measured in this process" in choice.reason
   data = json.loads((tmp_path / "kernel_benchmark.json").read_text())
   assert data[kernels._disk_key(choice.device_kind)] == 0.625
-  if content.startswith("{"):  # another key's figure is kept
+  if "other" in content:  # another key's figure is kept
     assert data["other"] == "x"
 
 

@@ -303,6 +303,8 @@ def _ratio(kind: str) -> tuple[float, str]:
     with open(path, encoding="utf-8") as f:
       cached = json.load(f)
     ratio = float(cached[key])
+    if not 0 < ratio < np.inf:  # NaN, zero, negative: not a measurement
+      raise ValueError(ratio)
     _MEASURED[kind] = ratio
     return ratio, f"cached in {path}"
   except (OSError, ValueError, KeyError, TypeError):
