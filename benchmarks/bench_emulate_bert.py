@@ -41,13 +41,20 @@ def compile_seconds(fn, *args) -> tuple[float, float]:
   return t1 - t, time.perf_counter() - t1
 
 
+def _positive(text: str) -> int:
+  n = int(text)
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  return n
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--batch", type=int, default=1)
-  ap.add_argument("--seq", type=int, default=128)
-  ap.add_argument("--layers", type=int, default=12)
-  ap.add_argument("--repeats", type=int, default=15)
-  ap.add_argument("--compile-repeats", type=int, default=5,
+  ap.add_argument("--batch", type=_positive, default=1)
+  ap.add_argument("--seq", type=_positive, default=128)
+  ap.add_argument("--layers", type=_positive, default=12)
+  ap.add_argument("--repeats", type=_positive, default=15)
+  ap.add_argument("--compile-repeats", type=_positive, default=5,
                   help="fresh compiles per variant (medians; default 5)")
   ap.add_argument("--split", action="store_true",
                   help="also print trace+lower and XLA compile times apart")
