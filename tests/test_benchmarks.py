@@ -38,6 +38,14 @@ def test_bench_emulate_bert_quick(tmp_path):
     for precision in ("default", "high   ", "highest"):
       assert re.search(rf"compile time, emulated {precision} \({kernel}\): .* ratio "
                        rf"[\d.]+x", out), out
+  assert "medians of 1 fresh compiles" in out, out
+
+
+@pytest.mark.parametrize("arg", ["--compile-repeats=0", "--repeats=-1", "--layers=0"])
+def test_bench_emulate_bert_refuses_a_count_below_one(tmp_path, arg):
+  proc = run("bench_emulate_bert.py", arg, ok=False, tmp_path=tmp_path)
+  assert proc.returncode == 2
+  assert "must be at least 1" in proc.stderr, proc.stderr
 
 
 def test_bench_import_quick(tmp_path):
