@@ -13,10 +13,10 @@ they differ in the dots that run the passes (``docs/emulation.md``):
   products stay exact (X3 in 2 dots, X6 in 3, X9 in 3, TF32x3 in 2): within
   the accumulation bound of the ``bf16`` kernel, not bit for bit.
 ``'auto'`` (default)
-  GPU and TPU backends use ``bf16``. On CPU a microbenchmark of a few
-  milliseconds times a bfloat16 dot against a float32 dot once per process
-  and device kind (cached on disk, keyed by CPU model and feature flags,
-  jaxlib version and ``XLA_FLAGS``, under :func:`cache_dir`). Each algorithm
+  GPU and TPU backends use ``bf16``. On CPU a microbenchmark (some 15 ms of
+  512-cubed dots) times a bfloat16 dot against a float32 dot once per process
+  and device kind (cached on disk under :func:`cache_dir`, keyed by CPU model
+  and feature flags, jaxlib version, the dots' size and ``XLA_FLAGS``). Each algorithm
   runs on ``f32`` only where that is clearly cheaper: where its float32 dots
   are fewer than :data:`F32_MARGIN` times the ``bf16`` kernel's cost in
   float32-dot equivalents (``ratio * bf16_dots + f32_dots``). Near a tie the
@@ -276,10 +276,12 @@ def _cpu_features() -> str:
 
 
 def _disk_key(kind: str) -> str:
-  """Everything that changes the measured programs: the CPU (model and feature
-  flags), the device kind, jaxlib (XLA), the size of the timed dots, and
-  ``XLA_FLAGS``, which pick the libraries that run dots (``--xla_cpu_experimental_ynn_fusion_type=`` sends
-  every dot to Eigen, where a bfloat16 dot is slower than a float32 one).
+  """Everything that changes the measured programs.
+
+  The CPU (model and feature flags), the device kind, jaxlib (XLA), the size
+  of the timed dots, and ``XLA_FLAGS``, which pick the libraries that run dots
+  (``--xla_cpu_experimental_ynn_fusion_type=`` sends every dot to Eigen, where
+  a bfloat16 dot is slower than a float32 one).
   """
   import jaxlib  # pylint: disable=import-outside-toplevel
   xla_flags = " ".join(os.environ.get("XLA_FLAGS", "").split())
