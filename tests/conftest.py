@@ -92,10 +92,12 @@ def _restore_matmul_precision():
 @pytest.fixture(autouse=True)
 def _restore_emulation_kernel():
   import jaxprec  # pylint: disable=import-outside-toplevel
-  from jaxprec._src import compat  # pylint: disable=import-outside-toplevel
+  from jaxprec._src import compat, kernels  # pylint: disable=import-outside-toplevel
   before = compat.kernel_state().get_global()
+  kernels._forget_environment()  # each test reads JAXPREC_KERNEL afresh
   yield
   jaxprec.set_kernel(before)
+  kernels._forget_environment()
 
 
 def lowered(fn, *args) -> str:

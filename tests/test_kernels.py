@@ -31,7 +31,13 @@ def test_precedence_scope_global_env(monkeypatch):
     assert jaxprec.current_kernel().setting == "bf16"
   finally:
     jaxprec.set_kernel(None)
+  # JAXPREC_KERNEL is read once per process (it is not in jax.jit's key):
+  # a later change warns and is not followed.
   monkeypatch.delenv(kernels.ENV_VAR)
+  with pytest.warns(UserWarning, match=r"JAXPREC_KERNEL changed from 'f32' to "
+                    r"None .* 'f32' stays in force\. Use jaxprec\.set_kernel"):
+    assert jaxprec.current_kernel().setting == "f32"
+  kernels._forget_environment()  # a new process
   assert jaxprec.current_kernel().source == "default"
   assert jaxprec.current_kernel().setting == "auto"
 
@@ -118,6 +124,7 @@ def test_the_disk_cache_keys_on_xla_flags_and_cpu_features(monkeypatch, tmp_path
   monkeypatch.setenv(kernels.CACHE_ENV_VAR, str(tmp_path))
   monkeypatch.setattr(kernels, "_MEASURED", {})
   monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.setattr(kernels, "_XLA_FLAGS_AT_START", "")
   figures = iter([0.5, 1.25, 0.75])
   monkeypatch.setattr(kernels, "measure", lambda: next(figures))
   assert jaxprec.current_kernel().ratio == 0.5
@@ -125,6 +132,7 @@ def test_the_disk_cache_keys_on_xla_flags_and_cpu_features(monkeypatch, tmp_path
   assert "XLA_FLAGS=''" in plain and "flags " in plain
   monkeypatch.setattr(kernels, "_MEASURED", {})  # a new process, other flags
   monkeypatch.setenv("XLA_FLAGS", " --xla_cpu_experimental_ynn_fusion_type= ")
+  monkeypatch.setattr(kernels, "_XLA_FLAGS_AT_START", kernels._xla_flags())
   other = jaxprec.current_kernel()
   assert other.ratio == 1.25 and "measured in this process" in other.reason
   assert other.kernel_for("bf16x3") == "f32"
@@ -132,6 +140,7 @@ def test_the_disk_cache_keys_on_xla_flags_and_cpu_features(monkeypatch, tmp_path
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")
   assert jaxprec.current_kernel().ratio == 1.25
   monkeypatch.delenv("XLA_FLAGS")
+  monkeypatch.setattr(kernels, "_XLA_FLAGS_AT_START", "")
   monkeypatch.setattr(kernels, "_MEASURED", {})
   assert jaxprec.current_kernel().ratio == 0.5
   # Same model name, another feature list: measured again.

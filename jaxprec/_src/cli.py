@@ -52,6 +52,7 @@ from jaxprec._src.cli_inputs import UsageError as _UsageError
 from jaxprec._src.cli_inputs import add_search_axes as _add_search_axes
 from jaxprec._src.cli_inputs import call_target as _call_target
 from jaxprec._src.cli_inputs import check_out as _check_out
+from jaxprec._src.cli_inputs import check_settings as _check_settings
 from jaxprec._src.cli_inputs import check_reference_file as _check_reference_file
 from jaxprec._src.cli_inputs import is_reference_file as _is_reference_file
 from jaxprec._src.cli_inputs import one_line as _one_line
@@ -287,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command is None:
       raise _UsageError("missing command: choose one of info, audit, run, "
                         "check, search (see jaxprec --help)")
+    _check_settings()
     try:
       with _compilation_cache(ns):
         return ns.handler(ns)
@@ -328,10 +330,8 @@ def _policy(text: str):
 
 def _info(ns: argparse.Namespace) -> int:
   from jaxprec._src import explain
-  if ns.json:
-    print(json.dumps(explain.explain_dict(), indent=2))
-  else:
-    print(explain.explain())
+  print(json.dumps(explain.explain_dict(), indent=2) if ns.json
+        else explain.explain())
   return 0
 
 

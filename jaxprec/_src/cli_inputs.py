@@ -41,6 +41,15 @@ def one_line(e: BaseException) -> str:
   return " ".join(str(e).split())
 
 
+def check_settings() -> None:
+  """A bad ``JAXPREC_KERNEL`` is a usage error, for every command."""
+  from jaxprec._src import kernels  # pylint: disable=import-outside-toplevel
+  try:
+    kernels.check_setting()
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+
+
 def call_target(target: str) -> tuple[Any, tuple, dict]:
   """``(fn, args, kwargs)`` from ``MODULE:FUNCTION``, whose FUNCTION() makes them."""
   factory = load(target)

@@ -38,7 +38,10 @@ import hashlib
 import json
 import os
 import platform
+import tempfile
+import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,6 +76,7 @@ _BENCH_SIZE = 512
 # bf16 kernel (in float32-dot equivalents).
 F32_MARGIN = 0.9
 _BENCH_REPEATS = 9
+_OPS = ("dot_general", "conv_general_dilated")
 
 
 def check_kernel(name: Any) -> str:
@@ -108,9 +112,11 @@ def set_kernel(name: str | None) -> None:
   compat.kernel_state().set_global(None if name is None else check_kernel(name))
 
 
-@contextlib.contextmanager
-def use_kernel(name: str) -> Iterator[None]:
+def use_kernel(name: str) -> contextlib.AbstractContextManager[None]:
   """A scope (this thread) in which emulation runs on kernel ``name``.
+
+  Raises:
+    ValueError: an unknown name (at once, not when the scope is entered).
 
   Examples:
     >>> import jax.numpy as jnp, jaxprec
@@ -120,8 +126,49 @@ def use_kernel(name: str) -> Iterator[None]:
     ...   float(jaxprec.emulated_dot_general(x, x, dn, "high")[0, 0])
     1.00390625
   """
-  with compat.kernel_state()(check_kernel(name)):
+  return _kernel_scope(check_kernel(name))
+
+
+@contextlib.contextmanager
+def _kernel_scope(name: str) -> Iterator[None]:
+  with compat.kernel_state()(name):
     yield
+
+
+_UNREAD = object()
+_ENV_READ: list[Any] = [_UNREAD]  # JAXPREC_KERNEL as first read
+
+
+def _environment() -> str | None:
+  """``JAXPREC_KERNEL`` as this process first read it.
+
+  Read once, as JAX reads its own variables: functions jitted under the first
+  value would keep it (the variable is not part of ``jax.jit``'s key), so a
+  later change warns and is not followed; :func:`set_kernel` is the way.
+  """
+  now = os.environ.get(ENV_VAR) or None
+  first = _ENV_READ[0]
+  if first is _UNREAD:
+    _ENV_READ[0] = first = now
+  elif now != first and len(_ENV_READ) == 1:
+    _ENV_READ.append(now)  # warn once
+    warnings.warn(
+        f"{ENV_VAR} changed from {first!r} to {now!r} after jaxprec first "
+        f"read it; it is read once per process, so {first!r} stays in force. "
+        f"Use jaxprec.set_kernel(...) to change the kernel in a running "
+        f"process.", stacklevel=3)
+  return first
+
+
+def _forget_environment() -> None:
+  """Reads ``JAXPREC_KERNEL`` afresh at its next use (tests)."""
+  _ENV_READ[:] = [_UNREAD]
+
+
+def check_setting() -> str:
+  """The setting in force; a ValueError naming the choices for a bad
+  ``JAXPREC_KERNEL`` (the command line checks it first)."""
+  return _setting()[0]
 
 
 def _setting() -> tuple[str, str]:
@@ -133,7 +180,7 @@ def _setting() -> tuple[str, str]:
   glob = state.get_global()
   if glob is not None:
     return glob, "global"
-  env = os.environ.get(ENV_VAR)
+  env = _environment()
   if env:
     try:
       return check_kernel(env), "env"
@@ -166,12 +213,22 @@ class KernelChoice:
   reason: str
 
   def kernel_for(self, algorithm: str, op: str = "dot_general") -> str:
-    """``'bf16'`` or ``'f32'``: the kernel that runs ``algorithm`` for ``op``."""
+    """``'bf16'`` or ``'f32'``: the kernel that runs ``algorithm`` for ``op``.
+
+    Raises:
+      ValueError: an algorithm or op jaxprec does not emulate.
+    """
+    if algorithm not in DOTS:
+      raise ValueError(f"Unknown emulated algorithm {algorithm!r}; valid "
+                       f"choices: {', '.join(map(repr, DOTS))}.")
+    if op not in _OPS:
+      raise ValueError(f"Unknown op {op!r}; valid choices: "
+                       f"{', '.join(map(repr, _OPS))}.")
     if self.setting != "auto":
       return self.setting
     if self.ratio is None:  # GPU, TPU: bfloat16 dot units
       return "bf16"
-    bf16_dots, f32_dots, merged = DOTS.get(algorithm, (0, 1, 1))
+    bf16_dots, f32_dots, merged = DOTS[algorithm]
     if op != "dot_general":  # convolution passes run in float32 either way
       f32_dots, bf16_dots = f32_dots + bf16_dots, 0
     if not bf16_dots:  # float32 passes in both kernels: the fewer dots
@@ -223,6 +280,7 @@ def kernel_for(algorithm: str, op: str = "dot_general") -> str:
 # The measurement.
 
 _MEASURED: dict[str, float] = {}
+_LOCK = threading.RLock()
 
 
 def cache_dir() -> str:
@@ -234,7 +292,7 @@ def cache_dir() -> str:
   """
   explicit = os.environ.get(CACHE_ENV_VAR)
   if explicit:
-    return explicit
+    return os.path.expanduser(explicit)
   home = os.path.expanduser("~")
   if os.name == "nt":
     base = os.environ.get("LOCALAPPDATA") or os.path.join(home, "AppData", "Local")
@@ -284,10 +342,20 @@ def _disk_key(kind: str) -> str:
   a bfloat16 dot is slower than a float32 one).
   """
   import jaxlib  # pylint: disable=import-outside-toplevel
-  xla_flags = " ".join(os.environ.get("XLA_FLAGS", "").split())
   return (f"{_cpu_model()} | flags {_cpu_features()} | {kind} | "
-          f"jaxlib {jaxlib.__version__} | XLA_FLAGS={xla_flags!r} | "
+          f"jaxlib {jaxlib.__version__} | XLA_FLAGS={_XLA_FLAGS_AT_START!r} | "
           f"{_BENCH_SIZE}^3 dots")
+
+
+def _xla_flags() -> str:
+  return " ".join(os.environ.get("XLA_FLAGS", "").split())
+
+
+# XLA reads XLA_FLAGS once, when the backend starts; jaxprec takes them as
+# they were when it was imported. Where they differ by the time of the
+# measurement, which flags are in force is unknown: the figure is measured
+# but neither read from nor written to the disk.
+_XLA_FLAGS_AT_START = _xla_flags()
 
 
 def _cache_file() -> str:
@@ -296,34 +364,67 @@ def _cache_file() -> str:
 
 def _ratio(kind: str) -> tuple[float, str]:
   """(bfloat16 dot time / float32 dot time, where the figure comes from)."""
-  if kind in _MEASURED:
-    return _MEASURED[kind], "measured in this process"
-  key = _disk_key(kind)
-  path = _cache_file()
-  cached = None
+  with _LOCK:  # threads starting at once measure once, and agree
+    if kind in _MEASURED:
+      return _MEASURED[kind], "measured in this process"
+    path, key = _cache_file(), _disk_key(kind)
+    on_disk = _xla_flags() == _XLA_FLAGS_AT_START
+    ratio = _figure(_read(path), key) if on_disk else None
+    if ratio is not None:
+      _MEASURED[kind] = ratio
+      return ratio, f"cached in {path}"
+    ratio = _MEASURED[kind] = measure()
+    if not on_disk:
+      return ratio, ("measured in this process; not cached: XLA_FLAGS changed "
+                     "after jaxprec was imported")
+    _write(path, key, ratio)
+    return ratio, "measured in this process"
+
+
+def _read(path: str) -> Any:
+  """The cache file's contents, or None: a cache never makes a call fail
+  (a damaged file, a directory, deep nesting, huge numbers)."""
   try:
     with open(path, encoding="utf-8") as f:
-      cached = json.load(f)
-    ratio = float(cached[key])
-    if not 0 < ratio < np.inf:  # NaN, zero, negative: not a measurement
-      raise ValueError(ratio)
-    _MEASURED[kind] = ratio
-    return ratio, f"cached in {path}"
-  except (OSError, ValueError, KeyError, TypeError):
-    pass  # other machines' or settings' figures stay in the file
-  ratio = measure()
-  _MEASURED[kind] = ratio
+      return json.load(f)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _figure(data: Any, key: str) -> float | None:
+  """The positive finite number stored under ``key``, else None."""
+  value = data.get(key) if isinstance(data, dict) else None
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None
+  try:
+    value = float(value)
+  except OverflowError:
+    return None
+  return value if 0 < value < np.inf else None
+
+
+def _write(path: str, key: str, ratio: float) -> None:
+  """Adds ``key`` to the file, keeping what other processes stored meanwhile
+  (read again just before writing); a temporary file, then an atomic rename.
+  A cache dir that cannot be written: measure again next process."""
+  tmp = None
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    data = cached if isinstance(cached, dict) else {}
+    data = _read(path)
+    data = data if isinstance(data, dict) else {}
     data[key] = ratio
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp",
+                               prefix="kernel_benchmark.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
       json.dump(data, f, indent=1)
     os.replace(tmp, path)
+    tmp = None
   except OSError:
-    pass  # a read-only cache dir: measure again next process
-  return ratio, "measured in this process"
+    pass
+  finally:
+    if tmp is not None:
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
 
 
 def measure(size: int = _BENCH_SIZE, repeats: int = _BENCH_REPEATS) -> float:
@@ -332,14 +433,20 @@ def measure(size: int = _BENCH_SIZE, repeats: int = _BENCH_REPEATS) -> float:
   The best of ``repeats`` alternating runs of each, after compiling: a few
   milliseconds on a CPU. Below 1 where the device has bfloat16 dot units.
   """
+  with jax.ensure_compile_time_eval():  # run, even when called in a trace
+    return _measure(size, repeats)
+
+
+def _measure(size: int, repeats: int) -> float:
   dn = (((1,), (0,)), ((), ()))
   rng = np.random.default_rng(0)
   a = jnp.asarray(rng.standard_normal((size, size), np.float32))
   b = jnp.asarray(rng.standard_normal((size, size), np.float32))
   f32 = jax.jit(lambda x, y: jax.lax.dot_general(
       x, y, dn, precision=jax.lax.Precision.HIGHEST))
-  bf16 = jax.jit(lambda x, y: jax.lax.dot_general(
-      x, y, dn, preferred_element_type=jnp.float32))
+  bf16 = jax.jit(lambda x, y: jax.lax.dot_general(  # whatever JAX's default
+      x, y, dn, precision=jax.lax.Precision.DEFAULT,
+      preferred_element_type=jnp.float32))
   a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
   best = {"f32": np.inf, "bf16": np.inf}
   jax.block_until_ready((f32(a, b), bf16(a16, b16)))
