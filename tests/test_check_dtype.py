@@ -67,9 +67,12 @@ def test_check_rows_may_be_dtype_policies(berts):
   assert r.reference == "float32"
   assert r.numerics["(reference)"] == "f32 (native cpu), modules at float32"
   # The all-bfloat16 row is the bfloat16 model as built, against the float32
-  # model: measured here with NumPy in float64.
+  # model: measured here with NumPy in float64. The float32 model runs jitted,
+  # as check's reference does (the previous test's program: eagerly, it cost
+  # 2 s of dispatch); the bfloat16 one eagerly, as built (jitted, XLA's
+  # fusions keep some float32 intermediates: a smaller error than the row's).
   with jax.default_matmul_precision("float32"):
-    want = [np.asarray(a, np.float64) for a in fn32(params, ids)]
+    want = [np.asarray(a, np.float64) for a in jax.jit(fn32)(params, ids)]
   got = fn16(params, ids)
   np.testing.assert_allclose(r.metric("rel_rms", ROWS[0]),
                              [_rel_rms(g, w) for g, w in zip(got, want)],

@@ -65,11 +65,23 @@ def _same_tree(a, b):
   return len(la) == len(lb) and all(switching.same(x, y) for x, y in zip(la, lb))
 
 
-@pytest.mark.parametrize("kernel", ["bf16", "f32"])
-@pytest.mark.parametrize("target,options", [
-    ("tpu", {}), ("gpu", {}), ("gpu", {"tf32_rounding": "nearest_away"}),
-    ("gpu", {"tf32_rounding": "truncate"})])
-@pytest.mark.parametrize("k", [1, 24])
+# Every pair of (target and TF32 rounding, kernel, contraction length) once:
+# the TPU's 7 algorithms in all four (kernel, k) cases, each GPU rounding with
+# both kernels and both lengths (the full cross product of the GPU roundings
+# compiled 6 more programs of 4 algorithms each for no other pair).
+_GPU = {"": {}, "away": {"tf32_rounding": "nearest_away"},
+        "truncate": {"tf32_rounding": "truncate"}}
+DOT_CASES = [
+    *[("tpu", {}, kernel, k) for k in (1, 24) for kernel in ("bf16", "f32")],
+    *[("gpu", _GPU[o], kernel, k) for o, kernel, k in (
+        ("", "bf16", 1), ("", "f32", 24), ("away", "bf16", 24),
+        ("away", "f32", 1), ("truncate", "bf16", 1), ("truncate", "f32", 24))]]
+assert {(k, kernel) for t, _, kernel, k in DOT_CASES if t == "gpu"} == {
+    (k, kernel) for k in (1, 24) for kernel in ("bf16", "f32")}
+
+
+@pytest.mark.parametrize("target,options,kernel,k", DOT_CASES, ids=[
+    "-".join([t, *o.values(), kernel, f"k{k}"]) for t, o, kernel, k in DOT_CASES])
 def test_prepared_dot_operands_are_bit_for_bit_the_split_ones(kernel, target,
                                                               options, k):
   x, w = _special_operands(k)
