@@ -227,15 +227,24 @@ def test_twin_leaves_torch_rng_alone_and_unknown_names():
     jt.twin("hf-bret")
 
 
-def test_flax_params_do_not_change_the_models():
-  tw = jt.twin("hf-wav2vec2", seed=0)
+def test_flax_params_do_not_change_the_models_and_need_no_flax_weights():
+  # The twin's Flax model is built without weights (_do_init=False): its
+  # parameters' shapes are computed abstractly. A model with weights of its
+  # own gets the same parameters, and neither model is changed.
+  tw = jt.twin("hf-bert", seed=0)
+  assert not tw.flax_model._is_initialized
+  built = type(tw.flax_model)(tw.flax_model.config, seed=1)
   state = {k: v.clone() for k, v in tw.torch_model.state_dict().items()}
-  flax_before = jax.tree_util.tree_map(np.asarray, tw.flax_model.params)
-  jt.flax_params(tw.torch_model, tw.flax_model)
+  flax_before = jax.tree_util.tree_map(np.asarray, built.params)
+  from_shapes = jt.flax_params(tw.torch_model, tw.flax_model)
+  from_built = jt.flax_params(tw.torch_model, built)
+  for a, b in ((from_shapes, from_built), (from_shapes, tw.params)):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
   for k, v in tw.torch_model.state_dict().items():
     assert torch.equal(v, state[k])
   jax.tree_util.tree_map(np.testing.assert_array_equal, flax_before,
-                         jax.tree_util.tree_map(np.asarray, tw.flax_model.params))
+                         jax.tree_util.tree_map(np.asarray, built.params))
 
 
 # ---------------------------------------------------------------------------

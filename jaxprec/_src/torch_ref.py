@@ -252,7 +252,9 @@ def flax_params(pt_model: Any, flax_model: Any) -> Any:
   Args:
     pt_model: a transformers PyTorch model (``Wav2Vec2Model``, ``BertModel``).
     flax_model: its Flax counterpart (``FlaxWav2Vec2Model``, ...), built with
-      the same config.
+      the same config; with its own weights, or without
+      (``_do_init=False``: then only their shapes are computed, abstractly,
+      which saves initialising them: 8 s for the built-in Wav2Vec2 twin).
 
   Returns:
     The parameters for ``flax_model(..., params=...)``.
@@ -266,4 +268,20 @@ def flax_params(pt_model: Any, flax_model: Any) -> Any:
   except ImportError as e:
     raise ImportError(f"flax_params needs transformers: {INSTALL_HINT}") from e
   state = {k: v.detach().clone() for k, v in pt_model.state_dict().items()}
-  return convert.convert_pytorch_state_dict_to_flax(state, flax_model)
+  return convert.convert_pytorch_state_dict_to_flax(state, _Shapes(flax_model))
+
+
+class _Shapes:
+  """What transformers' converter reads of a Flax model: its base model
+  prefix, and its parameters' names and shapes (abstract where the model was
+  built without weights)."""
+
+  def __init__(self, flax_model: Any):
+    import jax  # noqa: PLC0415
+    self.base_model_prefix = flax_model.base_model_prefix
+    if getattr(flax_model, "_is_initialized", True):
+      self.params = flax_model.params
+    else:
+      self.params = jax.eval_shape(
+          lambda key: flax_model.init_weights(key, flax_model.input_shape),
+          jax.random.PRNGKey(0))
