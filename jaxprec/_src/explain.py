@@ -115,8 +115,9 @@ def explain_dict() -> dict[str, Any]:
           "setting": kernel.setting,
           "source": kernel.source,
           "env": {"name": kernels.ENV_VAR,
-                  "value": os.environ.get(kernels.ENV_VAR)},
+                  "value": kernels._environment()},  # as read, once
           "ratio": kernel.ratio,
+          "one_pass_ratio": kernel.one_pass_ratio,
           "reason": kernel.reason,
           "per_algorithm": kernel.per_algorithm(),
       },

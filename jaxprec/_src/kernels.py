@@ -52,8 +52,8 @@ import numpy as np
 from jaxprec._src import compat
 
 __all__ = ["ENV_VAR", "F32_MARGIN", "KERNELS", "KernelChoice", "cache_dir",
-           "check_kernel", "current_kernel", "kernel_for", "set_kernel",
-           "use_kernel"]
+           "check_kernel", "current_kernel", "kernel_for", "measure",
+           "measure_one_pass", "set_kernel", "use_kernel"]
 
 ENV_VAR = "JAXPREC_KERNEL"
 CACHE_ENV_VAR = "JAXPREC_CACHE_DIR"
@@ -77,6 +77,15 @@ _BENCH_SIZE = 512
 F32_MARGIN = 0.9
 _BENCH_REPEATS = 9
 _OPS = ("dot_general", "conv_general_dilated")
+# One-pass algorithms: one dot on rounded operands in either kernel, so the
+# operands' rounding (2 bytes a part on bf16, 4 on f32) weighs as much as the
+# dot at batch 1. measure_one_pass times the whole op at a BERT-base FFN
+# shape: with Eigen's dots (no bfloat16 dot units) the dots alone measure
+# 1.16x, the whole op 0.98-1.07x, and BERT-base at one pass ran at 1.36-1.49x
+# native on bf16 against 1.52-1.66x on f32.
+_ONE_PASS = ("bf16x1", "bf16_bf16_bf16")
+_ONE_PASS_SHAPE = (128, 768, 3072)
+_ONE_PASS_KEY = f" | one pass {'x'.join(map(str, _ONE_PASS_SHAPE))}"
 
 
 def check_kernel(name: Any) -> str:
@@ -203,6 +212,10 @@ class KernelChoice:
     ratio: measured time of a bfloat16 dot over a float32 dot (``auto`` on
       CPU only; None otherwise).
     reason: one sentence saying why.
+    one_pass_ratio: measured time of the ``bf16`` kernel's one-pass matmul
+      over the ``f32`` kernel's, operand rounding included, at a batch-1
+      transformer shape (:func:`measure_one_pass`); it decides the one-pass
+      algorithms (``auto`` on CPU only; None otherwise: ``ratio`` decides).
   """
 
   setting: str
@@ -211,6 +224,7 @@ class KernelChoice:
   device_kind: str
   ratio: float | None
   reason: str
+  one_pass_ratio: float | None = None
 
   def kernel_for(self, algorithm: str, op: str = "dot_general") -> str:
     """``'bf16'`` or ``'f32'``: the kernel that runs ``algorithm`` for ``op``.
@@ -233,7 +247,11 @@ class KernelChoice:
       f32_dots, bf16_dots = f32_dots + bf16_dots, 0
     if not bf16_dots:  # float32 passes in both kernels: the fewer dots
       return "bf16" if f32_dots < merged else "f32"
-    bf16_cost = self.ratio * bf16_dots + f32_dots
+    ratio = self.ratio
+    if (self.one_pass_ratio is not None and algorithm in _ONE_PASS and
+        op == "dot_general"):
+      ratio = self.one_pass_ratio  # the whole op, rounding included
+    bf16_cost = ratio * bf16_dots + f32_dots
     return "f32" if merged < F32_MARGIN * bf16_cost else "bf16"
 
   def per_algorithm(self) -> dict[str, str]:
@@ -264,11 +282,14 @@ def current_kernel() -> KernelChoice:
                         device_kind=kind, ratio=None,
                         reason=f"{backend} backends have bfloat16 dot units")
   ratio, where = _ratio(kind)
+  one, where_one = _ratio(kind, one_pass=True)
   return KernelChoice(
       setting=setting, source=source, backend=backend, device_kind=kind,
-      ratio=ratio,
+      ratio=ratio, one_pass_ratio=one,
       reason=(f"measured on {_cpu_model()}: a bfloat16 dot takes {ratio:.2f}x "
-              f"a float32 dot ({where})"))
+              f"a float32 dot ({where}); a one-pass matmul, rounding "
+              f"included, {one:.2f}x on bf16 what it takes on f32 "
+              f"({where_one})"))
 
 
 def kernel_for(algorithm: str, op: str = "dot_general") -> str:
@@ -362,18 +383,22 @@ def _cache_file() -> str:
   return os.path.join(cache_dir(), "kernel_benchmark.json")
 
 
-def _ratio(kind: str) -> tuple[float, str]:
-  """(bfloat16 dot time / float32 dot time, where the figure comes from)."""
+def _ratio(kind: str, one_pass: bool = False) -> tuple[float, str]:
+  """(bfloat16 dot time / float32 dot time, where the figure comes from);
+  with ``one_pass``, :func:`measure_one_pass`'s figure instead."""
+  mem_key, key = kind, _disk_key(kind)
+  if one_pass:
+    mem_key = key = key + _ONE_PASS_KEY
   with _LOCK:  # threads starting at once measure once, and agree
-    if kind in _MEASURED:
-      return _MEASURED[kind], "measured in this process"
-    path, key = _cache_file(), _disk_key(kind)
+    if mem_key in _MEASURED:
+      return _MEASURED[mem_key], "measured in this process"
+    path = _cache_file()
     on_disk = _xla_flags() == _XLA_FLAGS_AT_START
     ratio = _figure(_read(path), key) if on_disk else None
     if ratio is not None:
-      _MEASURED[kind] = ratio
+      _MEASURED[mem_key] = ratio
       return ratio, f"cached in {path}"
-    ratio = _MEASURED[kind] = measure()
+    ratio = _MEASURED[mem_key] = measure_one_pass() if one_pass else measure()
     if not on_disk:
       return ratio, ("measured in this process; not cached: XLA_FLAGS changed "
                      "after jaxprec was imported")
@@ -438,6 +463,42 @@ def measure(size: int = _BENCH_SIZE, repeats: int = _BENCH_REPEATS) -> float:
     return _measure(size, repeats)
 
 
+def measure_one_pass(shape: tuple[int, int, int] = _ONE_PASS_SHAPE,
+                     repeats: int = _BENCH_REPEATS) -> float:
+  """Times the ``bf16`` kernel's one-pass matmul over the ``f32`` kernel's.
+
+  ``(m, k) @ (k, n)`` float32 operands rounded to bfloat16 values: converted
+  to bfloat16 and multiplied by a bfloat16 dot, against rounded in float32
+  and multiplied by a float32 dot; the best of ``repeats`` alternating runs
+  of each, after compiling (0.2-0.3 s with the compiling, on a CPU).
+  """
+  with jax.ensure_compile_time_eval():  # run, even when called in a trace
+    m, k, n = shape
+    dn = (((1,), (0,)), ((), ()))
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal((m, k), np.float32))
+    b = jnp.asarray(rng.standard_normal((k, n), np.float32))
+    rne = lambda x: jax.lax.reduce_precision(x, 8, 7)  # noqa: E731
+    f32 = jax.jit(lambda x, y: jax.lax.dot_general(
+        rne(x), rne(y), dn, precision=jax.lax.Precision.HIGHEST))
+    bf16 = jax.jit(lambda x, y: jax.lax.dot_general(
+        x.astype(jnp.bfloat16), y.astype(jnp.bfloat16), dn,
+        precision=jax.lax.Precision.DEFAULT,
+        preferred_element_type=jnp.float32))
+    return _best_ratio(bf16, f32, (a, b), (a, b), repeats)
+
+
+def _best_ratio(bf16, f32, bf16_args, f32_args, repeats: int) -> float:
+  best = {"f32": np.inf, "bf16": np.inf}
+  jax.block_until_ready((f32(*f32_args), bf16(*bf16_args)))
+  for _ in range(repeats):
+    for name, fn, args in (("f32", f32, f32_args), ("bf16", bf16, bf16_args)):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      best[name] = min(best[name], time.perf_counter() - t)
+  return float(best["bf16"] / best["f32"])
+
+
 def _measure(size: int, repeats: int) -> float:
   dn = (((1,), (0,)), ((), ()))
   rng = np.random.default_rng(0)
@@ -449,11 +510,4 @@ def _measure(size: int, repeats: int) -> float:
       x, y, dn, precision=jax.lax.Precision.DEFAULT,
       preferred_element_type=jnp.float32))
   a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-  best = {"f32": np.inf, "bf16": np.inf}
-  jax.block_until_ready((f32(a, b), bf16(a16, b16)))
-  for _ in range(repeats):
-    for name, fn, args in (("f32", f32, (a, b)), ("bf16", bf16, (a16, b16))):
-      t = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      best[name] = min(best[name], time.perf_counter() - t)
-  return float(best["bf16"] / best["f32"])
+  return _best_ratio(bf16, f32, (a16, b16), (a, b), repeats)
