@@ -478,11 +478,14 @@ def measure_one_pass(shape: tuple[int, int, int] = _ONE_PASS_SHAPE,
     rng = np.random.default_rng(1)
     a = jnp.asarray(rng.standard_normal((m, k), np.float32))
     b = jnp.asarray(rng.standard_normal((k, n), np.float32))
-    rne = lambda x: jax.lax.reduce_precision(x, 8, 7)  # noqa: E731
+    # Each kernel's own one-pass operands (passes.compute's parts).
+    from jaxprec._src import passes  # pylint: disable=import-outside-toplevel
+    part = lambda x, dtype: passes.compute(f"bf16/1/{dtype}", x)[0]  # noqa: E731
     f32 = jax.jit(lambda x, y: jax.lax.dot_general(
-        rne(x), rne(y), dn, precision=jax.lax.Precision.HIGHEST))
+        part(x, "float32"), part(y, "float32"), dn,
+        precision=jax.lax.Precision.HIGHEST))
     bf16 = jax.jit(lambda x, y: jax.lax.dot_general(
-        x.astype(jnp.bfloat16), y.astype(jnp.bfloat16), dn,
+        part(x, "bfloat16"), part(y, "bfloat16"), dn,
         precision=jax.lax.Precision.DEFAULT,
         preferred_element_type=jnp.float32))
     return _best_ratio(bf16, f32, (a, b), (a, b), repeats)
