@@ -85,7 +85,7 @@ _OPS = ("dot_general", "conv_general_dilated")
 # native on bf16 against 1.52-1.66x on f32.
 _ONE_PASS = ("bf16x1", "bf16_bf16_bf16")
 _ONE_PASS_SHAPE = (128, 768, 3072)
-_ONE_PASS_KEY = f" | one pass {'x'.join(map(str, _ONE_PASS_SHAPE))}"
+_ONE_PASS_KEY = f" | one pass {'x'.join(map(str, _ONE_PASS_SHAPE))}, kernels' parts"
 
 
 def check_kernel(name: Any) -> str:
