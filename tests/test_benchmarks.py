@@ -62,3 +62,15 @@ def test_gpu_fidelity_dry_run_and_no_gpu_message(tmp_path):
   proc = run("gpu_fidelity.py", ok=False, tmp_path=tmp_path)
   assert proc.returncode == 2
   assert "no GPU here" in proc.stderr
+
+
+def test_every_benchmark_accepts_quick_and_a_test_runs_it_so():
+  """Item: benchmarks cannot rot. A new script in benchmarks/ fails this test
+  until it takes ``--quick`` and some test runs it that way."""
+  scripts = sorted(p.name for p in BENCH.glob("*.py"))
+  assert len(scripts) >= 8, scripts
+  tests = {p.name: p.read_text() for p in (ROOT / "tests").glob("test_*.py")}
+  for name in scripts:
+    assert '"--quick"' in (BENCH / name).read_text(), f"{name}: no --quick"
+    runners = [t for t, text in tests.items() if name in text and "--quick" in text]
+    assert runners, f"no test runs benchmarks/{name} with --quick"
