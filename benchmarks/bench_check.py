@@ -161,14 +161,37 @@ def bench(model: str, size: str, seconds: float, repeats: int) -> None:
   print(f"  device arrays left alive by a check: {_mb(after - before)}")
 
 
+def _positive(text: str) -> int:
+  n = int(text)
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  return n
+
+
+def _positive_float(text: str) -> float:
+  x = float(text)
+  if not 0 < x < float("inf"):
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+  return x
+
+
+def _sizes(text: str) -> str:
+  sizes = ("tiny", "small", "base")
+  bad = [s.strip() for s in text.split(",") if s.strip() not in sizes]
+  if bad:
+    raise argparse.ArgumentTypeError(
+        f"unknown size {bad[0]!r}; choose from {', '.join(sizes)}")
+  return text
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="wav2vec2", choices=("wav2vec2", "bert", "mlp"))
-  parser.add_argument("--sizes", default="small,base",
+  parser.add_argument("--sizes", default="small,base", type=_sizes,
                       help="comma-separated sizes (tiny, small, base)")
-  parser.add_argument("--seconds", type=float, default=1.0,
+  parser.add_argument("--seconds", type=_positive_float, default=1.0,
                       help="audio length for wav2vec2")
-  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--repeats", type=_positive, default=7)
   parser.add_argument("--quick", action="store_true",
                       help="a smoke test that runs in seconds")
   a = parser.parse_args()

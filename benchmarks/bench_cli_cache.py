@@ -67,11 +67,18 @@ def _files(path: str) -> tuple[int, int]:
   return n, size
 
 
+def _positive(text: str) -> int:
+  n = int(text)
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  return n
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", default="wav2vec2", choices=("wav2vec2", "bert"))
   ap.add_argument("--size", default="tiny", choices=("tiny", "small", "base"))
-  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--repeats", type=_positive, default=3)
   ap.add_argument("--search", action="store_true",
                   help="also time jaxprec search --tolerance 1e-3")
   ap.add_argument("--quick", action="store_true",

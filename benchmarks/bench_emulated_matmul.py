@@ -52,10 +52,17 @@ def cpu_model() -> str:
   return f"{model} ({', '.join(units) if units else 'no bfloat16 dot units'})"
 
 
+def _positive(text: str) -> int:
+  n = int(text)
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  return n
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--size", type=int, default=1024)
-  parser.add_argument("--repeats", type=int, default=21)
+  parser.add_argument("--size", type=_positive, default=1024)
+  parser.add_argument("--repeats", type=_positive, default=21)
   parser.add_argument("--quick", action="store_true",
                       help="256^3, 3 repeats, 1/3/6 passes only: a few seconds")
   args = parser.parse_args()

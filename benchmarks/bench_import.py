@@ -23,11 +23,18 @@ def once(extra: str) -> float:
   return float(out.strip().splitlines()[-1])
 
 
+def _positive(text: str) -> int:
+  n = int(text)
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  return n
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("repeats_positional", nargs="?", type=int, default=None,
+  ap.add_argument("repeats_positional", nargs="?", type=_positive, default=None,
                   help=argparse.SUPPRESS)  # the old `bench_import.py 7`
-  ap.add_argument("--repeats", type=int, default=7)
+  ap.add_argument("--repeats", type=_positive, default=7)
   ap.add_argument("--quick", action="store_true", help="2 repeats: a few seconds")
   args = ap.parse_args()
   n = 2 if args.quick else (args.repeats_positional or args.repeats)

@@ -71,11 +71,18 @@ def _bytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
+def _positive(text: str) -> int:
+  n = int(text)
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  return n
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--layers", type=int, default=12)
-  ap.add_argument("--seq", type=int, default=128)
-  ap.add_argument("--repeats", type=int, default=15)
+  ap.add_argument("--layers", type=_positive, default=12)
+  ap.add_argument("--seq", type=_positive, default=128)
+  ap.add_argument("--repeats", type=_positive, default=15)
   ap.add_argument("--quick", action="store_true",
                   help="a small Flax MLP, 3 repeats: a few seconds")
   args = ap.parse_args()

@@ -101,10 +101,24 @@ def whole_search(fn, args, tolerance: float) -> None:
   print(f"  policy: {r.policy}")
 
 
+def _positive(text: str) -> int:
+  n = int(text)
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  return n
+
+
+def _tolerance(text: str) -> float:
+  x = float(text)
+  if not 0 <= x < float("inf"):
+    raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+  return x
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--policies", type=int, default=4)
-  parser.add_argument("--tolerance", type=float, default=1e-3)
+  parser.add_argument("--policies", type=_positive, default=4)
+  parser.add_argument("--tolerance", type=_tolerance, default=1e-3)
   parser.add_argument("--quick", action="store_true",
                       help="a smoke test that runs in seconds")
   ns = parser.parse_args()

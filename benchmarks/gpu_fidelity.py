@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import sys
 import time
 
@@ -164,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
                   help="dry run without a GPU: build every case, run the CPU side")
   ap.add_argument("--markdown", help="also write the table to this file")
   args = ap.parse_args(argv)
+  if args.markdown is not None and (
+      os.path.isdir(args.markdown) or not os.path.isdir(
+          os.path.dirname(os.path.abspath(args.markdown)))):
+    ap.error(f"--markdown {args.markdown!r}: not a file in an existing "
+             f"directory (checked before the run, not after it)")
 
   gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
   if not gpus and not args.quick:
@@ -175,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
   cases = build_cases(args.quick)
   t0 = time.perf_counter()
   rows = []
+  kind = (gpus[0].device_kind if gpus
+          else "none, dry run: 'native' is the bf16 kernel on the CPU")
   for case in cases:
     exact = _exact(case)
     if gpus:
@@ -183,10 +191,8 @@ def main(argv: list[str] | None = None) -> int:
       except Exception as e:  # pylint: disable=broad-except
         rows.append((case, None, f"not accepted by the GPU: {type(e).__name__}"))
         continue
-      kind = gpus[0].device_kind
     else:  # dry run: the "native" column is the bf16 kernel on the CPU
       native = _emulated(case, "bf16", cpu)
-      kind = "none, dry run: 'native' is the bf16 kernel on the CPU"
     for kernel in KERNELS:
       emu = _emulated(case, kernel, cpu)
       s = stats(emu, native, exact)

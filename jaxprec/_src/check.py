@@ -164,19 +164,20 @@ def check(fn: Callable[..., Any], *args: Any,
     raise TypeError(f"jaxprec.check expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
   directory = compile_cache.resolve_cache(cache, "jaxprec.check")
-  if directory is not None:
-    with compile_cache.compilation_cache(directory):
-      return check(fn, *args, precisions=precisions, reference=reference,
-                   target=target, mode=mode, atol=atol, rtol=rtol,
-                   progress=progress, cache=False, **kwargs)
   target = numerics.check_target(target)
   mode = numerics.resolve_mode(mode, target)
   atol = metrics_lib.check_tolerance("atol", atol)
   rtol = metrics_lib.check_tolerance("rtol", rtol)
   external = not harness.is_computed(reference)
+  given = precisions
   if external and precisions is DEFAULT_PRECISIONS:
     precisions = (harness.FLOOR, *DEFAULT_PRECISIONS)
   plans = harness.plans(precisions, target, mode)
+  if directory is not None:  # after the checks: a refused call writes nothing
+    with compile_cache.compilation_cache(directory):
+      return check(fn, *args, precisions=given, reference=reference,
+                   target=target, mode=mode, atol=atol, rtol=rtol,
+                   progress=progress, cache=False, **kwargs)
   floor = None
   if external:  # float32 against another framework: the floor
     plans = [harness.native_float32(p.label) if p.label == harness.FLOOR

@@ -44,7 +44,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from jaxprec._src.cli_inputs import Failure as _Failure
 from jaxprec._src.cli_inputs import PYTORCH as _PYTORCH
@@ -247,15 +247,14 @@ def _add_no_cache(parser: argparse.ArgumentParser) -> None:
                            "the next run)")
 
 
-@contextlib.contextmanager
-def _compilation_cache(ns: argparse.Namespace) -> Iterator[None]:
+def _cache_on(ns: argparse.Namespace, stack: contextlib.ExitStack) -> None:
   """JAX's persistent compilation cache on for check and search (not --no-cache).
 
-  JAX's settings are restored afterwards (main() may run in-process). A cache
+  Called once the arguments are checked (bad usage writes nothing); ``stack``
+  restores JAX's settings afterwards (main() may run in-process). A cache
   directory that cannot be created is a warning, not a failure.
   """
-  if getattr(ns, "no_cache", True):  # other commands compile nothing
-    yield
+  if ns.no_cache:
     return
   from jaxprec._src import compile_cache
   try:
@@ -263,10 +262,8 @@ def _compilation_cache(ns: argparse.Namespace) -> Iterator[None]:
   except ValueError as e:
     print(f"{_PROG}: warning: compilation cache off: {_one_line(e)}",
           file=sys.stderr)
-    yield
     return
-  with compile_cache.compilation_cache(path):
-    yield
+  stack.enter_context(compile_cache.compilation_cache(path))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -290,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "check, search (see jaxprec --help)")
     _check_settings()
     try:
-      with _compilation_cache(ns):
+      with contextlib.ExitStack() as stack:  # ns.cache_on(): check, search
+        ns.cache_on = lambda: _cache_on(ns, stack)
         return ns.handler(ns)
     except SystemExit as e:  # the user's module or function called sys.exit
       return _exit_status(e)
@@ -442,6 +440,7 @@ def _check(ns: argparse.Namespace) -> int:
     tol["rtol"] = 0.0
 
   _check_out(ns.out)
+  ns.cache_on()  # after the arguments: bad usage writes nothing
   if ns.model in _TWINS:
     twin = _twin(ns.model, ns.seed)
     fn, args, kwargs = twin.fn, twin.args(), {}
@@ -573,6 +572,7 @@ def _search(ns: argparse.Namespace) -> int:
                                budget=budget, **axes)
   except (ValueError, TypeError) as e:
     raise _UsageError(str(e)) from None
+  ns.cache_on()
   fn, args, kwargs, what = _model_or_target(ns)
   import warnings
   try:

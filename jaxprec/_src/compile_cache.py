@@ -70,7 +70,8 @@ def checked_dir(path: str | os.PathLike | None) -> str:
   if not os.fspath(path):
     raise ValueError(f"the compilation cache path is empty: pass a directory, "
                      f"or None for {default_dir()!r}")
-  path = os.path.abspath(os.fspath(path))
+  # `~` is the home directory, as in JAXPREC_CACHE_DIR.
+  path = os.path.abspath(os.path.expanduser(os.fspath(path)))
   if os.path.isfile(path):
     raise ValueError(f"the compilation cache path {path!r} is a file, not a "
                      f"directory: choose a directory, e.g. {default_dir()!r}")

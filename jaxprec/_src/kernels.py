@@ -301,6 +301,7 @@ def kernel_for(algorithm: str, op: str = "dot_general") -> str:
 # The measurement.
 
 _MEASURED: dict[str, float] = {}
+_SOURCE: dict[str, str] = {}  # where each figure of _MEASURED came from
 _LOCK = threading.RLock()
 
 
@@ -390,20 +391,22 @@ def _ratio(kind: str, one_pass: bool = False) -> tuple[float, str]:
   if one_pass:
     mem_key = key = key + _ONE_PASS_KEY
   with _LOCK:  # threads starting at once measure once, and agree
-    if mem_key in _MEASURED:
-      return _MEASURED[mem_key], "measured in this process"
+    if mem_key in _MEASURED:  # read or measured before, in this process
+      return _MEASURED[mem_key], _SOURCE.get(mem_key, "measured")
     path = _cache_file()
     on_disk = _xla_flags() == _XLA_FLAGS_AT_START
     ratio = _figure(_read(path), key) if on_disk else None
     if ratio is not None:
-      _MEASURED[mem_key] = ratio
-      return ratio, f"cached in {path}"
+      _MEASURED[mem_key], _SOURCE[mem_key] = ratio, f"cached in {path}"
+      return ratio, _SOURCE[mem_key]
     ratio = _MEASURED[mem_key] = measure_one_pass() if one_pass else measure()
+    _SOURCE[mem_key] = "measured in this process"
     if not on_disk:
-      return ratio, ("measured in this process; not cached: XLA_FLAGS changed "
-                     "after jaxprec was imported")
+      _SOURCE[mem_key] += ("; not cached: XLA_FLAGS changed after jaxprec was "
+                           "imported")
+      return ratio, _SOURCE[mem_key]
     _write(path, key, ratio)
-    return ratio, "measured in this process"
+    return ratio, _SOURCE[mem_key]
 
 
 def _read(path: str) -> Any:

@@ -41,7 +41,9 @@ products XLA counts among the small ones. The result then equals XLA's
 wherever XLA's ``h*h`` sum is infinite or NaN. It differs only where a sum of
 small products itself overflows with both signs while ``h*h`` stays finite
 (magnitudes near the float32 maximum), which XLA turns into a zero and the
-``f32`` kernel into a NaN.
+``f32`` kernel into a NaN. A finite operand whose parts sum past float32's
+maximum (X3's ``h + l`` for the top 128 values: float32's maximum instead,
+one rounding; TF32x3's ``b`` for the top 4096) is cleaned in the same way.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ __all__ = ["BF16", "F32", "Operand", "compute", "move"]
 _Op = Callable[[jax.Array, jax.Array], jax.Array]
 _ZERO = np.float32(0)
 _INF = np.float32(np.inf)
+_MAX = np.finfo(np.float32).max
 
 
 def _last(small: jax.Array, big: jax.Array) -> jax.Array:
@@ -144,7 +147,10 @@ def _f32x3_lhs(x):
 
 def _f32x3_rhs(x):
   fin, h, l = _clean(x, 2)
-  return jnp.where(fin, h, _ZERO), h + l
+  # h + l is x rounded to 16 bits: 2**128 for the top 128 float32 values,
+  # which float32 cannot hold; its maximum is within 2**-24 (one rounding).
+  b_all = jnp.where(fin, jnp.clip(h + l, -_MAX, _MAX), h)
+  return jnp.where(fin, h, _ZERO), b_all
 
 
 def _f32x6_lhs(x):
@@ -165,7 +171,7 @@ def _f32x9_rhs(x):
 
 def _f32_tf32x3(x, mode):
   big, small = split_tf32(x, mode)
-  fin = jnp.abs(x) < _INF
+  fin = jnp.abs(big) < _INF  # also where x rounds to TF32 past float32's max
   return big, jnp.where(fin, small, _ZERO), jnp.where(fin, big, _ZERO)
 
 

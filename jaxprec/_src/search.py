@@ -443,7 +443,12 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"{name} must be True or False; got {flag!r}.")
   directory = compile_cache.resolve_cache(cache, "jaxprec.search_policy")
-  if directory is not None:
+  metric, tolerance, cands, target, budget = check_arguments(
+      tolerance=tolerance, metric=metric, candidates=candidates,
+      target=target, budget=budget, axes=axes, dtypes=dtypes, chip=chip)
+  axes = search_dtype.check_axes(axes)
+  mode = numerics.resolve_mode(mode, target)
+  if directory is not None:  # after the checks: a refused call writes nothing
     with compile_cache.compilation_cache(directory):
       return search_policy(
           fn, *args, tolerance=tolerance, metric=metric, candidates=candidates,
@@ -451,11 +456,6 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
           mode=mode, verbose=verbose, cache=False, axes=axes, dtypes=dtypes,
           chip=chip, compile_once=compile_once,
           prepare_weights=prepare_weights, **kwargs)
-  metric, tolerance, cands, target, budget = check_arguments(
-      tolerance=tolerance, metric=metric, candidates=candidates,
-      target=target, budget=budget, axes=axes, dtypes=dtypes, chip=chip)
-  axes = search_dtype.check_axes(axes)
-  mode = numerics.resolve_mode(mode, target)
   weights = cost_lib.weights_for(target)
   if mode == "native" and compat.backend_platform() == "cpu":
     warnings.warn("jaxprec.search_policy: native mode on cpu: the CPU ignores "
