@@ -259,3 +259,33 @@ def test_gpu_fidelity_reports_a_gpu_that_refuses_every_case(monkeypatch,
   out = capsys.readouterr().out
   assert "GPU: Fake GPU" in out
   assert out.count("not accepted by the GPU: RuntimeError") == 2
+
+
+@pytest.mark.parametrize("scale,status", [(1.0, 0), (1.0 + 2.0**-10, 1)])
+def test_gpu_fidelity_exits_1_when_a_row_is_outside_xlas_tolerance(
+    monkeypatch, capsys, scale, status):
+  """A fake GPU that computes what the bf16 kernel computes passes (exit 0);
+  one off by 2**-10 relative is outside every tolerance below TF32's (exit 1,
+  the rows marked NO and counted last)."""
+  module = _benchmark("gpu_fidelity.py")
+
+  class Gpu:
+    platform, device_kind = "gpu", "Fake GPU"
+
+  monkeypatch.setattr(module, "jax", types.SimpleNamespace(
+      default_backend=lambda: "gpu", __version__=jax.__version__,
+      jit=jax.jit, device_put=jax.device_put,
+      devices=lambda *kind: jax.devices(*kind) if kind else [Gpu()]))
+  cpu = jax.devices("cpu")[0]
+  monkeypatch.setattr(module, "_native", lambda case, device: (
+      module._emulated(case, "bf16", cpu) * np.float32(scale)))
+  cases = [c for c in module.build_cases(True)
+           if c.algorithm in ("bf16x3", "tf32")][:4]
+  assert {c.algorithm for c in cases} == {"bf16x3", "tf32"}, cases
+  monkeypatch.setattr(module, "build_cases", lambda quick: cases)
+  assert module.main([]) == status
+  out = capsys.readouterr().out
+  if status:
+    assert "| NO |" in out and "rows outside XLA's tolerance" in out
+  else:
+    assert "| NO |" not in out and "every row with a tolerance is within it" in out
