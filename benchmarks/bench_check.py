@@ -45,6 +45,8 @@ import jaxprec.models
 from jaxprec._src import harness
 from jaxprec._src import numerics
 
+from _args import positive as _positive, positive_float as _positive_float
+
 PRECISIONS = ("bfloat16", "bfloat16_3x", "tensorfloat32")
 
 
@@ -159,20 +161,6 @@ def bench(model: str, size: str, seconds: float, repeats: int) -> None:
   checks[len(PRECISIONS)]()
   after = _live_bytes()
   print(f"  device arrays left alive by a check: {_mb(after - before)}")
-
-
-def _positive(text: str) -> int:
-  n = int(text)
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-  return n
-
-
-def _positive_float(text: str) -> float:
-  x = float(text)
-  if not 0 < x < float("inf"):
-    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-  return x
 
 
 def _sizes(text: str) -> str:

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from _args import positive as _positive
+
 _QUICK_TARGET = '''
 import jax, jax.numpy as jnp
 
@@ -65,13 +67,6 @@ def _files(path: str) -> tuple[int, int]:
       n += 1
       size += os.path.getsize(os.path.join(root, name))
   return n, size
-
-
-def _positive(text: str) -> int:
-  n = int(text)
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-  return n
 
 
 def main() -> None:

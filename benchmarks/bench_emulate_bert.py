@@ -25,6 +25,8 @@ import jax.numpy as jnp
 
 import jaxprec
 
+from _args import positive as _positive
+
 KERNELS = ("bf16", "f32")
 RUN_LIMIT = 1.5
 COMPILE_LIMITS = {"default": 1.35, "high": 2.0, "highest": 2.8}  # 1, 3, 6 passes
@@ -39,13 +41,6 @@ def compile_seconds(fn, *args) -> tuple[float, float]:
   t1 = time.perf_counter()
   lowered.compile()
   return t1 - t, time.perf_counter() - t1
-
-
-def _positive(text: str) -> int:
-  n = int(text)
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-  return n
 
 
 def main() -> None:

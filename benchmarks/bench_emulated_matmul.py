@@ -26,6 +26,8 @@ from jax import lax
 
 import jaxprec
 
+from _args import positive as _positive
+
 MATMUL = (((1,), (0,)), ((), ()))
 KERNELS = ("bf16", "f32")
 
@@ -50,13 +52,6 @@ def cpu_model() -> str:
                 if line.startswith("model name")), platform.machine())
   units = [u for u in ("avx512_bf16", "amx_bf16") if u in text]
   return f"{model} ({', '.join(units) if units else 'no bfloat16 dot units'})"
-
-
-def _positive(text: str) -> int:
-  n = int(text)
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-  return n
 
 
 def main() -> None:

@@ -13,6 +13,8 @@ import statistics
 import subprocess
 import sys
 
+from _args import positive as _positive
+
 BASE = "import time; t=time.perf_counter(); import jax, flax; {extra}print(time.perf_counter()-t)"
 
 
@@ -21,13 +23,6 @@ def once(extra: str) -> float:
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        check=True).stdout
   return float(out.strip().splitlines()[-1])
-
-
-def _positive(text: str) -> int:
-  n = int(text)
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-  return n
 
 
 def main() -> None:

@@ -41,6 +41,8 @@ from jaxprec._src import prepared
 from jaxprec._src import switch
 from jaxprec._src.precision import resolve
 
+from _args import positive as _positive
+
 CHOICES = ("bfloat16", "bfloat16_3x", "BF16_BF16_F32_X6", "float32")
 
 
@@ -69,13 +71,6 @@ def _median_pair(f, g, repeats: int) -> tuple[float, float]:
 
 def _bytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
-
-
-def _positive(text: str) -> int:
-  n = int(text)
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-  return n
 
 
 def main() -> None:

@@ -39,6 +39,8 @@ import jaxprec
 import jaxprec.models
 from jaxprec._src import harness
 
+from _args import positive as _positive, non_negative_float as _tolerance
+
 
 def _wav2vec2_policy(i: int, fused: bool) -> str:
   return (f"default=bfloat16_3x,conv_layers_{i}/conv=bfloat16,"
@@ -99,20 +101,6 @@ def whole_search(fn, args, tolerance: float) -> None:
   print(f"  policy cost vs float32: {r.cost.relative:.3f}; uniform: "
         + ", ".join(f"{k} {v:.3f}" for k, v in uniform.items()))
   print(f"  policy: {r.policy}")
-
-
-def _positive(text: str) -> int:
-  n = int(text)
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-  return n
-
-
-def _tolerance(text: str) -> float:
-  x = float(text)
-  if not 0 <= x < float("inf"):
-    raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-  return x
 
 
 def main() -> None:

@@ -67,10 +67,32 @@ def test_gpu_fidelity_dry_run_and_no_gpu_message(tmp_path):
 def test_every_benchmark_accepts_quick_and_a_test_runs_it_so():
   """Item: benchmarks cannot rot. A new script in benchmarks/ fails this test
   until it takes ``--quick`` and some test runs it that way."""
-  scripts = sorted(p.name for p in BENCH.glob("*.py"))
+  scripts = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
   assert len(scripts) >= 8, scripts
   tests = {p.name: p.read_text() for p in (ROOT / "tests").glob("test_*.py")}
   for name in scripts:
     assert '"--quick"' in (BENCH / name).read_text(), f"{name}: no --quick"
     runners = [t for t, text in tests.items() if name in text and "--quick" in text]
     assert runners, f"no test runs benchmarks/{name} with --quick"
+
+
+def test_the_shared_argument_types_refuse_what_they_name():
+  """benchmarks/_args.py: the argparse types every script shares."""
+  import argparse
+  sys.path.insert(0, str(BENCH))
+  try:
+    import _args  # noqa: PLC0415
+  finally:
+    sys.path.remove(str(BENCH))
+  assert _args.positive("3") == 3
+  assert _args.positive_float("0.5") == 0.5
+  assert _args.non_negative_float("0") == 0.0
+  for fn, bad in [(_args.positive, "0"), (_args.positive, "-2"),
+                  (_args.positive_float, "0"), (_args.positive_float, "inf"),
+                  (_args.positive_float, "nan"), (_args.non_negative_float, "-1e-9"),
+                  (_args.non_negative_float, "nan")]:
+    with pytest.raises(argparse.ArgumentTypeError, match=f"got {bad}"):
+      fn(bad)
+  with pytest.raises(ValueError):
+    _args.positive("two")
+
