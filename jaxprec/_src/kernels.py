@@ -300,8 +300,8 @@ def kernel_for(algorithm: str, op: str = "dot_general") -> str:
 # ---------------------------------------------------------------------------
 # The measurement.
 
-_MEASURED: dict[str, float] = {}
-_SOURCE: dict[str, str] = {}  # where each figure of _MEASURED came from
+# Each figure read or measured in this process, and where it came from.
+_MEASURED: dict[str, tuple[float, str]] = {}
 _LOCK = threading.RLock()
 
 
@@ -391,22 +391,25 @@ def _ratio(kind: str, one_pass: bool = False) -> tuple[float, str]:
   if one_pass:
     mem_key = key = key + _ONE_PASS_KEY
   with _LOCK:  # threads starting at once measure once, and agree
-    if mem_key in _MEASURED:  # read or measured before, in this process
-      return _MEASURED[mem_key], _SOURCE.get(mem_key, "measured")
-    path = _cache_file()
-    on_disk = _xla_flags() == _XLA_FLAGS_AT_START
-    ratio = _figure(_read(path), key) if on_disk else None
-    if ratio is not None:
-      _MEASURED[mem_key], _SOURCE[mem_key] = ratio, f"cached in {path}"
-      return ratio, _SOURCE[mem_key]
-    ratio = _MEASURED[mem_key] = measure_one_pass() if one_pass else measure()
-    _SOURCE[mem_key] = "measured in this process"
-    if not on_disk:
-      _SOURCE[mem_key] += ("; not cached: XLA_FLAGS changed after jaxprec was "
-                           "imported")
-      return ratio, _SOURCE[mem_key]
-    _write(path, key, ratio)
-    return ratio, _SOURCE[mem_key]
+    if mem_key not in _MEASURED:
+      _MEASURED[mem_key] = _read_or_measure(key, one_pass)
+    return _MEASURED[mem_key]
+
+
+def _read_or_measure(key: str, one_pass: bool) -> tuple[float, str]:
+  """The figure under ``key`` from the disk cache, else measured (and
+  stored there, unless ``XLA_FLAGS`` changed since import)."""
+  path = _cache_file()
+  on_disk = _xla_flags() == _XLA_FLAGS_AT_START
+  ratio = _figure(_read(path), key) if on_disk else None
+  if ratio is not None:
+    return ratio, f"cached in {path}"
+  ratio = measure_one_pass() if one_pass else measure()
+  if not on_disk:
+    return ratio, ("measured in this process; not cached: XLA_FLAGS changed "
+                   "after jaxprec was imported")
+  _write(path, key, ratio)
+  return ratio, "measured in this process"
 
 
 def _read(path: str) -> Any:
