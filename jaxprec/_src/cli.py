@@ -155,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="a built-in model (random weights, nothing "
                           "downloaded); hf-wav2vec2 and hf-bert are Hugging "
                           "Face Flax models with a PyTorch twin (needs "
-                          "jaxprec[torch]) for --reference pytorch")
+                          "jaxprec[hf-flax]: transformers 4.x) for "
+                          "--reference pytorch")
   check.add_argument("--size", choices=("tiny", "small", "base"), default=None,
                      help="size of the built-in model (default tiny)")
   check.add_argument("--precisions", default=None,
@@ -388,9 +389,7 @@ def _twin(name: str, seed: int):
     from jaxprec._src import torch_twins
     return torch_twins.twin(name, seed)
   except ImportError as e:
-    raise _UsageError(f"--model {name} needs PyTorch and transformers "
-                      f"({_one_line(e)}); install them with: pip install "
-                      f"'jaxprec[torch]'") from None
+    raise _UsageError(f"--model {name}: {_one_line(e)}") from None
 
 
 def _check(ns: argparse.Namespace) -> int:

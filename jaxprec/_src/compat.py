@@ -2,7 +2,8 @@
 
 Every use of a private JAX API is here, feature-detected where versions differ,
 so that a JAX upgrade breaks one module (chex's ``pytypes.py`` does the same).
-Written against jax 0.10.2.
+Written against jax 0.10.2; each difference in jax 0.11 and 0.12 (CI's newest
+stage) is detected by feature, not by version number, and named where it is.
 """
 
 from __future__ import annotations
@@ -34,6 +35,53 @@ except ImportError:  # pragma: no cover -- older JAX
 # jax.extend.source_info_util (jax 0.10.2) has the name-stack and context
 # functions; user_frames stays private (see eqn_user_frames).
 source_info_util = getattr(jex, "source_info_util", _source_info_util)
+
+# jax 0.11 merged ClosedJaxpr into Jaxpr: one class whose ``.jaxpr`` returns
+# the object itself and whose constants are attached to its leading binders
+# (``constvars``; ``invars`` are the rest). Before, a ClosedJaxpr wrapped an
+# open Jaxpr whose ``constvars`` and ``invars`` were separate lists.
+JAXPR_MERGED = ClosedJaxpr is Jaxpr
+
+
+def all_binders(jaxpr) -> list[Any]:
+  """Every input variable of ``jaxpr``: its constvars, then its invars.
+
+  A jaxpr evaluated with ``(consts, args)`` binds ``[*consts, *args]`` to
+  these. The same on every version: on jax 0.11+ a jaxpr whose constants
+  were detached (what custom-rule thunks return) has no constvars but takes
+  its constants as leading invars, which is the same list.
+  """
+  return [*jaxpr.constvars, *jaxpr.invars]
+
+
+def scan_add_consts(params: dict, n: int) -> dict:
+  """scan params for ``n`` extra leading constant inputs."""
+  params = dict(params)
+  if "ft_in" in params:
+    # jax 0.11+: scan's inputs are one FlatTree of three groups (consts,
+    # carry, xs) in ``ft_in``, not the counts ``num_consts``/``num_carry``.
+    from jax._src import flattree as ft  # noqa: PLC0415
+    consts, carry, xs = params["ft_in"].unpack()
+    params["ft_in"] = ft.pack(((ft.nones(n), consts), carry, xs))
+    return params
+  params["num_consts"] = params["num_consts"] + n
+  if "linear" in params:
+    params["linear"] = (False,) * n + tuple(params["linear"])
+  return params
+
+
+def flax_named_call_enabled() -> bool:
+  """Whether Flax names its module calls' scopes now (``flax_profile``).
+
+  ``flax.linen.module._use_named_call`` is private: a bool in flax 0.12.8 and
+  older, a ``ContextVar`` from flax 0.12.12 (a ContextVar is always truthy,
+  so reading it as a bool said "on" under ``override_named_call(False)``).
+  Defaults to on if it moves.
+  """
+  from flax.linen import module as linen_module  # noqa: PLC0415
+  flag = getattr(linen_module, "_use_named_call", True)
+  get = getattr(flag, "get", None)
+  return bool(get() if callable(get) else flag)
 
 
 def jaxprs_in_params(params) -> Any:

@@ -198,7 +198,7 @@ def _unshared(closed):
   keyed by equation, one unit's index would choose for both.
   """
   def copy(value):
-    if isinstance(value, compat.ClosedJaxpr):
+    if isinstance(value, compat.ClosedJaxpr) and not compat.JAXPR_MERGED:
       return value.replace(jaxpr=copy(value.jaxpr))
     if isinstance(value, compat.Jaxpr):
       return value.replace(eqns=[

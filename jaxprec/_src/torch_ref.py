@@ -25,9 +25,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["capture", "flax_params", "from_torch", "import_torch"]
+__all__ = ["capture", "flax_params", "from_torch", "import_torch",
+           "import_transformers_flax"]
 
-INSTALL_HINT = "pip install 'jaxprec[torch]' (PyTorch and transformers)"
+INSTALL_HINT = "pip install 'jaxprec[torch]'"
+# transformers 5 removed every Flax model class and modeling_flax_* module.
+HF_FLAX_HINT = ("pip install 'jaxprec[hf-flax]' (transformers 4.x: "
+                "transformers 5 has no Flax models)")
 
 
 def import_torch():
@@ -37,6 +41,31 @@ def import_torch():
   except ImportError as e:
     raise ImportError(f"jaxprec.torch needs PyTorch: {INSTALL_HINT}") from e
   return torch
+
+
+def import_transformers_flax(what: str, *names: str) -> Any:
+  """``transformers``, with its Flax model classes ``names``, or ImportError.
+
+  The error is one line with the install hint, whether transformers is
+  missing or is a release without Flax models (5.0 and newer), never an
+  AttributeError from the missing class.
+
+  Args:
+    what: what needs them, for the message (``'twin models'``).
+    *names: attributes of ``transformers`` that must exist
+      (``'FlaxBertModel'``).
+  """
+  try:
+    import transformers  # noqa: PLC0415 -- optional, imported when used
+  except ImportError as e:
+    raise ImportError(f"{what} need transformers' Flax models: "
+                      f"{HF_FLAX_HINT}") from e
+  for name in names:
+    if not hasattr(transformers, name):
+      version = getattr(transformers, "__version__", "?")
+      raise ImportError(f"{what} need transformers' Flax models, and "
+                        f"transformers {version} has no {name}: {HF_FLAX_HINT}")
+  return transformers
 
 
 def _top_module(obj: Any) -> str:
@@ -260,13 +289,16 @@ def flax_params(pt_model: Any, flax_model: Any) -> Any:
     The parameters for ``flax_model(..., params=...)``.
 
   Raises:
-    ImportError: transformers or PyTorch is missing (with the install hint).
+    ImportError: PyTorch is missing, or transformers, or its Flax models
+      (transformers 5 has none): one line with the install hint.
   """
   import_torch()
+  import_transformers_flax("flax_params")
   try:
     from transformers import modeling_flax_pytorch_utils as convert  # noqa: PLC0415
   except ImportError as e:
-    raise ImportError(f"flax_params needs transformers: {INSTALL_HINT}") from e
+    raise ImportError(f"flax_params need transformers' Flax models: "
+                      f"{HF_FLAX_HINT}") from e
   state = {k: v.detach().clone() for k, v in pt_model.state_dict().items()}
   return convert.convert_pytorch_state_dict_to_flax(state, _Shapes(flax_model))
 

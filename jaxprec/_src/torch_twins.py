@@ -85,7 +85,7 @@ def depth_ordered(output: Any) -> dict[str, Any]:
   return {k: fields[k] for k in first + [k for k in fields if k not in first]}
 
 
-def _wav2vec2(transformers, layers: int) -> tuple[Any, Any, Any]:
+def _wav2vec2(transformers, layers: int) -> tuple[Any, str, str]:
   config = transformers.Wav2Vec2Config(
       hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
       intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 2, 2),
@@ -95,7 +95,7 @@ def _wav2vec2(transformers, layers: int) -> tuple[Any, Any, Any]:
       do_stable_layer_norm=True, feat_extract_norm="layer",
       hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
       feat_proj_dropout=0.0, layerdrop=0.0)
-  return config, transformers.Wav2Vec2Model, transformers.FlaxWav2Vec2Model
+  return config, "Wav2Vec2Model", "FlaxWav2Vec2Model"
 
 
 def _wav2vec2_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -104,7 +104,7 @@ def _wav2vec2_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
   return {"input_values": audio[None].astype(np.float32)}
 
 
-def _bert(transformers, layers: int) -> tuple[Any, Any, Any]:
+def _bert(transformers, layers: int) -> tuple[Any, str, str]:
   config = transformers.BertConfig(
       vocab_size=1000, hidden_size=64, num_hidden_layers=layers,
       num_attention_heads=4, intermediate_size=128,
@@ -113,7 +113,7 @@ def _bert(transformers, layers: int) -> tuple[Any, Any, Any]:
       # At BERT's init scale (0.02) random blocks barely move the residual
       # stream, and so neither does their rounding; 0.2 makes them count.
       initializer_range=0.2)
-  return config, transformers.BertModel, transformers.FlaxBertModel
+  return config, "BertModel", "FlaxBertModel"
 
 
 def _bert_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -122,7 +122,7 @@ def _bert_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
           "token_type_ids": np.zeros_like(ids)}
 
 
-# name -> (config and classes, inputs).
+# name -> (config and the names of its transformers classes, inputs).
 TWINS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "hf-wav2vec2": (_wav2vec2, _wav2vec2_inputs),
     "hf-bert": (_bert, _bert_inputs),
@@ -144,7 +144,8 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
 
   Raises:
     ValueError: an unknown name (naming the choices).
-    ImportError: PyTorch or transformers is missing (with the install hint).
+    ImportError: PyTorch is missing, or transformers, or its Flax models
+      (transformers 5 has none): one line with the install hint.
   """
   if name not in TWINS:
     import difflib  # noqa: PLC0415
@@ -153,14 +154,13 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
     raise ValueError(f"Unknown twin {name!r}; choose one of "
                      f"{', '.join(TWINS)}.{hint}")
   torch = torch_ref.import_torch()
-  try:
-    import transformers  # noqa: PLC0415 -- optional, imported when used
-  except ImportError as e:
-    raise ImportError(f"twin models need transformers: "
-                      f"{torch_ref.INSTALL_HINT}") from e
+  transformers = torch_ref.import_transformers_flax("twin models")
   make, inputs = TWINS[name]
-  config, torch_cls, flax_cls = make(transformers, _LAYERS if layers is None
-                                     else int(layers))
+  config, torch_name, flax_name = make(transformers, _LAYERS if layers is None
+                                       else int(layers))
+  torch_ref.import_transformers_flax("twin models", flax_name)
+  torch_cls, flax_cls = getattr(transformers, torch_name), getattr(
+      transformers, flax_name)
   verbosity = transformers.logging.get_verbosity()
   transformers.logging.set_verbosity_error()  # "Flax classes are deprecated"
   try:

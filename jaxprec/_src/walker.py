@@ -250,11 +250,11 @@ def _eval(jaxpr, consts, rule: Rule, args) -> list[Any]:
   def read(v):
     return v.val if isinstance(v, compat.Literal) else env[v]
 
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  if len(jaxpr.invars) != len(args):
-    raise TypeError(f"jaxpr takes {len(jaxpr.invars)} inputs, got {len(args)}")
-  for v, x in zip(jaxpr.invars, args):
+  binders = compat.all_binders(jaxpr)
+  if len(binders) != len(consts) + len(args):
+    raise TypeError(f"jaxpr takes {len(binders) - len(consts)} inputs, "
+                    f"got {len(args)}")
+  for v, x in zip(binders, [*consts, *args]):
     env[v] = x
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
@@ -334,9 +334,7 @@ def _scan(eqn, invals, rule, params):
   new, consts = _hoisted(rule, params["jaxpr"])
   params["jaxpr"] = new
   if consts:
-    params["num_consts"] = params["num_consts"] + len(consts)
-    if "linear" in params:
-      params["linear"] = (False,) * len(consts) + tuple(params["linear"])
+    params = compat.scan_add_consts(params, len(consts))
   return _bind(eqn, [*consts, *invals], params)
 
 

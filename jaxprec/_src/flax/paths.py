@@ -129,9 +129,8 @@ def _record_linen(found: dict[str, list[str]]) -> Iterator[None]:
     with paths.entered(path):
       return next_fun(*args, **kwargs)
 
-  # Flax names its calls' scopes unless profiling names are off (flax_profile);
-  # flax.linen.module._use_named_call is private: default to on if it moves.
-  named = getattr(nn.module, "_use_named_call", True)
+  # Flax names its calls' scopes unless profiling names are off (flax_profile).
+  named = compat.flax_named_call_enabled()
   with (contextlib.nullcontext() if named else nn.override_named_call(True)), \
        nn.intercept_methods(interceptor):
     yield
