@@ -418,3 +418,26 @@ def test_check_warns_about_opaque_ops_through_emulate():
   x = np.ones((8, 8), np.float32)
   with pytest.warns(jaxprec.OpaqueOpWarning, match=r"pallas_call 'kernel'"):
     jaxprec.check(f, x, x, precisions=["bfloat16"], mode="emulate")
+
+
+@pytest.mark.parametrize("kernel", ["bf16", "f32"])
+@pytest.mark.parametrize("precision", ["bfloat16", "bfloat16_3x", "float32",
+                                       "tensorfloat32"])
+def test_jit_and_op_by_op_give_the_same_bits_when_a_tanh_follows(precision,
+                                                                 kernel):
+  """The emulated op's result is a fusion boundary: XLA:CPU (jax 0.12) gave
+  tanh(x @ w.T) one ulp apart between the jitted emulated function and the
+  same function run op by op, at every multi-pass algorithm."""
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((5, 12)).astype(np.float32)
+  w = rng.standard_normal((12, 12)).astype(np.float32)
+  f = lambda x, w: {"y": x @ w, "z": jnp.tanh(x @ w.T)}  # noqa: E731
+  with jaxprec.use_kernel(kernel):
+    g = jaxprec.emulate(f, precision, target="tpu")
+    jitted, eager = jax.jit(g)(x, w), g(x, w)
+    dot = jaxprec.emulate(lambda x, w: x @ w.T, precision, target="tpu")(x, w)
+  for k in ("y", "z"):
+    np.testing.assert_array_equal(np.asarray(jitted[k]), np.asarray(eager[k]))
+  # And the tanh is the tanh of the emulated product, as computed alone.
+  np.testing.assert_array_equal(np.asarray(eager["z"]),
+                                np.asarray(jax.jit(jnp.tanh)(dot)))

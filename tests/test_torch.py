@@ -1,4 +1,4 @@
-"""PyTorch as the reference (issue 10): jaxprec.torch and check(reference=torch).
+"""PyTorch as the reference: jaxprec.torch and check(reference=torch).
 
 The twins are tiny Hugging Face models with random weights, built in PyTorch
 and converted to Flax with transformers' own converter; the float32 floor is
@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -22,11 +21,31 @@ import ml_dtypes  # noqa: E402
 import jaxprec  # noqa: E402
 import jaxprec.torch as jt  # noqa: E402
 from jaxprec._src import reference as reference_lib  # noqa: E402
+from jaxprec._src import torch_ref  # noqa: E402
 from jaxprec._src.cli import main  # noqa: E402
+
+
+def _has_flax_models() -> bool:
+  """Whether transformers is installed with its Flax models (4.x, not 5)."""
+  try:
+    import transformers  # noqa: PLC0415
+  except ImportError:
+    return False
+  return hasattr(transformers, "FlaxBertModel")
+
+
+HF_FLAX = _has_flax_models()
+# The twins and flax_params need transformers' Flax models; CI's torch-stack
+# stage runs this file beside transformers 5, where they are skipped and the
+# install hint is tested instead.
+needs_hf_flax = pytest.mark.skipif(
+    not HF_FLAX, reason="needs transformers' Flax models (jaxprec[hf-flax])")
 
 
 @pytest.fixture(scope="module", params=["hf-wav2vec2", "hf-bert"])
 def twin(request):
+  if not HF_FLAX:
+    pytest.skip("needs transformers' Flax models (jaxprec[hf-flax])")
   return jt.twin(request.param, seed=0)
 
 
@@ -186,6 +205,7 @@ def test_twin_float32_floor_and_tpu_bfloat16(twin):
   assert first is not None and first.index < names.index("last_hidden_state"), first
 
 
+@needs_hf_flax
 def test_torch_objects_as_reference_give_the_capture_numbers():
   tw = jt.twin("hf-bert", seed=1)
   inputs = {k: torch.from_numpy(v) for k, v in tw.inputs.items()}
@@ -210,6 +230,7 @@ def test_torch_objects_as_reference_give_the_capture_numbers():
   assert 3e-3 <= c.layers[0].metrics["bfloat16"].rel_rms <= 3e-2
 
 
+@needs_hf_flax
 def test_twin_with_one_layer_too_few_is_refused():
   full = jt.twin("hf-bert", seed=0)
   short = jt.twin("hf-bert", seed=0, layers=3)
@@ -218,6 +239,7 @@ def test_twin_with_one_layer_too_few_is_refused():
                   precisions="bfloat16")
 
 
+@needs_hf_flax
 def test_twin_leaves_torch_rng_alone_and_unknown_names():
   torch.manual_seed(123)
   before = torch.get_rng_state()
@@ -227,6 +249,7 @@ def test_twin_leaves_torch_rng_alone_and_unknown_names():
     jt.twin("hf-bret")
 
 
+@needs_hf_flax
 def test_flax_params_do_not_change_the_models_and_need_no_flax_weights():
   # The twin's Flax model is built without weights (_do_init=False): its
   # parameters' shapes are computed abstractly. A model with weights of its
@@ -251,6 +274,7 @@ def test_flax_params_do_not_change_the_models_and_need_no_flax_weights():
 # The command line.
 
 
+@needs_hf_flax
 def test_cli_reference_pytorch_writes_report_and_plot(tmp_path, capsys):
   out = tmp_path / "rep"
   rc = main(["check", "--model", "hf-bert", "--reference", "pytorch",
@@ -345,3 +369,67 @@ def test_check_module_against_hooked_submodules():
   for name, m in got.items():
     assert m["float32"].rel_rms <= 1e-6, (name, m["float32"])
     assert 1e-4 < m["bfloat16"].rel_rms < 2e-2, (name, m["bfloat16"])
+
+
+# ---------------------------------------------------------------------------
+# transformers without Flax models (5.0 and newer): one line with the hint.
+
+
+def _transformers_5(monkeypatch):
+  """A stand-in for transformers 5 in sys.modules: the PyTorch classes and
+  configs, and no Flax model class or modeling_flax_* module."""
+  import types  # noqa: PLC0415
+  stub = types.ModuleType("transformers")
+  stub.__version__ = "5.0.0"
+  stub.BertConfig = stub.Wav2Vec2Config = lambda **kwargs: kwargs
+  stub.BertModel = stub.Wav2Vec2Model = object
+  monkeypatch.setitem(sys.modules, "transformers", stub)
+  return stub
+
+
+@pytest.mark.parametrize("name, cls", [("hf-bert", "FlaxBertModel"),
+                                       ("hf-wav2vec2", "FlaxWav2Vec2Model")])
+def test_twin_without_flax_models_names_the_class_and_the_extra(
+    monkeypatch, name, cls):
+  _transformers_5(monkeypatch)
+  with pytest.raises(ImportError) as e:
+    jt.twin(name)
+  msg = str(e.value)
+  assert "\n" not in msg and "pip install 'jaxprec[hf-flax]'" in msg
+  assert f"transformers 5.0.0 has no {cls}" in msg
+
+
+def test_flax_params_without_flax_models_gives_the_hint(monkeypatch):
+  _transformers_5(monkeypatch)
+  with pytest.raises(ImportError, match=r"jaxprec\[hf-flax\]"):
+    jt.flax_params(torch.nn.Linear(2, 2), object())
+
+
+def test_cli_twin_without_flax_models_exits_2_with_one_line(monkeypatch, tmp_path,
+                                                          capsys):
+  _transformers_5(monkeypatch)
+  rc = main(["check", "--model", "hf-bert", "--reference", "pytorch",
+             "--out", str(tmp_path / "r")])
+  _, err = capsys.readouterr()
+  assert rc == 2
+  assert err.count("\n") == 1 and "pip install 'jaxprec[hf-flax]'" in err
+  assert "Traceback" not in err and "AttributeError" not in err
+
+
+def test_import_transformers_flax_without_transformers(monkeypatch):
+  monkeypatch.setitem(sys.modules, "transformers", None)
+  with pytest.raises(ImportError, match=r"twin models need transformers' "
+                     r"Flax models: pip install 'jaxprec\[hf-flax\]'"):
+    torch_ref.import_transformers_flax("twin models need", "FlaxBertModel")
+
+
+@pytest.mark.skipif(HF_FLAX, reason="runs where transformers has no Flax "
+                    "models (CI's torch-stack stage: transformers 5)")
+def test_real_transformers_without_flax_models_gives_the_hint(tmp_path, capsys):
+  import transformers  # noqa: PLC0415
+  with pytest.raises(ImportError, match=r"jaxprec\[hf-flax\]"):
+    jt.twin("hf-bert")
+  assert main(["check", "--model", "hf-wav2vec2", "--reference", "pytorch",
+               "--out", str(tmp_path / "r")]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and f"transformers {transformers.__version__}" in err

@@ -51,19 +51,20 @@ def import_transformers_flax(what: str, *names: str) -> Any:
   AttributeError from the missing class.
 
   Args:
-    what: what needs them, for the message (``'twin models'``).
+    what: what needs them, with its verb, for the message
+      (``'flax_params needs'``).
     *names: attributes of ``transformers`` that must exist
       (``'FlaxBertModel'``).
   """
   try:
     import transformers  # noqa: PLC0415 -- optional, imported when used
   except ImportError as e:
-    raise ImportError(f"{what} need transformers' Flax models: "
+    raise ImportError(f"{what} transformers' Flax models: "
                       f"{HF_FLAX_HINT}") from e
   for name in names:
     if not hasattr(transformers, name):
       version = getattr(transformers, "__version__", "?")
-      raise ImportError(f"{what} need transformers' Flax models, and "
+      raise ImportError(f"{what} transformers' Flax models, and "
                         f"transformers {version} has no {name}: {HF_FLAX_HINT}")
   return transformers
 
@@ -293,11 +294,11 @@ def flax_params(pt_model: Any, flax_model: Any) -> Any:
       (transformers 5 has none): one line with the install hint.
   """
   import_torch()
-  import_transformers_flax("flax_params")
+  import_transformers_flax("flax_params needs", "FlaxPreTrainedModel")
   try:
     from transformers import modeling_flax_pytorch_utils as convert  # noqa: PLC0415
   except ImportError as e:
-    raise ImportError(f"flax_params need transformers' Flax models: "
+    raise ImportError(f"flax_params needs transformers' Flax models: "
                       f"{HF_FLAX_HINT}") from e
   state = {k: v.detach().clone() for k, v in pt_model.state_dict().items()}
   return convert.convert_pytorch_state_dict_to_flax(state, _Shapes(flax_model))

@@ -154,11 +154,11 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
     raise ValueError(f"Unknown twin {name!r}; choose one of "
                      f"{', '.join(TWINS)}.{hint}")
   torch = torch_ref.import_torch()
-  transformers = torch_ref.import_transformers_flax("twin models")
+  transformers = torch_ref.import_transformers_flax("twin models need")
   make, inputs = TWINS[name]
   config, torch_name, flax_name = make(transformers, _LAYERS if layers is None
                                        else int(layers))
-  torch_ref.import_transformers_flax("twin models", flax_name)
+  torch_ref.import_transformers_flax("twin models need", flax_name)
   torch_cls, flax_cls = getattr(transformers, torch_name), getattr(
       transformers, flax_name)
   verbosity = transformers.logging.get_verbosity()
