@@ -48,6 +48,7 @@ from jaxprec._src.env import set_default
 from jaxprec._src.env import validate_env
 from jaxprec._src.explain import explain
 from jaxprec._src.kernels import KernelChoice
+from jaxprec._src.kernels import bf16_dot_units
 from jaxprec._src.kernels import current_kernel
 from jaxprec._src.kernels import set_kernel
 from jaxprec._src.kernels import use_kernel
@@ -102,6 +103,7 @@ __all__ = (
     "TrainingReport",
     "UnusedRuleWarning",
     "audit",
+    "bf16_dot_units",
     "check",
     "check_module",
     "check_training",

@@ -12,6 +12,7 @@ from jax import lax
 
 import jaxprec
 from jaxprec._src import check as check_lib
+from jaxprec._src import reference as reference_lib
 
 KEY = jax.random.key(0)
 W = jax.random.normal(KEY, (4, 48, 48), jnp.float32) / np.sqrt(48)
@@ -172,6 +173,43 @@ def test_external_reference_round_trips_through_files(tmp_path, mlp_report, ext)
   # Also as a plain string path.
   assert jaxprec.check(mlp, W, X, reference=str(path), precisions=["bf16"],
                        mode="emulate").layers[0].name == "layer_0"
+
+
+@pytest.mark.parametrize("ext", ["npz", "safetensors"])
+def test_bfloat16_layers_saved_now_are_checked_later(tmp_path, ext):
+  """save_layers wrote bfloat16 layers to .npz as raw bytes (|V2), which
+  check(reference=path) then refused: the layers are written as float32,
+  which holds every bfloat16 value exactly."""
+  if ext == "safetensors":
+    pytest.importorskip("safetensors")
+  rng = np.random.default_rng(3)
+  w = jnp.asarray(rng.standard_normal((8, 8)), jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16)
+  f = lambda w, x: {"h": jnp.tanh(x @ w), "out": x @ w @ w}  # noqa: E731
+  outs = jax.jit(f)(w, x)
+  path = tmp_path / f"ref.{ext}"
+  jaxprec.save_layers(path, outs)
+  loaded = reference_lib.load(path)
+  for k in ("h", "out"):
+    assert loaded[k].dtype == np.float32
+    np.testing.assert_array_equal(loaded[k], np.asarray(outs[k], np.float32))
+  from_file = jaxprec.check(f, w, x, reference=path, precisions=["bf16"],
+                            mode="emulate")
+  from_tree = jaxprec.check(f, w, x, reference=outs, precisions=["bf16"],
+                            mode="emulate")
+  assert [l.metrics for l in from_file.layers] == [
+      l.metrics for l in from_tree.layers]
+
+
+def test_a_reference_file_of_raw_bytes_names_the_layer_and_the_fix(tmp_path):
+  rng = np.random.default_rng(4)
+  w = np.asarray(rng.standard_normal((8, 8)), np.float32)
+  raw = np.asarray(jnp.asarray(w, jnp.bfloat16))  # savez writes its bytes
+  np.savez(tmp_path / "old.npz", h=raw)
+  assert np.load(tmp_path / "old.npz")["h"].dtype.kind == "V"
+  with pytest.raises(ValueError, match=r"'h' holds raw bytes .*save_layers"):
+    jaxprec.check(lambda w: {"h": w * 2}, w, reference=tmp_path / "old.npz",
+                  precisions=["bf16"], mode="emulate")
 
 
 def test_external_reference_from_pytorch_style_names_and_float64(tmp_path):

@@ -90,6 +90,27 @@ def test_module_function_prints_table_and_writes_outputs(project, capsys):
   assert "\r" not in err  # no progress bar without a terminal
 
 
+def test_a_failed_plot_leaves_no_picture_of_another_run(project, capsys,
+                                                         monkeypatch):
+  """The previous run's divergence.png stayed beside a new report.json when
+  the plot failed; now it is removed and a warning says so (exit 0: the
+  report is written)."""
+  out = project / "rep-stale"
+  out.mkdir()
+  (out / "divergence.png").write_bytes(b"old run")
+  from jaxprec._src import report as report_lib  # noqa: PLC0415
+
+  def broken(self, path=None, **kwargs):
+    raise ValueError("the plot broke")
+  monkeypatch.setattr(report_lib.DivergenceReport, "plot", broken)
+  rc, _, err = run(capsys, "check", "clicheck_model:make", "--out", str(out))
+  assert rc == 0, err
+  assert not (out / "divergence.png").exists()
+  assert json.loads((out / "report.json").read_text())["kind"] == "check"
+  warned = [l for l in err.splitlines() if "warning: divergence.png" in l]
+  assert len(warned) == 1 and "ValueError: the plot broke" in warned[0]
+
+
 def test_json_and_options(project, capsys):
   rc, out, err = run(capsys, "check", "clicheck_model.py:two", "--json",
                      "--precisions", "bf16, float32", "--target", "gpu",

@@ -169,13 +169,35 @@ def test_out_is_created_when_usable(project, capsys):
 
 
 @pytest.mark.parametrize("precisions, repeated", [
-    ("bf16,bf16", "bf16"),
+    ("bf16,bf16", "bfloat16 (as bf16)"),
     ("bfloat16,float32,bfloat16", "bfloat16"),
+    # Two spellings of one precision are the same row twice.
+    ("bf16,bfloat16", "bfloat16 (as bf16 and bfloat16)"),
+    ("fp32,highest,bf16", "float32 (as fp32 and highest)"),
 ])
 def test_repeated_precision_exits_2(project, capsys, precisions, repeated):
   rc, out, err = run(capsys, "check", "clierr_model:make", "--precisions",
                      precisions)
   one_line_error(rc, err, 2, f"--precisions repeats {repeated}")
+
+
+@pytest.mark.parametrize("command", ["check", "search"])
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**64 + 1), "1.5", "x"])
+def test_a_seed_out_of_range_exits_2_with_one_line(capsys, command, seed):
+  extra = ["--tolerance", "1e-3"] if command == "search" else []
+  with pytest.raises(SystemExit) as e:
+    main([command, "--model", "bert", "--seed", seed, *extra])
+  _, err = capsys.readouterr()
+  assert e.value.code == 2 and "Traceback" not in err
+  assert f"argument --seed: invalid seed {seed!r}: an integer from 0 to " \
+      f"{2**32 - 1}" in err
+
+
+def test_the_largest_seed_builds_the_model():
+  import jax  # noqa: PLC0415
+  import jaxprec.models as models  # noqa: PLC0415
+  fn, args = models.MODELS["bert"]("tiny", 2**32 - 1)
+  assert jax.tree_util.tree_leaves(jax.eval_shape(fn, *args))
 
 
 def python(*argv, env_value=None, cwd=None):

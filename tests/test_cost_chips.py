@@ -208,6 +208,27 @@ def test_untimed_ops_are_left_out_of_both_times():
   assert r.untimed_flops == 0 and r.seconds > 0
 
 
+def test_every_op_untimed_is_no_figure_not_the_cost_of_float32():
+  """A float16 matmul on tpu-v5e: no peak and no weight for its pass type, so
+  both times and both costs are 0. The ratio was 0/0 shown as 1.0, "the same
+  cost as float32"; it is None, shown as "-"."""
+  f = lambda x, w: jnp.dot(x, w, precision="F16_F16_F32")  # noqa: E731
+  r = jaxprec.cost(f, sds(8, 16), sds(16, 4), chip="tpu-v5e")
+  assert r.flops == r.untimed_flops == r.unknown_flops == 2 * 8 * 16 * 4
+  assert r.seconds == r.float32_seconds == 0 and r.cost == r.float32_cost == 0
+  assert r.time_relative is None and r.relative is None
+  assert all(row.relative is None and row.time_relative is None
+             for row in r.rows)
+  d = json.loads(r.to_json())
+  assert d["relative"] is None and d["time_relative"] is None
+  text = str(r)
+  assert "= - of float32" in text and "= - of all-float32" in text
+  assert "1.000" not in text
+  # No op at all stays "the same cost as float32".
+  none = jaxprec.cost(lambda x: jnp.tanh(x), sds(8, 16), chip="tpu-v5e")
+  assert none.flops == 0 and none.relative == 1.0 and none.time_relative == 1.0
+
+
 def test_str_and_to_dict_with_and_without_a_chip():
   r = _mlp_cost(BF16, 1, chip="tpu-v5e")
   lines = str(r).splitlines()

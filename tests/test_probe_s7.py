@@ -9,7 +9,6 @@ arguments that a cached search now checks before the cache is on.
 """
 
 import importlib.util
-import json
 import os
 import pathlib
 import sys
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import compile_cache, kernels
+from jaxprec._src import compile_cache
 from jaxprec._src.cli import main
 
 import reference as ref
@@ -218,27 +217,6 @@ def test_cli_bad_usage_creates_no_cache_directory(tmp_path, monkeypatch,
   assert "jaxprec: error:" in capsys.readouterr().err
   assert os.listdir(tmp_path) == []
   assert _settings() == before
-
-
-def test_a_figure_read_from_disk_is_not_called_measured_later(monkeypatch,
-                                                             tmp_path):
-  """The second current_kernel() in a process said "measured in this
-  process" for figures it had read from the disk cache (jaxprec info and
-  explain() after any emulation said so)."""
-  monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-  monkeypatch.setenv(kernels.CACHE_ENV_VAR, str(tmp_path))
-  monkeypatch.setattr(kernels, "_MEASURED", {})
-  monkeypatch.setattr(kernels, "measure", lambda: pytest.fail("measured"))
-  monkeypatch.setattr(kernels, "measure_one_pass",
-                      lambda: pytest.fail("measured"))
-  key = kernels._disk_key(jax.devices()[0].device_kind)
-  (tmp_path / "kernel_benchmark.json").write_text(
-      json.dumps({key: 0.5, key + kernels._ONE_PASS_KEY: 0.75}))
-  first, second = kernels.current_kernel(), kernels.current_kernel()
-  assert (second.ratio, second.one_pass_ratio) == (0.5, 0.75)
-  assert first.reason == second.reason
-  assert second.reason.count("cached in") == 2
-  assert "measured in this process" not in second.reason
 
 
 def test_gpu_fidelity_reports_a_gpu_that_refuses_every_case(monkeypatch,

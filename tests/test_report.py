@@ -1,5 +1,6 @@
 """DivergenceReport and TrainingReport: schema, JSON, tables, plots, queries."""
 
+import dataclasses
 import json
 import re
 import math
@@ -159,6 +160,28 @@ def test_plot_writes_png_and_names_the_extra_when_missing(tmp_path, monkeypatch)
   monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
   with pytest.raises(ImportError, match=r"jaxprec\[plots\]"):
     make_report().plot(tmp_path / "e.png")
+
+
+def test_plot_draws_dollar_signs_as_written(tmp_path):
+  """A layer or precision named with `$` (an unbalanced mathtext formula)
+  crashed savefig after report.json was written."""
+  pytest.importorskip("matplotlib")
+  base = make_report()
+  layers = tuple(dataclasses.replace(l, name=f"${l.name}") for l in base.layers)
+  r = make_report(layers=layers, reference="$ref")
+  path = tmp_path / "d.png"
+  fig = r.plot(path)
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+  assert ticks == [f"${l.name}" for l in base.layers]
+  t = TrainingReport(
+      precisions=("$bf16",), reference="$f", target="tpu", mode="emulate",
+      backend="cpu", steps=2, reference_losses=(1.0, 0.5),
+      losses={"$bf16": (1.0, 0.52)}, drift={"$bf16": (1e-3, 2e-3)},
+      divergence_step={"$bf16": None}, threshold=0.1,
+      numerics={"$bf16": "bf16x1 (emulated)"})
+  t.plot(tmp_path / "t.png")
+  assert (tmp_path / "t.png").stat().st_size > 1000
 
 
 def test_training_report(tmp_path):

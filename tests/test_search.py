@@ -263,6 +263,15 @@ def test_metrics(metric, tolerance):
   first = r.history[0].worst_value
   if metric == "sqnr_db":
     assert min(r.values.values()) >= tolerance > first
+  elif metric == "cosine":
+    # The cosine itself, as check reports it; the tolerance bounds 1 - cosine.
+    assert 1 - min(r.values.values()) <= tolerance < 1 - first
+    assert all(0.99 < v <= 1 for v in r.values.values())
+    report = jaxprec.check(f, w, x, precisions=[str(r.policy)],
+                           mode="emulate")
+    for layer in report.layers:
+      assert r.values[layer.name] == layer.metrics[str(r.policy)].cosine
+    assert f"(cosine {min(r.values.values()):.9f})" in str(r)
   else:
     assert max(r.values.values()) <= tolerance < first
 

@@ -270,6 +270,77 @@ def test_flax_params_do_not_change_the_models_and_need_no_flax_weights():
                          jax.tree_util.tree_map(np.asarray, built.params))
 
 
+def test_captured_submodule_outputs_survive_in_place_ops_later():
+  """capture(modules=) kept NumPy views of hooked outputs: ReLU(inplace=True)
+  and `h += residual` later in the forward pass rewrote them."""
+  class Net(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.fc = torch.nn.Linear(6, 6)
+      self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x):
+      h = self.fc(x)
+      before = h.detach().clone()
+      self.act(h)
+      h += x
+      return {"out": h, "before": before}
+
+  torch.manual_seed(0)
+  x = torch.randn(4, 6)
+  got = jt.capture(Net(), x, modules="fc")
+  want = got["before"]
+  assert (want < 0).any()  # the ReLU had something to rewrite
+  np.testing.assert_array_equal(got["fc"], want)
+
+
+@pytest.mark.parametrize("layers", [1.5, -1, 0, True, "2"])
+def test_twin_refuses_a_layer_count_that_is_not_a_positive_integer(layers):
+  with pytest.raises(ValueError, match=r"the number of transformer layers is "
+                     r"an integer of at least 1"):
+    jt.twin("hf-bert", layers=layers)
+
+
+def test_an_integer_tensor_as_reference_names_what_the_user_passed():
+  """It said "reference={} (dict) holds no floating arrays", naming
+  jaxprec's own conversion, not the tensor."""
+  with pytest.raises(ValueError, match=r"reference=tensor\(\[1, 2, 3\]\) "
+                     r"\(Tensor of torch.int64\) holds no floating arrays"):
+    jaxprec.check(lambda x: {"h": x * 2.0}, np.ones(3, np.float32),
+                  reference=torch.tensor([1, 2, 3]), precisions=["bf16"])
+
+
+@needs_hf_flax
+def test_flax_params_refuse_a_pytorch_model_that_does_not_fit():
+  """A 3-layer BERT for a 2-layer Flax BERT, a wider one, and a BERT for a
+  Wav2Vec2: each refused, naming the first parameter that differs."""
+  import transformers  # noqa: PLC0415
+  cfg = dict(vocab_size=100, hidden_size=32, num_attention_heads=2,
+             intermediate_size=64, max_position_embeddings=16)
+  flax_bert = transformers.FlaxBertModel(
+      transformers.BertConfig(num_hidden_layers=2, **cfg), _do_init=False)
+  deeper = transformers.BertModel(
+      transformers.BertConfig(num_hidden_layers=3, **cfg))
+  with pytest.raises(ValueError, match=r"first mismatch at "
+                     r"'encoder/layer/2/.*': from PyTorch \(.*\), the Flax "
+                     r"model has none"):
+    jt.flax_params(deeper, flax_bert)
+  wider = transformers.BertModel(transformers.BertConfig(
+      num_hidden_layers=2, **{**cfg, "intermediate_size": 96}))
+  with pytest.raises(ValueError, match=r"BertModel does not fit "
+                     r"FlaxBertModel.*intermediate"):
+    jt.flax_params(wider, flax_bert)
+  tw = jt.twin("hf-wav2vec2", seed=0)
+  with pytest.raises(ValueError, match="BertModel does not fit "
+                     "FlaxWav2Vec2Model: first mismatch at "):
+    jt.flax_params(deeper, tw.flax_model)
+  # The same sizes fit, at any size other than the built-in twins'.
+  same = transformers.BertModel(transformers.BertConfig(num_hidden_layers=2,
+                                                        **cfg))
+  params = jt.flax_params(same, flax_bert)
+  assert jax.tree_util.tree_leaves(params)
+
+
 # ---------------------------------------------------------------------------
 # The command line.
 

@@ -40,6 +40,7 @@ from typing import Any
 from jaxprec._src import compat
 from jaxprec._src import compile_cache
 from jaxprec._src import harness
+from jaxprec._src import kernels
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import numerics
 from jaxprec._src import report as report_lib
@@ -224,7 +225,8 @@ def check(fn: Callable[..., Any], *args: Any,
       reference=ref.name, target=target, mode=mode, backend=backend,
       atol=atol, rtol=rtol,
       numerics={**numerics_, "(reference)": ref.description},
-      notes=tuple(notes), seconds=seconds, floor=floor)
+      notes=tuple(notes), seconds=seconds, floor=floor,
+      kernel=kernels.current_kernel().to_dict())
 
 
 def _zero_reference_note(names: Sequence[str]) -> str:

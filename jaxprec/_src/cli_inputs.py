@@ -21,9 +21,9 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["PYTORCH", "Failure", "UsageError", "add_search_axes",
+__all__ = ["MAX_SEED", "PYTORCH", "Failure", "UsageError", "add_search_axes",
            "call_target", "check_out", "check_reference_file",
-           "is_reference_file", "one_line", "search_axes"]
+           "is_reference_file", "one_line", "search_axes", "seed"]
 
 # `check --reference pytorch`: the PyTorch twin of the --model.
 PYTORCH = "pytorch"
@@ -35,6 +35,26 @@ class UsageError(Exception):
 
 class Failure(Exception):
   """The user's code failed: printed as one line, exit status 1."""
+
+
+# A built-in model's seed seeds both NumPy and jax.random.key, which takes
+# 32-bit seeds without 64-bit types: 0 to 2**32 - 1.
+MAX_SEED = 2**32 - 1
+
+
+def seed(text: str) -> int:
+  """``--seed``: an integer from 0 to :data:`MAX_SEED` (an argparse type:
+  anything else is one error line and exit 2)."""
+  import argparse  # noqa: PLC0415
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"invalid seed {text!r}: an integer from 0 to {MAX_SEED}") from None
+  if not 0 <= value <= MAX_SEED:
+    raise argparse.ArgumentTypeError(
+        f"invalid seed {text!r}: an integer from 0 to {MAX_SEED}")
+  return value
 
 
 def one_line(e: BaseException) -> str:

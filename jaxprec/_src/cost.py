@@ -235,9 +235,10 @@ class CostRow:
   untimed_flops: int = 0
 
   @property
-  def relative(self) -> float:
-    """``cost / float32_cost`` (1.0 when both are 0)."""
-    return _ratio(self.cost, self.float32_cost)
+  def relative(self) -> float | None:
+    """``cost / float32_cost``; 1.0 when both are 0 because there is no op,
+    None when both are 0 because every op's cost is unknown."""
+    return _ratio(self.cost, self.float32_cost, self.unknown_flops)
 
   @property
   def bytes_relative(self) -> float:
@@ -246,10 +247,11 @@ class CostRow:
 
   @property
   def time_relative(self) -> float | None:
-    """``seconds / float32_seconds``; None without a chip."""
+    """``seconds / float32_seconds``; None without a chip, or where the chip
+    times none of the ops."""
     if self.seconds is None or self.float32_seconds is None:
       return None
-    return _ratio(self.seconds, self.float32_seconds)
+    return _ratio(self.seconds, self.float32_seconds, self.untimed_flops)
 
   def to_dict(self) -> dict[str, Any]:
     return {"path": self.path, "ops": self.ops, "flops": self.flops,
@@ -263,9 +265,14 @@ class CostRow:
             "untimed_flops": self.untimed_flops}
 
 
-def _ratio(a: float, b: float) -> float:
+def _ratio(a: float, b: float, left_out: int = 0) -> float | None:
+  """``a / b``. 0/0 is 1.0 where nothing was left out of both (no op: the
+  same cost as float32), and None where something was (every op unknown or
+  untimed: no figure, not "the same cost as float32")."""
   if b == 0:
-    return 1.0 if a == 0 else math.inf
+    if a == 0:
+      return None if left_out else 1.0
+    return math.inf
   return a / b
 
 
@@ -311,9 +318,10 @@ class CostReport:
   untimed_flops: int = 0
 
   @property
-  def relative(self) -> float:
-    """``cost / float32_cost``: 1.0 for all-float32, below 1 when cheaper."""
-    return _ratio(self.cost, self.float32_cost)
+  def relative(self) -> float | None:
+    """``cost / float32_cost``: 1.0 for all-float32, below 1 when cheaper;
+    None where every op's cost is unknown (``unknown_flops``)."""
+    return _ratio(self.cost, self.float32_cost, self.unknown_flops)
 
   @property
   def bytes_relative(self) -> float:
@@ -323,10 +331,11 @@ class CostReport:
   @property
   def time_relative(self) -> float | None:
     """``seconds / float32_seconds``, the time against all-float32 on the
-    chip; None without a chip."""
+    chip; None without a chip, or where it times none of the ops
+    (``untimed_flops``)."""
     if self.seconds is None or self.float32_seconds is None:
       return None
-    return _ratio(self.seconds, self.float32_seconds)
+    return _ratio(self.seconds, self.float32_seconds, self.untimed_flops)
 
   def row(self, path: str) -> CostRow:
     """The row of module ``path``; KeyError naming close paths otherwise."""

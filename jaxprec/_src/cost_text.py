@@ -13,7 +13,7 @@ def format_report(r: Any) -> str:
   """The text of a :class:`~jaxprec.CostReport` (its ``str``)."""
   head = (f"jaxprec cost of {r.function or 'function'} on {r.target}, "
           f"policy {r.policy or '(none)'}: {si(r.cost)} pass-FLOPs = "
-          f"{r.relative:.3f} of float32 ({si(r.float32_cost)})")
+          f"{_rel(r.relative)} of float32 ({si(r.float32_cost)})")
   out = [head, f"bytes moved: {si(r.bytes)}B = {r.bytes_relative:.3f} of "
                f"all-float32 ({si(r.float32_bytes)}B)"]
   timed = r.seconds is not None
@@ -30,7 +30,7 @@ def format_report(r: Any) -> str:
     cols += ["time", "time/f32"]
 
   def cells(path, ops, flops, algos, x):
-    row = [path, ops, si(flops), algos, si(x.cost), f"{x.relative:.3f}",
+    row = [path, ops, si(flops), algos, si(x.cost), _rel(x.relative),
            si(x.bytes), f"{x.bytes_relative:.3f}"]
     if timed:
       row += [_time(x.seconds), _rel(x.time_relative)]

@@ -117,7 +117,8 @@ def explain_dict() -> dict[str, Any]:
           "env": {"name": kernels.ENV_VAR,
                   "value": kernels._environment()},  # as read, once
           "ratio": kernel.ratio,
-          "one_pass_ratio": kernel.one_pass_ratio,
+          "bf16_units": (None if kernel.bf16_units is None
+                         else list(kernel.bf16_units)),
           "reason": kernel.reason,
           "per_algorithm": kernel.per_algorithm(),
       },

@@ -13,15 +13,18 @@ they differ in the dots that run the passes (``docs/emulation.md``):
   products stay exact (X3 in 2 dots, X6 in 3, X9 in 3, TF32x3 in 2): within
   the accumulation bound of the ``bf16`` kernel, not bit for bit.
 ``'auto'`` (default)
-  GPU and TPU backends use ``bf16``. On CPU a microbenchmark (some 15 ms of
-  512-cubed dots) times a bfloat16 dot against a float32 dot once per process
-  and device kind (cached on disk under :func:`cache_dir`, keyed by CPU model
-  and feature flags, jaxlib version, the dots' size and ``XLA_FLAGS``). Each algorithm
-  runs on ``f32`` only where that is clearly cheaper: where its float32 dots
-  are fewer than :data:`F32_MARGIN` times the ``bf16`` kernel's cost in
-  float32-dot equivalents (``ratio * bf16_dots + f32_dots``). Near a tie the
-  ``bf16`` kernel, bit for bit XLA at contraction length 1, is kept, and the
-  measurement's noise (a few percent) cannot flip the choice.
+  GPU and TPU backends use ``bf16``. On CPU the choice is a function of the
+  CPU's feature flags alone, never of a timing, so that the same inputs give
+  the same bits in every process on a machine, whatever its load. A CPU has
+  bfloat16 dot units where the OS lists AVX512-BF16 or AMX-BF16 (x86) or BF16
+  (Arm) among its flags (:func:`bf16_dot_units`). The one-pass algorithms run
+  on ``bf16`` everywhere. Each multi-pass algorithm runs on ``f32`` only
+  where that is clearly cheaper at the time ratio of a bfloat16 dot to a
+  float32 dot measured on such CPUs (:data:`NOMINAL_RATIO`): where its
+  float32 dots are fewer than :data:`F32_MARGIN` times the ``bf16`` kernel's
+  cost in float32-dot equivalents (``ratio * bf16_dots + f32_dots``). With
+  the units that is ``f32`` for X9 and the TF32 algorithms, ``bf16`` for the
+  rest; without them, ``f32`` for every multi-pass algorithm.
 
 Set it with ``JAXPREC_KERNEL=auto|bf16|f32``, :func:`set_kernel` (global) or
 :func:`use_kernel` (a thread-local scope); a scope beats the global setting,
@@ -34,12 +37,8 @@ import contextlib
 import dataclasses
 import difflib
 import functools
-import hashlib
-import json
 import os
 import platform
-import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -51,7 +50,8 @@ import numpy as np
 
 from jaxprec._src import compat
 
-__all__ = ["ENV_VAR", "F32_MARGIN", "KERNELS", "KernelChoice", "cache_dir",
+__all__ = ["BF16_UNIT_FLAGS", "ENV_VAR", "F32_MARGIN", "KERNELS",
+           "NOMINAL_RATIO", "KernelChoice", "bf16_dot_units", "cache_dir",
            "check_kernel", "current_kernel", "kernel_for", "measure",
            "measure_one_pass", "set_kernel", "use_kernel"]
 
@@ -68,6 +68,16 @@ DOTS: dict[str, tuple[int, int, int]] = {
     "tf32": (0, 1, 1), "tf32x3": (0, 3, 2), "f16": (0, 1, 1),
     "f16_f16_f16": (0, 1, 1),
 }
+# The CPU flags (as /proc/cpuinfo spells them) of bfloat16 dot units: x86's
+# AVX512-BF16 and AMX-BF16, Arm's FEAT_BF16.
+BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+# The time of a bfloat16 dot (float32 result) over a float32 dot that auto
+# assumes, by whether the CPU has bfloat16 dot units: 0.52-0.57 measured on
+# an AMD EPYC with AVX512-BF16 (512-cubed dots, 8 processes); 1.16 with
+# Eigen's dots, which widen bfloat16 to float32 (docs/performance.md). A
+# constant, not a timing: a timing under load moved the one-pass figure
+# between 0.78x and 1.67x from one process to the next, across its threshold.
+NOMINAL_RATIO = {True: 0.55, False: 1.16}
 # 512: at 256 the bfloat16 dot's fixed costs showed, and the ratio moved
 # between 0.63 and 0.98 from process to process on a CPU where it is 0.52 for
 # real work; at 512 it stayed within 0.52-0.57 (measured, 8 processes each).
@@ -77,15 +87,13 @@ _BENCH_SIZE = 512
 F32_MARGIN = 0.9
 _BENCH_REPEATS = 9
 _OPS = ("dot_general", "conv_general_dilated")
-# One-pass algorithms: one dot on rounded operands in either kernel, so the
-# operands' rounding (2 bytes a part on bf16, 4 on f32) weighs as much as the
-# dot at batch 1. measure_one_pass times the whole op at a BERT-base FFN
-# shape: with Eigen's dots (no bfloat16 dot units) the dots alone measure
-# 1.16x, the whole op 0.98-1.07x, and BERT-base at one pass ran at 1.36-1.49x
-# native on bf16 against 1.52-1.66x on f32.
+# One-pass algorithms: one dot on rounded operands in either kernel; they run
+# on bf16 on every CPU. With Eigen's dots (no bfloat16 dot units) the dots
+# alone measure 1.16x, the whole op, rounding included, 0.98-1.07x, and
+# BERT-base at one pass ran at 1.36-1.49x native on bf16 against 1.52-1.66x
+# on f32 (measure_one_pass times the whole op at a BERT-base FFN shape).
 _ONE_PASS = ("bf16x1", "bf16_bf16_bf16")
 _ONE_PASS_SHAPE = (128, 768, 3072)
-_ONE_PASS_KEY = f" | one pass {'x'.join(map(str, _ONE_PASS_SHAPE))}, kernels' parts"
 
 
 def check_kernel(name: Any) -> str:
@@ -209,13 +217,12 @@ class KernelChoice:
       ``'default'``.
     backend: the JAX backend (``'cpu'``, ``'gpu'``, ``'tpu'``).
     device_kind: its first device's kind.
-    ratio: measured time of a bfloat16 dot over a float32 dot (``auto`` on
-      CPU only; None otherwise).
+    ratio: the time of a bfloat16 dot over a float32 dot that ``auto``
+      assumes for this CPU, :data:`NOMINAL_RATIO` by its features, never
+      measured (``auto`` on CPU only; None otherwise).
     reason: one sentence saying why.
-    one_pass_ratio: measured time of the ``bf16`` kernel's one-pass matmul
-      over the ``f32`` kernel's, operand rounding included, at a batch-1
-      transformer shape (:func:`measure_one_pass`); it decides the one-pass
-      algorithms (``auto`` on CPU only; None otherwise: ``ratio`` decides).
+    bf16_units: the CPU flags of bfloat16 dot units found
+      (:func:`bf16_dot_units`; ``auto`` on CPU only, None otherwise).
   """
 
   setting: str
@@ -224,7 +231,7 @@ class KernelChoice:
   device_kind: str
   ratio: float | None
   reason: str
-  one_pass_ratio: float | None = None
+  bf16_units: tuple[str, ...] | None = None
 
   def kernel_for(self, algorithm: str, op: str = "dot_general") -> str:
     """``'bf16'`` or ``'f32'``: the kernel that runs ``algorithm`` for ``op``.
@@ -247,23 +254,38 @@ class KernelChoice:
       f32_dots, bf16_dots = f32_dots + bf16_dots, 0
     if not bf16_dots:  # float32 passes in both kernels: the fewer dots
       return "bf16" if f32_dots < merged else "f32"
-    ratio = self.ratio
-    if (self.one_pass_ratio is not None and algorithm in _ONE_PASS and
-        op == "dot_general"):
-      ratio = self.one_pass_ratio  # the whole op, rounding included
-    bf16_cost = ratio * bf16_dots + f32_dots
+    if algorithm in _ONE_PASS:
+      return "bf16"
+    bf16_cost = self.ratio * bf16_dots + f32_dots
     return "f32" if merged < F32_MARGIN * bf16_cost else "bf16"
 
   def per_algorithm(self) -> dict[str, str]:
     """The kernel of each multi-kernel algorithm, for matmuls."""
     return {a: self.kernel_for(a) for a in DOTS}
 
+  def to_dict(self) -> dict[str, Any]:
+    """What a report records of the kernel (``report.json``'s ``"kernel"``).
+
+    Examples:
+      >>> import jaxprec
+      >>> with jaxprec.use_kernel("f32"):
+      ...   d = jaxprec.current_kernel().to_dict()
+      >>> d["setting"], d["source"], d["per_algorithm"]["bf16x3"]
+      ('f32', 'scope', 'f32')
+    """
+    return {"setting": self.setting, "source": self.source,
+            "backend": self.backend, "device_kind": self.device_kind,
+            "bf16_units": (None if self.bf16_units is None
+                           else list(self.bf16_units)),
+            "reason": self.reason, "per_algorithm": self.per_algorithm()}
+
 
 def current_kernel() -> KernelChoice:
-  """The emulation kernel in force here, measured if the setting is ``'auto'``.
+  """The emulation kernel in force here, and why.
 
-  Starts the JAX backend. On CPU with ``'auto'``, the first call per process
-  and device kind runs (or reads from disk) the microbenchmark.
+  Starts the JAX backend. With ``'auto'`` on CPU the choice follows the
+  CPU's feature flags (:func:`bf16_dot_units`): nothing is timed, so every
+  process on a machine computes the same bits.
 
   Raises:
     ValueError: ``JAXPREC_KERNEL`` holds an unknown value.
@@ -281,15 +303,14 @@ def current_kernel() -> KernelChoice:
     return KernelChoice(setting=setting, source=source, backend=backend,
                         device_kind=kind, ratio=None,
                         reason=f"{backend} backends have bfloat16 dot units")
-  ratio, where = _ratio(kind)
-  one, where_one = _ratio(kind, one_pass=True)
+  units = bf16_dot_units()
+  has = (f"has bfloat16 dot units ({', '.join(units)})" if units
+         else "has no bfloat16 dot units")
   return KernelChoice(
       setting=setting, source=source, backend=backend, device_kind=kind,
-      ratio=ratio, one_pass_ratio=one,
-      reason=(f"measured on {_cpu_model()}: a bfloat16 dot takes {ratio:.2f}x "
-              f"a float32 dot ({where}); a one-pass matmul, rounding "
-              f"included, {one:.2f}x on bf16 what it takes on f32 "
-              f"({where_one})"))
+      ratio=NOMINAL_RATIO[bool(units)], bf16_units=units,
+      reason=(f"chosen from the CPU's feature flags, not timed: "
+              f"{_cpu_model()} {has}"))
 
 
 def kernel_for(algorithm: str, op: str = "dot_general") -> str:
@@ -299,11 +320,6 @@ def kernel_for(algorithm: str, op: str = "dot_general") -> str:
 
 # ---------------------------------------------------------------------------
 # The measurement.
-
-# Each figure read or measured in this process, and where it came from.
-_MEASURED: dict[str, tuple[float, str]] = {}
-_LOCK = threading.RLock()
-
 
 def cache_dir() -> str:
   """Where jaxprec keeps its caches: ``JAXPREC_CACHE_DIR``, else the user's cache dir.
@@ -344,118 +360,19 @@ def _cpu_model() -> str:
           or "unknown CPU")
 
 
-def _cpu_features() -> str:
-  """A digest of the CPU's feature flags (x86 ``flags``, Arm ``Features``).
+def bf16_dot_units() -> tuple[str, ...]:
+  """The CPU's flags, among :data:`BF16_UNIT_FLAGS`, that name bfloat16 dot
+  units (x86 ``flags``, Arm ``Features`` in ``/proc/cpuinfo``); ``()`` where
+  there are none or the OS does not list them.
 
-  Machines that share a model name ("AMD EPYC" in a VM, say) can differ in
-  exactly the units that matter here (AVX512-BF16, AMX), so the flags are in
-  the key; where the OS does not list them, the platform's names stand in.
+  Read once per process: a machine's flags do not change while it runs.
   """
-  flags = _cpuinfo("flags") or _cpuinfo("Features") or platform.platform()
-  return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]
+  flags = set((_cpuinfo("flags") or _cpuinfo("Features") or "").split())
+  return tuple(f for f in BF16_UNIT_FLAGS if f in flags)
 
 
-def _disk_key(kind: str) -> str:
-  """Everything that changes the measured programs.
-
-  The CPU (model and feature flags), the device kind, jaxlib (XLA), the size
-  of the timed dots, and ``XLA_FLAGS``, which pick the libraries that run dots
-  (``--xla_cpu_experimental_ynn_fusion_type=`` sends every dot to Eigen, where
-  a bfloat16 dot is slower than a float32 one).
-  """
-  import jaxlib  # pylint: disable=import-outside-toplevel
-  return (f"{_cpu_model()} | flags {_cpu_features()} | {kind} | "
-          f"jaxlib {jaxlib.__version__} | XLA_FLAGS={_XLA_FLAGS_AT_START!r} | "
-          f"{_BENCH_SIZE}^3 dots")
-
-
-def _xla_flags() -> str:
-  return " ".join(os.environ.get("XLA_FLAGS", "").split())
-
-
-# XLA reads XLA_FLAGS once, when the backend starts; jaxprec takes them as
-# they were when it was imported. Where they differ by the time of the
-# measurement, which flags are in force is unknown: the figure is measured
-# but neither read from nor written to the disk.
-_XLA_FLAGS_AT_START = _xla_flags()
-
-
-def _cache_file() -> str:
-  return os.path.join(cache_dir(), "kernel_benchmark.json")
-
-
-def _ratio(kind: str, one_pass: bool = False) -> tuple[float, str]:
-  """(bfloat16 dot time / float32 dot time, where the figure comes from);
-  with ``one_pass``, :func:`measure_one_pass`'s figure instead."""
-  mem_key, key = kind, _disk_key(kind)
-  if one_pass:
-    mem_key = key = key + _ONE_PASS_KEY
-  with _LOCK:  # threads starting at once measure once, and agree
-    if mem_key not in _MEASURED:
-      _MEASURED[mem_key] = _read_or_measure(key, one_pass)
-    return _MEASURED[mem_key]
-
-
-def _read_or_measure(key: str, one_pass: bool) -> tuple[float, str]:
-  """The figure under ``key`` from the disk cache, else measured (and
-  stored there, unless ``XLA_FLAGS`` changed since import)."""
-  path = _cache_file()
-  on_disk = _xla_flags() == _XLA_FLAGS_AT_START
-  ratio = _figure(_read(path), key) if on_disk else None
-  if ratio is not None:
-    return ratio, f"cached in {path}"
-  ratio = measure_one_pass() if one_pass else measure()
-  if not on_disk:
-    return ratio, ("measured in this process; not cached: XLA_FLAGS changed "
-                   "after jaxprec was imported")
-  _write(path, key, ratio)
-  return ratio, "measured in this process"
-
-
-def _read(path: str) -> Any:
-  """The cache file's contents, or None: a cache never makes a call fail
-  (a damaged file, a directory, deep nesting, huge numbers)."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
-def _figure(data: Any, key: str) -> float | None:
-  """The positive finite number stored under ``key``, else None."""
-  value = data.get(key) if isinstance(data, dict) else None
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    return None
-  try:
-    value = float(value)
-  except OverflowError:
-    return None
-  return value if 0 < value < np.inf else None
-
-
-def _write(path: str, key: str, ratio: float) -> None:
-  """Adds ``key`` to the file, keeping what other processes stored meanwhile
-  (read again just before writing); a temporary file, then an atomic rename.
-  A cache dir that cannot be written: measure again next process."""
-  tmp = None
-  try:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    data = _read(path)
-    data = data if isinstance(data, dict) else {}
-    data[key] = ratio
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp",
-                               prefix="kernel_benchmark.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-    tmp = None
-  except OSError:
-    pass
-  finally:
-    if tmp is not None:
-      with contextlib.suppress(OSError):
-        os.remove(tmp)
+# ---------------------------------------------------------------------------
+# Timings, for benchmarks and for choosing NOMINAL_RATIO: never read by auto.
 
 
 def measure(size: int = _BENCH_SIZE, repeats: int = _BENCH_REPEATS) -> float:

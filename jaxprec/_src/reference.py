@@ -22,6 +22,7 @@ import zipfile
 from collections.abc import Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from jaxprec._src import layers as layers_lib
@@ -123,6 +124,7 @@ def load(obj: Any) -> dict[str, np.ndarray]:
   """
   if is_file(obj):
     return _load_file(obj)
+  given = obj
   obj = _convert_foreign(obj)
   if isinstance(obj, Mapping) and obj and all(isinstance(k, str) for k in obj) \
       and all(hasattr(v, "shape") and hasattr(v, "dtype")
@@ -131,8 +133,12 @@ def load(obj: Any) -> dict[str, np.ndarray]:
   else:
     found = layers_lib.named_layers(obj) if obj is not None else {}
   if not found:
-    raise ValueError(f"reference={obj!r} ({type(obj).__name__}) holds no "
-                     f"floating arrays; a reference is {SUPPORTED}.")
+    shown = repr(given)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    dtype = getattr(given, "dtype", None)
+    of = f" of {dtype}" if dtype is not None else ""
+    raise ValueError(f"reference={shown} ({type(given).__name__}{of}) holds "
+                     f"no floating arrays; a reference is {SUPPORTED}.")
   return {k: np.asarray(v) for k, v in found.items()}
 
 
@@ -184,6 +190,11 @@ def match(found: Mapping[str, np.ndarray],
       raise ReferenceMismatchError(
           f"reference does not match the output: first mismatch at {name!r}: "
           f"output shape {tuple(shape)}, reference shape {tuple(v.shape)}")
+    if v.dtype.kind == "V" and v.dtype.names is None:
+      raise ReferenceMismatchError(
+          f"reference {k!r} holds raw bytes ({v.dtype}), not numbers: NumPy's "
+          f"savez writes bfloat16 arrays so; save the layers with "
+          f"jaxprec.save_layers, which writes them as float32 (exactly)")
     if not np.issubdtype(v.dtype, np.floating) and v.dtype.name != "bfloat16":
       raise ReferenceMismatchError(
           f"reference {k!r} is not floating point ({v.dtype})")
@@ -198,11 +209,27 @@ def match(found: Mapping[str, np.ndarray],
   return out
 
 
+def _storable(v: np.ndarray) -> np.ndarray:
+  """``v``, or float32 where its dtype is one of ml_dtypes' (bfloat16, the
+  float8 types), which NumPy's ``savez`` writes as raw bytes (``|V2``) and
+  safetensors' NumPy API refuses. Every such value is a float32 value: the
+  widening is exact."""
+  if v.dtype.kind == "V" and v.dtype.names is None:
+    try:
+      ml_dtypes.finfo(v.dtype)
+    except (TypeError, ValueError):
+      return v
+    return v.astype(np.float32)
+  return v
+
+
 def save_layers(path: str | os.PathLike, tree: Any) -> None:
   """Saves hidden states where ``check(..., reference=path)`` can read them.
 
   ``.npz`` (NumPy) or ``.safetensors`` (needs the ``safetensors`` package),
-  in any case. Keys are the names of :func:`jaxprec.named_layers`.
+  in any case. Keys are the names of :func:`jaxprec.named_layers`. Layers in
+  bfloat16 or a float8 type are written as float32, which holds each of
+  their values exactly (NumPy would write their raw bytes).
 
   Args:
     path: the file to write; its extension picks the format.
@@ -212,7 +239,8 @@ def save_layers(path: str | os.PathLike, tree: Any) -> None:
     ValueError: another extension.
   """
   path = os.fspath(path)
-  arrays = {k: np.asarray(v) for k, v in layers_lib.named_layers(tree).items()}
+  arrays = {k: _storable(np.asarray(v))
+            for k, v in layers_lib.named_layers(tree).items()}
   kind = _suffix(path)
   if kind == ".npz":
     with open(path, "wb") as f:  # np.savez would append '.npz' to '.NPZ'

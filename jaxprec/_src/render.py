@@ -85,6 +85,16 @@ def figure_class(what: str):
   return Figure
 
 
+def save(fig: Any, path: str | os.PathLike) -> None:
+  """Saves ``fig`` with every text drawn as written: a ``$`` in a layer or
+  precision name is not a mathtext formula (which failed to parse, after the
+  report was written)."""
+  from matplotlib.text import Text  # noqa: PLC0415 -- with the figure
+  for text in fig.findobj(Text):
+    text.set_parse_math(False)
+  fig.savefig(os.fspath(path), dpi=120)
+
+
 def _cell(s: str) -> str:
   """A name on one line: control characters written as escapes."""
   return s.replace("\\", "\\\\").replace("\n", "\\n").replace(
@@ -262,5 +272,5 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
   if report.precisions:
     ax.legend(fontsize=8)
   if path is not None:
-    fig.savefig(os.fspath(path), dpi=120)
+    save(fig, path)
   return fig

@@ -28,9 +28,16 @@ in later versions of schema 1, never removed or changed)::
                             "first_divergence_index": 0 | null,
                             "required_atol": ..., "worst_layer": ...,
                             "worst_rel_rms": ..., "growth_per_layer": ...}},
-   "notes": [...], "seconds": {"reference": ..., "bfloat16": ...}}
+   "notes": [...], "seconds": {"reference": ..., "bfloat16": ...},
+   "kernel": {"setting": "auto", "source": "default",
+              "bf16_units": ["avx512_bf16"],   # null off CPU or when set
+              "per_algorithm": {"bf16x3": "bf16", ...}}}
 
 ``"floor"`` was added within schema 1: files without it read as ``null``.
+``"kernel"``, the emulation kernel in force when the check ran (its two
+kernels sum long contractions in different orders, so two reports compare
+bit for bit only under the same kernel), was added within schema 1: files
+without it read as ``{}``.
 Non-finite numbers are written as the strings ``"nan"``, ``"inf"`` and
 ``"-inf"`` (JSON has no literal for them); :meth:`DivergenceReport.from_dict`
 reads them back. Every other number is a JSON number.
@@ -139,6 +146,8 @@ class DivergenceReport:
       reference: the two frameworks' own disagreement), or None. It is marked
       in every rendering and is not a candidate precision (see the module
       docstring).
+    kernel: the emulation kernel in force when the check ran
+      (:meth:`jaxprec.KernelChoice.to_dict`), or ``{}``.
   """
 
   layers: tuple[LayerResult, ...]
@@ -153,6 +162,7 @@ class DivergenceReport:
   notes: tuple[str, ...] = ()
   seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
   floor: str | None = None
+  kernel: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if self.floor is not None and self.floor not in self.precisions:
@@ -378,7 +388,7 @@ class DivergenceReport:
         "numerics": dict(self.numerics), "atol": float(self.atol),
         "rtol": float(self.rtol),
         "layers": layers, "summary": self.summary(), "notes": list(self.notes),
-        "seconds": dict(self.seconds),
+        "seconds": dict(self.seconds), "kernel": dict(self.kernel),
     })
 
   def to_json(self, indent: int | None = 2) -> str:
@@ -412,7 +422,8 @@ class DivergenceReport:
                rtol=d.get("rtol", 0.0),
                numerics=dict(d.get("numerics", {})),
                notes=tuple(d.get("notes", ())),
-               seconds=dict(d.get("seconds", {})), floor=d.get("floor"))
+               seconds=dict(d.get("seconds", {})), floor=d.get("floor"),
+               kernel=dict(d.get("kernel") or {}))
 
   @classmethod
   def from_json(cls, text: str) -> DivergenceReport:

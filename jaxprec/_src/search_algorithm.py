@@ -23,7 +23,7 @@ from jaxprec._src import cost as cost_lib
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src.policy import Policy, Rule
 from jaxprec._src.precision import Precision, resolve
-from jaxprec._src.search_result import SearchStep
+from jaxprec._src.search_result import SearchStep, shown
 
 # Groups whose lowering would save less than this fraction of the current
 # cost are not split further (not worth an evaluation).
@@ -56,9 +56,9 @@ def _tolerance_power(metric: str, tolerance: float) -> float:
 
 
 def metric_value(metric: str, m: metrics_lib.LayerMetrics) -> float:
-  """The number the tolerance bounds (``1 - cosine`` for cosine)."""
-  v = float(getattr(m, metric))
-  return 1.0 - v if metric == "cosine" else v
+  """The metric as :func:`jaxprec.check` reports it: the cosine itself for
+  ``'cosine'`` (the tolerance bounds ``1 - cosine``)."""
+  return float(getattr(m, metric))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +284,8 @@ class Search:
       what = ", ".join(f"{k} {v}" for k, v in counts.items()) or "no paths"
       verdict = "pass" if trial.passed else "FAIL"
       print(f"jaxprec search [{trial.index}/{self.budget}] {phase} "
-            f"({what}): {verdict}, worst {self.metric} {value:.2e} at "
+            f"({what}): {verdict}, worst {self.metric} "
+            f"{shown(self.metric, value)} at "
             f"{name}; cost {rel:.3f} of float32; {seconds:.1f} s"
             f"{' (switched program)' if trial.program == 'switched' else ''}",
             file=sys.stderr, flush=True)

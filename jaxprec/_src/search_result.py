@@ -12,6 +12,11 @@ from jaxprec._src import cost as cost_lib
 from jaxprec._src.policy import Policy
 from jaxprec._src.report import DivergenceReport
 
+
+def shown(metric: str, v: float) -> str:
+  """``v`` as printed: a cosine with the digits where it differs from 1."""
+  return f"{v:.9f}" if metric == "cosine" else f"{v:.3g}"
+
 __all__ = ["SearchResult", "SearchStep"]
 
 
@@ -26,7 +31,8 @@ class SearchStep:
     policy: the policy evaluated.
     passed: whether every checked layer met the tolerance.
     worst_layer: the layer closest to (or furthest past) the tolerance.
-    worst_value: its metric value (``1 - cosine`` for ``cosine``).
+    worst_value: its metric value, as :func:`jaxprec.check` reports it (the
+      cosine itself for ``cosine``, whose tolerance bounds ``1 - cosine``).
     relative_cost: the policy's cost relative to all-float32.
     counts: candidate -> number of module paths at it.
     seconds: wall time, compilation included.
@@ -112,8 +118,9 @@ class SearchResult:
   axes: tuple[str, ...] = ("precision",)
 
   @property
-  def relative_cost(self) -> float:
-    """The policy's cost relative to all-float32.
+  def relative_cost(self) -> float | None:
+    """The policy's cost relative to all-float32 (None where no op's cost
+    is known).
 
     On the precision axis alone, ``cost.relative`` (matmul passes). With the
     dtype axis, the search's own roofline estimate on the chip (matmuls, and
@@ -189,7 +196,7 @@ class SearchResult:
     if self.values:
       worst = max(self.values, key=lambda k: self._badness(self.values[k]))
       lines.append(f"worst layer: {worst} ({self.metric} "
-                   f"{self.values[worst]:.3g})")
+                   f"{shown(self.metric, self.values[worst])})")
     counts: dict[str, int] = {}
     for p in self._by_path().values():
       counts[p] = counts.get(p, 0) + 1
@@ -205,4 +212,5 @@ class SearchResult:
   def _badness(self, v: float) -> float:
     if math.isnan(v):
       return math.inf
-    return -v if self.metric == "sqnr_db" else v
+    # Larger is better for sqnr_db and cosine, smaller for the rest.
+    return -v if self.metric in ("sqnr_db", "cosine") else v

@@ -99,12 +99,15 @@ def _holds_tensor(x: Any, depth: int = 0) -> bool:
 
 
 def _to_numpy(t: Any) -> np.ndarray:
-  """A tensor as NumPy; bfloat16 and float16 widened exactly to float32."""
+  """A tensor as NumPy, copied; bfloat16 and float16 widened exactly to
+  float32. A copy, not a view of the tensor's memory: an in-place op later in
+  the forward pass (``nn.ReLU(inplace=True)``, ``h += residual``) would
+  rewrite what a hook captured."""
   torch = import_torch()
   t = t.detach()
   if t.dtype in (torch.bfloat16, torch.float16):
     t = t.to(torch.float32)  # every bfloat16/float16 value is a float32
-  return t.cpu().numpy()
+  return np.array(t.cpu().numpy(), copy=True)
 
 
 def _is_float_tensor(t: Any) -> bool:
@@ -292,6 +295,9 @@ def flax_params(pt_model: Any, flax_model: Any) -> Any:
   Raises:
     ImportError: PyTorch is missing, or transformers, or its Flax models
       (transformers 5 has none): one line with the install hint.
+    ValueError: the PyTorch model does not fit the Flax model (another
+      architecture or size), naming the first parameter whose name or shape
+      differs.
   """
   import_torch()
   import_transformers_flax("flax_params needs", "FlaxPreTrainedModel")
@@ -301,7 +307,31 @@ def flax_params(pt_model: Any, flax_model: Any) -> Any:
     raise ImportError(f"flax_params needs transformers' Flax models: "
                       f"{HF_FLAX_HINT}") from e
   state = {k: v.detach().clone() for k, v in pt_model.state_dict().items()}
-  return convert.convert_pytorch_state_dict_to_flax(state, _Shapes(flax_model))
+  shapes = _Shapes(flax_model)
+  what = (f"{type(pt_model).__name__} does not fit "
+          f"{type(flax_model).__name__}")
+  try:
+    params = convert.convert_pytorch_state_dict_to_flax(state, shapes)
+  except ValueError as e:  # the converter's own shape check
+    raise ValueError(f"flax_params: {what}: {' '.join(str(e).split())}") from None
+  _check_fit(params, shapes.params, what)
+  return params
+
+
+def _check_fit(got: Any, want: Any, what: str) -> None:
+  """ValueError naming the first parameter whose name or shape differs
+  between the converted parameters and the Flax model's own."""
+  from flax import traverse_util  # noqa: PLC0415
+  got_flat = traverse_util.flatten_dict(dict(got), sep="/")
+  want_flat = traverse_util.flatten_dict(dict(want), sep="/")
+  for name in [*want_flat, *(k for k in got_flat if k not in want_flat)]:
+    a = tuple(got_flat[name].shape) if name in got_flat else None
+    b = tuple(want_flat[name].shape) if name in want_flat else None
+    if a != b:
+      raise ValueError(
+          f"flax_params: {what}: first mismatch at {name!r}: from PyTorch "
+          f"{'missing' if a is None else a}, the Flax model "
+          f"{'has none' if b is None else b}")
 
 
 class _Shapes:

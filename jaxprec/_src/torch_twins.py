@@ -143,7 +143,8 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
     A :class:`Twin`.
 
   Raises:
-    ValueError: an unknown name (naming the choices).
+    ValueError: an unknown name (naming the choices), or ``layers`` not an
+      integer of at least 1.
     ImportError: PyTorch is missing, or transformers, or its Flax models
       (transformers 5 has none): one line with the install hint.
   """
@@ -153,6 +154,10 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(f"Unknown twin {name!r}; choose one of "
                      f"{', '.join(TWINS)}.{hint}")
+  if layers is not None and (isinstance(layers, bool) or not isinstance(
+      layers, (int, np.integer)) or layers < 1):
+    raise ValueError(f"twin(layers={layers!r}): the number of transformer "
+                     f"layers is an integer of at least 1 (default {_LAYERS})")
   torch = torch_ref.import_torch()
   transformers = torch_ref.import_transformers_flax("twin models need")
   make, inputs = TWINS[name]

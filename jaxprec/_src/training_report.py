@@ -142,5 +142,5 @@ class TrainingReport:
     fig.suptitle(f"training at each precision vs {self.reference} "
                  f"(target {self.target}, {self.mode})", fontsize=10)
     if path is not None:
-      fig.savefig(os.fspath(path), dpi=120)
+      render.save(fig, path)
     return fig
