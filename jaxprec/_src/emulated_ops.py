@@ -296,12 +296,9 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, ready=_NOT_READY,
   out = fns[spec.algorithm](one_pass, lhs, rhs, spec.tf32_rounding, parts)
   if out_shape is not None:
     out = out.reshape(out_shape)
-  # The emulated op's result is a fusion boundary. Otherwise XLA:CPU fuses
-  # the user's next ops (a tanh) into the loop that sums the passes, and
-  # compiles them there to other bits than on their own: measured on jax
-  # 0.12.0.1, one ulp of tanh(x @ w.T) at bfloat16_3x between jax.jit of the
-  # emulated function and the same function run op by op (or the search's
-  # switched program, where lax.switch is a boundary already).
+  # A fusion boundary: XLA:CPU (jax 0.12.0.1) fused the user's next op into
+  # the loop summing the passes, to other bits than alone (tanh(x @ w.T) at
+  # bfloat16_3x, an ulp apart jitted and op by op or in a lax.switch).
   return lax.optimization_barrier(out.astype(spec.out_dtype))
 
 
