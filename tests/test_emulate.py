@@ -441,3 +441,49 @@ def test_jit_and_op_by_op_give_the_same_bits_when_a_tanh_follows(precision,
   # And the tanh is the tanh of the emulated product, as computed alone.
   np.testing.assert_array_equal(np.asarray(eager["z"]),
                                 np.asarray(jax.jit(jnp.tanh)(dot)))
+
+
+def test_scatters_and_the_gradient_of_a_lookup_are_emulated():
+  """Every scatter-add/-mul/-min/-max crashed emulate ("cannot rewrite inside
+  the higher-order primitive 'scatter-add'"): .at[].add, segment_sum, and the
+  gradient of every gather, so emulate(jax.grad(loss)) of any language model
+  and an optax step with integer labels."""
+  import optax  # noqa: PLC0415
+  rng = np.random.default_rng(5)
+  emb = rng.standard_normal((10, 8)).astype(np.float32)
+  w = rng.standard_normal((8, 5)).astype(np.float32)
+  ids, labels = np.array([1, 3, 3, 7]), np.array([0, 1, 2, 4])
+
+  def loss(emb, w):
+    logits = jnp.asarray(emb)[ids] @ w
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  g_emb, g_w = jaxprec.emulate(jax.grad(loss, argnums=(0, 1)), "bfloat16",
+                               target="tpu")(emb, w)
+  # The reference: the same gradient with the matmuls' operands rounded to
+  # bfloat16 (one pass), computed in float64 with NumPy.
+  e, wr = bf16(emb[ids]).astype(np.float64), bf16(w).astype(np.float64)
+  z = e @ wr
+  p = np.exp(z - z.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  dz = (p - np.eye(5)[labels]) / len(ids)
+  want_w = bf16(e.T.astype(np.float32)).astype(np.float64) @ bf16(
+      dz.astype(np.float32)).astype(np.float64)
+  np.testing.assert_allclose(np.asarray(g_w), want_w, rtol=2e-2, atol=2e-4)
+  rows = bf16(dz.astype(np.float32)).astype(np.float64) @ wr.T
+  want_emb = np.zeros_like(emb, np.float64)
+  np.add.at(want_emb, ids, rows)  # the scatter-add of the gather's gradient
+  np.testing.assert_allclose(np.asarray(g_emb), want_emb, rtol=2e-2, atol=2e-4)
+  # .at[].add / .mul / .min / .max and segment_sum around an emulated matmul.
+  x = rng.standard_normal((4, 8)).astype(np.float32)
+  for op in ("add", "multiply", "min", "max"):
+    f = lambda x, w, op=op: getattr(jnp.zeros((3, 5)).at[jnp.array(  # noqa: E731
+        [0, 2, 2, 1])], op)(x @ w)
+    got = np.asarray(jaxprec.emulate(f, "bfloat16", target="tpu")(x, w))
+    native = np.asarray(f(bf16(x), bf16(w)))
+    np.testing.assert_allclose(got, native, rtol=1e-6, atol=1e-6)
+  seg = jaxprec.emulate(lambda x, w: jax.ops.segment_sum(
+      x @ w, jnp.array([0, 1, 1, 2]), num_segments=3), "bf16")(x, w)
+  np.testing.assert_allclose(np.asarray(seg), np.asarray(jax.ops.segment_sum(
+      bf16(x) @ bf16(w), jnp.array([0, 1, 1, 2]), num_segments=3)),
+      rtol=1e-6, atol=1e-6)

@@ -267,3 +267,20 @@ def test_emulate_under_jit_follows_the_kernel():
       np.testing.assert_array_equal(got[kernel][-1], direct)
   np.testing.assert_array_equal(got["bf16"][0], got["bf16"][1])
   assert (got["bf16"][0] != got["f32"][0]).any()  # so a stale trace would show
+
+
+def test_a_report_records_the_kernel_in_force_and_round_trips(tmp_path):
+  a = np.ones((4, 8), np.float32)
+  f = lambda x: {"h": x @ x.T}  # noqa: E731
+  with jaxprec.use_kernel("f32"):
+    r = jaxprec.check(f, a, precisions=["bfloat16_3x"], mode="emulate")
+  d = json.loads(r.to_json())["kernel"]
+  assert (d["setting"], d["source"]) == ("f32", "scope")
+  assert set(d["per_algorithm"].values()) == {"f32"}
+  assert jaxprec.DivergenceReport.from_json(r.to_json()).kernel == d
+  plain = jaxprec.check(f, a, precisions=["bfloat16_3x"], mode="emulate")
+  assert plain.kernel == jaxprec.current_kernel().to_dict()
+  # A file written before the field existed reads as {}.
+  old = json.loads(r.to_json())
+  del old["kernel"]
+  assert jaxprec.DivergenceReport.from_dict(old).kernel == {}

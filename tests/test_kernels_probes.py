@@ -202,8 +202,8 @@ def test_auto_computes_what_the_kernel_it_picks_computes(monkeypatch, auto,
 def test_explain_names_the_kernel_and_why(monkeypatch, auto):
   auto(WITHOUT_UNITS)
   text = jaxprec.explain()
-  assert ("emulation kernel: auto (source: default): f32 dots for bf16x3, "
-          "bf16x6, bf16x9, tf32x3") in text
+  assert ("emulation kernel: auto (source: default): bf16 dots for bf16x1; "
+          "f32 dots for bf16x3, bf16x6, bf16x9, tf32x3") in text
   assert ("why: chosen from the CPU's feature flags, not timed: Probe CPU "
           "has no bfloat16 dot units") in text
   assert "JAXPREC_KERNEL=auto|bf16|f32" in text

@@ -51,7 +51,9 @@ from jaxprec._src.cli_inputs import PYTORCH as _PYTORCH
 from jaxprec._src.cli_inputs import UsageError as _UsageError
 from jaxprec._src.cli_inputs import add_search_axes as _add_search_axes
 from jaxprec._src.cli_inputs import call_target as _call_target
+from jaxprec._src.cli_inputs import precision_list as _precision_list
 from jaxprec._src.cli_inputs import seed as _seed
+from jaxprec._src.cli_outputs import write_outputs as _write_outputs
 from jaxprec._src.cli_inputs import check_out as _check_out
 from jaxprec._src.cli_inputs import check_settings as _check_settings
 from jaxprec._src.cli_inputs import check_reference_file as _check_reference_file
@@ -403,22 +405,7 @@ def _check(ns: argparse.Namespace) -> int:
   # check's own default: with an external reference it adds the float32 floor.
   precisions = check_lib.DEFAULT_PRECISIONS
   if ns.precisions is not None:
-    precisions = tuple(p.strip() for p in ns.precisions.split(",") if p.strip())
-    if not precisions:
-      raise _UsageError("--precisions is empty; e.g. --precisions bfloat16,float32")
-  # One precision under two spellings (bf16, bfloat16) is a repeat too: the
-  # same row twice.
-  spellings: dict[str, list[str]] = {}
-  for p in precisions:
-    spellings.setdefault(_resolve(p).name, []).append(p)
-  repeated = [(name, said) for name, said in spellings.items() if len(said) > 1]
-  if repeated:
-    what = ", ".join(name if set(said) == {name} else
-                     f"{name} (as {' and '.join(dict.fromkeys(said))})"
-                     for name, said in repeated)
-    raise _UsageError(f"--precisions repeats {what}: name each "
-                      f"precision once, e.g. --precisions "
-                      f"{','.join(said[0] for said in spellings.values())}")
+    precisions = _precision_list(ns.precisions)
   reference = ns.reference
   if reference == _PYTORCH:
     if ns.model not in _TWINS:
@@ -498,34 +485,6 @@ def _print_report(report) -> None:
       Console().print(report)
       return
   print(report)
-
-
-def _write_outputs(report, out: str) -> None:
-  png = os.path.join(out, "divergence.png")
-  try:
-    os.makedirs(out, exist_ok=True)
-    # A previous run's picture never stays beside this run's report.
-    if os.path.lexists(png):
-      os.remove(png)
-    with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
-      f.write(report.to_json() + "\n")
-  except OSError as e:
-    raise _Failure(f"cannot write to {out!r}: {e}") from None
-  try:
-    report.plot(png)
-  except ImportError:
-    print(f"{_PROG}: note: divergence.png not written: matplotlib is not "
-          f"installed (pip install 'jaxprec[plots]')", file=sys.stderr)
-    return
-  except Exception as e:  # noqa: BLE001 -- the report is written: say so
-    with contextlib.suppress(OSError):
-      os.remove(png)
-    print(f"{_PROG}: warning: divergence.png not written "
-          f"({type(e).__name__}: {_one_line(e)}); report.json is",
-          file=sys.stderr)
-    return
-  print(f"wrote {os.path.join(out, 'report.json')} and "
-        f"{os.path.join(out, 'divergence.png')}", file=sys.stderr)
 
 
 # The variable `jaxprec run --policy` passes a policy in (canonical text).

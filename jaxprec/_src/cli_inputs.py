@@ -23,7 +23,8 @@ from typing import Any
 
 __all__ = ["MAX_SEED", "PYTORCH", "Failure", "UsageError", "add_search_axes",
            "call_target", "check_out", "check_reference_file",
-           "is_reference_file", "one_line", "search_axes", "seed"]
+           "is_reference_file", "one_line", "precision_list", "search_axes",
+           "seed"]
 
 # `check --reference pytorch`: the PyTorch twin of the --model.
 PYTORCH = "pytorch"
@@ -55,6 +56,35 @@ def seed(text: str) -> int:
     raise argparse.ArgumentTypeError(
         f"invalid seed {text!r}: an integer from 0 to {MAX_SEED}")
   return value
+
+
+def precision_list(text: str) -> tuple[str, ...]:
+  """``check --precisions``: comma-separated precisions, each named once.
+
+  One precision under two spellings (``bf16,bfloat16``) is a repeat too: the
+  same row twice. Raises :class:`UsageError` for an empty list, an unknown
+  name or a repeat.
+  """
+  from jaxprec._src.precision import resolve  # noqa: PLC0415
+  precisions = tuple(p.strip() for p in text.split(",") if p.strip())
+  if not precisions:
+    raise UsageError("--precisions is empty; e.g. --precisions bfloat16,float32")
+  spellings: dict[str, list[str]] = {}
+  for p in precisions:
+    try:
+      name = resolve(p).name
+    except ValueError as e:
+      raise UsageError(str(e)) from None
+    spellings.setdefault(name, []).append(p)
+  repeated = [(name, said) for name, said in spellings.items() if len(said) > 1]
+  if repeated:
+    what = ", ".join(name if set(said) == {name} else
+                     f"{name} (as {' and '.join(dict.fromkeys(said))})"
+                     for name, said in repeated)
+    raise UsageError(f"--precisions repeats {what}: name each precision "
+                     f"once, e.g. --precisions "
+                     f"{','.join(said[0] for said in spellings.values())}")
+  return precisions
 
 
 def one_line(e: BaseException) -> str:

@@ -190,7 +190,7 @@ def match(found: Mapping[str, np.ndarray],
       raise ReferenceMismatchError(
           f"reference does not match the output: first mismatch at {name!r}: "
           f"output shape {tuple(shape)}, reference shape {tuple(v.shape)}")
-    if v.dtype.kind == "V" and v.dtype.names is None:
+    if v.dtype.type is np.void:  # ml_dtypes' types (bfloat16) are not void
       raise ReferenceMismatchError(
           f"reference {k!r} holds raw bytes ({v.dtype}), not numbers: NumPy's "
           f"savez writes bfloat16 arrays so; save the layers with "

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 from jaxprec._src import compat
+from jaxprec._src import numerics
 from jaxprec._src import trees
 
 __all__ = ["OPAQUE_PRIMITIVES", "Rule", "TracedCall", "WalkedEqn",
@@ -306,6 +307,12 @@ def _rebind(eqn, invals, rule: Rule) -> list[Any]:
   handler = _HANDLERS.get(name)
   if handler is not None:
     return handler(eqn, invals, rule, params)
+  if name.startswith("scatter") and not any(
+      w.eqn.primitive.name in numerics.PRIMITIVES
+      for sub, _ in _sub_jaxprs(eqn) for w in iter_eqns(sub)):
+    # A scatter's combiner (the add of .at[].add, segment_sum and every
+    # gather's gradient) holds no matmul or convolution: bound as recorded.
+    return bind_unchanged(eqn, invals)
   if any(True for _ in _sub_jaxprs(eqn)):
     # A higher-order primitive we do not know: evaluate its bind-params with
     # every nested ClosedJaxpr rewritten (consts kept). Open jaxprs cannot be
