@@ -201,6 +201,22 @@ def test_bfloat16_layers_saved_now_are_checked_later(tmp_path, ext):
       l.metrics for l in from_tree.layers]
 
 
+@pytest.mark.parametrize("dtype", ["float8_e5m2", "float8_e4m3fn", "bfloat16"])
+def test_ml_dtypes_layers_are_saved_as_float32_whatever_their_kind(tmp_path,
+                                                                    dtype):
+  """float8_e5m2 is NumPy kind 'f' (the others 'V'): it was stored as is, in
+  a file that jaxprec then could not read."""
+  a = jnp.array([1.0, 0.5, -3.0, 0.0], getattr(jnp, dtype))
+  path = tmp_path / "r.npz"
+  jaxprec.save_layers(path, {"a": a})
+  got = reference_lib.load(path)["a"]
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got, np.asarray(a, np.float32))
+  r = jaxprec.check(lambda x: {"a": x * 1}, a, reference=path,
+                    precisions=["bf16"], mode="emulate")
+  assert [l.name for l in r.layers] == ["a"]
+
+
 def test_a_reference_file_of_raw_bytes_names_the_layer_and_the_fix(tmp_path):
   rng = np.random.default_rng(4)
   w = np.asarray(rng.standard_normal((8, 8)), np.float32)

@@ -109,6 +109,7 @@ def test_a_failed_plot_leaves_no_picture_of_another_run(project, capsys,
   assert json.loads((out / "report.json").read_text())["kind"] == "check"
   warned = [l for l in err.splitlines() if "warning: divergence.png" in l]
   assert len(warned) == 1 and "ValueError: the plot broke" in warned[0]
+  assert warned[0].endswith("report.json is written")
 
 
 def test_json_and_options(project, capsys):

@@ -174,6 +174,9 @@ def test_plot_draws_dollar_signs_as_written(tmp_path):
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
   assert ticks == [f"${l.name}" for l in base.layers]
+  # The log axis keeps its mathtext ticks (10^-3, not raw "$\mathdefault").
+  assert all(t.get_parse_math() for t in fig.axes[0].get_yticklabels())
+  assert not any(t.get_parse_math() for t in fig.axes[0].get_xticklabels())
   t = TrainingReport(
       precisions=("$bf16",), reference="$f", target="tpu", mode="emulate",
       backend="cpu", steps=2, reference_losses=(1.0, 0.5),

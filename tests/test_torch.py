@@ -294,6 +294,37 @@ def test_captured_submodule_outputs_survive_in_place_ops_later():
   np.testing.assert_array_equal(got["fc"], want)
 
 
+def test_capture_never_writes_into_the_callers_numpy_input():
+  class InPlace(torch.nn.Module):
+    def forward(self, x):
+      x.mul_(2)
+      return x + 1
+
+  x = np.ones(3, np.float32)
+  got = jt.capture(InPlace(), x)
+  np.testing.assert_array_equal(x, np.ones(3, np.float32))
+  np.testing.assert_array_equal(got["output"], np.full(3, 3.0, np.float32))
+
+
+@needs_hf_flax
+def test_flax_params_refuse_configs_that_differ_where_shapes_do_not_show():
+  import transformers  # noqa: PLC0415
+  base = dict(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+              num_attention_heads=2, intermediate_size=32,
+              max_position_embeddings=32)
+  pt = transformers.BertModel(transformers.BertConfig(**base))
+  other = transformers.FlaxBertModel(transformers.BertConfig(
+      **{**base, "num_attention_heads": 4, "hidden_act": "relu"}),
+      _do_init=False)
+  with pytest.raises(ValueError, match=r"configs differ where the shapes do "
+                     r"not show it: num_attention_heads=2 against 4; "
+                     r"hidden_act='gelu' against 'relu'"):
+    jt.flax_params(pt, other)
+  same = transformers.FlaxBertModel(transformers.BertConfig(**base),
+                                    _do_init=False)
+  assert jax.tree_util.tree_leaves(jt.flax_params(pt, same))
+
+
 @pytest.mark.parametrize("layers", [1.5, -1, 0, True, "2"])
 def test_twin_refuses_a_layer_count_that_is_not_a_positive_integer(layers):
   with pytest.raises(ValueError, match=r"the number of transformer layers is "

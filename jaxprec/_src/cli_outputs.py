@@ -41,7 +41,7 @@ def write_outputs(report: Any, out: str) -> None:
     with contextlib.suppress(OSError):
       os.remove(png)
     print(f"jaxprec: warning: divergence.png not written "
-          f"({type(e).__name__}: {one_line(e)}); report.json is",
+          f"({type(e).__name__}: {one_line(e)}); report.json is written",
           file=sys.stderr)
     return
   print(f"wrote {os.path.join(out, 'report.json')} and "

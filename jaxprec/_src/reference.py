@@ -214,10 +214,11 @@ def _storable(v: np.ndarray) -> np.ndarray:
   float8 types), which NumPy's ``savez`` writes as raw bytes (``|V2``) and
   safetensors' NumPy API refuses. Every such value is a float32 value: the
   widening is exact."""
-  if v.dtype.kind == "V" and v.dtype.names is None:
+  if v.dtype.type.__module__.split(".")[0] == "ml_dtypes":
+    # bfloat16 and most float8 types are kind 'V'; float8_e5m2 is kind 'f'.
     try:
       ml_dtypes.finfo(v.dtype)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # ml_dtypes' integer types
       return v
     return v.astype(np.float32)
   return v

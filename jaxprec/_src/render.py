@@ -86,11 +86,18 @@ def figure_class(what: str):
 
 
 def save(fig: Any, path: str | os.PathLike) -> None:
-  """Saves ``fig`` with every text drawn as written: a ``$`` in a layer or
-  precision name is not a mathtext formula (which failed to parse, after the
-  report was written)."""
-  from matplotlib.text import Text  # noqa: PLC0415 -- with the figure
-  for text in fig.findobj(Text):
+  """Saves ``fig`` with the names in it drawn as written: a ``$`` in a layer
+  or precision name is not a mathtext formula (which failed to parse, after
+  the report was written). The names are the x tick labels, the legends, the
+  titles and axis labels; the log axis's own tick labels (``10^-3``) keep
+  their mathtext."""
+  texts = [fig._suptitle] if getattr(fig, "_suptitle", None) else []
+  for ax in fig.axes:
+    texts += [*ax.get_xticklabels(), ax.title, ax.xaxis.label, ax.yaxis.label]
+    legend = ax.get_legend()
+    if legend is not None:
+      texts += legend.get_texts()
+  for text in texts:
     text.set_parse_math(False)
   fig.savefig(os.fspath(path), dpi=120)
 

@@ -193,7 +193,9 @@ def _rename(found: dict[str, np.ndarray],
 
 
 def _as_torch(x: Any, torch) -> Any:
-  return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+  """A NumPy argument as a tensor of its own: a copy, so that an in-place op
+  in ``forward`` never writes into the caller's array."""
+  return torch.from_numpy(x.copy()) if isinstance(x, np.ndarray) else x
 
 
 def capture(module: Any, *args: Any, modules: str | None = None,
@@ -315,7 +317,38 @@ def flax_params(pt_model: Any, flax_model: Any) -> Any:
   except ValueError as e:  # the converter's own shape check
     raise ValueError(f"flax_params: {what}: {' '.join(str(e).split())}") from None
   _check_fit(params, shapes.params, what)
+  _check_config(pt_model, flax_model, what)
   return params
+
+
+# Config fields that change the numbers without changing a parameter's shape.
+_SHAPELESS_FIELDS = (
+    "num_attention_heads", "num_key_value_heads", "hidden_act",
+    "layer_norm_eps", "rms_norm_eps", "rope_theta", "position_embedding_type",
+    "feat_extract_activation", "feat_extract_norm", "do_stable_layer_norm",
+    "num_conv_pos_embedding_groups", "conv_stride", "conv_bias")
+
+
+def _check_config(pt_model: Any, flax_model: Any, what: str) -> None:
+  """ValueError naming the config fields (of :data:`_SHAPELESS_FIELDS`) in
+  which the two models differ: weights of the same shapes that compute
+  something else would pass for the two frameworks' own disagreement."""
+  a = getattr(pt_model, "config", None)
+  b = getattr(flax_model, "config", None)
+  if a is None or b is None:
+    return
+  differ = [f"{k}={getattr(a, k)!r} against {getattr(b, k)!r}"
+            for k in _SHAPELESS_FIELDS
+            if hasattr(a, k) and hasattr(b, k)
+            and _plain(getattr(a, k)) != _plain(getattr(b, k))]
+  if differ:
+    raise ValueError(f"flax_params: {what}: their configs differ where the "
+                     f"shapes do not show it: {'; '.join(differ)} (PyTorch "
+                     f"against Flax)")
+
+
+def _plain(v: Any) -> Any:
+  return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
 def _check_fit(got: Any, want: Any, what: str) -> None:
