@@ -46,7 +46,7 @@ F32 = np.float32
 MATMUL = (((1,), (0,)), ((), ()))
 KERNELS = ("bf16", "f32")
 
-# What each request computes on an Ampere+ GPU (SEMANTICS.md section 2) and
+# What each request computes on an Ampere+ GPU (the jax.lax.Precision docs and JAX's tests/lax_test.py) and
 # XLA's GPU test tolerance for it (relative; None: no XLA figure).
 TOLERANCE = {
     "bf16x1": 6e-5, "bf16x3": 7e-6, "bf16x6": 2e-6, "bf16x9": 2e-6,

@@ -353,7 +353,7 @@ def test_conv_k1_bit_exact(algorithm, k1_operands, kernel):
 
 
 def test_conv_under_a_preset_runs_at_default():
-  # SEMANTICS.md pitfall 1: JAX lowers a conv under a preset at DEFAULT.
+  # JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py: JAX lowers a conv under a preset at DEFAULT.
   rng = np.random.default_rng(4)
   x, w = _random(rng, (1, 2, 5, 5)), _random(rng, (3, 2, 3, 3))
   conv = functools.partial(jaxprec.emulated_conv_general_dilated,

@@ -73,7 +73,7 @@ def _numpy_layer(layer, i: int, h, level: str = "float32"):
   ``'bfloat16'`` the layer rounds its operands to bfloat16 once (one TPU
   pass); at ``'bfloat16_3x'`` it splits each float32 operand into a high part
   (truncated to bfloat16) and a low part (the rest, rounded to bfloat16) and
-  sums hi*hi + hi*lo + lo*hi (XLA's three passes, SEMANTICS.md section 4); at
+  sums hi*hi + hi*lo + lo*hi (XLA's three passes, XLA's dot_algorithm_rewriter.cc, openxla/xla); at
   ``'float32'`` it is exact (six passes are within float32 rounding of it)."""
   w = np.asarray(layer.kernel[...], np.float64)
   b = np.asarray(layer.bias[...], np.float64)

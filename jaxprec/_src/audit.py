@@ -7,7 +7,7 @@ jaxpr, what that precision computes on TPU and on GPU, its FLOPs, and whether
 it is *risky*.
 
 Risky means: the result is much less precise than the float32 inputs suggest,
-and nothing in the code says so. Concretely (SEMANTICS.md sections 2 and 3.1):
+and nothing in the code says so. Concretely (the jax.lax.Precision docs and JAX's tests/lax_test.py; JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py):
 
 * float32 operands rounded to 11 significand bits or fewer on TPU, i.e. one
   bfloat16 pass (precision unset, ``DEFAULT``, ``'bfloat16'``,
@@ -477,7 +477,7 @@ def _risk(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str,
   if not (lhs_dtype == rhs_dtype == "float32") or tpu is None:
     return False, ""
   if numerics.lowered(precision, numerics.op_kind(prim)) is not precision:
-    # A convolution that recorded a preset (SEMANTICS.md pitfall 1).
+    # A convolution that recorded a preset (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py).
     return True, (
         f"convolution recorded with preset {precision.name}: JAX lowers "
         f"convolutions under a preset at DEFAULT, 1 bfloat16 pass on TPU (TF32 "

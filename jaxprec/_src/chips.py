@@ -15,7 +15,7 @@ A pass type is the dtype a matrix unit multiplies in: ``'bfloat16'``,
 ``'float16'``, ``'tensorfloat32'``, ``'float32'`` (CUDA cores, no tensor
 cores), ``'int8'``. :data:`PASS_TYPES` says which one each algorithm of
 :data:`jaxprec._src.numerics.ALGORITHMS` uses and how many times; float32 on a
-TPU is six bfloat16 passes (SEMANTICS.md section 4).
+TPU is six bfloat16 passes (XLA's dot_algorithm_rewriter.cc, openxla/xla).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Both forms set ``jax.default_matmul_precision`` to the normalised value for the
 dynamic extent of the call or block (thread-local, restored in ``finally``).
 
-The decorator form also fixes JAX's preset pitfall (SEMANTICS.md section 3.1):
+The decorator form also fixes JAX's preset pitfall (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py):
 ``conv_general_dilated`` understands precision *levels* only, so under a
 ``DotAlgorithmPreset`` such as ``F32_F32_F32`` JAX lowers convolutions with
 ``precision_config = [DEFAULT, DEFAULT]`` (one bfloat16 pass on TPU). A function

@@ -15,7 +15,7 @@ Which precision an op gets:
   when ``precision`` is None, the precision in force when the emulated function
   is traced (``jaxprec.precision`` scopes, ``set_default``, the env var);
 * a convolution whose code passed a ``DotAlgorithmPreset`` is emulated at
-  DEFAULT, because that is how JAX lowers it (SEMANTICS.md pitfall 1).
+  DEFAULT, because that is how JAX lowers it (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py).
 
 Ops that compute in bfloat16 or float16 (a Flax model with
 ``dtype=jnp.bfloat16``) are computed in float32 and rounded once per jaxpr op,

@@ -8,7 +8,7 @@ precision. They lower to ordinary lax operations, so they compose with
 ``jax.jit`` and ``jax.vmap``; their gradients are emulated at the same
 algorithm (the transposed matmuls of a TPU carry the forward's precision).
 
-The algorithms (``shared/SEMANTICS.md`` sections 2, 4 and 5), by the name
+The algorithms (the jax.lax.Precision docs and JAX's tests/lax_test.py; XLA's dot_algorithm_rewriter.cc, openxla/xla; NVIDIA's TF32 documentation, as XLA rounds it), by the name
 :func:`algorithm_for` returns:
 
 ``'bf16x1'``
@@ -260,7 +260,7 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, ready=_NOT_READY,
   if dn is not None:
     # bfloat16 parts run as bfloat16 dots with float32 results: exact
     # products, float32 sums, and 0.5x the time of a float32 dot on CPUs with
-    # AVX512-BF16 (SEMANTICS.md section 4).
+    # AVX512-BF16 (XLA's dot_algorithm_rewriter.cc, openxla/xla).
     base = functools.partial(lax.dot_general, dimension_numbers=dn)
     parts = jnp.bfloat16
   else:

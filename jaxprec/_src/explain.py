@@ -4,7 +4,7 @@
 JSON behind ``jaxprec info --json``. Both describe the backend, the precision
 in force and its source (:func:`jaxprec.current`), what it computes for
 float32 operands here and on TPU and GPU (:class:`~jaxprec.Numerics`), how to
-change it, and the pitfalls (SEMANTICS.md sections 2 and 3).
+change it, and the pitfalls (the jax.lax.Precision docs and JAX's tests/lax_test.py; JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py).
 """
 
 from __future__ import annotations

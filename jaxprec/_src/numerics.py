@@ -10,7 +10,7 @@ checker and the search. A fact written here once is never re-derived elsewhere
   :data:`MODES`, and the one checker of each, :func:`check_target`,
   :func:`resolve_mode`, :func:`check_choice`.
 * **Levels**: :func:`level_name`, the jaxprec name of a ``lax.Precision``.
-* **What an op records under a precision** (SEMANTICS.md pitfall 1: a
+* **What an op records under a precision** (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py: a
   convolution understands levels only, so under a preset it runs at the
   preset's level, never at JAX's silent DEFAULT): :func:`per_op` and
   :func:`flag_for`.
@@ -59,7 +59,7 @@ PASSES = {"native": 1, "f32": 1, "bf16x1": 1, "bf16x3": 3, "bf16x6": 6,
 _P = lax.Precision
 _LEVEL_NAMES = {_P.DEFAULT: "bfloat16", _P.HIGH: "tensorfloat32",
                 _P.HIGHEST: "float32"}
-# Levels per target for float32 operands (SEMANTICS.md section 2; GPU HIGH is
+# Levels per target for float32 operands (the jax.lax.Precision docs and JAX's tests/lax_test.py; GPU HIGH is
 # TF32 on some chips and float32 on others: we emulate TF32).
 _LEVEL_ALGORITHMS = {
     "tpu": {_P.DEFAULT: "bf16x1", _P.HIGH: "bf16x3", _P.HIGHEST: "bf16x6"},
@@ -210,7 +210,7 @@ def per_op(p: Precision | None, kind: str) -> Any:
 
   None for the backend default (or ``p`` None). Dots take the preset or the
   level pair; convolutions take the level, because JAX lowers a convolution
-  under a preset at DEFAULT (SEMANTICS.md pitfall 1), which is never what the
+  under a preset at DEFAULT (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py), which is never what the
   preset means. This is the one place that rule lives.
 
   Examples:
@@ -231,8 +231,7 @@ def per_op(p: Precision | None, kind: str) -> Any:
 def lowered(recorded: Any, kind: str) -> Any:
   """The ``precision`` JAX lowers an op of ``kind`` with, given the one its
   jaxpr equation recorded: a convolution that recorded a
-  ``DotAlgorithmPreset`` lowers at ``(DEFAULT, DEFAULT)`` (SEMANTICS.md
-  pitfall 1); anything else as recorded."""
+  ``DotAlgorithmPreset`` lowers at ``(DEFAULT, DEFAULT)`` (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py); anything else as recorded."""
   if kind == "conv" and isinstance(recorded, lax.DotAlgorithmPreset):
     return (_P.DEFAULT, _P.DEFAULT)
   return recorded
@@ -289,7 +288,7 @@ def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
       native meaning.
     op: ``'dot_general'`` or ``'conv_general_dilated'``. Convolutions
       understand levels only: under a ``DotAlgorithmPreset`` JAX lowers them at
-      ``DEFAULT`` (SEMANTICS.md pitfall 1), and so does the emulation.
+      ``DEFAULT`` (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py), and so does the emulation.
 
   Returns:
     One of :data:`ALGORITHMS`.

@@ -8,7 +8,7 @@ the float32 operands, the TF32 rounding mode and the dtype of bfloat16 parts.
 XLA combines them: bit for bit XLA at contraction length 1.
 
 :data:`F32` (the ``f32`` kernel) runs float32 passes on parts rounded in
-float32 and merges passes (``shared/SEMANTICS.md`` section 4). With ``h, m,
+float32 and merges passes (XLA's dot_algorithm_rewriter.cc, openxla/xla). With ``h, m,
 l`` the bfloat16 parts of ``split_bf16``, ``hm = h + m`` and ``all = h + m +
 l`` (exact sums: at most 16 and 24 significant bits):
 

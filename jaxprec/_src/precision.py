@@ -4,7 +4,7 @@ Everything that takes a precision in jaxprec (the decorator, the env var, the CL
 policy strings, the emulated ops) goes through :func:`resolve`, so there is one
 grammar and one error message.
 
-Facts used here: ``shared/SEMANTICS.md`` sections 1, 2 and 6 (JAX's flag values
+Facts used here: the jax.default_matmul_precision docs; the jax.lax.Precision docs and JAX's tests/lax_test.py; PyTorch's torch.set_float32_matmul_precision docs (JAX's flag values
 are listed in ``jax/_src/config.py``'s ``default_matmul_precision``; per-op
 aliases in ``jax/_src/lax/lax.py``'s ``_precision_strings``).
 """
@@ -160,7 +160,7 @@ def _preset(preset: D, level: P, numerics: Numerics, *, tpu: Numerics | None = N
                    tpu=tpu or numerics, gpu=gpu or numerics, cpu=_CPU_EXACT)
 
 
-# GPU HIGH: TF32 on some chips, f32 on others (SEMANTICS.md section 2: uncertain);
+# GPU HIGH: TF32 on some chips, f32 on others (uncertain in the jax.lax.Precision docs);
 # we document TF32, the cheaper and therefore the one that can surprise.
 _CANONICAL: dict[str, Precision] = {
     p.name: p for p in [

@@ -3,7 +3,7 @@
 Everything here is built from ``lax.reduce_precision`` and integer operations
 on the float32 bit pattern (``lax.bitcast_convert_type``), never from a
 ``float32 -> bfloat16 -> float32`` convert pair, which XLA's simplifier may
-remove (``shared/SEMANTICS.md`` section 4). The results are float32 arrays that
+remove (XLA's dot_algorithm_rewriter.cc, openxla/xla). The results are float32 arrays that
 hold values of the narrower format, so they can be fed to float32 arithmetic.
 
 It also holds the operand splits that XLA uses to build multi-pass matmuls
@@ -168,7 +168,7 @@ def _quiet_nan(x: jax.Array) -> jax.Array:
 def _round_f32(x: jax.Array, fmt: str, mode: str, key: Any) -> jax.Array:
   if fmt in ("bfloat16", "tensorfloat32") and mode == "nearest":
     # XLA's reduce-precision rounds to nearest even and handles subnormals,
-    # overflow and inf exactly (SEMANTICS.md section 4; tested bit for bit
+    # overflow and inf exactly (XLA's dot_algorithm_rewriter.cc, openxla/xla; tested bit for bit
     # against ml_dtypes), and survives XLA's simplifier, which a convert pair
     # may not. It keeps a NaN's low payload bits: only NaN needs a select.
     exp_bits, man_bits = FORMATS[fmt]

@@ -11,7 +11,7 @@ audit's source too), type and op kind, asks the policy for a precision and
 runs the method under ``jax.default_matmul_precision`` at that precision
 (thread-local, restored on return). JAX resolves the flag while tracing and
 writes it into each ``dot_general``/``conv_general_dilated`` equation recorded
-without an explicit precision (SEMANTICS.md section 1), so every op gets the
+without an explicit precision (the jax.default_matmul_precision docs), so every op gets the
 precision of its innermost module, including ops that are not modules
 themselves (the attention-score ``jnp.einsum`` calls inside
 ``flax.linen.dot_product_attention_weights``), and nothing is left to do at

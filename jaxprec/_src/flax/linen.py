@@ -9,7 +9,7 @@ same computation, plus:
   ``Precision.HIGHEST`` for ``'float32'``). Convolutions understand levels
   only, so a convolution module stores a preset's level (``'F32_F32_F32'``
   gives ``HIGHEST``) instead of letting JAX lower it at ``DEFAULT``
-  (SEMANTICS.md pitfall 1). Pairs of different levels and ``lax.DotAlgorithm``
+  (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py). Pairs of different levels and ``lax.DotAlgorithm``
   objects pass through unchanged.
 * ``emulate=True`` computes every matmul and convolution as ``target``
   (``'tpu'``, ``'gpu'``; ``'cpu'``/``'native'`` emulate nothing) computes it,

@@ -381,7 +381,7 @@ class PrecisionScoped:
   Flax NNX's ``dot_product_attention`` ignores ``precision`` for the score and
   weighting matmuls when there is no dropout: it calls
   ``jax.nn.dot_product_attention``, which has no precision argument and uses
-  the flag for float32 inputs (SEMANTICS.md pitfall 3). Setting the flag for
+  the flag for float32 inputs (the jax.nn.dot_product_attention docs). Setting the flag for
   the call makes ``precision`` reach them; ops given a precision keep it.
   """
 
