@@ -1,6 +1,6 @@
 """A second ``jaxprec check`` against the first: JAX's persistent compilation cache.
 
-Claim (issue 11, docs/performance.md): a warm ``jaxprec check --model
+Claim (docs/performance.md): a warm ``jaxprec check --model
 wav2vec2`` (its compiled programs in the cache from an earlier run) takes at
 most 0.5x the wall time of a cold one (an empty ``JAXPREC_CACHE_DIR``).
 

@@ -5,7 +5,7 @@ Times, in one run and on the same inputs, a jitted native float32
 each emulation kernel (``bf16``: bfloat16 dots; ``f32``: merged float32 dots;
 see ``docs/emulation.md``), size x size @ size x size float32, after
 compilation, as the median of interleaved repeats with ``block_until_ready``,
-and prints each ratio next to its limit (issue 11) and the kernel that
+and prints each ratio next to its limit and the kernel that
 ``auto`` picks here.
 
     python benchmarks/bench_emulated_matmul.py [--size 1024] [--repeats 21]

@@ -445,7 +445,7 @@ def test_rows_are_frozen(mixed_report):
 
 
 # ---------------------------------------------------------------------------
-# Opaque ops (issue 12, item 13).
+# Opaque ops.
 
 
 def test_opaque_ops_are_listed_and_pallas_dots_are_not_emulated():

@@ -1,4 +1,4 @@
-"""The dtype story of each audited op (issue 14): storage, compute and
+"""The dtype story of each audited op: storage, compute and
 accumulation dtypes, and dots that accumulate in bfloat16/float16 flagged risky."""
 
 import functools

@@ -484,7 +484,7 @@ def test_transposed_bf16_matmul_runs_on_xla_cpu():
   assert 1e-4 < r.layers[0].metrics["bf16"].rel_rms < 1e-2
 
 
-# -- Policy rows (issue 13) -----------------------------------------------------
+# -- Policy rows -----------------------------------------------------
 
 
 def _rel_rms(got, ref):
@@ -569,7 +569,7 @@ def test_policy_rows_on_an_nnx_model_match_emulate():
   assert by_name["a"] < 1e-6 < 1e-3 < by_name["b"]
 
 
-# -- Caches hold no user arrays (issue 12, item 7) -----------------------------
+# -- Caches hold no user arrays -----------------------------
 
 
 # One precision row below: every row is built alike, and each compiles.
@@ -623,7 +623,7 @@ def test_check_module_keeps_no_argument_alive():
   assert _freed(lambda: kernel + 0, run)
 
 
-# -- NumPy float64/int64 arguments with x64 off (issue 12, item 8) --------------
+# -- NumPy float64/int64 arguments with x64 off --------------
 
 
 def test_numpy_float64_and_int64_arguments_are_converted_as_jit_does():
@@ -647,7 +647,7 @@ def test_numpy_float64_and_int64_arguments_are_converted_as_jit_does():
                                           atol=1e-3, rtol=0)
 
 
-# -- Reference files and objects (issue 12, item 9) ----------------------------
+# -- Reference files and objects ----------------------------
 
 
 def _outs():
@@ -714,7 +714,7 @@ def test_unsupported_reference_objects(tmp_path):
     jaxprec.check(mlp, W, X, reference=tmp_path / "missing.npy", mode="emulate")
 
 
-# -- Argument checks (issue 12, item 11) ---------------------------------------
+# -- Argument checks ---------------------------------------
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -730,7 +730,7 @@ def test_bad_precisions_and_tolerances(kwargs, error, match):
     jaxprec.check(mlp, W, X, mode="emulate", **kwargs)
 
 
-# -- The framework floor (issue 10, item 3) ------------------------------------
+# -- The framework floor ------------------------------------
 
 
 def test_external_reference_puts_the_float32_floor_first():

@@ -1,4 +1,4 @@
-"""check(...) with dtype rows, and the reference of a model built in bfloat16 (issue 14)."""
+"""check(...) with dtype rows, and the reference of a model built in bfloat16."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_float64_reference_of_a_bfloat16_model_runs_modules_at_float64():
 
 
 def test_a_float32_model_checks_as_before():
-  # No dtype decisions: the reference program is the one issue 13 compiled.
+  # No dtype decisions: the reference program is the plain one.
   def mlp(w, x):
     return {"h": jnp.tanh(x @ w)}
   w = jax.random.normal(jax.random.key(0), (16, 16))

@@ -1,4 +1,4 @@
-"""The command line's exit codes and one-line errors (issue 12, items 6, 8-10).
+"""The command line's exit codes and one-line errors.
 
 * ``sys.exit`` in the user's module or function exits as Python would.
 * ``--out``, ``--precisions`` and ``--reference`` are validated before the

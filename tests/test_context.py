@@ -199,7 +199,7 @@ def test_backend_default_scope_clears_outer_setting():
 
 
 # ---------------------------------------------------------------------------
-# Preset decorator trace cache (issue 12, item 1) and outputs (item 11).
+# Preset decorator trace cache and outputs (item 11).
 
 
 def test_preset_decorator_does_not_reuse_a_float32_trace_under_x64():
@@ -221,7 +221,7 @@ def test_preset_decorator_non_array_output_raises_as_jit_does():
 
 
 # ---------------------------------------------------------------------------
-# Generators and coroutines (issue 12, item 5): each resumption in the scope.
+# Generators and coroutines: each resumption in the scope.
 
 
 def test_decorated_generator_runs_each_step_in_the_scope():
@@ -319,7 +319,7 @@ def test_preset_decorator_on_a_generator_applies_the_flag_and_warns():
 
 
 # ---------------------------------------------------------------------------
-# asyncio (issue 12, item 14): scopes follow JAX's thread-local config, so
+# asyncio: scopes follow JAX's thread-local config, so
 # tasks interleaved on one thread see each other's `with` scopes (as with
 # jax.default_matmul_precision itself). docs/precision.md says so.
 

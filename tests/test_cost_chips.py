@@ -1,4 +1,4 @@
-"""jaxprec.cost with bytes and named chips (issue 14): bytes moved at each op's
+"""jaxprec.cost with bytes and named chips: bytes moved at each op's
 dtypes, the roofline time on a chip's spec-sheet figures, and ratios to the
 all-float32 program."""
 

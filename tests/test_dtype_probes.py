@@ -1,4 +1,4 @@
-"""Regressions found by probing the dtype axis as a new user (issue 14)."""
+"""Regressions found by probing the dtype axis as a new user."""
 
 from __future__ import annotations
 

@@ -252,7 +252,7 @@ def test_multi_device_sharded_in_a_subprocess():
 
 
 # ---------------------------------------------------------------------------
-# Trace caches key on everything that changes the program (issue 12, item 1).
+# Trace caches key on everything that changes the program.
 
 
 def _conv_dense_model():
@@ -321,7 +321,7 @@ def test_non_array_output_raises_as_jit_does():
 
 
 # ---------------------------------------------------------------------------
-# jaxprec's own emulated ops carry an explicit marker (issue 12, item 15).
+# jaxprec's own emulated ops carry an explicit marker.
 
 
 def _marked_calls(fn, *args):
@@ -374,7 +374,7 @@ def test_a_users_custom_vjp_is_not_taken_for_an_emulated_op():
 
 
 # ---------------------------------------------------------------------------
-# Opaque ops (issue 12, item 13).
+# Opaque ops.
 
 
 def _opaque_fn():

@@ -1,4 +1,4 @@
-"""Each distinct emulated op is traced once (issue 11, compile time).
+"""Each distinct emulated op is traced once (compile time).
 
 ``emulated_ops._marked`` binds the emulation through a ``jax.jit`` keyed on
 the op's static spec: a model's identical layers reuse one trace and one

@@ -207,7 +207,7 @@ def test_cost_counts_nnx_path_rules(two_layers):
       "bf16x1": flops1 + flops2}
 
 
-# -- NNX module paths in the audit (issue 12 item 2, issue 13 item 4) ---------------
+# -- NNX module paths in the audit ---------------
 
 
 class _Block(nnx.Module):

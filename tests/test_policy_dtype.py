@@ -1,4 +1,4 @@
-"""The dtype axis of policies: Rule(dtype=), Policy(default_dtype=), the grammar, errors (issue 14)."""
+"""The dtype axis of policies: Rule(dtype=), Policy(default_dtype=), the grammar, errors."""
 
 import dataclasses
 

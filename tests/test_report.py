@@ -209,7 +209,7 @@ def test_report_is_exported():
   assert jaxprec.LayerMetrics is LayerMetrics
 
 
-# -- Argument checks (issue 12, item 11) --------------------------------------
+# -- Argument checks --------------------------------------
 
 
 @pytest.mark.parametrize("bad", [-1, -1e-9, float("nan")])
@@ -254,7 +254,7 @@ def test_worst_refuses_a_bad_count_metric_or_precision():
     r.layer("hidden_states[9]")
 
 
-# -- Markdown and text with awkward layer names (issue 12, item 12) ------------
+# -- Markdown and text with awkward layer names ------------
 
 
 def renamed_report(names):
@@ -283,7 +283,7 @@ def test_markdown_escapes_newlines_and_pipes_in_layer_names():
   assert len(text.splitlines()) == len(make_report().to_text().splitlines())
 
 
-# -- The framework floor (issue 10, item 3) ----------------------------------
+# -- The framework floor ----------------------------------
 
 
 def floor_report(floor_max_abs=2e-6, **kw):
@@ -367,7 +367,7 @@ def test_floor_is_a_dashed_grey_line_in_the_plot(tmp_path):
   assert "float32 (framework floor)" in legend
 
 
-# -- The split (issue 13): names stay importable -------------------------------
+# -- The split: names stay importable -------------------------------
 
 
 def test_split_modules_and_old_import_paths():

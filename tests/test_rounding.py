@@ -263,7 +263,7 @@ def _compiled_ops(fn, x) -> tuple[int, str]:
     ("split1_bf16", 4), ("split1_f32", 3), ("split2_bf16", 20),
     ("split3_bf16", 36), ("round_bf16", 14), ("round_tf32", 14)])
 def test_compiled_rounding_is_small_and_keeps_reduce_precision(what, limit):
-  # Before issue 11 these compiled to 31, 23, 56, 84, 23 and 23 instructions.
+  # Before the rounding was rewritten these compiled to 31, 23, 56, 84, 23 and 23 instructions.
   x = np.ones(64, np.float32)
   fns = {
       "split1_bf16": lambda v: rounding.split_bf16(v, 1),

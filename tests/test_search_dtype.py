@@ -1,4 +1,4 @@
-"""search_policy(..., axes=...): the dtype axis (issue 14)."""
+"""search_policy(..., axes=...): the dtype axis."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Policies' compute dtypes at run time: swap and emulate on linen, Hugging Face and NNX (issue 14)."""
+"""Policies' compute dtypes at run time: swap and emulate on linen, Hugging Face and NNX."""
 
 import dataclasses
 import warnings

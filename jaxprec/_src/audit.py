@@ -23,7 +23,7 @@ and nothing in the code says so. Concretely (the jax.lax.Precision docs and JAX'
 Operands that are not float32 (bfloat16, float16, float64, integers) are
 computed natively: the precision setting does not apply.
 
-The dtype story of every op (issue 14): the compute dtypes of its operands
+The dtype story of every op: the compute dtypes of its operands
 (:attr:`AuditRow.lhs_dtype`), the dtypes they are stored in before a chain of
 ``convert_element_type`` casts (:attr:`AuditRow.lhs_storage`: a Flax layer
 with ``dtype=bfloat16, param_dtype=float32`` reads float32 parameters and

@@ -26,7 +26,7 @@ The float32 baseline is the same function with ``policy='float32'``: every
 op the policy can reach at float32, ops whose code sets a precision as they
 are.
 
-Bytes and time (issue 14): every op also moves its operands and its result
+Bytes and time: every op also moves its operands and its result
 at their dtypes (:attr:`CostRow.bytes`; the all-float32 program moves them
 at 4 bytes an element, :attr:`CostRow.float32_bytes`). With ``chip=`` (a
 key of :data:`jaxprec._src.chips.CHIPS`: ``'tpu-v4'``, ``'tpu-v5e'``,

@@ -4,7 +4,7 @@
 each *unit* (a Flax module path whose matmuls or convolutions record no
 precision of their own; ``''`` for ops outside modules) and evaluates many
 such assignments. Compiling one program per assignment made the search's
-cold run mostly compilation (issue 11: 15 evaluations of 3.2 to 3.5 s each on
+cold run mostly compilation (measured: 15 evaluations of 3.2 to 3.5 s each on
 the built-in tiny Wav2Vec2, against milliseconds of computing).
 
 :func:`switched` traces ``fn`` once and emulates each of those ops as a
