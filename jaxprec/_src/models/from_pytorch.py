@@ -1,0 +1,232 @@
+"""Weights of a PyTorch original for jaxprec's NNX models, checked to fit.
+
+The built-in NNX models (:mod:`jaxprec._src.models.nnx_wav2vec2`,
+:mod:`~jaxprec._src.models.nnx_bert`, :mod:`~jaxprec._src.models.llama`)
+mirror the module tree of transformers' PyTorch classes: the NNX attribute path
+``encoder/layers/0/attention/q_proj`` is the PyTorch module
+``encoder.layers.0.attention.q_proj``. :func:`load` walks the NNX model's
+layers (``nnx.Linear``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.RMSNorm``,
+``nnx.Embed``), names the PyTorch parameter each of their parameters comes
+from and its PyTorch shape, compares them with the PyTorch model's
+``named_parameters()`` and refuses a model that does not fit, naming the first
+parameter whose name or shape differs. :func:`hf_config` reads a transformers
+config and refuses settings the NNX model does not implement.
+
+Imports PyTorch only through the model it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+# A PyTorch parameter's name -> (its PyTorch shape, the NNX path, a function
+# turning the PyTorch array into the NNX value).
+_Plan = dict[str, tuple[tuple[int, ...], tuple[Any, ...], Callable[[np.ndarray], np.ndarray]]]
+
+
+def module_list(modules: Iterable[nnx.Module]) -> Any:
+  """A list of submodules as an NNX attribute: ``nnx.List`` where Flax has it
+  (0.12 and newer), a plain list before (where NNX took lists as they are)."""
+  make = getattr(nnx, "List", list)  # flax < 0.12: no nnx.List
+  return make(list(modules))
+
+
+def _shape(var: Any) -> tuple[int, ...]:
+  value = var.get_value() if hasattr(var, "get_value") else var.value
+  return tuple(value.shape)
+
+
+def _set(var: Any, value: Any) -> None:
+  if hasattr(var, "set_value"):  # flax >= 0.12 deprecates .value
+    var.set_value(value)
+  else:
+    var.value = value
+
+
+def _linear_kernel(w: np.ndarray) -> np.ndarray:
+  return w.T  # PyTorch (out, in) -> Flax (in, out)
+
+
+def _conv_kernel(w: np.ndarray) -> np.ndarray:
+  # PyTorch (out, in / groups, *window) -> Flax (*window, in / groups, out).
+  return np.transpose(w, (*range(2, w.ndim), 1, 0))
+
+
+def _same(w: np.ndarray) -> np.ndarray:
+  return w
+
+
+def _inverse_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+  if kind == "linear":
+    return shape[::-1]
+  if kind == "conv":
+    return (shape[-1], shape[-2], *shape[:-2])
+  return shape
+
+
+# NNX layer type -> {its parameter: (PyTorch's name for it, kind)}.
+_LEAVES: tuple[tuple[type, dict[str, tuple[str, str]]], ...] = (
+    (nnx.Linear, {"kernel": ("weight", "linear"), "bias": ("bias", "same")}),
+    (nnx.Conv, {"kernel": ("weight", "conv"), "bias": ("bias", "same")}),
+    (nnx.LayerNorm, {"scale": ("weight", "same"), "bias": ("bias", "same")}),
+    (nnx.RMSNorm, {"scale": ("weight", "same")}),
+    (nnx.Embed, {"embedding": ("weight", "same")}),
+)
+_CONVERT = {"linear": _linear_kernel, "conv": _conv_kernel, "same": _same}
+
+
+def _plan(state: Any, model: nnx.Module) -> _Plan:
+  """Every NNX parameter of ``model`` as the PyTorch parameter it loads."""
+  layers = {tuple(path): node for path, node in nnx.iter_graph(model)
+            if isinstance(node, nnx.Module)}
+  plan: _Plan = {}
+  for path, var in nnx.to_flat_state(state):
+    path = tuple(path)
+    layer = layers.get(path[:-1])
+    leaves = next((names for cls, names in _LEAVES
+                   if isinstance(layer, cls)), None)
+    if leaves is None or path[-1] not in leaves:
+      raise TypeError(f"jaxprec cannot load {'/'.join(map(str, path))} of "
+                      f"{type(layer).__name__} from PyTorch")
+    leaf, kind = leaves[path[-1]]
+    name = ".".join(map(str, (*path[:-1], leaf)))
+    plan[name] = (_inverse_shape(kind, _shape(var)), path, _CONVERT[kind])
+  return plan
+
+
+def torch_parameters(pt_model: Any) -> dict[str, Any]:
+  """``pt_model.named_parameters()``, with weight-normalised weights as the
+  weights they compute: a ``torch.nn.utils.parametrizations.weight_norm``
+  module's ``parametrizations.weight.original0``/``original1`` (g and v)
+  become its ``weight``, ``g * v / ||v||``, as its forward pass uses it."""
+  params: dict[str, Any] = {}
+  parametrized = {}
+  for mod_name, mod in pt_model.named_modules():
+    for attr in getattr(getattr(mod, "parametrizations", None) or {}, "keys",
+                        lambda: ())():
+      prefix = f"{mod_name}.parametrizations.{attr}." if mod_name else (
+          f"parametrizations.{attr}.")
+      parametrized[prefix] = (f"{mod_name}.{attr}" if mod_name else attr,
+                              mod, attr)
+  for name, p in pt_model.named_parameters():
+    hit = next((v for k, v in parametrized.items() if name.startswith(k)), None)
+    if hit is None:
+      params[name] = p
+    elif hit[0] not in params:
+      params[hit[0]] = getattr(hit[1], hit[2])  # the computed weight
+  return params
+
+
+def load(model: nnx.Module, pt_model: Any, *, what: str,
+         unused: Iterable[str] = ()) -> nnx.Module:
+  """``model`` (NNX, abstract or not) with the PyTorch model's weights.
+
+  Args:
+    model: a jaxprec NNX model whose module tree mirrors ``pt_model``'s,
+      built with the PyTorch model's sizes (its parameters may be abstract,
+      ``nnx.eval_shape``).
+    pt_model: the ``torch.nn.Module`` to take the weights from; not changed.
+    what: the two models, for messages (``'Wav2Vec2Model does not fit
+      jaxprec's Wav2Vec2Model'``).
+    unused: PyTorch parameter names the NNX model leaves out because they do
+      not take part in inference (e.g. Wav2Vec2's ``masked_spec_embed``,
+      used only for masking in training).
+
+  Returns:
+    A new NNX model with the weights, as float32; ``model`` is not changed.
+
+  Raises:
+    ValueError: a parameter of either model has no counterpart, or a shape
+      differs: names the first such parameter (in the PyTorch model's order,
+      then the NNX model's).
+  """
+  import torch  # noqa: PLC0415 -- pt_model is a torch module: torch is there
+  plan = _plan(nnx.state(model), model)
+  unused = set(unused)
+  with torch.no_grad():
+    params = {k: v for k, v in torch_parameters(pt_model).items()
+              if k not in unused}
+    for name, tensor in params.items():
+      if name not in plan:
+        raise ValueError(f"{what}: first mismatch at {name!r}: jaxprec's "
+                         f"model has no such parameter ({_near(name, plan)})")
+      want = plan[name][0]
+      if tuple(tensor.shape) != want:
+        raise ValueError(f"{what}: first mismatch at {name!r}: PyTorch "
+                         f"{tuple(tensor.shape)}, jaxprec's model {want}")
+    for name in plan:
+      if name not in params:
+        raise ValueError(f"{what}: first mismatch at {name!r}: the PyTorch "
+                         f"model has no such parameter")
+    values = {plan[k][1]: plan[k][2](
+        tensor.detach().to(torch.float32).cpu().numpy().copy())
+              for k, tensor in params.items()}
+  import jax.numpy as jnp  # noqa: PLC0415
+  graphdef, state = nnx.split(nnx.clone(model))  # model stays as it was
+  for path, var in nnx.to_flat_state(state):
+    _set(var, jnp.asarray(values[tuple(path)]))
+  return nnx.merge(graphdef, state)
+
+
+def _near(name: str, plan: Mapping[str, Any]) -> str:
+  import difflib  # noqa: PLC0415
+  close = difflib.get_close_matches(name, list(plan), n=1, cutoff=0.6)
+  return f"closest: {close[0]!r}" if close else f"it has {len(plan)} parameters"
+
+
+def hf_config(pt_model: Any, model_types: tuple[str, ...], cls: str) -> Any:
+  """The transformers config of ``pt_model``, checked to be of
+  ``model_types``; TypeError or ValueError naming what it is instead."""
+  config = getattr(pt_model, "config", None)
+  if config is None or not hasattr(pt_model, "named_parameters"):
+    raise TypeError(f"from_pytorch= takes a transformers PyTorch {cls} (a "
+                    f"torch.nn.Module with a .config); got "
+                    f"{type(pt_model).__name__}")
+  kind = getattr(config, "model_type", None)
+  if kind not in model_types:
+    raise ValueError(f"from_pytorch=: {type(pt_model).__name__} is a "
+                     f"{kind!r} model; jaxprec's {cls} loads "
+                     f"{' or '.join(map(repr, model_types))}")
+  return config
+
+
+def ties_last_state(pt_model: Any, *, default_from: int | None) -> bool:
+  """Whether the PyTorch model's ``hidden_states[-1]`` is its
+  ``last_hidden_state`` (after the final normalization) or the last layer's
+  output before it.
+
+  transformers 5 collects hidden states with hooks and replaces the last one
+  by ``last_hidden_state`` unless the model's forward says otherwise
+  (``capture_outputs(tie_last_hidden_states=False)``, as ``Wav2Vec2Model``
+  does) or its config sets ``tie_last_hidden_states``; transformers 4
+  appended the normalized state. ``default_from`` is the transformers major
+  version from which the model class stopped tying (None: it always ties).
+  """
+  tie = getattr(getattr(pt_model, "config", None), "tie_last_hidden_states",
+                None)
+  if tie is not None:
+    return bool(tie)
+  if default_from is None:
+    return True
+  import sys  # noqa: PLC0415
+  transformers = sys.modules.get("transformers")
+  version = str(getattr(transformers, "__version__", "0"))
+  major = int(version.split(".")[0]) if version.split(".")[0].isdigit() else 0
+  return major < default_from
+
+
+def require(config: Any, cls: str, **allowed: Any) -> None:
+  """ValueError naming the first config field whose value jaxprec's model
+  does not implement: ``allowed`` maps a field to its one value, or a tuple
+  of the values it may take."""
+  for field, ok in allowed.items():
+    value = getattr(config, field, None)
+    choices = ok if isinstance(ok, tuple) else (ok,)
+    if value not in choices:
+      raise ValueError(f"from_pytorch=: {field}={value!r} is not implemented "
+                       f"by jaxprec's {cls}; it computes "
+                       f"{' or '.join(f'{field}={c!r}' for c in choices)}")
