@@ -9,14 +9,22 @@ PyTorch and transformers are imported only when these are used.
   (``check`` also accepts them directly as ``reference=``).
 * :func:`flax_params`: a Flax Hugging Face model's parameters from its PyTorch
   twin, with transformers' own converter.
-* :func:`twin`: the built-in twin pairs ``'hf-wav2vec2'`` and ``'hf-bert'``.
+* :func:`twin`: the built-in twin pairs ``'hf-wav2vec2'`` and ``'hf-bert'``
+  (Hugging Face's Flax models: transformers 4).
+* :func:`port`: the built-in port checks ``'hf-wav2vec2'``, ``'hf-bert'`` and
+  ``'hf-llama'``: a transformers PyTorch model and jaxprec's NNX model with
+  its weights (transformers 4 and 5).
 """
 
 from jaxprec._src.torch_ref import capture
 from jaxprec._src.torch_ref import flax_params
 from jaxprec._src.torch_ref import from_torch
+from jaxprec._src.torch_ports import PORTS
+from jaxprec._src.torch_ports import Port
+from jaxprec._src.torch_ports import port
 from jaxprec._src.torch_twins import TWINS
 from jaxprec._src.torch_twins import Twin
 from jaxprec._src.torch_twins import twin
 
-__all__ = ("TWINS", "Twin", "capture", "flax_params", "from_torch", "twin")
+__all__ = ("PORTS", "Port", "TWINS", "Twin", "capture", "flax_params",
+           "from_torch", "port", "twin")

@@ -507,17 +507,6 @@ def test_flax_params_without_flax_models_gives_the_hint(monkeypatch):
     jt.flax_params(torch.nn.Linear(2, 2), object())
 
 
-def test_cli_twin_without_flax_models_exits_2_with_one_line(monkeypatch, tmp_path,
-                                                          capsys):
-  _transformers_5(monkeypatch)
-  rc = main(["check", "--model", "hf-bert", "--reference", "pytorch",
-             "--out", str(tmp_path / "r")])
-  _, err = capsys.readouterr()
-  assert rc == 2
-  assert err.count("\n") == 1 and "pip install 'jaxprec[hf-flax]'" in err
-  assert "Traceback" not in err and "AttributeError" not in err
-
-
 def test_import_transformers_flax_without_transformers(monkeypatch):
   monkeypatch.setitem(sys.modules, "transformers", None)
   with pytest.raises(ImportError, match=r"twin models need transformers' "
@@ -527,11 +516,8 @@ def test_import_transformers_flax_without_transformers(monkeypatch):
 
 @pytest.mark.skipif(HF_FLAX, reason="runs where transformers has no Flax "
                     "models (CI's torch-stack stage: transformers 5)")
-def test_real_transformers_without_flax_models_gives_the_hint(tmp_path, capsys):
+def test_real_transformers_without_flax_models_gives_the_hint():
   import transformers  # noqa: PLC0415
-  with pytest.raises(ImportError, match=r"jaxprec\[hf-flax\]"):
+  with pytest.raises(ImportError, match=r"jaxprec\[hf-flax\]") as e:
     jt.twin("hf-bert")
-  assert main(["check", "--model", "hf-wav2vec2", "--reference", "pytorch",
-               "--out", str(tmp_path / "r")]) == 2
-  err = capsys.readouterr().err
-  assert err.count("\n") == 1 and f"transformers {transformers.__version__}" in err
+  assert f"transformers {transformers.__version__}" in str(e.value)

@@ -17,8 +17,9 @@
   ``FUNCTION()`` (the ``audit`` convention), prints the table, and writes
   ``report.json`` and ``divergence.png`` to ``--out``; with ``--atol`` or
   ``--rtol`` it exits 1 when a layer is outside the tolerance (for CI).
-  ``--model hf-wav2vec2|hf-bert --reference pytorch`` checks a Hugging Face
-  Flax model against its PyTorch twin (:mod:`jaxprec.torch`).
+  ``--model hf-llama|hf-wav2vec2|hf-bert --reference pytorch`` checks
+  jaxprec's NNX port of a transformers PyTorch model against the PyTorch
+  original (:mod:`jaxprec.torch`).
 * ``jaxprec search [--model NAME | MODULE:FUNCTION] --tolerance T [options]``:
   runs :func:`jaxprec.search_policy` and prints the cheapest policy found (in
   the text ``jaxprec run --policy`` takes), its cost relative to float32 and
@@ -64,9 +65,10 @@ from jaxprec._src.cli_inputs import search_axes as _search_axes
 __all__ = ["main"]
 
 _PROG = "jaxprec"
-# Built-in models (jaxprec.models) and PyTorch/Flax twins (jaxprec.torch).
-_MODELS = ("wav2vec2", "bert")
-_TWINS = ("hf-wav2vec2", "hf-bert")
+# Built-in models (jaxprec.models) and port checks against PyTorch
+# originals (jaxprec.torch.port).
+_MODELS = ("wav2vec2", "bert", "llama")
+_TWINS = ("hf-wav2vec2", "hf-bert", "hf-llama")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -149,17 +151,17 @@ def _parser() -> argparse.ArgumentParser:
                   "(fn, args, kwargs) and fn returns the hidden states (any "
                   "pytree of arrays).",
       epilog="examples: jaxprec check --model wav2vec2; jaxprec check "
-             "--model hf-wav2vec2 --reference pytorch; jaxprec check "
+             "--model hf-llama --reference pytorch; jaxprec check "
              "mymodel:make --precisions bfloat16_3x --atol 1e-3 (exit 1 if "
              "exceeded)")
   check.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
                      help="e.g. mypkg.model:make or path/to/model.py:make")
   check.add_argument("--model", choices=(*_MODELS, *_TWINS),
                      help="a built-in model (random weights, nothing "
-                          "downloaded); hf-wav2vec2 and hf-bert are Hugging "
-                          "Face Flax models with a PyTorch twin (needs "
-                          "jaxprec[hf-flax]: transformers 4.x) for "
-                          "--reference pytorch")
+                          "downloaded); hf-wav2vec2, hf-bert and hf-llama "
+                          "are jaxprec's NNX ports of tiny transformers "
+                          "PyTorch models, with their weights (needs torch "
+                          "and transformers), for --reference pytorch")
   check.add_argument("--size", choices=("tiny", "small", "base"), default=None,
                      help="size of the built-in model (default tiny)")
   check.add_argument("--precisions", default=None,
@@ -168,8 +170,8 @@ def _parser() -> argparse.ArgumentParser:
   check.add_argument("--reference", default="float32",
                      help="float32 (default), float64, another precision, "
                           "a .npz/.npy/.safetensors file of hidden states, or "
-                          "pytorch: the PyTorch twin of --model hf-wav2vec2 "
-                          "or hf-bert")
+                          "pytorch: the PyTorch original of --model "
+                          "hf-wav2vec2, hf-bert or hf-llama")
   check.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
                      help="whose numerics to show (default tpu)")
   check.add_argument("--mode", default="auto",
@@ -374,7 +376,10 @@ def _model_or_target(ns: argparse.Namespace):
       import jaxprec.models as models
     except ImportError as e:
       raise _Failure(f"--model needs Flax: {e}") from None
-    fn, args = models.MODELS[ns.model](ns.size or "tiny", ns.seed)
+    try:
+      fn, args = models.MODELS[ns.model](ns.size or "tiny", ns.seed)
+    except ValueError as e:  # a size the model does not come in
+      raise _UsageError(f"--model {ns.model}: {_one_line(e)}") from None
     kwargs: dict = {}
     what = f"{ns.model} ({ns.size or 'tiny'}, seed {ns.seed})"
   else:
@@ -387,10 +392,11 @@ def _model_or_target(ns: argparse.Namespace):
 
 
 def _twin(name: str, seed: int):
-  """The PyTorch/Flax twin pair ``name``: exit 2 with a hint without PyTorch."""
+  """The port check ``name`` (the PyTorch original and jaxprec's NNX model
+  with its weights): exit 2 with a hint without PyTorch or transformers."""
   try:
-    from jaxprec._src import torch_twins
-    return torch_twins.twin(name, seed)
+    from jaxprec._src import torch_ports
+    return torch_ports.port(name, seed)
   except ImportError as e:
     raise _UsageError(f"--model {name}: {_one_line(e)}") from None
 
@@ -437,14 +443,15 @@ def _check(ns: argparse.Namespace) -> int:
   if ns.model in _TWINS:
     twin = _twin(ns.model, ns.seed)
     fn, args, kwargs = twin.fn, twin.args(), {}
-    what = f"{ns.model} (Flax, seed {ns.seed})"
+    what = f"{ns.model} (jaxprec's NNX port, seed {ns.seed})"
     if reference == _PYTORCH:
       try:
         reference = twin.reference()
       except Exception as e:  # noqa: BLE001 -- the PyTorch model failed
         raise _Failure(f"running the PyTorch {ns.model} failed: "
                        f"{type(e).__name__}: {e}") from None
-      what = f"{ns.model} (Flax) against its PyTorch twin, seed {ns.seed}"
+      what = (f"{ns.model} (jaxprec's NNX port) against the PyTorch "
+              f"original, seed {ns.seed}")
   else:
     fn, args, kwargs, what = _model_or_target(ns)
   try:

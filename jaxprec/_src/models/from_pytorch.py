@@ -35,6 +35,17 @@ def module_list(modules: Iterable[nnx.Module]) -> Any:
   return make(list(modules))
 
 
+def split_fn(model: nnx.Module, name: str) -> tuple[Callable[..., Any], Any]:
+  """``(fn, state)``: ``fn(state, *inputs)`` calls a copy of ``model`` made
+  from ``state`` (a pure function of arrays, for :func:`jaxprec.check`)."""
+  graphdef, state = nnx.split(model)
+
+  def fn(state, *inputs):
+    return nnx.merge(graphdef, state)(*inputs)
+  fn.__name__ = fn.__qualname__ = name
+  return fn, state
+
+
 def _shape(var: Any) -> tuple[int, ...]:
   value = var.get_value() if hasattr(var, "get_value") else var.value
   return tuple(value.shape)

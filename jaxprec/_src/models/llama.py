@@ -304,21 +304,11 @@ def config_from_pytorch(pt_model: Any) -> LlamaConfig:
       tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)))
 
 
-def _split_fn(model: nnx.Module, name: str) -> tuple[Callable[..., Any], Any]:
-  """``fn(state, *inputs)`` calling a copy of ``model``, and its state."""
-  graphdef, state = nnx.split(model)
-
-  def fn(state, *inputs):
-    return nnx.merge(graphdef, state)(*inputs)
-  fn.__name__ = fn.__qualname__ = name
-  return fn, state
-
-
 @functools.lru_cache(maxsize=8)
 def _llama_random(size: str, seed: int, batch: int, seq_len: int):
   config = LlamaConfig.of_size(size)
   model = LlamaModel(config, rngs=nnx.Rngs(seed))
-  fn, state = _split_fn(model, f"llama_{size}")
+  fn, state = loading.split_fn(model, f"llama_{size}")
   ids = jnp.asarray(synthetic_tokens(batch, seq_len,
                                      vocab_size=config.vocab_size, seed=seed))
   return fn, (state, ids)
@@ -359,7 +349,7 @@ def llama(size: str | None = None, seed: int = 0, *, batch: int = 1,
                      f"come from the PyTorch model's config; leave size unset")
   causal = hasattr(from_pytorch, "lm_head")
   model = (LlamaForCausalLM if causal else LlamaModel).from_pytorch(from_pytorch)
-  fn, state = _split_fn(model, f"{type(from_pytorch).__name__}_port")
+  fn, state = loading.split_fn(model, f"{type(from_pytorch).__name__}_port")
   ids = synthetic_tokens(batch, seq_len, vocab_size=model.config.vocab_size,
                          seed=seed)
   return fn, (state, jnp.asarray(ids))
