@@ -225,3 +225,10 @@ def test_port_argument_errors():
     jt.port("hf-lama")
   with pytest.raises(ValueError, match=r"port\(layers=0\)"):
     jt.port("hf-llama", layers=0)
+
+
+def test_cli_llama_size_it_does_not_come_in_is_one_usage_line(capsys):
+  rc = main(["check", "--model", "llama", "--size", "base"])
+  _, err = capsys.readouterr()
+  assert rc == 2
+  assert err.count("\n") == 1 and "Unknown size 'base'" in err, err

@@ -117,8 +117,7 @@ def torch_parameters(pt_model: Any) -> dict[str, Any]:
   params: dict[str, Any] = {}
   parametrized = {}
   for mod_name, mod in pt_model.named_modules():
-    for attr in getattr(getattr(mod, "parametrizations", None) or {}, "keys",
-                        lambda: ())():
+    for attr in (getattr(mod, "parametrizations", None) or {}):
       prefix = f"{mod_name}.parametrizations.{attr}." if mod_name else (
           f"parametrizations.{attr}.")
       parametrized[prefix] = (f"{mod_name}.{attr}" if mod_name else attr,
