@@ -11,8 +11,9 @@ PyTorch is imported only when the object is PyTorch's.
 
 :func:`flax_params` gives a Flax Hugging Face model the weights of its
 PyTorch twin with transformers' own converter; :data:`TWINS` builds the twin
-pairs behind ``jaxprec check --model hf-wav2vec2 --reference pytorch``
-(:mod:`jaxprec._src.torch_twins`).
+pairs (:mod:`jaxprec._src.torch_twins`). The command line's port checks
+(``jaxprec check --model hf-wav2vec2 --reference pytorch``) use jaxprec's own
+NNX models instead (:mod:`jaxprec._src.torch_ports`).
 
 Nothing here imports JAX, PyTorch or transformers at import time.
 """

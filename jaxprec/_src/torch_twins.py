@@ -3,8 +3,10 @@
 :func:`twin` builds a tiny Hugging Face model in PyTorch with random weights
 (seeded, PyTorch's global RNG left as it was), its Flax counterpart carrying
 the same weights (:func:`jaxprec._src.torch_ref.flax_params`), and synthetic
-inputs. ``jaxprec check --model hf-wav2vec2 --reference pytorch`` checks the
-Flax twin against the PyTorch original with them. Nothing is downloaded.
+inputs (transformers 4: transformers 5 has no Flax models). The command
+line's ``--model hf-wav2vec2 --reference pytorch`` checks jaxprec's own NNX
+port instead (:mod:`jaxprec._src.torch_ports`), which needs no Flax class.
+Nothing is downloaded.
 
 Imports transformers and PyTorch when a twin is built, never at import.
 """
