@@ -58,7 +58,7 @@ from jaxprec._src.policy import PolicyMatch
 from jaxprec._src.policy import PolicyReport
 from jaxprec._src.policy import Rule
 from jaxprec._src.policy import UnusedRuleWarning
-from jaxprec._src.precision import Numerics
+from jaxprec._src.algorithms import Numerics
 from jaxprec._src.precision import Precision
 from jaxprec._src.precision import PrecisionLike
 from jaxprec._src.precision import resolve
