@@ -14,8 +14,12 @@ checker and the search. A fact written here once is never re-derived elsewhere
   convolution understands levels only, so under a preset it runs at the
   preset's level, never at JAX's silent DEFAULT): :func:`per_op` and
   :func:`flag_for`.
-* **What a target runs** for an op at a precision and operand dtypes:
-  :func:`algorithm_for`, one of :data:`ALGORITHMS`, and its :data:`PASSES`.
+* **What a target runs** for an op at a precision and operand dtypes, the
+  one decision that the audit, the emulation and the cost model share:
+  :func:`op_numerics` (the record of the one table of algorithms,
+  :mod:`jaxprec._src.algorithms`) and :func:`algorithm_for` (its name, one of
+  :data:`ALGORITHMS`, whose passes are :data:`PASSES`). An algorithm the
+  target does not run raises :class:`UnsupportedAlgorithmError`.
 * **Compute dtypes** a policy may give a module: :data:`DTYPES`, their
   spellings and sizes (:data:`DTYPE_BYTES`), and the one checker,
   :func:`canonical_dtype`.
