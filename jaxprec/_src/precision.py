@@ -44,7 +44,10 @@ class Precision:
     level: the ``lax.Precision`` to use for convolutions, which understand levels
       only (a preset maps to the level that is at least as precise on TPU).
     preset: the ``lax.DotAlgorithmPreset`` where the precision is one, else None.
-    tpu, gpu, cpu: what the precision computes for float32 operands there.
+    tpu, gpu, cpu: what the precision computes for float32 operands there:
+      the :class:`~jaxprec.Numerics` record of the one table of algorithms
+      (:mod:`jaxprec._src.algorithms`), its ``'unsupported'`` record where
+      the target does not run the algorithm (``F32_F32_F32`` on a TPU).
     source: where the value came from when returned by :func:`jaxprec.current`
       (``'context'``, ``'config'``, ``'env'``, ``'backend-default'``); empty
       for values made by :func:`resolve`. Not part of equality.
