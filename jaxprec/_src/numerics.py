@@ -37,7 +37,7 @@ from jax import lax
 
 from jaxprec._src import algorithms
 from jaxprec._src.algorithms import Numerics
-from jaxprec._src.precision import Precision, PrecisionLike, from_lax, resolve
+from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
 __all__ = ["ALGORITHMS", "DTYPES", "DTYPE_BYTES", "EMULATION_TARGETS", "MODES",
            "OP_KINDS", "PASSES", "PRIMITIVES", "TARGETS", "UnsupportedAlgorithmError",
