@@ -22,6 +22,7 @@ if "jax" not in _sys.modules:
       print(f"jaxprec: error: {_e}", file=_sys.stderr)
       raise SystemExit(2) from None
 
+from jaxprec._src.algorithms import Numerics
 from jaxprec._src.audit import AuditError
 from jaxprec._src.audit import AuditReport
 from jaxprec._src.audit import AuditRow
@@ -53,12 +54,12 @@ from jaxprec._src.kernels import current_kernel
 from jaxprec._src.kernels import set_kernel
 from jaxprec._src.kernels import use_kernel
 from jaxprec._src.metrics import LayerMetrics
+from jaxprec._src.numerics import UnsupportedAlgorithmError
 from jaxprec._src.policy import Policy
 from jaxprec._src.policy import PolicyMatch
 from jaxprec._src.policy import PolicyReport
 from jaxprec._src.policy import Rule
 from jaxprec._src.policy import UnusedRuleWarning
-from jaxprec._src.precision import Numerics
 from jaxprec._src.precision import Precision
 from jaxprec._src.precision import PrecisionLike
 from jaxprec._src.precision import resolve
@@ -101,6 +102,7 @@ __all__ = (
     "SearchResult",
     "SearchStep",
     "TrainingReport",
+    "UnsupportedAlgorithmError",
     "UnusedRuleWarning",
     "audit",
     "bf16_dot_units",

@@ -96,7 +96,11 @@ def test_mlp_under_preset_context_dots_keep_preset_conv_flagged(mlp):
   for r in dots:
     assert r.precision is D.F32_F32_F32
     assert r.precision_name == "F32_F32_F32"
-    assert (r.tpu, r.gpu, r.risky, r.reason) == ("bf16x6", "f32", False, "")
+    # A TPU does not run F32_F32_F32 (JAX's tests/lax_test.py): the audit
+    # says so, as the emulation and the cost model do.
+    assert (r.tpu, r.gpu, r.risky) == ("unsupported", "f32", True)
+    assert r.reason.startswith("unsupported on TPU: F32_F32_F32")
+    assert "'float32' (bf16x6" in r.reason
   # The with-form cannot fix convolutions: the audit shows the downgrade.
   assert conv.precision is D.F32_F32_F32
   assert conv.risky and conv.tpu == "bf16x1" and conv.gpu == "tf32"
@@ -105,21 +109,21 @@ def test_mlp_under_preset_context_dots_keep_preset_conv_flagged(mlp):
 
 def test_mlp_under_preset_decorator_has_no_conv_at_default(mlp):
   fn, params, x = mlp
-  report = audit(jaxprec.precision("F32_F32_F32")(fn), params, x)
+  report = audit(jaxprec.precision("BF16_BF16_F32_X6")(fn), params, x)
   conv, *dots = report.rows
   assert conv.precision == (P.HIGHEST, P.HIGHEST)
   assert (conv.tpu, conv.gpu) == ("bf16x6", "f32")
-  assert all(r.precision is D.F32_F32_F32 for r in dots)
+  assert all(r.precision is D.BF16_BF16_F32_X6 for r in dots)
   assert not report.risky
 
 
 def test_plain_jax_preset_conv_is_risky(mlp):
   fn, params, x = mlp
-  with jax.default_matmul_precision("F32_F32_F32"):
+  with jax.default_matmul_precision("BF16_BF16_F32_X6"):
     report = audit(fn, params, x)
   assert [r.risky for r in report] == [True, False, False]
   assert report.risky[0].primitive == "conv_general_dilated"
-  assert report.risky[0].precision is D.F32_F32_F32
+  assert report.risky[0].precision is D.BF16_BF16_F32_X6
 
 
 def test_mlp_source_is_user_line_and_op_is_flax_method(mlp):
@@ -145,7 +149,7 @@ def test_mlp_source_is_user_line_and_op_is_flax_method(mlp):
      "bf16x3", False),
     ("F16_F16_F32", D.F16_F16_F32, "F16_F16_F32", "f16", "f16", True),
     ("TF32_TF32_F32", D.TF32_TF32_F32, "TF32_TF32_F32", "unsupported", "tf32",
-     False),
+     True),
 ])
 def test_dot_precision_per_flag(flag, recorded, name, tpu, gpu, risky):
   with jax.default_matmul_precision(flag):
@@ -398,7 +402,7 @@ def test_non_callable_is_a_type_error():
 @pytest.fixture(scope="module")
 def mixed_report(mlp):
   fn, params, x = mlp
-  with jax.default_matmul_precision("F32_F32_F32"):
+  with jax.default_matmul_precision("BF16_BF16_F32_X6"):
     return audit(fn, params, x)
 
 
@@ -406,7 +410,7 @@ def test_flops_by_precision(mixed_report):
   conv, d1, d2 = MLP_FLOPS
   assert mixed_report.flops_by_precision() == {
       "tpu": {"bf16x1": conv, "bf16x6": d1 + d2},
-      "gpu": {"tf32": conv, "f32": d1 + d2},
+      "gpu": {"tf32": conv, "bf16x6": d1 + d2},
   }
   assert mixed_report.total_flops == sum(MLP_FLOPS)
 
@@ -417,7 +421,7 @@ def test_to_json_round_trips(mixed_report):
   assert (d["num_ops"], d["num_risky"], d["total_flops"]) == (3, 1, sum(MLP_FLOPS))
   conv = d["rows"][0]
   assert conv["primitive"] == "conv_general_dilated"
-  assert conv["precision"] == "F32_F32_F32" and conv["risky"] is True
+  assert conv["precision"] == "BF16_BF16_F32_X6" and conv["risky"] is True
   assert conv["lhs_shape"] == [2, 8, 8, 3] and conv["tpu_numerics"]["passes"] == 1
   assert d["rows"][1]["tpu_numerics"]["operand_bits"] == 24
 
@@ -433,7 +437,7 @@ def test_str_is_an_aligned_table_with_totals(mixed_report):
   assert [line[col:col + 6] for line in lines[3:6]] == ["bf16x1", "bf16x6", "bf16x6"]
   assert lines[3].rstrip().endswith("RISKY") and not lines[4].endswith("RISKY")
   assert lines[6].startswith("total: 3 ops, 1 risky, 35.9k FLOPs per call; "
-                             "TPU: bf16x1 77%, bf16x6 23%; GPU: tf32 77%, f32 23%")
+                             "TPU: bf16x1 77%, bf16x6 23%; GPU: tf32 77%, bf16x6 23%")
   assert lines[7] == "risky:" and lines[8].startswith("  #1: convolution recorded")
 
 

@@ -10,6 +10,7 @@ import pytest
 from jax import lax
 
 import jaxprec
+from jaxprec import UnsupportedAlgorithmError
 from jaxprec._src import cost as cost_lib
 
 F32 = jnp.float32
@@ -141,16 +142,27 @@ def test_scan_trip_count_multiplies():
 
 
 def test_unknown_algorithm_is_left_out_of_both_totals():
-  # A TF32 preset does not run on a TPU: no weight.
+  # float16 passes on a TPU have no weight.
   def f(x, w1, w2):
-    return jnp.dot(jnp.tanh(x @ w1), w2, precision="TF32_TF32_F32")
+    return jnp.dot(jnp.tanh(x @ w1), w2, precision="F16_F16_F32")
   r = jaxprec.cost(f, X, W1, W2, policy="bfloat16")
   assert r.unknown_flops == 2048
   assert (r.cost, r.float32_cost) == (8192, 6 * 8192)
-  assert "not counted" in str(r) and "tf32" in str(r)
+  assert "not counted" in str(r) and "f16" in str(r)
   # ... unless given one.
-  r = jaxprec.cost(f, X, W1, W2, policy="bfloat16", weights={"tf32": 2})
+  r = jaxprec.cost(f, X, W1, W2, policy="bfloat16", weights={"f16": 2})
   assert r.unknown_flops == 0 and r.cost == 8192 + 2 * 2048
+
+
+def test_an_algorithm_the_target_does_not_run_is_never_costed():
+  # A TF32 preset does not run on a TPU: no cost of 0, the emulation's error.
+  def f(x, w1, w2):
+    return jnp.dot(jnp.tanh(x @ w1), w2, precision="TF32_TF32_F32")
+  with pytest.raises(UnsupportedAlgorithmError,
+                     match=r"no cost on a TPU: TF32_TF32_F32 .* does not run "
+                           r"on a TPU.*'float32' \(bf16x6"):
+    jaxprec.cost(f, X, W1, W2, policy="bfloat16")
+  assert jaxprec.cost(f, X, W1, W2, policy="bfloat16", target="gpu").cost > 0
 
 
 def test_weights_override_h100_ratio():

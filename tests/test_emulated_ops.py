@@ -135,10 +135,10 @@ def k1_operands():
     (None, "gpu", "tf32"), ("high", "gpu", "tf32"), ("highest", "gpu", "f32"),
     (D.BF16_BF16_F32, "gpu", "bf16x1"), ("BF16_BF16_F32_X3", "gpu", "bf16x3"),
     ("BF16_BF16_F32_X6", "gpu", "bf16x6"), ("BF16_BF16_F32_X9", "tpu", "bf16x9"),
-    ("TF32_TF32_F32", "tpu", "tf32"), ("TF32_TF32_F32_X3", "gpu", "tf32x3"),
+    ("TF32_TF32_F32", "gpu", "tf32"), ("TF32_TF32_F32_X3", "gpu", "tf32x3"),
     ("F16_F16_F32", "gpu", "f16"), ("F16_F16_F16", "gpu", "f16_f16_f16"),
-    ("BF16_BF16_BF16", "tpu", "bf16_bf16_bf16"), ("F32_F32_F32", "tpu", "f32"),
-    ("F64_F64_F64", "tpu", "native"), ("ANY_F8_ANY_F8_F32", "gpu", "native"),
+    ("BF16_BF16_BF16", "tpu", "bf16_bf16_bf16"), ("F32_F32_F32", "gpu", "f32"),
+    ("F64_F64_F64", "gpu", "native"), ("ANY_F8_ANY_F8_F32", "gpu", "native"),
     ("highest", "cpu", "native"), ("default", "native", "native"),
     ("high", "TPU", "bf16x3"),
 ])

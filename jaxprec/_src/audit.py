@@ -20,8 +20,16 @@ and nothing in the code says so. Concretely (the jax.lax.Precision docs and JAX'
   convolutions under a preset at ``DEFAULT`` (one bfloat16 pass on TPU, TF32 on
   GPU) whatever the preset says. For float32 operands this is always risky.
 
-Operands that are not float32 (bfloat16, float16, float64, integers) are
-computed natively: the precision setting does not apply.
+A float32 operand with a bfloat16 or float16 one runs at the precision (the
+narrower operand is exact in float32: one bfloat16 pass on a TPU at
+``DEFAULT``), as the emulation and the cost model compute it
+(:func:`jaxprec._src.numerics.op_numerics`, the one decision). Other operands
+(bfloat16 or float16 on both sides, float64, integers) are computed
+natively: the precision setting does not apply.
+
+An op whose algorithm a target does not run (``F32_F32_F32`` or a TF32 preset
+on a TPU, as JAX's own tests/lax_test.py says) shows ``'unsupported'`` in that
+column, and is risky on TPU: the program does not compile there.
 
 The dtype story of every op: the compute dtypes of its operands
 (:attr:`AuditRow.lhs_dtype`), the dtypes they are stored in before a chain of
@@ -56,7 +64,8 @@ from jaxprec._src import trees
 from jaxprec._src import walker
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import paths as flax_paths
-from jaxprec._src.precision import Numerics, Precision
+from jaxprec._src.algorithms import Numerics
+from jaxprec._src.precision import from_lax
 
 __all__ = ["AuditError", "AuditReport", "AuditRow", "OpaqueRow", "audit"]
 
@@ -97,10 +106,12 @@ class AuditRow:
       ``'HIGHEST'``, ``'DEFAULT,HIGHEST'`` or the preset's name.
     tpu, gpu: what runs there: the algorithm name of
       :class:`~jaxprec.Numerics` (``'bf16x1'``, ``'bf16x3'``, ``'bf16x6'``,
-      ``'tf32'``, ``'f32'``, ...) for float32 operands, ``'native <dtype>'``
-      otherwise, ``'unknown'`` for a custom ``lax.DotAlgorithm``.
+      ``'tf32'``, ``'f32'``, ...) for float32 operands (or a float32 and a
+      bfloat16 or float16 operand), ``'unsupported'`` where the target does
+      not run the precision's algorithm, ``'native <dtype>'`` otherwise,
+      ``'unknown'`` for a custom ``lax.DotAlgorithm``.
     tpu_numerics, gpu_numerics: the :class:`~jaxprec.Numerics` behind
-      ``tpu``/``gpu`` (None for native and unknown).
+      ``tpu``/``gpu``: the one table's record (None for native and unknown).
     flops: floating-point operations per call, times ``trip_count``:
       ``2*M*N*K`` (batch dims included) for a dot; ``2 * output elements *
       kernel spatial size * input features per group`` for a convolution.
@@ -457,25 +468,35 @@ def _precision_name(precision: Any) -> str:
 
 def _effective(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str
                ) -> tuple[str, str, Numerics | None, Numerics | None]:
-  """What runs on TPU and GPU: (tpu, gpu, tpu_numerics, gpu_numerics)."""
-  if not (lhs_dtype == rhs_dtype == "float32"):
-    native = (f"native {lhs_dtype}" if lhs_dtype == rhs_dtype
-              else f"native {lhs_dtype}x{rhs_dtype}")
-    return native, native, None, None
-  p = _effective_precision(prim, precision)
-  if p is None:
-    return "unknown", "unknown", None, None
-  return p.tpu.algorithm, p.gpu.algorithm, p.tpu, p.gpu
+  """What runs on TPU and GPU: (tpu, gpu, tpu_numerics, gpu_numerics).
 
-
-def _effective_precision(prim: str, precision: Any) -> Precision | None:
-  return numerics.effective(precision, numerics.op_kind(prim))
+  The one decision the emulation and the cost model make too
+  (:func:`jaxprec._src.numerics.op_numerics`): a float32 x bfloat16 dot at
+  ``DEFAULT`` is one bfloat16 pass on a TPU, not a native op.
+  """
+  recorded = lax.Precision.DEFAULT if precision is None else precision
+  meanings = []
+  for target in ("tpu", "gpu"):
+    try:
+      n = numerics.op_numerics(recorded, target, lhs_dtype, rhs_dtype, op=prim)
+    except ValueError:
+      return "unknown", "unknown", None, None  # a custom lax.DotAlgorithm
+    if n is None:  # the precision does not apply to these operands
+      native = (f"native {lhs_dtype}" if lhs_dtype == rhs_dtype
+                else f"native {lhs_dtype}x{rhs_dtype}")
+      return native, native, None, None
+    meanings.append(n)
+  tpu, gpu = meanings
+  return tpu.algorithm, gpu.algorithm, tpu, gpu
 
 
 def _risk(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str,
           tpu: Numerics | None) -> tuple[bool, str]:
-  if not (lhs_dtype == rhs_dtype == "float32") or tpu is None:
+  if tpu is None:  # native operands, or a custom lax.DotAlgorithm
     return False, ""
+  if not tpu.supported:
+    return True, "unsupported on TPU: " + numerics.unsupported_message(
+        from_lax(precision), "tpu")
   if numerics.lowered(precision, numerics.op_kind(prim)) is not precision:
     # A convolution that recorded a preset (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py).
     return True, (
@@ -483,13 +504,15 @@ def _risk(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str,
         f"convolutions under a preset at DEFAULT, 1 bfloat16 pass on TPU (TF32 "
         f"on GPU); use a level (e.g. 'float32') or decorate the function with "
         f"@jaxprec.precision({precision.name!r})")
-  if tpu.passes < 1 or tpu.operand_bits > 11:
+  if tpu.operand_bits > 11:
     return False, ""
   if precision is None:
     why = "no precision set, the backend default"
   else:
     why = f"precision {_precision_name(precision)}"
-  return True, (f"float32 operands, {why}: on TPU, {tpu.note} "
+  operands = ("float32 operands" if lhs_dtype == rhs_dtype
+              else f"{lhs_dtype} x {rhs_dtype} operands")
+  return True, (f"{operands}, {why}: on TPU, {tpu.note} "
                 f"({tpu.operand_bits} significand bits)")
 
 

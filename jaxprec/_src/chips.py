@@ -13,9 +13,10 @@ predict a step time.
 
 A pass type is the dtype a matrix unit multiplies in: ``'bfloat16'``,
 ``'float16'``, ``'tensorfloat32'``, ``'float32'`` (CUDA cores, no tensor
-cores), ``'int8'``. :data:`PASS_TYPES` says which one each algorithm of
-:data:`jaxprec._src.numerics.ALGORITHMS` uses and how many times; float32 on a
-TPU is six bfloat16 passes (XLA's dot_algorithm_rewriter.cc, openxla/xla).
+cores), ``'int8'``. Each algorithm's record in the one table
+(:mod:`jaxprec._src.algorithms`) says which one it uses and how many times
+(:func:`pass_type`); float32 on a TPU is six bfloat16 passes (XLA's
+dot_algorithm_rewriter.cc, openxla/xla).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from jaxprec._src import algorithms
 from jaxprec._src import numerics
 
-__all__ = ["CHIPS", "FLOAT32_ALGORITHM", "PASS_TYPES", "Chip", "check_chip",
+__all__ = ["CHIPS", "FLOAT32_ALGORITHM", "Chip", "check_chip",
            "op_seconds", "pass_type"]
 
 
@@ -100,19 +102,9 @@ CHIPS: Mapping[str, Chip] = {
         source="https://www.nvidia.com/en-us/data-center/h100/"),
 }
 
-# (pass type, passes) of each algorithm a target runs (numerics.ALGORITHMS)
-# and of native dtypes (cost.algorithm's 'native <dtype>' keys).
-PASS_TYPES: Mapping[str, tuple[str, int]] = {
-    **{f"bf16x{n}": ("bfloat16", n) for n in (1, 3, 6, 9)},
-    "bf16_bf16_bf16": ("bfloat16", 1),
-    "tf32": ("tensorfloat32", 1), "tf32x3": ("tensorfloat32", 3),
-    "f32": ("float32", 1),
-    "f16": ("float16", 1), "f16_f16_f16": ("float16", 1),
-    "native bfloat16": ("bfloat16", 1), "native float16": ("float16", 1),
-    "native int8": ("int8", 1),
-}
-# Native float32 runs as the target's float32 algorithm.
-FLOAT32_ALGORITHM: Mapping[str, str] = {"tpu": "bf16x6", "gpu": "f32"}
+# Native float32 runs as the target's float32 algorithm (the one table).
+FLOAT32_ALGORITHM: Mapping[str, str] = {
+    t: algorithms.float32_algorithm(t) for t in numerics.TARGETS}
 
 
 def check_chip(chip: object) -> Chip:
@@ -141,11 +133,11 @@ def check_chip(chip: object) -> Chip:
 
 
 def pass_type(algorithm: str, target: str) -> tuple[str, int] | None:
-  """``(pass type, passes)`` of ``algorithm`` on ``target``; None when
-  unknown (a custom algorithm, float8, float64)."""
-  if algorithm == "native float32":
-    algorithm = FLOAT32_ALGORITHM[target]
-  return PASS_TYPES.get(algorithm)
+  """``(pass type, passes)`` of ``algorithm`` (or a ``'native <dtype>'``
+  cost key) on ``target``, from the one table's record
+  (:func:`jaxprec._src.algorithms.pass_type`); None when unknown (a custom
+  algorithm, one the target does not run)."""
+  return algorithms.pass_type(algorithm, target)
 
 
 def op_seconds(chip: Chip, algorithm: str, flops: float, nbytes: float

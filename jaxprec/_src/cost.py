@@ -18,9 +18,17 @@ Weights (:data:`WEIGHTS`), in units of the target's cheapest float32 matmul
   passes 0.5 (twice TF32's rate on both), so ``bf16x3`` 1.5 and ``bf16x6`` 3;
   8-bit operands 0.25; float64 8 (A100: 19.5 TFLOPS).
 
-Ops whose algorithm has no weight (``unknown``, e.g. a TF32 preset on a TPU
-or a custom ``lax.DotAlgorithm``) are counted in ``unknown_flops`` and left
-out of both totals; pass ``weights=`` to give them one.
+Ops whose algorithm has no weight (``unknown``, e.g. a custom
+``lax.DotAlgorithm``, or float16 passes on a TPU) are counted in
+``unknown_flops`` and left out of both totals; pass ``weights=`` to give them
+one. An op whose algorithm the target does not run (``F32_F32_F32`` or a
+TF32 preset on a TPU) has no cost there: :func:`cost` raises
+``UnsupportedAlgorithmError``, as the emulation does, naming the precisions
+the target runs.
+
+The weights are passes times the cost of one pass in its format
+(:data:`PASS_COSTS`), both read from the one table
+(:mod:`jaxprec._src.algorithms`).
 
 The float32 baseline is the same function with ``policy='float32'``: every
 op the policy can reach at float32, ops whose code sets a precision as they
@@ -52,6 +60,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxprec._src import algorithms
 from jaxprec._src import audit as audit_lib
 from jaxprec._src import chips as chips_lib
 from jaxprec._src import cost_text
@@ -75,21 +84,33 @@ the table."""
 
 TARGETS = numerics.TARGETS
 
-# Cost of one FLOP in units of the target's cheapest float32 matmul pass
-# (module docstring; docs/search.md for the sources).
-WEIGHTS: Mapping[str, Mapping[str, float]] = {
-    "tpu": {
-        "bf16x1": 1.0, "bf16x3": 3.0, "bf16x6": 6.0, "bf16x9": 9.0,
-        "bf16_bf16_bf16": 1.0, "native bfloat16": 1.0, "native float32": 6.0,
-    },
-    "gpu": {
-        "tf32": 1.0, "tf32x3": 3.0, "f32": 8.0,
-        "bf16x1": 0.5, "bf16x3": 1.5, "bf16x6": 3.0, "bf16x9": 4.5,
-        "bf16_bf16_bf16": 0.5, "f16": 0.5, "f16_f16_f16": 0.5,
-        "native bfloat16": 0.5, "native float16": 0.5, "native float8": 0.25,
-        "native int8": 0.25, "native float32": 8.0, "native float64": 8.0,
-    },
+# Cost of one pass in each format, per FLOP, in units of the target's
+# cheapest float32 matmul pass (module docstring; docs/search.md for the
+# sources). A pass format a target has no figure for is left unweighted.
+PASS_COSTS: Mapping[str, Mapping[str, float]] = {
+    "tpu": {"bfloat16": 1.0},
+    "gpu": {"tensorfloat32": 1.0, "float32": 8.0, "bfloat16": 0.5,
+            "float16": 0.5, "float8": 0.25, "int8": 0.25, "float64": 8.0},
 }
+# The cost keys of ops the precision does not apply to (algorithm()).
+_NATIVE_KEYS = tuple(f"native {d}" for d in (
+    "bfloat16", "float16", "float8", "int8", "float32", "float64"))
+
+
+def _weights(target: str) -> dict[str, float]:
+  """Cost per FLOP of each algorithm the target runs and of each native
+  dtype: passes times the cost of a pass in its format, both read from the
+  one table (:func:`jaxprec._src.algorithms.pass_type`)."""
+  out = {}
+  for key in (*numerics.ALGORITHMS[1:], *_NATIVE_KEYS):
+    kind = algorithms.pass_type(key, target)
+    if kind is not None and kind[0] in PASS_COSTS[target]:
+      out[key] = kind[1] * PASS_COSTS[target][kind[0]]
+  return out
+
+
+WEIGHTS: Mapping[str, Mapping[str, float]] = {
+    t: _weights(t) for t in numerics.TARGETS}
 
 
 # One checker for every entry point (kept here by name for old callers).
@@ -149,6 +170,10 @@ def algorithm(row: audit_lib.AuditRow, target: str,
     An emulation algorithm name (``'bf16x3'``, ``'tf32'``, ...), ``'native
     <dtype>'`` for operands the precision does not apply to, or
     ``'unknown'`` for a custom ``lax.DotAlgorithm``.
+
+  Raises:
+    UnsupportedAlgorithmError: ``target`` does not run the op's algorithm
+      (``F32_F32_F32`` or a TF32 preset on a TPU), as the emulation raises.
   """
   prec = row.precision
   if prec is None:
@@ -157,6 +182,12 @@ def algorithm(row: audit_lib.AuditRow, target: str,
   try:
     algo = algorithm_for(prec, target, jnp.dtype(row.lhs_dtype),
                          jnp.dtype(row.rhs_dtype), op=row.primitive)
+  except numerics.UnsupportedAlgorithmError as e:
+    # Never a cost of 0: the target cannot run the op at all.
+    where = f" at {row.source}" if row.source else ""
+    raise numerics.UnsupportedAlgorithmError(
+        f"jaxprec.cost: the {row.primitive}{where} has no cost on a "
+        f"{target.upper()}: {e}") from None
   except (ValueError, TypeError):
     return "unknown"
   if algo == "native":
@@ -470,6 +501,8 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
 
   Raises:
     TypeError: ``fn`` is not callable.
+    UnsupportedAlgorithmError: an op's algorithm does not run on the target
+      (a ValueError; the message names the precisions that do).
     ValueError: unknown target or chip (the message lists the choices and
       the closest one), a chip of another target, bad policy or weights.
     jaxprec.AuditError: tracing ``fn`` failed.

@@ -17,7 +17,9 @@ import jax
 from jaxprec._src import context
 from jaxprec._src import env as env_lib
 from jaxprec._src import kernels
-from jaxprec._src.precision import Numerics, Precision
+from jaxprec._src import algorithms
+from jaxprec._src.algorithms import Numerics
+from jaxprec._src.precision import Precision
 
 __all__ = ["explain", "explain_dict"]
 
@@ -144,10 +146,17 @@ def _describe(n: dict[str, Any] | None) -> str:
           f"bits, relative error per product ~{n['rel_error']:.1e})")
 
 
+# The algorithms whose kernel the text names: the TPU's one bfloat16 pass
+# and every multi-pass algorithm of the one table.
+_KERNEL_ALGORITHMS = tuple(
+    a for a in algorithms.emulated()
+    if algorithms.record(a).passes > 1 or a == algorithms.LEVELS["tpu"]["DEFAULT"])
+
+
 def _kernel_lines(k: dict[str, Any]) -> list[str]:
   """Which kernel runs the emulated passes, and why (docs/emulation.md)."""
   by_kernel: dict[str, list[str]] = {}
-  for algorithm in ("bf16x1", "bf16x3", "bf16x6", "bf16x9", "tf32x3"):
+  for algorithm in _KERNEL_ALGORITHMS:
     by_kernel.setdefault(k["per_algorithm"][algorithm], []).append(algorithm)
   runs = "; ".join(f"{name} dots for {', '.join(algs)}"
                    for name, algs in sorted(by_kernel.items()))

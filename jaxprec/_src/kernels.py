@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprec._src import algorithms
 from jaxprec._src import compat
 
 __all__ = ["BF16_UNIT_FLAGS", "ENV_VAR", "F32_MARGIN", "KERNELS",
@@ -59,15 +60,6 @@ ENV_VAR = "JAXPREC_KERNEL"
 CACHE_ENV_VAR = "JAXPREC_CACHE_DIR"
 KERNELS = ("auto", "bf16", "f32")
 
-# Dots per algorithm: (bfloat16 dots of the bf16 kernel, float32 dots of the
-# bf16 kernel, float32 dots of the f32 kernel). TF32 and float16 passes run as
-# float32 dots in both kernels.
-DOTS: dict[str, tuple[int, int, int]] = {
-    "bf16x1": (1, 0, 1), "bf16x3": (3, 0, 2), "bf16x6": (6, 0, 3),
-    "bf16x9": (9, 0, 3), "bf16_bf16_bf16": (1, 0, 1),
-    "tf32": (0, 1, 1), "tf32x3": (0, 3, 2), "f16": (0, 1, 1),
-    "f16_f16_f16": (0, 1, 1),
-}
 # The CPU flags (as /proc/cpuinfo spells them) of bfloat16 dot units: x86's
 # AVX512-BF16 and AMX-BF16, Arm's FEAT_BF16.
 BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
@@ -92,7 +84,8 @@ _OPS = ("dot_general", "conv_general_dilated")
 # alone measure 1.16x, the whole op, rounding included, 0.98-1.07x, and
 # BERT-base at one pass ran at 1.36-1.49x native on bf16 against 1.52-1.66x
 # on f32 (measure_one_pass times the whole op at a BERT-base FFN shape).
-_ONE_PASS = ("bf16x1", "bf16_bf16_bf16")
+_ONE_PASS = tuple(a for a in algorithms.emulated()
+                  if algorithms.record(a).dots[:2] == (1, 0))
 _ONE_PASS_SHAPE = (128, 768, 3072)
 
 
@@ -239,9 +232,11 @@ class KernelChoice:
     Raises:
       ValueError: an algorithm or op jaxprec does not emulate.
     """
-    if algorithm not in DOTS:
+    dots = algorithms.RECORDS.get(algorithm)
+    dots = None if dots is None else dots.dots  # the one table's record
+    if dots is None:
       raise ValueError(f"Unknown emulated algorithm {algorithm!r}; valid "
-                       f"choices: {', '.join(map(repr, DOTS))}.")
+                       f"choices: {', '.join(map(repr, algorithms.emulated()))}.")
     if op not in _OPS:
       raise ValueError(f"Unknown op {op!r}; valid choices: "
                        f"{', '.join(map(repr, _OPS))}.")
@@ -249,7 +244,7 @@ class KernelChoice:
       return self.setting
     if self.ratio is None:  # GPU, TPU: bfloat16 dot units
       return "bf16"
-    bf16_dots, f32_dots, merged = DOTS[algorithm]
+    bf16_dots, f32_dots, merged = dots
     if op != "dot_general":  # convolution passes run in float32 either way
       f32_dots, bf16_dots = f32_dots + bf16_dots, 0
     if not bf16_dots:  # float32 passes in both kernels: the fewer dots
@@ -261,7 +256,7 @@ class KernelChoice:
 
   def per_algorithm(self) -> dict[str, str]:
     """The kernel of each multi-kernel algorithm, for matmuls."""
-    return {a: self.kernel_for(a) for a in DOTS}
+    return {a: self.kernel_for(a) for a in algorithms.emulated()}
 
   def to_dict(self) -> dict[str, Any]:
     """What a report records of the kernel (``report.json``'s ``"kernel"``).

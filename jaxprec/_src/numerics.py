@@ -14,8 +14,12 @@ checker and the search. A fact written here once is never re-derived elsewhere
   convolution understands levels only, so under a preset it runs at the
   preset's level, never at JAX's silent DEFAULT): :func:`per_op` and
   :func:`flag_for`.
-* **What a target runs** for an op at a precision and operand dtypes:
-  :func:`algorithm_for`, one of :data:`ALGORITHMS`, and its :data:`PASSES`.
+* **What a target runs** for an op at a precision and operand dtypes, the
+  one decision that the audit, the emulation and the cost model share:
+  :func:`op_numerics` (the record of the one table of algorithms,
+  :mod:`jaxprec._src.algorithms`) and :func:`algorithm_for` (its name, one of
+  :data:`ALGORITHMS`, whose passes are :data:`PASSES`). An algorithm the
+  target does not run raises :class:`UnsupportedAlgorithmError`.
 * **Compute dtypes** a policy may give a module: :data:`DTYPES`, their
   spellings and sizes (:data:`DTYPE_BYTES`), and the one checker,
   :func:`canonical_dtype`.
@@ -31,16 +35,19 @@ import jax
 import numpy as np
 from jax import lax
 
-from jaxprec._src.precision import Precision, PrecisionLike, from_lax, resolve
+from jaxprec._src import algorithms
+from jaxprec._src.algorithms import Numerics
+from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
 __all__ = ["ALGORITHMS", "DTYPES", "DTYPE_BYTES", "EMULATION_TARGETS", "MODES",
-           "OP_KINDS", "PASSES", "PRIMITIVES", "TARGETS", "algorithm_for",
-           "canonical_dtype", "check_choice", "check_target", "effective",
+           "OP_KINDS", "PASSES", "PRIMITIVES", "TARGETS", "UnsupportedAlgorithmError",
+           "algorithm_for",
+           "canonical_dtype", "check_choice", "check_target",
            "emulatable", "flag_for", "level_name", "lowered", "op_kind",
-           "per_op", "resolve_mode"]
+           "op_numerics", "per_op", "resolve_mode", "unsupported_message"]
 
 # What a TPU or an Ampere+ GPU computes; 'cpu'/'native' emulate nothing.
-TARGETS = ("tpu", "gpu")
+TARGETS = algorithms.TARGETS
 EMULATION_TARGETS = ("tpu", "gpu", "cpu", "native")
 # How a checker computes a target's numerics: 'auto' runs natively on the
 # target's own backend and emulates elsewhere.
@@ -49,33 +56,17 @@ MODES = ("auto", "emulate", "native")
 OP_KINDS = ("dot", "conv")
 PRIMITIVES = {"dot_general": "dot", "conv_general_dilated": "conv"}
 
-ALGORITHMS = ("native", "f32", "bf16x1", "bf16x3", "bf16x6", "bf16x9", "tf32",
-              "tf32x3", "f16", "bf16_bf16_bf16", "f16_f16_f16")
-# Matmul passes each algorithm runs (the cost model's unit of work).
-PASSES = {"native": 1, "f32": 1, "bf16x1": 1, "bf16x3": 3, "bf16x6": 6,
-          "bf16x9": 9, "tf32": 1, "tf32x3": 3, "f16": 1, "bf16_bf16_bf16": 1,
-          "f16_f16_f16": 1}
+# The algorithms the emulation computes (:func:`algorithm_for`): those of
+# the one table (jaxprec._src.algorithms) that a kernel runs, exact float32,
+# and 'native' (the lax op as recorded).
+ALGORITHMS = ("native", "f32") + algorithms.emulated()
+# Matmul passes of each, read from the table's records.
+PASSES = {"native": 1, **{a: algorithms.record(a).passes
+                          for a in ALGORITHMS[1:]}}
 
 _P = lax.Precision
 _LEVEL_NAMES = {_P.DEFAULT: "bfloat16", _P.HIGH: "tensorfloat32",
                 _P.HIGHEST: "float32"}
-# Levels per target for float32 operands (the jax.lax.Precision docs and JAX's tests/lax_test.py; GPU HIGH is
-# TF32 on some chips and float32 on others: we emulate TF32).
-_LEVEL_ALGORITHMS = {
-    "tpu": {_P.DEFAULT: "bf16x1", _P.HIGH: "bf16x3", _P.HIGHEST: "bf16x6"},
-    "gpu": {_P.DEFAULT: "tf32", _P.HIGH: "tf32", _P.HIGHEST: "f32"},
-}
-# Presets mean the same on every target.
-_PRESET_ALGORITHMS = {
-    "BF16_BF16_F32": "bf16x1", "BF16_BF16_F32_X3": "bf16x3",
-    "BF16_BF16_F32_X6": "bf16x6", "BF16_BF16_F32_X9": "bf16x9",
-    "TF32_TF32_F32": "tf32", "TF32_TF32_F32_X3": "tf32x3",
-    "F16_F16_F32": "f16", "F16_F16_F16": "f16_f16_f16",
-    "BF16_BF16_BF16": "bf16_bf16_bf16", "F32_F32_F32": "f32",
-    "F64_F64_F64": "native", "ANY_F8_ANY_F8_F32": "native",
-    "ANY_F8_ANY_F8_F32_FAST_ACCUM": "native", "ANY_F8_ANY_F8_ANY": "native",
-    "ANY_F8_ANY_F8_ANY_FAST_ACCUM": "native",
-}
 # Compute dtypes a policy may give a module (Rule(dtype=), default_dtype), by
 # their numpy names. float64 only for jaxprec's own reference runs.
 DTYPES = ("bfloat16", "float16", "float32")
@@ -237,26 +228,6 @@ def lowered(recorded: Any, kind: str) -> Any:
   return recorded
 
 
-def effective(recorded: Any, kind: str) -> Precision | None:
-  """The :class:`Precision` an op of ``kind`` that recorded ``recorded`` runs
-  at (:func:`lowered`; None recorded: the backend default); None for a custom
-  ``lax.DotAlgorithm``, which names no precision jaxprec knows.
-
-  Examples:
-    >>> from jax import lax
-    >>> from jaxprec._src.numerics import effective
-    >>> effective(lax.DotAlgorithmPreset.F32_F32_F32, "conv").name
-    'bfloat16'
-    >>> effective(lax.DotAlgorithmPreset.F32_F32_F32, "dot").name
-    'F32_F32_F32'
-  """
-  try:
-    p = from_lax(lowered(recorded, kind))
-  except ValueError:
-    return None  # A custom lax.DotAlgorithm: not one of the presets.
-  return resolve(None) if p is None else p
-
-
 def flag_for(p: Precision, kind: str) -> str | None:
   """The value of JAX's flag that gives ops of ``kind`` precision ``p``
   (a conv under a preset: the preset's level, as :func:`per_op`)."""
@@ -269,6 +240,86 @@ def emulatable(lhs_dtype: Any, rhs_dtype: Any) -> bool:
   """float32 x float32, or float32 x a narrower float (upcast exactly)."""
   dts = (np.dtype(lhs_dtype), np.dtype(rhs_dtype))
   return all(d in _EMULATED_DTYPES for d in dts) and np.dtype(np.float32) in dts
+
+
+class UnsupportedAlgorithmError(ValueError):
+  """A target does not run the algorithm that a precision names (a compile
+  error on that device, never a silent fallback)."""
+
+
+# The levels as each target's users spell them, most precise first.
+_LEVEL_SPELLINGS = {"tpu": ("float32", "bfloat16_3x", "bfloat16"),
+                    "gpu": ("float32", "tensorfloat32", "bfloat16")}
+
+
+# Where the table's targets come from (jaxprec._src.algorithms).
+_SUPPORT_SOURCES = {
+    "tpu": ("JAX's tests/lax_test.py, testDotAlgorithm, runs only DEFAULT and "
+            "the BF16_BF16_F32 presets up to X6 on a TPU"),
+    "gpu": "XLA's IsSupportedDotAlgorithmOnGpu, xla/service/algorithm_util.cc",
+}
+
+
+def unsupported_message(p: Precision, target: str) -> str:
+  """Why ``target`` cannot run ``p``, and the precisions that it can run."""
+  asked = (algorithms.record(algorithms.PRESETS[p.preset.name])
+           if p.preset is not None else None)
+  what = f"{p.name} ({asked.algorithm}: {asked.note})" if asked else p.name
+  seen, offers = set(), []
+  for name in _LEVEL_SPELLINGS[target]:
+    n = resolve(name).on(target)
+    if n.supported and n.algorithm not in seen:
+      seen.add(n.algorithm)
+      offers.append(f"{name!r} ({n.algorithm}, {n.operand_bits} significand "
+                    f"bits)")
+  others = [t for t in TARGETS if t != target and asked is not None
+            and t in asked.targets]
+  elsewhere = "".join(f"; a {t.upper()} runs {p.name} (target={t!r})"
+                      for t in others)
+  return (f"{what} does not run on a {target.upper()}: XLA rejects the "
+          f"algorithm there ({_SUPPORT_SOURCES[target]}). "
+          f"On a {target.upper()} use {', '.join(offers[:-1])} or "
+          f"{offers[-1]}{elsewhere}.")
+
+
+def op_numerics(precision: PrecisionLike, target: str, lhs_dtype: Any,
+                rhs_dtype: Any, *, op: str = "dot_general") -> Numerics | None:
+  """What ``target`` runs for one matmul or conv: the one decision.
+
+  The audit's TPU and GPU columns, the emulation (:func:`algorithm_for`)
+  and the cost model all ask here, so they give an op the same answer.
+
+  Args:
+    precision: as :func:`algorithm_for`.
+    target: one of :data:`EMULATION_TARGETS`.
+    lhs_dtype, rhs_dtype: the operand dtypes. The precision applies where one
+      operand is float32 and the other float32, bfloat16 or float16 (the
+      narrower one is exact in float32): a float32 x bfloat16 dot at
+      ``DEFAULT`` is one bfloat16 pass on a TPU.
+    op: ``'dot_general'`` or ``'conv_general_dilated'``.
+
+  Returns:
+    The algorithm's record (:class:`jaxprec.Numerics`), the ``'unsupported'``
+    record where the target does not run the precision's algorithm, or None
+    where the precision does not apply (other operand dtypes, target
+    ``'cpu'``/``'native'``): the op runs natively.
+
+  Raises:
+    ValueError: unknown target, op or precision (a custom
+      ``lax.DotAlgorithm`` too).
+  """
+  target = check_target(target, emulation=True)
+  kind = op_kind(op)
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  p = resolve(precision)  # validates even when nothing is emulated
+  if target in ("cpu", "native") or not emulatable(lhs_dtype, rhs_dtype):
+    return None
+  if p.preset is not None and kind == "dot":
+    return algorithms.preset_meaning(p.preset.name, target)
+  # A convolution under a preset runs at DEFAULT (per_op's rule).
+  level = _P.DEFAULT if p.preset is not None else p.level
+  return algorithms.level_meaning(level.name, target)
 
 
 def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
@@ -288,12 +339,18 @@ def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
       native meaning.
     op: ``'dot_general'`` or ``'conv_general_dilated'``. Convolutions
       understand levels only: under a ``DotAlgorithmPreset`` JAX lowers them at
-      ``DEFAULT`` (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py), and so does the emulation.
+      ``DEFAULT`` (JAX's conv_general_dilated lowering,
+      jax/_src/lax/convolution.py), and so does the emulation.
 
   Returns:
-    One of :data:`ALGORITHMS`.
+    One of :data:`ALGORITHMS` (:func:`op_numerics`' record; ``'native'``
+    where nothing is emulated, ``F64_F64_F64`` and the ``ANY_F8_*`` presets
+    included).
 
   Raises:
+    UnsupportedAlgorithmError: ``target`` does not run the algorithm (e.g.
+      ``F32_F32_F32`` or a TF32 preset on a TPU); the message names the
+      precisions it runs.
     ValueError: unknown target, op or precision.
 
   Examples:
@@ -308,16 +365,19 @@ def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
     'bf16x1'
     >>> algorithm_for("high", "tpu", jnp.bfloat16, jnp.bfloat16)
     'native'
+    >>> algorithm_for("default", "tpu", jnp.float32, jnp.bfloat16)
+    'bf16x1'
+    >>> algorithm_for("F32_F32_F32", "tpu", jnp.float32, jnp.float32)
+    Traceback (most recent call last):
+    ...
+    jaxprec._src.numerics.UnsupportedAlgorithmError: F32_F32_F32 (f32: exact float32) does not run on a TPU: ... use 'float32' (bf16x6, 24 significand bits), ...
   """
-  target = check_target(target, emulation=True)
-  kind = op_kind(op)
-  if precision is None:
-    precision = jax.config.jax_default_matmul_precision
-  p = resolve(precision)  # validates even when nothing is emulated
-  if target in ("cpu", "native") or not emulatable(lhs_dtype, rhs_dtype):
+  n = op_numerics(precision, target, lhs_dtype, rhs_dtype, op=op)
+  if n is None:
     return "native"
-  if p.preset is not None:
-    if kind == "dot":
-      return _PRESET_ALGORITHMS[p.preset.name]
-    return _LEVEL_ALGORITHMS[target][_P.DEFAULT]
-  return _LEVEL_ALGORITHMS[target][p.level]
+  if not n.supported:
+    if precision is None:
+      precision = jax.config.jax_default_matmul_precision
+    raise UnsupportedAlgorithmError(
+        unsupported_message(resolve(precision), target))
+  return "native" if n.algorithm in algorithms.NATIVE else n.algorithm

@@ -17,56 +17,11 @@ from typing import Any, Union
 
 from jax import lax
 
+from jaxprec._src import algorithms
 from jaxprec._src import names
+from jaxprec._src.algorithms import Numerics
 
-__all__ = ["Numerics", "Precision", "PrecisionLike", "resolve", "valid_names"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Numerics:
-  """What one precision computes for float32 operands on one backend.
-
-  Attributes:
-    passes: number of low-precision matmul passes (1 for a single pass or for
-      exact float32; 0 where the op is computed in float64).
-    operand_bits: significand bits (implicit bit included) that the operands
-      effectively keep: 24 for float32, 8 for bfloat16, 11 for TF32 and
-      float16, about 16 for three bfloat16 passes.
-    rel_error: expected relative error of one product, about ``2**-operand_bits``
-      per operand times two (the bound for a product of two rounded operands).
-    algorithm: short name of the algorithm, e.g. ``'bf16x1'``, ``'bf16x3'``,
-      ``'bf16x6'``, ``'tf32'``, ``'f32'``; jaxprec's emulation uses these names.
-    note: one line for humans.
-  """
-
-  passes: int
-  operand_bits: int
-  algorithm: str
-  note: str
-
-  @property
-  def rel_error(self) -> float:
-    return 2.0 * 2.0 ** -self.operand_bits
-
-
-def _n(passes: int, bits: int, algorithm: str, note: str) -> Numerics:
-  return Numerics(passes=passes, operand_bits=bits, algorithm=algorithm, note=note)
-
-
-# Numerics of each algorithm, shared by the tables below.
-_BF16X1 = _n(1, 8, "bf16x1", "1 bfloat16 pass: operands rounded to bfloat16, float32 accumulation")
-_BF16X3 = _n(3, 16, "bf16x3", "3 bfloat16 passes (about 16 significand bits)")
-_BF16X6 = _n(6, 24, "bf16x6", "6 bfloat16 passes (about float32; subnormals dropped)")
-_BF16X9 = _n(9, 24, "bf16x9", "9 bfloat16 passes (float32 including the smallest terms)")
-_TF32 = _n(1, 11, "tf32", "TensorFloat-32: operands keep 10 explicit mantissa bits")
-_TF32X3 = _n(3, 21, "tf32x3", "3 TF32 passes (about 21 significand bits)")
-_F16 = _n(1, 11, "f16", "operands rounded to float16, float32 accumulation")
-_BF16_OUT = _n(1, 8, "bf16_bf16_bf16", "bfloat16 operands and a bfloat16 result")
-_F32 = _n(1, 24, "f32", "exact float32")
-_F64 = _n(1, 53, "f64", "float64")
-_F8 = _n(1, 4, "f8", "8-bit float operands (for 8-bit float inputs only)")
-_F16_OUT = _n(1, 11, "f16_f16_f16", "float16 operands and a float16 result")
-_UNSUPPORTED = _n(0, 0, "unsupported", "not supported on this backend")
+__all__ = ["Precision", "PrecisionLike", "resolve", "valid_names"]
 
 
 class Kind(enum.Enum):
@@ -89,7 +44,10 @@ class Precision:
     level: the ``lax.Precision`` to use for convolutions, which understand levels
       only (a preset maps to the level that is at least as precise on TPU).
     preset: the ``lax.DotAlgorithmPreset`` where the precision is one, else None.
-    tpu, gpu, cpu: what the precision computes for float32 operands there.
+    tpu, gpu, cpu: what the precision computes for float32 operands there:
+      the :class:`~jaxprec.Numerics` record of the one table of algorithms
+      (:mod:`jaxprec._src.algorithms`), its ``'unsupported'`` record where
+      the target does not run the algorithm (``F32_F32_F32`` on a TPU).
     source: where the value came from when returned by :func:`jaxprec.current`
       (``'context'``, ``'config'``, ``'env'``, ``'backend-default'``); empty
       for values made by :func:`resolve`. Not part of equality.
@@ -143,48 +101,55 @@ class Precision:
 _BACKEND_ALIASES = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu",
                     "cpu": "cpu"}
 
-_CPU_EXACT = _n(1, 24, "f32", "exact float32: CPU ignores every precision level")
 P = lax.Precision
 D = lax.DotAlgorithmPreset
 
 
-def _level(name: str, flag: str | None, level: P, tpu: Numerics,
-           gpu: Numerics) -> Precision:
-  return Precision(name=name, flag=flag, level=level, preset=None, tpu=tpu,
-                   gpu=gpu, cpu=_CPU_EXACT)
+def _level(name: str, flag: str | None, level: P) -> Precision:
+  """A level's :class:`Precision`; its meaning on each target from the one
+  table (:data:`jaxprec._src.algorithms.LEVELS`)."""
+  return Precision(
+      name=name, flag=flag, level=level, preset=None,
+      tpu=algorithms.level_meaning(level.name, "tpu"),
+      gpu=algorithms.level_meaning(level.name, "gpu"),
+      cpu=algorithms.CPU)
 
 
-def _preset(preset: D, level: P, numerics: Numerics, *, tpu: Numerics | None = None,
-            gpu: Numerics | None = None) -> Precision:
-  return Precision(name=preset.name, flag=preset.name, level=level, preset=preset,
-                   tpu=tpu or numerics, gpu=gpu or numerics, cpu=_CPU_EXACT)
+def _preset(preset: D, level: P) -> Precision:
+  """A preset's :class:`Precision`; its meaning on each target from the one
+  table (:data:`jaxprec._src.algorithms.PRESETS`): unsupported where the
+  target does not run it."""
+  return Precision(
+      name=preset.name, flag=preset.name, level=level, preset=preset,
+      tpu=algorithms.preset_meaning(preset.name, "tpu"),
+      gpu=algorithms.preset_meaning(preset.name, "gpu"),
+      cpu=algorithms.CPU)
 
 
-# GPU HIGH: TF32 on some chips, f32 on others (uncertain in the jax.lax.Precision docs);
-# we document TF32, the cheaper and therefore the one that can surprise.
+# ``level`` is what a convolution runs under the precision (convolutions
+# understand levels only).
 _CANONICAL: dict[str, Precision] = {
     p.name: p for p in [
-        Precision(name="backend-default", flag=None, level=P.DEFAULT, preset=None,
-                  tpu=_BF16X1, gpu=_TF32, cpu=_CPU_EXACT),
-        _level("bfloat16", "bfloat16", P.DEFAULT, _BF16X1, _TF32),
-        _level("bfloat16_3x", "tensorfloat32", P.HIGH, _BF16X3, _TF32),
-        _level("tensorfloat32", "tensorfloat32", P.HIGH, _BF16X3, _TF32),
-        _level("float32", "float32", P.HIGHEST, _BF16X6, _F32),
-        _preset(D.BF16_BF16_F32, P.DEFAULT, _BF16X1),
-        _preset(D.BF16_BF16_F32_X3, P.HIGH, _BF16X3),
-        _preset(D.BF16_BF16_F32_X6, P.HIGHEST, _BF16X6),
-        _preset(D.BF16_BF16_F32_X9, P.HIGHEST, _BF16X9),
-        _preset(D.BF16_BF16_BF16, P.DEFAULT, _BF16_OUT),
-        _preset(D.TF32_TF32_F32, P.HIGH, _TF32, tpu=_UNSUPPORTED),
-        _preset(D.TF32_TF32_F32_X3, P.HIGHEST, _TF32X3, tpu=_UNSUPPORTED),
-        _preset(D.F16_F16_F32, P.DEFAULT, _F16),
-        _preset(D.F16_F16_F16, P.DEFAULT, _F16_OUT),
-        _preset(D.F32_F32_F32, P.HIGHEST, _F32, tpu=_BF16X6),
-        _preset(D.F64_F64_F64, P.HIGHEST, _F64, tpu=_UNSUPPORTED),
-        _preset(D.ANY_F8_ANY_F8_F32, P.DEFAULT, _F8),
-        _preset(D.ANY_F8_ANY_F8_F32_FAST_ACCUM, P.DEFAULT, _F8),
-        _preset(D.ANY_F8_ANY_F8_ANY, P.DEFAULT, _F8),
-        _preset(D.ANY_F8_ANY_F8_ANY_FAST_ACCUM, P.DEFAULT, _F8),
+        _level("backend-default", None, P.DEFAULT),
+        _level("bfloat16", "bfloat16", P.DEFAULT),
+        _level("bfloat16_3x", "tensorfloat32", P.HIGH),
+        _level("tensorfloat32", "tensorfloat32", P.HIGH),
+        _level("float32", "float32", P.HIGHEST),
+        _preset(D.BF16_BF16_F32, P.DEFAULT),
+        _preset(D.BF16_BF16_F32_X3, P.HIGH),
+        _preset(D.BF16_BF16_F32_X6, P.HIGHEST),
+        _preset(D.BF16_BF16_F32_X9, P.HIGHEST),
+        _preset(D.BF16_BF16_BF16, P.DEFAULT),
+        _preset(D.TF32_TF32_F32, P.HIGH),
+        _preset(D.TF32_TF32_F32_X3, P.HIGHEST),
+        _preset(D.F16_F16_F32, P.DEFAULT),
+        _preset(D.F16_F16_F16, P.DEFAULT),
+        _preset(D.F32_F32_F32, P.HIGHEST),
+        _preset(D.F64_F64_F64, P.HIGHEST),
+        _preset(D.ANY_F8_ANY_F8_F32, P.DEFAULT),
+        _preset(D.ANY_F8_ANY_F8_F32_FAST_ACCUM, P.DEFAULT),
+        _preset(D.ANY_F8_ANY_F8_ANY, P.DEFAULT),
+        _preset(D.ANY_F8_ANY_F8_ANY_FAST_ACCUM, P.DEFAULT),
     ]
 }
 

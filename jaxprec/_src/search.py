@@ -149,8 +149,9 @@ def _candidates(candidates: Any, target: str,
       raise ValueError(f"Candidate {c!r} is the backend default, which means "
                        f"different things on different hardware; name a "
                        f"precision (e.g. 'bfloat16', 'float32').")
-    if p.on(target).algorithm == "unsupported":
-      raise ValueError(f"Candidate {c!r} ({p.name}) does not run on {target}.")
+    if not p.on(target).supported:  # the one table's answer
+      raise ValueError(f"Candidate {c!r}: "
+                       f"{numerics.unsupported_message(p, target)}")
     algo = numerics.algorithm_for(p.per_op, target, jnp.float32, jnp.float32)
     w = weights.get(algo)
     if w is None:
