@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.extend as jex
+from jax import lax
 from jax._src import core as _core
 from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import partial_eval as pe
@@ -205,7 +206,7 @@ except ImportError:  # pragma: no cover -- a JAX without the public name
   from jax._src.custom_derivatives import linear_call
 
 
-def custom_jvp_bind_params(params: dict, rule, eval_fn, trace_fn,
+def custom_jvp_bind_params(params: dict, rule, eval_fn,
                            rewrites_tangents: Callable[[Any, int], bool]
                            ) -> dict:
   """Bind params of a custom_jvp_call whose body and JVP are both rewritten.
@@ -214,12 +215,12 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn, trace_fn,
   computation holds ops that ``rule`` rewrites, the rule's tangent outputs are
   one ``linear_call`` (a linear function with its own transpose): evaluated,
   it is the tangent computation rewritten by ``rule``; transposed (``jax.grad``
-  of the custom_jvp function), it is JAX's transpose of the native tangent
-  computation, rewritten by ``rule``. So the gradient's matmuls are rewritten
-  as the forward's are. Without it JAX would have to transpose the rewritten
-  ops themselves, which the emulated ops (custom_vjp functions) do not allow.
-  Other rules are evaluated with ``rule`` as they are (``linear_call`` has no
-  batching rule: ``jax.vmap`` of their gradients keeps working).
+  of the custom_jvp function), it is the VJP of that rewritten computation,
+  so the gradient's matmuls are the rewritten ops' own backward passes.
+  Without it JAX would have to transpose the rewritten ops themselves, which
+  the emulated ops (custom_vjp functions) do not allow. Other rules are
+  evaluated with ``rule`` as they are (``linear_call`` has no batching rule:
+  ``jax.vmap`` of their gradients keeps working).
   """
   from jax._src import custom_derivatives as cd
   params = dict(params)
@@ -241,7 +242,7 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn, trace_fn,
     out_primals, nz_out = out[:n_out], iter(out[n_out:])
     if rewrites_tangents(jvp_jaxpr, len(nonzero)):
       nz_out = iter(_rule_tangents(jvp_jaxpr, jvp_consts, n_out, rule, eval_fn,
-                                   trace_fn, list(primals), nonzero))
+                                   list(primals), nonzero))
     out_tangents = [cd.SymbolicZero(typeof(p).to_tangent_aval())
                     if z else next(nz_out) for p, z in zip(out_primals, out_zeros)]
     return [*out_primals, *out_tangents]
@@ -250,16 +251,11 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn, trace_fn,
   return params
 
 
-def _keep(eqn, invals):
-  """A walker rule that rewrites nothing (native evaluation)."""
-  del eqn, invals
-
-
-def _rule_tangents(jvp_jaxpr, consts, n_out: int, rule, eval_fn, trace_fn,
+def _rule_tangents(jvp_jaxpr, consts, n_out: int, rule, eval_fn,
                    primals: list, tangents: list) -> list:
   """The nonzero tangent outputs of a custom_jvp rule's jaxpr, as one
   ``linear_call`` in the (non-float0) tangents: forward, the jaxpr evaluated
-  with ``rule``; transposed, the native jaxpr's transpose with ``rule``."""
+  with ``rule``; transposed, the VJP of that evaluation."""
   import numpy as np  # noqa: PLC0415
   linear = [i for i, t in enumerate(tangents)
             if np.dtype(typeof(t).dtype) != jax.dtypes.float0]
@@ -277,12 +273,12 @@ def _rule_tangents(jvp_jaxpr, consts, n_out: int, rule, eval_fn, trace_fn,
     return eval_fn(jvp_jaxpr, consts, rule, [*res, *full(lin)])[n_out:]
 
   def transpose(res, cts):
-    def native(*lin):
-      return eval_fn(jvp_jaxpr, consts, _keep, [*res, *full(lin)])[n_out:]
-    transposed = jax.linear_transpose(native, *lin_avals)
-    closed = trace_fn(lambda *c: list(transposed(list(c))),
-                      [typeof(c) for c in cts])
-    return tuple(eval_fn(closed.jaxpr, closed.consts, rule, list(cts)))
+    # ``forward`` is linear in ``lin``: its VJP at any point is its
+    # transpose, and JAX's VJP of the rewritten ops is theirs (the emulated
+    # ops' backward passes, with the primal parts rewritten as forward).
+    zeros = [lax.full(a.shape, 0, a.dtype) for a in lin_avals]
+    _, pullback = jax.vjp(lambda *lin: forward(res, lin), *zeros)
+    return tuple(pullback(list(cts)))
 
   return list(linear_call(forward, transpose, tuple(primals),
                           tuple(tangents[i] for i in linear)))

@@ -396,7 +396,7 @@ def _shard_map(eqn, invals, rule, params):
 
 
 def _custom_jvp(eqn, invals, rule, params):
-  bind_params = compat.custom_jvp_bind_params(params, rule, _eval, trace,
+  bind_params = compat.custom_jvp_bind_params(params, rule, _eval,
                                               _matmul_on_tangents)
   return _bind(eqn, invals, bind_params)
 
