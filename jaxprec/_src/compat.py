@@ -264,7 +264,9 @@ def _rule_tangents(jvp_jaxpr, consts, n_out: int, rule, eval_fn,
   lin_avals = [typeof(tangents[i]) for i in linear]
 
   def full(lin):
-    tans = list(tangents)
+    # float0 tangents (of integer primals) are zeros: made afresh, not closed
+    # over, as the transpose is traced later.
+    tans = [np.zeros(typeof(t).shape, jax.dtypes.float0) for t in tangents]
     for i, t in zip(linear, lin):
       tans[i] = t
     return tans
