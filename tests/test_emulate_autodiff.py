@@ -123,3 +123,23 @@ def test_vmap_of_grad_through_custom_jvp_without_tangent_matmuls():
   per_example = jax.jit(jax.vmap(grad))(X[:, None])
   np.testing.assert_allclose(per_example[:, 0], jax.jit(grad)(X), rtol=1e-6,
                              atol=1e-6)
+
+
+def test_grad_through_a_custom_jvp_rule_with_an_integer_input():
+  # The integer's tangent is float0: not a linear input of the rule's
+  # tangent computation.
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+  def scaled(x, n, k):
+    return (x @ W) * n * k
+
+  @scaled.defjvp
+  def scaled_jvp(k, primals, tangents):
+    (x, n), (tx, _) = primals, tangents
+    return scaled(x, n, k), (tx @ W) * n * k
+
+  n = np.int32(3)
+  got = jax.jit(jax.grad(_loss(jaxprec.emulate(
+      lambda x: scaled(x, n, 0.5), "bfloat16"))))(X)
+  plain = jax.jit(jax.grad(_loss(jaxprec.emulate(
+      lambda x: (x @ W) * n * 0.5, "bfloat16"))))(X)
+  np.testing.assert_array_equal(got, plain)
