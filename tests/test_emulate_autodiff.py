@@ -98,6 +98,11 @@ def test_jvp_linearize_and_transpose_through_a_custom_jvp_rule():
   (back,) = jax.linear_transpose(lin, X)(ct)
   _within_f32_sums(back, _bf16(ct) @ _bf16(W).T, _bf16(ct), _bf16(W).T)
   assert np.abs(back - ct @ W.T).max() > 1e-3
+  # jax.jacfwd batches the rule: d out[i, j] / d x[k, l] = (i == k) * w[l, j]
+  # rounded to bfloat16 (a one-hot tangent's products are exact).
+  jac = jax.jit(jax.jacfwd(emulated))(X)
+  want = np.einsum("ik,lj->ijkl", np.eye(3), _bf16(W))
+  np.testing.assert_array_equal(jac, want)
 
 
 def test_custom_vjp_forward_and_backward_matmuls_are_emulated():

@@ -211,10 +211,11 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn,
                            ) -> dict:
   """Bind params of a custom_jvp_call whose body and JVP are both rewritten.
 
-  Where ``rewrites_tangents(jvp_jaxpr, num_tangents)`` says the rule's tangent
-  computation holds ops that ``rule`` rewrites, the rule's tangent outputs are
-  one ``linear_call`` (a linear function with its own transpose): evaluated,
-  it is the tangent computation rewritten by ``rule``; transposed (``jax.grad``
+  Where ``rewrites_tangents(jvp_jaxpr, num_tangents)`` says the rule's
+  tangent computation holds ops that ``rule`` rewrites (and the rule is not
+  batched, see :func:`_batched`), the rule's tangent outputs are one
+  ``linear_call`` (a linear function with its own transpose): evaluated, it
+  is the tangent computation rewritten by ``rule``; transposed (``jax.grad``
   of the custom_jvp function), it is the VJP of that rewritten computation,
   so the gradient's matmuls are the rewritten ops' own backward passes.
   Without it JAX would have to transpose the rewritten ops themselves, which
@@ -240,7 +241,7 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn,
     n_out = len(out_zeros)
     out = eval_fn(jvp_jaxpr, jvp_consts, rule, [*primals, *nonzero])
     out_primals, nz_out = out[:n_out], iter(out[n_out:])
-    if rewrites_tangents(jvp_jaxpr, len(nonzero)):
+    if not _batched(nonzero) and rewrites_tangents(jvp_jaxpr, len(nonzero)):
       nz_out = iter(_rule_tangents(jvp_jaxpr, jvp_consts, n_out, rule, eval_fn,
                                    list(primals), nonzero))
     out_tangents = [cd.SymbolicZero(typeof(p).to_tangent_aval())
@@ -249,6 +250,21 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn,
 
   params["subfuns"] = (fun, wrap_init(jvp, debug_info=jvp_jaxpr_fun.debug_info))
   return params
+
+
+def _batched(tangents: Sequence[Any]) -> bool:
+  """Whether a custom_jvp rule runs on tangents of a ``jax.vmap`` (``jax.jacfwd``,
+  ``jax.jvp`` of a vmapped function).
+
+  ``linear_call`` has no batching rule, and a batched rule's tangents are
+  never transposed where JAX could (``jax.grad`` of a vmapped custom_jvp
+  function cannot be transposed either way), so such a rule is evaluated as it
+  is. ``batching.BatchTracer`` is private (jax 0.10.2); without it every rule
+  takes the ``linear_call``.
+  """
+  from jax._src.interpreters import batching  # noqa: PLC0415
+  tracer = getattr(batching, "BatchTracer", None)
+  return tracer is not None and any(isinstance(t, tracer) for t in tangents)
 
 
 def _rule_tangents(jvp_jaxpr, consts, n_out: int, rule, eval_fn,
