@@ -148,3 +148,26 @@ def test_grad_through_a_custom_jvp_rule_with_an_integer_input():
   plain = jax.jit(jax.grad(_loss(jaxprec.emulate(
       lambda x: (x @ W) * n * 0.5, "bfloat16"))))(X)
   np.testing.assert_array_equal(got, plain)
+
+
+def test_second_derivatives_in_reverse_mode_and_of_an_emulated_hessian():
+  # f(x) = sum(sin(x @ w)). Each row of x is its own problem, and with
+  # s = -sin(y): d2f / dx[i, j] dx[i, l] = sum_n R(s[i, n] R(w[l, n])) R(w[j, n])
+  # (R: bfloat16 rounding of a matmul operand) when the derivative's matmuls
+  # are emulated, as in the hessian's forward-over-reverse order; the
+  # reverse-over-reverse order rounds the other factor: j and l swap.
+  f = lambda x: jnp.sin(x @ W).sum()  # noqa: E731
+  s = np.asarray(-jnp.sin(jaxprec.emulate(lambda x: x @ W, "bfloat16")(X)))
+  inner = _bf16(s[:, None, :] * np.asarray(_bf16(W), np.float32)[None])
+  want = np.einsum("iln,jn->ijl", inner, _bf16(W))
+  hessian = jax.jit(jaxprec.emulate(jax.hessian(f), "bfloat16"))(X)
+  reverse = jax.jit(jax.jacrev(jax.jacrev(jaxprec.emulate(f, "bfloat16"))))(X)
+  for h, got in ((hessian, want), (reverse, want.transpose(0, 2, 1))):
+    h = np.asarray(h, np.float64)
+    blocks = np.stack([h[i, :, i, :] for i in range(3)])
+    np.testing.assert_allclose(blocks, got, rtol=1e-6, atol=1e-7)
+    for i in range(3):
+      h[i, :, i, :] = 0
+    assert not h.any()
+  native = np.einsum("in,jn,ln->ijl", s, W, W)
+  assert np.abs(want - native).max() > 1e-3
