@@ -388,19 +388,35 @@ def _open_jaxpr(eqn, invals, rule, params, *, key="jaxpr"):
 
 
 def _shard_map(eqn, invals, rule, params):
+  # Re-traced under the public jax.shard_map with the recorded mesh and specs:
+  # the body's collectives and pvary need the mesh's axis names bound.
   closed = compat.close(params["jaxpr"])
-  new, consts = _hoisted(rule, closed)
-  if consts:
-    params = compat.shard_map_add_replicated_inputs(params, len(consts))
-  params["jaxpr"] = new.jaxpr
-  # The primitive's own bind params (jax 0.10: ``subfuns`` made from the
-  # jaxpr; binding the recorded params raised KeyError 'subfuns').
-  return _bind(eqn, [*consts, *invals], eqn.primitive.get_bind_params(params))
+  return compat.shard_map(lambda *a: interpret(closed, rule, *a), params,
+                          invals)
 
 
 def _custom_jvp(eqn, invals, rule, params):
-  bind_params = compat.custom_jvp_bind_params(params, rule, _eval)
+  bind_params = compat.custom_jvp_bind_params(params, rule, _eval,
+                                              _matmul_on_tangents)
   return _bind(eqn, invals, bind_params)
+
+
+def _matmul_on_tangents(jvp_jaxpr, num_tangents: int) -> bool:
+  """Whether a custom_jvp rule's jaxpr (its last ``num_tangents`` inputs are
+  the tangents) computes a matmul or convolution, at any depth, from a value
+  that depends on a tangent."""
+  binders = compat.all_binders(jvp_jaxpr)
+  tangent = set(binders[len(binders) - num_tangents:])
+  for eqn in jvp_jaxpr.eqns:
+    if not any(not isinstance(v, compat.Literal) and v in tangent
+               for v in eqn.invars):
+      continue
+    if eqn.primitive.name in numerics.PRIMITIVES or any(
+        w.eqn.primitive.name in numerics.PRIMITIVES
+        for sub, _ in _sub_jaxprs(eqn) for w in iter_eqns(sub)):
+      return True
+    tangent.update(eqn.outvars)
+  return False
 
 
 def _custom_vjp(eqn, invals, rule, params):

@@ -1,0 +1,173 @@
+"""Gradients of emulated functions: matmuls in custom_jvp rules, custom_vjp rules, both passes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxprec
+
+DN = (((1,), (0,)), ((), ()))
+_RNG = np.random.default_rng(23)
+W = _RNG.standard_normal((5, 4)).astype(np.float32)
+X = _RNG.standard_normal((3, 5)).astype(np.float32)
+
+
+def _bf16(a) -> np.ndarray:
+  """ml_dtypes' round to nearest even bfloat16, as float64."""
+  return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _within_f32_sums(got, want, lhs, rhs) -> None:
+  """``got`` is ``want`` (float64 sum of the same products) up to float32
+  accumulation: ``k * 2**-24 * sum|products|``."""
+  bound = lhs.shape[-1] * 2.0**-24 * (np.abs(lhs) @ np.abs(rhs))
+  assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-30)
+
+
+@jax.custom_jvp
+def _linear(x):
+  return x @ W
+
+
+@_linear.defjvp
+def _linear_jvp(primals, tangents):
+  return _linear(primals[0]), tangents[0] @ W
+
+
+def _loss(fn):
+  return lambda x: jnp.sin(fn(x)).sum()
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "high"])
+def test_grad_through_a_matmul_in_a_custom_jvp_rule(precision):
+  # jax.grad transposes the rule's tangent matmul: each transposed matmul is
+  # emulated, as the same matmul outside a custom_jvp is.
+  emulated = jaxprec.emulate(_linear, precision, target="tpu")
+  got = jax.jit(jax.grad(_loss(emulated)))(X)
+  plain = jax.jit(jax.grad(_loss(jaxprec.emulate(lambda x: x @ W, precision,
+                                                 target="tpu"))))(X)
+  np.testing.assert_array_equal(got, plain)
+  if precision == "bfloat16":  # NumPy: cos(y) @ w.T on bfloat16 operands
+    ct = np.asarray(jnp.cos(emulated(X)))  # the cotangent, as JAX computes it
+    _within_f32_sums(got, _bf16(ct) @ _bf16(W).T, _bf16(ct), _bf16(W).T)
+    assert np.abs(got - ct @ W.T).max() > 1e-3  # the float32 gradient differs
+
+
+def test_grad_through_a_custom_jvp_rule_with_primal_and_tangent_matmuls():
+  @jax.custom_jvp
+  def layer(x, w):
+    return jnp.tanh(x @ w)
+
+  @functools.partial(layer.defjvp, symbolic_zeros=True)
+  def layer_jvp(primals, tangents):
+    (x, w), (tx, tw) = primals, tangents
+    y = layer(x, w)
+    dy = 0.0
+    if type(tx) is not jax.custom_derivatives.SymbolicZero:
+      dy = dy + tx @ w
+    if type(tw) is not jax.custom_derivatives.SymbolicZero:
+      dy = dy + x @ tw
+    return y, (1 - y * y) * dy
+
+  def same(x, w):  # the same math without a custom rule
+    return jnp.tanh(jaxprec.emulated_dot_general(x, w, DN, "bfloat16"))
+
+  loss = lambda f: lambda x, w: jnp.cos(f(x, w)).sum()  # noqa: E731
+  got = jax.jit(jax.grad(loss(jaxprec.emulate(layer, "bfloat16")), (0, 1)))(
+      X, W)
+  # The rule's ct (1 - y*y) * g, then the emulated transposed matmuls.
+  y = np.asarray(same(X, W))
+  ct = np.asarray((1 - y * y) * -jnp.sin(y))
+  _within_f32_sums(got[0], _bf16(ct) @ _bf16(W).T, _bf16(ct), _bf16(W).T)
+  _within_f32_sums(got[1], _bf16(X).T @ _bf16(ct), _bf16(X).T, _bf16(ct))
+  assert np.abs(got[1] - X.T @ ct).max() > 1e-4  # float32 operands differ
+
+
+def test_jvp_linearize_and_transpose_through_a_custom_jvp_rule():
+  emulated = jaxprec.emulate(_linear, "bfloat16", target="tpu")
+  t = _RNG.standard_normal(X.shape).astype(np.float32)
+  _, tangent = jax.jvp(emulated, (X,), (t,))
+  _within_f32_sums(tangent, _bf16(t) @ _bf16(W), _bf16(t), _bf16(W))
+  _, lin = jax.linearize(emulated, X)
+  np.testing.assert_array_equal(lin(t), tangent)
+  ct = _RNG.standard_normal((3, 4)).astype(np.float32)
+  (back,) = jax.linear_transpose(lin, X)(ct)
+  _within_f32_sums(back, _bf16(ct) @ _bf16(W).T, _bf16(ct), _bf16(W).T)
+  assert np.abs(back - ct @ W.T).max() > 1e-3
+  # jax.jacfwd batches the rule: d out[i, j] / d x[k, l] = (i == k) * w[l, j]
+  # rounded to bfloat16 (a one-hot tangent's products are exact).
+  jac = jax.jit(jax.jacfwd(emulated))(X)
+  want = np.einsum("ik,lj->ijkl", np.eye(3), _bf16(W))
+  np.testing.assert_array_equal(jac, want)
+
+
+def test_custom_vjp_forward_and_backward_matmuls_are_emulated():
+  @jax.custom_vjp
+  def layer(x):
+    return x @ W
+
+  layer.defvjp(lambda x: (x @ W, None), lambda _, ct: (ct @ W.T,))
+  emulated = jaxprec.emulate(layer, "bfloat16", target="tpu")
+  np.testing.assert_array_equal(emulated(X), jaxprec.emulate(
+      lambda x: x @ W, "bfloat16", target="tpu")(X))
+  got = jax.grad(_loss(emulated))(X)
+  ct = np.asarray(jnp.cos(emulated(X)))
+  _within_f32_sums(got, _bf16(ct) @ _bf16(W).T, _bf16(ct), _bf16(W).T)
+  assert np.abs(got - ct @ W.T).max() > 1e-3
+
+
+def test_vmap_of_grad_through_custom_jvp_without_tangent_matmuls():
+  # relu is a custom_jvp whose rule has no matmul: its gradient stays
+  # batchable (per-example gradients of a model).
+  f = jaxprec.emulate(lambda x: jax.nn.relu(x @ W), "bfloat16", target="tpu")
+  grad = jax.grad(lambda x: f(x).sum())
+  per_example = jax.jit(jax.vmap(grad))(X[:, None])
+  np.testing.assert_allclose(per_example[:, 0], jax.jit(grad)(X), rtol=1e-6,
+                             atol=1e-6)
+
+
+def test_grad_through_a_custom_jvp_rule_with_an_integer_input():
+  # The integer's tangent is float0: not a linear input of the rule's
+  # tangent computation.
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+  def scaled(x, n, k):
+    return (x @ W) * n * k
+
+  @scaled.defjvp
+  def scaled_jvp(k, primals, tangents):
+    (x, n), (tx, _) = primals, tangents
+    return scaled(x, n, k), (tx @ W) * n * k
+
+  n = np.int32(3)
+  got = jax.jit(jax.grad(_loss(jaxprec.emulate(
+      lambda x: scaled(x, n, 0.5), "bfloat16"))))(X)
+  plain = jax.jit(jax.grad(_loss(jaxprec.emulate(
+      lambda x: (x @ W) * n * 0.5, "bfloat16"))))(X)
+  np.testing.assert_array_equal(got, plain)
+
+
+def test_second_derivatives_in_reverse_mode_and_of_an_emulated_hessian():
+  # f(x) = sum(sin(x @ w)). Each row of x is its own problem, and with
+  # s = -sin(y): d2f / dx[i, j] dx[i, l] = sum_n R(s[i, n] R(w[l, n])) R(w[j, n])
+  # (R: bfloat16 rounding of a matmul operand) when the derivative's matmuls
+  # are emulated, as in the hessian's forward-over-reverse order; the
+  # reverse-over-reverse order rounds the other factor: j and l swap.
+  f = lambda x: jnp.sin(x @ W).sum()  # noqa: E731
+  s = np.asarray(-jnp.sin(jaxprec.emulate(lambda x: x @ W, "bfloat16")(X)))
+  inner = _bf16(s[:, None, :] * np.asarray(_bf16(W), np.float32)[None])
+  want = np.einsum("iln,jn->ijl", inner, _bf16(W))
+  hessian = jax.jit(jaxprec.emulate(jax.hessian(f), "bfloat16"))(X)
+  reverse = jax.jit(jax.jacrev(jax.jacrev(jaxprec.emulate(f, "bfloat16"))))(X)
+  for h, got in ((hessian, want), (reverse, want.transpose(0, 2, 1))):
+    h = np.asarray(h, np.float64)
+    blocks = np.stack([h[i, :, i, :] for i in range(3)])
+    np.testing.assert_allclose(blocks, got, rtol=1e-6, atol=1e-7)
+    for i in range(3):
+      h[i, :, i, :] = 0
+    assert not h.any()
+  native = np.einsum("in,jn,ln->ijl", s, W, W)
+  assert np.abs(want - native).max() > 1e-3
