@@ -182,18 +182,15 @@ def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
     TypeError: ``fn`` returned a leaf that is not a JAX type (a string, say),
       naming its position in the output, as ``jax.jit`` does.
   """
-  key, (treedef, is_array, static, dynamic, avals) = _key(
-      args, kwargs, extra_key, cache is not None)
+  key, (statics, dynamic, avals) = _key(args, kwargs, extra_key,
+                                        cache is not None)
   hit = cache.get(key) if key is not None else None
   if hit is not None:
     return TracedCall(hit[0], hit[1], dynamic)
   store: dict[str, Any] = {}
 
   def flat_fn(*dyn):
-    it = iter(dyn)
-    full = [next(it) if a else s for s, a in zip(static, is_array)]
-    a, kw = jax.tree_util.tree_unflatten(treedef, full)
-    out = fn(*a, **kw)
+    out = statics.call(fn, dyn)
     out_leaves, store["out_tree"] = jax.tree_util.tree_flatten(out)
     _check_outputs(fn, out, out_leaves)
     return out_leaves
@@ -209,25 +206,21 @@ def call_key(args: Sequence[Any], kwargs: dict, extra_key: Any = ()
   """``(key, dynamic)``: the key :func:`trace_call` keeps a trace of
   ``args``/``kwargs`` under, in the JAX context of now (None: not
   hashable), and their array leaves."""
-  key, (_, _, _, dynamic, _) = _key(args, kwargs, extra_key, True)
+  key, (_, dynamic, _) = _key(args, kwargs, extra_key, True)
   return key, dynamic
 
 
 def _key(args, kwargs, extra_key, want: bool):
-  leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-  is_array = tuple(trees.is_array(x) for x in leaves)
-  static = tuple(None if a else x for x, a in zip(leaves, is_array))
-  dynamic = [x for x, a in zip(leaves, is_array) if a]
+  statics, dynamic = trees.split_call(args, kwargs)
   avals = tuple(compat.typeof(x) for x in dynamic)
   key = None
-  if want:
+  if want and statics.key is not None:
     try:
-      key = (treedef, avals, is_array, trees.static_key(static),
-             compat.trace_context(), extra_key)
+      key = (statics.key, avals, compat.trace_context(), extra_key)
       hash(key)
     except TypeError:
       key = None
-  return key, (treedef, is_array, static, dynamic, avals)
+  return key, (statics, dynamic, avals)
 
 
 def _check_outputs(fn, out, leaves) -> None:
