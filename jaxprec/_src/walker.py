@@ -31,7 +31,7 @@ from jaxprec._src import trees
 
 __all__ = ["OPAQUE_PRIMITIVES", "Rule", "TracedCall", "WalkedEqn",
            "bind_unchanged", "call_key", "interpret", "iter_eqns",
-           "opaque_name", "trace", "trace_call", "transform"]
+           "opaque_name", "output_times", "trace", "trace_call", "transform"]
 
 # A rule sees an equation and its input values and returns the output values
 # that replace it (a list, one per outvar), or None to keep the equation.
@@ -111,6 +111,46 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1
     yield WalkedEqn(eqn, scope, trip_count)
     for sub, mult in _sub_jaxprs(eqn):
       yield from iter_eqns(sub, scope + (eqn.primitive.name,), trip_count * mult)
+
+
+def output_times(jaxpr) -> list[tuple[int, ...]]:
+  """When each output of ``jaxpr`` is computed, as a sort key per output.
+
+  An output computed earlier in program order has a smaller key. The key of
+  an output is the index of the equation that produces it, followed, where
+  that equation runs a body whose outputs are its own (``jit``, ``remat``,
+  ``scan``, ``while``, ``custom_jvp_call``, ``custom_vjp_call``), by the key
+  of the body's output: two layers of one ``scan`` or ``jit`` are ordered as
+  its body computes them. An output that is an input (or a constant) has the
+  smallest key, ``(-1,)``.
+
+  Args:
+    jaxpr: a ``ClosedJaxpr`` or ``Jaxpr``.
+
+  Returns:
+    One key per output, in output order.
+  """
+  if isinstance(jaxpr, compat.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
+  producers: dict[int, tuple[Any, dict[Any, tuple[int, int]]]] = {}
+
+  def when(jaxpr, var) -> tuple[int, ...]:
+    hit = producers.get(id(jaxpr))
+    if hit is None or hit[0] is not jaxpr:
+      made = {v: (i, k) for i, eqn in enumerate(jaxpr.eqns)
+              for k, v in enumerate(eqn.outvars)}
+      hit = producers[id(jaxpr)] = (jaxpr, made)
+    if not isinstance(var, compat.Var) or var not in hit[1]:
+      return (-1,)
+    i, k = hit[1][var]
+    eqn = jaxpr.eqns[i]
+    bodies = [b for b in compat.jaxprs_in_params(eqn.params)
+              if len(b.outvars) == len(eqn.outvars)]
+    if len(bodies) != 1:  # none, or the branches of a cond
+      return (i,)
+    return (i, *when(bodies[0], bodies[0].outvars[k]))
+
+  return [when(jaxpr, v) for v in jaxpr.outvars]
 
 
 # ---------------------------------------------------------------------------
