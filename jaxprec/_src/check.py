@@ -48,6 +48,7 @@ from jaxprec._src import numerics
 from jaxprec._src import report as report_lib
 from jaxprec._src import trees
 from jaxprec._src import walker
+from jaxprec._src.flax import capture as flax_capture
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import state as flax_state
 from jaxprec._src.harness import DEFAULT_PRECISIONS, plan
@@ -244,18 +245,6 @@ def _zero_reference_note(names: Sequence[str]) -> str:
           f"rescale the inputs")
 
 
-def _linen_intermediates(tree: Any, path: tuple[str, ...], out: dict) -> None:
-  for k, v in tree.items():
-    if isinstance(v, Mapping):
-      _linen_intermediates(v, path + (str(k),), out)
-    else:  # a method name -> tuple of captured outputs (one per call)
-      base = "/".join(path) or "output"
-      name = base if k == "__call__" else f"{base}.{k}"
-      vals = tuple(v) if isinstance(v, (tuple, list)) else (v,)
-      for i, x in enumerate(vals):
-        out[name if len(vals) == 1 else f"{name}#{i}"] = x
-
-
 def _nnx_intermediates(module: Any, state: Any) -> dict:
   from flax import nnx
   flat = {}
@@ -280,7 +269,9 @@ def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
   Read from ``fn``'s jaxpr (:func:`jaxprec._src.walker.output_times`), so
   that it holds inside every transform (``nn.jit``, ``nn.remat``,
   ``nn.scan``, ``nnx.scan``, ...), whose outputs JAX and Flax rebuild with
-  sorted keys. A value is computed when its last leaf is.
+  sorted keys. A value is computed when its last leaf is; of values computed
+  by one operation (a module that returns its child's output), the deeper
+  module path comes first, the root's ``'output'`` last.
   """
   statics, dynamic = trees.split_call(args, kwargs)
   names: list[tuple[str, int]] = []
@@ -359,17 +350,15 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                       "variables (a dict with 'params') come first")
     variables = {k: v for k, v in args[0].items() if k != "intermediates"}
 
-    def captured(variables, *inputs, **kw):
-      _, state = module.apply(variables, *inputs, method=method,
-                              capture_intermediates=capture,
-                              mutable=["intermediates"], **kw)
-      out: dict[str, Any] = {}
-      _linen_intermediates(state.get("intermediates", {}), (), out)
-      return out
+    def captured(variables, *inputs, lost=None, **kw):
+      return flax_capture.linen_outputs(module, variables, inputs, kw,
+                                        method=method, capture=capture,
+                                        lost=lost)
+    # This trace warns of outputs that cannot be checked; the rows' do not.
     order = _execution_order(captured, (variables, *args[1:]), kwargs)
 
     def linen_fn(variables, *inputs, **kw):
-      return _in_order(captured(variables, *inputs, **kw), order)
+      return _in_order(captured(variables, *inputs, lost=[], **kw), order)
     return _check_cached(linen_fn, ("linen", module, method, capture, order),
                          variables, *args[1:], **common, **kwargs)
   if isinstance(module, nnx.Module):
