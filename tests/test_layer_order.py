@@ -186,9 +186,9 @@ def test_nnx_scan_model_through_check_and_search():
   full = jaxprec.check(model, X, **ROW)
   assert _names(full) == ["output"]
   assert full.layers[0].metrics["bf16"].rel_rms > 0
-  result = jaxprec.search_policy(model, X, tolerance=1e-2, budget=3,
+  result = jaxprec.search_policy(model, X, tolerance=1.0, budget=2,
                                  verbose=False, mode="emulate")
-  assert result.evaluations >= 1
+  assert result.meets_tolerance and result.evaluations == 1
   after = jax.tree_util.tree_leaves(nnx.state(model))
   assert all(a is b for a, b in zip(before, after))  # the model is untouched
 

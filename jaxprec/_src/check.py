@@ -317,9 +317,12 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   ``nnx.capture``; the model is split and merged inside, never mutated.
   Layers are named by module path and ordered by when they are computed
   (children before their parent), also inside ``nn.jit``, ``nn.remat``,
-  ``nnx.jit``, ``nnx.remat`` and ``nnx.scan``, so that
+  ``nn.scan``, ``nnx.jit``, ``nnx.remat`` and ``nnx.scan``, so that
   :meth:`~jaxprec.DivergenceReport.first_divergence` names the first layer
-  that runs.
+  that runs. A scanned layer (``nn.scan``, ``nnx.scan``) is one layer with
+  its outputs of every iteration stacked along a leading axis; outputs that
+  cannot be taken out of a ``while_loop`` or ``cond`` are named in a warning
+  (:mod:`jaxprec._src.flax.capture`).
 
   Args:
     module: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
