@@ -341,19 +341,11 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
   in_force = _precision_in_force()
   fn = nnx_policy.bind(fn, None)  # a traced copy of an NNX module, with paths
 
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  is_array = [trees.is_array(x) for x in leaves]
-
-  def flat_fn(*dynamic):
-    it = iter(dynamic)
-    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
-    a, kw = jax.tree_util.tree_unflatten(treedef, full)
-    return fn(*a, **kw)
+  statics, dynamic = trees.split_call(args, kwargs)
 
   try:
     with flax_paths.record() as module_paths:
-      closed = jax.make_jaxpr(flat_fn)(
-          *[x for x, a in zip(leaves, is_array) if a])
+      closed = jax.make_jaxpr(lambda *dyn: statics.call(fn, dyn))(*dynamic)
   except Exception as e:  # noqa: BLE001 -- re-raised with context
     raise AuditError(
         f"jaxprec.audit: tracing {name} failed: {type(e).__name__}: {e}") from e

@@ -46,7 +46,10 @@ class Storage:
       found = self._env.get(depth, {}).get(var)
       if found is not None:
         return found
-    return np.dtype(var.aval.dtype).name
+    dtype = var.aval.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+      return str(dtype)  # a typed PRNG key (key<fry>): no NumPy dtype
+    return np.dtype(dtype).name
 
   def visit(self, eqn: Any, depth: int) -> None:
     """Records what ``eqn`` (met at ``depth``) tells about storage: call it

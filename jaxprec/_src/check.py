@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+
 from jaxprec._src import compat
 from jaxprec._src import compile_cache
 from jaxprec._src import harness
@@ -44,6 +46,9 @@ from jaxprec._src import kernels
 from jaxprec._src import metrics as metrics_lib
 from jaxprec._src import numerics
 from jaxprec._src import report as report_lib
+from jaxprec._src import trees
+from jaxprec._src import walker
+from jaxprec._src.flax import capture as flax_capture
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import state as flax_state
 from jaxprec._src.harness import DEFAULT_PRECISIONS, plan
@@ -240,18 +245,6 @@ def _zero_reference_note(names: Sequence[str]) -> str:
           f"rescale the inputs")
 
 
-def _linen_intermediates(tree: Any, path: tuple[str, ...], out: dict) -> None:
-  for k, v in tree.items():
-    if isinstance(v, Mapping):
-      _linen_intermediates(v, path + (str(k),), out)
-    else:  # a method name -> tuple of captured outputs (one per call)
-      base = "/".join(path) or "output"
-      name = base if k == "__call__" else f"{base}.{k}"
-      vals = tuple(v) if isinstance(v, (tuple, list)) else (v,)
-      for i, x in enumerate(vals):
-        out[name if len(vals) == 1 else f"{name}#{i}"] = x
-
-
 def _nnx_intermediates(module: Any, state: Any) -> dict:
   from flax import nnx
   flat = {}
@@ -267,6 +260,43 @@ def _nnx_intermediates(module: Any, state: Any) -> dict:
       for i, x in enumerate(vals):
         out[name if len(vals) == 1 else f"{name}#{i}"] = x
   return out
+
+
+def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
+                     kwargs: dict) -> tuple[str, ...]:
+  """The keys of ``fn(*args, **kwargs)`` (a dict) in the order they are computed.
+
+  Read from ``fn``'s jaxpr (:func:`jaxprec._src.walker.output_times`), so
+  that it holds inside every transform (``nn.jit``, ``nn.remat``,
+  ``nn.scan``, ``nnx.scan``, ...), whose outputs JAX and Flax rebuild with
+  sorted keys. A value is computed when its last leaf is; of values computed
+  by one operation (a module that returns its child's output), the deeper
+  module path comes first, the root's ``'output'`` last.
+  """
+  statics, dynamic = trees.split_call(args, kwargs)
+  names: list[tuple[str, int]] = []
+
+  def flat(*dyn):
+    out = statics.call(fn, dyn)
+    leaves = []
+    for name, value in out.items():
+      for leaf in jax.tree_util.tree_leaves(value):
+        names.append((name, len(leaves)))
+        leaves.append(leaf)
+    return leaves
+  closed = jax.make_jaxpr(flat)(*dynamic)
+  when: dict[str, tuple[int, ...]] = {}
+  for (name, _), t in zip(names, walker.output_times(closed)):
+    when[name] = max(when.get(name, t), t)
+  seen = list(dict.fromkeys(n for n, _ in names))
+  return tuple(sorted(seen, key=lambda n: (when[n], -n.count("/"),
+                                            n == "output")))
+
+
+def _in_order(out: dict, order: Sequence[str]) -> dict:
+  """``out`` with the keys of ``order`` first, in that order."""
+  first = {n: out[n] for n in order if n in out}
+  return {**first, **{n: v for n, v in out.items() if n not in first}}
 
 
 def check_module(module: Any, *args: Any, method: str | None = None,
@@ -285,7 +315,14 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   ``#1``). For a ``flax.nnx`` module call ``check_module(model, *inputs)``:
   the outputs of every submodule's ``__call__`` are captured with
   ``nnx.capture``; the model is split and merged inside, never mutated.
-  Layers are ordered as the calls return (children before their parent).
+  Layers are named by module path and ordered by when they are computed
+  (children before their parent), also inside ``nn.jit``, ``nn.remat``,
+  ``nn.scan``, ``nnx.jit``, ``nnx.remat`` and ``nnx.scan``, so that
+  :meth:`~jaxprec.DivergenceReport.first_divergence` names the first layer
+  that runs. A scanned layer (``nn.scan``, ``nnx.scan``) is one layer with
+  its outputs of every iteration stacked along a leading axis; outputs that
+  cannot be taken out of a ``while_loop`` or ``cond`` are named in a warning
+  (:mod:`jaxprec._src.flax.capture`).
 
   Args:
     module: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
@@ -316,19 +353,21 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                       "variables (a dict with 'params') come first")
     variables = {k: v for k, v in args[0].items() if k != "intermediates"}
 
+    def captured(variables, *inputs, lost=None, **kw):
+      return flax_capture.linen_outputs(module, variables, inputs, kw,
+                                        method=method, capture=capture,
+                                        lost=lost)
+    # This trace warns of outputs that cannot be checked; the rows' do not.
+    order = _execution_order(captured, (variables, *args[1:]), kwargs)
+
     def linen_fn(variables, *inputs, **kw):
-      _, state = module.apply(variables, *inputs, method=method,
-                              capture_intermediates=capture,
-                              mutable=["intermediates"], **kw)
-      out: dict[str, Any] = {}
-      _linen_intermediates(state.get("intermediates", {}), (), out)
-      return out
-    return _check_cached(linen_fn, ("linen", module, method, capture),
+      return _in_order(captured(variables, *inputs, lost=[], **kw), order)
+    return _check_cached(linen_fn, ("linen", module, method, capture, order),
                          variables, *args[1:], **common, **kwargs)
   if isinstance(module, nnx.Module):
     graphdef, state = nnx.split(module)
 
-    def nnx_fn(state, *inputs, **kw):
+    def captured(state, *inputs, **kw):
       m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
       scope = flax_state.active()
       if scope is not None:  # a policy row: its path rules reach NNX modules
@@ -338,8 +377,12 @@ def check_module(module: Any, *args: Any, method: str | None = None,
       _, inter = nnx.capture(target_fn, nnx.Intermediate,
                              method_outputs=nnx.Intermediate)(*inputs, **kw)
       return _nnx_intermediates(m, inter)
-    return _check_cached(nnx_fn, ("nnx", graphdef, method), state, *args,
-                         **common, **kwargs)
+    order = _execution_order(captured, (state, *args), kwargs)
+
+    def nnx_fn(state, *inputs, **kw):
+      return _in_order(captured(state, *inputs, **kw), order)
+    return _check_cached(nnx_fn, ("nnx", graphdef, method, order), state,
+                         *args, **common, **kwargs)
   raise TypeError(f"check_module expects a Flax module (flax.linen or "
                   f"flax.nnx); got "
                   f"{type(module).__name__} (use jaxprec.check for functions)")

@@ -77,58 +77,29 @@ __all__ = [
 # Arguments.
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Static:
-  """The static part of a call: everything but the array leaves."""
-
-  treedef: Any
-  is_array: tuple[bool, ...]
-  leaves: tuple[Any, ...]  # None where is_array
-
-  def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
-    it = iter(dynamic)
-    full = [next(it) if a else s for s, a in zip(self.leaves, self.is_array)]
-    args, kwargs = jax.tree_util.tree_unflatten(self.treedef, full)
-    return fn(*args, **kwargs)
-
-
 class Args:
   """``args``/``kwargs`` of a call the harness runs, split for ``jax.jit``.
 
-  Array leaves (JAX and NumPy arrays and scalars) are ``dynamic``: they become
-  jit arguments and are converted as ``jax.jit`` converts them (a NumPy
-  float64 is float32 unless x64 is on). Every other leaf is static.
-  ``jax.ShapeDtypeStruct`` leaves are refused, naming ``who``. ``static``
-  holds no arrays (compiled programs keep it); ``key`` is a hashable
-  description of it, or None.
+  Split by :func:`jaxprec._src.trees.split_call`: array leaves (JAX and
+  NumPy arrays and scalars, typed PRNG keys, the arrays inside an
+  ``nnx.Rngs``) are ``dynamic``: they become jit arguments and are converted
+  as ``jax.jit`` converts them (a NumPy float64 is float32 unless x64 is on).
+  Every other leaf is static. ``jax.ShapeDtypeStruct`` leaves are refused,
+  naming ``who``. ``static`` holds no arrays (compiled programs keep it);
+  ``key`` is a hashable description of it, or None.
   """
 
   def __init__(self, args: Sequence[Any], kwargs: dict, *, who: str):
-    leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-    for x in leaves:
+    for x in jax.tree_util.tree_leaves((tuple(args), dict(kwargs))):
       if isinstance(x, jax.ShapeDtypeStruct):
         raise TypeError(f"{who} runs the function: pass arrays, not "
                         "jax.ShapeDtypeStruct (jaxprec.audit takes those)")
-    is_array = tuple(trees.is_array(x, abstract=False) for x in leaves)
-    self.static = _Static(treedef, is_array,
-                          tuple(None if a else x for x, a in zip(leaves, is_array)))
-    self.dynamic = [x for x, a in zip(leaves, is_array) if a]
-    try:
-      self.key = (treedef, is_array, trees.static_key(self.static.leaves))
-      hash(self.key)
-    except TypeError:
-      self.key = None
+    self.static, self.dynamic = trees.split_call(args, kwargs, abstract=False)
+    self.key = self.static.key
 
   def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
     """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
     return self.static.call(fn, dynamic)
-
-
-def signature(dynamic: Sequence[Any]) -> tuple:
-  """Shapes and dtypes as ``jax.jit`` sees them (x64 off: float64 -> float32)."""
-  return tuple((tuple(np.shape(x)),
-                np.dtype(jax.dtypes.canonicalize_dtype(x.dtype)))
-               for x in dynamic)
 
 
 # ---------------------------------------------------------------------------
@@ -181,7 +152,7 @@ def narrow_compute(fn, call: Args, cache: dict | None = None
   # Keyed on the arguments' shapes and dtypes and on what jax.jit keys on
   # (x64, a policy in force, ...): a bfloat16 input may make ``fn`` narrow.
   key = None if call.key is None else (
-      "narrow", call.key, signature(call.dynamic), compat.trace_context())
+      "narrow", call.key, trees.signature(call.dynamic), compat.trace_context())
   return _program(fn, key, make, cache)
 
 
@@ -301,7 +272,7 @@ def _reference_program(fn, call: Args, ref_plan: Plan | None,
         layers = layers_lib.ordered_layers(ref_plan.wrap, f, static, dynamic)
       layers = _pick(layers, select)
       info = _info(layers)
-      holder[signature(dynamic)] = info
+      holder[trees.signature(dynamic)] = info
       layout = _layout(info)
       values = [v for _, v in layers]
       lo = None
@@ -407,7 +378,7 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
   prog = _reference_program(fn, call, ref_plan, select, cache, dtypes=undo)
   with (jax.enable_x64(True) if x64 else contextlib.nullcontext()):
     hi, lo, stats, layers = prog(call.dynamic)
-    info = prog.holder[signature(call.dynamic)]
+    info = prog.holder[trees.signature(call.dynamic)]
   del layers  # never copied to the host
   name = str(reference) if isinstance(reference, Policy) else (
       reference if isinstance(reference, str) else label_of(reference))

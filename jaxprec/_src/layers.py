@@ -121,7 +121,14 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
   if module is not None:
     # Stay a method of the NNX module, so that a policy's path rules still
     # find it (jaxprec._src.flax.nnx_policy.bind).
+    clone = sys.modules["flax.nnx"].clone
+
     def observed_method(self, *a, **k):
+      if self is module:
+        # A copy made in this trace runs: NNX transforms inside (nnx.scan,
+        # nnx.remat, nnx.jit) refuse variables of another trace level, and
+        # the user's module is never written to.
+        self = clone(module)
       out = method(self, *a, **k)
       order.append([n for n, _ in layers(out)])
       return out

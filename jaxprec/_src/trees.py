@@ -2,17 +2,21 @@
 
 jaxprec splits a call's arguments into array leaves (traced, or passed to
 ``jax.jit`` as arguments) and static ones (passed as they are), and checks a
-traced function's outputs. Both questions are answered here, once.
+traced function's outputs. Both questions are answered here, once:
+:func:`split_call` is the one place that splits a call.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["is_array", "is_jax_type", "static_key"]
+__all__ = ["CallStatics", "is_array", "is_jax_type", "signature", "split_call",
+           "static_key"]
 
 _CONCRETE = (jax.Array, np.ndarray, np.generic)
 _SCALARS = (bool, int, float, complex)
@@ -79,3 +83,83 @@ def static_key(leaves: tuple[Any, ...]) -> tuple[Any, ...]:
   """
   return tuple((type(x), repr(x)) if isinstance(x, (float, complex))
                else (type(x), x) for x in leaves)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CallStatics:
+  """The static part of a call: everything but its array leaves.
+
+  Holds no arrays (compiled programs may keep it). :meth:`call` puts array
+  values back in place of the array leaves.
+
+  Attributes:
+    treedef: the structure of ``(args, kwargs)``.
+    is_array: which leaves are arrays.
+    leaves: the static leaves, None where a leaf is an array.
+    key: a hashable description of the static part (:func:`static_key` of
+      the leaves), or None where a static leaf is not hashable.
+  """
+
+  treedef: Any
+  is_array: tuple[bool, ...]
+  leaves: tuple[Any, ...]
+  key: Any
+
+  def rebuild(self, dynamic: Sequence[Any]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with ``dynamic`` in place of the array leaves."""
+    it = iter(dynamic)
+    full = [next(it) if a else s for s, a in zip(self.leaves, self.is_array)]
+    return jax.tree_util.tree_unflatten(self.treedef, full)
+
+  def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
+    """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
+    args, kwargs = self.rebuild(dynamic)
+    return fn(*args, **kwargs)
+
+
+def split_call(args: Sequence[Any], kwargs: dict, *, abstract: bool = True
+               ) -> tuple[CallStatics, list[Any]]:
+  """Splits a call's arguments into its static part and its array leaves.
+
+  The one place every entry point (``audit``, ``cost``, ``emulate``,
+  ``check``, ``search_policy``) splits a call. Array leaves are those of
+  :func:`is_array` (with ``abstract``), typed PRNG keys
+  (``jax.random.key``) included; pytrees of arrays (an ``nnx.Rngs``, an NNX
+  ``State``) are split into their leaves. Every other leaf is static.
+
+  Returns:
+    ``(statics, dynamic)``: :class:`CallStatics` and the array leaves.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxprec._src.trees import split_call
+    >>> statics, dynamic = split_call((jnp.ones(2), "relu"), {"key": jax.random.key(0)})
+    >>> statics.is_array, [str(x.dtype) for x in dynamic]
+    ((True, False, True), ['float32', 'key<fry>'])
+    >>> statics.call(lambda x, act, key: act, dynamic)
+    'relu'
+  """
+  leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+  arrays = tuple(is_array(x, abstract=abstract) for x in leaves)
+  static = tuple(None if a else x for x, a in zip(leaves, arrays))
+  try:
+    key = (treedef, arrays, static_key(static))
+    hash(key)
+  except TypeError:
+    key = None
+  return (CallStatics(treedef, arrays, static, key),
+          [x for x, a in zip(leaves, arrays) if a])
+
+
+def signature(dynamic: Sequence[Any]) -> tuple:
+  """Shapes and dtypes as ``jax.jit`` sees them (x64 off: float64 -> float32).
+
+  Typed PRNG keys keep their key dtype (``key<fry>``).
+  """
+  out = []
+  for x in dynamic:
+    dtype = x.dtype
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+      dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    out.append((tuple(np.shape(x)), dtype))
+  return tuple(out)

@@ -31,7 +31,7 @@ from jaxprec._src import trees
 
 __all__ = ["OPAQUE_PRIMITIVES", "Rule", "TracedCall", "WalkedEqn",
            "bind_unchanged", "call_key", "interpret", "iter_eqns",
-           "opaque_name", "trace", "trace_call", "transform"]
+           "opaque_name", "output_times", "trace", "trace_call", "transform"]
 
 # A rule sees an equation and its input values and returns the output values
 # that replace it (a list, one per outvar), or None to keep the equation.
@@ -113,6 +113,46 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1
       yield from iter_eqns(sub, scope + (eqn.primitive.name,), trip_count * mult)
 
 
+def output_times(jaxpr) -> list[tuple[int, ...]]:
+  """When each output of ``jaxpr`` is computed, as a sort key per output.
+
+  An output computed earlier in program order has a smaller key. The key of
+  an output is the index of the equation that produces it, followed, where
+  that equation runs a body whose outputs are its own (``jit``, ``remat``,
+  ``scan``, ``while``, ``custom_jvp_call``, ``custom_vjp_call``), by the key
+  of the body's output: two layers of one ``scan`` or ``jit`` are ordered as
+  its body computes them. An output that is an input (or a constant) has the
+  smallest key, ``(-1,)``.
+
+  Args:
+    jaxpr: a ``ClosedJaxpr`` or ``Jaxpr``.
+
+  Returns:
+    One key per output, in output order.
+  """
+  if isinstance(jaxpr, compat.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
+  producers: dict[int, tuple[Any, dict[Any, tuple[int, int]]]] = {}
+
+  def when(jaxpr, var) -> tuple[int, ...]:
+    hit = producers.get(id(jaxpr))
+    if hit is None or hit[0] is not jaxpr:
+      made = {v: (i, k) for i, eqn in enumerate(jaxpr.eqns)
+              for k, v in enumerate(eqn.outvars)}
+      hit = producers[id(jaxpr)] = (jaxpr, made)
+    if not isinstance(var, compat.Var) or var not in hit[1]:
+      return (-1,)
+    i, k = hit[1][var]
+    eqn = jaxpr.eqns[i]
+    bodies = [b for b in compat.jaxprs_in_params(eqn.params)
+              if len(b.outvars) == len(eqn.outvars)]
+    if len(bodies) != 1:  # none, or the branches of a cond
+      return (i,)
+    return (i, *when(bodies[0], bodies[0].outvars[k]))
+
+  return [when(jaxpr, v) for v in jaxpr.outvars]
+
+
 # ---------------------------------------------------------------------------
 # Rewriting interpreter.
 
@@ -182,18 +222,15 @@ def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
     TypeError: ``fn`` returned a leaf that is not a JAX type (a string, say),
       naming its position in the output, as ``jax.jit`` does.
   """
-  key, (treedef, is_array, static, dynamic, avals) = _key(
-      args, kwargs, extra_key, cache is not None)
+  key, (statics, dynamic, avals) = _key(args, kwargs, extra_key,
+                                        cache is not None)
   hit = cache.get(key) if key is not None else None
   if hit is not None:
     return TracedCall(hit[0], hit[1], dynamic)
   store: dict[str, Any] = {}
 
   def flat_fn(*dyn):
-    it = iter(dyn)
-    full = [next(it) if a else s for s, a in zip(static, is_array)]
-    a, kw = jax.tree_util.tree_unflatten(treedef, full)
-    out = fn(*a, **kw)
+    out = statics.call(fn, dyn)
     out_leaves, store["out_tree"] = jax.tree_util.tree_flatten(out)
     _check_outputs(fn, out, out_leaves)
     return out_leaves
@@ -209,25 +246,21 @@ def call_key(args: Sequence[Any], kwargs: dict, extra_key: Any = ()
   """``(key, dynamic)``: the key :func:`trace_call` keeps a trace of
   ``args``/``kwargs`` under, in the JAX context of now (None: not
   hashable), and their array leaves."""
-  key, (_, _, _, dynamic, _) = _key(args, kwargs, extra_key, True)
+  key, (_, dynamic, _) = _key(args, kwargs, extra_key, True)
   return key, dynamic
 
 
 def _key(args, kwargs, extra_key, want: bool):
-  leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-  is_array = tuple(trees.is_array(x) for x in leaves)
-  static = tuple(None if a else x for x, a in zip(leaves, is_array))
-  dynamic = [x for x, a in zip(leaves, is_array) if a]
+  statics, dynamic = trees.split_call(args, kwargs)
   avals = tuple(compat.typeof(x) for x in dynamic)
   key = None
-  if want:
+  if want and statics.key is not None:
     try:
-      key = (treedef, avals, is_array, trees.static_key(static),
-             compat.trace_context(), extra_key)
+      key = (statics.key, avals, compat.trace_context(), extra_key)
       hash(key)
     except TypeError:
       key = None
-  return key, (treedef, is_array, static, dynamic, avals)
+  return key, (statics, dynamic, avals)
 
 
 def _check_outputs(fn, out, leaves) -> None:

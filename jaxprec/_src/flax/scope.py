@@ -58,7 +58,12 @@ def policy_scope(policy: Policy, recorder: Recorder | None = None,
   with state.pushed(scope):
     # The policy joins jax.jit's cache key, so a function jitted under one
     # policy is traced again under another instead of reusing the first trace.
-    with compat.jit_key_scope(str(policy)):
+    # So does the recorder: a jitted body (``nn.jit``) that an earlier
+    # recorder's trace left in JAX's cache would decide nothing in this one,
+    # and its rules would read as unused.
+    key = str(policy) if recorder is None else (
+        f"{policy} (recorder {recorder.token})")
+    with compat.jit_key_scope(key):
       if "flax.linen" in sys.modules:
         from jaxprec._src.flax import interception  # noqa: PLC0415
         with interception.intercept(scope):

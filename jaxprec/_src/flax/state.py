@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 import warnings
 from collections.abc import Iterator
@@ -21,12 +22,16 @@ from jaxprec._src.precision import Precision
 
 __all__ = ["ActiveScope", "Recorder", "active", "pushed", "recording"]
 
+_TOKENS = itertools.count()
+
 
 class Recorder:
   """Collects a policy's decisions (thread-safe) and warns once per unused rule."""
 
   def __init__(self, policy: Policy):
     self.policy = policy
+    # Distinct per recorder, for jax.jit's cache key (flax.scope.policy_scope).
+    self.token = next(_TOKENS)
     self._lock = threading.Lock()
     self._counts: dict[tuple, int] = {}
     self._warned: set[Rule] = set()
