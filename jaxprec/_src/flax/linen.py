@@ -38,7 +38,7 @@ from flax.core import lift
 
 from jaxprec._src import numerics
 from jaxprec._src.flax import emulated
-from jaxprec._src.flax.nnx_policy import per_op_precision
+from jaxprec._src.flax.identity import per_op_precision
 
 __all__ = ["Conv", "ConvTranspose", "Dense", "DenseGeneral", "Einsum",
            "MultiHeadDotProductAttention"]

@@ -28,7 +28,7 @@ from jax import lax
 
 from jaxprec._src import numerics
 from jaxprec._src.flax import emulated
-from jaxprec._src.flax.nnx_policy import per_op_precision
+from jaxprec._src.flax.identity import per_op_precision
 
 __all__ = ["Conv", "ConvTranspose", "Einsum", "Linear", "LinearGeneral",
            "MultiHeadAttention", "configure"]
