@@ -209,15 +209,20 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
   return emulated  # type: ignore[return-value]
 
 
-def emulate_nnx_call(method: Callable[..., Any], path: str,
-                     policy: policy_lib.Policy, recorder: flax_scope.Recorder,
-                     target: str) -> Callable[..., Any]:
-  """``fn(module, *args, **kwargs)``: the call ``method(module, ...)`` of a
-  swapped NNX model's module at ``path``, emulated as ``emulate(model,
-  policy)`` emulates it (the same trace, the same numbers), with the
-  variables it writes written back into ``module``."""
+def emulate_nnx_call(method: Callable[..., Any], target: str,
+                     policy: policy_lib.Policy | None = None,
+                     recorder: flax_scope.Recorder | None = None,
+                     path: str = "") -> Callable[..., Any]:
+  """``fn(module, *args, **kwargs)``: the call ``method(module, ...)`` of an
+  NNX module emulated for ``target``, as :func:`emulate` of the module
+  emulates it, with the variables it writes written back into ``module``.
+
+  With ``policy``: the call of a swapped model's module at ``path`` (the
+  policy applied already), traced as ``emulate(model, policy)`` traces it:
+  the same trace, the same numbers.
+  """
   lifted = nnx_policy.Lifted(None, method, policy, recorder, path=path,
-                             apply_policy=False)
+                             apply_policy=policy is None)
   return _emulator(method, policy, target, {}, recorder, lifted)
 
 

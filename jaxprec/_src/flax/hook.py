@@ -177,12 +177,16 @@ def _make_class(cls: type, path: str, entry: Entry | None) -> type | None:
   def __call__(self, *args, **kwargs):
     return run(self, path, call, args, kwargs, entry)
 
+  # NNX's Pytree takes the subclass's pytree-ness as a class argument whose
+  # default is the global config, not the parent's: pass the parent's.
+  kwargs = ({"pytree": cls._pytree__is_pytree}
+            if hasattr(cls, "_pytree__is_pytree") else {})
   try:
     return type(cls.__name__, (cls,), {
         "__call__": functools.wraps(call)(__call__),
         "__module__": cls.__module__, "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__, "_jaxprec_nnx_base": cls,
-        "_jaxprec_entry": entry})
+        "_jaxprec_entry": entry}, **kwargs)
   except TypeError:  # a class whose subclassing needs arguments
     return None
 

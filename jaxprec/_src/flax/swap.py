@@ -313,5 +313,5 @@ class _NnxEntry:
     fn = self.emulated.get(key)
     if fn is None:
       fn = self.emulated[key] = emulate_nnx_call(
-          call, path, self.policy, self.recorder, self.target)
+          call, self.target, self.policy, self.recorder, path)
     return fn(module, *args, **kwargs)
