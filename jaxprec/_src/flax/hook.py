@@ -170,7 +170,7 @@ def _hooked_class(cls: type, path: str) -> type | None:
 
 def _make_class(cls: type, path: str, entry: Entry | None) -> type | None:
   """``cls`` with its ``__call__`` run through :func:`run` at ``path``."""
-  if not any("__call__" in vars(c) for c in cls.__mro__[:-1]):
+  if not callable_class(cls):
     return None  # not callable: nothing to wrap
   call = cls.__call__
 
@@ -189,6 +189,12 @@ def _make_class(cls: type, path: str, entry: Entry | None) -> type | None:
         "_jaxprec_entry": entry}, **kwargs)
   except TypeError:  # a class whose subclassing needs arguments
     return None
+
+
+def callable_class(cls: type) -> bool:
+  """Whether instances of ``cls`` are callable (it or a base defines
+  ``__call__``): the modules the hook wraps and a policy decides for."""
+  return any("__call__" in vars(c) for c in cls.__mro__[:-1])
 
 
 def is_nnx_module(value: Any) -> bool:

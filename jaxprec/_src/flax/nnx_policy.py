@@ -47,8 +47,8 @@ def apply(model: Any, policy: Policy | None, recorder: Recorder | None,
   """Applies ``policy`` to ``model``, a copy (never the user's), in place.
 
   Sets each module's compute dtype (:func:`decide_dtype`), records the
-  policy's decision for every module in ``recorder`` (as the linen
-  interceptor records every module call), and, with ``hooks``, installs the
+  policy's decision for every module that can be called in ``recorder`` (as
+  the linen interceptor records every module call), and, with ``hooks``, installs the
   per-module hook (:func:`jaxprec._src.flax.hook.install`). The precisions
   themselves are decided by the hook at each call, from the policy in force.
 
@@ -64,7 +64,8 @@ def apply(model: Any, policy: Policy | None, recorder: Recorder | None,
       dt, drule, how = decide_dtype(path, node, module_type, kind, policy)
       if how == "field":
         node.dtype = getattr(jax.numpy, dt)
-      if recorder is not None:
+      if recorder is not None and (how is not None
+                                   or hook.callable_class(type(node))):
         p, rule = policy.match(path, module_type, kind)
         kept, shown = (own_precision(node, p, kind) if module_type is not None
                        else (False, p))
