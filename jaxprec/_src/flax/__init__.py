@@ -20,8 +20,8 @@ core modules; nothing below imports these back, not even lazily):
   Flax).
 * :mod:`.scope`: :func:`policy_scope`, the one way a policy comes in force
   (imports :mod:`.interception` only once Flax linen is imported).
-* :mod:`.emulated`, :mod:`.linen`, :mod:`.nnx`: the precision-aware Flax
-  modules (import Flax; may call :func:`jaxprec.emulate`).
+* :mod:`.linen`, :mod:`.nnx`: the precision-aware Flax modules (import
+  Flax; emulate through :func:`jaxprec.emulate`).
 * :mod:`.swap`: :func:`jaxprec.swap` and :func:`jaxprec.policy_report`.
 
 ``import jaxprec`` imports none of the rooms that import Flax.
