@@ -126,11 +126,6 @@ def base_class(cls: type) -> type:
   return getattr(cls, "_jaxprec_nnx_base", cls)
 
 
-def entry_of(module: Any) -> Entry | None:
-  """The :class:`Entry` an NNX module's wrapper carries (None: none)."""
-  return getattr(type(module), "_jaxprec_entry", None)
-
-
 def install(model: Any, entry: Entry | None = None,
             classes: dict | None = None) -> None:
   """Gives every module of ``model`` (a copy: never the user's) the hook, in place.
@@ -185,8 +180,7 @@ def _make_class(cls: type, path: str, entry: Entry | None) -> type | None:
     return type(cls.__name__, (cls,), {
         "__call__": functools.wraps(call)(__call__),
         "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__, "_jaxprec_nnx_base": cls,
-        "_jaxprec_entry": entry}, **kwargs)
+        "__doc__": cls.__doc__, "_jaxprec_nnx_base": cls}, **kwargs)
   except TypeError:  # a class whose subclassing needs arguments
     return None
 
