@@ -191,3 +191,20 @@ def test_train_mode_twins_agree_on_outputs_and_batch_statistics():
   _eq(emu_n.bn.mean[...], new_l["batch_stats"]["bn"]["mean"])
   _eq(emu_n.bn.var[...], new_l["batch_stats"]["bn"]["var"])
   assert float(jnp.abs(net.bn.mean[...]).max()) == 0.0  # the user's: untouched
+
+
+def test_an_rngs_argument_advances_as_natively():
+  class Net(nnx.Module):
+    def __init__(self):
+      self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs):
+      return self.drop(x, rngs=rngs)
+
+  net, x = Net(), jnp.arange(1.0, 9.0)
+  ours, theirs = nnx.Rngs(0), nnx.Rngs(0)
+  for run in (jaxprec.emulate(net, "float32"),
+              jaxprec.emulate(net, "float32", target="cpu")):
+    for _ in range(2):
+      _eq(run(x, rngs=ours), net(x, rngs=theirs))
+  assert int(ours.default.count[...]) == int(theirs.default.count[...]) == 4

@@ -232,8 +232,9 @@ def _emulator(fn: Callable[..., Any],
               lifted: nnx_policy.Lifted | None) -> Callable[..., Any]:
   """The emulated function of :func:`emulate` (``target`` emulates).
 
-  With ``lifted``, the NNX module's state is an argument of the trace and
-  the variables the call writes are written back into the module; a
+  With ``lifted``, the NNX module's state (and that of each graph-node
+  argument, an ``nnx.Rngs``) is an argument of the trace and the variables
+  the call writes are written back, as the native call writes them; a
   ``lifted`` without a module takes it as the first argument.
   """
   policy = precision if isinstance(precision, policy_lib.Policy) else None
@@ -267,13 +268,13 @@ def _emulator(fn: Callable[..., Any],
       # precision in force (the policy's unmatched layers record it), x64,
       # the policy. Key on all of it, as jax.jit would (no stale traces).
       outer = (compat.trace_context(), getattr(active, "outer_flag", None))
-      traced, call_args = fn, args
+      traced, call_args, nodes = fn, args, []
       if lifted is not None:
         if lifted.module is None:
           module, args = args[0], args[1:]
-        graphdef, state = lifted.split(module)
-        traced = functools.partial(lifted.call, graphdef)
-        call_args, outer = (state, *args), (*outer, graphdef)
+        graphdefs, call_args, kwargs, nodes = lifted.split(module, args, kwargs)
+        traced = functools.partial(lifted.call, graphdefs)
+        outer = (*outer, graphdefs)
       with jax.default_matmul_precision(None):
         call = walker.trace_call(traced, call_args, kwargs, cache,
                                  extra_key=outer)
@@ -290,7 +291,7 @@ def _emulator(fn: Callable[..., Any],
     warn_opaque(opaque, warned, what)
     if lifted is not None:
       out, written = out
-      lifted.update(module, written)
+      lifted.update(module, nodes, written)
     return out
 
   return emulated
@@ -312,9 +313,9 @@ def _native(fn: Callable[..., Any], policy: policy_lib.Policy
     with flag, flax_scope.policy_scope(policy, recorder, what=what):
       if lifted is None:
         return fn(*args, **kwargs)
-      graphdef, state = lifted.split()
-      out, written = lifted.call(graphdef, state, *args, **kwargs)
-      lifted.update(None, written)
+      graphdefs, args, kwargs, nodes = lifted.split(None, args, kwargs)
+      out, written = lifted.call(graphdefs, *args, **kwargs)
+      lifted.update(None, nodes, written)
       return out
 
   native._jaxprec_recorder = recorder  # for jaxprec.policy_report

@@ -203,34 +203,85 @@ class Lifted:
   path: str = ""
   apply_policy: bool = True
 
-  def split(self, module: Any | None = None) -> tuple[Any, Any]:
-    """``(graphdef, state)`` of the module (``module`` if given) now."""
-    return sys.modules["flax.nnx"].split(
-        self.module if module is None else module)
+  def split(self, module: Any | None, args: tuple, kwargs: dict
+            ) -> tuple[Any, tuple, dict, list[tuple[Any, Any]]]:
+    """``(graphdefs, args, kwargs, nodes)`` of a call, for :meth:`call`.
 
-  def call(self, graphdef: Any, state: Any, *args, **kwargs
-           ) -> tuple[Any, Any]:
-    """``(output, written)``: the method's output on a copy of the module
-    made from ``state``, and the variables the call wrote, as an
-    ``nnx.State`` (those whose value is not the one passed in, and new ones)."""
+    The module (``module``, or :attr:`module` when None) and every argument
+    that is an NNX graph node (an ``nnx.Rngs``, another module) are split:
+    ``graphdefs`` holds their graph definitions (part of the trace's key),
+    the returned ``args`` (led by the module's state) and ``kwargs`` hold
+    their states in their places, and ``nodes`` pairs each such argument's
+    place with the argument itself (for :meth:`update`).
+    """
     nnx = sys.modules["flax.nnx"]
+    graphdef, state = nnx.split(self.module if module is None else module)
+    args, kwargs = list(args), dict(kwargs)
+    places: list[tuple[Any, Any]] = []
+    nodes: list[tuple[Any, Any]] = []
+    for holder, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
+      for k in keys:
+        node = holder[k]
+        if _is_node(node):
+          g, holder[k] = nnx.split(node)
+          places.append((k, g))
+          nodes.append((k, node))
+    return (graphdef, tuple(places)), (state, *args), kwargs, nodes
+
+  def call(self, graphdefs: Any, state: Any, *args, **kwargs
+           ) -> tuple[Any, tuple[Any, ...]]:
+    """``(output, written)``: the method's output on a copy of the module
+    made from ``state`` (and copies of the graph-node arguments made from
+    theirs), and the variables the call wrote in each, module first, as
+    ``nnx.State`` values (those whose value is not the one passed in, and
+    new ones)."""
+    nnx = sys.modules["flax.nnx"]
+    graphdef, places = graphdefs
     module = nnx.merge(graphdef, state)
     if self.apply_policy:
       apply(module, self.policy, self.recorder)
     else:
       hook.install(module)
-    before = {p: _leaves(v) for p, v in nnx.to_flat_state(state)}
-    out = hook.run(module, self.path, self.method, args, kwargs)
-    written = [(p, v) for p, v in nnx.to_flat_state(nnx.state(module))
-               if not _same(before.get(p), _leaves(v))]
-    return out, nnx.from_flat_state(written)
+    args, kwargs = list(args), dict(kwargs)
+    copies = [(module, _flat_leaves(state))]
+    for k, g in places:
+      holder = args if isinstance(k, int) else kwargs
+      before = _flat_leaves(holder[k])
+      holder[k] = nnx.merge(g, holder[k])
+      copies.append((holder[k], before))
+    out = hook.run(module, self.path, self.method, tuple(args), kwargs)
+    return out, tuple(_written(node, before) for node, before in copies)
 
-  def update(self, module: Any, written: Any) -> None:
-    """Writes the variables :meth:`call` returned into ``module`` (the
-    attribute :attr:`module`, if None)."""
-    if jax.tree.leaves(written):
-      sys.modules["flax.nnx"].update(
-          self.module if module is None else module, written)
+  def update(self, module: Any, nodes: list[tuple[Any, Any]],
+             written: tuple[Any, ...]) -> None:
+    """Writes the variables :meth:`call` returned into the module
+    (``module``, or :attr:`module` when None) and the graph-node arguments,
+    as the native call would have written them."""
+    nnx = sys.modules["flax.nnx"]
+    targets = [self.module if module is None else module] + [n for _, n in nodes]
+    for target, state in zip(targets, written):
+      if jax.tree.leaves(state):
+        nnx.update(target, state)
+
+
+def _is_node(value: Any) -> bool:
+  """Whether a call argument is an NNX graph node with state of its own (a
+  module, an ``nnx.Rngs``; not a lone variable)."""
+  nnx = sys.modules["flax.nnx"]
+  return (nnx.graph.is_graph_node(value)
+          and not isinstance(value, nnx.Variable))
+
+
+def _flat_leaves(state: Any) -> dict[Any, list[Any]]:
+  return {p: _leaves(v) for p, v in sys.modules["flax.nnx"].to_flat_state(state)}
+
+
+def _written(node: Any, before: dict[Any, list[Any]]) -> Any:
+  """The variables of ``node`` whose values are not those of ``before``."""
+  nnx = sys.modules["flax.nnx"]
+  return nnx.from_flat_state(
+      [(p, v) for p, v in nnx.to_flat_state(nnx.state(node))
+       if not _same(before.get(p), _leaves(v))])
 
 
 def _leaves(value: Any) -> list[Any]:
