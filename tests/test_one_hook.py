@@ -95,12 +95,11 @@ def test_linen_and_nnx_twins_give_the_same_bits():
   net.eval()
   _eq(lin.apply(v, x), net(x))  # natively the twins agree
   swap_l, swap_n = quiet(jaxprec.swap, lin, policy), quiet(jaxprec.swap, net, policy)
-  _eq(jax.jit(swap_l.apply)(v, x), jax.jit(lambda x: swap_n(x))(x))
+  _eq(swap_l.apply(v, x), swap_n(x))
   emu_l = quiet(jaxprec.swap, lin, policy, emulate=True)
   emu_n = quiet(jaxprec.swap, net, policy, emulate=True)
-  want = quiet(jax.jit(jaxprec.emulate(lin.apply, policy)), v, x)
-  for got in (jax.jit(emu_l.apply)(v, x), jax.jit(lambda x: emu_n(x))(x),
-              quiet(jax.jit(jaxprec.emulate(net, policy)), x)):
+  want = quiet(jaxprec.emulate(lin.apply, policy), v, x)
+  for got in (emu_l.apply(v, x), emu_n(x), quiet(jaxprec.emulate(net, policy), x)):
     _eq(got, want)
   # The policy changed the numbers: bfloat16 passes round the inputs.
   assert not np.array_equal(np.asarray(want), np.asarray(lin.apply(v, x)))
