@@ -10,7 +10,6 @@ from jax import lax
 import jaxprec
 import jaxprec.linen as jpl
 from jaxprec._src import walker
-from jaxprec._src.flax import emulated
 
 import models
 
@@ -137,7 +136,7 @@ def test_emulated_init_gives_flax_params_and_init_with_output_is_emulated():
 def test_emulated_attention_fn_variants():
   x = make_input((2, 3, 4))
   ours = jpl.MultiHeadDotProductAttention(2, precision="bf16", emulate=True)
-  assert isinstance(ours.attention_fn, emulated.WithEinsumDotGeneral)
+  assert ours.attention_fn is nn.dot_product_attention
 
   def my_attention(query, key, value, mask=None, precision=None, **unused):
     w = jax.nn.softmax(jnp.einsum("...qhd,...khd->...hqk", query, key,
@@ -146,14 +145,13 @@ def test_emulated_attention_fn_variants():
 
   custom = jpl.MultiHeadDotProductAttention(2, precision="bf16", emulate=True,
                                             attention_fn=my_attention)
-  assert isinstance(custom.attention_fn, emulated.EmulatedFunction)
   flax = nn.MultiHeadDotProductAttention(2, precision=P.DEFAULT,
                                          attention_fn=my_attention)
   params = jax.jit(flax.init)(jax.random.key(0), x)
   np.testing.assert_array_equal(jax.jit(custom.apply)(params, x),
                                 jax.jit(jaxprec.emulate(flax.apply))(params, x))
-  # Cloning keeps the user's function, not a wrapper of a wrapper.
-  assert custom.clone().attention_fn == custom.attention_fn
+  # The user's function, not a wrapper, in the module and its clones.
+  assert custom.attention_fn is custom.clone().attention_fn is my_attention
   assert custom.clone(emulate=False).attention_fn is my_attention
 
 
@@ -189,12 +187,15 @@ def test_cpu_target_emulates_nothing():
 
 
 def test_clone_keeps_settings_and_switches_emulation_off():
+  x = make_input((2, 4))
   m = jpl.Dense(3, precision="bf16", emulate=True, target="gpu")
-  assert m.dot_general == emulated.EmulatedDotGeneral("gpu")
+  assert m.dot_general is None  # Flax's own op: the call is emulated
   c = m.clone()
-  assert c.dot_general == m.dot_general and c.precision is P.DEFAULT
-  assert m.clone(emulate=False).dot_general is None
-  assert m.clone(target="tpu").dot_general == emulated.EmulatedDotGeneral("tpu")
+  assert c.emulate and c.target == "gpu" and c.precision is P.DEFAULT
+  params = m.init(jax.random.key(0), x)
+  off = m.clone(emulate=False)
+  np.testing.assert_array_equal(jax.jit(off.apply)(params, x),
+                                jax.jit(nn.Dense(3, precision=P.DEFAULT).apply)(params, x))
   hash(m)  # fields stay hashable (nn.jit keys on them)
 
 
@@ -203,12 +204,15 @@ def test_bad_input():
     jpl.Dense(3, precision="bfloat61")
   with pytest.raises(ValueError, match="Unknown emulation target 'tpux'"):
     jpl.Conv(3, (3,), target="tpux")
-  with pytest.raises(ValueError, match=r"emulate=True replaces dot_general=, but "
-                                       r"dot_general=.* was passed too"):
-    jpl.Dense(3, emulate=True, dot_general=lax.dot_general)
-  with pytest.raises(ValueError, match="conv_general_dilated_cls="):
-    jpl.Conv(3, (3,), emulate=True, conv_general_dilated_cls=lambda: lax.conv_general_dilated)
-  with pytest.raises(ValueError, match="qkv_dot_general="):
-    jpl.MultiHeadDotProductAttention(2, emulate=True, qkv_dot_general=lax.dot_general)
-  # Without emulation the user's hooks are kept.
+  # The user's op functions are kept (and emulated with the rest).
   assert jpl.Dense(3, dot_general=lax.dot_general).dot_general is lax.dot_general
+
+
+def test_user_op_functions_are_emulated_with_the_rest():
+  x = make_input((2, 4))
+  ours = jpl.Dense(3, precision="bf16", emulate=True, dot_general=lax.dot_general)
+  flax = nn.Dense(3, precision=P.DEFAULT)
+  params = flax.init(jax.random.key(0), x)
+  want = jaxprec.emulate(flax.apply)(params, x)
+  np.testing.assert_array_equal(jax.jit(ours.apply)(params, x), want)
+  assert not np.array_equal(np.asarray(want), np.asarray(flax.apply(params, x)))

@@ -12,7 +12,7 @@ from jax import lax
 import jaxprec
 import jaxprec.nnx as jpn
 from jaxprec._src import walker
-from jaxprec._src.flax import emulated
+from jaxprec._src.flax.nnx_policy import PrecisionScoped
 
 import models
 
@@ -125,17 +125,17 @@ def test_attention_precision_reaches_the_scores_unlike_nnx():
   assert precisions(nnx.MultiHeadAttention(2, 4, precision=P.HIGHEST, **kw)).count(None) == 2
 
 
-def test_hooks_and_stored_precision():
+def test_stored_settings_and_flax_op_functions_untouched():
   lin = jpn.Linear(2, 3, precision="bf16", emulate=True, target="gpu", rngs=nnx.Rngs(0))
-  assert lin.precision is P.DEFAULT and lin.dot_general == emulated.EmulatedDotGeneral("gpu")
+  flax = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+  assert lin.precision is P.DEFAULT and lin.dot_general is flax.dot_general
   assert lin.emulate and lin.target == "gpu"
   assert jpn.Conv(1, 2, (3,), precision="BF16_BF16_F32_X3", rngs=nnx.Rngs(0)).precision is P.HIGH
-  assert isinstance(jpn.Einsum("ab,bc->ac", (2, 3), emulate=True, rngs=nnx.Rngs(0)).einsum_op,
-                    emulated.EmulatedEinsum)
+  ours = jpn.Einsum("ab,bc->ac", (2, 3), emulate=True, rngs=nnx.Rngs(0))
+  assert ours.einsum_op is nnx.Einsum("ab,bc->ac", (2, 3), rngs=nnx.Rngs(0)).einsum_op
   mha = jpn.MultiHeadAttention(2, 4, emulate=True, decode=False, rngs=nnx.Rngs(0))
-  assert isinstance(mha.attention_fn, emulated.EmulatedFunction)
-  assert emulated.unwrap(mha.attention_fn) is nnx.dot_product_attention
-  assert mha.query.dot_general == emulated.EmulatedDotGeneral("tpu")
+  assert isinstance(mha.attention_fn, PrecisionScoped)
+  assert mha.attention_fn.fn is nnx.dot_product_attention
   # Constructors keep NNX's signature, plus emulate= and target=.
   sig = inspect.signature(jpn.Linear.__init__)
   base = inspect.signature(nnx.Linear.__init__)
@@ -147,12 +147,18 @@ def test_bad_input():
     jpn.Linear(2, 3, precision="fp31", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="Unknown emulation target 'tpu2'"):
     jpn.Conv(1, 2, (3,), target="tpu2", rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="emulate=True replaces dot_general"):
-    jpn.Linear(2, 3, emulate=True, dot_general=lambda *a, **k: lax.dot_general(*a, **k),
-               rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="emulate=True replaces qkv_dot_general"):
-    jpn.MultiHeadAttention(2, 4, emulate=True, qkv_dot_general=lax.dot_general,
-                           decode=False, rngs=nnx.Rngs(0))
+
+
+def test_user_op_functions_are_emulated_with_the_rest():
+  # The call runs under jaxprec.emulate: a dot_general the user passes is
+  # emulated too.
+  x = make_input((2, 4))
+  ours = jpn.Linear(4, 3, precision="bf16", emulate=True, rngs=nnx.Rngs(0),
+                    dot_general=lambda *a, **k: lax.dot_general(*a, **k))
+  flax = nnx.Linear(4, 3, precision=P.DEFAULT, rngs=nnx.Rngs(0))
+  want = jaxprec.emulate(flax)(x)
+  np.testing.assert_array_equal(ours(x), want)
+  assert not np.array_equal(np.asarray(want), np.asarray(flax(x)))
 
 
 def test_drop_in_models_match_nnx_models():

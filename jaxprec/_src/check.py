@@ -371,8 +371,7 @@ def check_module(module: Any, *args: Any, method: str | None = None,
       m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
       scope = flax_state.active()
       if scope is not None:  # a policy row: its path rules reach NNX modules
-        for node, p, kind in nnx_policy.decide(m, scope.policy, scope.recorder):
-          nnx_policy.set_precision(node, p, kind)
+        nnx_policy.apply(m, scope.policy, scope.recorder)
       target_fn = m if method is None else getattr(m, method)
       _, inter = nnx.capture(target_fn, nnx.Intermediate,
                              method_outputs=nnx.Intermediate)(*inputs, **kw)

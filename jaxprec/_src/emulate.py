@@ -192,16 +192,57 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
   if isinstance(precision, policy_lib.Policy) or (
       isinstance(precision, str) and "=" in precision):
     policy = policy_lib.Policy.parse(precision)
-    dot_fixed, conv_fixed = (policy.precision_for("", None, kind)
-                             for kind in ("dot", "conv"))
-  else:
-    dot_fixed = conv_fixed = None if precision is None else resolve(precision)
+  recorder = None if policy is None else flax_scope.Recorder(policy)
   if target in ("cpu", "native"):
     if policy is None and precision is None:
       return fn
     # Nothing emulated, but what was asked still applies: precisions as JAX's
     # flags (a TPU or GPU runs them), compute dtypes as the modules' own.
     return _native(fn, policy or policy_lib.Policy(default=resolve(precision)))
+  # An NNX module's state is an argument of each call, not a constant of the
+  # cached trace (no stale weights); the policy reaches its copy.
+  lifted = nnx_policy.lift(fn, policy, recorder)
+  emulated = _emulator(fn, policy if policy is not None else precision,
+                       target, options, recorder, lifted)
+  if recorder is not None:
+    emulated._jaxprec_recorder = recorder  # for jaxprec.policy_report
+  return emulated  # type: ignore[return-value]
+
+
+def emulate_nnx_call(method: Callable[..., Any], target: str,
+                     policy: policy_lib.Policy | None = None,
+                     recorder: flax_scope.Recorder | None = None,
+                     path: str = "") -> Callable[..., Any]:
+  """``fn(module, *args, **kwargs)``: the call ``method(module, ...)`` of an
+  NNX module emulated for ``target``, as :func:`emulate` of the module
+  emulates it, with the variables it writes written back into ``module``.
+
+  With ``policy``: the call of a swapped model's module at ``path`` (the
+  policy applied already), traced as ``emulate(model, policy)`` traces it:
+  the same trace, the same numbers.
+  """
+  lifted = nnx_policy.Lifted(None, method, policy, recorder, path=path,
+                             apply_policy=policy is None)
+  return _emulator(method, policy, target, {}, recorder, lifted)
+
+
+def _emulator(fn: Callable[..., Any],
+              precision: PrecisionLike | policy_lib.Policy, target: str,
+              options: dict[str, Any], recorder: flax_scope.Recorder | None,
+              lifted: nnx_policy.Lifted | None) -> Callable[..., Any]:
+  """The emulated function of :func:`emulate` (``target`` emulates).
+
+  With ``lifted``, the NNX module's state (and that of each graph-node
+  argument, an ``nnx.Rngs``) is an argument of the trace and the variables
+  the call writes are written back, as the native call writes them; a
+  ``lifted`` without a module takes it as the first argument.
+  """
+  policy = precision if isinstance(precision, policy_lib.Policy) else None
+  if policy is not None:
+    dot_fixed, conv_fixed = (policy.precision_for("", None, kind)
+                             for kind in ("dot", "conv"))
+  else:
+    dot_fixed = conv_fixed = None if precision is None else resolve(precision)
   cache: dict[Any, Any] = {}
   guarded: dict[int, tuple] = {}  # id(trace) -> (trace, its guarded vars)
 
@@ -214,27 +255,26 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
       hit = guarded[id(closed)] = (closed, prepared.guarded(closed))
     return hit[1]
   warned: set[str] = set()
-  recorder = None if policy is None else flax_scope.Recorder(policy)
   what = getattr(fn, "__qualname__", type(fn).__name__)
-  # An NNX module's state is an argument of each call, not a constant of the
-  # cached trace (no stale weights); the policy's path rules reach its copy.
-  lifted = nnx_policy.lift(fn, policy, recorder)
 
   @functools.wraps(fn)
   def emulated(*args, **kwargs):
     now = current() if dot_fixed is None or conv_fixed is None else None
     scope = (contextlib.nullcontext() if policy is None
              else flax_scope.policy_scope(policy, recorder, what=what))
+    module = None
     with scope as active:
       # The trace depends on the JAX context outside the cleared flag: the
       # precision in force (the policy's unmatched layers record it), x64,
       # the policy. Key on all of it, as jax.jit would (no stale traces).
       outer = (compat.trace_context(), getattr(active, "outer_flag", None))
-      traced, call_args = fn, args
+      traced, call_args, nodes = fn, args, []
       if lifted is not None:
-        graphdef, state = lifted.split()
-        traced = functools.partial(lifted.call, graphdef)
-        call_args, outer = (state, *args), (*outer, graphdef)
+        if lifted.module is None:
+          module, args = args[0], args[1:]
+        graphdefs, call_args, kwargs, nodes = lifted.split(module, args, kwargs)
+        traced = functools.partial(lifted.call, graphdefs)
+        outer = (*outer, graphdefs)
       with jax.default_matmul_precision(None):
         call = walker.trace_call(traced, call_args, kwargs, cache,
                                  extra_key=outer)
@@ -249,11 +289,12 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
                           **options)
     out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
     warn_opaque(opaque, warned, what)
+    if lifted is not None:
+      out, written = out
+      lifted.update(module, nodes, written)
     return out
 
-  if recorder is not None:
-    emulated._jaxprec_recorder = recorder  # for jaxprec.policy_report
-  return emulated  # type: ignore[return-value]
+  return emulated
 
 
 def _native(fn: Callable[..., Any], policy: policy_lib.Policy
@@ -262,7 +303,7 @@ def _native(fn: Callable[..., Any], policy: policy_lib.Policy
   module, as :func:`jaxprec.swap`), its compute dtypes, nothing emulated."""
   recorder = flax_scope.Recorder(policy)
   what = getattr(fn, "__qualname__", type(fn).__name__)
-  bound = nnx_policy.bind(fn, policy, recorder)
+  lifted = nnx_policy.lift(fn, policy, recorder)
   outside = policy.precision_for("", None, "dot")
 
   @functools.wraps(fn)
@@ -270,7 +311,12 @@ def _native(fn: Callable[..., Any], policy: policy_lib.Policy
     flag = (contextlib.nullcontext() if outside is None
             else jax.default_matmul_precision(numerics.flag_for(outside, "dot")))
     with flag, flax_scope.policy_scope(policy, recorder, what=what):
-      return bound(*args, **kwargs)
+      if lifted is None:
+        return fn(*args, **kwargs)
+      graphdefs, args, kwargs, nodes = lifted.split(None, args, kwargs)
+      out, written = lifted.call(graphdefs, *args, **kwargs)
+      lifted.update(None, nodes, written)
+      return out
 
   native._jaxprec_recorder = recorder  # for jaxprec.policy_report
   return native

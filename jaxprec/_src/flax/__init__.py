@@ -7,15 +7,21 @@ core modules; nothing below imports these back, not even lazily):
 * :mod:`.paths`: the one source of Flax module paths (for the interceptor and
   for :func:`jaxprec.audit`). Imports Flax only when called.
 * :mod:`.state`: the typed runtime state of a policy scope (thread-local).
-* :mod:`.nnx_policy`: a policy's precisions set on an NNX module graph, and
-  the hook :func:`jaxprec.emulate`, :func:`jaxprec.cost` and
-  :func:`jaxprec.audit` call for NNX models (which also gives the audit NNX
-  module paths). Imports Flax only when called.
-* :mod:`.interception`: linen method interception (imports Flax).
+* :mod:`.identity`: what a module is to a policy: its type, op kind and own
+  precision (both APIs).
+* :mod:`.hook`: the one per-module hook: the policy's decision for a module
+  call, and the NNX call wrapper installed on a copy of the model (which also
+  gives the audit NNX module paths). Imports Flax only when called.
+* :mod:`.nnx_policy`: a policy applied to an NNX copy (dtypes, records, the
+  hook), for :func:`jaxprec.swap`, :func:`jaxprec.emulate`,
+  :func:`jaxprec.cost` and :func:`jaxprec.audit`. Imports Flax only when
+  called.
+* :mod:`.interception`: linen method interception through the hook (imports
+  Flax).
 * :mod:`.scope`: :func:`policy_scope`, the one way a policy comes in force
   (imports :mod:`.interception` only once Flax linen is imported).
-* :mod:`.emulated`, :mod:`.linen`, :mod:`.nnx`: the precision-aware Flax
-  modules (import Flax; may call :func:`jaxprec.emulate`).
+* :mod:`.linen`, :mod:`.nnx`: the precision-aware Flax modules (import
+  Flax; emulate through :func:`jaxprec.emulate`).
 * :mod:`.swap`: :func:`jaxprec.swap` and :func:`jaxprec.policy_report`.
 
 ``import jaxprec`` imports none of the rooms that import Flax.

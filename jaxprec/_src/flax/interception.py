@@ -53,8 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jaxprec._src import numerics
-from jaxprec._src.flax.nnx_policy import classify, own_precision
+from jaxprec._src.flax import hook
+from jaxprec._src.flax.identity import classify
 from jaxprec._src.flax.state import ActiveScope, active
 
 __all__ = ["cast_floating", "classify_linen", "has_dtype_field", "intercept"]
@@ -125,7 +125,7 @@ def _run(next_fun, args, kwargs, dtype_name: str | None, how: str | None,
 def intercept(scope: ActiveScope) -> Iterator[None]:
   """Runs linen module calls in the block at ``scope.policy``'s precisions
   and compute dtypes."""
-  policy, recorder, outer = scope.policy, scope.recorder, scope.outer_flag
+  policy, recorder = scope.policy, scope.recorder
   dtypes = policy.has_dtypes
 
   def interceptor(next_fun, args, kwargs, context):
@@ -135,20 +135,19 @@ def intercept(scope: ActiveScope) -> Iterator[None]:
     path = scope.paths.of(module)
     module_type, kind = classify_linen(module)
     path_str = scope.relative(path)
-    p, rule = policy.match(path_str, module_type, kind)
+    setup = context.method_name == "setup"
+    decision = hook.decide(scope, path_str, module, module_type, kind)
     dt, drule, how = None, None, None
     if dtypes:
       dt, drule = policy.match_dtype(path_str, module_type, kind)
       if dt is not None:
         how = "field" if has_dtype_field(type(module)) else "boundary"
-    setup = context.method_name == "setup"
     if recorder is not None and not setup:
-      kept, shown = (own_precision(module, p, kind)
-                     if module_type is not None else (False, p))
-      recorder.record(path_str, module_type, kind, shown, rule, kept=kept,
-                      dtype=dt, dtype_how=how, dtype_rule=drule)
-    flag = outer if p is None else numerics.flag_for(p, kind)
-    with scope.paths.entered(path), jax.default_matmul_precision(flag):
+      recorder.record(path_str, module_type, kind, decision.precision,
+                      decision.rule, kept=decision.kept, dtype=dt,
+                      dtype_how=how, dtype_rule=drule)
+    with scope.paths.entered(path), \
+         jax.default_matmul_precision(decision.flag):
       return _run(next_fun, args, kwargs, dt, how, module, setup)
 
   with nn.intercept_methods(interceptor):

@@ -11,18 +11,13 @@ same computation, plus:
   gives ``HIGHEST``) instead of letting JAX lower it at ``DEFAULT``
   (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py). Pairs of different levels and ``lax.DotAlgorithm``
   objects pass through unchanged.
-* ``emulate=True`` computes every matmul and convolution as ``target``
-  (``'tpu'``, ``'gpu'``; ``'cpu'``/``'native'`` emulate nothing) computes it,
-  on any backend, through Flax's injection points: ``dot_general=``
-  (``Dense``, ``DenseGeneral``, and the projections of
-  ``MultiHeadDotProductAttention``), ``conv_general_dilated=`` (``Conv``), and
-  for the attention score and weighting einsums ``einsum_dot_general=`` of
-  ``flax.linen.dot_product_attention`` (other attention functions are wrapped
-  in :func:`jaxprec.emulate`). ``Einsum`` and ``ConvTranspose`` have no such
-  hook in Flax: their call is lifted (``flax.core.lift.pack``, as
-  ``nn.remat`` is) into :func:`jaxprec.emulate`, variables and RNGs
-  included. Passing your own ``dot_general``/``conv_general_dilated`` (or a
-  ``*_cls``) together with ``emulate=True`` is a ValueError.
+* ``emulate=True`` computes every matmul and convolution of the module's
+  call as ``target`` (``'tpu'``, ``'gpu'``; ``'cpu'``/``'native'`` emulate
+  nothing) computes it, on any backend: the call is lifted
+  (``flax.core.lift.pack``, as ``nn.remat`` is) into :func:`jaxprec.emulate`,
+  variables and RNGs included, so it computes what ``jaxprec.emulate`` of the
+  Flax layer computes, bit for bit. A ``dot_general=`` (or any other op
+  function) the user passes is emulated with the rest.
 
 With ``emulate=False`` (the default) a module lowers to exactly the StableHLO
 of Flax's module at the equivalent precision: no overhead.
@@ -37,8 +32,7 @@ from flax import linen as nn
 from flax.core import lift
 
 from jaxprec._src import numerics
-from jaxprec._src.flax import emulated
-from jaxprec._src.flax.nnx_policy import per_op_precision
+from jaxprec._src.flax.identity import per_op_precision
 
 __all__ = ["Conv", "ConvTranspose", "Dense", "DenseGeneral", "Einsum",
            "MultiHeadDotProductAttention"]
@@ -48,29 +42,13 @@ def _set(module: Any, name: str, value: Any) -> None:
   object.__setattr__(module, name, value)
 
 
-def _hook(module: Any, name: str, make: Any, cls_field: str | None) -> None:
-  """Sets ``module.<name>`` to ``make`` when emulating, else to the user's value."""
-  user = emulated.unwrap(getattr(module, name))
-  if not _emulating(module):
-    _set(module, name, user)
-    return
-  for field, value in ((name, user), (cls_field, getattr(module, cls_field, None))):
-    if field is not None and value is not None:
-      raise ValueError(
-          f"{type(module).__name__}: emulate=True replaces {name}=, but "
-          f"{field}={value!r} was passed too; pass one or the other "
-          f"(jaxprec.emulated_dot_general and "
-          f"jaxprec.emulated_conv_general_dilated take target=).")
-  _set(module, name, make)
-
-
 def _prepare(module: Any, *, conv: bool) -> None:
   _set(module, "precision", per_op_precision(module.precision, conv=conv))
   _set(module, "target", numerics.check_target(module.target, emulation=True))
 
 
 def _emulating(module: Any) -> bool:
-  return module.emulate and emulated.emulates(module.target)
+  return module.emulate and module.target not in ("cpu", "native")
 
 
 # ---------------------------------------------------------------------------
@@ -102,18 +80,29 @@ def _emulated_call(method, module, *args, **kwargs):
 # ---------------------------------------------------------------------------
 # The modules.
 
-def _post_init(base: type, *, conv: bool, hooks: tuple[tuple[str, str], ...] = ()):
-  """A ``__post_init__``: jaxprec's ``precision=`` and ``target=``, then the
-  emulated op in each ``(hook, its *_cls field)`` of ``hooks``, then
+def _post_init(base: type, *, conv: bool):
+  """A ``__post_init__``: jaxprec's ``precision=`` and ``target=``, then
   ``base``'s."""
-  make = emulated.EmulatedConv if conv else emulated.EmulatedDotGeneral
 
   def __post_init__(self):
     _prepare(self, conv=conv)
-    for name, cls_field in hooks:
-      _hook(self, name, make(self.target), cls_field)
     base.__post_init__(self)
   return __post_init__
+
+
+def _call(base: type):
+  """A ``__call__`` that runs ``base``'s under :func:`jaxprec.emulate` when
+  the module emulates (:func:`_emulated_call`), else as it is."""
+  base_call = base.__call__
+
+  def __call__(self, *args, **kwargs):
+    if _emulating(self):
+      return _emulated_call(base_call, self, *args, **kwargs)
+    return base_call(self, *args, **kwargs)
+
+  __call__.__signature__ = inspect.signature(base_call)
+  __call__.__doc__ = base_call.__doc__
+  return nn.nowrap(__call__)
 
 
 class Dense(nn.Dense):
@@ -139,8 +128,8 @@ class Dense(nn.Dense):
 
   emulate: bool = False
   target: str = "tpu"
-  __post_init__ = _post_init(nn.Dense, conv=False,
-                             hooks=(("dot_general", "dot_general_cls"),))
+  __post_init__ = _post_init(nn.Dense, conv=False)
+  __call__ = _call(nn.Dense)
 
 
 class DenseGeneral(nn.DenseGeneral):
@@ -158,15 +147,14 @@ class DenseGeneral(nn.DenseGeneral):
 
   emulate: bool = False
   target: str = "tpu"
-  __post_init__ = _post_init(nn.DenseGeneral, conv=False,
-                             hooks=(("dot_general", "dot_general_cls"),))
+  __post_init__ = _post_init(nn.DenseGeneral, conv=False)
+  __call__ = _call(nn.DenseGeneral)
 
 
 class Einsum(nn.Einsum):
   """``flax.linen.Einsum`` with jaxprec precision names and emulation.
 
-  Fields as :class:`Dense`'s, besides Flax's. Flax's ``Einsum`` has no op
-  hook: with ``emulate=True`` its call is lifted into :func:`jaxprec.emulate`.
+  Fields as :class:`Dense`'s, besides Flax's.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxprec.linen as jpl
@@ -179,11 +167,7 @@ class Einsum(nn.Einsum):
   emulate: bool = False
   target: str = "tpu"
   __post_init__ = _post_init(nn.Einsum, conv=False)
-
-  def __call__(self, inputs, einsum_str=None):
-    if _emulating(self):
-      return _emulated_call(nn.Einsum.__call__, self, inputs, einsum_str)
-    return super().__call__(inputs, einsum_str)
+  __call__ = _call(nn.Einsum)
 
 
 class Conv(nn.Conv):
@@ -204,17 +188,14 @@ class Conv(nn.Conv):
 
   emulate: bool = False
   target: str = "tpu"
-  __post_init__ = _post_init(
-      nn.Conv, conv=True,
-      hooks=(("conv_general_dilated", "conv_general_dilated_cls"),))
+  __post_init__ = _post_init(nn.Conv, conv=True)
+  __call__ = _call(nn.Conv)
 
 
 class ConvTranspose(nn.ConvTranspose):
   """``flax.linen.ConvTranspose`` with jaxprec precision names and emulation.
 
-  Fields as :class:`Conv`'s, besides Flax's. Flax's ``ConvTranspose`` has no
-  op hook: with ``emulate=True`` its call is lifted into
-  :func:`jaxprec.emulate`.
+  Fields as :class:`Conv`'s, besides Flax's.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxprec.linen as jpl
@@ -227,11 +208,7 @@ class ConvTranspose(nn.ConvTranspose):
   emulate: bool = False
   target: str = "tpu"
   __post_init__ = _post_init(nn.ConvTranspose, conv=True)
-
-  def __call__(self, inputs):
-    if _emulating(self):
-      return _emulated_call(nn.ConvTranspose.__call__, self, inputs)
-    return super().__call__(inputs)
+  __call__ = _call(nn.ConvTranspose)
 
 
 class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
@@ -241,10 +218,8 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   ``flax.linen.MultiHeadDotProductAttention``, plus ``emulate`` and ``target``.
   ``precision`` applies to the query/key/value/output projections and to the
   attention score and weighting einsums, as in Flax. With ``emulate=True``
-  the projections get an emulated ``dot_general`` and ``attention_fn`` its
-  einsums' (``einsum_dot_general=``, for ``flax.linen.dot_product_attention``
-  and functions with that argument; any other function is wrapped in
-  :func:`jaxprec.emulate`).
+  the whole call (projections, ``attention_fn``) runs under
+  :func:`jaxprec.emulate`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxprec.linen as jpl
@@ -259,22 +234,5 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   emulate: bool = False
   target: str = "tpu"
 
-  def __post_init__(self):
-    _prepare(self, conv=False)
-    dot = emulated.EmulatedDotGeneral(self.target)
-    _hook(self, "qkv_dot_general", dot, "qkv_dot_general_cls")
-    _hook(self, "out_dot_general", dot, "out_dot_general_cls")
-    fn = emulated.unwrap(self.attention_fn)
-    if _emulating(self):
-      custom_einsum = (self.qk_attn_weights_einsum_cls is not None
-                       or self.attn_weights_value_einsum_cls is not None)
-      try:
-        takes_dot = "einsum_dot_general" in inspect.signature(fn).parameters
-      except (TypeError, ValueError):
-        takes_dot = False
-      fn = (emulated.WithEinsumDotGeneral(fn, dot)
-            if takes_dot and not custom_einsum
-            else emulated.EmulatedFunction(fn, self.target))
-    _set(self, "attention_fn", fn)
-    super().__post_init__()
-
+  __post_init__ = _post_init(nn.MultiHeadDotProductAttention, conv=False)
+  __call__ = _call(nn.MultiHeadDotProductAttention)

@@ -4,16 +4,14 @@ Each class subclasses Flax NNX's, with the same constructor arguments, the same
 state and the same computation, plus ``emulate=`` and ``target=`` keyword
 arguments; ``precision=`` takes any spelling :func:`jaxprec.resolve` accepts.
 As in :mod:`jaxprec.linen`: the precision is stored as the value Flax hands to
-``lax`` (a convolution stores a preset's level); ``emulate=True`` computes as
-``target`` (``'tpu'``, ``'gpu'``) does through NNX's hooks (``dot_general``,
-``conv_general_dilated``, ``einsum_op``, and for ``MultiHeadAttention`` the
-projections' ``dot_general`` and an ``attention_fn`` wrapped in
-:func:`jaxprec.emulate`); ``ConvTranspose`` has no hook, so its call runs
-under :func:`jaxprec.emulate`. With ``emulate=False`` a module lowers to the
-StableHLO of NNX's module at the equivalent precision.
+``lax`` (a convolution stores a preset's level); ``emulate=True`` runs the
+module's call under :func:`jaxprec.emulate` for ``target`` (``'tpu'``,
+``'gpu'``), its state an argument of the trace and the variables it writes
+written back, so it computes what ``jaxprec.emulate`` of NNX's module
+computes, bit for bit. With ``emulate=False`` a module lowers to the StableHLO
+of NNX's module at the equivalent precision.
 
-:func:`configure` applies the same settings to an existing NNX module (used by
-:func:`jaxprec.swap` on a clone).
+:func:`configure` applies the same settings to an existing NNX module.
 """
 
 from __future__ import annotations
@@ -22,39 +20,16 @@ import functools
 import inspect
 from typing import Any
 
-import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 
 from jaxprec._src import numerics
-from jaxprec._src.flax import emulated
-from jaxprec._src.flax.nnx_policy import per_op_precision
+from jaxprec._src.flax.identity import per_op_precision
+from jaxprec._src.flax.nnx_policy import PrecisionScoped
 
 __all__ = ["Conv", "ConvTranspose", "Einsum", "Linear", "LinearGeneral",
            "MultiHeadAttention", "configure"]
 
 _CONV_TYPES = (nnx.Conv, nnx.ConvTranspose)
-
-
-def _hooks(module: Any) -> list[tuple[str, Any, Any]]:
-  """(attribute, Flax's default value, our replacement maker) per hook."""
-  if isinstance(module, nnx.MultiHeadAttention):
-    return [("qkv_dot_general", None, emulated.EmulatedDotGeneral),
-            ("out_dot_general", None, emulated.EmulatedDotGeneral)]
-  if isinstance(module, nnx.LinearGeneral):
-    return [("dot_general", None, emulated.EmulatedDotGeneral)]
-  if isinstance(module, nnx.Linear):
-    return [("dot_general", lax.dot_general, emulated.EmulatedDotGeneral)]
-  if isinstance(module, nnx.Einsum):
-    return [("einsum_op", jnp.einsum, emulated.EmulatedEinsum)]
-  if isinstance(module, nnx.Conv):
-    return [("conv_general_dilated", lax.conv_general_dilated,
-             emulated.EmulatedConv)]
-  return []
-
-
-def _is_default(value: Any, default: Any) -> bool:
-  return value is default or emulated.unwrap(value) is None and value is not None
 
 
 def configure(module: Any, *, precision: Any = None, set_precision: bool = True,
@@ -66,71 +41,45 @@ def configure(module: Any, *, precision: Any = None, set_precision: bool = True,
       ``ConvTranspose`` or ``MultiHeadAttention`` (or a subclass).
     precision: any jaxprec spelling; stored as the ``lax`` value.
     set_precision: False leaves ``module.precision`` as it is.
-    emulate, target: as the modules' arguments.
+    emulate, target: as the modules' arguments (emulation needs a jaxprec
+      module's class, whose call reads them).
 
   Raises:
-    ValueError: bad precision or target, or ``emulate=True`` on a module whose
-      hook holds a user function.
+    ValueError: bad precision or target.
   """
   target = numerics.check_target(target, emulation=True)
   if set_precision:
     module.precision = per_op_precision(precision,
                                         conv=isinstance(module, _CONV_TYPES))
-  on = emulate and emulated.emulates(target)
-  for name, default, make in _hooks(module):
-    value = getattr(module, name, default)
-    if not on:
-      if emulated.unwrap(value) is None and value is not None:
-        value = default  # ours: back to Flax's default
-      setattr(module, name, value)
-      continue
-    if not _is_default(value, default) or (
-        name == "dot_general" and getattr(module, "dot_general_cls", None)):
-      raise ValueError(
-          f"{type(module).__name__}: emulate=True replaces {name}, which holds "
-          f"{value!r}; pass one or the other.")
-    setattr(module, name, make(target))
-  if isinstance(module, nnx.MultiHeadAttention):
+  if (isinstance(module, nnx.MultiHeadAttention)
+      and not isinstance(module.attention_fn, PrecisionScoped)):
     # NNX's default attention function computes the scores with
     # jax.nn.dot_product_attention (no precision argument) when there is no
     # dropout: scope the flag so that `precision` reaches them.
-    fn = emulated.PrecisionScoped(emulated.unwrap(module.attention_fn))
-    if on:
-      try:
-        takes_dot = "einsum_dot_general" in inspect.signature(fn).parameters
-      except (TypeError, ValueError):
-        takes_dot = False
-      fn = (emulated.WithEinsumDotGeneral(fn, emulated.EmulatedDotGeneral(target))
-            if takes_dot else emulated.EmulatedFunction(fn, target))
-    module.attention_fn = fn
-  if isinstance(module, nnx.ConvTranspose) and on and not getattr(
-      type(module).__call__, "_jaxprec_emulating", False):
-    object.__setattr__(module, "__class__", _emulating_class(type(module)))
+    module.attention_fn = PrecisionScoped(module.attention_fn)
   module.emulate = emulate
   module.target = target
 
 
+@functools.lru_cache(maxsize=None)
+def _emulator(base_call, target: str):
+  """``fn(module, *args, **kwargs)``: ``base_call`` emulated for ``target``
+  (one trace cache per NNX class and target)."""
+  from jaxprec._src.emulate import emulate_nnx_call
+  return emulate_nnx_call(base_call, target)
+
+
 def _emulating_call(base_call):
   """A ``__call__`` that runs ``base_call`` under :func:`jaxprec.emulate`
-  when ``self.emulate`` (for modules without an op hook)."""
+  when ``self.emulate`` and ``self.target`` emulates."""
 
+  @functools.wraps(base_call)
   def __call__(self, *args, **kwargs):
-    call = functools.partial(base_call, self)
-    if getattr(self, "emulate", False) and emulated.emulates(self.target):
-      from jaxprec._src.emulate import emulate
-      return emulate(call, target=self.target)(*args, **kwargs)
-    return call(*args, **kwargs)
+    if getattr(self, "emulate", False) and self.target not in ("cpu", "native"):
+      return _emulator(base_call, self.target)(self, *args, **kwargs)
+    return base_call(self, *args, **kwargs)
 
-  __call__._jaxprec_emulating = True
   return __call__
-
-
-@functools.lru_cache(maxsize=None)
-def _emulating_class(cls: type) -> type:
-  # Same layout as `cls` (no new bases), so an instance's class can be swapped.
-  return type(cls.__name__, (cls,),
-              {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-               "__call__": _emulating_call(cls.__call__)})
 
 
 def _init(base: type):
@@ -167,6 +116,7 @@ class Linear(nnx.Linear):
   """
 
   __init__ = _init(nnx.Linear)
+  __call__ = _emulating_call(nnx.Linear.__call__)
 
 
 class LinearGeneral(nnx.LinearGeneral):
@@ -181,6 +131,7 @@ class LinearGeneral(nnx.LinearGeneral):
   """
 
   __init__ = _init(nnx.LinearGeneral)
+  __call__ = _emulating_call(nnx.LinearGeneral.__call__)
 
 
 class Einsum(nnx.Einsum):
@@ -196,6 +147,7 @@ class Einsum(nnx.Einsum):
   """
 
   __init__ = _init(nnx.Einsum)
+  __call__ = _emulating_call(nnx.Einsum.__call__)
 
 
 class Conv(nnx.Conv):
@@ -212,6 +164,7 @@ class Conv(nnx.Conv):
   """
 
   __init__ = _init(nnx.Conv)
+  __call__ = _emulating_call(nnx.Conv.__call__)
 
 
 class ConvTranspose(nnx.ConvTranspose):
@@ -239,8 +192,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   dropout, which has no precision argument, so NNX computes them at the
   precision in force whatever ``precision`` says; here ``attention_fn`` runs
   with JAX's flag set to ``precision``. With ``emulate=True`` the projections
-  get an emulated ``dot_general`` and ``attention_fn`` runs under
-  :func:`jaxprec.emulate`.
+  and ``attention_fn`` run under :func:`jaxprec.emulate`.
 
   Examples:
     >>> import jax.numpy as jnp, jaxprec.nnx as jpn
@@ -256,14 +208,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     # The projections are built in __init__ with this precision and hooks.
     target = numerics.check_target(target, emulation=True)
     p = per_op_precision(precision, conv=False)
-    if emulate and emulated.emulates(target):
-      for name in ("qkv_dot_general", "out_dot_general"):
-        if kwargs.get(name) is not None or kwargs.get(f"{name}_cls") is not None:
-          raise ValueError(
-              f"MultiHeadAttention: emulate=True replaces {name}=; pass one or "
-              f"the other.")
-        kwargs[name] = emulated.EmulatedDotGeneral(target)
     super().__init__(*args, precision=p, **kwargs)
     configure(self, precision=p, emulate=emulate, target=target)
 
   __init__.__signature__ = _init(nnx.MultiHeadAttention).__signature__
+  __call__ = _emulating_call(nnx.MultiHeadAttention.__call__)

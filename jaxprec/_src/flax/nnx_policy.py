@@ -1,23 +1,21 @@
-"""A policy's precisions on Flax NNX modules, and the Flax-free helpers they share.
+"""A policy's decisions on Flax NNX modules: compute dtypes, records, the hook.
 
-NNX has no method interception: a policy reaches an NNX model by setting the
-``precision`` of each matched module of a clone (:func:`decide`,
-:func:`set_precision`), and the ``dtype`` of each module the policy gives a
-compute dtype (:func:`decide_dtype`; a dtype rule that matches a module without
-a ``dtype`` attribute is an error, :func:`check_dtypes`). :func:`jaxprec.swap` does that once;
-:func:`bind` does it each time a function is traced, for
-:func:`jaxprec.emulate`, :func:`jaxprec.cost` and the search, which are given
-an ``nnx.Module`` (or a bound method of one) as the function. Paths are the
-``'/'``-joined attribute names of :func:`flax.nnx.iter_graph`, as in
-:func:`jaxprec.swap` (:func:`jaxprec._src.flax.paths.nnx_modules`, the one
-source). While :func:`jaxprec.audit` traces (a
-:func:`jaxprec._src.flax.paths.record` block), the traced copy's modules that
-a policy can set run inside :func:`jaxprec._src.flax.paths.nnx_call`, so that
-the audit's rows get their paths (:func:`mark_paths`).
+A policy reaches an NNX model through a copy of it (a clone, or the traced
+copy ``nnx.merge`` makes): :func:`apply` sets the ``dtype`` of each module the
+policy gives a compute dtype (:func:`decide_dtype`; a dtype rule that matches a
+module without a ``dtype`` attribute is an error, :func:`check_dtypes`),
+records the policy's decision for every module, and gives each module the
+per-module hook (:func:`jaxprec._src.flax.hook.install`), under which each
+module call runs at the precision the policy in force gives it.
+:func:`jaxprec.swap` does that once, on a clone; :func:`bind` and
+:class:`Lifted` do it each time a function is traced, for
+:func:`jaxprec.emulate`, :func:`jaxprec.audit`, :func:`jaxprec.cost` and the
+search, which are given an ``nnx.Module`` (or a bound method of one) as the
+function. Paths are the ``'/'``-joined attribute names of
+:func:`flax.nnx.iter_graph` (:func:`jaxprec._src.flax.paths.nnx_modules`, the
+one source).
 
-Also here, because modules at every level use them: :func:`per_op_precision`
-(what a Flax module passes to ``lax`` for a jaxprec ``precision=``),
-:class:`PrecisionScoped` and :func:`is_attention_name`.
+Also here: :class:`PrecisionScoped`, for the precision-aware attention module.
 
 This module imports Flax only when called with NNX objects; it never imports
 :func:`jaxprec.emulate` (which calls it).
@@ -25,143 +23,56 @@ This module imports Flax only when called with NNX objects; it never imports
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax import lax
 
-from jaxprec._src import numerics
+from jaxprec._src.flax import hook
 from jaxprec._src.flax import paths as flax_paths
-from jaxprec._src.flax.state import Recorder
+from jaxprec._src.flax import scope as flax_scope
+from jaxprec._src.flax.identity import classify_nnx, own_precision
+from jaxprec._src.flax.state import Recorder, active
 from jaxprec._src.policy import Policy
-from jaxprec._src.precision import Precision, resolve
-
-__all__ = ["Lifted", "PrecisionScoped", "bind", "check_dtypes", "classify",
-           "classify_nnx", "decide", "decide_dtype", "is_attention_name", "lift",
-           "mark_paths", "own_precision", "per_op_precision", "set_precision"]
+from jaxprec._src.precision import resolve
 
 
-def per_op_precision(value: Any, *, conv: bool) -> Any:
-  """What a Flax module should pass to ``lax`` for a jaxprec ``precision=``.
+def apply(model: Any, policy: Policy | None, recorder: Recorder | None,
+          *, hooks: bool = True) -> None:
+  """Applies ``policy`` to ``model``, a copy (never the user's), in place.
 
-  None and ``lax.DotAlgorithm`` objects pass through, as do pairs of
-  different levels; anything else is resolved and becomes
-  :func:`jaxprec._src.numerics.per_op` of its kind (a convolution gets a
-  preset's level).
-  """
-  if value is None or isinstance(value, lax.DotAlgorithm):
-    return value
-  if (isinstance(value, (tuple, list)) and len(value) == 2
-      and all(isinstance(v, lax.Precision) for v in value)
-      and value[0] != value[1]):
-    return tuple(value)
-  return numerics.per_op(resolve(value), "conv" if conv else "dot")
-
-
-def own_precision(module: Any, p: Precision | None, kind: str
-                  ) -> tuple[bool, Precision | None]:
-  """``(kept, precision)``: whether a Flax module keeps its own ``precision=``
-  rather than the policy's ``p``, and the precision it runs at.
-
-  A module whose ``precision`` already is what ``p`` would set (a swapped
-  model) is the policy's decision, not the module's.
-  """
-  own = getattr(module, "precision", None)
-  if own is None or (p is not None
-                     and own == per_op_precision(p, conv=kind == "conv")):
-    return False, p
-  try:
-    return True, resolve(own)
-  except (TypeError, ValueError):
-    return True, None
-
-
-def is_attention_name(cls: type) -> bool:
-  """Whether a class is an attention module by its name.
-
-  Attention modules of other libraries (Hugging Face's
-  ``FlaxBertSelfAttention``, ``FlaxWav2Vec2Attention``, ...) subclass nothing
-  of Flax's: go by the name.
-  """
-  return "Attention" in cls.__name__
-
-
-def classify(module: Any, table: Sequence[tuple[Any, str]]
-             ) -> tuple[str | None, str]:
-  """``(module type, op kind)`` of a Flax module; type None for other modules.
-
-  The type is that of the first ``(classes, type)`` row of ``table`` whose
-  classes ``module`` is an instance of, else ``'Attention'`` for a class named
-  so (:func:`is_attention_name`). The op kind follows from the type:
-  ``'attention'`` for attention modules, ``'conv'`` for convolutions,
-  ``'dot'`` for the rest.
-  """
-  for classes, module_type in table:
-    if isinstance(module, classes):
-      return module_type, _KINDS.get(module_type, "dot")
-  if is_attention_name(type(module)):
-    return "Attention", "attention"
-  return None, "dot"
-
-
-_KINDS = {"Attention": "attention", "Conv": "conv", "ConvTranspose": "conv"}
-
-
-@functools.cache
-def _nnx_types() -> tuple[tuple[Any, str], ...]:
-  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
-  return ((nnx.MultiHeadAttention, "Attention"),
-          (nnx.ConvTranspose, "ConvTranspose"), (nnx.Conv, "Conv"),
-          (nnx.LinearGeneral, "DenseGeneral"), (nnx.Linear, "Dense"),
-          (nnx.Einsum, "Einsum"))
-
-
-def classify_nnx(module: Any) -> tuple[str | None, str]:
-  """``(module type, op kind)`` of an NNX module (:func:`classify`)."""
-  return classify(module, _nnx_types())
-
-
-def decide(model: Any, policy: Policy, recorder: Recorder | None
-           ) -> Iterator[tuple[Any, Precision | None, str]]:
-  """``(module, precision, op kind)`` for each NNX module a policy can set.
-
-  Modules of :data:`jaxprec._src.policy.MODULE_TYPES` (by class or alias)
-  that have a ``precision`` attribute, in graph order; the precision is the
-  policy's for the module's path, type and kind (None: leave as is). Each
-  decision is recorded in ``recorder``.
-
-  ``model`` must be a copy (a clone or a traced copy): the policy's compute
-  dtypes are set on it in place as the modules are visited
-  (:func:`decide_dtype`: every module with a ``dtype`` attribute that the
-  policy gives a dtype), and recorded with the precision decisions.
+  Sets each module's compute dtype (:func:`decide_dtype`), records the
+  policy's decision for every module that can be called in ``recorder`` (as
+  the linen interceptor records every module call), and, with ``hooks``, installs the
+  per-module hook (:func:`jaxprec._src.flax.hook.install`). The precisions
+  themselves are decided by the hook at each call, from the policy in force.
 
   Raises:
     ValueError: an explicit dtype rule matches a module without a ``dtype``
       attribute (:func:`check_dtypes`).
   """
-  if policy.has_dtypes:
-    check_dtypes(model, policy)
-  for path, node in flax_paths.nnx_modules(model):
-    module_type, kind = classify_nnx(node)
-    settable = module_type is not None and hasattr(node, "precision")
-    dt, drule, how = decide_dtype(path, node, module_type, kind, policy)
-    if how == "field":
-      node.dtype = getattr(jax.numpy, dt)
-    if not settable and how is None:
-      continue
-    p, rule = policy.match(path, module_type, kind) if settable else (None, None)
-    if recorder is not None:
-      kept, shown = own_precision(node, p, kind) if settable else (False, None)
-      recorder.record(path, module_type, kind, shown, rule, kept=kept,
-                      dtype=dt, dtype_how=how, dtype_rule=drule)
-    if settable:
-      yield node, p, kind
+  if policy is not None:
+    if policy.has_dtypes:
+      check_dtypes(model, policy)
+    for path, node in flax_paths.nnx_modules(model):
+      module_type, kind = classify_nnx(node)
+      dt, drule, how = decide_dtype(path, node, module_type, kind, policy)
+      if how == "field":
+        node.dtype = getattr(jax.numpy, dt)
+      if recorder is not None and (how is not None
+                                   or hook.callable_class(type(node))):
+        p, rule = policy.match(path, module_type, kind)
+        kept, shown = (own_precision(node, p, kind) if module_type is not None
+                       else (False, p))
+        recorder.record(path, module_type, kind, shown, rule, kept=kept,
+                        dtype=dt, dtype_how=how, dtype_rule=drule)
+  if hooks:
+    hook.install(model)
 
 
 def decide_dtype(path: str, node: Any, module_type: str | None, kind: str,
@@ -207,107 +118,50 @@ def check_dtypes(model: Any, policy: Policy) -> None:
           f"which leaves such modules as they are.")
 
 
-def _settable(model: Any) -> Iterator[tuple[str, Any, str, str]]:
-  """``(path, module, module type, op kind)`` of each NNX module of ``model``
-  that a policy can set (:func:`decide`), in graph order."""
-  for path, node in flax_paths.nnx_modules(model):
-    module_type, kind = classify_nnx(node)
-    if module_type is not None and hasattr(node, "precision"):
-      yield path, node, module_type, kind
+def _module_and_method(fn: Any) -> tuple[Any, Callable[..., Any]] | None:
+  """``(module, unbound method)`` of an ``nnx.Module`` or a bound method of
+  one; None for anything else (or when NNX is not imported)."""
+  if hook.is_nnx_module(fn):
+    return fn, type(fn).__call__
+  if isinstance(fn, types.MethodType) and hook.is_nnx_module(fn.__self__):
+    return fn.__self__, fn.__func__
+  return None
 
 
-def mark_paths(model: Any) -> None:
-  """Makes each module of ``model`` (a traced copy) that a policy can set run
-  inside :func:`jaxprec._src.flax.paths.nnx_call` of its path, in place.
-
-  Only inside a :func:`jaxprec._src.flax.paths.record` block (an audit);
-  elsewhere it does nothing. Each such module gets a subclass of its class
-  (same name) that holds its path and whose ``__call__`` does that; being in
-  the class, the path follows the module into the copies that NNX transforms
-  make (``nnx.scan`` over stacked layers). A class that cannot be subclassed
-  so is left as is (its ops then belong to the enclosing module).
-  """
-  if not flax_paths.recording():
-    return
-  for path, node, _, _ in _settable(model):
-    base = getattr(type(node), "_jaxprec_nnx_base", type(node))
-    scoped = _path_scoped_class(base, path)
-    if scoped is None:
-      continue
-    try:
-      object.__setattr__(node, "__class__", scoped)
-    except TypeError:  # an incompatible layout (__slots__)
-      continue
-
-
-@functools.lru_cache(maxsize=4096)
-def _path_scoped_class(cls: type, path: str) -> type | None:
-  """``cls`` with ``__call__`` run inside ``nnx_call(path)``."""
-  call = cls.__call__
-
-  def __call__(self, *args, **kwargs):
-    with flax_paths.nnx_call(path):
-      return call(self, *args, **kwargs)
-
-  try:
-    return type(cls.__name__, (cls,), {
-        "__call__": functools.wraps(call)(__call__),
-        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__, "_jaxprec_nnx_base": cls})
-  except TypeError:  # a class whose subclassing needs arguments
-    return None
-
-
-def set_precision(module: Any, p: Precision | None, kind: str) -> None:
-  """Gives an NNX module (of a clone) precision ``p``, in place.
-
-  A ``precision`` the module already has is kept (the model's code chose
-  it), as :func:`jaxprec.swap` keeps it. Attention modules' attention
-  function runs with JAX's flag at the module's precision
-  (:class:`PrecisionScoped`), so that it reaches the score and weighting
-  matmuls.
-  """
-  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
-  if p is not None and module.precision is None:
-    module.precision = per_op_precision(p, conv=kind == "conv")
-  if (isinstance(module, nnx.MultiHeadAttention)
-      and not isinstance(module.attention_fn, PrecisionScoped)):
-    module.attention_fn = PrecisionScoped(module.attention_fn)
+def _in_force(policy: Policy | None):
+  """A scope of ``policy`` unless one is in force already (none for None)."""
+  scope = active()
+  if policy is None or (scope is not None and scope.policy == policy):
+    return contextlib.nullcontext()
+  return flax_scope.policy_scope(policy)
 
 
 def bind(fn: Callable[..., Any], policy: Policy | None,
          recorder: Recorder | None = None) -> Callable[..., Any]:
-  """``fn`` with ``policy``'s path rules reaching its NNX modules.
+  """``fn`` with ``policy`` reaching its NNX modules through the hook.
 
   For an ``nnx.Module`` or a bound method of one, returns a function that,
   each time it is called (for :func:`jaxprec.audit` and :func:`jaxprec.cost`,
-  each time it is traced), clones the module, sets the policy's precisions
-  (if any) on the clone (:func:`decide`, :func:`set_precision`), marks its
-  modules' paths for the audit (:func:`mark_paths`) and calls it. Any other
-  ``fn`` is returned as is: a linen model meets the policy through the
-  interception of :func:`jaxprec._src.flax.scope.policy_scope`. The user's
-  module is never modified.
+  each time it is traced), clones the module, applies the policy to the clone
+  (:func:`apply`: dtypes, records, the hook) and calls it through the hook
+  under the policy (entered unless in force). Any other ``fn`` is returned as
+  is: a linen model meets the policy through the interception of
+  :func:`jaxprec._src.flax.scope.policy_scope`. The user's module is never
+  modified (state the call writes stays in the clone).
   """
-  nnx_mod = sys.modules.get("flax.nnx")
-  if nnx_mod is None:
+  found = _module_and_method(fn)
+  if found is None:
     return fn
-  if isinstance(fn, nnx_mod.Module):
-    module, method = fn, type(fn).__call__
-  elif (isinstance(fn, types.MethodType)
-        and isinstance(fn.__self__, nnx_mod.Module)):
-    module, method = fn.__self__, fn.__func__
-  else:
-    return fn
+  module, method = found
   if policy is not None and policy.has_dtypes:
     check_dtypes(module, policy)  # now, not at the first call
+  nnx = sys.modules["flax.nnx"]
 
   def with_policy(*args, **kwargs):
-    clone = nnx_mod.clone(module)
-    if policy is not None:
-      for node, p, kind in decide(clone, policy, recorder):
-        set_precision(node, p, kind)
-    mark_paths(clone)
-    return method(clone, *args, **kwargs)
+    clone = nnx.clone(module)
+    apply(clone, policy, recorder)
+    with _in_force(policy):
+      return hook.run(clone, "", method, args, kwargs)
 
   with_policy.__wrapped__ = fn
   with_policy.__name__ = getattr(method, "__name__", "__call__")
@@ -326,49 +180,133 @@ class Lifted:
   user changed them in place (an optimizer step, ``nnx.update``) would answer
   with the old ones: a stale number. Instead each call passes the module's
   current state as an argument of :meth:`call` and keys the trace on the
-  graph definition, as ``nnx.jit`` does. State the method changes (batch
-  statistics, RNG counters) stays in the traced copy: the user's module is
-  never modified.
+  graph definition, as ``nnx.jit`` does; :meth:`call` returns the variables
+  the method wrote (batch statistics, RNG counters, new ones it made) with its
+  output, and :meth:`update` writes them into the module, as the native call
+  would have.
+
+  Attributes:
+    module: the module; None when it is the first argument of each call
+      (a swapped model's wrapper emulating its own call).
+    method: the unbound method called.
+    policy: applied to each traced copy (:func:`apply`), or None.
+    recorder: records the policy's decisions.
+    path: the module's path in the policy's model (``''``: the top).
+    apply_policy: False when the copy comes from a swapped model, which has
+      the policy applied already.
   """
 
   module: Any
   method: Callable[..., Any]
   policy: Policy | None
   recorder: Recorder | None
+  path: str = ""
+  apply_policy: bool = True
 
-  def split(self) -> tuple[Any, Any]:
-    """``(graphdef, state)`` of the module now."""
-    return sys.modules["flax.nnx"].split(self.module)
+  def split(self, module: Any | None, args: tuple, kwargs: dict
+            ) -> tuple[Any, tuple, dict, list[tuple[Any, Any]]]:
+    """``(graphdefs, args, kwargs, nodes)`` of a call, for :meth:`call`.
 
-  def call(self, graphdef: Any, state: Any, *args, **kwargs):
-    nnx_mod = sys.modules["flax.nnx"]
-    module = nnx_mod.merge(graphdef, state)
-    if self.policy is not None:
-      for node, p, kind in decide(module, self.policy, self.recorder):
-        set_precision(node, p, kind)
-    mark_paths(module)
-    return self.method(module, *args, **kwargs)
+    The module (``module``, or :attr:`module` when None) and every argument
+    that is an NNX graph node (an ``nnx.Rngs``, another module) are split:
+    ``graphdefs`` holds their graph definitions (part of the trace's key),
+    the returned ``args`` (led by the module's state) and ``kwargs`` hold
+    their states in their places, and ``nodes`` pairs each such argument's
+    place with the argument itself (for :meth:`update`).
+    """
+    nnx = sys.modules["flax.nnx"]
+    graphdef, state = nnx.split(self.module if module is None else module)
+    args, kwargs = list(args), dict(kwargs)
+    places: list[tuple[Any, Any]] = []
+    nodes: list[tuple[Any, Any]] = []
+    for holder, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
+      for k in keys:
+        node = holder[k]
+        if _is_node(node):
+          g, holder[k] = nnx.split(node)
+          places.append((k, g))
+          nodes.append((k, node))
+    return (graphdef, tuple(places)), (state, *args), kwargs, nodes
+
+  def call(self, graphdefs: Any, state: Any, *args, **kwargs
+           ) -> tuple[Any, tuple[Any, ...]]:
+    """``(output, written)``: the method's output on a copy of the module
+    made from ``state`` (and copies of the graph-node arguments made from
+    theirs), and the variables the call wrote in each, module first, as
+    ``nnx.State`` values (those whose value is not the one passed in, and
+    new ones)."""
+    nnx = sys.modules["flax.nnx"]
+    graphdef, places = graphdefs
+    module = nnx.merge(graphdef, state)
+    if self.apply_policy:
+      apply(module, self.policy, self.recorder)
+    else:
+      hook.install(module)
+    args, kwargs = list(args), dict(kwargs)
+    copies = [(module, _flat_leaves(state))]
+    for k, g in places:
+      holder = args if isinstance(k, int) else kwargs
+      before = _flat_leaves(holder[k])
+      holder[k] = nnx.merge(g, holder[k])
+      copies.append((holder[k], before))
+    out = hook.run(module, self.path, self.method, tuple(args), kwargs)
+    return out, tuple(_written(node, before) for node, before in copies)
+
+  def update(self, module: Any, nodes: list[tuple[Any, Any]],
+             written: tuple[Any, ...]) -> None:
+    """Writes the variables :meth:`call` returned into the module
+    (``module``, or :attr:`module` when None) and the graph-node arguments,
+    as the native call would have written them."""
+    nnx = sys.modules["flax.nnx"]
+    targets = [self.module if module is None else module] + [n for _, n in nodes]
+    for target, state in zip(targets, written):
+      if jax.tree.leaves(state):
+        nnx.update(target, state)
+
+
+def _is_node(value: Any) -> bool:
+  """Whether a call argument is an NNX graph node with state of its own (a
+  module, an ``nnx.Rngs``; not a lone variable)."""
+  nnx = sys.modules["flax.nnx"]
+  return (nnx.graph.is_graph_node(value)
+          and not isinstance(value, nnx.Variable))
+
+
+def _flat_leaves(state: Any) -> dict[Any, list[Any]]:
+  return {p: _leaves(v) for p, v in sys.modules["flax.nnx"].to_flat_state(state)}
+
+
+def _written(node: Any, before: dict[Any, list[Any]]) -> Any:
+  """The variables of ``node`` whose values are not those of ``before``."""
+  nnx = sys.modules["flax.nnx"]
+  return nnx.from_flat_state(
+      [(p, v) for p, v in nnx.to_flat_state(nnx.state(node))
+       if not _same(before.get(p), _leaves(v))])
+
+
+def _leaves(value: Any) -> list[Any]:
+  return jax.tree.leaves(value)
+
+
+def _same(a: list[Any] | None, b: list[Any]) -> bool:
+  """Whether two variables' leaves are the very same objects (not written)."""
+  return a is not None and len(a) == len(b) and all(
+      x is y for x, y in zip(a, b))
 
 
 def lift(fn: Callable[..., Any], policy: Policy | None = None,
          recorder: Recorder | None = None) -> Lifted | None:
   """A :class:`Lifted` for an ``nnx.Module`` or a bound method of one, with
-  ``policy``'s path rules (and compute dtypes) applied to each traced copy;
-  None for anything else.
+  ``policy`` applied to each traced copy; None for anything else.
 
   Raises:
     ValueError: a dtype rule of ``policy`` matches a module without a
       ``dtype`` attribute (:func:`check_dtypes`).
   """
-  nnx_mod = sys.modules.get("flax.nnx")
-  if nnx_mod is None:
+  found = _module_and_method(fn)
+  if found is None:
     return None
-  if isinstance(fn, nnx_mod.Module):
-    module, method = fn, type(fn).__call__
-  elif isinstance(fn, types.MethodType) and isinstance(fn.__self__, nnx_mod.Module):
-    module, method = fn.__self__, fn.__func__
-  else:
-    return None
+  module, method = found
   if policy is not None and policy.has_dtypes:
     check_dtypes(module, policy)  # now, not at the first call
   return Lifted(module, method, policy, recorder)

@@ -14,9 +14,15 @@ same variables; the user's model is never modified.
 * **Hugging Face Flax models** (``FlaxPreTrainedModel``): a shallow copy whose
   ``module`` is the swapped linen module; ``model(inputs, params=...)`` calls
   ``self.module.apply``, so both call styles run under the policy.
-* **NNX**: ``nnx.clone(model)`` with each matched module's ``precision`` (and
-  ``dtype``) set (and emulated ops injected with ``emulate=True``; see
-  :func:`jaxprec._src.flax.nnx.configure`).
+* **NNX**: ``nnx.clone(model)`` with each module the policy gives a compute
+  dtype set to it, and every module's call run through the per-module hook
+  (:mod:`jaxprec._src.flax.hook`), the NNX side of the linen interception:
+  each call runs with JAX's precision flag at the precision the policy gives
+  that module's path, type and op kind. A call of the model enters the
+  policy; with ``emulate=True`` it runs through :func:`jaxprec.emulate`, so
+  it computes what ``emulate(model, policy)`` computes, and the variables it
+  writes (batch statistics, RNG counters) are written into the clone as the
+  native call writes them.
 
 This module imports Flax only when called.
 """
@@ -32,8 +38,9 @@ from typing import Any
 
 from jaxprec._src import numerics
 from jaxprec._src import policy as policy_lib
-from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import hook, nnx_policy
 from jaxprec._src.flax import scope as flax_scope
+from jaxprec._src.flax import state as flax_state
 from jaxprec._src.flax.scope import policy_scope
 from jaxprec._src.policy import PolicyLike, PolicyReport
 
@@ -262,16 +269,49 @@ def _policy_method(method, cfg: _SwapConfig):
 def _swap_nnx(model, policy, emulate: bool, target: str):
   from flax import nnx
 
-  from jaxprec._src.flax import nnx as nnx_modules
-
   new = nnx.clone(model)
   recorder = flax_scope.Recorder(policy)
-  for node, p, _ in nnx_policy.decide(new, policy, recorder):
-    keep = not emulate  # a jaxprec layer built with emulate=True stays emulated
-    nnx_modules.configure(
-        node, precision=p, set_precision=p is not None and node.precision is None,
-        emulate=getattr(node, "emulate", False) if keep else True,
-        target=getattr(node, "target", target) if keep else target)
+  what = f"{type(model).__name__} (jaxprec.swap)"
+  entry = _NnxEntry(policy=policy, recorder=recorder, emulate=emulate,
+                    target=target, what=what)
+  nnx_policy.apply(new, policy, recorder, hooks=False)
+  hook.install(new, entry, entry.classes)
   _NNX_RECORDERS[new] = recorder
-  recorder.warn_unused(f"{type(model).__name__} (jaxprec.swap)", stacklevel=3)
+  recorder.warn_unused(what, stacklevel=3)
   return new
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class _NnxEntry:
+  """A swapped NNX model's way into its policy (a :class:`hook.Entry`).
+
+  A call of one of the model's modules made outside the policy (the user's
+  call) enters the policy here; with ``emulate``, it runs through
+  :func:`jaxprec.emulate`'s interpreter, traced as ``emulate(model, policy)``
+  traces it, and the variables it writes are written back into the module.
+  """
+
+  policy: policy_lib.Policy
+  recorder: flax_scope.Recorder
+  emulate: bool
+  target: str
+  what: str
+  classes: dict = dataclasses.field(default_factory=dict)
+  emulated: dict = dataclasses.field(default_factory=dict)
+
+  def in_force(self) -> bool:
+    scope = flax_state.active()
+    return scope is not None and scope.policy == self.policy
+
+  def enter(self, module, path, call, args, kwargs):
+    if not self.emulate:
+      with policy_scope(self.policy, self.recorder, what=self.what):
+        return hook.run(module, path, call, args, kwargs)
+    from jaxprec._src.emulate import emulate_nnx_call
+
+    key = (hook.base_class(type(module)), path)
+    fn = self.emulated.get(key)
+    if fn is None:
+      fn = self.emulated[key] = emulate_nnx_call(
+          call, self.target, self.policy, self.recorder, path)
+    return fn(module, *args, **kwargs)

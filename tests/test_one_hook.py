@@ -1,0 +1,209 @@
+"""One per-module hook: a policy gives a linen model and its NNX twin the same numbers.
+
+The twins hold the same weights and run the same code: a raw ``x @ w`` on a
+parameter, a Dense/Linear, an einsum, multi-head attention, BatchNorm and
+Dropout. ``swap`` (native and emulated) and ``emulate`` with a policy must give
+both the same bits, and NNX calls must write the state the native call writes.
+"""
+
+import functools
+import re
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxprec
+
+F = 4
+
+
+def _attention(q, k, v, mask=None, is_causal=False, module=None, **kw):
+  # linen's attention function in the NNX module, so that both twins compute
+  # the scores with the same code (NNX's default calls
+  # jax.nn.dot_product_attention, whose float32 sums round differently).
+  del is_causal, module
+  return nn.dot_product_attention(q, k, v, mask=mask, dtype=kw.get("dtype"),
+                                  precision=kw.get("precision"))
+
+
+class LinenNet(nn.Module):
+  rate: float = 0.5
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    w = self.param("w", nn.initializers.normal(1.0), (F, F))
+    h = x @ w
+    h = nn.Dense(F, name="dense")(h)
+    e = self.param("e", nn.initializers.normal(1.0), (F, F))
+    h = jnp.einsum("bli,ij->blj", h, e)
+    h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=F, name="attn")(h)
+    h = nn.BatchNorm(use_running_average=not train, momentum=0.9, name="bn")(h)
+    return nn.Dropout(self.rate, deterministic=not train, name="drop")(h)
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs, rate: float = 0.5, attention_fn=_attention):
+    self.w = nnx.Param(jnp.zeros((F, F)))
+    self.dense = nnx.Linear(F, F, rngs=rngs)
+    self.e = nnx.Param(jnp.zeros((F, F)))
+    self.attn = nnx.MultiHeadAttention(2, F, qkv_features=F, decode=False,
+                                       attention_fn=attention_fn, rngs=rngs)
+    self.bn = nnx.BatchNorm(F, momentum=0.9, rngs=rngs)
+    self.drop = nnx.Dropout(rate, rngs=rngs)
+
+  def __call__(self, x):
+    h = x @ self.w[...]
+    h = self.dense(h)
+    h = jnp.einsum("bli,ij->blj", h, self.e[...])
+    return self.drop(self.bn(self.attn(h)))
+
+
+def twins(rate=0.5):
+  """(linen module, its variables, the NNX twin with the same weights, x)."""
+  x = jax.random.normal(jax.random.key(1), (2, 3, F))
+  x = x + 2.0**-9  # values that round away in bfloat16
+  lin = LinenNet(rate)
+  v = lin.init(jax.random.key(0), x)
+  p = v["params"]
+  net = NnxNet(nnx.Rngs(0), rate)
+  net.w[...], net.e[...] = p["w"], p["e"]
+  net.dense.kernel[...], net.dense.bias[...] = p["dense"]["kernel"], p["dense"]["bias"]
+  for name in ("query", "key", "value", "out"):
+    getattr(net.attn, name).kernel[...] = p["attn"][name]["kernel"]
+    getattr(net.attn, name).bias[...] = p["attn"][name]["bias"]
+  return lin, v, net, x
+
+
+def quiet(fn, *args, **kwargs):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jaxprec.UnusedRuleWarning)
+    return fn(*args, **kwargs)
+
+
+def _eq(a, b):
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_linen_and_nnx_twins_give_the_same_bits():
+  policy = "default=bf16,attn=float32,Dense=tf32"
+  lin, v, net, x = twins()
+  net.eval()
+  _eq(lin.apply(v, x), net(x))  # natively the twins agree
+  swap_l, swap_n = quiet(jaxprec.swap, lin, policy), quiet(jaxprec.swap, net, policy)
+  _eq(swap_l.apply(v, x), swap_n(x))
+  emu_l = quiet(jaxprec.swap, lin, policy, emulate=True)
+  emu_n = quiet(jaxprec.swap, net, policy, emulate=True)
+  want = quiet(jaxprec.emulate(lin.apply, policy), v, x)
+  for got in (emu_l.apply(v, x), emu_n(x), quiet(jaxprec.emulate(net, policy), x)):
+    _eq(got, want)
+  # The policy changed the numbers: bfloat16 passes round the inputs.
+  assert not np.array_equal(np.asarray(want), np.asarray(lin.apply(v, x)))
+
+
+def test_nnx_swap_emulated_computes_what_emulate_computes():
+  # One bfloat16 pass: (1 + 2**-9) rounds to 1 in both operands.
+  class Net(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.full((4, 1), 1 + 2.0**-9))
+
+    def __call__(self, x):
+      return x @ self.w[...]
+
+  net, x = Net(), jnp.full((1, 4), 1 + 2.0**-9)
+  want = jaxprec.emulate(net, "bfloat16")(x)
+  assert float(want[0, 0]) == 4.0
+  _eq(jaxprec.swap(net, "bfloat16", emulate=True)(x), want)
+  assert float(jaxprec.swap(net, "bfloat16")(x)[0, 0]) != 4.0  # CPU: float32
+
+
+def _dots(text):
+  return re.findall(r"stablehlo\.dot_general[^\n]*", text)
+
+
+@pytest.mark.parametrize("policy,mark", [
+    ("float32", "precision = [HIGHEST, HIGHEST]"),
+    ("BF16_BF16_F32_X3", "num_primitive_operations = 3"),
+])
+def test_nnx_swap_reaches_raw_matmuls_einsums_and_attention_scores(policy, mark):
+  # NNX's own attention function: jax.nn.dot_product_attention, which takes
+  # no precision argument.
+  net = NnxNet(nnx.Rngs(0), attention_fn=nnx.dot_product_attention)
+  net.eval()
+  x = jnp.ones((2, 3, F))
+  swapped = jaxprec.swap(net, policy)
+  dots = _dots(jax.jit(lambda x: swapped(x)).lower(x).as_text())
+  # raw @, Linear, einsum, q/k/v, two score matmuls, out projection
+  assert len(dots) == 9
+  assert all(mark in d for d in dots), dots
+  lin, v, _, _ = twins()
+  linen_dots = _dots(jax.jit(jaxprec.swap(lin, policy).apply).lower(v, x).as_text())
+  assert [mark in d for d in linen_dots] == [True] * 9
+  assert type(net.dense) is nnx.Linear  # the user's model keeps its classes
+
+
+def _bn_dropout():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.bn = nnx.BatchNorm(F, momentum=0.5, rngs=rngs)
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(self.bn(x))
+  return Net(nnx.Rngs(0)), jax.random.normal(jax.random.key(2), (8, F))
+
+
+def _state(module):
+  return jax.tree.map(np.asarray, nnx.state(module, nnx.BatchStat, nnx.RngCount))
+
+
+def test_nnx_calls_write_batch_statistics_and_rng_counters_as_natively():
+  net, x = _bn_dropout()
+  native = nnx.clone(net)
+  swapped = jaxprec.swap(net, "float32", emulate=True)
+  emulated = jaxprec.emulate(net, "float32")
+  outs = []
+  for _ in range(2):
+    want = native(x)
+    _eq(emulated(x), want)
+    _eq(swapped(x), want)
+    outs.append(want)
+    for holder in (net, swapped):
+      jax.tree.map(np.testing.assert_array_equal, _state(holder), _state(native))
+  assert not np.array_equal(outs[0], outs[1])  # a new dropout mask per call
+  assert int(net.drop.rngs.count[...]) == int(swapped.drop.rngs.count[...]) == 2
+
+
+def test_train_mode_twins_agree_on_outputs_and_batch_statistics():
+  lin, v, net, x = twins(rate=0.0)
+  net.train()
+  policy = "default=bf16,attn=float32"
+  linen_fn = functools.partial(lin.apply, mutable=["batch_stats"], train=True)
+  out_l, new_l = quiet(jaxprec.emulate(linen_fn, policy), v, x)
+  emu_n = quiet(jaxprec.swap, net, policy, emulate=True)
+  out_n = emu_n(x)
+  _eq(out_n, out_l)
+  _eq(emu_n.bn.mean[...], new_l["batch_stats"]["bn"]["mean"])
+  _eq(emu_n.bn.var[...], new_l["batch_stats"]["bn"]["var"])
+  assert float(jnp.abs(net.bn.mean[...]).max()) == 0.0  # the user's: untouched
+
+
+def test_an_rngs_argument_advances_as_natively():
+  class Net(nnx.Module):
+    def __init__(self):
+      self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs):
+      return self.drop(x, rngs=rngs)
+
+  net, x = Net(), jnp.arange(1.0, 9.0)
+  ours, theirs = nnx.Rngs(0), nnx.Rngs(0)
+  for run in (jaxprec.emulate(net, "float32"),
+              jaxprec.emulate(net, "float32", target="cpu")):
+    for _ in range(2):
+      _eq(run(x, rngs=ours), net(x, rngs=theirs))
+  assert int(ours.default.count[...]) == int(theirs.default.count[...]) == 4
