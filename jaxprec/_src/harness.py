@@ -113,6 +113,7 @@ class Args:
     self.static = _Static(treedef, is_array,
                           tuple(None if a else x for x, a in zip(leaves, is_array)))
     self.dynamic = [x for x, a in zip(leaves, is_array) if a]
+    self.groups = devices_spanned(self.dynamic)
     try:
       self.key = (treedef, is_array, trees.static_key(self.static.leaves))
       hash(self.key)
@@ -122,6 +123,23 @@ class Args:
   def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
     """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
     return self.static.call(fn, dynamic)
+
+
+def devices_spanned(dynamic: Sequence[Any]) -> int:
+  """The most devices one array of ``dynamic`` lies on (1 for NumPy arrays).
+
+  The packed layers of a program over several devices are stacked in that
+  many groups (:class:`jaxprec._src.metrics.Layout`), so that the layers of a
+  batch sharded over them are reduced where they lie, never gathered.
+  """
+  n = 1
+  for x in dynamic:
+    if isinstance(x, jax.Array):
+      try:
+        n = max(n, len(x.sharding.device_set))
+      except (AttributeError, TypeError, ValueError):  # a tracer: no devices
+        pass
+  return n
 
 
 def signature(dynamic: Sequence[Any]) -> tuple:
@@ -262,8 +280,9 @@ def _info(layers) -> list[tuple[str, tuple[int, ...], str]]:
   return [(n, tuple(v.shape), str(v.dtype)) for n, v in layers]
 
 
-def _layout(info) -> metrics_lib.Layout:
-  return metrics_lib.Layout(tuple(int(np.prod(s)) for _, s, _ in info))
+def _layout(info, groups: int) -> metrics_lib.Layout:
+  return metrics_lib.Layout(tuple(int(np.prod(s)) for _, s, _ in info),
+                            groups)
 
 
 def _pick(layers, select: tuple[str, ...] | None):
@@ -281,7 +300,8 @@ def _reference_program(fn, call: Args, ref_plan: Plan | None,
   ``dtypes``: the float64 reference's policy undoing dtype decisions.
   """
   x64 = ref_plan is None
-  key = ("ref", "float64" if x64 else ref_plan.key, call.key, select)
+  groups = call.groups
+  key = ("ref", "float64" if x64 else ref_plan.key, call.key, select, groups)
   if x64 and dtypes is not None:
     key += (str(dtypes),)
   wrap64 = (lambda g: g) if dtypes is None else (
@@ -302,7 +322,7 @@ def _reference_program(fn, call: Args, ref_plan: Plan | None,
       layers = _pick(layers, select)
       info = _info(layers)
       holder[signature(dynamic)] = info
-      layout = _layout(info)
+      layout = _layout(info, groups)
       values = [v for _, v in layers]
       lo = None
       if x64:
@@ -368,7 +388,7 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     values = reference_lib.match(found, info, extra_ok=select is not None)
     his, los = zip(*(metrics_lib.split_reference(v) for v in values)) if values \
         else ((), ())
-    layout = _layout(info)
+    layout = _layout(info, call.groups)
     hi = jnp.asarray(metrics_lib.pack_numpy(list(his), layout))
     lo = None
     if any(l is not None for l in los):
@@ -417,7 +437,7 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
   if x64:
     desc += note
   return Reference([n for n, _, _ in info], [s for _, s, _ in info],
-                   [d for _, _, d in info], _layout(info), hi, lo, stats,
+                   [d for _, _, d in info], _layout(info, call.groups), hi, lo, stats,
                    description=desc, name=name)
 
 
