@@ -5,7 +5,8 @@
 Joins ``jax.distributed`` on CPU with gloo collectives and a coordinator on
 ``localhost:PORT`` (process 0 runs it), shards a batch over one device per
 process, and writes ``RESULTS_DIR/result_<id>.json``: this process's
-``jaxprec.check`` report of the sharded batch, and what
+``jaxprec.check`` report of the sharded batch, the same against its
+float32 layers read from the host, and what
 ``jaxprec check --out RESULTS_DIR/out_<id>`` of the same batch printed and
 returned. Exit status 3: this jaxlib has no gloo collectives.
 """
@@ -70,6 +71,11 @@ def main(pid: int, n: int, port: int, results: str) -> int:
   from jaxprec._src import cli
   fn, args = target()
   report = jaxprec.check(fn, *args, precisions="bfloat16", mode="emulate")
+  # The float32 layers of the whole batch, computed here and read back as a
+  # reference held by the host (as from a file): placed over the processes.
+  layers = {k: np.asarray(v) for k, v in jax.jit(mlp)(*data()).items()}
+  read = jaxprec.check(fn, *args, precisions="bfloat16", reference=layers,
+                       mode="emulate")
   # The command line imports this module by name and finds this one, so its
   # check reuses the programs just compiled.
   sys.modules.setdefault("pod_worker", sys.modules[__name__])
@@ -81,7 +87,7 @@ def main(pid: int, n: int, port: int, results: str) -> int:
                    "--out", os.path.join(results, f"out_{pid}")])
   with open(os.path.join(results, f"result_{pid}.json"), "w") as f:
     json.dump({"process_index": jax.process_index(),
-               "report": report.to_dict(),
+               "report": report.to_dict(), "read": read.to_dict(),
                "cli_rc": rc, "cli_stdout": stdout.getvalue()}, f)
   jax.distributed.shutdown()
   return 0

@@ -63,7 +63,13 @@ def test_bench_sharded_check_quick(tmp_path):
     assert m, out
     sharded, local, whole = map(float, m.groups()[:3])
     assert float(m[5]) <= 1.5 and sharded < whole / 2, out
-  assert re.search(r"largest check program sharded / local: [\d.]+x", out), out
+  m = re.search(r"kept packed reference, bytes on the fullest device: computed +"
+                r"([\d.]+) KiB, read from the host +([\d.]+) KiB \(whole: +([\d.]+) KiB; "
+                r"local: +([\d.]+) KiB\)", out)
+  assert m, out
+  computed, host, whole, local = map(float, m.groups())
+  assert computed == host == local == whole / 8, out
+  assert re.search(r"largest sharded / local ratio: [\d.]+x", out), out
 
 
 def test_gpu_fidelity_dry_run_and_no_gpu_message(tmp_path):

@@ -113,6 +113,20 @@ def test_the_sharded_check_measures_the_whole_batch(pod):
       np.testing.assert_allclose(ms[k], ml[k], rtol=1e-5, atol=0, err_msg=k)
 
 
+def test_a_reference_read_from_the_host_is_placed_over_the_processes(pod):
+  """A mapping reference (as from a file) against the sharded batch: the
+  same report in both processes, and the figures of the computed float32
+  reference (the same layers, computed on one device)."""
+  _, (r0, r1) = pod
+  a, b = _without_timing(r0["read"]), _without_timing(r1["read"])
+  assert a == b
+  assert a["numerics"]["(reference)"] == "external"
+  for lr, lc in zip(a["layers"], r0["report"]["layers"], strict=True):
+    mr, mc = lr["metrics"]["bfloat16"], lc["metrics"]["bfloat16"]
+    for k in mr:
+      np.testing.assert_allclose(mr[k], mc[k], rtol=1e-5, atol=0, err_msg=k)
+
+
 def test_the_cli_writes_out_from_process_zero_only(pod):
   results, (r0, r1) = pod
   assert r0["cli_rc"] == r1["cli_rc"] == 0

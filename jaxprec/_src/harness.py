@@ -113,7 +113,8 @@ class Args:
     self.static = _Static(treedef, is_array,
                           tuple(None if a else x for x, a in zip(leaves, is_array)))
     self.dynamic = [x for x, a in zip(leaves, is_array) if a]
-    self.groups = devices_spanned(self.dynamic)
+    self.devices = group_devices(self.dynamic)
+    self.groups = max(1, len(self.devices))
     try:
       self.key = (treedef, is_array, trees.static_key(self.static.leaves))
       hash(self.key)
@@ -125,21 +126,44 @@ class Args:
     return self.static.call(fn, dynamic)
 
 
-def devices_spanned(dynamic: Sequence[Any]) -> int:
-  """The most devices one array of ``dynamic`` lies on (1 for NumPy arrays).
+def group_devices(dynamic: Sequence[Any]) -> tuple[Any, ...]:
+  """The devices of the array of ``dynamic`` that lies on the most of them.
 
-  The packed layers of a program over several devices are stacked in that
-  many groups (:class:`jaxprec._src.metrics.Layout`), so that the layers of a
-  batch sharded over them are reduced where they lie, never gathered.
+  In its mesh's order (a ``NamedSharding``), else by device id; ``()`` when
+  no argument is a JAX array on devices (NumPy arrays, tracers). The packed
+  layers of a program over several devices are stacked in that many groups
+  (:class:`jaxprec._src.metrics.Layout`), so that the layers of a batch
+  sharded over them are reduced where they lie, never gathered.
   """
-  n = 1
+  best: tuple[Any, ...] = ()
   for x in dynamic:
-    if isinstance(x, jax.Array):
-      try:
-        n = max(n, len(x.sharding.device_set))
-      except (AttributeError, TypeError, ValueError):  # a tracer: no devices
-        pass
-  return n
+    if not isinstance(x, jax.Array):
+      continue
+    try:
+      sharding = x.sharding
+      if isinstance(sharding, jax.sharding.NamedSharding):
+        devices = tuple(sharding.mesh.devices.flat)
+      else:
+        devices = tuple(sorted(sharding.device_set, key=lambda d: d.id))
+    except (AttributeError, TypeError, ValueError):  # a tracer: no devices
+      continue
+    if len(devices) > len(best):
+      best = devices
+  return best
+
+
+def on_devices(packed: np.ndarray, call: Args) -> jax.Array:
+  """A packed host array on ``call``'s devices, group ``k`` on the ``k``-th.
+
+  A reference read from a file or a mapping, checked against a batch
+  sharded over several devices, is split over them as the layers it is
+  compared with are, never held whole by each.
+  """
+  if call.groups == 1:
+    return jnp.asarray(packed)
+  mesh = jax.sharding.Mesh(np.array(call.devices, dtype=object), ("groups",))
+  return jax.device_put(packed, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("groups")))
 
 
 def signature(dynamic: Sequence[Any]) -> tuple:
@@ -389,12 +413,12 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     his, los = zip(*(metrics_lib.split_reference(v) for v in values)) if values \
         else ((), ())
     layout = _layout(info, call.groups)
-    hi = jnp.asarray(metrics_lib.pack_numpy(list(his), layout))
+    hi = on_devices(metrics_lib.pack_numpy(list(his), layout), call)
     lo = None
     if any(l is not None for l in los):
-      lo = jnp.asarray(metrics_lib.pack_numpy(
+      lo = on_devices(metrics_lib.pack_numpy(
           [np.zeros(np.shape(h), np.float32) if l is None else l
-           for h, l in zip(his, los)], layout))
+           for h, l in zip(his, los)], layout), call)
     ref = Reference([n for n, _, _ in info], [s for _, s, _ in info],
                     [d for _, _, d in info], layout, hi, lo,
                     description="external", name=reference_lib.describe(reference),
