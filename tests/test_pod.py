@@ -137,3 +137,23 @@ def test_the_cli_writes_out_from_process_zero_only(pod):
   assert _without_timing(written) == printed[0]
   assert (results / "out_0" / "divergence.png").stat().st_size > 0
   assert not (results / "out_1").exists()
+
+
+def test_a_plot_outside_jax_saves_and_starts_no_backend(pod, tmp_path):
+  """Process 0 alone saves a figure; a process that never ran JAX (a report
+  read back from JSON) is process 0, and asking starts no backend (which
+  would take a TPU or GPU for a plot)."""
+  results, _ = pod
+  script = (
+      "import sys, jaxprec\n"
+      "from jax._src import xla_bridge\n"
+      "text = open(sys.argv[1], encoding='utf-8').read()\n"
+      "jaxprec.DivergenceReport.from_json(text).plot(sys.argv[2])\n"
+      "assert not xla_bridge.backends_are_initialized()\n")
+  png = tmp_path / "again.png"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", script,
+                         str(results / "out_0" / "report.json"), str(png)],
+                        env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert png.stat().st_size > 0

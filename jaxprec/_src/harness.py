@@ -35,6 +35,7 @@ import numpy as np
 from jaxprec._src import compat
 from jaxprec._src import layers as layers_lib
 from jaxprec._src import metrics as metrics_lib
+from jaxprec._src import placement
 from jaxprec._src import policy as policy_lib
 from jaxprec._src import prepared
 from jaxprec._src import reference as reference_lib
@@ -100,7 +101,8 @@ class Args:
   float64 is float32 unless x64 is on). Every other leaf is static.
   ``jax.ShapeDtypeStruct`` leaves are refused, naming ``who``. ``static``
   holds no arrays (compiled programs keep it); ``key`` is a hashable
-  description of it, or None.
+  description of it, or None. ``devices``: those of the array leaf on the
+  most devices (:mod:`jaxprec._src.placement`); ``groups``: their number.
   """
 
   def __init__(self, args: Sequence[Any], kwargs: dict, *, who: str):
@@ -113,7 +115,7 @@ class Args:
     self.static = _Static(treedef, is_array,
                           tuple(None if a else x for x, a in zip(leaves, is_array)))
     self.dynamic = [x for x, a in zip(leaves, is_array) if a]
-    self.devices = group_devices(self.dynamic)
+    self.devices = placement.group_devices(self.dynamic)
     self.groups = max(1, len(self.devices))
     try:
       self.key = (treedef, is_array, trees.static_key(self.static.leaves))
@@ -124,46 +126,6 @@ class Args:
   def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
     """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
     return self.static.call(fn, dynamic)
-
-
-def group_devices(dynamic: Sequence[Any]) -> tuple[Any, ...]:
-  """The devices of the array of ``dynamic`` that lies on the most of them.
-
-  In its mesh's order (a ``NamedSharding``), else by device id; ``()`` when
-  no argument is a JAX array on devices (NumPy arrays, tracers). The packed
-  layers of a program over several devices are stacked in that many groups
-  (:class:`jaxprec._src.metrics.Layout`), so that the layers of a batch
-  sharded over them are reduced where they lie, never gathered.
-  """
-  best: tuple[Any, ...] = ()
-  for x in dynamic:
-    if not isinstance(x, jax.Array):
-      continue
-    try:
-      sharding = x.sharding
-      if isinstance(sharding, jax.sharding.NamedSharding):
-        devices = tuple(sharding.mesh.devices.flat)
-      else:
-        devices = tuple(sorted(sharding.device_set, key=lambda d: d.id))
-    except (AttributeError, TypeError, ValueError):  # a tracer: no devices
-      continue
-    if len(devices) > len(best):
-      best = devices
-  return best
-
-
-def on_devices(packed: np.ndarray, call: Args) -> jax.Array:
-  """A packed host array on ``call``'s devices, group ``k`` on the ``k``-th.
-
-  A reference read from a file or a mapping, checked against a batch
-  sharded over several devices, is split over them as the layers it is
-  compared with are, never held whole by each.
-  """
-  if call.groups == 1:
-    return jnp.asarray(packed)
-  mesh = jax.sharding.Mesh(np.array(call.devices, dtype=object), ("groups",))
-  return jax.device_put(packed, jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec("groups")))
 
 
 def signature(dynamic: Sequence[Any]) -> tuple:
@@ -413,12 +375,13 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     his, los = zip(*(metrics_lib.split_reference(v) for v in values)) if values \
         else ((), ())
     layout = _layout(info, call.groups)
-    hi = on_devices(metrics_lib.pack_numpy(list(his), layout), call)
+    hi = placement.on_devices(metrics_lib.pack_numpy(list(his), layout),
+                            call.devices)
     lo = None
     if any(l is not None for l in los):
-      lo = on_devices(metrics_lib.pack_numpy(
+      lo = placement.on_devices(metrics_lib.pack_numpy(
           [np.zeros(np.shape(h), np.float32) if l is None else l
-           for h, l in zip(his, los)], layout), call)
+           for h, l in zip(his, los)], layout), call.devices)
     ref = Reference([n for n, _, _ in info], [s for _, s, _ in info],
                     [d for _, _, d in info], layout, hi, lo,
                     description="external", name=reference_lib.describe(reference),
@@ -461,8 +424,8 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
   if x64:
     desc += note
   return Reference([n for n, _, _ in info], [s for _, s, _ in info],
-                   [d for _, _, d in info], _layout(info, call.groups), hi, lo, stats,
-                   description=desc, name=name)
+                   [d for _, _, d in info], _layout(info, call.groups), hi, lo,
+                   stats, description=desc, name=name)
 
 
 def _candidate_program(fn, call: Args, p: Plan, ref: Reference,
