@@ -115,15 +115,16 @@ def pack(arrays: Sequence[Any], layout: Layout) -> jax.Array:
 def pack_numpy(arrays: Sequence[np.ndarray], layout: Layout) -> np.ndarray:
   """:func:`pack` on the host (for references loaded from files)."""
   g = layout.groups
-  parts = []
-  for a, s, n in zip(arrays, layout.sizes, layout.chunks):
-    if n:
-      flat = np.zeros((int(n) * CHUNK,), np.float32)
-      flat[:s] = np.ravel(a).astype(np.float32)
-      parts.append(flat.reshape(g, int(n) // g, CHUNK))
-  if not parts:
-    return np.zeros((0, CHUNK), np.float32)
-  return np.concatenate(parts, axis=1).reshape(layout.n_chunks, CHUNK)
+  out = np.zeros((g, layout.n_chunks // g, CHUNK), np.float32)
+  at = 0
+  for a, n in zip(arrays, layout.chunks):
+    q = int(n) // g  # the layer's chunks in each group
+    flat = np.ravel(a).astype(np.float32, copy=False)
+    for k in range(g):
+      part = flat[k * q * CHUNK:(k + 1) * q * CHUNK]
+      out[k, at:at + q].reshape(-1)[:part.size] = part  # a view of out
+    at += q
+  return out.reshape(layout.n_chunks, CHUNK)
 
 
 def _ordered(x: jax.Array) -> jax.Array:
