@@ -8,7 +8,8 @@ process, and writes ``RESULTS_DIR/result_<id>.json``: this process's
 ``jaxprec.check`` report of the sharded batch, the same against its
 float32 layers read from the host, and what
 ``jaxprec check --out RESULTS_DIR/out_<id>`` of the same batch printed and
-returned. Exit status 3: this jaxlib has no gloo collectives.
+returned; ``report.plot(RESULTS_DIR/plot_<id>.png)`` is called in every
+process. Exit status 3: this jaxlib has no gloo collectives.
 """
 
 import contextlib
@@ -79,6 +80,7 @@ def main(pid: int, n: int, port: int, results: str) -> int:
   # The command line imports this module by name and finds this one, so its
   # check reuses the programs just compiled.
   sys.modules.setdefault("pod_worker", sys.modules[__name__])
+  report.plot(os.path.join(results, f"plot_{pid}.png"))  # process 0 saves
   stdout = io.StringIO()
   with contextlib.redirect_stdout(stdout):
     rc = cli.main(["check", "pod_worker:target",

@@ -139,6 +139,12 @@ def test_the_cli_writes_out_from_process_zero_only(pod):
   assert not (results / "out_1").exists()
 
 
+def test_a_report_plot_is_saved_by_process_zero_only(pod):
+  results, _ = pod
+  assert (results / "plot_0.png").stat().st_size > 0
+  assert not (results / "plot_1.png").exists()
+
+
 def test_a_plot_outside_jax_saves_and_starts_no_backend(pod, tmp_path):
   """Process 0 alone saves a figure; a process that never ran JAX (a report
   read back from JSON) is process 0, and asking starts no backend (which
