@@ -53,6 +53,25 @@ def test_bench_import_quick(tmp_path):
   assert re.search(r"jaxprec adds [-+][\d.]+ s .* ratio [\d.]+x", out), out
 
 
+def test_bench_sharded_check_quick(tmp_path):
+  """Every check program's per-device bytes follow the per-device batch."""
+  out = run("bench_sharded_check.py", "--quick", tmp_path=tmp_path).stdout
+  assert "8 cpu devices" in out and "global batch 512 (64 per device)" in out, out
+  for prog in ("forward", "check: reference", "check: bfloat16"):
+    m = re.search(rf"  {prog} +([\d.]+) KiB +([\d.]+) KiB +([\d.]+) KiB +"
+                  rf"([\d.]+)x +([\d.]+)x", out)
+    assert m, out
+    sharded, local, whole = map(float, m.groups()[:3])
+    assert float(m[5]) <= 1.5 and sharded < whole / 2, out
+  m = re.search(r"kept packed reference, bytes on the fullest device: computed +"
+                r"([\d.]+) KiB, read from the host +([\d.]+) KiB \(whole: +([\d.]+) KiB; "
+                r"local: +([\d.]+) KiB\)", out)
+  assert m, out
+  computed, host, whole, local = map(float, m.groups())
+  assert computed == host == local == whole / 8, out
+  assert re.search(r"largest sharded / local ratio: [\d.]+x", out), out
+
+
 def test_gpu_fidelity_dry_run_and_no_gpu_message(tmp_path):
   out = run("gpu_fidelity.py", "--quick", tmp_path=tmp_path).stdout
   assert "dry run" in out

@@ -192,6 +192,39 @@ def test_pack_pads_with_zeros_in_chunks():
                                                 layout))
 
 
+def test_a_grouped_layout_stacks_each_devices_share_and_measures_the_same():
+  """Layout(groups=G): group k of every layer, then group k + 1. The rows of
+  group k are element block k of each layer (a batch shard on device k);
+  the metrics are those of one group (sums in another order: 1e-6)."""
+  sizes = (0, 7, 3 * 2 * M.CHUNK, 1200, 1)
+  one, grouped = M.Layout(sizes), M.Layout(sizes, groups=3)
+  assert grouped.chunks.tolist() == [0, 3, 6, 3, 3]
+  assert grouped.chunk_layer.tolist() == [1, 2, 2, 3, 4] * 3
+  for lay in (one, grouped):
+    counts = np.bincount(lay.chunk_layer, lay.chunk_count, len(sizes))
+    assert counts.tolist() == list(sizes)
+  cands = [RNG.standard_normal(s).astype(np.float32) for s in sizes]
+  refs = [(x + 0.01 * RNG.standard_normal(x.shape)).astype(np.float32)
+          for x in cands]
+  cands[3][1100] = np.nan  # the masked path too
+  packed = np.asarray(M.pack(cands, grouped))
+  np.testing.assert_array_equal(packed, M.pack_numpy(cands, grouped))
+  for k in range(3):  # group k's rows of the aligned layer: its block k
+    rows = packed[k * 5 + 1:k * 5 + 3].ravel()
+    np.testing.assert_array_equal(rows, cands[2].reshape(3, -1)[k])
+
+  def run(layout):
+    hi = M.pack_numpy(refs, layout)
+    ref = M.reference_stats(hi, None, layout)
+    out = M.layer_stats(cands, hi, None, ref, layout, atol=1e-3, rtol=1e-3)
+    return M.finish(jax.device_get(out), layout)
+  for a, b in zip(run(one), run(grouped), strict=True):
+    for k, v in vars(a).items():
+      assert getattr(b, k) == pytest.approx(v, rel=1e-6, nan_ok=True), k
+  with pytest.raises(ValueError, match="groups must be an integer >= 1; got 0"):
+    M.Layout(sizes, groups=0)
+
+
 def test_growth_per_layer_and_first_exceeding():
   assert M.growth_per_layer([1e-4, 2e-4, 4e-4]) == pytest.approx(2.0)
   assert M.growth_per_layer([1e-3, 0.0, 1e-3 * 9]) == pytest.approx(3.0)

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from jaxprec._src import compat
 from jaxprec._src.cli_inputs import Failure, one_line
 
 __all__ = ["write_outputs"]
@@ -16,11 +17,15 @@ def write_outputs(report: Any, out: str) -> None:
   """Writes ``report.json`` and ``divergence.png`` into ``out``.
 
   The previous run's picture is removed first; a plot that fails is a
-  warning line (the report is written), without matplotlib a note.
+  warning line (the report is written), without matplotlib a note. In a
+  multi-process run (``jax.distributed``) process 0 alone writes; the others,
+  which computed the same report, write nothing.
 
   Raises:
     Failure: ``out`` cannot be written.
   """
+  if compat.process_index() != 0:
+    return
   png = os.path.join(out, "divergence.png")
   try:
     os.makedirs(out, exist_ok=True)

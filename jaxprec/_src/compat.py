@@ -364,6 +364,23 @@ def backend_platform() -> str:
   return jax.default_backend()
 
 
+def process_index() -> int:
+  """``jax.process_index()`` once JAX runs; 0 before, without starting JAX.
+
+  A multi-process run (``jax.distributed``, a TPU pod) has started a backend
+  by the time anything is written; a process that never started one (a
+  report read back from JSON and plotted) is alone and is process 0.
+  """
+  started = jax.distributed.is_initialized()
+  if not started:
+    try:  # private: jax 0.10.2 to 0.12 (no public name)
+      from jax._src import xla_bridge
+      started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # pragma: no cover -- moved: ask JAX
+      started = True
+  return jax.process_index() if started else 0
+
+
 def matmul_precision_state() -> tuple[Any, Any]:
   """JAX's ``default_matmul_precision`` config state and its 'unset' marker.
 

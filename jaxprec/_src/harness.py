@@ -35,6 +35,7 @@ import numpy as np
 from jaxprec._src import compat
 from jaxprec._src import layers as layers_lib
 from jaxprec._src import metrics as metrics_lib
+from jaxprec._src import placement
 from jaxprec._src import policy as policy_lib
 from jaxprec._src import prepared
 from jaxprec._src import reference as reference_lib
@@ -86,7 +87,9 @@ class Args:
   as ``jax.jit`` converts them (a NumPy float64 is float32 unless x64 is on).
   Every other leaf is static. ``jax.ShapeDtypeStruct`` leaves are refused,
   naming ``who``. ``static`` holds no arrays (compiled programs keep it);
-  ``key`` is a hashable description of it, or None.
+  ``key`` is a hashable description of it, or None. ``devices``: those of the
+  array leaf on the most devices (:mod:`jaxprec._src.placement`); ``groups``:
+  their number.
   """
 
   def __init__(self, args: Sequence[Any], kwargs: dict, *, who: str):
@@ -96,6 +99,8 @@ class Args:
                         "jax.ShapeDtypeStruct (jaxprec.audit takes those)")
     self.static, self.dynamic = trees.split_call(args, kwargs, abstract=False)
     self.key = self.static.key
+    self.devices = placement.group_devices(self.dynamic)
+    self.groups = max(1, len(self.devices))
 
   def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
     """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
@@ -233,8 +238,9 @@ def _info(layers) -> list[tuple[str, tuple[int, ...], str]]:
   return [(n, tuple(v.shape), str(v.dtype)) for n, v in layers]
 
 
-def _layout(info) -> metrics_lib.Layout:
-  return metrics_lib.Layout(tuple(int(np.prod(s)) for _, s, _ in info))
+def _layout(info, groups: int) -> metrics_lib.Layout:
+  return metrics_lib.Layout(tuple(int(np.prod(s)) for _, s, _ in info),
+                            groups)
 
 
 def _pick(layers, select: tuple[str, ...] | None):
@@ -252,7 +258,8 @@ def _reference_program(fn, call: Args, ref_plan: Plan | None,
   ``dtypes``: the float64 reference's policy undoing dtype decisions.
   """
   x64 = ref_plan is None
-  key = ("ref", "float64" if x64 else ref_plan.key, call.key, select)
+  groups = call.groups
+  key = ("ref", "float64" if x64 else ref_plan.key, call.key, select, groups)
   if x64 and dtypes is not None:
     key += (str(dtypes),)
   wrap64 = (lambda g: g) if dtypes is None else (
@@ -273,7 +280,7 @@ def _reference_program(fn, call: Args, ref_plan: Plan | None,
       layers = _pick(layers, select)
       info = _info(layers)
       holder[trees.signature(dynamic)] = info
-      layout = _layout(info)
+      layout = _layout(info, groups)
       values = [v for _, v in layers]
       lo = None
       if x64:
@@ -339,13 +346,14 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     values = reference_lib.match(found, info, extra_ok=select is not None)
     his, los = zip(*(metrics_lib.split_reference(v) for v in values)) if values \
         else ((), ())
-    layout = _layout(info)
-    hi = jnp.asarray(metrics_lib.pack_numpy(list(his), layout))
+    layout = _layout(info, call.groups)
+    hi = placement.on_devices(metrics_lib.pack_numpy(list(his), layout),
+                            call.devices)
     lo = None
     if any(l is not None for l in los):
-      lo = jnp.asarray(metrics_lib.pack_numpy(
+      lo = placement.on_devices(metrics_lib.pack_numpy(
           [np.zeros(np.shape(h), np.float32) if l is None else l
-           for h, l in zip(his, los)], layout))
+           for h, l in zip(his, los)], layout), call.devices)
     ref = Reference([n for n, _, _ in info], [s for _, s, _ in info],
                     [d for _, _, d in info], layout, hi, lo,
                     description="external", name=reference_lib.describe(reference),
@@ -388,8 +396,8 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
   if x64:
     desc += note
   return Reference([n for n, _, _ in info], [s for _, s, _ in info],
-                   [d for _, _, d in info], _layout(info), hi, lo, stats,
-                   description=desc, name=name)
+                   [d for _, _, d in info], _layout(info, call.groups), hi, lo,
+                   stats, description=desc, name=name)
 
 
 def _candidate_program(fn, call: Args, p: Plan, ref: Reference,

@@ -41,53 +41,89 @@ _BUCKETS = 33 << _SUB
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Where each layer's elements sit in the stacked ``(n_chunks, CHUNK)`` array."""
+  """Where each layer's elements sit in the stacked ``(n_chunks, CHUNK)`` array.
+
+  With ``groups == 1`` each layer's chunks follow the previous layer's. With
+  ``groups = G > 1`` (a program whose arrays span G devices) every layer is
+  padded to a whole number of chunks per group and cut into G equal parts,
+  and the stacked array holds group 0 of every layer, then group 1 of every
+  layer, and so on. A layer whose elements are split evenly over the devices
+  along its leading axis (a batch-sharded hidden state whose shards hold
+  whole chunks) then packs into rows that stay on the device that holds them:
+  stacking the layers moves no data between devices, where stacking them
+  one after another would gather them.
+  """
 
   sizes: tuple[int, ...]
+  groups: int = 1
+
+  def __post_init__(self):
+    if isinstance(self.groups, bool) or not isinstance(self.groups, int) \
+        or self.groups < 1:
+      raise ValueError(f"Layout groups must be an integer >= 1; got "
+                       f"{self.groups!r}")
 
   @functools.cached_property
   def chunks(self) -> np.ndarray:
-    return np.array([-(-s // CHUNK) for s in self.sizes], np.int64)
+    """Chunks per layer (whole groups: a multiple of ``groups``)."""
+    g = self.groups
+    return np.array([-(-s // (CHUNK * g)) * g for s in self.sizes], np.int64)
 
   @property
   def n_chunks(self) -> int:
     return int(self.chunks.sum())
 
   @functools.cached_property
+  def _order(self) -> tuple[np.ndarray, np.ndarray]:
+    """Per stacked chunk: its layer and its index within the layer."""
+    per_group = [int(n) // self.groups for n in self.chunks]
+    layer, index = [np.zeros((0,), np.int64)], [np.zeros((0,), np.int64)]
+    for k in range(self.groups):
+      for i, q in enumerate(per_group):
+        layer.append(np.full((q,), i, np.int64))
+        index.append(k * q + np.arange(q, dtype=np.int64))
+    return np.concatenate(layer).astype(np.int32), np.concatenate(index)
+
+  @functools.cached_property
   def chunk_layer(self) -> np.ndarray:
-    return np.repeat(np.arange(len(self.sizes)), self.chunks).astype(np.int32)
+    """The layer of each stacked chunk."""
+    return self._order[0]
 
   @functools.cached_property
   def chunk_count(self) -> np.ndarray:
     """Real (not padding) elements in each chunk."""
-    out = []
-    for s, n in zip(self.sizes, self.chunks):
-      full = [CHUNK] * int(n)
-      if n:
-        full[-1] = s - CHUNK * (int(n) - 1)
-      out += full
-    return np.array(out, np.int32)
+    layer, index = self._order
+    sizes = np.array(self.sizes, np.int64).reshape(-1)[layer]
+    return np.clip(sizes - index * CHUNK, 0, CHUNK).astype(np.int32)
 
 
 def pack(arrays: Sequence[Any], layout: Layout) -> jax.Array:
   """Flattens, pads and stacks layers into ``(n_chunks, CHUNK)`` float32."""
+  g = layout.groups
   parts = []
   for a, s, n in zip(arrays, layout.sizes, layout.chunks):
     if n:
       flat = jnp.ravel(jnp.asarray(a)).astype(jnp.float32)
-      parts.append(jnp.pad(flat, (0, int(n) * CHUNK - s)))
+      flat = jnp.pad(flat, (0, int(n) * CHUNK - s))
+      parts.append(flat if g == 1 else flat.reshape(g, int(n) // g, CHUNK))
   if not parts:
     return jnp.zeros((0, CHUNK), jnp.float32)
-  return jnp.concatenate(parts).reshape(layout.n_chunks, CHUNK)
+  return jnp.concatenate(parts, axis=0 if g == 1 else 1).reshape(
+      layout.n_chunks, CHUNK)
 
 
 def pack_numpy(arrays: Sequence[np.ndarray], layout: Layout) -> np.ndarray:
   """:func:`pack` on the host (for references loaded from files)."""
-  out = np.zeros((layout.n_chunks * CHUNK,), np.float32)
+  g = layout.groups
+  out = np.zeros((g, layout.n_chunks // g, CHUNK), np.float32)
   at = 0
-  for a, s, n in zip(arrays, layout.sizes, layout.chunks):
-    out[at:at + s] = np.ravel(a).astype(np.float32)
-    at += int(n) * CHUNK
+  for a, n in zip(arrays, layout.chunks):
+    q = int(n) // g  # the layer's chunks in each group
+    flat = np.ravel(a).astype(np.float32, copy=False)
+    for k in range(g):
+      part = flat[k * q * CHUNK:(k + 1) * q * CHUNK]
+      out[k, at:at + q].reshape(-1)[:part.size] = part  # a view of out
+    at += q
   return out.reshape(layout.n_chunks, CHUNK)
 
 
@@ -162,11 +198,11 @@ def _per_layer(xs: Sequence[jax.Array], layout: Layout, op: str) -> jax.Array:
   if op == "sum":
     part = jnp.stack([jnp.sum(x, axis=-1, dtype=x.dtype) for x in xs], axis=1)
     out = jax.ops.segment_sum(part, seg, num_segments=n_layers,
-                              indices_are_sorted=True)
+                              indices_are_sorted=layout.groups == 1)
   else:
     part = jnp.stack([jnp.max(x, axis=-1, initial=0) for x in xs], axis=1)
     out = jax.ops.segment_max(part, seg, num_segments=n_layers,
-                              indices_are_sorted=True)
+                              indices_are_sorted=layout.groups == 1)
     out = jnp.maximum(out, jnp.zeros((), out.dtype))  # empty layers: -inf
   return out.T
 

@@ -90,7 +90,11 @@ def save(fig: Any, path: str | os.PathLike) -> None:
   or precision name is not a mathtext formula (which failed to parse, after
   the report was written). The names are the x tick labels, the legends, the
   titles and axis labels; the log axis's own tick labels (``10^-3``) keep
-  their mathtext."""
+  their mathtext. In a multi-process run (``jax.distributed``) process 0
+  alone writes the file."""
+  from jaxprec._src import compat  # JAX: only when a figure is saved
+  if compat.process_index() != 0:
+    return
   texts = [fig._suptitle] if getattr(fig, "_suptitle", None) else []
   for ax in fig.axes:
     texts += [*ax.get_xticklabels(), ax.title, ax.xaxis.label, ax.yaxis.label]

@@ -453,7 +453,9 @@ class DivergenceReport:
 
     Args:
       path: where to save the figure (format from the extension, e.g.
-        ``.png``, ``.svg``); None only returns the figure.
+        ``.png``, ``.svg``); None only returns the figure. In a
+        multi-process run (``jax.distributed``) process 0 alone saves it;
+        every process returns the figure.
       metric: which metric to plot (default ``rel_rms``).
 
     Returns:

@@ -110,7 +110,8 @@ class TrainingReport:
     """Loss curves (left) and parameter drift (right, log scale) per step.
 
     Args:
-      path: where to save the figure; None only returns it.
+      path: where to save the figure; None only returns it. In a
+        multi-process run (``jax.distributed``) process 0 alone saves it.
 
     Returns:
       The ``matplotlib.figure.Figure``.
