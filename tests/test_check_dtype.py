@@ -191,3 +191,38 @@ def test_narrow_answer_is_not_reused_across_input_dtypes():
   assert harness.narrow_compute(square, harness.Args((a,), {}, who="t"))[0] is False
   assert harness.narrow_compute(
       square, harness.Args((a.astype(jnp.bfloat16),), {}, who="t"))[0] is True
+
+
+class _Embeddings(nn.Module):
+  """A bfloat16 projection joined with a float32 parameter (promoted to
+  float32, as a ViT's class token), then a Dropout: a module without a dtype
+  field."""
+  dtype: Any = jnp.bfloat16
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(8, dtype=self.dtype, name="proj")(x)
+    cls = self.param("cls", nn.initializers.normal(1.0), (1, 8))
+    return nn.Dropout(0.1, name="drop")(jnp.concatenate([cls, h], 0),
+                                        deterministic=True)
+
+
+def test_the_default_dtype_row_is_the_model_as_built():
+  x = jax.random.normal(jax.random.key(1), (3, 4))
+  model = _Embeddings()
+  params = model.init(jax.random.key(0), x)
+  swapped = jaxprec.swap(model, "default=dtype:bfloat16")
+  native = model.apply(params, x)
+  assert native.dtype == jnp.float32
+  np.testing.assert_array_equal(swapped.apply(params, x), native)  # dtype too
+  (drop,) = [m for m in jaxprec.policy_report(swapped).matches
+             if m.path == "drop"]
+  assert (drop.dtype, drop.dtype_how) == (None, "skipped")
+  # Its only matmul computes in bfloat16: the dtype row is the float32 row.
+  r = jaxprec.check(model.apply, params, x, mode="emulate",
+                    precisions=["default=dtype:bfloat16", "float32"])
+  assert (r.metric("rel_rms", "default=dtype:bfloat16")
+          == r.metric("rel_rms", "float32"))
+  # A rule still casts it at its boundary.
+  ruled = jaxprec.swap(model, "drop=dtype:bfloat16").apply(params, x)
+  assert ruled.dtype == jnp.bfloat16

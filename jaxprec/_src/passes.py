@@ -56,7 +56,7 @@ import numpy as np
 
 from jaxprec._src.rounding import round_to, split_bf16, split_tf32
 
-__all__ = ["BF16", "F32", "Operand", "compute", "move"]
+__all__ = ["BF16", "F32", "Operand", "compute", "move", "stored"]
 
 _Op = Callable[[jax.Array, jax.Array], jax.Array]
 _ZERO = np.float32(0)
@@ -79,7 +79,12 @@ def _last(small: jax.Array, big: jax.Array) -> jax.Array:
   1024 x 1024 result; measured). ``tests/test_switch.py`` fails if a later
   XLA sees through it.
   """
-  total = small + big
+  return stored(small + big)
+
+
+def stored(total: jax.Array) -> jax.Array:
+  """``total``, bit for bit, computed where nothing that reads it is fused
+  in (see :func:`_last`): its first element written back to itself."""
   if total.size == 0:
     return total
   first = (0,) * total.ndim
