@@ -89,7 +89,8 @@ class _Static:
     it = iter(dynamic)
     full = [next(it) if a else s for s, a in zip(self.leaves, self.is_array)]
     args, kwargs = jax.tree_util.tree_unflatten(self.treedef, full)
-    return fn(*args, **kwargs)
+    return trees.jax_outputs(fn, fn(*args, **kwargs))
+
 
 
 class Args:

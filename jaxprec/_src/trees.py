@@ -7,12 +7,13 @@ traced function's outputs. Both questions are answered here, once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["is_array", "is_jax_type", "static_key"]
+__all__ = ["is_array", "is_jax_type", "jax_outputs", "static_key"]
 
 _CONCRETE = (jax.Array, np.ndarray, np.generic)
 _SCALARS = (bool, int, float, complex)
@@ -58,6 +59,27 @@ def is_jax_type(x: Any) -> bool:
   """
   return (isinstance(x, _CONCRETE + _SCALARS) and not isinstance(x, type)) \
       or hasattr(x, "__jax_array__")
+
+
+def jax_outputs(fn: Callable[..., Any], out: Any) -> Any:
+  """``out``, the outputs of a call of ``fn`` that jaxprec runs.
+
+  Raises:
+    TypeError: for a leaf that is not a JAX type (:func:`is_jax_type`, a
+      string say), naming ``fn`` and the leaf's path; ``jax.jit`` would name
+      jaxprec's own function instead.
+  """
+  for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
+    if not is_jax_type(x):
+      module = getattr(fn, "__module__", None)
+      name = getattr(fn, "__qualname__", None) or repr(fn)
+      where = jax.tree_util.keystr(path) or " (the whole output)"
+      raise TypeError(
+          f"{name if module is None else f'{module}.{name}'} returned a "
+          f"{type(x).__name__} at output{where}: jaxprec checks arrays, so "
+          f"every output leaf must be an array or a number (return that "
+          f"value some other way, or drop it)")
+  return out
 
 
 def static_key(leaves: tuple[Any, ...]) -> tuple[Any, ...]:
