@@ -52,6 +52,11 @@ MODEL = textwrap.dedent("""\
       def fn(x):
         sys.exit("inside fn")
       return fn, (X,)
+
+    def interrupted():
+      def fn(x):
+        raise KeyboardInterrupt  # Ctrl-C while the check runs
+      return fn, (X,)
     """)
 
 EXITS_AT_IMPORT = "import sys\nsys.exit('exit at import')\n"
@@ -159,6 +164,11 @@ def test_out_in_a_read_only_directory_exits_2(project, capsys):
     locked.chmod(0o700)
   one_line_error(rc, err, 2, "not writable")
   assert out == ""
+
+
+def test_ctrl_c_during_check_is_one_line_and_exit_130(project, capsys):
+  rc, out, err = run(capsys, "check", "clierr_model:interrupted")
+  assert (rc, err) == (130, "jaxprec: interrupted\n")
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc")

@@ -301,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except _Failure as e:
     print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
     return 1
+  except KeyboardInterrupt:  # Ctrl-C: one line, the shells' status for SIGINT
+    print(f"{_PROG}: interrupted", file=sys.stderr)
+    return 128 + 2
 
 
 def _exit_status(e: SystemExit) -> int:
