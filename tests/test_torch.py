@@ -354,6 +354,14 @@ def test_twin_refuses_a_layer_count_that_is_not_a_positive_integer(layers):
     jt.twin("hf-bert", layers=layers)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True])
+def test_twin_refuses_a_seed_out_of_range(seed):
+  """seed=-1 reached NumPy's and JAX's own errors."""
+  with pytest.raises(ValueError, match=rf"twin\(seed={seed!r}\): the seed is "
+                     rf"an integer from 0 to {2**32 - 1}"):
+    jt.twin("hf-bert", seed=seed)
+
+
 def test_an_integer_tensor_as_reference_names_what_the_user_passed():
   """It said "reference={} (dict) holds no floating arrays", naming
   jaxprec's own conversion, not the tensor."""
