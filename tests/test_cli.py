@@ -158,6 +158,14 @@ def test_run_unknown_precision(capsys):
   assert_usage_error(rc, err, "Invalid precision 'flaot32'", "Did you mean 'float32'?")
 
 
+@pytest.mark.parametrize("name", ["nonsense", "xyz"])
+def test_an_unknown_precision_suggests_only_a_close_name(capsys, name):
+  """'nonsense' was offered 'none' as "did you mean"."""
+  rc, _, err = run(capsys, "run", "-p", name, "--", "true")
+  assert_usage_error(rc, err, f"Invalid precision {name!r}")
+  assert "Did you mean" not in err
+
+
 def test_run_missing_command(capsys):
   rc, _, err = run(capsys, "run", "-p", "float32", "--")
   assert_usage_error(rc, err, "run needs a command")
