@@ -22,10 +22,10 @@ import sys
 import tempfile
 from typing import Any
 
-__all__ = ["MAX_SEED", "OUT_FILES", "PYTORCH", "Failure", "UsageError", "add_search_axes",
-           "call_target", "check_out", "check_reference_file",
-           "is_reference_file", "one_line", "precision_list", "search_axes",
-           "seed"]
+__all__ = ["MAX_SEED", "OUT_FILES", "PYTORCH", "Failure", "UsageError",
+           "add_search_axes", "call_target", "check_out",
+           "check_reference_file", "is_reference_file", "one_line",
+           "precision_list", "search_axes", "seed"]
 
 # `check --reference pytorch`: the PyTorch twin of the --model.
 PYTORCH = "pytorch"
