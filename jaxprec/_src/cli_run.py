@@ -49,7 +49,9 @@ def start(cmd: Sequence[str], env: dict[str, str]) -> Child:
   early: list[int] = []
   old = None
   if threading.current_thread() is threading.main_thread():
-    old = {s: signal.signal(s, lambda n, _: early.append(n)) for s in FORWARDED}
+    # An ignored signal stays ignored, in the command too (``nohup``).
+    old = {s: signal.signal(s, lambda n, _: early.append(n))
+           for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN}
   try:
     return Child(subprocess.Popen(list(cmd), env=env), early, old)
   except BaseException:
@@ -64,7 +66,8 @@ def wait(child: Child) -> int:
   exception."""
   try:
     with child.proc:
-      rc = _wait(child.proc, None if child.old is None else child.early)
+      rc = _wait(child.proc, None if child.old is None else child.early,
+                 tuple(child.old or ()))
   finally:
     _restore(child.old)
   return 128 - rc if rc < 0 else rc
@@ -75,14 +78,15 @@ def _restore(old: dict[int, Any] | None) -> None:
     signal.signal(s, handler)
 
 
-def _wait(proc: subprocess.Popen, early: list | None) -> int:
+def _wait(proc: subprocess.Popen, early: list[int] | None,
+          handled: tuple[int, ...]) -> int:
   if early is None:  # not the main thread: no handler could be installed
     return proc.wait()
   if not hasattr(signal, "sigtimedwait"):  # macOS: forward by handler
     def forward(n, _):
       if n != signal.SIGINT:  # Ctrl-C reached the command already
         _send(proc, n)
-    for s in FORWARDED:
+    for s in handled:
       signal.signal(s, forward)
     for n in early:
       forward(n, None)
@@ -91,7 +95,9 @@ def _wait(proc: subprocess.Popen, early: list | None) -> int:
         return proc.wait()
       except KeyboardInterrupt:
         continue
-  signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+  if not handled:  # all ignored
+    return proc.wait()
+  signal.pthread_sigmask(signal.SIG_BLOCK, handled)
   try:
     for n in early:  # arrived while the command started: its origin is lost
       _send(proc, n)
@@ -99,12 +105,12 @@ def _wait(proc: subprocess.Popen, early: list | None) -> int:
       rc = proc.poll()
       if rc is not None:
         return rc
-      info = signal.sigtimedwait(FORWARDED, _POLL_S)
+      info = signal.sigtimedwait(handled, _POLL_S)
       if info is not None and info.si_code <= 0:  # sent by a process
         _send(proc, info.si_signo)
   finally:
     # Signals still pending reach the recording handlers, then are dropped.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
 
 
 def _send(proc: subprocess.Popen, signum: int) -> None:
