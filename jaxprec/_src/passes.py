@@ -84,7 +84,13 @@ def _last(small: jax.Array, big: jax.Array) -> jax.Array:
 
 def stored(total: jax.Array) -> jax.Array:
   """``total``, bit for bit, computed where nothing that reads it is fused
-  in (see :func:`_last`): its first element written back to itself."""
+  in (see :func:`_last`): its first element written back to itself.
+
+  Also the result of a one-pass float32 dot: XLA would otherwise choose that
+  dot's operand order and layout for the op that reads it (a three-operand
+  einsum's second dot), which sums in another order than where the result is
+  read from memory, as it is across the search's ``lax.switch``.
+  """
   if total.size == 0:
     return total
   first = (0,) * total.ndim
