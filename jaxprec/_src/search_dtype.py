@@ -319,5 +319,6 @@ def table(fn, args, kwargs, *, target: str, axes: tuple[str, ...],
       else cands[k].precision.on(target).operand_bits))
   cands = [cands[k] for k in order]
   reach = tuple((u in reached, u in dots) for u in units)
+  cast = tuple(reached.get(u) == "boundary" for u in units)
   return CostTable(units, costs[:, order], fixed_cost, float32_cost,
-                   reach=reach), cands
+                   reach=reach, cast=cast), cands
