@@ -810,3 +810,18 @@ def test_candidate_metrics_fused_or_not_are_those_of_the_masked_path(fn, args):
   assert repr(fused) == repr(unfused) == repr(want)
   if fn is not mlp:  # the fallback ran: the fast path counts no NaN
     assert any(m.nan > 0 for m in fused)
+
+
+def _tagged(x):
+  return {"h": jnp.tanh(x), "tag": "done"}
+
+
+def test_a_string_output_names_the_function_and_the_output():
+  """jit's own error named jaxprec's tracing lambda, not the user's
+  function."""
+  with pytest.raises(TypeError) as info:
+    jaxprec.check(_tagged, jnp.ones((2, 3)))
+  message = str(info.value)
+  assert message.startswith(f"{__name__}._tagged returned a str at "
+                            f"output['tag']"), message
+  assert "harness" not in message

@@ -79,10 +79,11 @@ def test_check_rows_may_be_dtype_policies(berts):
                              rtol=1e-4)
   bf16, ln32 = r.metric("rel_rms", ROWS[0]), r.metric("rel_rms", ROWS[1])
   assert all(1e-3 < v < 5e-2 for v in (*bf16, *ln32))
-  # Layer norms in float32 change the later layers (the dropout modules
-  # after them, which have no dtype field, still cast to bfloat16 at their
-  # boundary under the bfloat16 default, so hidden_states[0] is the same).
-  assert ln32[0] == bf16[0] and ln32[1:] != bf16[1:]
+  # Layer norms in float32 change every layer: the dropout modules after
+  # them have no dtype field and are left as built under the bfloat16
+  # default, so the float32 norms reach the hidden states, the embeddings'
+  # (hidden_states[0]) included.
+  assert all(a < b for a, b in zip(ln32, bf16))
   # A float32 BERT checked with the same rows gives the same numbers: its
   # reference is the same, and so is each row's program.
   r32 = jaxprec.check(fn32, params, ids, precisions=ROWS, mode="emulate")
@@ -191,3 +192,38 @@ def test_narrow_answer_is_not_reused_across_input_dtypes():
   assert harness.narrow_compute(square, harness.Args((a,), {}, who="t"))[0] is False
   assert harness.narrow_compute(
       square, harness.Args((a.astype(jnp.bfloat16),), {}, who="t"))[0] is True
+
+
+class _Embeddings(nn.Module):
+  """A bfloat16 projection joined with a float32 parameter (promoted to
+  float32, as a ViT's class token), then a Dropout: a module without a dtype
+  field."""
+  dtype: Any = jnp.bfloat16
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(8, dtype=self.dtype, name="proj")(x)
+    cls = self.param("cls", nn.initializers.normal(1.0), (1, 8))
+    return nn.Dropout(0.1, name="drop")(jnp.concatenate([cls, h], 0),
+                                        deterministic=True)
+
+
+def test_the_default_dtype_row_is_the_model_as_built():
+  x = jax.random.normal(jax.random.key(1), (3, 4))
+  model = _Embeddings()
+  params = model.init(jax.random.key(0), x)
+  swapped = jaxprec.swap(model, "default=dtype:bfloat16")
+  native = model.apply(params, x)
+  assert native.dtype == jnp.float32
+  np.testing.assert_array_equal(swapped.apply(params, x), native)  # dtype too
+  (drop,) = [m for m in jaxprec.policy_report(swapped).matches
+             if m.path == "drop"]
+  assert (drop.dtype, drop.dtype_how) == (None, "skipped")
+  # Its only matmul computes in bfloat16: the dtype row is the float32 row.
+  r = jaxprec.check(model.apply, params, x, mode="emulate",
+                    precisions=["default=dtype:bfloat16", "float32"])
+  assert (r.metric("rel_rms", "default=dtype:bfloat16")
+          == r.metric("rel_rms", "float32"))
+  # A rule still casts it at its boundary.
+  ruled = jaxprec.swap(model, "drop=dtype:bfloat16").apply(params, x)
+  assert ruled.dtype == jnp.bfloat16

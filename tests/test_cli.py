@@ -2,9 +2,11 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -156,6 +158,14 @@ def test_run_unknown_precision(capsys):
   assert_usage_error(rc, err, "Invalid precision 'flaot32'", "Did you mean 'float32'?")
 
 
+@pytest.mark.parametrize("name", ["nonsense", "xyz"])
+def test_an_unknown_precision_suggests_only_a_close_name(capsys, name):
+  """'nonsense' was offered 'none' as "did you mean"."""
+  rc, _, err = run(capsys, "run", "-p", name, "--", "true")
+  assert_usage_error(rc, err, f"Invalid precision {name!r}")
+  assert "Did you mean" not in err
+
+
 def test_run_missing_command(capsys):
   rc, _, err = run(capsys, "run", "-p", "float32", "--")
   assert_usage_error(rc, err, "run needs a command")
@@ -271,3 +281,37 @@ def test_python_m_jaxprec(tmp_path):
   assert proc.returncode == 2
   assert proc.stderr.startswith("jaxprec: error: Invalid precision 'bogus'")
   assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+
+
+_SLEEPER = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+def stop(signum, frame):
+  (out / "got").write_text(signal.Signals(signum).name)
+  sys.exit(3)
+signal.signal(signal.SIGTERM, stop)
+(out / "ready").write_text("")
+time.sleep(60)
+"""
+
+
+def test_run_forwards_sigterm_to_the_command(tmp_path):
+  """A scheduler stops the job: ``jaxprec run`` passes SIGTERM on, waits,
+  and exits with the command's status (before: it died at once and the
+  command ran on, orphaned)."""
+  cmd = [sys.executable, "-m", "jaxprec", "run", "-p", "float32", "--",
+         sys.executable, "-c", _SLEEPER, str(tmp_path)]
+  proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+      [os.path.dirname(os.path.dirname(jaxprec.__file__)),
+       os.environ.get("PYTHONPATH", "")])})
+  try:
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "ready").exists() or proc.poll() is not None
+               or time.monotonic() > deadline):
+      time.sleep(0.01)
+    assert (tmp_path / "ready").exists()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 3  # the command's status
+  finally:
+    proc.kill()
+  assert (tmp_path / "got").read_text() == "SIGTERM"

@@ -52,6 +52,11 @@ MODEL = textwrap.dedent("""\
       def fn(x):
         sys.exit("inside fn")
       return fn, (X,)
+
+    def interrupted():
+      def fn(x):
+        raise KeyboardInterrupt  # Ctrl-C while the check runs
+      return fn, (X,)
     """)
 
 EXITS_AT_IMPORT = "import sys\nsys.exit('exit at import')\n"
@@ -159,6 +164,29 @@ def test_out_in_a_read_only_directory_exits_2(project, capsys):
     locked.chmod(0o700)
   one_line_error(rc, err, 2, "not writable")
   assert out == ""
+
+
+def test_ctrl_c_during_check_is_one_line_and_exit_130(project, capsys):
+  rc, out, err = run(capsys, "check", "clierr_model:interrupted")
+  assert (rc, err) == (130, "jaxprec: interrupted\n")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc")
+def test_out_where_nothing_can_be_created_exits_2_before_the_check(
+    project, capsys):
+  """Permissions say root may write in ``/proc``; creating fails."""
+  rc, out, err = run(capsys, "check", "clierr_model:make", "--out", "/proc/x")
+  one_line_error(rc, err, 2, "--out '/proc/x' is not writable", "'/proc'")
+  assert out == ""
+
+
+@pytest.mark.parametrize("name", ["divergence.png", "report.json"])
+def test_out_holding_a_directory_named_as_an_output_exits_2(project, capsys,
+                                                            name):
+  (project / "rep" / name).mkdir(parents=True)
+  rc, out, err = run(capsys, "check", "clierr_model:make", "--out", "rep")
+  one_line_error(rc, err, 2, f"holds a directory named {name!r}")
+  assert out == "" and (project / "rep" / name).is_dir()
 
 
 def test_out_is_created_when_usable(project, capsys):

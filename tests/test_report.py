@@ -378,3 +378,19 @@ def test_split_modules_and_old_import_paths():
   assert render.encode_float(float("inf")) == "inf"
   assert render.decode_float("-inf") == -math.inf
   assert render.fmt(1.5e-3) == "1.50e-03"
+
+
+@pytest.mark.parametrize("field", ["kernel", "numerics", "seconds"])
+@pytest.mark.parametrize("bad", ["bf16", [1, 2], 3])
+def test_from_json_refuses_a_field_that_is_not_an_object(field, bad):
+  d = make_report().to_dict()
+  d[field] = bad
+  with pytest.raises(ValueError, match=rf"report field '{field}' must be an "
+                     rf"object \(\{{name: value\}}\); got {re.escape(repr(bad))}"):
+    DivergenceReport.from_json(json.dumps(d))
+
+
+def test_from_json_reads_a_null_kernel_as_none_recorded():
+  d = make_report().to_dict()
+  d["kernel"] = None
+  assert DivergenceReport.from_json(json.dumps(d)).kernel == {}

@@ -266,3 +266,30 @@ def test_an_empty_output_layer_is_not_checked_and_said_so():
     r = jaxprec.search_policy(f, w, x, tolerance=1e-2, verbose=False)
   assert r.meets_tolerance and str(r.policy) == "default=bfloat16"
   assert set(r.values) == {"y"}
+
+
+# ---------------------------------------------------------------------------
+# A three-operand einsum on the GPU target: its first dot feeds the second.
+# At float32 the fixed program's first dot was a plain HIGHEST dot whose
+# operand order and output layout XLA chose for the dot reading it (b @ c.T
+# computed transposed), summing in another order than the switched branch,
+# whose result is read from memory (compiled HLO, jax 0.10.2).
+
+
+def test_three_operand_einsum_on_gpu_is_switched_bit_for_bit():
+  rng = np.random.default_rng(0)
+  ops = [rng.standard_normal(s).astype(np.float32)
+         for s in ((2, 8, 32), (32, 16), (8, 16))]
+
+  def f(a, b, c):
+    return {"y": jnp.tanh(jnp.einsum("bsh,hd,td->bst", a, b, c))}
+
+  names = ("tensorfloat32", "TF32_TF32_F32_X3", "float32")
+  with jaxprec.use_kernel("bf16"):
+    g = jax.jit(switch.switched(f, [""], [jaxprec.resolve(n) for n in names],
+                                target="gpu"))
+    for i, name in enumerate(names):
+      fixed = jax.jit(jaxprec.emulate(f, jaxprec.Policy(default=name),
+                                      target="gpu"))(*ops)
+      got = g(switch.index_of([i]), *ops)
+      assert switching.same(got["y"], fixed["y"]), name

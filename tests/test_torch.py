@@ -294,6 +294,28 @@ def test_captured_submodule_outputs_survive_in_place_ops_later():
   np.testing.assert_array_equal(got["fc"], want)
 
 
+def test_capture_keeps_every_call_of_a_submodule_called_twice():
+  """A shared block applied twice: only its last call was kept."""
+  class Twice(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.block = torch.nn.Linear(4, 4)
+      self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+      return self.head(torch.tanh(self.block(torch.tanh(self.block(x)))))
+
+  torch.manual_seed(0)
+  net, x = Twice(), torch.randn(2, 4)
+  got = jt.capture(net, x, modules="block|head")
+  assert list(got) == ["output", "block#0", "block#1", "head"]
+  with torch.no_grad():
+    first = net.block(x)
+    second = net.block(torch.tanh(first))
+  np.testing.assert_array_equal(got["block#0"], first.numpy())
+  np.testing.assert_array_equal(got["block#1"], second.numpy())
+
+
 def test_capture_never_writes_into_the_callers_numpy_input():
   class InPlace(torch.nn.Module):
     def forward(self, x):
@@ -330,6 +352,14 @@ def test_twin_refuses_a_layer_count_that_is_not_a_positive_integer(layers):
   with pytest.raises(ValueError, match=r"the number of transformer layers is "
                      r"an integer of at least 1"):
     jt.twin("hf-bert", layers=layers)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True])
+def test_twin_refuses_a_seed_out_of_range(seed):
+  """seed=-1 reached NumPy's and JAX's own errors."""
+  with pytest.raises(ValueError, match=rf"twin\(seed={seed!r}\): the seed is "
+                     rf"an integer from 0 to {2**32 - 1}"):
+    jt.twin("hf-bert", seed=seed)
 
 
 def test_an_integer_tensor_as_reference_names_what_the_user_passed():

@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -304,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except _Failure as e:
     print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
     return 1
+  except KeyboardInterrupt:  # Ctrl-C: one line, the shells' status for SIGINT
+    print(f"{_PROG}: interrupted", file=sys.stderr)
+    return 128 + 2
 
 
 def _exit_status(e: SystemExit) -> int:
@@ -516,22 +518,16 @@ def _run(ns: argparse.Namespace) -> int:
            if not policy.rules and policy.default is not None
            else dict(os.environ))
     env[POLICY_ENV_VAR] = str(policy)
+  from jaxprec._src import cli_run
   try:
-    proc = subprocess.Popen(cmd, env=env)
+    child = cli_run.start(cmd, env)
   except FileNotFoundError:
     print(f"{_PROG}: error: command not found: {cmd[0]}", file=sys.stderr)
     return 127
   except PermissionError:
     print(f"{_PROG}: error: permission denied: {cmd[0]}", file=sys.stderr)
     return 126
-  with proc:
-    while True:
-      try:
-        rc = proc.wait()
-        break
-      except KeyboardInterrupt:
-        continue  # The child got the SIGINT too; report how it ends.
-  return 128 - rc if rc < 0 else rc  # Killed by signal N: 128 + N, as shells do.
+  return cli_run.wait(child)  # SIGTERM, SIGINT, SIGHUP forwarded
 
 
 def _search(ns: argparse.Namespace) -> int:

@@ -19,12 +19,13 @@ import importlib
 import importlib.util
 import os
 import sys
+import tempfile
 from typing import Any
 
-__all__ = ["MAX_SEED", "PYTORCH", "Failure", "UsageError", "add_search_axes",
-           "call_target", "check_out", "check_reference_file",
-           "is_reference_file", "one_line", "precision_list", "search_axes",
-           "seed"]
+__all__ = ["MAX_SEED", "OUT_FILES", "PYTORCH", "Failure", "UsageError",
+           "add_search_axes", "call_target", "check_out",
+           "check_reference_file", "is_reference_file", "one_line",
+           "precision_list", "search_axes", "seed"]
 
 # `check --reference pytorch`: the PyTorch twin of the --model.
 PYTORCH = "pytorch"
@@ -207,8 +208,17 @@ def check_reference_file(path: str) -> None:
     raise UsageError(message) from None
 
 
+# The files ``--out`` receives (:func:`jaxprec._src.cli_outputs.write_outputs`).
+OUT_FILES = ("report.json", "divergence.png")
+
+
 def check_out(out: str) -> None:
-  """Fails before the check runs when ``--out`` cannot be a writable directory."""
+  """Fails before the check runs when ``--out`` cannot be a writable directory
+  or holds a directory where one of :data:`OUT_FILES` is to be written.
+
+  Writability is tried (a directory created and removed in ``--out`` or its
+  nearest existing parent), since permissions do not tell for root, ``/proc``
+  or a read-only mount."""
   path = os.path.abspath(out)
   if os.path.exists(path) and not os.path.isdir(path):
     raise UsageError(f"--out {out!r} exists and is not a directory")
@@ -221,6 +231,16 @@ def check_out(out: str) -> None:
   if not os.access(existing, os.W_OK | os.X_OK):
     raise UsageError(f"--out {out!r} is not writable (no write permission "
                       f"on {existing!r})")
+  for name in OUT_FILES:  # a directory where a file is to be written
+    if os.path.isdir(os.path.join(path, name)):
+      raise UsageError(f"--out {out!r} holds a directory named {name!r}, "
+                       f"where the check writes a file: remove it or choose "
+                       f"another --out")
+  try:  # permissions do not tell (root, /proc, a read-only mount): try it
+    os.rmdir(tempfile.mkdtemp(prefix=".jaxprec-out-", dir=existing))
+  except OSError as e:
+    raise UsageError(f"--out {out!r} is not writable: cannot create a "
+                     f"directory in {existing!r} ({e.strerror})") from None
 
 
 def add_search_axes(parser: Any) -> None:

@@ -424,8 +424,8 @@ def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
       # runs only on floats (TF32 on CPU) would be refused by the lowering.
       return native(None)
     return native(precision)
-  if algorithm == "f32":
-    return native(_EXACT)
+  if algorithm == "f32":  # stored as a multi-pass result is: passes.stored
+    return passes.stored(native(_EXACT))
   spec = _make_spec(op, params, lhs, rhs, preferred_element_type, algorithm,
                     tf32_rounding, kernels.kernel_for(algorithm, op), guard)
   ready = None

@@ -63,12 +63,19 @@ def canonical(name: str) -> str | None:
   return ALIASES.get(key.lower())
 
 
+# How alike (difflib's ratio) a suggestion must be: one letter wrong in four
+# ('bf17', 'bf61' for 'bf16') still is; 'nonsense' for 'none' (0.67) is not.
+_SUGGEST_CUTOFF = 0.75
+
+
 def suggest(name: str) -> str | None:
-  """The closest accepted spelling to ``name``, for "did you mean" messages."""
+  """The closest accepted spelling to ``name``, for "did you mean" messages;
+  None unless one is close (:data:`_SUGGEST_CUTOFF`)."""
   import difflib
   choices = sorted(set(ALIASES) | set(FLAGS))
   close = difflib.get_close_matches(name.strip().lower(),
-                                    [c.lower() for c in choices], n=1, cutoff=0.6)
+                                    [c.lower() for c in choices], n=1,
+                                    cutoff=_SUGGEST_CUTOFF)
   if not close:
     return None
   return next(c for c in choices if c.lower() == close[0])

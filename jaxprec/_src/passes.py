@@ -56,7 +56,7 @@ import numpy as np
 
 from jaxprec._src.rounding import round_to, split_bf16, split_tf32
 
-__all__ = ["BF16", "F32", "Operand", "compute", "move"]
+__all__ = ["BF16", "F32", "Operand", "compute", "move", "stored"]
 
 _Op = Callable[[jax.Array, jax.Array], jax.Array]
 _ZERO = np.float32(0)
@@ -79,7 +79,18 @@ def _last(small: jax.Array, big: jax.Array) -> jax.Array:
   1024 x 1024 result; measured). ``tests/test_switch.py`` fails if a later
   XLA sees through it.
   """
-  total = small + big
+  return stored(small + big)
+
+
+def stored(total: jax.Array) -> jax.Array:
+  """``total``, bit for bit, computed where nothing that reads it is fused
+  in (see :func:`_last`): its first element written back to itself.
+
+  Also the result of a one-pass float32 dot: XLA would otherwise choose that
+  dot's operand order and layout for the op that reads it (a three-operand
+  einsum's second dot), which sums in another order than where the result is
+  read from memory, as it is across the search's ``lax.switch``.
+  """
   if total.size == 0:
     return total
   first = (0,) * total.ndim

@@ -174,7 +174,8 @@ class Policy:
   first rule that sets a dtype and matches the module wins, else
   ``default_dtype``; with neither, the module keeps its own dtype (see
   ``docs/modules.md``: a module with a ``dtype`` field computes in the
-  decided dtype; one without has its floating inputs and outputs cast). See
+  decided dtype; one without has its floating inputs and outputs cast by a
+  rule that matches it, and is left as built under ``default_dtype``). See
   the module docstring of ``jaxprec._src.policy`` for how an op is matched,
   and :meth:`parse` for the text form. Pass a policy to :func:`jaxprec.swap`
   or :func:`jaxprec.emulate`.
@@ -480,9 +481,9 @@ class PolicyMatch:
       ``'float32'``), or None (left as it was).
     dtype_how: how the dtype was applied: ``'field'`` (the module's
       ``dtype`` attribute was set), ``'boundary'`` (a linen module without
-      one: its floating inputs and outputs were cast), ``'skipped'`` (an NNX
-      module without one under ``default_dtype``: left as it is); None: no
-      dtype decision.
+      one that a rule matched: its floating inputs and outputs were cast),
+      ``'skipped'`` (a module without one under ``default_dtype``: left as
+      it is, so the default is the model as built); None: no dtype decision.
     dtype_rule: the rule that gave the dtype; None for the default dtype or
       no decision.
   """

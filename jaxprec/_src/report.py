@@ -121,6 +121,17 @@ class Finding:
             f"{self.metric} {render.fmt(self.value)}")
 
 
+def _mapping(d: Mapping[str, Any], key: str) -> dict[str, Any]:
+  """``d[key]`` of a report file, an object (``{}`` when absent or null)."""
+  value = d.get(key)
+  if value is None:
+    return {}
+  if not isinstance(value, Mapping):
+    raise ValueError(f"report field {key!r} must be an object ({{name: "
+                     f"value}}); got {value!r} ({type(value).__name__})")
+  return dict(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DivergenceReport:
   """How far each layer drifts from a reference at each precision.
@@ -420,10 +431,10 @@ class DivergenceReport:
                reference=d["reference"], target=d["target"], mode=d["mode"],
                backend=d.get("backend", ""), atol=d.get("atol", 0.0),
                rtol=d.get("rtol", 0.0),
-               numerics=dict(d.get("numerics", {})),
+               numerics=_mapping(d, "numerics"),
                notes=tuple(d.get("notes", ())),
-               seconds=dict(d.get("seconds", {})), floor=d.get("floor"),
-               kernel=dict(d.get("kernel") or {}))
+               seconds=_mapping(d, "seconds"), floor=d.get("floor"),
+               kernel=_mapping(d, "kernel"))
 
   @classmethod
   def from_json(cls, text: str) -> DivergenceReport:

@@ -98,6 +98,9 @@ class CostTable:
   # The dtype axis: per unit, (a dtype decision reaches it, it runs matmuls
   # a policy decides); None: the precision axis alone (units are matmuls).
   reach: tuple[tuple[bool, bool], ...] | None = None
+  # Per unit, whether only a rule reaches it (a module without a dtype field,
+  # cast at its boundary; the default dtype leaves it as built), or None.
+  cast: tuple[bool, ...] | None = None
 
   @classmethod
   def of(cls, fn, args, kwargs, target: str, cands: list[Candidate],
@@ -178,6 +181,7 @@ class Search:
     self.runner, self.cands = runner, cands
     self.units = table.units
     self.reach = table.reach
+    self.cast = table.cast
     self.float32_policy = float32_policy or Policy(default="float32")
     self.unit_costs = table.unit_costs  # (units, candidates)
     self.fixed_cost, self.float32_cost = table.fixed_cost, table.float32_cost
@@ -215,8 +219,8 @@ class Search:
       return _default(self.cands[0], ())
     counts = np.bincount(np.asarray(levels), minlength=len(self.cands))
     default = int(np.argmax(counts))  # most paths; ties: the cheaper
-    rules = [self.rule(i, self.cands[l])
-             for i, l in enumerate(levels) if l != default]
+    rules = [self.rule(i, self.cands[l]) for i, l in enumerate(levels)
+             if l != default or (self.cast is not None and self.cast[i])]
     return _default(self.cands[default], tuple(r for r in rules if r))
 
   def rule(self, i: int, c: Candidate) -> Rule | None:

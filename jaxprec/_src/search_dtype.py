@@ -46,7 +46,7 @@ from jaxprec._src import numerics
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.flax import state as flax_state
-from jaxprec._src.policy import Policy
+from jaxprec._src.policy import Policy, Rule
 from jaxprec._src.precision import Precision, resolve
 from jaxprec._src.search_algorithm import Candidate, CostTable
 
@@ -181,10 +181,16 @@ def _trace(fn, args, kwargs, dtype: str):
   """``(rows, reached, boundary bytes)`` of ``fn`` traced with every module at
   ``dtype``: the audit rows, the module paths a dtype decision reached (in
   call order, with how: ``'field'``/``'boundary'``), and the bytes."""
-  policy = Policy(default_dtype=dtype)
+  fn = cost_lib.unjit(fn)
+  # A rule for every path: the default dtype leaves a linen module without a
+  # dtype field as built, a rule casts it at its boundary, so it is a unit.
+  # (NNX cannot cast one: a rule may not match it, the default skips it.)
+  nnx = nnx_policy.bind(fn, None) is not fn
+  policy = (Policy(default_dtype=dtype) if nnx
+            else Policy(rules=[Rule(path=".*", dtype=dtype)]))
   recorder = flax_state.Recorder(policy)
   found: dict[str, int] = {}
-  bound = nnx_policy.bind(cost_lib.unjit(fn), policy, recorder)
+  bound = nnx_policy.bind(fn, policy, recorder)
 
   @functools.wraps(bound)
   def traced(*a, **k):
@@ -313,5 +319,6 @@ def table(fn, args, kwargs, *, target: str, axes: tuple[str, ...],
       else cands[k].precision.on(target).operand_bits))
   cands = [cands[k] for k in order]
   reach = tuple((u in reached, u in dots) for u in units)
+  cast = tuple(reached.get(u) == "boundary" for u in units)
   return CostTable(units, costs[:, order], fixed_cost, float32_cost,
-                   reach=reach), cands
+                   reach=reach, cast=cast), cands

@@ -223,8 +223,10 @@ def capture(module: Any, *args: Any, modules: str | None = None,
     An insertion-ordered ``{name: np.ndarray}``: the output's floating
     tensors (``'last_hidden_state'``, ``'hidden_states[3]'``), then the hooked
     submodules' (``'encoder.layers.0'``, ``'encoder.layers.0[0]'`` when a
-    submodule returns a tuple). bfloat16 and float16 are widened exactly to
-    float32.
+    submodule returns a tuple; ``'encoder.layers.0#0'``,
+    ``'encoder.layers.0#1'`` for each call of a submodule called more than
+    once, as :func:`jaxprec.check_module` names them). bfloat16 and float16
+    are widened exactly to float32.
 
   Raises:
     ImportError: PyTorch is not installed (with the install hint).
@@ -242,7 +244,7 @@ def capture(module: Any, *args: Any, modules: str | None = None,
     except (re.error, TypeError) as e:
       raise ValueError(f"modules={modules!r} is not a regular expression: "
                        f"{e}") from None
-  hooked: dict[str, np.ndarray] = {}
+  calls: dict[str, list[dict[str, np.ndarray]]] = {}  # per call, in order
   handles = []
   flags = {m: m.training for m in module.modules()}
   try:
@@ -251,7 +253,8 @@ def capture(module: Any, *args: Any, modules: str | None = None,
       for name, sub in module.named_modules():
         if name and pattern.fullmatch(name):
           def hook(_mod, _inputs, output, name=name):
-            _named(output, name, hooked)
+            _named(output, name, one := {})
+            calls.setdefault(name, []).append(one)
           handles.append(sub.register_forward_hook(hook))
       if not handles:
         shown = ", ".join(repr(n) for n in all_names[:8])
@@ -270,12 +273,25 @@ def capture(module: Any, *args: Any, modules: str | None = None,
       m.training = training
   found: dict[str, np.ndarray] = {}
   _named(output, "", found)
-  for k, v in hooked.items():
+  for k, v in _numbered(calls).items():
     if k in found:
       raise ValueError(f"submodule {k!r} has the name of an output layer; "
                        f"rename one with names=")
     found[k] = v
   return _rename(found, names)
+
+
+def _numbered(calls: dict[str, list[dict[str, np.ndarray]]]
+              ) -> dict[str, np.ndarray]:
+  """The hooked outputs by name; a submodule called more than once has each
+  call's outputs under ``name#0``, ``name#1``, ... (as
+  :func:`jaxprec.check_module` names a Flax module called twice)."""
+  out: dict[str, np.ndarray] = {}
+  for name, per_call in calls.items():
+    for i, one in enumerate(per_call):
+      for k, v in one.items():  # k is name + the output's own path
+        out[k if len(per_call) == 1 else f"{name}#{i}{k[len(name):]}"] = v
+  return out
 
 
 def flax_params(pt_model: Any, flax_model: Any) -> Any:

@@ -130,6 +130,8 @@ TWINS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "hf-bert": (_bert, _bert_inputs),
 }
 _LAYERS = 4
+# The seeds a twin takes: what NumPy, PyTorch and Flax all accept.
+_MAX_SEED = 2**32 - 1
 
 
 def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
@@ -138,15 +140,15 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
   Args:
     name: ``'hf-wav2vec2'`` or ``'hf-bert'``.
     seed: seeds the PyTorch weights (PyTorch's global RNG is restored) and
-      the inputs.
+      the inputs: an integer from 0 to ``2**32 - 1``.
     layers: the number of transformer layers (default 4).
 
   Returns:
     A :class:`Twin`.
 
   Raises:
-    ValueError: an unknown name (naming the choices), or ``layers`` not an
-      integer of at least 1.
+    ValueError: an unknown name (naming the choices), ``layers`` not an
+      integer of at least 1, or ``seed`` out of its range or not an integer.
     ImportError: PyTorch is missing, or transformers, or its Flax models
       (transformers 5 has none): one line with the install hint.
   """
@@ -160,6 +162,10 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
       layers, (int, np.integer)) or layers < 1):
     raise ValueError(f"twin(layers={layers!r}): the number of transformer "
                      f"layers is an integer of at least 1 (default {_LAYERS})")
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
+      0 <= seed <= _MAX_SEED):
+    raise ValueError(f"twin(seed={seed!r}): the seed is an integer from 0 to "
+                     f"{_MAX_SEED} (it seeds PyTorch, Flax and NumPy)")
   torch = torch_ref.import_torch()
   transformers = torch_ref.import_transformers_flax("twin models need")
   make, inputs = TWINS[name]

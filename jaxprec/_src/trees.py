@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["CallStatics", "is_array", "is_jax_type", "signature", "split_call",
-           "static_key"]
+__all__ = ["CallStatics", "is_array", "is_jax_type", "jax_outputs",
+           "signature", "split_call", "static_key"]
 
 _CONCRETE = (jax.Array, np.ndarray, np.generic)
 _SCALARS = (bool, int, float, complex)
@@ -62,6 +62,27 @@ def is_jax_type(x: Any) -> bool:
   """
   return (isinstance(x, _CONCRETE + _SCALARS) and not isinstance(x, type)) \
       or hasattr(x, "__jax_array__")
+
+
+def jax_outputs(fn: Callable[..., Any], out: Any) -> Any:
+  """``out``, the outputs of a call of ``fn`` that jaxprec runs.
+
+  Raises:
+    TypeError: for a leaf that is not a JAX type (:func:`is_jax_type`, a
+      string say), naming ``fn`` and the leaf's path; ``jax.jit`` would name
+      jaxprec's own function instead.
+  """
+  for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
+    if not is_jax_type(x):
+      module = getattr(fn, "__module__", None)
+      name = getattr(fn, "__qualname__", None) or repr(fn)
+      where = jax.tree_util.keystr(path) or " (the whole output)"
+      raise TypeError(
+          f"{name if module is None else f'{module}.{name}'} returned a "
+          f"{type(x).__name__} at output{where}: jaxprec checks arrays, so "
+          f"every output leaf must be an array or a number (return that "
+          f"value some other way, or drop it)")
+  return out
 
 
 def static_key(leaves: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -112,9 +133,14 @@ class CallStatics:
     return jax.tree_util.tree_unflatten(self.treedef, full)
 
   def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
-    """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
+    """Calls ``fn`` with ``dynamic`` in place of the array leaves.
+
+    Raises:
+      TypeError: for an output leaf that is not a JAX type, naming ``fn``
+        (:func:`jax_outputs`).
+    """
     args, kwargs = self.rebuild(dynamic)
-    return fn(*args, **kwargs)
+    return jax_outputs(fn, fn(*args, **kwargs))
 
 
 def split_call(args: Sequence[Any], kwargs: dict, *, abstract: bool = True

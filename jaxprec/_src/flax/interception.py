@@ -27,9 +27,11 @@ bound, hence never touched), so submodules built in ``setup`` or a compact
 method with ``dtype=self.dtype`` inherit it unless a rule decides otherwise for
 them. Flax's ``setup`` runs through the interceptors too (``method_name ==
 'setup'``, before any submodule is built; flax 0.10 and 0.12
-``Module._call_wrapped_method``). A module without a ``dtype`` field has its
-floating inputs and outputs cast at its boundary (as jmp does); parameters it
-reads are not cast. Parameters keep their stored dtype everywhere: Flax's
+``Module._call_wrapped_method``). A module without a ``dtype`` field that a
+dtype *rule* matches has its floating inputs and outputs cast at its boundary
+(as jmp does); parameters it reads are not cast. Under the default dtype such
+a module is left as it is (``'skipped'``, as in NNX), so that
+``default=dtype:D`` is the model built with ``dtype=D``. Parameters keep their stored dtype everywhere: Flax's
 ``promote_dtype`` casts them at use.
 
 The op kind of an op is its innermost module's: ``'conv'`` in convolution
@@ -140,8 +142,10 @@ def intercept(scope: ActiveScope) -> Iterator[None]:
     dt, drule, how = None, None, None
     if dtypes:
       dt, drule = policy.match_dtype(path_str, module_type, kind)
-      if dt is not None:
-        how = "field" if has_dtype_field(type(module)) else "boundary"
+      if dt is not None and has_dtype_field(type(module)):
+        how = "field"
+      elif dt is not None:  # only a rule casts at the boundary (as NNX)
+        dt, how = (dt, "boundary") if drule is not None else (None, "skipped")
     if recorder is not None and not setup:
       recorder.record(path_str, module_type, kind, decision.precision,
                       decision.rule, kept=decision.kept, dtype=dt,
