@@ -37,6 +37,7 @@ from jax import lax
 
 from jaxprec._src import algorithms
 from jaxprec._src.algorithms import Numerics
+from jaxprec._src.walker import PRIMITIVES
 from jaxprec._src.precision import Precision, PrecisionLike, resolve
 
 __all__ = ["ALGORITHMS", "DTYPES", "DTYPE_BYTES", "EMULATION_TARGETS", "MODES",
@@ -52,9 +53,9 @@ EMULATION_TARGETS = ("tpu", "gpu", "cpu", "native")
 # How a checker computes a target's numerics: 'auto' runs natively on the
 # target's own backend and emulates elsewhere.
 MODES = ("auto", "emulate", "native")
-# Op kinds as policies name them, and the primitives they stand for.
+# Op kinds as policies name them (the primitives they stand for:
+# jaxprec._src.walker.PRIMITIVES).
 OP_KINDS = ("dot", "conv")
-PRIMITIVES = {"dot_general": "dot", "conv_general_dilated": "conv"}
 
 # The algorithms the emulation computes (:func:`algorithm_for`): those of
 # the one table (jaxprec._src.algorithms) that a kernel runs, exact float32,

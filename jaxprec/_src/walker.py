@@ -26,7 +26,6 @@ from typing import Any
 import jax
 
 from jaxprec._src import compat
-from jaxprec._src import numerics
 from jaxprec._src import trees
 
 __all__ = ["OPAQUE_PRIMITIVES", "Rule", "TracedCall", "WalkedEqn",
@@ -55,6 +54,10 @@ class WalkedEqn:
   scope: tuple[str, ...]
   trip_count: int = 1
 
+
+# The primitives whose precision jaxprec reads and emulates, and their op
+# kinds as policies name them.
+PRIMITIVES = {"dot_general": "dot", "conv_general_dilated": "conv"}
 
 # Primitives whose numerics jaxprec can neither see nor change: compiled
 # kernels (Pallas, Mosaic, Triton), foreign functions (FFI, custom_call) and
@@ -341,7 +344,7 @@ def _rebind(eqn, invals, rule: Rule) -> list[Any]:
   if handler is not None:
     return handler(eqn, invals, rule, params)
   if name.startswith("scatter") and not any(
-      w.eqn.primitive.name in numerics.PRIMITIVES
+      w.eqn.primitive.name in PRIMITIVES
       for sub, _ in _sub_jaxprs(eqn) for w in iter_eqns(sub)):
     # A scatter's combiner (the add of .at[].add, segment_sum and every
     # gather's gradient) holds no matmul or convolution: bound as recorded.
@@ -444,8 +447,8 @@ def _matmul_on_tangents(jvp_jaxpr, num_tangents: int) -> bool:
     if not any(not isinstance(v, compat.Literal) and v in tangent
                for v in eqn.invars):
       continue
-    if eqn.primitive.name in numerics.PRIMITIVES or any(
-        w.eqn.primitive.name in numerics.PRIMITIVES
+    if eqn.primitive.name in PRIMITIVES or any(
+        w.eqn.primitive.name in PRIMITIVES
         for sub, _ in _sub_jaxprs(eqn) for w in iter_eqns(sub)):
       return True
     tangent.update(eqn.outvars)
