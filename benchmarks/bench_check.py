@@ -42,8 +42,8 @@ import jax.numpy as jnp
 
 import jaxprec
 import jaxprec.models
-from jaxprec._src import harness
-from jaxprec._src import numerics
+from jaxprec._src.checker import harness, rows
+from jaxprec._src.core import numerics
 
 from _args import positive as _positive, positive_float as _positive_float
 
@@ -83,7 +83,7 @@ def bench(model: str, size: str, seconds: float, repeats: int) -> None:
   else:
     fn, args = jaxprec.models.bert(size)
   target, mode = "tpu", numerics.resolve_mode("auto", "tpu")
-  plans = [harness.plan(p, target, mode) for p in PRECISIONS]
+  plans = [rows.plan(p, target, mode) for p in PRECISIONS]
   ref_plan = harness.reference_plan("float32", target, mode)
   print(f"\n== {model} {size}; target {target}, mode {mode}")
 

@@ -1,8 +1,8 @@
 """Weights rounded once: the search's program with and without prepared parts.
 
 Every evaluation of :func:`jaxprec.search_policy` after the first runs one
-switched program (``jaxprec/_src/switch.py``) on the same parameters. Their
-parts (bfloat16 splits, TF32 roundings: ``jaxprec/_src/prepared.py``) are
+switched program (``jaxprec/_src/search/switch.py``) on the same parameters. Their
+parts (bfloat16 splits, TF32 roundings: ``jaxprec/_src/emulation/prepared.py``) are
 computed once per search, and the program reads them, instead of splitting
 every weight again at every evaluation.
 
@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxprec
-from jaxprec._src import harness
-from jaxprec._src import prepared
-from jaxprec._src import switch
-from jaxprec._src.precision import resolve
+from jaxprec._src.checker import harness
+from jaxprec._src.core.precision import resolve
+from jaxprec._src.emulation import prepared
+from jaxprec._src.search import switch
 
 from _args import positive as _positive
 

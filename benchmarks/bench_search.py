@@ -1,6 +1,6 @@
 """Cost of ``jaxprec.search_policy``: time per evaluation, and whole searches.
 
-Claims (docs/search.md, jaxprec/_src/search.py):
+Claims (docs/search.md, jaxprec/_src/search/search.py):
 
 1. An evaluation that compiles the model under its policy (the first
    evaluation of a search, or every one with ``compile_once=False``). Compiling the
@@ -37,7 +37,7 @@ import jax
 
 import jaxprec
 import jaxprec.models
-from jaxprec._src import harness
+from jaxprec._src.checker import harness, rows
 
 from _args import positive as _positive, non_negative_float as _tolerance
 
@@ -58,7 +58,7 @@ def per_evaluation(fn, args, n: int, make_policy=_wav2vec2_policy) -> None:
                                 mode="emulate")
 
   def run(policy, fused):
-    p = harness.plan(policy, "tpu", "emulate")
+    p = rows.plan(policy, "tpu", "emulate")
     return harness.run_candidate(fn, call, p, ref, 0.0, 0.0, cache={},
                                  fused=fused)
   run(jaxprec.Policy.parse("default=float32"), False)  # compiles the metrics

@@ -59,7 +59,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxprec  # noqa: E402
-from jaxprec._src import harness  # noqa: E402
+from jaxprec._src.checker import harness, rows  # noqa: E402
 
 from _args import positive as _positive  # noqa: E402
 from _args import positive_float as _positive_float  # noqa: E402
@@ -107,14 +107,14 @@ def programs(args: tuple, precisions: tuple[str, ...]
   out["check: reference"] = _bytes(ref_prog.lower(call.dynamic).compile())
   cargs = harness.candidate_args(call, ref, 1e-3, 1e-3)
   for name in precisions:
-    p = harness.plan(name, TARGET, MODE)
+    p = rows.plan(name, TARGET, MODE)
     prog = harness._candidate_program(_mlp, call, p, ref, None)  # noqa: SLF001
     out[f"check: {name}"] = _bytes(prog.lower(*cargs).compile())
   # A reference read from the host (a file, a mapping): the same candidate
   # program, its packed reference placed by the check.
   layers = {k: np.asarray(v) for k, v in jax.jit(_mlp)(*args).items()}
   read = harness.build_reference(_mlp, call, layers, target=TARGET, mode=MODE)
-  p = harness.plan(precisions[0], TARGET, MODE)
+  p = rows.plan(precisions[0], TARGET, MODE)
   prog = harness._candidate_program(_mlp, call, p, read, None)  # noqa: SLF001
   out[f"check: {p.label}, host ref"] = _bytes(prog.lower(
       *harness.candidate_args(call, read, 1e-3, 1e-3)).compile())

@@ -70,7 +70,7 @@ class Case:
   @property
   def algorithm(self) -> str:
     op = "dot_general" if self.op == "dot" else "conv_general_dilated"
-    return jaxprec._src.numerics.algorithm_for(  # pylint: disable=protected-access
+    return jaxprec._src.core.numerics.algorithm_for(  # pylint: disable=protected-access
         self.precision, "gpu", F32, F32, op=op)
 
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxprec._src.cli import main
+from jaxprec._src.cli.cli import main
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -6,12 +6,12 @@ which compute as a TPU or GPU does with ``emulate=True``. Importing this module
 imports Flax. See ``docs/modules.md``.
 """
 
-from jaxprec._src.flax.linen import Conv
-from jaxprec._src.flax.linen import ConvTranspose
-from jaxprec._src.flax.linen import Dense
-from jaxprec._src.flax.linen import DenseGeneral
-from jaxprec._src.flax.linen import Einsum
-from jaxprec._src.flax.linen import MultiHeadDotProductAttention
+from jaxprec._src.modules.linen import Conv
+from jaxprec._src.modules.linen import ConvTranspose
+from jaxprec._src.modules.linen import Dense
+from jaxprec._src.modules.linen import DenseGeneral
+from jaxprec._src.modules.linen import Einsum
+from jaxprec._src.modules.linen import MultiHeadDotProductAttention
 
 __all__ = (
     "Conv",

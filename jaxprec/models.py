@@ -32,7 +32,7 @@ from jaxprec._src.models.wav2vec2 import Wav2Vec2Config
 from jaxprec._src.models.wav2vec2 import Wav2Vec2Encoder
 from jaxprec._src.models.wav2vec2 import synthetic_audio
 
-MODELS = {"bert": bert, "llama": llama, "wav2vec2": wav2vec2}
+from jaxprec._src.models.registry import MODELS
 
 __all__ = (
     "BertConfig",

@@ -6,12 +6,12 @@ compute as a TPU or GPU does with ``emulate=True``. Importing this module
 imports Flax. See ``docs/modules.md``.
 """
 
-from jaxprec._src.flax.nnx import Conv
-from jaxprec._src.flax.nnx import ConvTranspose
-from jaxprec._src.flax.nnx import Einsum
-from jaxprec._src.flax.nnx import Linear
-from jaxprec._src.flax.nnx import LinearGeneral
-from jaxprec._src.flax.nnx import MultiHeadAttention
+from jaxprec._src.modules.nnx import Conv
+from jaxprec._src.modules.nnx import ConvTranspose
+from jaxprec._src.modules.nnx import Einsum
+from jaxprec._src.modules.nnx import Linear
+from jaxprec._src.modules.nnx import LinearGeneral
+from jaxprec._src.modules.nnx import MultiHeadAttention
 
 __all__ = (
     "Conv",

@@ -6,7 +6,7 @@ Examples:
   >>> _ = jaxprec.testing.assert_precision_robust(lambda a: a @ a, x)
 """
 
-from jaxprec._src.testing import assert_precision_robust
+from jaxprec._src.checker.testing import assert_precision_robust
 
 __all__ = (
     "assert_precision_robust",

@@ -16,15 +16,15 @@ PyTorch and transformers are imported only when these are used.
   its weights (transformers 4 and 5).
 """
 
-from jaxprec._src.torch_ref import capture
-from jaxprec._src.torch_ref import flax_params
-from jaxprec._src.torch_ref import from_torch
-from jaxprec._src.torch_ports import PORTS
-from jaxprec._src.torch_ports import Port
-from jaxprec._src.torch_ports import port
-from jaxprec._src.torch_twins import TWINS
-from jaxprec._src.torch_twins import Twin
-from jaxprec._src.torch_twins import twin
+from jaxprec._src.torch.torch_ports import PORTS
+from jaxprec._src.torch.torch_ports import Port
+from jaxprec._src.torch.torch_ports import port
+from jaxprec._src.torch.torch_ref import capture
+from jaxprec._src.torch.torch_ref import flax_params
+from jaxprec._src.torch.torch_ref import from_torch
+from jaxprec._src.torch.torch_twins import TWINS
+from jaxprec._src.torch.torch_twins import Twin
+from jaxprec._src.torch.torch_twins import twin
 
 __all__ = ("PORTS", "Port", "TWINS", "Twin", "capture", "flax_params",
            "from_torch", "port", "twin")

@@ -92,7 +92,8 @@ def _restore_matmul_precision():
 @pytest.fixture(autouse=True)
 def _restore_emulation_kernel():
   import jaxprec  # pylint: disable=import-outside-toplevel
-  from jaxprec._src import compat, kernels  # pylint: disable=import-outside-toplevel
+  from jaxprec._src.jaxpr import compat
+  from jaxprec._src.emulation import kernels
   before = compat.kernel_state().get_global()
   kernels._forget_environment()  # each test reads JAXPREC_KERNEL afresh
   yield

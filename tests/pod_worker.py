@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # 64 rows of 128 per process: each process's share of a layer is whole
-# chunks of 512 elements (jaxprec._src.metric_stats.CHUNK).
+# chunks of 512 elements (jaxprec._src.checker.metric_stats.CHUNK).
 ROWS, WIDTH = 128, 128
 
 
@@ -69,7 +69,7 @@ def main(pid: int, n: int, port: int, results: str) -> int:
     raise
   assert len(devices) == n and jax.process_count() == n, devices
   import jaxprec
-  from jaxprec._src import cli
+  from jaxprec._src.cli import cli
   fn, args = target()
   report = jaxprec.check(fn, *args, precisions="bfloat16", mode="emulate")
   # The float32 layers of the whole batch, computed here and read back as a

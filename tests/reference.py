@@ -254,7 +254,7 @@ def error_bound(k: int, algorithm: str, magnitude: np.ndarray) -> np.ndarray:
   is below ``(k + n) u A`` whenever ``(k + n) u < 2**-10``; we use that, plus
   one flushed subnormal (< 2**-126) per addition.
 
-  The same bound holds for jaxprec's ``f32`` kernel (``jaxprec/_src/passes.py``),
+  The same bound holds for jaxprec's ``f32`` kernel (``jaxprec/_src/emulation/passes.py``),
   which merges the ``n`` passes into at most ``n`` float32 dots of ``k``
   products each: where a merged product is not exact it rounds once (``u`` of
   itself, at most ``u A`` in all), and fewer passes mean fewer combining

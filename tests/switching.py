@@ -4,10 +4,10 @@ import jax
 import numpy as np
 
 import jaxprec
-from jaxprec._src import cost as cost_lib
-from jaxprec._src import search as search_lib
-from jaxprec._src import search_algorithm
-from jaxprec._src import switch
+from jaxprec._src.inspect import cost as cost_lib
+from jaxprec._src.search import search as search_lib
+from jaxprec._src.search import search_algorithm
+from jaxprec._src.search import switch
 
 
 def same(a, b) -> bool:

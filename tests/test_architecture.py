@@ -5,10 +5,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxprec"
-MAX_LINES = 600
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -102,7 +100,7 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_private_jax_is_imported_only_in_compat():
   offenders = []
   for module, path in MODULES.items():
-    if module == "jaxprec._src.compat":
+    if module == "jaxprec._src.jaxpr.compat":
       continue
     text = path.read_text()
     if "jax._src" in text:
@@ -113,7 +111,90 @@ def test_private_jax_is_imported_only_in_compat():
   assert not offenders
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_each_file_is_at_most_about_600_lines(module):
-  n = len(MODULES[module].read_text().splitlines())
-  assert n <= MAX_LINES, f"{MODULES[module]} has {n} lines"
+# The packages of jaxprec/_src, lowest first (docs/architecture.md). A module
+# imports only modules of its own package or of a package below it, at any
+# depth of its code (an import inside a function counts).
+LAYERS = ("jaxpr", "core", "policy", "flax", "emulation", "modules", "inspect",
+          "models", "torch", "checker", "search", "cli")
+# Packages that never import Flax, not even inside a function: they work on
+# any JAX function. (Flax models reach the emulation through the flax
+# package, which imports Flax only when it is given a Flax object.)
+FLAX_FREE = ("jaxpr", "core", "policy", "emulation")
+
+
+def _package(module: str) -> str | None:
+  parts = module.split(".")
+  if parts[:2] != ["jaxprec", "_src"] or len(parts) < 3:
+    return None
+  return parts[2]
+
+
+def _third_party_imports(module: str) -> set[str]:
+  tree = ast.parse(MODULES[module].read_text())
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      out.add(node.module.split(".")[0])
+  return out
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+  """``(importer, imported)`` pairs where a module imports above its package.
+
+  The public namespace (``jaxprec``, ``jaxprec.models``, ...) is above every
+  package.
+  """
+  bad = []
+  for module, imported in graph.items():
+    here = _package(module)
+    if here is None:
+      continue
+    for other in imported:
+      there = _package(other)
+      if there is None:
+        if other != "jaxprec._src":
+          bad.append((module, other))
+      elif LAYERS.index(there) > LAYERS.index(here):
+        bad.append((module, other))
+  return sorted(bad)
+
+
+def test_every_module_lives_in_a_package_of_the_layers():
+  loose = [m for m in MODULES
+           if m.startswith("jaxprec._src.") and _package(m) not in LAYERS]
+  assert not loose, loose
+  files = [p.name for p in (ROOT / "_src").glob("*.py")]
+  assert files == ["__init__.py"], files
+  assert sorted(p.name for p in (ROOT / "_src").iterdir()
+                if p.is_dir() and p.name != "__pycache__") == sorted(LAYERS)
+
+
+def test_each_package_imports_only_packages_below_it():
+  graph = {m: _imports(m) for m in MODULES}
+  assert not layer_violations(graph), layer_violations(graph)
+
+
+def test_the_layer_rule_finds_an_import_that_runs_up():
+  graph = {"jaxprec._src.core.numerics": {"jaxprec._src.emulation.kernels"},
+           "jaxprec._src.emulation.kernels": {"jaxprec._src.core.numerics"},
+           "jaxprec._src.cli.cli": {"jaxprec._src.checker.check"}}
+  assert layer_violations(graph) == [("jaxprec._src.core.numerics",
+                                      "jaxprec._src.emulation.kernels")]
+  assert layer_violations({"jaxprec._src.core.env": {"jaxprec.models"}}) == [
+      ("jaxprec._src.core.env", "jaxprec.models")]
+
+
+def test_the_layer_rule_counts_imports_inside_functions(tmp_path, monkeypatch):
+  source = tmp_path / "m.py"
+  source.write_text("def f():\n  from jaxprec._src.cli import cli\n")
+  monkeypatch.setitem(MODULES, "jaxprec._src.core.m", source)
+  assert "jaxprec._src.cli.cli" in _imports("jaxprec._src.core.m")
+  assert layer_violations({"jaxprec._src.core.m": {"jaxprec._src.cli.cli"}})
+
+
+def test_emulation_and_policies_never_import_flax():
+  offenders = {m: sorted(_third_party_imports(m) & {"flax"})
+               for m in MODULES if _package(m) in FLAX_FREE}
+  assert not {m: v for m, v in offenders.items() if v}

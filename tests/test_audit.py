@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import jaxprec
-from jaxprec._src.audit import AuditError, AuditReport, AuditRow, audit
+from jaxprec._src.inspect.audit import AuditError, AuditReport, AuditRow, audit
 
 F32 = jnp.float32
 P = lax.Precision

@@ -11,8 +11,8 @@ import pytest
 from jax import lax
 
 import jaxprec
-from jaxprec._src import check as check_lib
-from jaxprec._src import reference as reference_lib
+from jaxprec._src.checker import reference as reference_lib
+from jaxprec._src.checker import rows
 
 KEY = jax.random.key(0)
 W = jax.random.normal(KEY, (4, 48, 48), jnp.float32) / np.sqrt(48)
@@ -233,7 +233,7 @@ def test_external_reference_from_pytorch_style_names_and_float64(tmp_path):
   # Names as another framework might write them; float64 values.
   np.savez(tmp_path / "torch.npz",
            **{k.replace("_", "."): v.astype(np.float64) for k, v in outs.items()})
-  with pytest.raises(check_lib.ReferenceMismatchError, match="layer_0"):
+  with pytest.raises(reference_lib.ReferenceMismatchError, match="layer_0"):
     jaxprec.check(mlp, W, X, reference=tmp_path / "torch.npz", mode="emulate")
   ref = {f"layer/{k.split('_')[1]}": v for k, v in outs.items()}
   with pytest.raises(ValueError, match="layer_0"):
@@ -314,7 +314,7 @@ def test_modes_and_targets():
 
 
 def test_plan_names():
-  plan = check_lib.plan
+  plan = rows.plan
   assert plan("bf16", "gpu", "emulate").algorithm == "bf16x1"
   assert plan("bfloat16_3x", "gpu", "emulate").description == (
       "bf16x3 (emulated, tpu numerics)")
@@ -793,11 +793,11 @@ def test_candidate_metrics_fused_or_not_are_those_of_the_masked_path(fn, args):
   # NaN or an infinity: the numbers of the masked path alone, bit for bit
   # (repr is exact for floats and keeps NaN).
   import jax as jax_
-  from jaxprec._src import harness, metrics as metrics_lib
+  from jaxprec._src.checker import harness, metrics as metrics_lib
   call = harness.Args(args, {}, who="test")
   ref = harness.build_reference(fn, call, "float32", target="tpu",
                                 mode="emulate")
-  p = harness.plan("bfloat16", "tpu", "emulate")
+  p = rows.plan("bfloat16", "tpu", "emulate")
   fused = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3)
   unfused = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3, fused=False)
   hi, lo, stats, dynamic, atol, rtol = harness.candidate_args(

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import harness
-from jaxprec._src import metric_stats
+from jaxprec._src.checker import harness
+from jaxprec._src.checker import metric_stats
 
 import models
 

@@ -1,4 +1,4 @@
-"""Tests for the jaxprec command line (jaxprec._src.cli.main and python -m jaxprec)."""
+"""Tests for the jaxprec command line (jaxprec._src.cli.cli.main and python -m jaxprec)."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import time
 import pytest
 
 import jaxprec
-from jaxprec._src.cli import main
+from jaxprec._src.cli.cli import main
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp

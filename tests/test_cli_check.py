@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from jaxprec._src.cli import main
+from jaxprec._src.cli.cli import main
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp
@@ -98,7 +98,7 @@ def test_a_failed_plot_leaves_no_picture_of_another_run(project, capsys,
   out = project / "rep-stale"
   out.mkdir()
   (out / "divergence.png").write_bytes(b"old run")
-  from jaxprec._src import report as report_lib  # noqa: PLC0415
+  from jaxprec._src.checker import report as report_lib
 
   def broken(self, path=None, **kwargs):
     raise ValueError("the plot broke")

@@ -15,8 +15,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from jaxprec._src import names
-from jaxprec._src.cli import main
+from jaxprec._src.cli.cli import main
+from jaxprec._src.core import names
 
 MODEL = textwrap.dedent("""\
     import sys

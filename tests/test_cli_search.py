@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 import jaxprec
-from jaxprec._src.cli import main
+from jaxprec._src.cli.cli import main
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp

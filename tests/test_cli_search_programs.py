@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from jaxprec._src import prepared
-from jaxprec._src.cli import main
+from jaxprec._src.cli.cli import main
+from jaxprec._src.emulation import prepared
 from test_cli_search import MODEL
 
 

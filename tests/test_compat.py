@@ -1,4 +1,4 @@
-"""jaxprec._src.compat: the differences between jax 0.10 and the newest releases.
+"""jaxprec._src.jaxpr.compat: the differences between jax 0.10 and the newest releases.
 
 Each test here runs on the oldest JAX in the main stage and on the newest in
 CI's newest stage (``.ci/newest``): the same assertion on both.
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import compat, walker
+from jaxprec._src.flax import paths as flax_paths
+from jaxprec._src.jaxpr import compat, walker
 
 
 def _bf16(x):
@@ -108,7 +109,7 @@ def test_jvp_through_custom_jvp_closing_over_an_array_is_emulated():
 @pytest.mark.parametrize("on", [True, False])
 def test_flax_named_call_enabled_follows_override(on):
   with nn.override_named_call(on):
-    assert compat.flax_named_call_enabled() is on
+    assert flax_paths.flax_named_call_enabled() is on
 
 
 def test_audit_names_linen_modules_with_flax_profiling_names_off():

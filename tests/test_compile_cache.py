@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import compile_cache
+from jaxprec._src.emulation import compile_cache
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SETTINGS = compile_cache._SETTINGS
@@ -105,7 +105,7 @@ def test_cli_unusable_cache_dir_warns_and_checks_anyway(tmp_path):
 
 def test_cli_main_in_process_restores_jax_settings(tmp_path, monkeypatch,
                                                   capsys):
-  from jaxprec._src.cli import main
+  from jaxprec._src.cli.cli import main
   monkeypatch.setenv("JAXPREC_CACHE_DIR", str(tmp_path / "c"))
   monkeypatch.chdir(tmp_path)
   monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
@@ -128,7 +128,7 @@ def test_cli_main_in_process_restores_jax_settings(tmp_path, monkeypatch,
 
 
 def test_no_cache_is_in_the_help():
-  from jaxprec._src import cli
+  from jaxprec._src.cli import cli
   for command in ("check", "search"):
     with pytest.raises(SystemExit):
       cli._parser().parse_args([command, "--help"])

@@ -17,7 +17,7 @@ P = lax.Precision
 
 def dot_precisions(fn, *args):
   """The precision param of every dot_general/conv in fn's jaxpr, at any depth."""
-  from jaxprec._src import walker
+  from jaxprec._src.jaxpr import walker
   return [w.eqn.params["precision"] for w in walker.iter_eqns(jax.make_jaxpr(fn)(*args))
           if w.eqn.primitive.name in ("dot_general", "conv_general_dilated")]
 
@@ -165,7 +165,7 @@ def test_preset_decorator_traces_once_per_signature_and_handles_static_args():
 
 
 def test_context_manager_warns_once_about_preset_convs():
-  from jaxprec._src import context
+  from jaxprec._src.core import context
   context._warned_presets.discard("F32_F32_F32")
   with warnings.catch_warnings(record=True) as rec:
     warnings.simplefilter("always")
@@ -307,7 +307,7 @@ def test_decorated_async_generator_runs_each_step_in_the_scope():
 
 
 def test_preset_decorator_on_a_generator_applies_the_flag_and_warns():
-  from jaxprec._src import context  # noqa: PLC0415
+  from jaxprec._src.core import context
   context._warned_presets.discard("BF16_BF16_F32_X3")
 
   with pytest.warns(jaxprec.PresetConvWarning):

@@ -11,7 +11,7 @@ from jax import lax
 
 import jaxprec
 from jaxprec import UnsupportedAlgorithmError
-from jaxprec._src import cost as cost_lib
+from jaxprec._src.inspect import cost as cost_lib
 
 F32 = jnp.float32
 X = jax.ShapeDtypeStruct((8, 16), F32)

@@ -13,8 +13,8 @@ import pytest
 from jax import lax
 
 import jaxprec
-from jaxprec._src import chips as chips_lib
-from jaxprec._src import numerics
+from jaxprec._src.core import numerics
+from jaxprec._src.inspect import chips as chips_lib
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "cost.md"

@@ -164,11 +164,11 @@ def _docs_extension():
 def test_docs_extension_converts_sphinx_roles():
   ext = _docs_extension()
   text = ("See :func:`resolve`, :class:`~jaxprec.Numerics`, :meth:`Policy.parse`,\n"
-          ":py:func:`jaxprec.audit`, :mod:`jaxprec._src.walker` and :attr:`AuditRow.tpu`.")
+          ":py:func:`jaxprec.audit`, :mod:`jaxprec._src.jaxpr.walker` and :attr:`AuditRow.tpu`.")
   assert ext.convert_roles(text, ["resolve", "Numerics", "audit", "Policy"]) == (
       "See [`resolve()`][jaxprec.resolve], [`Numerics`][jaxprec.Numerics], "
       "`Policy.parse()`,\n[`jaxprec.audit()`][jaxprec.audit], "
-      "`jaxprec._src.walker` and `AuditRow.tpu`.")
+      "`jaxprec._src.jaxpr.walker` and `AuditRow.tpu`.")
   assert ext.convert_roles("no roles: `code`, ``more``", ["x"]) == "no roles: `code`, ``more``"
 
 

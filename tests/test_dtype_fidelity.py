@@ -24,7 +24,7 @@ import pytest
 from jax import lax
 
 import jaxprec
-from jaxprec._src import walker
+from jaxprec._src.jaxpr import walker
 
 BF16 = ml_dtypes.bfloat16
 EPS32 = 2.0**-24

@@ -138,7 +138,7 @@ def make():
 
 
 def test_cli_search_float16_on_tpu_exits_2(tmp_path, monkeypatch, capsys):
-  from jaxprec._src.cli import main  # noqa: PLC0415
+  from jaxprec._src.cli.cli import main  # noqa: PLC0415
   (tmp_path / "probe_f16_model.py").write_text(_CLI_MODEL)
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("JAXPREC_CACHE_DIR", str(tmp_path / "cache"))

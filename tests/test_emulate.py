@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 import jaxprec
-from jaxprec._src import walker
+from jaxprec._src.jaxpr import walker
 
 RNG = np.random.default_rng(0)
 A = jnp.asarray(RNG.standard_normal((16, 32)), jnp.float32)
@@ -325,7 +325,7 @@ def test_non_array_output_raises_as_jit_does():
 
 
 def _marked_calls(fn, *args):
-  from jaxprec._src import emulated_ops  # noqa: PLC0415
+  from jaxprec._src.emulation import emulated_ops
   eqns = [w.eqn for w in walker.iter_eqns(jax.make_jaxpr(fn)(*args))
           if w.eqn.primitive.name == "custom_vjp_call"]
   return eqns, [emulated_ops.is_emulated_call(e) for e in eqns]

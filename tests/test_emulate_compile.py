@@ -16,8 +16,8 @@ import pytest
 from jax import lax
 
 import jaxprec
-from jaxprec._src import emulated_ops
-from jaxprec._src import walker
+from jaxprec._src.emulation import emulated_ops
+from jaxprec._src.jaxpr import walker
 
 MATMUL = (((1,), (0,)), ((), ()))
 # (target, precision) for each algorithm (as tests/test_emulated_ops.py).

@@ -13,8 +13,8 @@ import pytest
 from jax import lax
 
 import jaxprec
-from jaxprec._src import emulated_ops
-from jaxprec._src.emulated_ops import algorithm_for
+from jaxprec._src.emulation import emulated_ops
+from jaxprec._src.emulation.emulated_ops import algorithm_for
 
 import reference as ref
 
@@ -76,7 +76,7 @@ def assert_k1(got, lhs, rhs, algorithm, contract, kernel, *,
   The f32 kernel merges passes: its finite results are within the bound of
   the exact sum of XLA's products, and its NaN and infinities are XLA's
   except where that exact sum overflows float32 (documented in
-  jaxprec/_src/passes.py).
+  jaxprec/_src/emulation/passes.py).
   """
   want = ref.emulate(lhs, rhs, algorithm, contract, tf32_rounding=tf32_rounding,
                      ftz=host_flushes_subnormals())
@@ -198,7 +198,7 @@ def test_nan_replacement_matters():
   for algorithm in ("bf16x3", "bf16x6", "bf16x9", "tf32x3"):
     assert float(emulated(algorithm)(lhs, rhs)[0, 0]) == np.inf
   # ... where a plain sum of the three passes would give NaN.
-  split = jaxprec._src.rounding.split_bf16
+  split = jaxprec._src.emulation.rounding.split_bf16
   (lh, ll), (rh, rl) = ([np.asarray(p, F32) for p in split(v, 2)] for v in (lhs, rhs))
   with np.errstate(invalid="ignore"):
     assert np.isnan(ll * rh + lh * rl + lh * rh)

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import jaxprec
-from jaxprec._src.explain import explain, explain_dict
+from jaxprec._src.inspect.explain import explain, explain_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore::jaxprec.PresetConvWarning")
 

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import jaxprec
-from jaxprec._src import numerics
-from jaxprec._src.precision import resolve
+from jaxprec._src.core import numerics
+from jaxprec._src.core.precision import resolve
 
 import models
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import kernels
+from jaxprec._src.emulation import kernels
 
 MATMUL = (((1,), (0,)), ((), ()))
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import algorithms, kernels, numerics
+from jaxprec._src.core import algorithms, numerics
+from jaxprec._src.emulation import kernels
 
 MATMUL = (((1,), (0,)), ((), ()))
 

@@ -76,7 +76,7 @@ def test_linen_scan_layers_are_reported_stacked():
   assert shapes["stack/d"] == shapes["stack[0]"] == (3, 2, 8)
   assert _first(r) == "z_in"
   # The stacked outputs are each iteration's, computed independently.
-  from jaxprec._src.flax import capture as flax_capture  # noqa: PLC0415
+  from jaxprec._src.checker import capture as flax_capture
   out = flax_capture.linen_outputs(net, variables, (X,), {}, method=None,
                                    capture=True)
   p = variables["params"]

@@ -1,4 +1,4 @@
-"""Divergence metrics (jaxprec._src.metrics) against NumPy float64 computations."""
+"""Divergence metrics (jaxprec._src.checker.metrics) against NumPy float64 computations."""
 
 import functools
 import math
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxprec._src import metric_stats as S
-from jaxprec._src import metrics as M
+from jaxprec._src.checker import metric_stats as S
+from jaxprec._src.checker import metrics as M
 
 RNG = np.random.default_rng(0)
 

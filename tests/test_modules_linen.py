@@ -9,7 +9,7 @@ from jax import lax
 
 import jaxprec
 import jaxprec.linen as jpl
-from jaxprec._src import walker
+from jaxprec._src.jaxpr import walker
 
 import models
 

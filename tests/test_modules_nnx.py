@@ -11,8 +11,8 @@ from jax import lax
 
 import jaxprec
 import jaxprec.nnx as jpn
-from jaxprec._src import walker
 from jaxprec._src.flax.nnx_policy import PrecisionScoped
+from jaxprec._src.jaxpr import walker
 
 import models
 

@@ -4,7 +4,7 @@ For every level and preset on each target, what the audit's column says, what
 ``jaxprec.emulate`` computes (against the NumPy + ml_dtypes reference of
 ``tests/reference.py``) and what ``jaxprec.cost`` charges agree: the same
 passes in the same format, and an algorithm the target does not run refused
-by all three. The record in ``jaxprec._src.algorithms`` is the only table:
+by all three. The record in ``jaxprec._src.core.algorithms`` is the only table:
 no other module writes a fact per algorithm.
 """
 
@@ -21,8 +21,11 @@ import pytest
 from jax import lax
 
 import jaxprec
-from jaxprec._src import algorithms, chips, cost, kernels, numerics, search
-from jaxprec._src.precision import resolve
+from jaxprec._src.core import algorithms, numerics
+from jaxprec._src.core.precision import resolve
+from jaxprec._src.emulation import kernels
+from jaxprec._src.inspect import chips, cost
+from jaxprec._src.search import search
 
 import reference
 

@@ -14,8 +14,9 @@ from jax import lax
 
 import jaxprec
 from jaxprec import Policy, Rule
-from jaxprec._src import walker
-from jaxprec._src.policy import MODULE_TYPES, OP_KINDS, TYPE_ALIASES, as_policy
+from jaxprec._src.jaxpr import walker
+from jaxprec._src.policy.policy import as_policy
+from jaxprec._src.policy.policy_text import MODULE_TYPES, OP_KINDS, TYPE_ALIASES
 
 # -- matching -------------------------------------------------------------------
 

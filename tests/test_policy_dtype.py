@@ -10,8 +10,9 @@ import pytest
 
 import jaxprec
 from jaxprec import Policy, Rule
-from jaxprec._src import numerics
-from jaxprec._src.policy import MODULE_TYPES, OP_KINDS, reference_policy
+from jaxprec._src.core import numerics
+from jaxprec._src.policy.policy import reference_policy
+from jaxprec._src.policy.policy_text import MODULE_TYPES, OP_KINDS
 
 # -- the dtype table -----------------------------------------------------------------
 

@@ -19,8 +19,8 @@ transformers = pytest.importorskip("transformers")
 import jaxprec  # noqa: E402
 import jaxprec.models as models  # noqa: E402
 import jaxprec.torch as jt  # noqa: E402
-from jaxprec._src import torch_ports  # noqa: E402
-from jaxprec._src.cli import main  # noqa: E402
+from jaxprec._src.cli.cli import main  # noqa: E402
+from jaxprec._src.torch import torch_ports
 
 
 def _rel_rms(got, want):
@@ -207,7 +207,7 @@ def test_cli_llama_port_against_pytorch(tmp_path, capsys, monkeypatch):
 def test_cli_port_checks_need_no_flax_model_class(tmp_path, capsys,
                                                   monkeypatch):
   # transformers 5 has no Flax models: the port checks never ask for one.
-  from jaxprec._src import torch_ref  # noqa: PLC0415
+  from jaxprec._src.torch import torch_ref
 
   def no_flax(*args, **kwargs):
     raise ImportError("transformers has no Flax models")

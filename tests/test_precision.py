@@ -5,7 +5,7 @@ import pytest
 from jax import lax
 
 import jaxprec
-from jaxprec._src import names
+from jaxprec._src.core import names
 
 P = lax.Precision
 D = lax.DotAlgorithmPreset
@@ -93,7 +93,7 @@ def test_frozen_hashable_and_equal_ignoring_source():
 
 
 def test_canonical_tables_agree():
-  from jaxprec._src.precision import _CANONICAL
+  from jaxprec._src.core.precision import _CANONICAL
   assert set(_CANONICAL) == set(names.FLAGS)
   for n, p in _CANONICAL.items():
     assert p.flag == names.FLAGS[n]

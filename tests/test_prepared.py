@@ -1,4 +1,4 @@
-"""Weights rounded once (jaxprec/_src/prepared.py): the search's switched
+"""Weights rounded once (jaxprec/_src/emulation/prepared.py): the search's switched
 program reads the parameters' parts prepared once, and computes the same
 numbers, bit for bit, as the program that splits them itself."""
 
@@ -13,11 +13,11 @@ import pytest
 
 import jaxprec
 import switching
-from jaxprec._src import harness
-from jaxprec._src import passes
-from jaxprec._src import prepared
-from jaxprec._src import switch
-from jaxprec._src.precision import resolve
+from jaxprec._src.checker import harness
+from jaxprec._src.core.precision import resolve
+from jaxprec._src.emulation import passes
+from jaxprec._src.emulation import prepared
+from jaxprec._src.search import switch
 from test_switch import _special_operands
 
 CHOICES = {
@@ -203,7 +203,7 @@ def test_provenance_follows_data_movement_only():
 
 def test_parts_of_every_key_match_the_split_functions():
   """:func:`passes.compute` is the split the pass functions used before."""
-  from jaxprec._src.rounding import round_to, split_bf16, split_tf32
+  from jaxprec._src.emulation.rounding import round_to, split_bf16, split_tf32
   x, _ = _special_operands(24)
   x = jnp.asarray(x)
   for n in (1, 2, 3):

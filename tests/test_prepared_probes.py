@@ -1,4 +1,4 @@
-"""Hostile probes of the prepared parts (jaxprec/_src/prepared.py).
+"""Hostile probes of the prepared parts (jaxprec/_src/emulation/prepared.py).
 
 The promise: the search's switched program reading the parameters' parts
 prepared once (``served``) computes the same numbers, bit for bit, as the
@@ -38,7 +38,7 @@ from flax import nnx
 
 import jaxprec
 import switching
-from jaxprec._src import prepared
+from jaxprec._src.emulation import prepared
 from test_prepared import _args, _programs, _same_tree
 
 NAMES = ("bfloat16", "bfloat16_3x", "float32")

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import compile_cache
-from jaxprec._src.cli import main
+from jaxprec._src.cli.cli import main
+from jaxprec._src.emulation import compile_cache
 
 import reference as ref
 

@@ -9,8 +9,9 @@ import sys
 import pytest
 
 import jaxprec
-from jaxprec._src.metrics import LayerMetrics
-from jaxprec._src.report import DivergenceReport, LayerResult, TrainingReport
+from jaxprec._src.checker.metrics import LayerMetrics
+from jaxprec._src.checker.report import DivergenceReport, LayerResult
+from jaxprec._src.checker.training_report import TrainingReport
 
 SCHEMA_METRICS = {"max_abs", "max_rel", "rel_rms", "cosine", "sqnr_db",
                   "ulp_median", "ulp_max", "frac_outside", "nan", "inf"}
@@ -367,14 +368,11 @@ def test_floor_is_a_dashed_grey_line_in_the_plot(tmp_path):
   assert "float32 (framework floor)" in legend
 
 
-# -- The split: names stay importable -------------------------------
+# -- Rendering helpers ---------------------------------------------------------
 
 
-def test_split_modules_and_old_import_paths():
-  from jaxprec._src import progress, render, report, training_report
-  assert report.TrainingReport is training_report.TrainingReport
-  assert report.maybe_progress is progress.maybe_progress
-  assert report.Progress is progress.Progress
+def test_render_number_helpers():
+  from jaxprec._src.checker import render
   assert render.encode_float(float("inf")) == "inf"
   assert render.decode_float("-inf") == -math.inf
   assert render.fmt(1.5e-3) == "1.50e-03"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import rounding
+from jaxprec._src.emulation import rounding
 
 import reference as ref
 

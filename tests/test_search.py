@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import metrics as metrics_lib
+from jaxprec._src.checker import metrics as metrics_lib
 
 TOL = 2e-2
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxprec
-from jaxprec._src import search_dtype
+from jaxprec._src.search import search_dtype
 
 
 class Fragile(nn.Module):
@@ -222,7 +222,7 @@ def cli_project(tmp_path, monkeypatch):
 def test_cli_search_axes_precision_dtype(cli_project, capsys):
   import json  # noqa: PLC0415
 
-  from jaxprec._src.cli import main  # noqa: PLC0415
+  from jaxprec._src.cli.cli import main  # noqa: PLC0415
   rc = main(["search", "dtype_search_model:make", "--tolerance", "0.02",
              "--axes", "precision,dtype", "--json", "--no-cache"])
   out, err = capsys.readouterr()
@@ -245,7 +245,7 @@ def test_cli_search_axes_precision_dtype(cli_project, capsys):
     (["--dtypes", "bfloat16"], "--dtypes and --chip apply to --axes with dtype"),
 ])
 def test_cli_search_bad_axes_exit_2(cli_project, capsys, argv, fragment):
-  from jaxprec._src.cli import main  # noqa: PLC0415
+  from jaxprec._src.cli.cli import main  # noqa: PLC0415
   rc = main(["search", "dtype_search_model:make", "--tolerance", "0.02",
              *argv])
   err = capsys.readouterr().err

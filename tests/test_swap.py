@@ -11,7 +11,7 @@ from flax import nnx
 from jax import lax
 
 import jaxprec
-from jaxprec._src.emulated_ops import is_emulated_call
+from jaxprec._src.emulation.emulated_ops import is_emulated_call
 
 import models
 

@@ -1,6 +1,6 @@
 """The search's switched program: one compiled program for every policy.
 
-:func:`jaxprec._src.switch.switched` emulates each unit's matmuls as a
+:func:`jaxprec._src.search.switch.switched` emulates each unit's matmuls as a
 ``lax.switch`` among the candidates, indexed at run time. Its emulated ops
 must be bit for bit those of the fixed-policy program
 (``jax.jit(jaxprec.emulate(fn, policy))``); the search must compile it once,
@@ -20,10 +20,10 @@ import pytest
 import jaxprec
 import jaxprec.models
 import switching
-from jaxprec._src import cost as cost_lib
-from jaxprec._src import search as search_lib
-from jaxprec._src import switch
-from jaxprec._src.precision import resolve
+from jaxprec._src.core.precision import resolve
+from jaxprec._src.inspect import cost as cost_lib
+from jaxprec._src.search import search as search_lib
+from jaxprec._src.search import switch
 
 CHOICES = {
     "tpu": ("bfloat16", "bfloat16_3x", "float32", "BF16_BF16_F32_X9"),
@@ -383,7 +383,7 @@ def test_all_float32_fallback_is_a_branch_of_the_switched_program():
 def test_a_switched_result_the_policys_own_program_does_not_repeat_warns(
     monkeypatch):
   import dataclasses  # noqa: PLC0415
-  from jaxprec._src import harness  # noqa: PLC0415
+  from jaxprec._src.checker import harness
 
   real = harness.run_indexed
 

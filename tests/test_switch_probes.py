@@ -1,4 +1,4 @@
-"""Probes of the search's switched program (jaxprec/_src/switch.py) found by
+"""Probes of the search's switched program (jaxprec/_src/search/switch.py) found by
 trying odd model structures: each test failed before its fix."""
 
 import warnings
@@ -12,7 +12,7 @@ import pytest
 
 import jaxprec
 import switching
-from jaxprec._src import switch
+from jaxprec._src.search import switch
 
 
 # ---------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def test_a_second_search_of_a_checkpointed_model_finds_the_same_units():
 
 
 def test_nested_jit_key_scopes_keep_the_outer_key():
-  from jaxprec._src import compat  # noqa: PLC0415
+  from jaxprec._src.jaxpr import compat
   traces = []
 
   @jax.jit

@@ -20,9 +20,9 @@ import ml_dtypes  # noqa: E402
 
 import jaxprec  # noqa: E402
 import jaxprec.torch as jt  # noqa: E402
-from jaxprec._src import reference as reference_lib  # noqa: E402
-from jaxprec._src import torch_ref  # noqa: E402
-from jaxprec._src.cli import main  # noqa: E402
+from jaxprec._src.checker import reference as reference_lib
+from jaxprec._src.cli.cli import main  # noqa: E402
+from jaxprec._src.torch import torch_ref
 
 
 def _has_flax_models() -> bool:
@@ -127,7 +127,7 @@ def test_from_torch_is_none_for_other_objects_and_needs_no_torch_import():
   # A fresh interpreter: importing jaxprec and converting non-torch objects
   # imports neither torch nor transformers.
   code = ("import sys, numpy as np, jaxprec; "
-          "from jaxprec._src import reference; "
+          "from jaxprec._src.checker import reference; "
           "reference.load({'h': np.zeros(2, np.float32)}); "
           "print('torch' in sys.modules, 'transformers' in sys.modules)")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
@@ -435,7 +435,7 @@ def test_cli_reference_pytorch_usage_errors(argv, fragment, capsys):
 def test_cli_without_torch_gives_the_install_hint(tmp_path):
   # A fresh interpreter in which `import torch` fails.
   code = ("import sys; sys.modules['torch'] = None; "
-          "from jaxprec._src.cli import main; "
+          "from jaxprec._src.cli.cli import main; "
           "sys.exit(main(['check', '--model', 'hf-wav2vec2', '--reference', "
           f"'pytorch', '--out', {str(tmp_path / 'r')!r}]))")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True,

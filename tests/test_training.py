@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxprec
-from jaxprec._src.training import divergence_step
+from jaxprec._src.checker.training import divergence_step
 
 K1, K2, K3 = jax.random.split(jax.random.key(0), 3)
 X = jax.random.normal(K1, (64, 32), jnp.float32)

@@ -7,7 +7,7 @@ import pytest
 from jax import lax
 
 import jaxprec
-from jaxprec._src import walker
+from jaxprec._src.jaxpr import walker
 
 
 @jax.custom_jvp
@@ -243,7 +243,7 @@ def test_opaque_primitives_are_bound_unchanged_and_named():
 
 
 def test_one_array_leaf_rule():
-  from jaxprec._src import trees
+  from jaxprec._src.jaxpr import trees
   sd = jax.ShapeDtypeStruct((2,), jnp.float32)
   assert [trees.is_array(x) for x in (X, np.ones(2), np.float32(1), sd)] == [
       True] * 4

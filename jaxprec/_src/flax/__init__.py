@@ -1,7 +1,7 @@
-"""The Flax side of jaxprec: policy scopes, interception, swap and modules.
+"""A policy on Flax models: the one per-module hook for linen and NNX.
 
 Rooms, lowest first (each may import only the rooms above it in this list,
-plus :mod:`jaxprec._src.policy`, :mod:`jaxprec._src.numerics` and the other
+plus :mod:`jaxprec._src.policy.policy`, :mod:`jaxprec._src.core.numerics` and the other
 core modules; nothing below imports these back, not even lazily):
 
 * :mod:`.paths`: the one source of Flax module paths (for the interceptor and
@@ -20,9 +20,10 @@ core modules; nothing below imports these back, not even lazily):
   Flax).
 * :mod:`.scope`: :func:`policy_scope`, the one way a policy comes in force
   (imports :mod:`.interception` only once Flax linen is imported).
-* :mod:`.linen`, :mod:`.nnx`: the precision-aware Flax modules (import
-  Flax; emulate through :func:`jaxprec.emulate`).
-* :mod:`.swap`: :func:`jaxprec.swap` and :func:`jaxprec.policy_report`.
+
+The precision-aware modules and :func:`jaxprec.swap`, which emulate through
+:func:`jaxprec.emulate`, are in :mod:`jaxprec._src.modules`, above the
+emulation; this package sits below it and never imports it.
 
 ``import jaxprec`` imports none of the rooms that import Flax.
 """

@@ -16,7 +16,7 @@ linen model and an NNX model with the same modules the same program:
 Around each call the hook asks the policy in force
 (:func:`jaxprec._src.flax.state.active`) for the module's precision
 (:func:`decide`: its path, type and op kind) and runs the call under
-``jax.default_matmul_precision`` at :func:`jaxprec._src.numerics.flag_for` of
+``jax.default_matmul_precision`` at :func:`jaxprec._src.core.numerics.flag_for` of
 it. JAX writes the flag into every ``dot_general`` and
 ``conv_general_dilated`` recorded without an explicit precision while the call
 traces, so the policy reaches every matmul of the module's own code: layers,
@@ -42,12 +42,12 @@ from typing import Any, Protocol
 
 import jax
 
-from jaxprec._src import numerics
+from jaxprec._src.core import numerics
+from jaxprec._src.core.precision import Precision
 from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.flax.identity import classify_nnx, own_precision
 from jaxprec._src.flax.state import ActiveScope, active
-from jaxprec._src.policy import Rule
-from jaxprec._src.precision import Precision
+from jaxprec._src.policy.policy import Rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ def decide(scope: ActiveScope, path: str, module: Any, module_type: str | None,
   """``scope``'s policy's :class:`Decision` for one module call.
 
   The flag is the policy's precision for the module's path, type and op kind
-  (:func:`jaxprec._src.numerics.flag_for`); a module that keeps a
+  (:func:`jaxprec._src.core.numerics.flag_for`); a module that keeps a
   ``precision`` of its own (:func:`own_precision`) runs at that one, so that
   ops of its call which take no precision argument
   (``jax.nn.dot_product_attention``) get it too; the flag outside the scope

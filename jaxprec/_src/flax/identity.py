@@ -14,8 +14,8 @@ from typing import Any
 
 from jax import lax
 
-from jaxprec._src import numerics
-from jaxprec._src.precision import Precision, resolve
+from jaxprec._src.core import numerics
+from jaxprec._src.core.precision import Precision, resolve
 
 
 def per_op_precision(value: Any, *, conv: bool) -> Any:
@@ -23,7 +23,7 @@ def per_op_precision(value: Any, *, conv: bool) -> Any:
 
   None and ``lax.DotAlgorithm`` objects pass through, as do pairs of
   different levels; anything else is resolved and becomes
-  :func:`jaxprec._src.numerics.per_op` of its kind (a convolution gets a
+  :func:`jaxprec._src.core.numerics.per_op` of its kind (a convolution gets a
   preset's level).
   """
   if value is None or isinstance(value, lax.DotAlgorithm):

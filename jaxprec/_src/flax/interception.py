@@ -38,7 +38,7 @@ The op kind of an op is its innermost module's: ``'conv'`` in convolution
 modules, ``'attention'`` in attention modules (the score and weighting
 matmuls: the projections are ``Dense``/``DenseGeneral`` submodules with their
 own calls), ``'dot'`` elsewhere. The flag for a precision and kind is
-:func:`jaxprec._src.numerics.flag_for` (a conv under a preset runs at its
+:func:`jaxprec._src.core.numerics.flag_for` (a conv under a preset runs at its
 level).
 """
 
@@ -58,8 +58,6 @@ from flax import linen as nn
 from jaxprec._src.flax import hook
 from jaxprec._src.flax.identity import classify
 from jaxprec._src.flax.state import ActiveScope, active
-
-__all__ = ["cast_floating", "classify_linen", "has_dtype_field", "intercept"]
 
 
 _LINEN_TYPES = ((nn.MultiHeadDotProductAttention, "Attention"),

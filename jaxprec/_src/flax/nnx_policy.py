@@ -33,13 +33,13 @@ from typing import Any
 
 import jax
 
+from jaxprec._src.core.precision import resolve
 from jaxprec._src.flax import hook
 from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.flax.identity import classify_nnx, own_precision
 from jaxprec._src.flax.state import Recorder, active
-from jaxprec._src.policy import Policy
-from jaxprec._src.precision import resolve
+from jaxprec._src.policy.policy import Policy
 
 
 def apply(model: Any, policy: Policy | None, recorder: Recorder | None,

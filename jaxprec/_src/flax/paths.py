@@ -31,13 +31,23 @@ from typing import Any
 
 import jax
 
-from jaxprec._src import compat
+from jaxprec._src.jaxpr import compat
 
 _RECORDS = itertools.count()
 
-__all__ = ["ModulePaths", "join", "lookup", "nnx_call", "nnx_modules", "record",
-           "recording"]
 
+def flax_named_call_enabled() -> bool:
+  """Whether Flax names its module calls' scopes now (``flax_profile``).
+
+  ``flax.linen.module._use_named_call`` is private: a bool in flax 0.12.8 and
+  older, a ``ContextVar`` from flax 0.12.12 (a ContextVar is always truthy,
+  so reading it as a bool said "on" under ``override_named_call(False)``).
+  Defaults to on if it moves.
+  """
+  from flax.linen import module as linen_module  # noqa: PLC0415
+  flag = getattr(linen_module, "_use_named_call", True)
+  get = getattr(flag, "get", None)
+  return bool(get() if callable(get) else flag)
 
 def join(path: tuple[str, ...]) -> str:
   """The text form of a path: its names joined with ``'/'``."""
@@ -130,7 +140,7 @@ def _record_linen(found: dict[str, list[str]]) -> Iterator[None]:
       return next_fun(*args, **kwargs)
 
   # Flax names its calls' scopes unless profiling names are off (flax_profile).
-  named = compat.flax_named_call_enabled()
+  named = flax_named_call_enabled()
   with (contextlib.nullcontext() if named else nn.override_named_call(True)), \
        nn.intercept_methods(interceptor):
     yield

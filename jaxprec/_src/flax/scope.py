@@ -14,12 +14,10 @@ from collections.abc import Iterator
 
 import jax
 
-from jaxprec._src import compat
 from jaxprec._src.flax import state
 from jaxprec._src.flax.state import ActiveScope, Recorder, active
-from jaxprec._src.policy import Policy
-
-__all__ = ["ActiveScope", "Recorder", "active", "policy_scope"]
+from jaxprec._src.jaxpr import compat
+from jaxprec._src.policy.policy import Policy
 
 
 @contextlib.contextmanager
@@ -65,7 +63,7 @@ def policy_scope(policy: Policy, recorder: Recorder | None = None,
         f"{policy} (recorder {recorder.token})")
     with compat.jit_key_scope(key):
       if "flax.linen" in sys.modules:
-        from jaxprec._src.flax import interception  # noqa: PLC0415
+        from jaxprec._src.flax import interception
         with interception.intercept(scope):
           yield scope
       else:

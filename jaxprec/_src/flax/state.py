@@ -16,11 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from jaxprec._src.flax.paths import ModulePaths, join
-from jaxprec._src.policy import (Policy, PolicyMatch, PolicyReport, Rule,
+from jaxprec._src.policy.policy import (Policy, PolicyMatch, PolicyReport, Rule,
                                  UnusedRuleWarning)
-from jaxprec._src.precision import Precision
-
-__all__ = ["ActiveScope", "Recorder", "active", "pushed", "recording"]
+from jaxprec._src.core.precision import Precision
 
 _TOKENS = itertools.count()
 

@@ -1,1 +1,1 @@
-"""Built-in models for the divergence checker (flax.linen; imports flax)."""
+"""Built-in models for the divergence checker, in Flax NNX and linen (imports Flax)."""

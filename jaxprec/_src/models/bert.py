@@ -23,8 +23,6 @@ import numpy as np
 
 from jaxprec._src.models.layers import FeedForward, SelfAttention
 
-__all__ = ["BertConfig", "BertEncoder", "bert", "synthetic_tokens"]
-
 SIZES = ("tiny", "small", "base")
 
 

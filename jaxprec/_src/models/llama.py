@@ -33,8 +33,6 @@ from jaxprec._src.models import from_pytorch as loading
 from jaxprec._src.models.bert import synthetic_tokens
 from jaxprec._src.models.nnx_layers import attention
 
-__all__ = ["LlamaConfig", "LlamaForCausalLM", "LlamaModel", "llama"]
-
 SIZES = ("tiny", "small")
 
 

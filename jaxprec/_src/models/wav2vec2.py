@@ -37,8 +37,6 @@ import numpy as np
 
 from jaxprec._src.models.layers import FeedForward, SelfAttention
 
-__all__ = ["Wav2Vec2Config", "Wav2Vec2Encoder", "synthetic_audio", "wav2vec2"]
-
 SIZES = ("tiny", "small", "base")
 
 

@@ -1,0 +1,8 @@
+"""The divergence checker: layer naming and capture (``layers``, ``capture``),
+references (``reference``), how a row runs (``rows``), the jitted programs
+(``harness``, ``placement``), on-device statistics and host metrics
+(``metric_stats``, ``metrics``), reports and their rendering (``report``,
+``training_report``, ``render``, ``progress``), and its clients
+:func:`jaxprec.check`, ``check_module``, ``check_training`` and the pytest
+helper.
+"""

@@ -1,0 +1,401 @@
+"""The divergence checker: ``jaxprec.check`` and ``jaxprec.check_module``.
+
+``check(fn, *args)`` runs ``fn`` once at a reference precision and once per
+precision under test, and compares every floating leaf of the output (a
+*layer*, named by its pytree path) with the reference. Each candidate run is
+one jitted program that computes ``fn`` at its precision and reduces every
+layer to the scalars of :func:`jaxprec._src.checker.metrics.layer_stats`: candidate
+hidden states never leave the device, and memory stays near one reference run
+(whose layers are kept) plus one candidate run, whatever the number of
+precisions. Programs are cached per function, precision and input signature,
+so a second check of the same function does not compile again.
+
+What a precision name means when *emulating* (``mode='emulate'``, or
+``'auto'`` on a backend that is not the target): the numerics its name says,
+so that the default trio is informative on any target:
+
+* ``'bfloat16'`` (``'bf16'``): one bfloat16 pass (``BF16_BF16_F32``);
+* ``'bfloat16_3x'`` (``'bf16_3x'``): three bfloat16 passes (``BF16_BF16_F32_X3``);
+* ``'tensorfloat32'`` (``'tf32'``): TF32 operands (``TF32_TF32_F32``), as an
+  Ampere+ GPU computes it, even with ``target='tpu'`` (where JAX's
+  ``tensorfloat32`` level means three bfloat16 passes, like ``bfloat16_3x``);
+* any other name (``'default'``, ``'high'``, ``'highest'``, ``'float32'``,
+  presets, ``lax.Precision`` members): what ``target`` computes for it, e.g.
+  ``'float32'`` is six bfloat16 passes on a TPU and float32 on a GPU.
+
+Ops whose code passed its own ``precision=`` keep it (computed as the row's
+emulation target computes it). In *native* mode (on the target's own
+hardware) every name goes through JAX's flag exactly as JAX reads it, so on a
+TPU ``'bfloat16_3x'`` and ``'tensorfloat32'`` are the same row; the report's
+``numerics`` say what ran.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from jaxprec._src.checker import capture as flax_capture
+from jaxprec._src.checker import harness
+from jaxprec._src.checker import metrics as metrics_lib
+from jaxprec._src.checker import progress as progress_lib
+from jaxprec._src.checker import rows
+from jaxprec._src.checker.report import DivergenceReport, LayerResult
+from jaxprec._src.checker.rows import DEFAULT_PRECISIONS
+from jaxprec._src.core import numerics
+from jaxprec._src.core.precision import PrecisionLike
+from jaxprec._src.emulation import compile_cache
+from jaxprec._src.emulation import kernels
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import state as flax_state
+from jaxprec._src.jaxpr import compat
+from jaxprec._src.jaxpr import trees
+from jaxprec._src.jaxpr import walker
+from jaxprec._src.policy.policy import Policy
+
+DEFAULT_ATOL = 1e-3
+DEFAULT_RTOL = 1e-3
+
+
+def check(fn: Callable[..., Any], *args: Any,
+          precisions: Sequence[PrecisionLike | Policy] | PrecisionLike | Policy =
+          DEFAULT_PRECISIONS,
+          reference: Any = "float32", target: str = "tpu", mode: str = "auto",
+          atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
+          progress: bool = False,
+          cache: bool | str | os.PathLike = False,
+          **kwargs: Any) -> DivergenceReport:
+  """How far each layer of ``fn(*args, **kwargs)`` drifts at each precision.
+
+  ``fn`` returns a pytree of hidden states (a dict, list, tuple, dataclass, or
+  a Hugging Face ``ModelOutput``); every floating leaf is a *layer*, named by
+  its path (``'hidden_states[3]'``) and ordered as flattened (plain dicts in
+  insertion order). ``fn`` runs once at the reference and once per precision;
+  each run is jitted with the metrics inside, so only scalars leave the device
+  and compiled programs are reused by later checks of the same ``fn``.
+
+  Which numerics a row shows (details in :mod:`jaxprec._src.checker.check`): with
+  ``mode='auto'`` the check runs natively when the backend is the target (a
+  TPU for ``target='tpu'``) and emulates the target otherwise (on CPU, always).
+  When emulating, ``'bfloat16'``, ``'bfloat16_3x'`` and ``'tensorfloat32'``
+  mean what their names say (1 bfloat16 pass, 3 bfloat16 passes, TF32) on any
+  target; other names mean what ``target`` computes for them. Natively, names
+  go through JAX's flag (on a TPU ``'tensorfloat32'`` is 3 bfloat16 passes).
+
+  Array leaves of ``args``/``kwargs`` are traced; other leaves (Python
+  numbers, strings, flags such as ``deterministic=True``) are static. Pass
+  parameters as arguments rather than closing over them: closed-over arrays
+  are compiled into every program as constants.
+
+  Args:
+    fn: the function; its arguments follow.
+    *args: positional arguments for ``fn``.
+    precisions: the rows of the report: precisions (any name
+      :func:`jaxprec.resolve` accepts) or policies (a :class:`jaxprec.Policy`
+      or a policy string such as ``'default=bfloat16,dense=float32'``, e.g.
+      the ``policy`` of :func:`jaxprec.search_policy`, labelled by its
+      string); one or a sequence. With an external reference the default rows
+      start with ``'float32'``, the *framework floor*.
+    reference: ``'float32'`` (default: exact float32 where the backend has it;
+      six bfloat16 passes on a TPU), ``'float64'`` (``fn`` runs with 64-bit
+      types enabled in a scope that is always restored, its floating array
+      arguments cast to float64), any other precision (computed as a row
+      would be), or hidden states computed elsewhere (e.g. by PyTorch): a
+      pytree or ``{name: array}`` mapping, or a path (``str`` or
+      ``os.PathLike``, suffix in any case) to a ``.npz`` (loaded with
+      ``allow_pickle=False``), ``.npy`` (one array) or ``.safetensors``
+      file, matched by name (``'hidden_states[3]'``, ``'hidden_states.3'``
+      and ``'hidden_states/3'`` match the same layer). Against an external
+      reference a ``'float32'`` row is computed as JAX's float32 reference
+      is (exact float32 where the backend has it) and is the report's
+      ``floor``: the two frameworks' own disagreement.
+    target: ``'tpu'`` or ``'gpu'``: whose numerics to show.
+    mode: ``'auto'``, ``'emulate'`` or ``'native'``.
+    atol, rtol: the tolerance: a layer passes when every element has
+      ``|err| <= atol + rtol * |ref|`` (see ``frac_outside`` and
+      ``required_atol``); defaults 1e-3 and 1e-3, loose enough that
+      multi-pass precisions pass on typical models and one-pass formats
+      (bfloat16, TF32) do not: pass your own.
+    progress: show a progress bar on stderr (when it is a terminal).
+    cache: JAX's persistent compilation cache for this call (JAX's settings
+      are restored afterwards): ``False`` (default: as JAX is configured),
+      ``True`` (``$JAXPREC_CACHE_DIR/jax-compilation``, else under the
+      user's cache directory) or a directory. A later process checking the
+      same programs loads them instead of compiling them again (see
+      :func:`jaxprec.enable_compilation_cache`).
+    **kwargs: keyword arguments for ``fn``. (To pass a keyword named like one
+      of the above, wrap ``fn`` with ``functools.partial``.)
+
+  Returns:
+    A :class:`jaxprec.DivergenceReport`.
+
+  Raises:
+    TypeError: ``precisions`` that is not a precision, a policy or a
+      sequence of them; a tolerance that is not a number.
+    ValueError: an unknown precision, target or mode; a negative or NaN
+      tolerance; an unreadable reference file or an unsupported reference
+      (the message names the supported ones); a reference that does not
+      match the output (the message names the first mismatching path and
+      both shapes); an output without floating leaves; a ``cache``
+      directory that cannot be created.
+    FileNotFoundError: a reference path that does not exist.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxprec
+    >>> def mlp(w, x):
+    ...   h1 = jnp.tanh(x @ w)
+    ...   h2 = jnp.tanh(h1 @ w)
+    ...   return {"h1": h1, "h2": h2}
+    >>> w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+    >>> x = jax.random.normal(jax.random.key(1), (8, 64))
+    >>> r = jaxprec.check(mlp, w, x, mode="emulate")
+    >>> [l.name for l in r.layers], r.mode
+    (['h1', 'h2'], 'emulate')
+    >>> bf16, bf16x3 = r.metric("rel_rms", "bfloat16"), r.metric("rel_rms", "bfloat16_3x")
+    >>> all(a > 100 * b for a, b in zip(bf16, bf16x3))
+    True
+    >>> r.numerics["tensorfloat32"]
+    'tf32 (emulated, gpu numerics)'
+  """
+  if not callable(fn):
+    raise TypeError(f"jaxprec.check expects a callable; got {fn!r} of type "
+                    f"{type(fn).__name__}")
+  directory = compile_cache.resolve_cache(cache, "jaxprec.check")
+  target = numerics.check_target(target)
+  mode = numerics.resolve_mode(mode, target)
+  atol = metrics_lib.check_tolerance("atol", atol)
+  rtol = metrics_lib.check_tolerance("rtol", rtol)
+  external = not harness.is_computed(reference)
+  given = precisions
+  if external and precisions is DEFAULT_PRECISIONS:
+    precisions = (rows.FLOOR, *DEFAULT_PRECISIONS)
+  plans = rows.plans(precisions, target, mode)
+  if directory is not None:  # after the checks: a refused call writes nothing
+    with compile_cache.compilation_cache(directory):
+      return check(fn, *args, precisions=given, reference=reference,
+                   target=target, mode=mode, atol=atol, rtol=rtol,
+                   progress=progress, cache=False, **kwargs)
+  floor = None
+  if external:  # float32 against another framework: the floor
+    plans = [rows.native_float32(p.label) if p.label == rows.FLOOR
+             else p for p in plans]
+    floor = rows.FLOOR if any(p.label == rows.FLOOR for p in plans) else None
+  call = harness.Args(args, dict(kwargs), who="jaxprec.check")
+  backend = compat.backend_platform()
+  notes = []
+  seconds: dict[str, float] = {}
+  with progress_lib.maybe_progress(len(plans) + 1, "jaxprec check", progress) as bar:
+    bar.update("reference")
+    t0 = time.perf_counter()
+    ref = harness.build_reference(fn, call, reference, target=target, mode=mode)
+    seconds["reference"] = time.perf_counter() - t0
+    if not ref.names:
+      raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
+                       f"floating arrays to compare")
+    results: dict[str, list[metrics_lib.LayerMetrics]] = {}
+    for p in plans:
+      bar.update(p.label, advance=1)
+      t0 = time.perf_counter()
+      results[p.label] = harness.run_candidate(fn, call, p, ref, atol, rtol)
+      seconds[p.label] = time.perf_counter() - t0
+    bar.update("done", advance=1)
+  del call  # holds the arguments
+  if mode == "native" and backend == "cpu":
+    notes.append("native mode on CPU: the CPU ignores matmul precision, so "
+                 "every row computes exact float32")
+  if mode == "emulate" and target == "tpu" and any(
+      p.emulate_target == "gpu" for p in plans):
+    notes.append("'tensorfloat32' shows TF32 (GPU) numerics; on a TPU JAX's "
+                 "tensorfloat32 level is 3 bfloat16 passes, like 'bfloat16_3x'")
+  layers = tuple(
+      LayerResult(name=n, shape=s, dtype=d,
+                  metrics={p.label: results[p.label][i] for p in plans})
+      for i, (n, s, d) in enumerate(zip(ref.names, ref.shapes, ref.dtypes)))
+  zero = [layer.name for layer in layers
+          if all(m.ref_max_abs == 0 for m in layer.metrics.values())]
+  if zero:
+    notes.append(_zero_reference_note(zero))
+  numerics_ = {p.label: p.description for p in plans}
+  return DivergenceReport(
+      layers=layers, precisions=tuple(p.label for p in plans),
+      reference=ref.name, target=target, mode=mode, backend=backend,
+      atol=atol, rtol=rtol,
+      numerics={**numerics_, "(reference)": ref.description},
+      notes=tuple(notes), seconds=seconds, floor=floor,
+      kernel=kernels.current_kernel().to_dict())
+
+
+def _zero_reference_note(names: Sequence[str]) -> str:
+  """Says out loud that a layer's reference is all zeros (metrics say 'exact')."""
+  shown = ", ".join(repr(n) for n in names[:5]) + (
+      f" and {len(names) - 5} more" if len(names) > 5 else "")
+  return (f"the reference of {shown} is all zeros: relative metrics there "
+          f"compare nothing and read as exact. If these values are not zero "
+          f"in exact arithmetic, they are below float32's smallest normal "
+          f"(about 1.2e-38), which XLA flushes to zero on CPU and TPU: "
+          f"rescale the inputs")
+
+
+def _nnx_intermediates(module: Any, state: Any) -> dict:
+  from flax import nnx
+  flat = {}
+  for path, var in nnx.to_flat_state(state):
+    flat.setdefault(tuple(path[:-1]), []).append((path[-1], var))
+  out: dict[str, Any] = {}
+  for mpath, _ in nnx.iter_modules(module):  # post-order: children first
+    for method, var in flat.get(tuple(mpath), ()):
+      base = "/".join(map(str, mpath)) or "output"
+      name = base if method == "__call__" else f"{base}.{method}"
+      vals = var.get_value() if hasattr(var, "get_value") else var.value
+      vals = tuple(vals) if isinstance(vals, (tuple, list)) else (vals,)
+      for i, x in enumerate(vals):
+        out[name if len(vals) == 1 else f"{name}#{i}"] = x
+  return out
+
+
+def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
+                     kwargs: dict) -> tuple[str, ...]:
+  """The keys of ``fn(*args, **kwargs)`` (a dict) in the order they are computed.
+
+  Read from ``fn``'s jaxpr (:func:`jaxprec._src.jaxpr.walker.output_times`), so
+  that it holds inside every transform (``nn.jit``, ``nn.remat``,
+  ``nn.scan``, ``nnx.scan``, ...), whose outputs JAX and Flax rebuild with
+  sorted keys. A value is computed when its last leaf is; of values computed
+  by one operation (a module that returns its child's output), the deeper
+  module path comes first, the root's ``'output'`` last.
+  """
+  statics, dynamic = trees.split_call(args, kwargs)
+  names: list[tuple[str, int]] = []
+
+  def flat(*dyn):
+    out = statics.call(fn, dyn)
+    leaves = []
+    for name, value in out.items():
+      for leaf in jax.tree_util.tree_leaves(value):
+        names.append((name, len(leaves)))
+        leaves.append(leaf)
+    return leaves
+  closed = jax.make_jaxpr(flat)(*dynamic)
+  when: dict[str, tuple[int, ...]] = {}
+  for (name, _), t in zip(names, walker.output_times(closed)):
+    when[name] = max(when.get(name, t), t)
+  seen = list(dict.fromkeys(n for n, _ in names))
+  return tuple(sorted(seen, key=lambda n: (when[n], -n.count("/"),
+                                            n == "output")))
+
+
+def _in_order(out: dict, order: Sequence[str]) -> dict:
+  """``out`` with the keys of ``order`` first, in that order."""
+  first = {n: out[n] for n in order if n in out}
+  return {**first, **{n: v for n, v in out.items() if n not in first}}
+
+
+def check_module(module: Any, *args: Any, method: str | None = None,
+                 capture: Any = True, precisions: Any = DEFAULT_PRECISIONS,
+                 reference: Any = "float32", target: str = "tpu",
+                 mode: str = "auto", atol: float = DEFAULT_ATOL,
+                 rtol: float = DEFAULT_RTOL, progress: bool = False,
+                 cache: bool | str | os.PathLike = False,
+                 **kwargs: Any) -> DivergenceReport:
+  """:func:`check` over every submodule's output of a Flax module.
+
+  For a ``flax.linen`` module call ``check_module(module, variables, *inputs)``:
+  it runs ``module.apply`` with ``capture_intermediates`` and checks each
+  captured output, named by module path (``'encoder/layers_0/attention'``; the
+  root's own output is ``'output'``; a module called twice gets ``#0``,
+  ``#1``). For a ``flax.nnx`` module call ``check_module(model, *inputs)``:
+  the outputs of every submodule's ``__call__`` are captured with
+  ``nnx.capture``; the model is split and merged inside, never mutated.
+  Layers are named by module path and ordered by when they are computed
+  (children before their parent), also inside ``nn.jit``, ``nn.remat``,
+  ``nn.scan``, ``nnx.jit``, ``nnx.remat`` and ``nnx.scan``, so that
+  :meth:`~jaxprec.DivergenceReport.first_divergence` names the first layer
+  that runs. A scanned layer (``nn.scan``, ``nnx.scan``) is one layer with
+  its outputs of every iteration stacked along a leading axis; outputs that
+  cannot be taken out of a ``while_loop`` or ``cond`` are named in a warning
+  (:mod:`jaxprec._src.checker.capture`).
+
+  Args:
+    module: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
+    *args: for linen, the variables then the inputs; for nnx, the inputs.
+    method: the method to call instead of ``__call__`` (linen: its name).
+    capture: linen only: ``True`` (every submodule's ``__call__``) or a
+      filter ``(module, method_name) -> bool`` as ``capture_intermediates``
+      takes.
+    precisions, reference, target, mode, atol, rtol, progress, cache: as
+      :func:`check`.
+    **kwargs: keyword arguments for the module call (e.g.
+      ``deterministic=True``).
+
+  Returns:
+    A :class:`jaxprec.DivergenceReport`.
+
+  Raises:
+    TypeError: ``module`` is not a Flax module, or linen variables are missing.
+  """
+  common = dict(precisions=precisions, reference=reference, target=target,
+                mode=mode, atol=atol, rtol=rtol, progress=progress,
+                cache=cache)
+  import flax.linen as nn
+  from flax import nnx
+  if isinstance(module, nn.Module):
+    if not args or not isinstance(args[0], Mapping):
+      raise TypeError("check_module(linen_module, variables, *inputs): the "
+                      "variables (a dict with 'params') come first")
+    variables = {k: v for k, v in args[0].items() if k != "intermediates"}
+
+    def captured(variables, *inputs, lost=None, **kw):
+      return flax_capture.linen_outputs(module, variables, inputs, kw,
+                                        method=method, capture=capture,
+                                        lost=lost)
+    # This trace warns of outputs that cannot be checked; the rows' do not.
+    order = _execution_order(captured, (variables, *args[1:]), kwargs)
+
+    def linen_fn(variables, *inputs, **kw):
+      return _in_order(captured(variables, *inputs, lost=[], **kw), order)
+    return _check_cached(linen_fn, ("linen", module, method, capture, order),
+                         variables, *args[1:], **common, **kwargs)
+  if isinstance(module, nnx.Module):
+    graphdef, state = nnx.split(module)
+
+    def captured(state, *inputs, **kw):
+      m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
+      scope = flax_state.active()
+      if scope is not None:  # a policy row: its path rules reach NNX modules
+        nnx_policy.apply(m, scope.policy, scope.recorder)
+      target_fn = m if method is None else getattr(m, method)
+      _, inter = nnx.capture(target_fn, nnx.Intermediate,
+                             method_outputs=nnx.Intermediate)(*inputs, **kw)
+      return _nnx_intermediates(m, inter)
+    order = _execution_order(captured, (state, *args), kwargs)
+
+    def nnx_fn(state, *inputs, **kw):
+      return _in_order(captured(state, *inputs, **kw), order)
+    return _check_cached(nnx_fn, ("nnx", graphdef, method, order), state,
+                         *args, **common, **kwargs)
+  raise TypeError(f"check_module expects a Flax module (flax.linen or "
+                  f"flax.nnx); got "
+                  f"{type(module).__name__} (use jaxprec.check for functions)")
+
+
+# The wrapper functions check_module builds, by module identity, so that a
+# second check of the same module reuses the compiled programs.
+# They hold the module (or its graphdef), never arrays; at most 16 are kept.
+_MODULE_FNS: dict[Any, Callable[..., Any]] = {}
+
+
+def _check_cached(fn: Callable[..., Any], key: Any, *args: Any, **kwargs: Any):
+  try:
+    hash(key)
+  except TypeError:
+    return check(fn, *args, **kwargs)
+  cached = _MODULE_FNS.get(key)
+  if cached is None:
+    if len(_MODULE_FNS) >= 16:
+      _MODULE_FNS.pop(next(iter(_MODULE_FNS)))
+    cached = _MODULE_FNS[key] = fn
+  return check(cached, *args, **kwargs)

@@ -1,0 +1,178 @@
+"""Layers: the floating leaves of an output, named by their pytree path.
+
+The checker and the search compare outputs layer by layer. A layer's name is
+its pytree path (``'hidden_states[3]'``, ``'encoder.layer_0'``, ``'output'``
+for a bare array); plain dicts keep their insertion order. Names from other
+frameworks match after :func:`normalize` (``'hidden_states.3'`` and
+``'hidden_states/3'`` are the same layer).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+import sys
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def _key_name(k: Any) -> str:
+  tu = jax.tree_util
+  if isinstance(k, tu.DictKey):
+    return f".{k.key}" if isinstance(k.key, str) else f"[{k.key!r}]"
+  if isinstance(k, tu.GetAttrKey):
+    return f".{k.name}"
+  if isinstance(k, tu.SequenceKey):
+    return f"[{k.idx}]"
+  if isinstance(k, tu.FlattenedIndexKey):
+    return f"[{k.key}]"
+  return f"[{k}]"
+
+
+def _path_name(path: Sequence[Any]) -> str:
+  return "".join(_key_name(k) for k in path).lstrip(".") or "output"
+
+
+def _leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
+  """Like ``tree_flatten_with_path``, but plain dicts keep insertion order.
+
+  JAX sorts dict keys; a dict of layers written in depth order
+  (``layer_2`` before ``layer_10``) keeps that order here.
+  """
+  out: list[tuple[tuple, Any]] = []
+
+  def rec(node, path):
+    if type(node) in (dict, collections.OrderedDict):
+      for k, v in node.items():
+        rec(v, path + (jax.tree_util.DictKey(k),))
+      return
+    kids = jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=lambda x, node=node: x is not node)[0]
+    if len(kids) == 1 and kids[0][0] == () and kids[0][1] is node:
+      out.append((path, node))
+      return
+    for p, v in kids:
+      rec(v, path + tuple(p))
+  rec(tree, ())
+  return out
+
+
+def is_float(x: Any) -> bool:
+  """Whether ``x`` is a floating array (or a stand-in with shape and dtype)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or not hasattr(x, "shape"):
+    return False
+  try:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+  except TypeError:  # a dtype NumPy does not know (e.g. torch.float32)
+    return False
+
+
+def layers(tree: Any) -> list[tuple[str, Any]]:
+  """``(name, leaf)`` for every floating leaf; ValueError on duplicate names."""
+  out = [(_path_name(p), v) for p, v in _leaves_with_paths(tree) if is_float(v)]
+  seen: dict[str, int] = {}
+  for name, _ in out:
+    seen[name] = seen.get(name, 0) + 1
+  dup = [n for n, c in seen.items() if c > 1]
+  if dup:
+    raise ValueError(f"Two layers of the output have the same name {dup[0]!r}; "
+                     f"rename the keys of the returned pytree.")
+  return out
+
+
+def _nnx_method(fn: Any) -> tuple[Any, Any]:
+  """``(module, unbound method)`` for an NNX module or a bound method of one."""
+  nnx = sys.modules.get("flax.nnx")  # never imported here
+  if nnx is None:
+    return None, None
+  if isinstance(fn, nnx.Module):
+    return fn, type(fn).__call__
+  if isinstance(fn, types.MethodType) and isinstance(fn.__self__, nnx.Module):
+    return fn.__self__, fn.__func__
+  return None, None
+
+
+def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+                   fn: Callable[..., Any], call: Any,
+                   dynamic: Sequence[Any]) -> list[tuple[str, Any]]:
+  """The layers of ``wrap(fn)`` called by ``call`` in the order ``fn`` returned them.
+
+  Transformations (emulation, ``eval_shape``) rebuild the output from its
+  treedef, which sorts dict keys; the names are read from ``fn``'s own
+  output while it is traced, and the result is put back in that order.
+
+  Args:
+    wrap: the transformation, e.g. ``Plan.wrap``.
+    fn: the user's function.
+    call: an object whose ``call(f, dynamic)`` calls ``f`` with the arguments
+      (:class:`jaxprec._src.checker.harness.Args`).
+    dynamic: the array arguments.
+  """
+  order: list[list[str]] = []
+  module, method = _nnx_method(fn)
+  if module is not None:
+    # Stay a method of the NNX module, so that a policy's path rules still
+    # find it (jaxprec._src.flax.nnx_policy.bind).
+    clone = sys.modules["flax.nnx"].clone
+
+    def observed_method(self, *a, **k):
+      if self is module:
+        # A copy made in this trace runs: NNX transforms inside (nnx.scan,
+        # nnx.remat, nnx.jit) refuse variables of another trace level, and
+        # the user's module is never written to.
+        self = clone(module)
+      out = method(self, *a, **k)
+      order.append([n for n, _ in layers(out)])
+      return out
+    observed = types.MethodType(observed_method, module)
+  else:
+    @functools.wraps(fn)
+    def observed(*a, **k):
+      out = fn(*a, **k)
+      order.append([n for n, _ in layers(out)])
+      return out
+  found = layers(call.call(wrap(observed), dynamic))
+  if not order:
+    return found
+  by_name = dict(found)
+  if sorted(by_name) != sorted(order[-1]):
+    return found
+  return [(n, by_name[n]) for n in order[-1]]
+
+
+def named_layers(tree: Any) -> dict[str, Any]:
+  """The floating leaves of a pytree by the names ``jaxprec.check`` gives them.
+
+  Names are pytree paths: ``'hidden_states[3]'``, ``'encoder.layer_0'``,
+  ``'output'`` for a bare array. Plain dicts keep their insertion order.
+
+  Args:
+    tree: hidden states, e.g. the output of ``fn`` given to ``check``.
+
+  Returns:
+    An insertion-ordered dict, name -> array.
+
+  Examples:
+    >>> import numpy as np, jaxprec
+    >>> tree = {"hidden_states": (np.zeros(2), np.ones(2)), "mask": np.ones(2, int)}
+    >>> list(jaxprec.named_layers(tree))
+    ['hidden_states[0]', 'hidden_states[1]']
+  """
+  return dict(layers(tree))
+
+
+def normalize(name: str) -> str:
+  """The form in which layer names from different frameworks are compared.
+
+  Examples:
+    >>> from jaxprec._src.checker.layers import normalize
+    >>> normalize("hidden_states[3]") == normalize("hidden_states/3")
+    True
+  """
+  return re.sub(r"[\[\]./'\"]+", ".", name).strip(".")

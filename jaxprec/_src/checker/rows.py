@@ -1,0 +1,228 @@
+"""Rows: how ``check``, ``search_policy`` and ``check_training`` compute one row.
+
+A row is a precision or a :class:`jaxprec.Policy`; :func:`plan` says how it
+is computed for a target in a mode (:class:`Plan`): emulated
+(:func:`jaxprec.emulate`) or natively under JAX's flag or the policy's
+interception. :func:`reference_plan` does the same for a computed reference.
+A :class:`Plan` may also carry a policy of dtypes (:attr:`Plan.dtypes`): the
+reference of a model with dtype decisions runs every module at the reference
+dtype (:func:`with_dtypes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxprec._src.checker import reference as reference_lib
+from jaxprec._src.core import numerics
+from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
+from jaxprec._src.emulation.emulate import emulate
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import scope as flax_scope
+from jaxprec._src.jaxpr import compat, walker
+from jaxprec._src.policy import policy as policy_lib
+from jaxprec._src.policy.policy import Policy
+
+DEFAULT_PRECISIONS = ("bfloat16", "bfloat16_3x", "tensorfloat32")
+FLOAT64_NAMES = ("float64", "f64", "fp64", "double")
+# The framework floor: the row an external reference adds first.
+FLOOR = "float32"
+# User spellings emulated with the numerics their name says (check's docstring).
+_LITERAL = {
+    "bfloat16": ("bfloat16", "tpu"), "bf16": ("bfloat16", "tpu"),
+    "medium": ("bfloat16", "tpu"),
+    "bfloat16_3x": ("bfloat16_3x", "tpu"), "bf16_3x": ("bfloat16_3x", "tpu"),
+    "tensorfloat32": ("tensorfloat32", "gpu"), "tf32": ("tensorfloat32", "gpu"),
+}
+_ONE_ROW = (str, lax.Precision, lax.DotAlgorithmPreset, Precision, Policy)
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How one row (a precision or a policy) is computed.
+
+  Attributes:
+    label: the row's label: as the user wrote a precision; ``str(policy)``.
+    precision: the resolved precision (native runs set JAX's flag to it), or
+      the :class:`jaxprec.Policy`.
+    emulate_target: ``'tpu'``/``'gpu'`` to emulate as that target, None to
+      run natively.
+    algorithm: what runs for float32 matmuls, e.g. ``'bf16x1'``
+      (``'policy'`` for a policy).
+    description: for the report, e.g. ``'tf32 (emulated, gpu numerics)'``.
+  """
+
+  label: str
+  precision: Precision | Policy
+  emulate_target: str | None
+  algorithm: str
+  description: str
+  # A reference run of a model with dtype decisions to undo: every module at
+  # this policy's dtype (:func:`undo_dtypes`); None: ``fn`` as it is.
+  dtypes: Policy | None = None
+
+  @property
+  def key(self) -> tuple:
+    p = self.precision
+    key = (p if isinstance(p, Policy) else p.name, self.emulate_target)
+    return key if self.dtypes is None else (*key, str(self.dtypes))
+
+  def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` computed as this row computes it."""
+    if self.dtypes is not None:
+      fn = with_dtypes(fn, self.dtypes)
+    if self.emulate_target is not None:
+      return emulate(fn, self.precision, target=self.emulate_target)
+    if isinstance(self.precision, Policy):
+      # Natively: the policy's precisions as JAX's flags, per module.
+      return emulate(fn, self.precision, target="native")
+    flag = self.precision.flag
+
+    @functools.wraps(fn)
+    def native(*args, **kwargs):
+      with jax.default_matmul_precision(flag):
+        return fn(*args, **kwargs)
+    return native
+
+
+def with_dtypes(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+  """``fn`` with every module at ``policy``'s dtype (linen, Hugging Face, NNX)."""
+  bound = nnx_policy.bind(fn, policy)
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    with flax_scope.policy_scope(policy):
+      return bound(*args, **kwargs)
+  return run
+
+
+def label_of(p: Any) -> str:
+  if isinstance(p, str):
+    return p
+  if isinstance(p, lax.Precision):
+    return p.name.lower()
+  if isinstance(p, (Precision, lax.DotAlgorithmPreset)):
+    return p.name
+  return str(p)
+
+
+def plan(precision: PrecisionLike | Policy, target: str, mode: str,
+         backend: str | None = None) -> Plan:
+  """How a row is computed for ``target`` in ``mode``.
+
+  Args:
+    precision: a precision (any spelling :func:`jaxprec.resolve` accepts), a
+      :class:`jaxprec.Policy` or a policy string (with ``=``).
+    target: ``'tpu'`` or ``'gpu'``.
+    mode: ``'emulate'`` or ``'native'`` (resolve ``'auto'`` first).
+    backend: the backend native runs use (default: JAX's).
+
+  Returns:
+    The :class:`Plan`.
+
+  Examples:
+    >>> from jaxprec._src.checker.rows import plan
+    >>> plan("tensorfloat32", "tpu", "emulate").description
+    'tf32 (emulated, gpu numerics)'
+    >>> plan("float32", "tpu", "emulate").algorithm
+    'bf16x6'
+    >>> plan("default=bf16,dense=float32", "tpu", "emulate").label
+    'default=bfloat16,dense=float32'
+  """
+  if isinstance(precision, Policy) or (isinstance(precision, str)
+                                       and "=" in precision):
+    pol = policy_lib.as_policy(precision)
+    label = str(pol)
+    if mode == "native":
+      backend = backend or compat.backend_platform()
+      return Plan(label, pol, None, "policy", f"policy (native {backend})")
+    return Plan(label, pol, target, "policy", "policy (emulated)")
+  label = label_of(precision)
+  literal = _LITERAL.get(label.strip().lower()) if isinstance(precision, str) else None
+  p = resolve(literal[0] if literal else precision)
+  if mode == "native":
+    backend = backend or compat.backend_platform()
+    algo = p.on(backend).algorithm if backend in ("tpu", "gpu", "cuda", "rocm",
+                                                   "cpu") else "?"
+    return Plan(label, p, None, algo, f"{algo} (native {backend})")
+  emu_target = literal[1] if literal else target
+  algo = numerics.algorithm_for(p.per_op, emu_target, jnp.float32, jnp.float32)
+  if algo == "native" and p.flag is None:
+    algo = numerics.algorithm_for(lax.Precision.DEFAULT, emu_target,
+                                  jnp.float32, jnp.float32)
+  desc = f"{algo} (emulated)" if emu_target == target else (
+      f"{algo} (emulated, {emu_target} numerics)")
+  return Plan(label, p, emu_target, algo, desc)
+
+
+def plans(precisions: Any, target: str, mode: str) -> list[Plan]:
+  """One :class:`Plan` per row; TypeError/ValueError naming a bad value."""
+  if isinstance(precisions, _ONE_ROW):
+    precisions = (precisions,)
+  if precisions is None or not isinstance(precisions, (Sequence, set, frozenset)):
+    raise TypeError(
+        f"precisions must be a precision name, a jaxprec.Policy, or a sequence "
+        f"of them, e.g. precisions=('bfloat16', 'float32'); got "
+        f"{precisions!r} of type {type(precisions).__name__}.")
+  precisions = tuple(precisions)
+  if not precisions:
+    raise ValueError("precisions is empty: name at least one, e.g. "
+                     "precisions=('bfloat16',)")
+  out = [plan(p, target, mode) for p in precisions]
+  labels = [p.label for p in out]
+  if len(set(labels)) != len(labels):
+    raise ValueError(f"precisions repeats a name: {labels}")
+  return out
+
+
+def native_float32(label: str = "float32") -> Plan:
+  """float32 natively: exact where the backend has it (6 bf16 passes on a TPU)."""
+  backend = compat.backend_platform()
+  algo = resolve("float32").on(backend).algorithm
+  return Plan(label, resolve("float32"), None, algo, f"{algo} (native {backend})")
+
+
+def reference_plan(reference: Any, target: str, mode: str) -> Plan | None:
+  """None for float64; float32 runs natively (exact where the backend is)."""
+  if isinstance(reference, str) and reference.strip().lower() in FLOAT64_NAMES:
+    return None
+  is_policy = isinstance(reference, Policy) or (isinstance(reference, str)
+                                                and "=" in reference)
+  if not is_policy and resolve(reference).name in ("float32", "F32_F32_F32"):
+    return native_float32(label_of(reference))
+  return plan(reference, target, mode)
+
+# Compute dtypes a float32 or float64 reference undoes (numerics.DTYPES).
+_NARROW = tuple(d for d in numerics.DTYPES if numerics.DTYPE_BYTES[d] < 4)
+
+
+def computes_narrow(closed) -> bool:
+  """Whether a ``ClosedJaxpr`` casts to, or multiplies in, bfloat16/float16."""
+  for w in walker.iter_eqns(closed.jaxpr):
+    eqn, name = w.eqn, w.eqn.primitive.name
+    if name == "convert_element_type" and str(
+        jnp.dtype(eqn.params["new_dtype"])) in _NARROW:
+      return True
+    if name in ("dot_general", "conv_general_dilated") and any(
+        str(getattr(v.aval, "dtype", "")) in _NARROW for v in eqn.invars):
+      return True
+  return False
+
+
+
+def is_computed(reference: Any) -> bool:
+  """Whether ``reference`` is computed (a precision or policy), not read."""
+  if isinstance(reference, (Policy, Precision, lax.Precision,
+                            lax.DotAlgorithmPreset)):
+    return True
+  return isinstance(reference, str) and not reference_lib.is_file(reference)
+

@@ -1,0 +1,577 @@
+"""The ``jaxprec`` command line: ``info``, ``audit``, ``run``, ``check``, ``search``.
+
+* ``jaxprec info [--json]``: the precision in force and what it means
+  (:func:`jaxprec.explain`).
+* ``jaxprec audit [-p P] [--json] MODULE:FUNCTION``: imports ``MODULE`` (or a
+  file ``path/to/file.py``), calls ``FUNCTION()``, which takes no arguments and
+  returns ``(fn, args)`` or ``(fn, args, kwargs)``, and prints
+  :func:`jaxprec.audit` of ``fn(*args, **kwargs)``.
+* ``jaxprec run -p P -- CMD ...``: runs ``CMD`` with
+  ``JAX_DEFAULT_MATMUL_PRECISION`` set to ``P`` (in JAX's spelling) and exits
+  with its exit code. ``jaxprec run --policy POLICY -- CMD ...`` instead
+  passes a :class:`jaxprec.Policy` (its canonical text) in ``JAXPREC_POLICY``,
+  and, when the policy is one precision for everything, sets
+  ``JAX_DEFAULT_MATMUL_PRECISION`` to it as ``-p`` does.
+* ``jaxprec check [--model NAME | MODULE:FUNCTION] [options]``: runs
+  :func:`jaxprec.check` on a built-in model or on ``fn(*args, **kwargs)`` from
+  ``FUNCTION()`` (the ``audit`` convention), prints the table, and writes
+  ``report.json`` and ``divergence.png`` to ``--out``; with ``--atol`` or
+  ``--rtol`` it exits 1 when a layer is outside the tolerance (for CI).
+  ``--model hf-llama|hf-wav2vec2|hf-bert --reference pytorch`` checks
+  jaxprec's NNX port of a transformers PyTorch model against the PyTorch
+  original (:mod:`jaxprec.torch`).
+* ``jaxprec search [--model NAME | MODULE:FUNCTION] --tolerance T [options]``:
+  runs :func:`jaxprec.search_policy` and prints the cheapest policy found (in
+  the text ``jaxprec run --policy`` takes), its cost relative to float32 and
+  the number of evaluations (``--axes precision,dtype``: a compute dtype per
+  module too); exits 1 when no policy meets the tolerance.
+
+``check`` and ``search`` turn on JAX's persistent compilation cache
+(:func:`jaxprec.enable_compilation_cache`: ``$JAXPREC_CACHE_DIR/jax-compilation``,
+else under the user's cache directory), so that a second run loads its
+programs instead of compiling them; ``--no-cache`` turns it off.
+
+Bad usage prints one line, ``jaxprec: error: ...``, to stderr and exits 2;
+arguments are checked before any model runs. ``sys.exit`` in the user's code
+exits as Python would.
+JAX is imported by the commands, not by ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from jaxprec._src.cli.cli_inputs import Failure as _Failure
+from jaxprec._src.cli.cli_inputs import PYTORCH as _PYTORCH
+from jaxprec._src.cli.cli_inputs import UsageError as _UsageError
+from jaxprec._src.cli.cli_inputs import add_search_axes as _add_search_axes
+from jaxprec._src.cli.cli_inputs import call_target as _call_target
+from jaxprec._src.cli.cli_inputs import check_out as _check_out
+from jaxprec._src.cli.cli_inputs import check_reference_file as _check_reference_file
+from jaxprec._src.cli.cli_inputs import check_settings as _check_settings
+from jaxprec._src.cli.cli_inputs import is_reference_file as _is_reference_file
+from jaxprec._src.cli.cli_inputs import one_line as _one_line
+from jaxprec._src.cli.cli_inputs import precision_list as _precision_list
+from jaxprec._src.cli.cli_inputs import search_axes as _search_axes
+from jaxprec._src.cli.cli_inputs import seed as _seed
+from jaxprec._src.cli.cli_outputs import write_outputs as _write_outputs
+
+_PROG = "jaxprec"
+# Built-in models (jaxprec.models) and port checks against PyTorch
+# originals (jaxprec.torch.port).
+_MODELS = ("wav2vec2", "bert", "llama")
+_TWINS = ("hf-wav2vec2", "hf-bert", "hf-llama")
+
+
+class _Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose errors are one line and do not exit."""
+
+  def error(self, message: str):  # type: ignore[override]
+    raise _UsageError(message)
+
+
+def _version() -> str:
+  from jaxprec._src.core.version import __version__
+  return __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = _Parser(
+      prog=_PROG,
+      description="See, control and trust the precision of JAX matmuls and "
+                  "convolutions.")
+  parser.add_argument("--version", action="version",
+                      version=f"%(prog)s {_version()}")
+  sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+  info = sub.add_parser(
+      "info", help="show the precision in force and what it means",
+      description="Shows the backend and devices, the precision in force and "
+                  "its source, what it computes on TPU and GPU, how to change "
+                  "it, and the pitfalls.")
+  info.add_argument("--json", action="store_true", help="print JSON")
+  info.set_defaults(handler=_info)
+
+  audit = sub.add_parser(
+      "audit", help="list a function's matmuls and convolutions",
+      description="Imports MODULE (a module name, or a path to a .py file), "
+                  "calls FUNCTION(), which takes no arguments and returns "
+                  "(fn, args) or (fn, args, kwargs), and lists every matmul and "
+                  "convolution of fn(*args, **kwargs) with its precision. fn is "
+                  "traced, never run: jax.ShapeDtypeStruct arguments work.",
+      epilog="example: jaxprec audit mymodel:audit_target --json")
+  audit.add_argument("target", metavar="MODULE:FUNCTION",
+                     help="e.g. mypkg.model:make or path/to/model.py:make")
+  audit.add_argument("-p", "--precision", default=None,
+                     help="trace with JAX's flag set to this precision, as "
+                          "`jaxprec run -p` would (default: the one in force)")
+  audit.add_argument("--json", action="store_true", help="print JSON")
+  audit.set_defaults(handler=_audit)
+
+  run = sub.add_parser(
+      "run", help="run a command at a precision or policy",
+      description="Runs CMD with JAX_DEFAULT_MATMUL_PRECISION set to PRECISION "
+                  "(any spelling jaxprec.resolve accepts, written in JAX's "
+                  "spelling) and exits with CMD's exit status. With --policy "
+                  "POLICY instead, CMD gets the policy's canonical text in "
+                  "JAXPREC_POLICY (for jaxprec.swap or jaxprec.emulate in "
+                  "its code), and JAX_DEFAULT_MATMUL_PRECISION too when the "
+                  "policy is one precision for everything.",
+      epilog="examples: jaxprec run -p float32 -- python train.py --steps 10; "
+             "jaxprec run --policy 'default=bf16,conv=float32' -- python "
+             "serve.py")
+  which = run.add_mutually_exclusive_group(required=True)
+  which.add_argument("-p", "--precision",
+                     help="e.g. float32, bf16, tf32, F32_F32_F32, "
+                          "backend-default")
+  which.add_argument("--policy",
+                     help="a jaxprec policy, e.g. 'default=bfloat16,"
+                          "conv=float32', passed to CMD in JAXPREC_POLICY "
+                          "(see jaxprec search)")
+  run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
+                   help="the command to run")
+  run.set_defaults(handler=_run)
+
+  check = sub.add_parser(
+      "check", help="how far each layer drifts at each precision",
+      description="Runs a model at a reference precision and at each precision "
+                  "under test (emulating TPU or GPU numerics where the backend "
+                  "is not the target, e.g. on CPU), compares every layer, "
+                  "prints a table, and writes report.json and divergence.png "
+                  "to --out. Give --model NAME for a built-in model, or "
+                  "MODULE:FUNCTION, where FUNCTION() returns (fn, args) or "
+                  "(fn, args, kwargs) and fn returns the hidden states (any "
+                  "pytree of arrays).",
+      epilog="examples: jaxprec check --model wav2vec2; jaxprec check "
+             "--model hf-llama --reference pytorch; jaxprec check "
+             "mymodel:make --precisions bfloat16_3x --atol 1e-3 (exit 1 if "
+             "exceeded)")
+  check.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
+                     help="e.g. mypkg.model:make or path/to/model.py:make")
+  check.add_argument("--model", choices=(*_MODELS, *_TWINS),
+                     help="a built-in model (random weights, nothing "
+                          "downloaded); hf-wav2vec2, hf-bert and hf-llama "
+                          "are jaxprec's NNX ports of tiny transformers "
+                          "PyTorch models, with their weights (needs torch "
+                          "and transformers), for --reference pytorch")
+  check.add_argument("--size", choices=("tiny", "small", "base"), default=None,
+                     help="size of the built-in model (default tiny)")
+  check.add_argument("--precisions", default=None,
+                     help="comma-separated precisions to test (default "
+                          "bfloat16,bfloat16_3x,tensorfloat32)")
+  check.add_argument("--reference", default="float32",
+                     help="float32 (default), float64, another precision, "
+                          "a .npz/.npy/.safetensors file of hidden states, or "
+                          "pytorch: the PyTorch original of --model "
+                          "hf-wav2vec2, hf-bert or hf-llama")
+  check.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
+                     help="whose numerics to show (default tpu)")
+  check.add_argument("--mode", default="auto",
+                     choices=("auto", "emulate", "native"),
+                     help="auto (default): native on the target, emulated "
+                          "elsewhere")
+  check.add_argument("--atol", type=float, default=None,
+                     help="absolute tolerance; with --atol or --rtol, exit 1 "
+                          "when a layer exceeds it")
+  check.add_argument("--rtol", type=float, default=None,
+                     help="relative tolerance (see --atol)")
+  check.add_argument("--json", action="store_true",
+                     help="print the JSON report instead of the table")
+  check.add_argument("--out", default="./jaxprec-report",
+                     help="directory for report.json and divergence.png "
+                          "(default ./jaxprec-report)")
+  check.add_argument("--seed", type=_seed, default=0,
+                     help="seed of the built-in model (default 0)")
+  _add_no_cache(check)
+  check.set_defaults(handler=_check)
+
+  search = sub.add_parser(
+      "search", help="find the cheapest per-layer precision within a tolerance",
+      description="Searches for the cheapest precision policy (a precision "
+                  "per Flax module path, from --candidates) whose every "
+                  "output layer stays within --tolerance of float32, "
+                  "emulating TPU or GPU numerics where the backend is not "
+                  "the target. Prints the policy (the text jaxprec run "
+                  "--policy and jaxprec.Policy.parse take), its cost relative "
+                  "to float32, and the number of evaluations; one progress "
+                  "line per evaluation goes to stderr. Exits 1 when no "
+                  "policy meets the tolerance.",
+      epilog="examples: jaxprec search --model wav2vec2 --tolerance 1e-3; "
+             "jaxprec search mymodel:make --tolerance 30 --metric sqnr_db")
+  search.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
+                      help="e.g. mypkg.model:make or path/to/model.py:make "
+                           "(as for check)")
+  search.add_argument("--model", choices=("wav2vec2", "bert"),
+                      help="a built-in model (random weights, nothing "
+                           "downloaded)")
+  search.add_argument("--size", choices=("tiny", "small", "base"),
+                      default=None,
+                      help="size of the built-in model (default tiny)")
+  search.add_argument("--seed", type=_seed, default=0,
+                      help="seed of the built-in model (default 0)")
+  search.add_argument("--tolerance", type=float, required=True,
+                      help="bound on --metric for every layer (sqnr_db: a "
+                           "minimum; cosine: a bound on 1 - cosine)")
+  search.add_argument("--metric", default="rel_rms",
+                      help="rel_rms (default), max_abs, max_rel, cosine, "
+                           "sqnr_db, ulp_median or ulp_max")
+  search.add_argument("--candidates", default=None,
+                      help="comma-separated precisions to choose from "
+                           "(default bfloat16,bfloat16_3x,float32 for tpu; "
+                           "tensorfloat32,TF32_TF32_F32_X3,float32 for gpu)")
+  search.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
+                      help="whose numerics and costs (default tpu)")
+  search.add_argument("--budget", type=int, default=None,
+                      help="most evaluations (default 24)")
+  search.add_argument("--json", action="store_true",
+                      help="print the result as JSON")
+  search.add_argument("--program-per-policy", action="store_true", help=(
+      "compile a program per policy, not one for all (the same answers)"))
+  search.add_argument("--prepare-weights", action="store_true", help=(
+      "split the weights once per search, not at each evaluation (the same "
+      "numbers; up to 3x the weights' memory)"))
+  _add_search_axes(search)
+  _add_no_cache(search)
+  search.set_defaults(handler=_search)
+  return parser
+
+
+def _add_no_cache(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--no-cache", action="store_true",
+                      help="do not use JAX's persistent compilation cache "
+                           "(default: compiled programs are kept in "
+                           "$JAXPREC_CACHE_DIR/jax-compilation, else "
+                           "~/.cache/jaxprec/jax-compilation, and reused by "
+                           "the next run)")
+
+
+def _cache_on(ns: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+  """JAX's persistent compilation cache on for check and search (not --no-cache).
+
+  Called once the arguments are checked (bad usage writes nothing); ``stack``
+  restores JAX's settings afterwards (main() may run in-process). A cache
+  directory that cannot be created is a warning, not a failure.
+  """
+  if ns.no_cache:
+    return
+  from jaxprec._src.emulation import compile_cache
+  try:
+    path = compile_cache.checked_dir(None)
+  except ValueError as e:
+    print(f"{_PROG}: warning: compilation cache off: {_one_line(e)}",
+          file=sys.stderr)
+    return
+  stack.enter_context(compile_cache.compilation_cache(path))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the ``jaxprec`` command line.
+
+  Args:
+    argv: the arguments after the program name (default ``sys.argv[1:]``).
+
+  Returns:
+    The exit status: 0 on success, 2 for bad usage, 1 when the audited or
+    checked code fails or a check exceeds its ``--atol``/``--rtol``, and the
+    command's own status for ``run``.
+  """
+  try:
+    try:
+      ns = _parser().parse_args(argv)
+    except SystemExit as e:  # --help and --version
+      return e.code if isinstance(e.code, int) else 0
+    if ns.command is None:
+      raise _UsageError("missing command: choose one of info, audit, run, "
+                        "check, search (see jaxprec --help)")
+    _check_settings()
+    try:
+      with contextlib.ExitStack() as stack:  # ns.cache_on(): check, search
+        ns.cache_on = lambda: _cache_on(ns, stack)
+        return ns.handler(ns)
+    except SystemExit as e:  # the user's module or function called sys.exit
+      return _exit_status(e)
+  except _UsageError as e:
+    print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
+    return 2
+  except _Failure as e:
+    print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:  # Ctrl-C: one line, the shells' status for SIGINT
+    print(f"{_PROG}: interrupted", file=sys.stderr)
+    return 128 + 2
+
+
+def _exit_status(e: SystemExit) -> int:
+  """The status Python gives ``sys.exit(code)``: None 0, an int itself, else 1.
+
+  As Python does, a code that is not an int or None is printed to stderr.
+  """
+  if e.code is None:
+    return 0
+  if isinstance(e.code, int):
+    return e.code
+  print(e.code, file=sys.stderr)
+  return 1
+
+
+def _policy(text: str):
+  """A Policy from ``--policy`` text (a policy string or one precision)."""
+  from jaxprec._src.policy.policy import as_policy
+  try:
+    return as_policy(text)
+  except ValueError as e:
+    raise _UsageError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------
+# Commands.
+
+
+def _info(ns: argparse.Namespace) -> int:
+  from jaxprec._src.inspect import explain
+  print(json.dumps(explain.explain_dict(), indent=2) if ns.json
+        else explain.explain())
+  return 0
+
+
+def _resolve(value: str):
+  from jaxprec._src.core.precision import resolve
+  try:
+    return resolve(value)
+  except ValueError as e:
+    raise _UsageError(str(e)) from None
+
+
+def _audit(ns: argparse.Namespace) -> int:
+  p = _resolve(ns.precision) if ns.precision is not None else None
+  fn, args, kwargs = _call_target(ns.target)
+
+  import jax
+  from jaxprec._src.inspect import audit as audit_lib
+  try:
+    if p is None:
+      report = audit_lib.audit(fn, *args, **kwargs)
+    else:
+      # JAX's flag, as `jaxprec run -p` sets it: under a preset the report
+      # shows the convolutions JAX downgrades.
+      with jax.default_matmul_precision(p.flag):
+        report = audit_lib.audit(fn, *args, **kwargs)
+  except TypeError as e:  # fn is not callable
+    raise _UsageError(f"{ns.target}(): {e}") from None
+  except audit_lib.AuditError as e:
+    raise _Failure(str(e)) from None
+  print(report.to_json() if ns.json else str(report))
+  return 0
+
+
+def _model_or_target(ns: argparse.Namespace):
+  """(fn, args, kwargs, description) from --model or MODULE:FUNCTION (check, search)."""
+  if ns.model is not None:
+    try:
+      from jaxprec._src.models import registry as models
+    except ImportError as e:
+      raise _Failure(f"--model needs Flax: {e}") from None
+    try:
+      fn, args = models.MODELS[ns.model](ns.size or "tiny", ns.seed)
+    except ValueError as e:  # a size the model does not come in
+      raise _UsageError(f"--model {ns.model}: {_one_line(e)}") from None
+    kwargs: dict = {}
+    what = f"{ns.model} ({ns.size or 'tiny'}, seed {ns.seed})"
+  else:
+    fn, args, kwargs = _call_target(ns.function)
+    what = ns.function
+  if not callable(fn):
+    raise _UsageError(f"{ns.function}() returned a {type(fn).__name__} as fn, "
+                      f"not a callable")
+  return fn, args, kwargs, what
+
+
+def _twin(name: str, seed: int):
+  """The port check ``name`` (the PyTorch original and jaxprec's NNX model
+  with its weights): exit 2 with a hint without PyTorch or transformers."""
+  try:
+    from jaxprec._src.torch import torch_ports
+    return torch_ports.port(name, seed)
+  except ImportError as e:
+    raise _UsageError(f"--model {name}: {_one_line(e)}") from None
+
+
+def _check(ns: argparse.Namespace) -> int:
+  if (ns.function is None) == (ns.model is None):
+    raise _UsageError("check needs either --model wav2vec2|bert or "
+                      "MODULE:FUNCTION (not both)")
+  if ns.size is not None and ns.model not in _MODELS:
+    raise _UsageError(f"--size applies to --model {' or '.join(_MODELS)} only")
+  from jaxprec._src.checker import check as check_lib
+  from jaxprec._src.checker import reference as reference_lib
+  # check's own default: with an external reference it adds the float32 floor.
+  precisions = check_lib.DEFAULT_PRECISIONS
+  if ns.precisions is not None:
+    precisions = _precision_list(ns.precisions)
+  reference = ns.reference
+  if reference == _PYTORCH:
+    if ns.model not in _TWINS:
+      what = (f"--model {ns.model}" if ns.model is not None
+              else ns.function)
+      raise _UsageError(f"--reference pytorch needs a model with a PyTorch "
+                        f"twin: --model {' or '.join(_TWINS)} ({what} has "
+                        f"none; for your own model, save the PyTorch hidden "
+                        f"states with jaxprec.torch.capture and pass the "
+                        f".npz file)")
+  elif _is_reference_file(reference):
+    _check_reference_file(reference)
+  elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
+    _resolve(reference)
+  for name in ("atol", "rtol"):
+    v = getattr(ns, name)
+    if v is not None and not v >= 0:
+      raise _UsageError(f"--{name} must be >= 0, got {v}")
+  enforce = ns.atol is not None or ns.rtol is not None
+  tol = {"atol": check_lib.DEFAULT_ATOL if ns.atol is None else ns.atol,
+         "rtol": check_lib.DEFAULT_RTOL if ns.rtol is None else ns.rtol}
+  if ns.atol is None and ns.rtol is not None:
+    tol["atol"] = 0.0  # only the given tolerance counts
+  if ns.rtol is None and ns.atol is not None:
+    tol["rtol"] = 0.0
+
+  _check_out(ns.out)
+  ns.cache_on()  # after the arguments: bad usage writes nothing
+  if ns.model in _TWINS:
+    twin = _twin(ns.model, ns.seed)
+    fn, args, kwargs = twin.fn, twin.args(), {}
+    what = f"{ns.model} (jaxprec's NNX port, seed {ns.seed})"
+    if reference == _PYTORCH:
+      try:
+        reference = twin.reference()
+      except Exception as e:  # noqa: BLE001 -- the PyTorch model failed
+        raise _Failure(f"running the PyTorch {ns.model} failed: "
+                       f"{type(e).__name__}: {e}") from None
+      what = (f"{ns.model} (jaxprec's NNX port) against the PyTorch "
+              f"original, seed {ns.seed}")
+  else:
+    fn, args, kwargs, what = _model_or_target(ns)
+  try:
+    report = check_lib.check(fn, *args, precisions=precisions,
+                             reference=reference, target=ns.target,
+                             mode=ns.mode, progress=True, **tol, **kwargs)
+  except reference_lib.ReferenceMismatchError as e:
+    raise _UsageError(str(e)) from None
+  except Exception as e:  # noqa: BLE001 -- the user's code failed
+    raise _Failure(f"checking {what} failed: {type(e).__name__}: {e}") from None
+  if ns.reference == _PYTORCH:  # not "pytree": say which reference it was
+    import dataclasses
+    report = dataclasses.replace(
+        report, reference=f"pytorch:{type(twin.torch_model).__name__}")
+  if ns.json:
+    print(report.to_json())
+  else:
+    print(f"model: {what}")
+    _print_report(report)
+  _write_outputs(report, ns.out)
+  if enforce:
+    first = report.first_divergence()
+    failed = {p: f for p, f in first.items() if f is not None}
+    if failed:
+      parts = [f"{p}: {f.layer} needs atol >= {f.value:.3g}" for p, f in failed.items()]
+      raise _Failure(f"outside atol={tol['atol']:g} rtol={tol['rtol']:g}: "
+                     + "; ".join(parts))
+  return 0
+
+
+def _print_report(report) -> None:
+  if sys.stdout.isatty():
+    try:
+      from rich.console import Console
+    except ImportError:
+      pass
+    else:
+      Console().print(report)
+      return
+  print(report)
+
+
+# The variable `jaxprec run --policy` passes a policy in (canonical text).
+POLICY_ENV_VAR = "JAXPREC_POLICY"
+
+
+def _run(ns: argparse.Namespace) -> int:
+  policy = None if ns.policy is None else _policy(ns.policy)
+  cmd = list(ns.cmd)
+  if cmd and cmd[0] == "--":
+    cmd = cmd[1:]
+  if not cmd:
+    raise _UsageError(
+        "run needs a command, e.g. jaxprec run -p float32 -- python train.py")
+  from jaxprec._src.core import env as env_lib
+  if policy is None:
+    env = env_lib.env_for(_resolve(ns.precision))
+  else:
+    # One precision for everything is also JAX's flag; a policy with rules
+    # is for the command's code to apply (jaxprec.swap, jaxprec.emulate).
+    env = (env_lib.env_for(policy.default)
+           if not policy.rules and policy.default is not None
+           else dict(os.environ))
+    env[POLICY_ENV_VAR] = str(policy)
+  from jaxprec._src.cli import cli_run
+  try:
+    child = cli_run.start(cmd, env)
+  except FileNotFoundError:
+    print(f"{_PROG}: error: command not found: {cmd[0]}", file=sys.stderr)
+    return 127
+  except PermissionError:
+    print(f"{_PROG}: error: permission denied: {cmd[0]}", file=sys.stderr)
+    return 126
+  return cli_run.wait(child)  # SIGTERM, SIGINT, SIGHUP forwarded
+
+
+def _search(ns: argparse.Namespace) -> int:
+  if (ns.function is None) == (ns.model is None):
+    raise _UsageError("search needs either --model wav2vec2|bert or "
+                      "MODULE:FUNCTION (not both)")
+  if ns.size is not None and ns.model is None:
+    raise _UsageError("--size applies to --model only")
+  from jaxprec._src.search import search as search_lib
+  candidates = None
+  if ns.candidates is not None:
+    candidates = tuple(c.strip() for c in ns.candidates.split(",") if c.strip())
+    if not candidates:
+      raise _UsageError("--candidates is empty; e.g. --candidates "
+                        "bfloat16,float32")
+  budget = search_lib.DEFAULT_BUDGET if ns.budget is None else ns.budget
+  axes = _search_axes(ns)
+  try:  # the arguments, before the model is built
+    search_lib.check_arguments(tolerance=ns.tolerance, metric=ns.metric,
+                               candidates=candidates, target=ns.target,
+                               budget=budget, **axes)
+  except (ValueError, TypeError) as e:
+    raise _UsageError(str(e)) from None
+  ns.cache_on()
+  fn, args, kwargs, what = _model_or_target(ns)
+  import warnings
+  try:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always", UserWarning)
+      result = search_lib.search_policy(
+          fn, *args, tolerance=ns.tolerance, metric=ns.metric,
+          candidates=candidates, target=ns.target, budget=budget, **axes,
+          compile_once=not ns.program_per_policy,
+          prepare_weights=ns.prepare_weights, **kwargs)
+  except Exception as e:  # noqa: BLE001 -- the user's code failed
+    raise _Failure(f"searching {what} failed: {type(e).__name__}: "
+                   f"{e}") from None
+  for w in caught:
+    print(f"{_PROG}: warning: {_one_line(w.message)}", file=sys.stderr)
+  if ns.json:
+    print(result.to_json())
+  else:
+    print(f"model: {what}")
+    print(result)
+  if not result.meets_tolerance:
+    raise _Failure(f"no policy met the tolerance ({result.metric} "
+                   f"{ns.tolerance:g}); the printed policy is the fallback")
+  return 0

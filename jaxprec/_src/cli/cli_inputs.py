@@ -1,0 +1,269 @@
+"""What the ``jaxprec`` command line reads: targets, reference files, ``--out``.
+
+* ``MODULE:FUNCTION`` (or ``path/to/file.py:FUNCTION``): imported as
+  ``python -m`` or ``python file.py`` would, and called for ``(fn, args)`` or
+  ``(fn, args, kwargs)``.
+* ``check --reference FILE`` and ``check --out DIR``: checked before any model
+  is built, so that bad usage exits 2 at once.
+* ``search --axes precision,dtype``, ``--dtypes`` and ``--chip``
+  (:func:`add_search_axes`, :func:`search_axes`).
+
+Errors: :class:`UsageError` (one line, exit 2) and :class:`Failure` (the
+user's code failed: one line, exit 1). ``sys.exit`` in the user's code is left
+to propagate (the command line exits as Python would).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import tempfile
+from typing import Any
+
+# `check --reference pytorch`: the PyTorch twin of the --model.
+PYTORCH = "pytorch"
+
+
+class UsageError(Exception):
+  """Bad usage: printed as one line, exit status 2."""
+
+
+class Failure(Exception):
+  """The user's code failed: printed as one line, exit status 1."""
+
+
+# A built-in model's seed seeds both NumPy and jax.random.key, which takes
+# 32-bit seeds without 64-bit types: 0 to 2**32 - 1.
+MAX_SEED = 2**32 - 1
+
+
+def seed(text: str) -> int:
+  """``--seed``: an integer from 0 to :data:`MAX_SEED` (an argparse type:
+  anything else is one error line and exit 2)."""
+  import argparse  # noqa: PLC0415
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"invalid seed {text!r}: an integer from 0 to {MAX_SEED}") from None
+  if not 0 <= value <= MAX_SEED:
+    raise argparse.ArgumentTypeError(
+        f"invalid seed {text!r}: an integer from 0 to {MAX_SEED}")
+  return value
+
+
+def precision_list(text: str) -> tuple[str, ...]:
+  """``check --precisions``: comma-separated precisions, each named once.
+
+  One precision under two spellings (``bf16,bfloat16``) is a repeat too: the
+  same row twice. Raises :class:`UsageError` for an empty list, an unknown
+  name or a repeat.
+  """
+  from jaxprec._src.core.precision import resolve  # noqa: PLC0415
+  precisions = tuple(p.strip() for p in text.split(",") if p.strip())
+  if not precisions:
+    raise UsageError("--precisions is empty; e.g. --precisions bfloat16,float32")
+  spellings: dict[str, list[str]] = {}
+  for p in precisions:
+    try:
+      name = resolve(p).name
+    except ValueError as e:
+      raise UsageError(str(e)) from None
+    spellings.setdefault(name, []).append(p)
+  repeated = [(name, said) for name, said in spellings.items() if len(said) > 1]
+  if repeated:
+    what = ", ".join(name if set(said) == {name} else
+                     f"{name} (as {' and '.join(dict.fromkeys(said))})"
+                     for name, said in repeated)
+    raise UsageError(f"--precisions repeats {what}: name each precision "
+                     f"once, e.g. --precisions "
+                     f"{','.join(said[0] for said in spellings.values())}")
+  return precisions
+
+
+def one_line(e: BaseException) -> str:
+  return " ".join(str(e).split())
+
+
+def check_settings() -> None:
+  """A bad ``JAXPREC_KERNEL`` is a usage error, for every command."""
+  from jaxprec._src.emulation import kernels
+  try:
+    kernels.check_setting()
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+
+
+def call_target(target: str) -> tuple[Any, tuple, dict]:
+  """``(fn, args, kwargs)`` from ``MODULE:FUNCTION``, whose FUNCTION() makes them."""
+  factory = load(target)
+  try:
+    made = factory()
+  except Exception as e:  # noqa: BLE001 -- reported as one line
+    raise Failure(f"{target}() raised {type(e).__name__}: {e}") from None
+  if (not isinstance(made, tuple) or len(made) not in (2, 3)
+      or not isinstance(made[1], (tuple, list))
+      or (len(made) == 3 and not isinstance(made[2], dict))):
+    raise UsageError(
+        f"{target}() must return (fn, args) or (fn, args, kwargs) with args "
+        f"a tuple and kwargs a dict; got {describe(made)}")
+  return made[0], tuple(made[1]), (made[2] if len(made) == 3 else {})
+
+
+def describe(x: Any) -> str:
+  if isinstance(x, tuple):
+    return f"a tuple of {len(x)} ({', '.join(type(v).__name__ for v in x)})"
+  return f"{type(x).__name__}"
+
+
+def load(target: str):
+  """The callable named by ``MODULE:FUNCTION`` or ``path/file.py:FUNCTION``."""
+  module_part, sep, attr = target.rpartition(":")
+  if not sep or not module_part or not attr or not all(
+      s.isidentifier() for s in attr.split(".")):
+    raise UsageError(
+        f"expected MODULE:FUNCTION or path/to/file.py:FUNCTION, got {target!r}")
+  # Like `python -m`: the current directory comes first on sys.path.
+  cwd = os.getcwd()
+  if cwd not in sys.path and "" not in sys.path:
+    sys.path.insert(0, cwd)
+  is_path = (module_part.endswith(".py") or "/" in module_part
+             or os.sep in module_part)
+  try:
+    module = import_path(module_part) if is_path else importlib.import_module(
+        module_part)
+  except UsageError:
+    raise
+  except Exception as e:  # noqa: BLE001 -- import errors are usage errors
+    raise UsageError(
+        f"cannot import {module_part!r}: {type(e).__name__}: {e}") from None
+  obj: Any = module
+  for name in attr.split("."):
+    if not hasattr(obj, name):
+      raise UsageError(f"{module_part!r} has no attribute {attr!r}")
+    obj = getattr(obj, name)
+  if not callable(obj):
+    raise UsageError(f"{target} is not callable (it is a {type(obj).__name__})")
+  return obj
+
+
+def import_path(path: str):
+  path = os.path.abspath(path)
+  if not os.path.isfile(path):
+    raise UsageError(f"no such file: {path}")
+  name = os.path.splitext(os.path.basename(path))[0]
+  # Like `python file.py`: the file's directory is importable.
+  directory = os.path.dirname(path)
+  if directory not in sys.path:
+    sys.path.insert(0, directory)
+  loaded = sys.modules.get(name)
+  if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
+    name = f"_jaxprec_audit_{name}"  # Never shadow an imported module (json.py).
+  spec = importlib.util.spec_from_file_location(name, path)
+  if spec is None or spec.loader is None:
+    raise UsageError(f"cannot import {path!r}: not a Python file")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    sys.modules.pop(name, None)
+    raise
+  return module
+
+
+def is_reference_file(reference: str) -> bool:
+  """Whether ``--reference`` names a file rather than a precision."""
+  from jaxprec._src.core import names
+  if names.canonical(reference) is not None or reference == PYTORCH:
+    return False
+  return ("/" in reference or os.sep in reference or os.path.exists(reference)
+          or bool(os.path.splitext(reference)[1]))
+
+
+def check_reference_file(path: str) -> None:
+  """Reads the ``--reference`` file before the model is built: exit 2 if unusable."""
+  from jaxprec._src.checker import reference as reference_lib
+  kinds = f"supported types: {', '.join(reference_lib.FILE_TYPES)}"
+  suffix = os.path.splitext(path)[1]
+  if suffix.lower() not in reference_lib.FILE_TYPES:
+    raise UsageError(f"unsupported reference file {path!r} ({kinds})")
+  if not os.path.isfile(path):
+    raise UsageError(f"no such reference file: {path!r} ({kinds})")
+  try:
+    reference_lib.load(path)
+  except Exception as e:  # noqa: BLE001 -- any failure to read it is usage
+    message = one_line(e)
+    if path not in message:
+      message = f"cannot read reference file {path!r}: {message}"
+    if "supported" not in message.lower():
+      message += f" ({kinds})"
+    raise UsageError(message) from None
+
+
+# The files ``--out`` receives (:func:`jaxprec._src.cli.cli_outputs.write_outputs`).
+OUT_FILES = ("report.json", "divergence.png")
+
+
+def check_out(out: str) -> None:
+  """Fails before the check runs when ``--out`` cannot be a writable directory
+  or holds a directory where one of :data:`OUT_FILES` is to be written.
+
+  Writability is tried (a directory created and removed in ``--out`` or its
+  nearest existing parent), since permissions do not tell for root, ``/proc``
+  or a read-only mount."""
+  path = os.path.abspath(out)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UsageError(f"--out {out!r} exists and is not a directory")
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise UsageError(f"--out {out!r} cannot be created: {existing!r} is not "
+                      f"a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise UsageError(f"--out {out!r} is not writable (no write permission "
+                      f"on {existing!r})")
+  for name in OUT_FILES:  # a directory where a file is to be written
+    if os.path.isdir(os.path.join(path, name)):
+      raise UsageError(f"--out {out!r} holds a directory named {name!r}, "
+                       f"where the check writes a file: remove it or choose "
+                       f"another --out")
+  try:  # permissions do not tell (root, /proc, a read-only mount): try it
+    os.rmdir(tempfile.mkdtemp(prefix=".jaxprec-out-", dir=existing))
+  except OSError as e:
+    raise UsageError(f"--out {out!r} is not writable: cannot create a "
+                     f"directory in {existing!r} ({e.strerror})") from None
+
+
+def add_search_axes(parser: Any) -> None:
+  """``search``'s ``--axes``, ``--dtypes`` and ``--chip`` options."""
+  parser.add_argument("--axes", default="precision",
+                      help="what to choose per module: precision (default), "
+                           "precision,dtype or dtype (the compute dtype)")
+  parser.add_argument("--dtypes", default=None,
+                      help="with --axes ...dtype: comma-separated compute "
+                           "dtypes to choose from (default bfloat16,float32)")
+  parser.add_argument("--chip", default=None,
+                      help="with --axes ...dtype: the chip whose roofline "
+                           "orders the costs (tpu-v4, tpu-v5e, tpu-v5p, a100, "
+                           "h100; default tpu-v5e for tpu, h100 for gpu)")
+
+
+def search_axes(ns: Any) -> dict[str, Any]:
+  """``search_policy``'s ``axes``, ``dtypes`` and ``chip`` from the options,
+  checked (:class:`UsageError` naming the bad value and the choices)."""
+  from jaxprec._src.inspect import chips
+  from jaxprec._src.search import search_dtype
+  try:
+    axes = search_dtype.check_axes(ns.axes)
+    dtypes = None if ns.dtypes is None else search_dtype.check_dtypes(ns.dtypes)
+    chip = None if ns.chip is None else chips.check_chip(ns.chip).name
+  except ValueError as e:
+    raise UsageError(f"--axes/--dtypes/--chip: {one_line(e)}") from None
+  if "dtype" not in axes and (dtypes is not None or chip is not None):
+    raise UsageError("--dtypes and --chip apply to --axes with dtype, e.g. "
+                     "--axes precision,dtype")
+  return {"axes": axes, "dtypes": dtypes, "chip": chip}

@@ -1,0 +1,118 @@
+"""``jaxprec run``'s child: the signals that stop a job reach the command.
+
+A scheduler (Slurm, Kubernetes, systemd) stops a job by sending SIGTERM (or
+SIGINT, SIGHUP) to the process it started, here ``jaxprec``. :func:`wait`
+forwards each of those to the command, waits for it and returns its status,
+so the command is never left running on its own. A signal the kernel sends
+(Ctrl-C or a hang-up at a terminal: ``si_code > 0``) goes to the terminal's
+whole foreground process group, the command included, so it is not sent a
+second time (a Python command would see a second ``KeyboardInterrupt`` while
+it cleans up after the first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_POLL_S = 0.05
+
+
+@dataclasses.dataclass
+class Child:
+  """A started command: the signals received while it started, and the
+  handlers to restore (None outside the main thread: none were installed)."""
+
+  proc: subprocess.Popen
+  early: list[int]
+  old: dict[int, Any] | None
+
+
+def start(cmd: Sequence[str], env: dict[str, str]) -> Child:
+  """Starts ``cmd`` with the environment ``env``.
+
+  Handlers that record the signals are in place before the command starts,
+  so one that arrives in between is forwarded too (the command starts with
+  the default handlers: ``exec`` keeps none). Outside the main thread, where
+  Python cannot install handlers, nothing is recorded or forwarded.
+
+  Raises:
+    FileNotFoundError, PermissionError: as :class:`subprocess.Popen`.
+  """
+  early: list[int] = []
+  old = None
+  if threading.current_thread() is threading.main_thread():
+    # An ignored signal stays ignored, in the command too (``nohup``).
+    old = {s: signal.signal(s, lambda n, _: early.append(n))
+           for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN}
+  try:
+    return Child(subprocess.Popen(list(cmd), env=env), early, old)
+  except BaseException:
+    _restore(old)
+    raise
+
+
+def wait(child: Child) -> int:
+  """Waits for the command, forwarding SIGTERM, SIGINT and SIGHUP sent to
+  this process; its status, ``128 + N`` when a signal N ends it (as shells
+  say). The handlers :func:`start` replaced are restored, also on an
+  exception."""
+  try:
+    with child.proc:
+      rc = _wait(child.proc, None if child.old is None else child.early,
+                 tuple(child.old or ()))
+  finally:
+    _restore(child.old)
+  return 128 - rc if rc < 0 else rc
+
+
+def _restore(old: dict[int, Any] | None) -> None:
+  for s, handler in (old or {}).items():
+    signal.signal(s, handler)
+
+
+def _wait(proc: subprocess.Popen, early: list[int] | None,
+          handled: tuple[int, ...]) -> int:
+  if early is None:  # not the main thread: no handler could be installed
+    return proc.wait()
+  if not hasattr(signal, "sigtimedwait"):  # macOS: forward by handler
+    def forward(n, _):
+      if n != signal.SIGINT:  # Ctrl-C reached the command already
+        _send(proc, n)
+    for s in handled:
+      signal.signal(s, forward)
+    for n in early:
+      forward(n, None)
+    while True:
+      try:
+        return proc.wait()
+      except KeyboardInterrupt:
+        continue
+  if not handled:  # all ignored
+    return proc.wait()
+  signal.pthread_sigmask(signal.SIG_BLOCK, handled)
+  try:
+    for n in early:  # arrived while the command started: its origin is lost
+      _send(proc, n)
+    while True:
+      rc = proc.poll()
+      if rc is not None:
+        return rc
+      info = signal.sigtimedwait(handled, _POLL_S)
+      if info is not None and info.si_code <= 0:  # sent by a process
+        _send(proc, info.si_signo)
+  finally:
+    # Signals still pending reach the recording handlers, then are dropped.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
+
+
+def _send(proc: subprocess.Popen, signum: int) -> None:
+  try:
+    proc.send_signal(signum)
+  except ProcessLookupError:  # it ended meanwhile
+    pass

@@ -1,0 +1,178 @@
+"""Precision spellings as plain strings, importable without JAX.
+
+``jaxprec/__init__.py`` uses this table to check ``JAX_DEFAULT_MATMUL_PRECISION``
+before JAX is imported (JAX rejects a bad value at import with an opaque error);
+:mod:`jaxprec._src.core.precision` builds :class:`~jaxprec.Precision` values on it.
+"""
+
+from __future__ import annotations
+
+ENV_VAR = "JAX_DEFAULT_MATMUL_PRECISION"
+
+# Canonical jaxprec name -> the value JAX's flag accepts (None: leave unset).
+FLAGS: dict[str, str | None] = {
+    "backend-default": None,
+    "bfloat16": "bfloat16",
+    "bfloat16_3x": "tensorfloat32",  # JAX's flag has no 'bfloat16_3x'.
+    "tensorfloat32": "tensorfloat32",
+    "float32": "float32",
+}
+PRESETS = (
+    "ANY_F8_ANY_F8_F32", "ANY_F8_ANY_F8_F32_FAST_ACCUM", "ANY_F8_ANY_F8_ANY",
+    "ANY_F8_ANY_F8_ANY_FAST_ACCUM", "F16_F16_F16", "F16_F16_F32",
+    "BF16_BF16_BF16", "BF16_BF16_F32", "BF16_BF16_F32_X3", "BF16_BF16_F32_X6",
+    "BF16_BF16_F32_X9", "TF32_TF32_F32", "TF32_TF32_F32_X3", "F32_F32_F32",
+    "F64_F64_F64",
+)
+FLAGS.update({p: p for p in PRESETS})
+
+# Exactly what JAX's flag accepts (jax/_src/config.py, default_matmul_precision).
+JAX_FLAG_VALUES = frozenset(
+    ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32") + PRESETS)
+
+# Every accepted spelling, lower-cased, mapped to a canonical name.
+ALIASES: dict[str, str] = {
+    # JAX's flag values and per-op strings (jax/_src/lax/lax.py _precision_strings).
+    "default": "bfloat16", "fastest": "bfloat16", "bfloat16": "bfloat16",
+    "high": "tensorfloat32", "tensorfloat32": "tensorfloat32",
+    "bfloat16_3x": "bfloat16_3x",
+    "highest": "float32", "float32": "float32",
+    # Short aliases.
+    "bf16": "bfloat16", "tf32": "tensorfloat32", "fp32": "float32",
+    "f32": "float32", "bf16_3x": "bfloat16_3x", "bf16_6x": "BF16_BF16_F32_X6",
+    # PyTorch's torch.set_float32_matmul_precision: 'highest' (float32) and
+    # 'high' (TF32 or the two-bfloat16 split) coincide with JAX's spellings;
+    # 'medium' is bfloat16.
+    "medium": "bfloat16",
+    # Spellings of "no setting".
+    "backend-default": "backend-default", "backend_default": "backend-default",
+    "none": "backend-default",
+}
+ALIASES.update({p.lower(): p for p in PRESETS})
+
+ALIAS_HELP = ("any letter case; aliases: bf16, tf32, fp32, f32, bf16_3x, bf16_6x, "
+              "default, fastest, high, highest, medium; also lax.Precision and "
+              "lax.DotAlgorithmPreset members, or None for the backend default")
+
+
+def canonical(name: str) -> str | None:
+  """The canonical name for a spelling, or None if unknown."""
+  key = name.strip()
+  if key in FLAGS:
+    return key
+  return ALIASES.get(key.lower())
+
+
+# How alike (difflib's ratio) a suggestion must be: one letter wrong in four
+# ('bf17', 'bf61' for 'bf16') still is; 'nonsense' for 'none' (0.67) is not.
+_SUGGEST_CUTOFF = 0.75
+
+
+def suggest(name: str) -> str | None:
+  """The closest accepted spelling to ``name``, for "did you mean" messages;
+  None unless one is close (:data:`_SUGGEST_CUTOFF`)."""
+  import difflib
+  choices = sorted(set(ALIASES) | set(FLAGS))
+  close = difflib.get_close_matches(name.strip().lower(),
+                                    [c.lower() for c in choices], n=1,
+                                    cutoff=_SUGGEST_CUTOFF)
+  if not close:
+    return None
+  return next(c for c in choices if c.lower() == close[0])
+
+
+def invalid_message(value: object, why: str) -> str:
+  msg = (f"Invalid precision {value!r}: {why}. Valid names: "
+         f"{', '.join(sorted(FLAGS))} ({ALIAS_HELP}).")
+  if isinstance(value, str) and value.strip():
+    s = suggest(value)
+    if s is not None:
+      msg += f" Did you mean {s!r}?"
+  return msg
+
+
+def check_env_before_jax(environ) -> None:
+  """Validates (and, for jaxprec-only aliases, normalises) the env var.
+
+  Called by ``import jaxprec`` only when JAX is not imported yet. A spelling
+  that JAX would reject but jaxprec understands (``fp32``, ``BF16``,
+  ``bfloat16_3x``) is rewritten to JAX's spelling so that ``import jax``
+  succeeds; an unknown one raises ValueError naming the variable.
+  """
+  raw = environ.get(ENV_VAR)
+  if raw is None or raw in JAX_FLAG_VALUES:
+    return
+  name = canonical(raw) if raw.strip() else None
+  if name is None:
+    raise ValueError(f"{ENV_VAR}: " + invalid_message(
+        raw, "unknown name" if raw.strip() else "empty string"))
+  flag = FLAGS[name]
+  if flag is None:
+    del environ[ENV_VAR]
+  else:
+    environ[ENV_VAR] = flag
+
+
+# The file names of the `jaxprec` console script (pip writes jaxprec.exe and
+# jaxprec-script.py on Windows).
+_SCRIPTS = ("jaxprec", "jaxprec.exe", "jaxprec-script.py")
+# Python options that take the next argument as their value.
+_OPTIONS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def _module_run(orig_argv) -> str | None:
+  """The module ``python -m MODULE`` runs in ``orig_argv``, or None."""
+  tokens = list(orig_argv or ())[1:]
+  i = 0
+  while i < len(tokens):
+    tok = tokens[i]
+    if tok == "-m":
+      return tokens[i + 1] if i + 1 < len(tokens) else None
+    if tok.startswith("-m") and not tok.startswith("--"):
+      return tok[2:]
+    if tok == "-c" or tok == "-" or not tok.startswith("-"):
+      return None  # a command, stdin or a script: not -m
+    i += 2 if tok in _OPTIONS_WITH_VALUE else 1
+  return None
+
+
+def running_as_cli(argv, orig_argv=None) -> bool:
+  """Whether this process is the ``jaxprec`` command (console script or -m).
+
+  Only jaxprec's own command counts: another application run as
+  ``python -m pkg`` that imports jaxprec is not the command line.
+
+  Args:
+    argv: ``sys.argv``.
+    orig_argv: ``sys.orig_argv`` (the interpreter's own command line; default
+      the running one).
+  """
+  import sys
+  if not argv:
+    return False
+  base = argv[0].replace("\\", "/").rsplit("/", 1)[-1]
+  if base in _SCRIPTS:
+    return True
+  if orig_argv is None:
+    orig_argv = getattr(sys, "orig_argv", ())
+  if argv[0] == "-m" or base == "__main__.py":
+    return _module_run(orig_argv) in ("jaxprec", "jaxprec.__main__")
+  return False
+
+
+def asks_help_or_version(argv) -> bool:
+  """Whether a ``jaxprec`` command line asks only for help or the version.
+
+  Those need no precision: ``import jaxprec`` lets them run when
+  ``JAX_DEFAULT_MATMUL_PRECISION`` is invalid (with a warning).
+  """
+  tokens = list(argv[1:])
+  if "--" in tokens:
+    tokens = tokens[:tokens.index("--")]
+  if not tokens:
+    return False
+  if tokens[0] in ("-h", "--help", "--version"):
+    return True
+  if tokens[0] == "run":  # What follows `run -p P` is the command's own.
+    return len(tokens) > 1 and tokens[1] in ("-h", "--help")
+  return any(t in ("-h", "--help") for t in tokens[1:])

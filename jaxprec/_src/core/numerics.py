@@ -1,0 +1,377 @@
+"""The one table of precision decisions: what runs for an op, and how to ask for it.
+
+Every feature that decides something about an op's numerics asks here: the
+audit, the cost model, the emulation, the Flax interception and modules, the
+checker and the search. A fact written here once is never re-derived elsewhere
+(``docs/architecture.md``).
+
+* **Targets and modes**: :data:`TARGETS` (what a TPU or GPU computes),
+  :data:`EMULATION_TARGETS` (plus ``'cpu'``/``'native'``: emulate nothing),
+  :data:`MODES`, and the one checker of each, :func:`check_target`,
+  :func:`resolve_mode`, :func:`check_choice`.
+* **Levels**: :func:`level_name`, the jaxprec name of a ``lax.Precision``.
+* **What an op records under a precision** (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py: a
+  convolution understands levels only, so under a preset it runs at the
+  preset's level, never at JAX's silent DEFAULT): :func:`per_op` and
+  :func:`flag_for`.
+* **What a target runs** for an op at a precision and operand dtypes, the
+  one decision that the audit, the emulation and the cost model share:
+  :func:`op_numerics` (the record of the one table of algorithms,
+  :mod:`jaxprec._src.core.algorithms`) and :func:`algorithm_for` (its name, one of
+  :data:`ALGORITHMS`, whose passes are :data:`PASSES`). An algorithm the
+  target does not run raises :class:`UnsupportedAlgorithmError`.
+* **Compute dtypes** a policy may give a module: :data:`DTYPES`, their
+  spellings and sizes (:data:`DTYPE_BYTES`), and the one checker,
+  :func:`canonical_dtype`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from jaxprec._src.core import algorithms
+from jaxprec._src.core.algorithms import Numerics
+from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
+from jaxprec._src.jaxpr.walker import PRIMITIVES
+
+# What a TPU or an Ampere+ GPU computes; 'cpu'/'native' emulate nothing.
+TARGETS = algorithms.TARGETS
+EMULATION_TARGETS = ("tpu", "gpu", "cpu", "native")
+# How a checker computes a target's numerics: 'auto' runs natively on the
+# target's own backend and emulates elsewhere.
+MODES = ("auto", "emulate", "native")
+# Op kinds as policies name them (the primitives they stand for:
+# jaxprec._src.jaxpr.walker.PRIMITIVES).
+OP_KINDS = ("dot", "conv")
+
+# The algorithms the emulation computes (:func:`algorithm_for`): those of
+# the one table (jaxprec._src.core.algorithms) that a kernel runs, exact float32,
+# and 'native' (the lax op as recorded).
+ALGORITHMS = ("native", "f32") + algorithms.emulated()
+# Matmul passes of each, read from the table's records.
+PASSES = {"native": 1, **{a: algorithms.record(a).passes
+                          for a in ALGORITHMS[1:]}}
+
+_P = lax.Precision
+_LEVEL_NAMES = {_P.DEFAULT: "bfloat16", _P.HIGH: "tensorfloat32",
+                _P.HIGHEST: "float32"}
+# Compute dtypes a policy may give a module (Rule(dtype=), default_dtype), by
+# their numpy names. float64 only for jaxprec's own reference runs.
+DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+_DTYPE_ALIASES = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "f16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "f32": "float32", "fp32": "float32",
+    "float64": "float64", "f64": "float64", "fp64": "float64", "double": "float64",
+}
+_EMULATED_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16),
+                    np.dtype(np.float16))
+
+
+def check_choice(value: Any, choices: Sequence[str], what: str) -> str:
+  """``value`` lower-cased if it is one of ``choices``; else a ValueError.
+
+  The message names the value, every choice and the closest one.
+
+  Examples:
+    >>> from jaxprec._src.core.numerics import check_choice
+    >>> check_choice("TPU", ("tpu", "gpu"), "target")
+    'tpu'
+    >>> check_choice("tpuu", ("tpu", "gpu"), "target")
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown target 'tpuu'; valid choices: 'tpu', 'gpu'. Did you mean 'tpu'?
+  """
+  v = value.strip().lower() if isinstance(value, str) else None
+  if v not in choices:
+    msg = (f"Unknown {what} {value!r}; valid choices: "
+           f"{', '.join(map(repr, choices))}.")
+    close = difflib.get_close_matches(v, list(choices), n=1) if v else []
+    if close:
+      msg += f" Did you mean {close[0]!r}?"
+    raise ValueError(msg)
+  return v
+
+
+def canonical_dtype(value: Any, *, allow_float64: bool = False) -> str:
+  """The name of a compute dtype: ``'bfloat16'``, ``'float16'`` or ``'float32'``.
+
+  The one checker of dtypes for policies (``Rule(dtype=)``,
+  ``Policy(default_dtype=)``, the ``dtype:`` items of policy strings).
+
+  Args:
+    value: a name or alias (``'bf16'``; ``'f16'``, ``'fp16'``, ``'half'``;
+      ``'f32'``, ``'fp32'``; any case), a numpy dtype, or a scalar type
+      (``jnp.bfloat16``, ``np.float32``).
+    allow_float64: also accept float64 (``'f64'``, ``'fp64'``, ``'double'``),
+      for jaxprec's own float64 reference runs; policies never hold it.
+
+  Returns:
+    One of :data:`DTYPES` (or ``'float64'``).
+
+  Raises:
+    ValueError: naming the value, the valid choices and the closest match.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxprec._src.core.numerics import canonical_dtype
+    >>> canonical_dtype("bf16"), canonical_dtype(jnp.float32)
+    ('bfloat16', 'float32')
+    >>> canonical_dtype("bflaot16")
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown dtype 'bflaot16'; valid choices: 'bfloat16', 'float16', 'float32' ... Did you mean 'bfloat16'?
+  """
+  choices = DTYPES + (("float64",) if allow_float64 else ())
+  name = None
+  if isinstance(value, str):
+    name = _DTYPE_ALIASES.get(value.strip().lower())
+  elif value is not None and not isinstance(value, (bool, int, float)):
+    try:
+      name = np.dtype(value).name
+    except TypeError:
+      name = None
+  if name in choices:
+    return name
+  shown = name if name is not None and not isinstance(value, str) else value
+  msg = (f"Unknown dtype {shown!r}; valid choices: "
+         f"{', '.join(map(repr, choices))} (aliases: bf16, f16, fp16, half, "
+         f"f32, fp32; numpy dtypes and jnp.bfloat16, jnp.float32, ...).")
+  if name == "float64":
+    msg += (" float64 is not a compute dtype a policy can give; the float64 "
+            "reference is the checker's reference='float64'.")
+  elif isinstance(value, str):
+    key = value.strip().lower()
+    close = difflib.get_close_matches(key, list(_DTYPE_ALIASES), n=1, cutoff=0.6)
+    if close and _DTYPE_ALIASES[close[0]] in choices:
+      msg += f" Did you mean {_DTYPE_ALIASES[close[0]]!r}?"
+  raise ValueError(msg)
+
+
+def check_target(target: Any, *, emulation: bool = False) -> str:
+  """A target, lower-cased: one of :data:`TARGETS`, or with ``emulation=True``
+  of :data:`EMULATION_TARGETS`. ValueError naming the choices otherwise."""
+  return check_choice(target, EMULATION_TARGETS if emulation else TARGETS,
+                      "emulation target" if emulation else "target")
+
+
+def resolve_mode(mode: Any, target: str) -> str:
+  """``'emulate'`` or ``'native'``; ``'auto'`` is native on the target's own
+  backend and emulation elsewhere."""
+  from jaxprec._src.jaxpr import compat
+  mode = check_choice(mode, MODES, "mode")
+  if mode != "auto":
+    return mode
+  backend = compat.backend_platform()
+  native = {"tpu": ("tpu",), "gpu": ("gpu", "cuda", "rocm")}[check_target(target)]
+  return "native" if backend in native else "emulate"
+
+
+def level_name(level: lax.Precision) -> str:
+  """jaxprec's name of a ``lax.Precision`` level: ``'bfloat16'``,
+  ``'tensorfloat32'`` or ``'float32'``."""
+  return _LEVEL_NAMES[level]
+
+
+def op_kind(primitive: Any) -> str:
+  """``'dot'`` or ``'conv'`` for a primitive or its name."""
+  name = getattr(primitive, "name", primitive)
+  try:
+    return PRIMITIVES[name]
+  except KeyError:
+    raise ValueError(f"Unknown op {name!r}; valid choices: "
+                     f"{', '.join(map(repr, PRIMITIVES))}.") from None
+
+
+def per_op(p: Precision | None, kind: str) -> Any:
+  """The ``precision=`` an op of ``kind`` gets under ``p``.
+
+  None for the backend default (or ``p`` None). Dots take the preset or the
+  level pair; convolutions take the level, because JAX lowers a convolution
+  under a preset at DEFAULT (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py), which is never what the
+  preset means. This is the one place that rule lives.
+
+  Examples:
+    >>> import jaxprec
+    >>> from jaxprec._src.core.numerics import per_op
+    >>> per_op(jaxprec.resolve("F32_F32_F32"), "conv")
+    Precision.HIGHEST
+    >>> per_op(jaxprec.resolve("F32_F32_F32"), "dot").name
+    'F32_F32_F32'
+  """
+  if p is None or p.flag is None:
+    return None
+  if kind == "conv":
+    return p.level
+  return p.per_op
+
+
+def lowered(recorded: Any, kind: str) -> Any:
+  """The ``precision`` JAX lowers an op of ``kind`` with, given the one its
+  jaxpr equation recorded: a convolution that recorded a
+  ``DotAlgorithmPreset`` lowers at ``(DEFAULT, DEFAULT)`` (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py); anything else as recorded."""
+  if kind == "conv" and isinstance(recorded, lax.DotAlgorithmPreset):
+    return (_P.DEFAULT, _P.DEFAULT)
+  return recorded
+
+
+def flag_for(p: Precision, kind: str) -> str | None:
+  """The value of JAX's flag that gives ops of ``kind`` precision ``p``
+  (a conv under a preset: the preset's level, as :func:`per_op`)."""
+  if kind == "conv" and p.is_preset:
+    return _LEVEL_NAMES[p.level]
+  return p.flag
+
+
+def emulatable(lhs_dtype: Any, rhs_dtype: Any) -> bool:
+  """float32 x float32, or float32 x a narrower float (upcast exactly)."""
+  dts = (np.dtype(lhs_dtype), np.dtype(rhs_dtype))
+  return all(d in _EMULATED_DTYPES for d in dts) and np.dtype(np.float32) in dts
+
+
+class UnsupportedAlgorithmError(ValueError):
+  """A target does not run the algorithm that a precision names (a compile
+  error on that device, never a silent fallback)."""
+
+
+# The levels as each target's users spell them, most precise first.
+_LEVEL_SPELLINGS = {"tpu": ("float32", "bfloat16_3x", "bfloat16"),
+                    "gpu": ("float32", "tensorfloat32", "bfloat16")}
+
+
+# Where the table's targets come from (jaxprec._src.core.algorithms).
+_SUPPORT_SOURCES = {
+    "tpu": ("JAX's tests/lax_test.py, testDotAlgorithm, runs only DEFAULT and "
+            "the BF16_BF16_F32 presets up to X6 on a TPU"),
+    "gpu": "XLA's IsSupportedDotAlgorithmOnGpu, xla/service/algorithm_util.cc",
+}
+
+
+def unsupported_message(p: Precision, target: str) -> str:
+  """Why ``target`` cannot run ``p``, and the precisions that it can run."""
+  asked = (algorithms.record(algorithms.PRESETS[p.preset.name])
+           if p.preset is not None else None)
+  what = f"{p.name} ({asked.algorithm}: {asked.note})" if asked else p.name
+  seen, offers = set(), []
+  for name in _LEVEL_SPELLINGS[target]:
+    n = resolve(name).on(target)
+    if n.supported and n.algorithm not in seen:
+      seen.add(n.algorithm)
+      offers.append(f"{name!r} ({n.algorithm}, {n.operand_bits} significand "
+                    f"bits)")
+  others = [t for t in TARGETS if t != target and asked is not None
+            and t in asked.targets]
+  elsewhere = "".join(f"; a {t.upper()} runs {p.name} (target={t!r})"
+                      for t in others)
+  return (f"{what} does not run on a {target.upper()}: XLA rejects the "
+          f"algorithm there ({_SUPPORT_SOURCES[target]}). "
+          f"On a {target.upper()} use {', '.join(offers[:-1])} or "
+          f"{offers[-1]}{elsewhere}.")
+
+
+def op_numerics(precision: PrecisionLike, target: str, lhs_dtype: Any,
+                rhs_dtype: Any, *, op: str = "dot_general") -> Numerics | None:
+  """What ``target`` runs for one matmul or conv: the one decision.
+
+  The audit's TPU and GPU columns, the emulation (:func:`algorithm_for`)
+  and the cost model all ask here, so they give an op the same answer.
+
+  Args:
+    precision: as :func:`algorithm_for`.
+    target: one of :data:`EMULATION_TARGETS`.
+    lhs_dtype, rhs_dtype: the operand dtypes. The precision applies where one
+      operand is float32 and the other float32, bfloat16 or float16 (the
+      narrower one is exact in float32): a float32 x bfloat16 dot at
+      ``DEFAULT`` is one bfloat16 pass on a TPU.
+    op: ``'dot_general'`` or ``'conv_general_dilated'``.
+
+  Returns:
+    The algorithm's record (:class:`jaxprec.Numerics`), the ``'unsupported'``
+    record where the target does not run the precision's algorithm, or None
+    where the precision does not apply (other operand dtypes, target
+    ``'cpu'``/``'native'``): the op runs natively.
+
+  Raises:
+    ValueError: unknown target, op or precision (a custom
+      ``lax.DotAlgorithm`` too).
+  """
+  target = check_target(target, emulation=True)
+  kind = op_kind(op)
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  p = resolve(precision)  # validates even when nothing is emulated
+  if target in ("cpu", "native") or not emulatable(lhs_dtype, rhs_dtype):
+    return None
+  if p.preset is not None and kind == "dot":
+    return algorithms.preset_meaning(p.preset.name, target)
+  # A convolution under a preset runs at DEFAULT (per_op's rule).
+  level = _P.DEFAULT if p.preset is not None else p.level
+  return algorithms.level_meaning(level.name, target)
+
+
+def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
+                  rhs_dtype: Any, *, op: str = "dot_general") -> str:
+  """Names the algorithm ``target`` runs for a matmul or conv at ``precision``.
+
+  Args:
+    precision: anything ``lax.dot_general`` accepts (None, a
+      ``lax.Precision``, a ``(lhs, rhs)`` pair, a ``DotAlgorithmPreset``, their
+      names) and any jaxprec name. None means the value of
+      ``jax.config.jax_default_matmul_precision`` now (None there: the
+      target's default, ``DEFAULT``).
+    target: one of :data:`EMULATION_TARGETS` (``'cpu'``/``'native'`` emulate
+      nothing).
+    lhs_dtype, rhs_dtype: operand dtypes. Only float32 operands (or float32
+      with a bfloat16/float16 operand) are emulated; anything else keeps its
+      native meaning.
+    op: ``'dot_general'`` or ``'conv_general_dilated'``. Convolutions
+      understand levels only: under a ``DotAlgorithmPreset`` JAX lowers them at
+      ``DEFAULT`` (JAX's conv_general_dilated lowering,
+      jax/_src/lax/convolution.py), and so does the emulation.
+
+  Returns:
+    One of :data:`ALGORITHMS` (:func:`op_numerics`' record; ``'native'``
+    where nothing is emulated, ``F64_F64_F64`` and the ``ANY_F8_*`` presets
+    included).
+
+  Raises:
+    UnsupportedAlgorithmError: ``target`` does not run the algorithm (e.g.
+      ``F32_F32_F32`` or a TF32 preset on a TPU); the message names the
+      precisions it runs.
+    ValueError: unknown target, op or precision.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxprec._src.core.numerics import algorithm_for
+    >>> algorithm_for("highest", "tpu", jnp.float32, jnp.float32)
+    'bf16x6'
+    >>> algorithm_for("BF16_BF16_F32_X3", "gpu", jnp.float32, jnp.float32)
+    'bf16x3'
+    >>> algorithm_for("BF16_BF16_F32_X3", "tpu", jnp.float32, jnp.float32,
+    ...               op="conv_general_dilated")
+    'bf16x1'
+    >>> algorithm_for("high", "tpu", jnp.bfloat16, jnp.bfloat16)
+    'native'
+    >>> algorithm_for("default", "tpu", jnp.float32, jnp.bfloat16)
+    'bf16x1'
+    >>> algorithm_for("F32_F32_F32", "tpu", jnp.float32, jnp.float32)
+    Traceback (most recent call last):
+    ...
+    jaxprec._src.core.numerics.UnsupportedAlgorithmError: F32_F32_F32 (f32: exact float32) does not run on a TPU: ... use 'float32' (bf16x6, 24 significand bits), ...
+  """
+  n = op_numerics(precision, target, lhs_dtype, rhs_dtype, op=op)
+  if n is None:
+    return "native"
+  if not n.supported:
+    if precision is None:
+      precision = jax.config.jax_default_matmul_precision
+    raise UnsupportedAlgorithmError(
+        unsupported_message(resolve(precision), target))
+  return "native" if n.algorithm in algorithms.NATIVE else n.algorithm

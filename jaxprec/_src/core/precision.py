@@ -1,0 +1,246 @@
+"""Precision names: one parser for every spelling JAX, PyTorch and users write.
+
+Everything that takes a precision in jaxprec (the decorator, the env var, the CLI,
+policy strings, the emulated ops) goes through :func:`resolve`, so there is one
+grammar and one error message.
+
+Facts used here: the jax.default_matmul_precision docs; the jax.lax.Precision docs and JAX's tests/lax_test.py; PyTorch's torch.set_float32_matmul_precision docs (JAX's flag values
+are listed in ``jax/_src/config.py``'s ``default_matmul_precision``; per-op
+aliases in ``jax/_src/lax/lax.py``'s ``_precision_strings``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Union
+
+from jax import lax
+
+from jaxprec._src.core import algorithms
+from jaxprec._src.core import names
+from jaxprec._src.core.algorithms import Numerics
+
+
+class Kind(enum.Enum):
+  UNSET = "unset"
+  LEVEL = "level"
+  PRESET = "preset"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Precision:
+  """A resolved matmul/conv precision. Frozen and hashable.
+
+  Build one with :func:`resolve`; do not construct it directly.
+
+  Attributes:
+    name: canonical jaxprec name, e.g. ``'bfloat16'``, ``'float32'``,
+      ``'BF16_BF16_F32_X3'``, or ``'backend-default'`` for ``None``.
+    flag: the value to hand to ``jax.default_matmul_precision`` /
+      ``JAX_DEFAULT_MATMUL_PRECISION`` (``None`` leaves the backend default).
+    level: the ``lax.Precision`` to use for convolutions, which understand levels
+      only (a preset maps to the level that is at least as precise on TPU).
+    preset: the ``lax.DotAlgorithmPreset`` where the precision is one, else None.
+    tpu, gpu, cpu: what the precision computes for float32 operands there:
+      the :class:`~jaxprec.Numerics` record of the one table of algorithms
+      (:mod:`jaxprec._src.core.algorithms`), its ``'unsupported'`` record where
+      the target does not run the algorithm (``F32_F32_F32`` on a TPU).
+    source: where the value came from when returned by :func:`jaxprec.current`
+      (``'context'``, ``'config'``, ``'env'``, ``'backend-default'``); empty
+      for values made by :func:`resolve`. Not part of equality.
+  """
+
+  name: str
+  flag: str | None
+  level: lax.Precision
+  preset: lax.DotAlgorithmPreset | None
+  tpu: Numerics
+  gpu: Numerics
+  cpu: Numerics
+  source: str = dataclasses.field(default="", compare=False)
+
+  @property
+  def kind(self) -> Kind:
+    if self.flag is None:
+      return Kind.UNSET
+    return Kind.PRESET if self.preset is not None else Kind.LEVEL
+
+  @property
+  def is_preset(self) -> bool:
+    return self.preset is not None
+
+  @property
+  def per_op(self) -> lax.Precision | lax.DotAlgorithmPreset | None:
+    """The value to pass as ``precision=`` to ``lax.dot_general`` and friends."""
+    if self.flag is None:
+      return None
+    return self.preset if self.preset is not None else self.level
+
+  def on(self, backend: str) -> Numerics:
+    """Numerics on ``backend`` (``'tpu'``, ``'gpu'``/``'cuda'``, ``'cpu'``)."""
+    b = _BACKEND_ALIASES.get(str(backend).lower())
+    if b is None:
+      raise ValueError(
+          f"Unknown backend {backend!r}; valid choices: 'tpu', 'gpu', 'cpu'.")
+    return getattr(self, b)
+
+  def with_source(self, source: str) -> Precision:
+    return dataclasses.replace(self, source=source)
+
+  def __str__(self) -> str:
+    return self.name
+
+  def __repr__(self) -> str:
+    src = f", source={self.source!r}" if self.source else ""
+    return f"jaxprec.Precision({self.name!r}{src})"
+
+
+_BACKEND_ALIASES = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu",
+                    "cpu": "cpu"}
+
+P = lax.Precision
+D = lax.DotAlgorithmPreset
+
+
+def _level(name: str, flag: str | None, level: P) -> Precision:
+  """A level's :class:`Precision`; its meaning on each target from the one
+  table (:data:`jaxprec._src.core.algorithms.LEVELS`)."""
+  return Precision(
+      name=name, flag=flag, level=level, preset=None,
+      tpu=algorithms.level_meaning(level.name, "tpu"),
+      gpu=algorithms.level_meaning(level.name, "gpu"),
+      cpu=algorithms.CPU)
+
+
+def _preset(preset: D, level: P) -> Precision:
+  """A preset's :class:`Precision`; its meaning on each target from the one
+  table (:data:`jaxprec._src.core.algorithms.PRESETS`): unsupported where the
+  target does not run it."""
+  return Precision(
+      name=preset.name, flag=preset.name, level=level, preset=preset,
+      tpu=algorithms.preset_meaning(preset.name, "tpu"),
+      gpu=algorithms.preset_meaning(preset.name, "gpu"),
+      cpu=algorithms.CPU)
+
+
+# ``level`` is what a convolution runs under the precision (convolutions
+# understand levels only).
+_CANONICAL: dict[str, Precision] = {
+    p.name: p for p in [
+        _level("backend-default", None, P.DEFAULT),
+        _level("bfloat16", "bfloat16", P.DEFAULT),
+        _level("bfloat16_3x", "tensorfloat32", P.HIGH),
+        _level("tensorfloat32", "tensorfloat32", P.HIGH),
+        _level("float32", "float32", P.HIGHEST),
+        _preset(D.BF16_BF16_F32, P.DEFAULT),
+        _preset(D.BF16_BF16_F32_X3, P.HIGH),
+        _preset(D.BF16_BF16_F32_X6, P.HIGHEST),
+        _preset(D.BF16_BF16_F32_X9, P.HIGHEST),
+        _preset(D.BF16_BF16_BF16, P.DEFAULT),
+        _preset(D.TF32_TF32_F32, P.HIGH),
+        _preset(D.TF32_TF32_F32_X3, P.HIGHEST),
+        _preset(D.F16_F16_F32, P.DEFAULT),
+        _preset(D.F16_F16_F16, P.DEFAULT),
+        _preset(D.F32_F32_F32, P.HIGHEST),
+        _preset(D.F64_F64_F64, P.HIGHEST),
+        _preset(D.ANY_F8_ANY_F8_F32, P.DEFAULT),
+        _preset(D.ANY_F8_ANY_F8_F32_FAST_ACCUM, P.DEFAULT),
+        _preset(D.ANY_F8_ANY_F8_ANY, P.DEFAULT),
+        _preset(D.ANY_F8_ANY_F8_ANY_FAST_ACCUM, P.DEFAULT),
+    ]
+}
+
+_LEVEL_NAMES = {P.DEFAULT: "bfloat16", P.HIGH: "tensorfloat32", P.HIGHEST: "float32"}
+
+PrecisionLike = Union[str, lax.Precision, lax.DotAlgorithmPreset, Precision,
+                      tuple, None]
+
+
+def valid_names() -> list[str]:
+  """The canonical names and the accepted aliases, sorted, for messages and docs."""
+  return sorted(set(_CANONICAL) | set(names.ALIASES))
+
+
+def _invalid(value: Any, why: str) -> ValueError:
+  return ValueError(names.invalid_message(value, why))
+
+
+def resolve(value: PrecisionLike) -> Precision:
+  """Turns any precision spelling into a :class:`Precision`.
+
+  Accepts every value of JAX's ``jax_default_matmul_precision`` flag, every
+  per-op spelling (``lax.Precision`` members and names, ``'fastest'``,
+  ``'bfloat16_3x'``, ``lax.DotAlgorithmPreset`` members and names), any letter
+  case, the short aliases ``bf16``, ``tf32``, ``fp32``, ``f32``, ``bf16_3x``,
+  ``bf16_6x``, PyTorch's ``'highest'``/``'high'``/``'medium'``, a
+  ``(lhs, rhs)`` pair of equal levels, a :class:`Precision`, and ``None`` (the
+  backend default).
+
+  Args:
+    value: the precision to resolve.
+
+  Returns:
+    The canonical :class:`Precision`.
+
+  Raises:
+    ValueError: for an unknown name or a value of the wrong type; the message
+      lists the valid names and suggests the closest one.
+
+  Examples:
+    >>> import jaxprec
+    >>> jaxprec.resolve("FP32").name
+    'float32'
+    >>> jaxprec.resolve("bf16").flag
+    'bfloat16'
+    >>> jaxprec.resolve("F32_F32_F32").level
+    Precision.HIGHEST
+    >>> jaxprec.resolve("bfloat61")
+    Traceback (most recent call last):
+    ...
+    ValueError: Invalid precision 'bfloat61': unknown name. ... Did you mean 'bfloat16'?
+  """
+  if value is None:
+    return _CANONICAL["backend-default"]
+  if isinstance(value, Precision):
+    return _CANONICAL[value.name] if not value.source else value
+  if isinstance(value, lax.Precision):
+    return _CANONICAL[_LEVEL_NAMES[value]]
+  if isinstance(value, lax.DotAlgorithmPreset):
+    if value is lax.DotAlgorithmPreset.DEFAULT:
+      return _CANONICAL["backend-default"]
+    return _CANONICAL[value.name]
+  if isinstance(value, (tuple, list)):
+    if len(value) == 2 and value[0] == value[1]:
+      return resolve(value[0])
+    if len(value) == 2 and all(isinstance(v, (str, lax.Precision)) for v in value):
+      a, b = resolve(value[0]), resolve(value[1])
+      if a.kind is Kind.LEVEL and b.kind is Kind.LEVEL:
+        # JAX computes a mixed pair at the higher of the two levels on TPU;
+        # jaxprec takes the more precise one so it never understates precision.
+        return a if a.level.value >= b.level.value else b
+    raise _invalid(value, "a pair must hold two precision levels")
+  if type(value).__name__ == "Policy" and hasattr(value, "rules"):
+    raise _invalid(value, "a Policy is not one precision; pass it to "
+                   "jaxprec.swap or jaxprec.emulate, which apply it per layer")
+  if isinstance(value, bool) or not isinstance(value, str):
+    raise _invalid(value, f"expected a string, lax.Precision, "
+                   f"lax.DotAlgorithmPreset or None, got {type(value).__name__}")
+  if not value.strip():
+    raise _invalid(value, "empty string")
+  canon = names.canonical(value)
+  if canon is None:
+    raise _invalid(value, "unknown name")
+  return _CANONICAL[canon]
+
+
+def from_lax(precision: Any) -> Precision | None:
+  """Reads a ``precision`` param as stored in a jaxpr equation.
+
+  ``None`` (no precision recorded) returns None; a pair of levels, a level or a
+  preset returns its :class:`Precision`. ``lax.DotAlgorithm`` objects (custom
+  algorithms) are not presets and raise ValueError.
+  """
+  if precision is None:
+    return None
+  return resolve(precision)

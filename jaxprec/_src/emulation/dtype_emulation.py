@@ -1,0 +1,196 @@
+"""bfloat16 and float16 compute under ``jaxprec.emulate``: one rounding per op.
+
+What XLA:CPU does (jax 0.10.2, measured; ``docs/fidelity.md`` has the
+evidence): its ``float-normalization-bf16`` pass computes each bfloat16 HLO
+instruction in float32 between a pair of converts. Between two bfloat16 ops
+the pair stays, so those round once per HLO instruction; a jaxpr op that
+lowers to several instructions rounds several times (``integer_pow``, i.e.
+``x**3`` in ``gelu``, multiplies twice in bfloat16; ``logistic`` is expanded
+into bfloat16 arithmetic). But where the program widens a bfloat16 result
+(``convert_element_type`` to float32: Flax's LayerNorm reading the Dense
+output, ``jnp.mean``, the softmax sum), the algebraic simplifier cancels the
+rounding convert against the widening one under ``xla_allow_excess_precision``
+(default true), and the consumer reads the unrounded float32 value: excess
+precision (measured: 32% of a bfloat16 LayerNorm's outputs differ by one ulp;
+``--xla_allow_excess_precision=false`` restores the rounding). A bfloat16 dot
+is widened to a float32 dot (exact products, float32 sums) and rounded once.
+A ``reduce_sum`` written in bfloat16 adds in bfloat16 (``jnp.sum`` and
+``jnp.mean`` widen it first).
+
+:func:`rewrite` makes one rounding per jaxpr op explicit, so that it holds on
+every backend, every XLA build and every setting of the flag:
+
+* elementwise arithmetic with a bfloat16 or float16 result: the operands
+  widened to float32 (exact), the op in float32, its result rounded once with
+  ``lax.reduce_precision`` (bfloat16) or :func:`rounding.round_to` (float16),
+  which no simplifier removes, then converted (exact);
+* ``convert_element_type`` from float32 to bfloat16/float16: the same rounding
+  (a user's ``x.astype(bf16).astype(f32)`` keeps its rounding);
+* ``dot_general`` on bfloat16 (float16) operands: exact products summed in
+  float32 (the emulated ``BF16_BF16_F32`` / ``F16_F16_F32`` pass, on the kernel
+  in force), the result rounded once to the output dtype, as a TPU's MXU or a
+  GPU's tensor cores;
+* ``conv_general_dilated`` on such operands: a float32 convolution at
+  ``HIGHEST`` on the widened operands (exact products, float32 sums), rounded
+  once;
+* ``reduce_sum`` with a bfloat16/float16 result: float32 sums, one rounding
+  (as a TPU; XLA:CPU would add in bfloat16).
+
+Ops that cannot round (``max``, ``neg``, ``select_n``, reshapes, ...) and ops
+not listed in :data:`ROUNDING_PRIMITIVES` run as written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxprec._src.emulation import emulated_ops
+from jaxprec._src.emulation import rounding
+
+# The low-precision compute dtypes, by numpy dtype: their rounding format.
+LOW_DTYPES: dict[np.dtype, str] = {
+    np.dtype(jnp.bfloat16): "bfloat16",
+    np.dtype(jnp.float16): "float16",
+}
+
+# The one-pass dot algorithm of each low-precision operand dtype: exact
+# products (8 x 8 or 11 x 11 significant bits fit in float32's 24), float32
+# accumulation (numerics: 'bf16x1' and 'f16' on both targets).
+DOT_PRESETS: dict[str, str] = {
+    "bfloat16": "BF16_BF16_F32",
+    "float16": "F16_F16_F32",
+}
+
+# Elementwise and reduction primitives whose result can round. Each is
+# computed in float32 and rounded once when its result is bfloat16/float16.
+ROUNDING_PRIMITIVES = frozenset({
+    "add", "add_any", "sub", "mul", "div", "rem", "pow", "integer_pow",
+    "square", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p",
+    "logistic", "tanh", "sin", "cos", "tan", "asin", "acos", "atan", "atan2",
+    "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc", "erf_inv",
+    "lgamma", "digamma", "reduce_sum",
+})
+
+_F32 = np.dtype(np.float32)
+_HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+
+
+def _np_dtype(dtype: Any) -> np.dtype | None:
+  """``dtype`` as a NumPy dtype; None for JAX's extended dtypes (PRNG keys)."""
+  try:
+    return np.dtype(dtype)
+  except TypeError:
+    return None
+
+
+def _low(x: Any) -> str | None:
+  """The rounding format of ``x``'s dtype when it is bfloat16/float16."""
+  return LOW_DTYPES.get(_np_dtype(getattr(x, "dtype", np.float32)))
+
+
+def _out_dtypes(eqn) -> list[np.dtype] | None:
+  """The result dtypes of ``eqn``; None when one is weakly typed (kept as is)."""
+  avals = [v.aval for v in eqn.outvars]
+  if any(getattr(a, "weak_type", False) for a in avals):
+    return None
+  dtypes = [_np_dtype(a.dtype) for a in avals]
+  return None if any(d is None for d in dtypes) else dtypes
+
+
+def _widen(x: Any) -> Any:
+  """``x`` as float32 when it is bfloat16/float16 (exact), else unchanged."""
+  return lax.convert_element_type(x, _F32) if _low(x) else x
+
+
+def round_result(y: Any, dtype: Any) -> Any:
+  """Float32 ``y`` rounded once to ``dtype`` (bfloat16 or float16).
+
+  The rounding is ``lax.reduce_precision`` (bfloat16: round to nearest even,
+  identical to a convert) or :func:`rounding.round_to` (float16, subnormals
+  and overflow included), which XLA keeps under excess precision; the final
+  convert is exact.
+  """
+  fmt = LOW_DTYPES[np.dtype(dtype)]
+  if fmt == "bfloat16":
+    y = lax.reduce_precision(y, exponent_bits=8, mantissa_bits=7)
+  else:
+    y = rounding.round_to(y, fmt)
+  return lax.convert_element_type(y, dtype)
+
+
+def rewrite(eqn, invals: Sequence[Any], *, target: str,
+            **options: Any) -> list[Any] | None:
+  """One rounding per op for ``eqn`` when it computes in bfloat16/float16.
+
+  A :data:`walker.Rule <jaxprec._src.jaxpr.walker.Rule>` body for
+  :func:`jaxprec.emulate`'s rule (see the module docstring for what each op
+  becomes).
+
+  Args:
+    eqn: a jaxpr equation.
+    invals: its input values.
+    target: the emulated target ('tpu' or 'gpu').
+    **options: passed to the emulated dot (``tf32_rounding``).
+
+  Returns:
+    The outputs, or None when ``eqn`` is not low-precision compute (the
+    caller then handles it).
+  """
+  name = eqn.primitive.name
+  if name == "dot_general":
+    return _dot(eqn, invals, target, options)
+  if name == "conv_general_dilated":
+    return _conv(eqn, invals)
+  outs = _out_dtypes(eqn)
+  if not outs or not all(d in LOW_DTYPES for d in outs):
+    return None
+  if name == "convert_element_type":
+    (x,) = invals
+    if np.dtype(getattr(x, "dtype", None) or _F32) != _F32:
+      return None  # bfloat16 <-> float16, float64: as written
+    return [round_result(x, outs[0])]
+  if name not in ROUNDING_PRIMITIVES:
+    return None
+  wide = [_widen(x) for x in invals]
+  res = eqn.primitive.bind(*wide, **eqn.params)
+  res = list(res) if eqn.primitive.multiple_results else [res]
+  return [round_result(y, d) for y, d in zip(res, outs)]
+
+
+def _narrow_operands(eqn, invals) -> tuple[str, np.dtype] | None:
+  """``(format, result dtype)`` of a dot or conv on two operands of one narrow
+  format with a narrow or float32 result; None for anything else."""
+  lhs, rhs = invals
+  fmt = _low(lhs)
+  outs = _out_dtypes(eqn)
+  if fmt is None or _low(rhs) != fmt or not outs or (
+      outs[0] not in LOW_DTYPES and outs[0] != _F32):
+    return None
+  return fmt, outs[0]
+
+
+def _dot(eqn, invals, target: str, options: dict) -> list[Any] | None:
+  found = _narrow_operands(eqn, invals)
+  if found is None:
+    return None
+  (fmt, out), (lhs, rhs) = found, invals
+  acc = emulated_ops.emulated_dot_general(
+      _widen(lhs), _widen(rhs), eqn.params["dimension_numbers"],
+      precision=DOT_PRESETS[fmt], preferred_element_type=_F32,
+      target=target, **options)
+  return [acc if out == _F32 else round_result(acc, out)]
+
+
+def _conv(eqn, invals) -> list[Any] | None:
+  found = _narrow_operands(eqn, invals)
+  if found is None:
+    return None
+  (_, out), (lhs, rhs) = found, invals
+  params = dict(eqn.params, precision=_HIGHEST, preferred_element_type=_F32)
+  acc = eqn.primitive.bind(_widen(lhs), _widen(rhs), **params)
+  return [acc if out == _F32 else round_result(acc, out)]

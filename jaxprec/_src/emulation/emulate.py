@@ -1,0 +1,362 @@
+"""Whole-function emulation: ``jaxprec.emulate(fn, precision, target=...)``.
+
+The function is traced once per input signature with JAX's precision flag
+cleared, so that the jaxpr records ``precision=None`` exactly on the ops the
+user wrote without one. The shared walker then re-evaluates the jaxpr with
+every ``dot_general`` and ``conv_general_dilated`` (at any depth: jit, remat,
+scan, while, cond, custom_jvp, custom_vjp, shard_map) replaced by its emulated
+counterpart from :mod:`jaxprec._src.emulation.emulated_ops`. Nested structure is kept.
+
+Which precision an op gets:
+
+* an op whose code passed ``precision=`` keeps it;
+* an op without one takes ``precision`` (convolutions take its level, as
+  ``@jaxprec.precision`` does, so a preset never silently downgrades them), or,
+  when ``precision`` is None, the precision in force when the emulated function
+  is traced (``jaxprec.precision`` scopes, ``set_default``, the env var);
+* a convolution whose code passed a ``DotAlgorithmPreset`` is emulated at
+  DEFAULT, because that is how JAX lowers it (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py).
+
+Ops that compute in bfloat16 or float16 (a Flax model with
+``dtype=jnp.bfloat16``) are computed in float32 and rounded once per jaxpr op,
+and their dots sum exact products in float32 and round the result once
+(:mod:`jaxprec._src.emulation.dtype_emulation`; ``docs/fidelity.md`` says what XLA:CPU
+does natively and what may differ on a TPU).
+
+Gradients are emulated too: the emulated ops carry custom VJPs whose transposed
+matmuls run at the forward's emulated precision, as on a TPU, so
+``jax.grad(emulate(f))`` and ``emulate(jax.grad(f))`` both see TPU numerics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+from jax import lax
+
+from jaxprec._src.core import numerics
+from jaxprec._src.core.context import current
+from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
+from jaxprec._src.emulation import dtype_emulation
+from jaxprec._src.emulation import emulated_ops
+from jaxprec._src.emulation import prepared
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import scope as flax_scope
+from jaxprec._src.jaxpr import compat
+from jaxprec._src.jaxpr import walker
+from jaxprec._src.policy import policy as policy_lib
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The targets live in the one table (numerics); re-exported for old callers.
+TARGETS = numerics.EMULATION_TARGETS
+
+
+class OpaqueOpWarning(UserWarning):
+  """``fn`` calls ops jaxprec cannot see into (a Pallas kernel, an FFI call, a
+  host callback): they run natively, not as the emulated target would."""
+
+
+_CONV_PARAMS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
+                "dimension_numbers", "feature_group_count", "batch_group_count")
+
+
+def emulation_rule(default: Precision, *, target: str,
+                   conv_default: Precision | None = None,
+                   on_opaque: Callable[[str], None] | None = None,
+                   sources: prepared.Sources | None = None,
+                   guarded: frozenset = frozenset(),
+                   **options) -> walker.Rule:
+  """The walker rule that emulates dots and convs (used by :func:`emulate`).
+
+  bfloat16/float16 compute is rounded once per op first
+  (:func:`jaxprec._src.emulation.dtype_emulation.rewrite`).
+
+  Args:
+    default: the precision for ops that recorded none.
+    target: 'tpu' or 'gpu' ('cpu'/'native' emulate nothing).
+    conv_default: the precision for convolutions that recorded none, if not
+      ``default`` (a policy's ``conv=`` rule).
+    on_opaque: called with :func:`walker.opaque_name` of every opaque op met
+      (bound unchanged: jaxprec cannot emulate inside it).
+    sources: where the top-level ops find operand parts prepared already
+      (:mod:`jaxprec._src.emulation.prepared`); None: every op splits its operands.
+    guarded: variables a transpose made
+      (:func:`jaxprec._src.emulation.prepared.guarded`): an op reads them behind
+      an optimization barrier.
+    **options: passed to the emulated ops (e.g. ``tf32_rounding='truncate'``).
+  """
+  dot_default = numerics.per_op(default, "dot")
+  conv_level = numerics.per_op(
+      default if conv_default is None else conv_default, "conv")
+  conv_default = None if conv_level is None else (conv_level, conv_level)
+
+  def guard(eqn) -> tuple[bool, bool]:
+    return tuple(not isinstance(v, compat.Literal) and v in guarded
+                 for v in eqn.invars[:2])
+
+  def rule(eqn, invals):
+    prim = eqn.primitive
+    if emulated_ops.is_emulated_call(eqn):
+      return walker.bind_unchanged(eqn, invals)  # emulated already: keep as is
+    opaque = walker.opaque_name(eqn)
+    if opaque is not None:
+      if on_opaque is not None:
+        on_opaque(opaque)
+      return walker.bind_unchanged(eqn, invals)
+    low = dtype_emulation.rewrite(eqn, invals, target=target, **options)
+    if low is not None:  # bfloat16/float16 compute: one rounding per op
+      return low
+    p = eqn.params
+    if prim is lax.dot_general_p:
+      params = {"dimension_numbers": p["dimension_numbers"]}
+      prec = dot_default if p["precision"] is None else p["precision"]
+    elif prim is lax.conv_general_dilated_p:
+      params = {k: p[k] for k in _CONV_PARAMS}
+      prec = (conv_default if p["precision"] is None
+              else numerics.lowered(p["precision"], "conv"))
+    else:
+      return None
+    out = emulated_ops.emulated_op(
+        prim.name, *invals, params, prec, p.get("preferred_element_type"),
+        target=target, guard=guard(eqn),
+        source=None if sources is None else sources.for_eqn(eqn), **options)
+    return [out]
+  return rule
+
+
+def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
+            target: str = "tpu",
+            **options: Any) -> F:
+  """Returns ``fn`` with every matmul and conv computed as ``target`` would.
+
+  On any backend (CPU included, where JAX ignores precision), the returned
+  function computes what ``fn`` computes on a TPU (``target='tpu'``: one, three
+  or six bfloat16 passes) or an Ampere+ NVIDIA GPU (``target='gpu'``: TF32 or
+  float32) at the given precision. It has ``fn``'s signature, composes with
+  ``jax.jit``, ``jax.grad`` and ``jax.vmap`` in either order, and its
+  gradients' matmuls are emulated at the same precision. Ops that compute in
+  bfloat16 or float16 are computed in float32 and rounded once each (dots:
+  float32 sums of exact products, one rounding), whatever XLA's excess
+  precision would do (docs/fidelity.md). Under ``jax.jit`` the
+  emulated function traces once per input signature; called eagerly, it keeps
+  a trace cache so ``fn``'s Python code runs once per signature (as under jit).
+
+  Args:
+    fn: the function to emulate.
+    precision: precision for the matmuls and convs that ``fn`` wrote without
+      one; None uses the precision in force when the emulated function is
+      traced. Ops with an explicit ``precision=`` keep theirs. A
+      :class:`jaxprec.Policy` (or a policy string) gives Flax linen modules
+      called by ``fn`` their own precisions (as :func:`jaxprec.swap`), and
+      other ops the precision its rules give ops of their kind outside any
+      module (path ``''``), else its default.
+    target: ``'tpu'``, ``'gpu'``, or ``'cpu'``/``'native'`` for no emulation:
+      then ``fn`` runs natively with the precision (or the policy's
+      precisions and compute dtypes) applied as :func:`jaxprec.swap` applies
+      them, so on a TPU or GPU it computes what was asked.
+    **options: passed to the emulated ops: ``tf32_rounding`` (``'nearest'``,
+      ``'nearest_away'`` or ``'truncate'``).
+
+  Returns:
+    The emulated function.
+
+  Raises:
+    TypeError: ``fn`` is not callable, or an unknown option.
+    ValueError: unknown precision, target or ``tf32_rounding``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxprec
+    >>> x = jnp.full((1, 1), 1 + 2.0**-10)
+    >>> float((x @ x)[0, 0]) == (1 + 2.0**-10) ** 2          # CPU: exact float32
+    True
+    >>> y = jaxprec.emulate(lambda a: a @ a, "bfloat16")(x)  # TPU: one bf16 pass
+    >>> float(y[0, 0])
+    1.0
+  """
+  if not callable(fn):
+    raise TypeError(f"jaxprec.emulate expects a callable; got {fn!r} of type "
+                    f"{type(fn).__name__}")
+  target = numerics.check_target(target, emulation=True)
+  options = _check_options(options)
+  policy = None
+  if isinstance(precision, policy_lib.Policy) or (
+      isinstance(precision, str) and "=" in precision):
+    policy = policy_lib.Policy.parse(precision)
+  recorder = None if policy is None else flax_scope.Recorder(policy)
+  if target in ("cpu", "native"):
+    if policy is None and precision is None:
+      return fn
+    # Nothing emulated, but what was asked still applies: precisions as JAX's
+    # flags (a TPU or GPU runs them), compute dtypes as the modules' own.
+    return _native(fn, policy or policy_lib.Policy(default=resolve(precision)))
+  # An NNX module's state is an argument of each call, not a constant of the
+  # cached trace (no stale weights); the policy reaches its copy.
+  lifted = nnx_policy.lift(fn, policy, recorder)
+  emulated = _emulator(fn, policy if policy is not None else precision,
+                       target, options, recorder, lifted)
+  if recorder is not None:
+    emulated._jaxprec_recorder = recorder  # for jaxprec.policy_report
+  return emulated  # type: ignore[return-value]
+
+
+def emulate_nnx_call(method: Callable[..., Any], target: str,
+                     policy: policy_lib.Policy | None = None,
+                     recorder: flax_scope.Recorder | None = None,
+                     path: str = "") -> Callable[..., Any]:
+  """``fn(module, *args, **kwargs)``: the call ``method(module, ...)`` of an
+  NNX module emulated for ``target``, as :func:`emulate` of the module
+  emulates it, with the variables it writes written back into ``module``.
+
+  With ``policy``: the call of a swapped model's module at ``path`` (the
+  policy applied already), traced as ``emulate(model, policy)`` traces it:
+  the same trace, the same numbers.
+  """
+  lifted = nnx_policy.Lifted(None, method, policy, recorder, path=path,
+                             apply_policy=policy is None)
+  return _emulator(method, policy, target, {}, recorder, lifted)
+
+
+def _emulator(fn: Callable[..., Any],
+              precision: PrecisionLike | policy_lib.Policy, target: str,
+              options: dict[str, Any], recorder: flax_scope.Recorder | None,
+              lifted: nnx_policy.Lifted | None) -> Callable[..., Any]:
+  """The emulated function of :func:`emulate` (``target`` emulates).
+
+  With ``lifted``, the NNX module's state (and that of each graph-node
+  argument, an ``nnx.Rngs``) is an argument of the trace and the variables
+  the call writes are written back, as the native call writes them; a
+  ``lifted`` without a module takes it as the first argument.
+  """
+  policy = precision if isinstance(precision, policy_lib.Policy) else None
+  if policy is not None:
+    dot_fixed, conv_fixed = (policy.precision_for("", None, kind)
+                             for kind in ("dot", "conv"))
+  else:
+    dot_fixed = conv_fixed = None if precision is None else resolve(precision)
+  cache: dict[Any, Any] = {}
+  guarded: dict[int, tuple] = {}  # id(trace) -> (trace, its guarded vars)
+
+  def guards(closed) -> frozenset:
+    # Once per trace: an eager call reuses the cached trace at every call.
+    hit = guarded.get(id(closed))
+    if hit is None or hit[0] is not closed:
+      if len(guarded) >= 64:  # traces the cache does not keep: bounded
+        guarded.clear()
+      hit = guarded[id(closed)] = (closed, prepared.guarded(closed))
+    return hit[1]
+  warned: set[str] = set()
+  what = getattr(fn, "__qualname__", type(fn).__name__)
+
+  @functools.wraps(fn)
+  def emulated(*args, **kwargs):
+    now = current() if dot_fixed is None or conv_fixed is None else None
+    scope = (contextlib.nullcontext() if policy is None
+             else flax_scope.policy_scope(policy, recorder, what=what))
+    module = None
+    with scope as active:
+      # The trace depends on the JAX context outside the cleared flag: the
+      # precision in force (the policy's unmatched layers record it), x64,
+      # the policy. Key on all of it, as jax.jit would (no stale traces).
+      outer = (compat.trace_context(), getattr(active, "outer_flag", None))
+      traced, call_args, nodes = fn, args, []
+      if lifted is not None:
+        if lifted.module is None:
+          module, args = args[0], args[1:]
+        graphdefs, call_args, kwargs, nodes = lifted.split(module, args, kwargs)
+        traced = functools.partial(lifted.call, graphdefs)
+        outer = (*outer, graphdefs)
+      with jax.default_matmul_precision(None):
+        call = walker.trace_call(traced, call_args, kwargs, cache,
+                                 extra_key=outer)
+      if policy is not None:
+        _record_unset(call.jaxpr, policy, recorder)
+    opaque: list[str] = []
+    rule = emulation_rule(dot_fixed or now, target=target,
+                          conv_default=conv_fixed or now,
+                          on_opaque=opaque.append,
+                          sources=prepared.sources(call.jaxpr, call.dynamic),
+                          guarded=guards(call.jaxpr),
+                          **options)
+    out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
+    warn_opaque(opaque, warned, what)
+    if lifted is not None:
+      out, written = out
+      lifted.update(module, nodes, written)
+    return out
+
+  return emulated
+
+
+def _native(fn: Callable[..., Any], policy: policy_lib.Policy
+            ) -> Callable[..., Any]:
+  """``fn`` run natively under ``policy``: its precisions as JAX's flags (per
+  module, as :func:`jaxprec.swap`), its compute dtypes, nothing emulated."""
+  recorder = flax_scope.Recorder(policy)
+  what = getattr(fn, "__qualname__", type(fn).__name__)
+  lifted = nnx_policy.lift(fn, policy, recorder)
+  outside = policy.precision_for("", None, "dot")
+
+  @functools.wraps(fn)
+  def native(*args, **kwargs):
+    flag = (contextlib.nullcontext() if outside is None
+            else jax.default_matmul_precision(numerics.flag_for(outside, "dot")))
+    with flag, flax_scope.policy_scope(policy, recorder, what=what):
+      if lifted is None:
+        return fn(*args, **kwargs)
+      graphdefs, args, kwargs, nodes = lifted.split(None, args, kwargs)
+      out, written = lifted.call(graphdefs, *args, **kwargs)
+      lifted.update(None, nodes, written)
+      return out
+
+  native._jaxprec_recorder = recorder  # for jaxprec.policy_report
+  return native
+
+
+_OPTIONS = ("tf32_rounding",)
+
+
+def _check_options(options: dict[str, Any]) -> dict[str, Any]:
+  """``options`` checked now, not at the first call: names and values."""
+  for name in options:
+    if name not in _OPTIONS:
+      close = difflib.get_close_matches(name, _OPTIONS, n=1)
+      hint = f" Did you mean {close[0]!r}?" if close else ""
+      raise TypeError(
+          f"jaxprec.emulate got an unknown option {name!r}; valid options: "
+          f"{', '.join(map(repr, _OPTIONS))}.{hint}")
+  if "tf32_rounding" in options:
+    options = dict(options, tf32_rounding=numerics.check_choice(
+        options["tf32_rounding"], emulated_ops.TF32_ROUNDINGS, "tf32_rounding"))
+  return options
+
+
+def warn_opaque(found: list[str], warned: set[str], what: str) -> None:
+  """Warns once per emulated function about opaque ops not warned about yet."""
+  new = [n for n in dict.fromkeys(found) if n not in warned]  # program order
+  if not new:
+    return
+  warned.update(new)
+  warnings.warn(
+      f"jaxprec.emulate({what}): {', '.join(new)} cannot be seen into: "
+      f"{'its' if len(new) == 1 else 'their'} matmuls and convolutions run "
+      f"natively here, not emulated as the target computes them. "
+      f"jaxprec.audit lists them.", OpaqueOpWarning, stacklevel=3)
+
+
+def _record_unset(closed, policy: policy_lib.Policy,
+                  recorder: flax_scope.Recorder) -> None:
+  """Records the policy's decision for ops that recorded no precision."""
+  seen = set()
+  for w in walker.iter_eqns(closed):
+    kind = numerics.PRIMITIVES.get(w.eqn.primitive.name)
+    if kind and kind not in seen and w.eqn.params.get("precision") is None:
+      seen.add(kind)
+      p, rule = policy.match("", None, kind)
+      recorder.record("", None, kind, p, rule)

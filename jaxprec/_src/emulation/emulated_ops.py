@@ -1,0 +1,595 @@
+"""Matmuls and convolutions computed as a TPU or an NVIDIA GPU computes them.
+
+:func:`emulated_dot_general` and :func:`emulated_conv_general_dilated` take the
+arguments of ``lax.dot_general`` and ``lax.conv_general_dilated`` (so they can
+be passed to Flax as ``dot_general=`` / ``conv_general_dilated=``) and compute,
+on any backend, what the target computes for float32 operands at the given
+precision. They lower to ordinary lax operations, so they compose with
+``jax.jit`` and ``jax.vmap``; their gradients are emulated at the same
+algorithm (the transposed matmuls of a TPU carry the forward's precision).
+
+The algorithms (the jax.lax.Precision docs and JAX's tests/lax_test.py; XLA's dot_algorithm_rewriter.cc, openxla/xla; NVIDIA's TF32 documentation, as XLA rounds it), by the name
+:func:`algorithm_for` returns:
+
+``'bf16x1'``
+  Operands rounded to bfloat16 (nearest even), exact products, float32
+  accumulation. TPU ``DEFAULT``; ``BF16_BF16_F32``.
+``'bf16x3'``, ``'bf16x6'``
+  XLA's ``DotAlgorithmRewriter`` (openxla/xla,
+  ``xla/service/gpu/transforms/dot_algorithm_rewriter.cc``,
+  ``RewriteF32ToBF16X3`` and ``RewriteF32ToBF16X6``): operands split into
+  bfloat16 parts by :func:`jaxprec._src.emulation.rounding.split_bf16`, one bfloat16
+  matmul per pair of parts, the small pairs summed first in XLA's order, NaN
+  in that partial sum replaced by zero (``ReplaceNaNWithZeros``: a select on
+  ``inf >= |x|``, so infinities are kept), then the ``hi * hi`` matmul added:
+
+  * X3: ``(lo*hi + hi*lo)``, NaN -> 0, ``+ hi*hi``.
+  * X6: ``((((mid*mid + hi*lo) + lo*hi) + hi*mid) + mid*hi)``, NaN -> 0,
+    ``+ hi*hi``.
+
+  TPU ``HIGH`` and ``HIGHEST``; ``BF16_BF16_F32_X3`` and ``_X6``.
+``'bf16x9'``
+  XLA's Triton emitter (``xla/backends/gpu/codegen/triton/dot_algorithms.cc``,
+  ``EmitBF16x9Matmul``): ``lo*lo, mid*lo, lo*mid, mid*mid, lo*hi, hi*lo,
+  mid*hi, hi*mid`` accumulated in this order, non-finite values replaced by
+  zero (``ZeroNaNs``: a select on ``inf > |x|``, so infinities too), then
+  ``+ hi*hi``. ``BF16_BF16_F32_X9``.
+``'tf32'``
+  Operands rounded to TF32 (``tf32_rounding``), float32 accumulation. GPU
+  ``DEFAULT`` and ``HIGH``; ``TF32_TF32_F32``.
+``'tf32x3'``
+  Triton's ``TF32x3`` (``F32DotTC.cpp``): ``(small*big + big*small)``, NaN ->
+  0, ``+ big*big``. ``TF32_TF32_F32_X3``.
+``'f16'``, ``'f16_f16_f16'``, ``'bf16_bf16_bf16'``
+  Operands rounded to float16 (or bfloat16), float32 accumulation; the
+  ``*_F16``/``*_BF16`` presets round the result to that format as well.
+``'f32'``
+  Exact float32 (GPU ``HIGHEST``, ``F32_F32_F32``).
+``'native'``
+  No emulation: the lax op is called with its arguments unchanged (target
+  ``'cpu'``/``'native'``; non-float32 operands; ``F64_F64_F64`` and the
+  ``ANY_F8_*`` presets, which JAX handles or rejects itself).
+
+Faithfulness. Every pass is a real matmul whose products are exact (a product
+of two bfloat16 values has at most 16 significant bits; of two TF32 or float16
+values at most 22) and whose sums are float32; the passes are combined exactly
+as XLA combines them. So with a contraction of length 1 the result is bit for
+bit XLA's; with longer contractions the only difference is the order in which
+each pass accumulates its products, which XLA does not fix either, and the
+error against the exact sum of the same products is at most
+``(k + passes) * 2**-24 * sum|products|``. Arithmetic runs in the host's
+float32 mode: XLA:CPU flushes subnormal inputs and results to zero (as TPUs
+do).
+
+Kernels (:mod:`jaxprec._src.emulation.kernels`, :mod:`jaxprec._src.emulation.passes`). On the
+``bf16`` kernel, all the above holds: bfloat16 matmul passes run as bfloat16
+dots with float32 results, which on CPUs with AVX512-BF16 cost 0.5x a float32
+dot each (measured, see ``benchmarks/bench_emulated_matmul.py``); convolution
+passes run on float32 arrays holding bfloat16 values (XLA:CPU widens bfloat16
+convolutions anyway). On the ``f32`` kernel the passes are float32 dots on
+operands rounded in float32, merged where the products stay exact or round
+once (X3 in 2 dots, X6 and X9 in 3, TF32x3 in 2): within the same bound at
+every contraction length, not bit-exact. The kernel in force
+(``jaxprec.use_kernel``, ``jaxprec.set_kernel``, ``JAXPREC_KERNEL``; ``auto``
+measures) is read when the op is traced and is part of ``jax.jit``'s key.
+See ``docs/emulation.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxprec._src.emulation import kernels
+from jaxprec._src.emulation import passes
+from jaxprec._src.jaxpr import compat
+from jaxprec._src.jaxpr import walker
+from jaxprec._src.core.numerics import (EMULATION_TARGETS, PASSES,
+                                   PRIMITIVES, algorithm_for, check_target,
+                                   emulatable)
+from jaxprec._src.core.precision import PrecisionLike
+
+# ``TARGETS``, ``ALGORITHMS`` and ``algorithm_for`` live in
+# :mod:`jaxprec._src.core.numerics` (the one table); re-exported here for callers
+# that imported them from this module.
+
+TARGETS = EMULATION_TARGETS
+TF32_ROUNDINGS = ("nearest", "nearest_away", "truncate")
+OPS = tuple(PRIMITIVES)  # the primitives emulated, from the one table
+# The explicit mark of jaxprec's own emulated ops: every emulated op is bound
+# inside ``jax.named_scope(MARKER)``, which JAX keeps on the equation's name
+# stack through jit, grad, vmap and scan (tested). ``jaxprec.emulate`` leaves
+# marked calls alone instead of emulating their inner passes a second time.
+MARKER = "jaxprec_emulated"
+
+_P = lax.Precision
+# Inner passes: bfloat16 operands at DEFAULT; float32 operands holding TF32 or
+# float16 values at HIGHEST, so that no backend rounds them again.
+_LOW = (_P.DEFAULT, _P.DEFAULT)
+_EXACT = (_P.HIGHEST, _P.HIGHEST)
+
+
+def _check_tf32_rounding(mode: Any) -> str:
+  if mode not in TF32_ROUNDINGS:
+    raise ValueError(f"Unknown tf32_rounding {mode!r}; valid choices: "
+                     f"{', '.join(map(repr, TF32_ROUNDINGS))}.")
+  return mode
+
+
+# ---------------------------------------------------------------------------
+# The custom VJP shared by both ops.
+
+
+def _freeze(x: Any) -> Any:
+  if isinstance(x, list):
+    x = tuple(x)
+  if isinstance(x, tuple) and not hasattr(x, "_fields"):
+    return tuple(_freeze(v) for v in x)
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """Everything static about one emulated op (hashable: a nondiff argument)."""
+
+  op: str  # 'dot_general' or 'conv_general_dilated'
+  params: tuple[tuple[str, Any], ...]  # the lax op's other arguments
+  preferred_element_type: Any
+  out_dtype: np.dtype
+  algorithm: str
+  tf32_rounding: str
+  contraction: int = 0  # products summed per output element
+  kernel: str = "bf16"  # 'bf16' or 'f32' (jaxprec._src.emulation.kernels)
+  # (lhs, rhs): read behind an optimization barrier (a transpose made it).
+  guard: tuple[bool, bool] = (False, False)
+
+  def lax_op(self) -> Callable[..., jax.Array]:
+    fn = lax.dot_general if self.op == "dot_general" else lax.conv_general_dilated
+    return functools.partial(fn, **dict(self.params))
+
+
+def _make_spec(op: str, params: Mapping[str, Any], lhs, rhs,
+               preferred_element_type, algorithm: str,
+               tf32_rounding: str, kernel: str,
+               guard: tuple[bool, bool] = (False, False)) -> _Spec:
+  params = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
+  spec = _Spec(op, params, preferred_element_type, np.dtype(np.float32),
+               algorithm, tf32_rounding, kernel=kernel,
+               guard=(bool(guard[0]), bool(guard[1])))
+  try:
+    return _complete(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
+                     tuple(rhs.shape), np.dtype(rhs.dtype))
+  except TypeError as e:
+    if "unhashable" not in str(e):
+      raise
+    return _complete.__wrapped__(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
+                                 tuple(rhs.shape), np.dtype(rhs.dtype))
+
+
+@functools.lru_cache(maxsize=4096)
+def _complete(spec: _Spec, lhs_shape, lhs_dtype, rhs_shape, rhs_dtype) -> _Spec:
+  """``spec`` with its result dtype and contraction length (cached: a model
+  repeats the same op signature in every layer, and tracing it is slow)."""
+  # The native op's result type (and its shape checks, with lax's messages).
+  out = jax.eval_shape(
+      functools.partial(spec.lax_op(), precision=_LOW,
+                        preferred_element_type=spec.preferred_element_type),
+      jax.ShapeDtypeStruct(lhs_shape, lhs_dtype),
+      jax.ShapeDtypeStruct(rhs_shape, rhs_dtype))
+  return dataclasses.replace(spec, out_dtype=np.dtype(out.dtype),
+                             contraction=_contraction(spec, lhs_shape, rhs_shape))
+
+
+def _contraction(spec: _Spec, lhs_shape, rhs_shape) -> int:
+  """How many products each output element sums."""
+  params = dict(spec.params)
+  if spec.op == "dot_general":
+    (lc, _), _ = params["dimension_numbers"]
+    return int(np.prod([lhs_shape[d] for d in lc], dtype=np.int64))
+  dn = lax.conv_dimension_numbers(lhs_shape, rhs_shape,
+                                  params["dimension_numbers"])
+  rhs_spec = dn.rhs_spec  # (out feature, in feature, *spatial)
+  return int(np.prod([rhs_shape[d] for d in rhs_spec[1:]], dtype=np.int64))
+
+
+def _canonical_dot(lhs_shape, rhs_shape, dimension_numbers):
+  """Any dot_general as (B,) M x K times (B,) K x N.
+
+  Returns ``(lhs_move, rhs_move, dimension_numbers, out_shape)``: each
+  operand's data movement into that form (:func:`passes.move`), the form's
+  dimension numbers and the result's shape. XLA:CPU runs a bfloat16 x
+  bfloat16 -> float32 dot only in some layouts (it rejects, e.g., a lhs
+  contracted on its first axis times a rhs with two free axes: "Unsupported
+  element type for DotThunk"); this form, and what ``jax.vmap`` makes of it,
+  always runs (tested).
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
+  rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
+  size = lambda shape, dims: int(np.prod([shape[d] for d in dims], dtype=np.int64))  # noqa: E731
+  b, m = size(lhs_shape, lb), size(lhs_shape, lf)
+  k, n = size(lhs_shape, lc), size(rhs_shape, rf)
+  out_shape = tuple([lhs_shape[d] for d in lb] + [lhs_shape[d] for d in lf] +
+                    [rhs_shape[d] for d in rf])
+  lhs_form, rhs_form = ((b, m, k), (b, k, n)) if lb else ((m, k), (k, n))
+  dn = (((2,), (1,)), ((0,), (0,))) if lb else MATMUL
+  return (((*lb, *lf, *lc), lhs_form), ((*rb, *rc, *rf), rhs_form), dn,
+          out_shape)
+
+
+MATMUL = (((1,), (0,)), ((), ()))
+
+_NOT_READY = (None, None)
+
+
+def _moves(spec: _Spec, lhs_shape, rhs_shape):
+  """``(lhs_move, rhs_move, dimension_numbers, out_shape)``: how the operands
+  are moved before they are split (None: not moved)."""
+  if spec.op == "dot_general" and spec.kernel == "bf16":
+    return _canonical_dot(lhs_shape, rhs_shape,
+                          dict(spec.params)["dimension_numbers"])
+  return None, None, None, None
+
+
+def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, ready=_NOT_READY,
+             asked=_NOT_READY) -> jax.Array:
+  """The emulated op. ``ready``: parts of each operand, moved as here,
+  prepared already (:mod:`jaxprec._src.emulation.prepared`); ``asked``: lists that
+  record the part keys each operand asks for (:func:`operand_needs`)."""
+  lhs_move, rhs_move, dn, out_shape = _moves(spec, lhs.shape, rhs.shape)
+  lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+  if spec.guard[0]:
+    lhs = lax.optimization_barrier(lhs)
+  if spec.guard[1]:
+    rhs = lax.optimization_barrier(rhs)
+  lhs = passes.Operand(passes.move(lhs, lhs_move), ready[0], asked[0])
+  rhs = passes.Operand(passes.move(rhs, rhs_move), ready[1], asked[1])
+  fns = passes.F32 if spec.kernel == "f32" else passes.BF16
+  if dn is not None:
+    # bfloat16 parts run as bfloat16 dots with float32 results: exact
+    # products, float32 sums, and 0.5x the time of a float32 dot on CPUs with
+    # AVX512-BF16 (XLA's dot_algorithm_rewriter.cc, openxla/xla).
+    base = functools.partial(lax.dot_general, dimension_numbers=dn)
+    parts = jnp.bfloat16
+  else:
+    # The f32 kernel, and convolutions (XLA:CPU widens bfloat16 conv operands
+    # to float32 anyway): float32 parts holding bfloat16 values compute the
+    # same exact products.
+    base = spec.lax_op()
+    parts = jnp.float32
+
+  def one_pass(l, r):
+    # bfloat16 operands at DEFAULT; float32 operands holding bfloat16, TF32
+    # or float16 values at HIGHEST, so that no backend rounds them again.
+    p = _LOW if l.dtype == jnp.bfloat16 else _EXACT
+    out = base(l, r, precision=p, preferred_element_type=jnp.float32)
+    if (PASSES[spec.algorithm] > 1 and spec.contraction == 1 and
+        spec.kernel == "bf16"):
+      # XLA:CPU turns a length-1 contraction into a multiply and, in the
+      # fused loop that sums the passes, contracts multiply and add into an
+      # FMA, which changes the result where a product overflows or underflows
+      # (measured; an optimization_barrier does not survive to the fusion).
+      # A product of two bfloat16 or TF32 values has at most 22 significant
+      # bits, so rounding it to 23 is an identity that XLA cannot drop and
+      # LLVM cannot see through: the passes are then summed as XLA sums them.
+      out = lax.reduce_precision(out, exponent_bits=8, mantissa_bits=22)
+    elif l.dtype == jnp.bfloat16:
+      # An identity on float32 that keeps XLA's simplifier from folding a
+      # later transpose (e.g. of a gradient, or the user's `.T`) into this
+      # bfloat16 dot: XLA:CPU cannot run the folded form ("Unsupported element
+      # type for DotThunk::Execute: BF16 x BF16 = F32"; measured, jax 0.10.2).
+      out = lax.reduce_precision(out, exponent_bits=8, mantissa_bits=23)
+    return out
+
+  out = fns[spec.algorithm](one_pass, lhs, rhs, spec.tf32_rounding, parts)
+  if out_shape is not None:
+    out = out.reshape(out_shape)
+  # A fusion boundary: XLA:CPU (jax 0.12.0.1) fused the user's next op into
+  # the loop summing the passes, to other bits than alone (tanh(x @ w.T) at
+  # bfloat16_3x, an ulp apart jitted and op by op or in a lax.switch).
+  return lax.optimization_barrier(out.astype(spec.out_dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _emulated(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
+              ready=_NOT_READY) -> jax.Array:
+  return _forward(spec, lhs, rhs, ready)
+
+
+def _emulated_fwd(spec: _Spec, lhs, rhs, ready=_NOT_READY):
+  # Through the custom_vjp function itself, not `_forward`: higher-order
+  # derivatives differentiate this rule, and the rounding inside `_forward`
+  # (bit masks) would differentiate to zero.
+  return _emulated(spec, lhs, rhs, ready), (lhs, rhs)
+
+
+def _emulated_bwd(spec: _Spec, res, ct):
+  gl, gr = _pullback(spec, res, ct)
+  return gl, gr, None  # prepared parts: no cotangent (lhs and rhs carry it)
+
+
+def _pullback(spec: _Spec, res, ct):
+  """Transposes the native op, then emulates each transposed matmul/conv.
+
+  The transposed ops come from JAX's own transpose rules (so every
+  dimension-number and grouping case is right), traced to a jaxpr and
+  re-evaluated by the shared walker with each ``dot_general`` and
+  ``conv_general_dilated`` replaced by its emulation at ``spec.algorithm``.
+  """
+  lhs, rhs = res
+  native = functools.partial(spec.lax_op(), precision=_LOW,
+                             preferred_element_type=spec.preferred_element_type)
+
+  def pullback(l, r, c):
+    (gl,) = jax.linear_transpose(lambda a: native(a, r), l)(c)
+    (gr,) = jax.linear_transpose(lambda b: native(l, b), r)(c)
+    return gl, gr
+
+  closed = jax.make_jaxpr(pullback)(lhs, rhs, ct)
+
+  def rule(eqn, invals):
+    name = eqn.primitive.name
+    if name not in OPS:
+      return None
+    l, r = invals
+    if not emulatable(l.dtype, r.dtype):
+      return None
+    params = dict(eqn.params)
+    params.pop("precision", None)
+    pet = params.pop("preferred_element_type", None)
+    s = _make_spec(name, params, l, r, pet, spec.algorithm, spec.tf32_rounding,
+                   spec.kernel)
+    return [_marked(s, l, r)]
+
+  gl, gr = walker.interpret(closed, rule, lhs, rhs, ct)
+  return gl.astype(lhs.dtype), gr.astype(rhs.dtype)
+
+
+_emulated.defvjp(_emulated_fwd, _emulated_bwd)
+
+
+def _marked(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
+            ready=None) -> jax.Array:
+  """``_emulated`` bound under :data:`MARKER` (see :func:`is_emulated_call`),
+  through a ``jax.jit`` keyed on ``spec`` (see :func:`_traced_once`).
+  ``ready``: prepared parts of the operands (:mod:`jaxprec._src.emulation.prepared`)."""
+  args = (lhs, rhs) if ready is None else (lhs, rhs, ready)
+  try:
+    hash(spec)
+  except TypeError:  # a parameter JAX itself would not take as static
+    with jax.named_scope(MARKER):
+      return _emulated(spec, *args)
+  with jax.named_scope(MARKER):
+    return _traced_once(spec, *args)
+
+
+@functools.lru_cache(maxsize=4096)
+def operand_needs(spec: _Spec, lhs_shape, lhs_dtype, rhs_shape, rhs_dtype):
+  """``((lhs_keys, lhs_move), (rhs_keys, rhs_move))``: the part keys
+  (:func:`jaxprec._src.emulation.passes.compute`) the emulated op asks of each operand
+  once moved by its move (:func:`jaxprec._src.emulation.passes.move`). An abstract
+  evaluation, cached."""
+  asked: tuple[list[str], list[str]] = ([], [])
+  jax.eval_shape(lambda l, r: _forward(spec, l, r, asked=asked),
+                 jax.ShapeDtypeStruct(lhs_shape, lhs_dtype),
+                 jax.ShapeDtypeStruct(rhs_shape, rhs_dtype))
+  lhs_move, rhs_move, _, _ = _moves(spec, lhs_shape, rhs_shape)
+  return ((tuple(dict.fromkeys(asked[0])), lhs_move),
+          (tuple(dict.fromkeys(asked[1])), rhs_move))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _traced_once(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
+                 ready=_NOT_READY) -> jax.Array:
+  """``_emulated`` traced once per spec, shapes and dtypes (jit's cache).
+
+  A model repeats the same matmul in every layer: jit's trace cache then
+  traces the emulation once, and the lowering emits one private function
+  called once per layer. XLA inlines calls before it optimizes, so the
+  compiled program, and every number it computes, is the same (tested).
+  """
+  with jax.named_scope(MARKER):
+    return _emulated(spec, lhs, rhs, ready)
+
+
+def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
+         precision, preferred_element_type, target: str, tf32_rounding: str,
+         out_sharding: Any, source: Callable[..., Any] | None = None,
+         guard: tuple[bool, bool] = (False, False)) -> jax.Array:
+  """The emulated op. ``source``: where prepared operand parts are found
+  (:meth:`jaxprec._src.emulation.prepared.Sources.for_eqn`), or None; ``guard``:
+  which operands a transpose made (:func:`jaxprec._src.emulation.prepared.guarded`)."""
+  target = check_target(target, emulation=True)
+  tf32_rounding = _check_tf32_rounding(tf32_rounding)
+  if target in ("cpu", "native"):
+    return native(precision)
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  algorithm = algorithm_for(precision, target, lhs.dtype, rhs.dtype, op=op)
+  if algorithm == "native":
+    if not (jnp.issubdtype(lhs.dtype, jnp.inexact)
+            and jnp.issubdtype(rhs.dtype, jnp.inexact)):
+      # Integer products are exact at any precision; a preset the backend
+      # runs only on floats (TF32 on CPU) would be refused by the lowering.
+      return native(None)
+    return native(precision)
+  if algorithm == "f32":  # stored as a multi-pass result is: passes.stored
+    return passes.stored(native(_EXACT))
+  spec = _make_spec(op, params, lhs, rhs, preferred_element_type, algorithm,
+                    tf32_rounding, kernels.kernel_for(algorithm, op), guard)
+  ready = None
+  if source is not None:
+    shapes = (spec, tuple(lhs.shape), np.dtype(lhs.dtype), tuple(rhs.shape),
+              np.dtype(rhs.dtype))
+    try:
+      needs = operand_needs(*shapes)
+    except TypeError:  # a spec JAX would not take as static: not cached
+      needs = operand_needs.__wrapped__(*shapes)
+    ready = source(*needs)
+    if ready == _NOT_READY:
+      ready = None
+  out = _marked(spec, lhs, rhs, ready)
+  if out_sharding is not None:
+    out = lax.with_sharding_constraint(out, out_sharding)
+  return out
+
+
+def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
+                         dimension_numbers: Any, precision: PrecisionLike = None,
+                         preferred_element_type: Any = None, *,
+                         target: str = "tpu", tf32_rounding: str = "nearest",
+                         out_sharding: Any = None) -> jax.Array:
+  """``lax.dot_general`` computed as ``target`` computes it.
+
+  Same arguments as ``lax.dot_general``, so it can be passed as Flax's
+  ``dot_general=``. For float32 operands the result is what the target
+  computes at ``precision`` (see :func:`algorithm_for` and the module
+  docstring for each algorithm); other operands run natively. Each pass is a
+  separate matmul and the passes are combined in XLA's order, so with a
+  contraction of length 1 the result is XLA's bit for bit; otherwise it is
+  within ``(k + passes) * 2**-24 * sum|products|`` of the exact sum of the
+  algorithm's products (``k``: contraction length).
+
+  Differentiable in reverse mode (``jax.grad``, ``jax.vjp``): the gradient's
+  matmuls are emulated at the same algorithm. It is a ``jax.custom_vjp``, so
+  forward mode (``jax.jvp``, ``jax.jacfwd``) raises; use ``jax.jacrev``.
+
+  Args:
+    lhs, rhs: the operands.
+    dimension_numbers: as ``lax.dot_general``.
+    precision: anything ``lax.dot_general`` accepts, or a jaxprec name. None
+      means the value of ``jax.config.jax_default_matmul_precision`` when the
+      call is traced (None there: the target's ``DEFAULT``).
+    preferred_element_type: as ``lax.dot_general``: the result dtype.
+    target: ``'tpu'`` (default), ``'gpu'`` (Ampere or newer NVIDIA), or
+      ``'cpu'``/``'native'`` (call ``lax.dot_general`` unchanged).
+    tf32_rounding: how TF32 algorithms round operands: ``'nearest'`` (ties to
+      even, default), ``'nearest_away'`` (ties away from zero, NVIDIA's
+      ``cvt.rna`` that XLA's Triton TF32 matmuls use) or ``'truncate'``
+      (tensor cores reading unrounded float32).
+    out_sharding: passed to ``lax.dot_general`` when nothing is emulated;
+      otherwise applied to the result with ``lax.with_sharding_constraint``.
+
+  Returns:
+    The result, with ``lax.dot_general``'s shape and dtype.
+
+  Raises:
+    ValueError: unknown target, precision or ``tf32_rounding``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxprec
+    >>> x = jnp.array([[1 + 2.0**-9]])          # not a bfloat16 value
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> float(jaxprec.emulated_dot_general(x, x, dn)[0, 0])  # TPU DEFAULT
+    1.0
+    >>> float(jaxprec.emulated_dot_general(x, x, dn, "high")[0, 0])  # no lo*lo
+    1.00390625
+    >>> float(jaxprec.emulated_dot_general(x, x, dn, "highest")[0, 0])
+    1.0039100646972656
+  """
+  return emulated_op("dot_general", lhs, rhs,
+                     {"dimension_numbers": dimension_numbers}, precision,
+                     preferred_element_type, target=target,
+                     tf32_rounding=tf32_rounding, out_sharding=out_sharding)
+
+
+def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
+                preferred_element_type=None, *, target: str = "tpu",
+                tf32_rounding: str = "nearest", out_sharding: Any = None,
+                source: Callable[..., Any] | None = None,
+                guard: tuple[bool, bool] = (False, False)) -> jax.Array:
+  """The emulated ``op`` (``'dot_general'`` or ``'conv_general_dilated'``),
+  ``params`` the lax op's other arguments, for the emulation rule: reading
+  prepared operand parts from ``source`` (:mod:`jaxprec._src.emulation.prepared`) and
+  the operands ``guard`` marks behind an optimization barrier
+  (:func:`jaxprec._src.emulation.prepared.guarded`)."""
+  def native(p):
+    if op == "dot_general":
+      return lax.dot_general(lhs, rhs, params["dimension_numbers"], p,
+                             preferred_element_type, out_sharding=out_sharding)
+    return lax.conv_general_dilated(
+        lhs, rhs, params["window_strides"], params["padding"],
+        params["lhs_dilation"], params["rhs_dilation"],
+        params["dimension_numbers"], params["feature_group_count"],
+        params["batch_group_count"], p, preferred_element_type, out_sharding)
+  return _run(op, native, params, lhs, rhs, precision, preferred_element_type,
+              target, tf32_rounding, out_sharding, source, guard)
+
+
+def emulated_conv_general_dilated(
+    lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
+    window_strides: Sequence[int], padding: Any,
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None, dimension_numbers: Any = None,
+    feature_group_count: int = 1, batch_group_count: int = 1,
+    precision: PrecisionLike = None, preferred_element_type: Any = None,
+    out_sharding: Any = None, *, target: str = "tpu",
+    tf32_rounding: str = "nearest") -> jax.Array:
+  """``lax.conv_general_dilated`` computed as ``target`` computes it.
+
+  Same arguments as ``lax.conv_general_dilated`` (usable as Flax's
+  ``conv_general_dilated=``). Convolutions understand precision levels only:
+  under a ``DotAlgorithmPreset`` (passed or from the config) JAX lowers them
+  at ``DEFAULT``, i.e. one bfloat16 pass on a TPU, and so does this function.
+  Otherwise as :func:`emulated_dot_general`, passes and gradients included.
+
+  Args:
+    lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+    dimension_numbers, feature_group_count, batch_group_count,
+    preferred_element_type, out_sharding: as ``lax.conv_general_dilated``.
+    precision: as :func:`emulated_dot_general`.
+    target: ``'tpu'``, ``'gpu'``, ``'cpu'`` or ``'native'``.
+    tf32_rounding: ``'nearest'``, ``'nearest_away'`` or ``'truncate'``.
+
+  Returns:
+    The result, with ``lax.conv_general_dilated``'s shape and dtype.
+
+  Raises:
+    ValueError: unknown target, precision or ``tf32_rounding``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxprec
+    >>> x = jnp.full((1, 1, 3), 1 + 2.0**-9)     # (batch, channel, width)
+    >>> w = jnp.ones((1, 1, 2))
+    >>> jaxprec.emulated_conv_general_dilated(x, w, (1,), "VALID").tolist()
+    [[[2.0, 2.0]]]
+  """
+  params = {
+      "window_strides": window_strides, "padding": padding,
+      "lhs_dilation": lhs_dilation, "rhs_dilation": rhs_dilation,
+      "dimension_numbers": dimension_numbers,
+      "feature_group_count": feature_group_count,
+      "batch_group_count": batch_group_count,
+  }
+  return emulated_op("conv_general_dilated", lhs, rhs, params, precision,
+                     preferred_element_type, target=target,
+                     tf32_rounding=tf32_rounding, out_sharding=out_sharding)
+
+
+def is_emulated_call(eqn) -> bool:
+  """Whether a jaxpr equation is a call of an emulated op (already emulated).
+
+  Recognised by the explicit :data:`MARKER` on its name stack (kept through
+  jit, grad, vmap and scan), never by a function's name. ``jaxprec.emulate``
+  leaves these alone: their inner passes are float32 dots at HIGHEST that
+  must not be emulated a second time. The ``jit`` call that wraps one (see
+  :func:`_traced_once`) counts too: marked, with that one call as its body.
+  """
+  name = eqn.primitive.name
+  if name in ("jit", "pjit"):
+    body = eqn.params["jaxpr"].jaxpr.eqns
+    if len(body) != 1 or not is_emulated_call(body[0]):
+      return False
+  elif name != "custom_vjp_call":
+    return False
+  return _MARKED.search(compat.eqn_name_stack(eqn)) is not None
+
+
+_MARKED = re.compile(rf"(?:^|[/(]){MARKER}(?:$|[/)])")

@@ -1,0 +1,580 @@
+"""Graph inspection: which matmuls and convolutions run at which precision.
+
+:func:`audit` traces a function to a jaxpr (it never runs it), walks every
+nested jaxpr with :func:`jaxprec._src.jaxpr.walker.iter_eqns`, and reports each
+``dot_general`` and ``conv_general_dilated`` with the precision recorded in the
+jaxpr, what that precision computes on TPU and on GPU, its FLOPs, and whether
+it is *risky*.
+
+Risky means: the result is much less precise than the float32 inputs suggest,
+and nothing in the code says so. Concretely (the jax.lax.Precision docs and JAX's tests/lax_test.py; JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py):
+
+* float32 operands rounded to 11 significand bits or fewer on TPU, i.e. one
+  bfloat16 pass (precision unset, ``DEFAULT``, ``'bfloat16'``,
+  ``BF16_BF16_F32``) or one float16/float8 pass (``F16_*``, ``ANY_F8_*``
+  presets). The backend default is included on purpose: it is what users coming
+  from PyTorch or NumPy do not expect. An explicit ``'bfloat16'`` is flagged too,
+  with a reason that says it was requested, so that the report shows every
+  float32 op that loses its low bits.
+* a convolution whose recorded precision is a ``DotAlgorithmPreset``: JAX lowers
+  convolutions under a preset at ``DEFAULT`` (one bfloat16 pass on TPU, TF32 on
+  GPU) whatever the preset says. For float32 operands this is always risky.
+
+A float32 operand with a bfloat16 or float16 one runs at the precision (the
+narrower operand is exact in float32: one bfloat16 pass on a TPU at
+``DEFAULT``), as the emulation and the cost model compute it
+(:func:`jaxprec._src.core.numerics.op_numerics`, the one decision). Other operands
+(bfloat16 or float16 on both sides, float64, integers) are computed
+natively: the precision setting does not apply.
+
+An op whose algorithm a target does not run (``F32_F32_F32`` or a TF32 preset
+on a TPU, as JAX's own tests/lax_test.py says) shows ``'unsupported'`` in that
+column, and is risky on TPU: the program does not compile there.
+
+The dtype story of every op: the compute dtypes of its operands
+(:attr:`AuditRow.lhs_dtype`), the dtypes they are stored in before a chain of
+``convert_element_type`` casts (:attr:`AuditRow.lhs_storage`: a Flax layer
+with ``dtype=bfloat16, param_dtype=float32`` reads float32 parameters and
+computes in bfloat16), and the accumulation dtype
+(:attr:`AuditRow.accumulation_dtype`: ``preferred_element_type``, else the
+result dtype). An op that accumulates in bfloat16 or float16 is risky too:
+its result keeps 8 (11) significand bits, and XLA need not sum the products
+in float32; ask ``preferred_element_type=jnp.float32``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from jaxprec._src.core import numerics
+from jaxprec._src.core.algorithms import Numerics
+from jaxprec._src.core.precision import from_lax
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import paths as flax_paths
+from jaxprec._src.inspect import audit_dtypes
+from jaxprec._src.inspect import audit_text
+from jaxprec._src.jaxpr import compat
+from jaxprec._src.jaxpr import trees
+from jaxprec._src.jaxpr import walker
+
+# Python packages whose frames are not "the user's line": the op's own frame in
+# Flax/Optax/jaxprec is kept in AuditRow.op, the user's caller in .source.
+_LIBRARY_PACKAGES = ("flax", "optax", "chex", "jaxprec")
+
+
+class AuditError(RuntimeError):
+  """Tracing the audited function failed; the original error is ``__cause__``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuditRow:
+  """One ``dot_general`` or ``conv_general_dilated`` found by :func:`audit`.
+
+  Attributes:
+    primitive: ``'dot_general'`` or ``'conv_general_dilated'``.
+    source: ``'file:line'`` of the innermost frame outside JAX, Flax, Optax,
+      Chex and jaxprec (the user's line), or ``''`` when unknown.
+    op: the innermost frame outside JAX as ``'function (file:line)'``, e.g.
+      ``'Dense.__call__ (.../flax/linen/linear.py:287)'``: names the Flax module
+      class when the op comes from one.
+    name_stack: the full name stack, e.g. ``'jit(f)/MLP/dense1'``: enclosing
+      ``jit`` names, ``jax.named_scope`` names and Flax module paths (for
+      NNX, those of :attr:`module_path`).
+    scope: enclosing higher-order primitives, outermost first, e.g.
+      ``('jit', 'scan')``.
+    trip_count: how many times the op runs per call (``scan`` lengths
+      multiply; a ``while`` body counts once).
+    lhs_shape, rhs_shape, out_shape: operand and result shapes.
+    lhs_dtype, rhs_dtype, out_dtype: dtype names, e.g. ``'float32'``:
+      ``lhs_dtype``/``rhs_dtype`` are the compute dtypes, the operands' dtypes
+      at the op.
+    precision: the ``precision`` param as recorded in the jaxpr: None, a pair
+      of ``lax.Precision`` levels, or a ``lax.DotAlgorithmPreset``.
+    precision_name: the same as text: ``'None'``, ``'DEFAULT'``,
+      ``'HIGHEST'``, ``'DEFAULT,HIGHEST'`` or the preset's name.
+    tpu, gpu: what runs there: the algorithm name of
+      :class:`~jaxprec.Numerics` (``'bf16x1'``, ``'bf16x3'``, ``'bf16x6'``,
+      ``'tf32'``, ``'f32'``, ...) for float32 operands (or a float32 and a
+      bfloat16 or float16 operand), ``'unsupported'`` where the target does
+      not run the precision's algorithm, ``'native <dtype>'`` otherwise,
+      ``'unknown'`` for a custom ``lax.DotAlgorithm``.
+    tpu_numerics, gpu_numerics: the :class:`~jaxprec.Numerics` behind
+      ``tpu``/``gpu``: the one table's record (None for native and unknown).
+    flops: floating-point operations per call, times ``trip_count``:
+      ``2*M*N*K`` (batch dims included) for a dot; ``2 * output elements *
+      kernel spatial size * input features per group`` for a convolution.
+    risky: True when float32 operands lose their low bits where the code does
+      not say so, or when the op accumulates in bfloat16 or float16 (see the
+      module docstring).
+    reason: why the row is risky (``''`` when it is not); two reasons are
+      joined with ``'; '``.
+    module_path: the Flax module that runs the op, as
+      :class:`jaxprec.Policy` rules match it: module names joined by ``'/'``,
+      e.g. ``'encoder/layer/0/attention/self'`` (the attention einsums of a
+      module belong to it); ``''`` for the top module and for ops outside
+      modules. For Flax NNX (``fn`` an ``nnx.Module`` or a bound method of
+      one), the path of the innermost module that a policy can set (Linear,
+      LinearGeneral, Einsum, Conv, ConvTranspose, attention), as
+      :func:`jaxprec.swap` names it (``'layers/0/attn'``); other NNX modules
+      record no calls.
+    emulated: False for an op inside an opaque kernel (the dots of a Pallas
+      kernel's body): :func:`jaxprec.emulate` cannot reach it, and the
+      precision shown is the kernel's own.
+    lhs_storage, rhs_storage: the dtype each operand had before a chain of
+      ``convert_element_type`` (and layout ops: reshape, transpose,
+      broadcast, squeeze, expand_dims, copy) led to the op, followed across
+      ``jit``, ``scan``, ``cond``, ``while`` and remat bodies: what is stored,
+      e.g. ``'float32'`` for the float32 kernel of a Flax ``Dense(dtype=
+      jnp.bfloat16)``. Equal to the compute dtype when nothing casts.
+    accumulation_dtype: the dtype the products are summed in as far as the
+      program says: ``preferred_element_type`` when set, else the result
+      dtype. ``'bfloat16'`` or ``'float16'`` makes the row risky.
+  """
+
+  primitive: str
+  source: str
+  op: str
+  name_stack: str
+  scope: tuple[str, ...]
+  trip_count: int
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]
+  lhs_dtype: str
+  rhs_dtype: str
+  out_dtype: str
+  precision: Any
+  precision_name: str
+  tpu: str
+  gpu: str
+  tpu_numerics: Numerics | None
+  gpu_numerics: Numerics | None
+  flops: int
+  risky: bool
+  reason: str
+  module_path: str = ""
+  emulated: bool = True
+  lhs_storage: str = ""
+  rhs_storage: str = ""
+  accumulation_dtype: str = ""
+
+  @property
+  def dtype_story(self) -> str:
+    """The dtypes compactly: ``'f32->bf16 x f32->bf16 -> bf16'`` (stored->
+    compute for each operand, then the accumulation dtype)."""
+    return audit_text.dtype_story(self)
+
+  def to_dict(self) -> dict[str, Any]:
+    """The row as JSON-able values (``precision`` becomes ``precision_name``)."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["precision"] = self.precision_name
+    d["scope"] = list(self.scope)
+    for k in ("lhs_shape", "rhs_shape", "out_shape"):
+      d[k] = list(d[k])
+    for k in ("tpu_numerics", "gpu_numerics"):
+      n = d[k]
+      d[k] = None if n is None else {
+          "algorithm": n.algorithm, "passes": n.passes,
+          "operand_bits": n.operand_bits, "rel_error": n.rel_error,
+          "note": n.note}
+    return d
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpaqueRow:
+  """An op whose numerics jaxprec cannot see: a Pallas kernel, an FFI call or
+  a host callback (``pure_callback``, ``io_callback``).
+
+  :func:`jaxprec.emulate` runs it natively and warns
+  (:class:`jaxprec.OpaqueOpWarning`); the matmuls a Pallas kernel's body
+  shows are listed as :class:`AuditRow` with ``emulated=False``.
+
+  Attributes:
+    primitive: e.g. ``'pallas_call'``, ``'ffi_call'``, ``'pure_callback'``.
+    name: the primitive and, where JAX records one, the kernel, target or
+      callback name, e.g. ``"pallas_call 'matmul_kernel'"``.
+    source, name_stack, scope, trip_count: as :class:`AuditRow`.
+  """
+
+  primitive: str
+  name: str
+  source: str
+  name_stack: str
+  scope: tuple[str, ...]
+  trip_count: int
+
+  def to_dict(self) -> dict[str, Any]:
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["scope"] = list(self.scope)
+    return d
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+  """The matmuls and convolutions of one traced function.
+
+  Attributes:
+    rows: one :class:`AuditRow` per op, in program order, nested bodies
+      right after the equation that holds them.
+    function: the audited function's qualified name.
+    precision_in_force: the precision in force when it was traced
+      (``jaxprec.current()``), e.g. ``'float32 (context)'``.
+    opaque: the ops jaxprec cannot see into (:class:`OpaqueRow`), in
+      program order.
+  """
+
+  rows: tuple[AuditRow, ...]
+  function: str = ""
+  precision_in_force: str = ""
+  opaque: tuple[OpaqueRow, ...] = ()
+
+  def __len__(self) -> int:
+    return len(self.rows)
+
+  def __iter__(self) -> Iterator[AuditRow]:
+    return iter(self.rows)
+
+  def __getitem__(self, i: int) -> AuditRow:
+    return self.rows[i]
+
+  @property
+  def risky(self) -> tuple[AuditRow, ...]:
+    """The rows flagged risky."""
+    return tuple(r for r in self.rows if r.risky)
+
+  @property
+  def total_flops(self) -> int:
+    return sum(r.flops for r in self.rows)
+
+  def flops_by_precision(self) -> dict[str, dict[str, int]]:
+    """FLOPs per call summed by what runs on TPU and on GPU.
+
+    Returns:
+      ``{'tpu': {'bf16x1': n, ...}, 'gpu': {'tf32': n, ...}}``, keys as in
+      :attr:`AuditRow.tpu` / :attr:`AuditRow.gpu`, largest first.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for backend in ("tpu", "gpu"):
+      totals: dict[str, int] = {}
+      for r in self.rows:
+        key = getattr(r, backend)
+        totals[key] = totals.get(key, 0) + r.flops
+      out[backend] = dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
+    return out
+
+  def to_dict(self) -> dict[str, Any]:
+    """The report as JSON-able values."""
+    return {
+        "function": self.function,
+        "precision_in_force": self.precision_in_force,
+        "num_ops": len(self.rows),
+        "num_risky": len(self.risky),
+        "total_flops": self.total_flops,
+        "flops_by_precision": self.flops_by_precision(),
+        "rows": [r.to_dict() for r in self.rows],
+        "opaque": [r.to_dict() for r in self.opaque],
+    }
+
+  def to_json(self, indent: int | None = 2) -> str:
+    """The report as a JSON string (see :meth:`to_dict`)."""
+    return json.dumps(self.to_dict(), indent=indent)
+
+  def __str__(self) -> str:
+    return audit_text.format_report(self)
+
+
+def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
+  """Lists every matmul and convolution of ``fn(*args, **kwargs)`` and its precision.
+
+  ``fn`` is traced with ``jax.make_jaxpr`` under the precision in force now
+  (a ``jaxprec.precision`` scope, ``jax.default_matmul_precision``, the global
+  setting); it is never run, so ``jax.ShapeDtypeStruct`` values work as
+  arguments. Jitted functions work too. Array leaves of ``args``/``kwargs``
+  (arrays, ``ShapeDtypeStruct``, anything with ``shape`` and ``dtype``) are
+  traced; every other leaf (Python numbers, strings, ...) is passed as is.
+
+  Args:
+    fn: the function to audit. An ``nnx.Module`` or a bound method of one is
+      traced on a copy (the module is never modified), and its rows get the
+      paths of its NNX modules (:attr:`AuditRow.module_path`).
+    *args: its positional arguments (pytrees).
+    **kwargs: its keyword arguments (pytrees).
+
+  Returns:
+    An :class:`AuditReport`; empty (not an error) when ``fn`` has no matmuls.
+
+  Raises:
+    TypeError: if ``fn`` is not callable.
+    AuditError: if tracing ``fn`` raises; the message names ``fn`` and the
+      original error, which is chained as ``__cause__``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxprec
+    >>> x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    >>> w = jax.ShapeDtypeStruct((16, 4), jnp.float32)
+    >>> report = jaxprec.audit(lambda x, w: x @ w, x, w)
+    >>> row = report.rows[0]
+    >>> row.primitive, row.flops, row.tpu, row.gpu, row.risky
+    ('dot_general', 1024, 'bf16x1', 'tf32', True)
+    >>> with jaxprec.precision("float32"):
+    ...   report = jaxprec.audit(lambda x, w: x @ w, x, w)
+    >>> report.rows[0].precision_name, report.rows[0].tpu, report.rows[0].risky
+    ('HIGHEST', 'bf16x6', False)
+  """
+  if not callable(fn):
+    raise TypeError(
+        f"jaxprec.audit expects a callable as its first argument; got {fn!r} "
+        f"of type {type(fn).__name__}")
+  name = _qualname(fn)
+  in_force = _precision_in_force()
+  fn = nnx_policy.bind(fn, None)  # a traced copy of an NNX module, with paths
+
+  statics, dynamic = trees.split_call(args, kwargs)
+
+  try:
+    with flax_paths.record() as module_paths:
+      closed = jax.make_jaxpr(lambda *dyn: statics.call(fn, dyn))(*dynamic)
+  except Exception as e:  # noqa: BLE001 -- re-raised with context
+    raise AuditError(
+        f"jaxprec.audit: tracing {name} failed: {type(e).__name__}: {e}") from e
+  opaque: list[OpaqueRow] = []
+  rows = tuple(_rows(closed, module_paths, opaque))
+  return AuditReport(rows=rows, function=name, precision_in_force=in_force,
+                     opaque=tuple(opaque))
+
+
+# ---------------------------------------------------------------------------
+# Rows.
+
+
+def walk_modules(closed, module_paths: dict[str, list[str]] | None = None
+                 ) -> Iterator[tuple[walker.WalkedEqn, str, str]]:
+  """``(walked equation, name stack, module path)`` of every equation of ``closed``.
+
+  ``module_paths`` is what :func:`jaxprec._src.flax.paths.record` found
+  while ``closed`` was traced. The one place that gives an equation its
+  module path: the audit's rows and the search's switched program
+  (:mod:`jaxprec._src.search.switch`) both read it.
+  """
+  # Name stacks are relative to the enclosing jaxpr; ``prefix[d]`` is the path
+  # of the body at depth d. iter_eqns yields a parent right before its bodies,
+  # depth first, so the last parent seen at depth d - 1 encloses depth d.
+  # Module paths were recorded under the same relative name stacks; a body
+  # whose stacks match no module call belongs to its parent's module.
+  prefix: dict[int, str] = {0: ""}
+  module_prefix: dict[int, str] = {0: ""}
+  for w in walker.iter_eqns(closed):
+    eqn = w.eqn
+    depth = len(w.scope)
+    relative = compat.eqn_name_stack(eqn)
+    path = _join(prefix.get(depth, ""), relative)
+    module = flax_paths.lookup(relative, module_paths or {},
+                               module_prefix.get(depth, ""))
+    if module is None:
+      module = module_prefix.get(depth, "")
+    module_prefix[depth + 1] = module
+    if eqn.primitive.name in ("jit", "pjit"):
+      prefix[depth + 1] = _join(path, f"jit({eqn.params.get('name', '')})")
+    else:
+      prefix[depth + 1] = path
+    yield w, path, module
+
+
+def _rows(closed, module_paths: dict[str, list[str]] | None = None,
+          opaque: list[OpaqueRow] | None = None) -> Iterator[AuditRow]:
+  """The rows of ``closed``; opaque ops are appended to ``opaque``."""
+  storage = audit_dtypes.Storage()
+  for w, path, module in walk_modules(closed, module_paths):
+    eqn = w.eqn
+    storage.visit(eqn, len(w.scope))
+    name = walker.opaque_name(eqn)
+    if name is not None and opaque is not None:
+      source, _ = _frames(eqn)
+      opaque.append(OpaqueRow(primitive=eqn.primitive.name, name=name,
+                              source=source, name_stack=path,
+                              scope=tuple(w.scope), trip_count=w.trip_count))
+    if eqn.primitive.name in numerics.PRIMITIVES:
+      inside = not walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope)
+      depth = len(w.scope)
+      yield dataclasses.replace(
+          _row(w, path), module_path=module, emulated=not inside,
+          lhs_storage=storage.of(eqn.invars[0], depth),
+          rhs_storage=storage.of(eqn.invars[1], depth))
+
+
+def _row(w: walker.WalkedEqn, name_stack: str) -> AuditRow:
+  eqn = w.eqn
+  prim = eqn.primitive.name
+  lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+  out = eqn.outvars[0].aval
+  precision = eqn.params.get("precision")
+  lhs_dtype, rhs_dtype = np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name
+  preferred = eqn.params.get("preferred_element_type")
+  accumulation = np.dtype(out.dtype if preferred is None else preferred).name
+  tpu, gpu, tpu_n, gpu_n = _effective(prim, precision, lhs_dtype, rhs_dtype)
+  risky, reason = _risk(prim, precision, lhs_dtype, rhs_dtype, tpu_n)
+  acc_reason = audit_dtypes.accumulation_risk(accumulation)
+  if acc_reason:
+    risky, reason = True, "; ".join(r for r in (reason, acc_reason) if r)
+  source, op = _frames(eqn)
+  if prim == "dot_general":
+    flops = _dot_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])
+  else:
+    flops = _conv_flops(out.shape, rhs.shape, eqn.params["dimension_numbers"])
+  return AuditRow(
+      primitive=prim, source=source, op=op, name_stack=name_stack,
+      scope=tuple(w.scope), trip_count=w.trip_count,
+      lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
+      out_shape=tuple(out.shape), lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
+      out_dtype=np.dtype(out.dtype).name, precision=precision,
+      precision_name=_precision_name(precision), tpu=tpu, gpu=gpu,
+      tpu_numerics=tpu_n, gpu_numerics=gpu_n, flops=flops * w.trip_count,
+      risky=risky, reason=reason, lhs_storage=lhs_dtype, rhs_storage=rhs_dtype,
+      accumulation_dtype=accumulation)
+
+
+def _precision_name(precision: Any) -> str:
+  if precision is None:
+    return "None"
+  if isinstance(precision, lax.DotAlgorithmPreset):
+    return precision.name
+  if isinstance(precision, lax.Precision):
+    return precision.name
+  if isinstance(precision, tuple) and len(precision) == 2:
+    names = [p.name if isinstance(p, lax.Precision) else str(p) for p in precision]
+    return names[0] if names[0] == names[1] else ",".join(names)
+  return str(precision)
+
+
+def _effective(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str
+               ) -> tuple[str, str, Numerics | None, Numerics | None]:
+  """What runs on TPU and GPU: (tpu, gpu, tpu_numerics, gpu_numerics).
+
+  The one decision the emulation and the cost model make too
+  (:func:`jaxprec._src.core.numerics.op_numerics`): a float32 x bfloat16 dot at
+  ``DEFAULT`` is one bfloat16 pass on a TPU, not a native op.
+  """
+  recorded = lax.Precision.DEFAULT if precision is None else precision
+  meanings = []
+  for target in ("tpu", "gpu"):
+    try:
+      n = numerics.op_numerics(recorded, target, lhs_dtype, rhs_dtype, op=prim)
+    except ValueError:
+      return "unknown", "unknown", None, None  # a custom lax.DotAlgorithm
+    if n is None:  # the precision does not apply to these operands
+      native = (f"native {lhs_dtype}" if lhs_dtype == rhs_dtype
+                else f"native {lhs_dtype}x{rhs_dtype}")
+      return native, native, None, None
+    meanings.append(n)
+  tpu, gpu = meanings
+  return tpu.algorithm, gpu.algorithm, tpu, gpu
+
+
+def _risk(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str,
+          tpu: Numerics | None) -> tuple[bool, str]:
+  if tpu is None:  # native operands, or a custom lax.DotAlgorithm
+    return False, ""
+  if not tpu.supported:
+    return True, "unsupported on TPU: " + numerics.unsupported_message(
+        from_lax(precision), "tpu")
+  if numerics.lowered(precision, numerics.op_kind(prim)) is not precision:
+    # A convolution that recorded a preset (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py).
+    return True, (
+        f"convolution recorded with preset {precision.name}: JAX lowers "
+        f"convolutions under a preset at DEFAULT, 1 bfloat16 pass on TPU (TF32 "
+        f"on GPU); use a level (e.g. 'float32') or decorate the function with "
+        f"@jaxprec.precision({precision.name!r})")
+  if tpu.operand_bits > 11:
+    return False, ""
+  if precision is None:
+    why = "no precision set, the backend default"
+  else:
+    why = f"precision {_precision_name(precision)}"
+  operands = ("float32 operands" if lhs_dtype == rhs_dtype
+              else f"{lhs_dtype} x {rhs_dtype} operands")
+  return True, (f"{operands}, {why}: on TPU, {tpu.note} "
+                f"({tpu.operand_bits} significand bits)")
+
+
+def _frames(eqn) -> tuple[str, str]:
+  """(source, op) from the equation's frames; see AuditRow."""
+  frames = compat.eqn_user_frames(eqn)
+  if not frames:
+    return "", ""
+  file, line, func = frames[0]
+  op = f"{func} ({file}:{line})"
+  for file, line, _ in frames:
+    if not _is_library_file(file):
+      return f"{file}:{line}", op
+  return "", op
+
+
+_library_dirs: tuple[str, ...] | None = None
+
+
+def _is_library_file(path: str) -> bool:
+  global _library_dirs
+  if _library_dirs is None:
+    dirs = []
+    for pkg in _LIBRARY_PACKAGES:
+      try:
+        spec = importlib.util.find_spec(pkg)
+      except (ImportError, ValueError):
+        spec = None
+      for d in (spec.submodule_search_locations or []) if spec else []:
+        dirs.append(os.path.join(os.path.realpath(d), ""))
+    _library_dirs = tuple(dirs)
+  return os.path.realpath(path).startswith(_library_dirs)
+
+
+def _dot_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
+  # 2 * (batch * M * K) * N: every lhs element meets every free rhs column.
+  (_, rhs_contract), (_, rhs_batch) = dimension_numbers
+  rhs_free = [d for i, d in enumerate(rhs_shape)
+              if i not in rhs_contract and i not in rhs_batch]
+  return _int(2 * math.prod(lhs_shape) * math.prod(rhs_free))
+
+
+def _conv_flops(out_shape, rhs_shape, dimension_numbers) -> int:
+  # 2 * output elements * kernel spatial size * input features per group; the
+  # kernel's input-feature dimension already holds in_features / groups.
+  rhs_spec = dimension_numbers.rhs_spec  # (out feature, in feature, spatial...)
+  spatial = math.prod(rhs_shape[i] for i in rhs_spec[2:])
+  return _int(2 * math.prod(out_shape) * spatial * rhs_shape[rhs_spec[1]])
+
+
+def _int(x) -> int:
+  try:
+    return int(x)
+  except (TypeError, ValueError):  # symbolic shapes (jax.export)
+    return 0
+
+
+def _join(a: str, b: str) -> str:
+  return f"{a}/{b}" if a and b else a or b
+
+
+def _qualname(fn) -> str:
+  inner = getattr(fn, "func", None)  # functools.partial
+  for f in (fn, inner):
+    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
+    if isinstance(name, str):
+      return name
+  # A callable object (an NNX module): its class, not a many-line repr.
+  return type(fn).__qualname__
+
+
+def _precision_in_force() -> str:
+  from jaxprec._src.core import context
+  p = context.current()
+  return f"{p.name} ({p.source})"

@@ -1,0 +1,469 @@
+"""The one place where jaxprec reaches into JAX internals.
+
+Every use of a private JAX API is here, feature-detected where versions differ,
+so that a JAX upgrade breaks one module (chex's ``pytypes.py`` does the same).
+Written against jax 0.10.2; each difference in jax 0.11 and 0.12 (CI's newest
+stage) is detected by feature, not by version number, and named where it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+from jax import lax
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info_util
+from jax._src.interpreters import partial_eval as pe
+
+# Public APIs where the installed JAX has them, feature-detected: all exist in
+# jax 0.10.2 (the version this was written against); each private fallback can
+# go once the oldest supported JAX has the public name.
+ClosedJaxpr = jex.core.ClosedJaxpr
+Jaxpr = jex.core.Jaxpr
+Literal = jex.core.Literal
+Var = getattr(jex.core, "Var", _core.Var)
+DropVar = getattr(jex.core, "DropVar", _core.DropVar)
+typeof = getattr(jax, "typeof", _core.typeof)
+try:  # jax.extend.linear_util.wrap_init, with debug_info (jax 0.10.2)
+  from jax.extend.linear_util import wrap_init
+except ImportError:  # pragma: no cover -- older JAX
+  from jax._src.linear_util import wrap_init
+# jax.extend.source_info_util (jax 0.10.2) has the name-stack and context
+# functions; user_frames stays private (see eqn_user_frames).
+source_info_util = getattr(jex, "source_info_util", _source_info_util)
+
+# jax 0.11 merged ClosedJaxpr into Jaxpr: one class whose ``.jaxpr`` returns
+# the object itself and whose constants are attached to its leading binders
+# (``constvars``; ``invars`` are the rest). Before, a ClosedJaxpr wrapped an
+# open Jaxpr whose ``constvars`` and ``invars`` were separate lists.
+JAXPR_MERGED = ClosedJaxpr is Jaxpr
+
+
+def all_binders(jaxpr) -> list[Any]:
+  """Every input variable of ``jaxpr``: its constvars, then its invars.
+
+  A jaxpr evaluated with ``(consts, args)`` binds ``[*consts, *args]`` to
+  these. The same on every version: on jax 0.11+ a jaxpr whose constants
+  were detached (what custom-rule thunks return) has no constvars but takes
+  its constants as leading invars, which is the same list.
+  """
+  return [*jaxpr.constvars, *jaxpr.invars]
+
+
+def scan_add_consts(params: dict, n: int) -> dict:
+  """scan params for ``n`` extra leading constant inputs."""
+  params = dict(params)
+  if "ft_in" in params:
+    # jax 0.11+: scan's inputs are one FlatTree of three groups (consts,
+    # carry, xs) in ``ft_in``, not the counts ``num_consts``/``num_carry``.
+    from jax._src import flattree as ft  # noqa: PLC0415
+    consts, carry, xs = params["ft_in"].unpack()
+    params["ft_in"] = ft.pack(((ft.nones(n), consts), carry, xs))
+    return params
+  params["num_consts"] = params["num_consts"] + n
+  if "linear" in params:
+    params["linear"] = (False,) * n + tuple(params["linear"])
+  return params
+
+
+def jaxprs_in_params(params) -> Any:
+  """The open jaxprs in an equation's params (``ClosedJaxpr`` unwrapped),
+  also inside tuples: ``jax.extend.core.jaxprs_in_params`` (jax 0.10.2), else
+  the same walk here."""
+  public = getattr(jex.core, "jaxprs_in_params", None)
+  if public is not None:
+    yield from public(params)
+    return
+  for val in params.values():  # pragma: no cover -- older JAX
+    for v in val if isinstance(val, tuple) else (val,):
+      if isinstance(v, Jaxpr):
+        yield v
+      elif isinstance(v, ClosedJaxpr):
+        yield v.jaxpr
+
+
+def is_dropvar(v) -> bool:
+  return isinstance(v, DropVar)
+
+
+@contextlib.contextmanager
+def eqn_context(eqn):
+  """Re-enters an equation's source info, name stack and context (as eval_jaxpr)."""
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  with source_info_util.user_context(eqn.source_info.traceback,
+                                     name_stack=name_stack), eqn.ctx.manager:
+    yield
+
+
+def _api_debug_info(fn, in_avals):
+  from jax._src import api_util
+  return api_util.debug_info("jaxprec", fn, tuple(in_avals), {})
+
+
+def trace_to_closed_jaxpr(fn: Callable[..., Sequence[Any]], in_avals,
+                          *, debug_info=None) -> ClosedJaxpr:
+  """Traces a flat function on abstract values, keeping weak types exactly."""
+  if debug_info is None:
+    debug_info = _api_debug_info(fn, in_avals)
+  wrapped = wrap_init(lambda *a: list(fn(*a)), debug_info=debug_info)
+  jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+  return ClosedJaxpr(jaxpr, consts)
+
+
+def debug_info(fn, in_avals):
+  """JAX debug info naming ``fn`` (used in tracing error messages)."""
+  from jax._src import api_util
+  try:
+    return api_util.debug_info("jaxprec", fn, tuple(in_avals), {})
+  except Exception:  # noqa: BLE001 -- best effort: odd callables have no signature
+    return None
+
+
+def hoist_consts(closed: ClosedJaxpr) -> ClosedJaxpr:
+  """Moves a ClosedJaxpr's consts to leading inputs (the caller passes them)."""
+  return pe.close_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr))
+
+
+def close(jaxpr: Jaxpr) -> ClosedJaxpr:
+  return pe.close_jaxpr(jaxpr)
+
+
+def pad_invars(closed: ClosedJaxpr, *, before: int, after: int, avals) -> ClosedJaxpr:
+  """Adds unused leading inputs: ``before`` then own ones then ``after``.
+
+  ``closed`` has its own hoisted consts as its first inputs; ``avals`` are the
+  avals of all the padded inputs in order (before + own + after).
+  """
+  jaxpr = closed.jaxpr
+  n_own = len(avals) - before - after
+  new_before = [Var(a) for a in avals[:before]]
+  new_after = [Var(a) for a in avals[before + n_own:]]
+  own, rest = jaxpr.invars[:n_own], jaxpr.invars[n_own:]
+  invars = [*new_before, *own, *new_after, *rest]
+  return ClosedJaxpr(jaxpr.replace(invars=invars,
+                                   debug_info=jaxpr.debug_info._replace(
+                                       arg_names=None)), closed.consts)
+
+
+def shard_map(body: Callable[..., Sequence[Any]], params: dict,
+              args: Sequence[Any]) -> list[Any]:
+  """``body`` called on ``args`` under the public ``jax.shard_map`` with a
+  recorded shard_map equation's mesh, specs, manual axes and check.
+
+  Tracing ``body`` there binds the mesh's axis names, so that collectives
+  and ``pvary`` in it trace (a jaxpr re-traced outside raises "unbound axis
+  name"), and constants ``body`` creates are replicated, as shard_map does
+  for closed-over values. Param names: ``in_specs``, ``out_specs``,
+  ``check_vma`` and ``newly_manual_axes`` (jax 0.10.2); ``check_rep`` and
+  ``manual_axes`` before, feature-detected.
+  """
+  import inspect  # noqa: PLC0415
+  signature = inspect.signature(jax.shard_map).parameters
+  mesh = params["mesh"]
+  kwargs: dict[str, Any] = dict(mesh=mesh, in_specs=tuple(params["in_specs"]),
+                                out_specs=tuple(params["out_specs"]))
+  check = params.get("check_vma", params.get("check_rep", True))
+  kwargs["check_vma" if "check_vma" in signature else "check_rep"] = check
+  manual = params.get("newly_manual_axes", params.get("manual_axes"))
+  if manual is not None and "axis_names" in signature:
+    kwargs["axis_names"] = frozenset(manual) | frozenset(
+        getattr(mesh, "manual_axes", ()))
+  return list(jax.shard_map(lambda *a: tuple(body(*a)), **kwargs)(*args))
+
+
+def _rewritten_body(call_jaxpr: ClosedJaxpr, rule, eval_fn):
+  """A custom_*_call's body as a WrappedFun that evaluates it with ``rule``."""
+  return wrap_init(
+      lambda *a: eval_fn(call_jaxpr.jaxpr, call_jaxpr.consts, rule, a),
+      debug_info=call_jaxpr.jaxpr.debug_info)
+
+
+# ``jax.custom_derivatives.linear_call`` (public in jax 0.10.2): a linear
+# function with a transpose of the caller's choosing. The fallback to its
+# private home can go if the public name is ever removed.
+try:
+  from jax.custom_derivatives import linear_call
+except ImportError:  # pragma: no cover -- a JAX without the public name
+  from jax._src.custom_derivatives import linear_call
+
+
+def custom_jvp_bind_params(params: dict, rule, eval_fn,
+                           rewrites_tangents: Callable[[Any, int], bool]
+                           ) -> dict:
+  """Bind params of a custom_jvp_call whose body and JVP are both rewritten.
+
+  Where ``rewrites_tangents(jvp_jaxpr, num_tangents)`` says the rule's
+  tangent computation holds ops that ``rule`` rewrites (and the rule is not
+  batched, see :func:`_batched`), the rule's tangent outputs are one
+  ``linear_call`` (a linear function with its own transpose): evaluated, it
+  is the tangent computation rewritten by ``rule``; transposed (``jax.grad``
+  of the custom_jvp function), it is the VJP of that rewritten computation,
+  so the gradient's matmuls are the rewritten ops' own backward passes.
+  Without it JAX would have to transpose the rewritten ops themselves, which
+  the emulated ops (custom_vjp functions) do not allow. Other rules are
+  evaluated with ``rule`` as they are (``linear_call`` has no batching rule:
+  ``jax.vmap`` of their gradients keeps working).
+  """
+  from jax._src import custom_derivatives as cd
+  params = dict(params)
+  call_jaxpr = params.pop("call_jaxpr")
+  num_consts = params.pop("num_consts")
+  jvp_jaxpr_fun = params.pop("jvp_jaxpr_fun")
+  fun = _rewritten_body(call_jaxpr, rule, eval_fn)
+
+  # As jax._src.custom_derivatives.lift_jvp, evaluating with the rule.
+  def jvp(*xs):
+    n, ragged = divmod(len(xs), 2)
+    assert not ragged
+    primals, tangents = xs[num_consts:n], xs[n + num_consts:]
+    zeros = [type(t) is cd.SymbolicZero for t in tangents]
+    jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+    nonzero = [t for t in tangents if type(t) is not cd.SymbolicZero]
+    n_out = len(out_zeros)
+    out = eval_fn(jvp_jaxpr, jvp_consts, rule, [*primals, *nonzero])
+    out_primals, nz_out = out[:n_out], iter(out[n_out:])
+    if not _batched(nonzero) and rewrites_tangents(jvp_jaxpr, len(nonzero)):
+      nz_out = iter(_rule_tangents(jvp_jaxpr, jvp_consts, n_out, rule, eval_fn,
+                                   list(primals), nonzero))
+    out_tangents = [cd.SymbolicZero(typeof(p).to_tangent_aval())
+                    if z else next(nz_out) for p, z in zip(out_primals, out_zeros)]
+    return [*out_primals, *out_tangents]
+
+  params["subfuns"] = (fun, wrap_init(jvp, debug_info=jvp_jaxpr_fun.debug_info))
+  return params
+
+
+def _batched(tangents: Sequence[Any]) -> bool:
+  """Whether a custom_jvp rule runs on tangents of a ``jax.vmap`` (``jax.jacfwd``,
+  ``jax.jvp`` of a vmapped function).
+
+  ``linear_call`` has no batching rule, and a batched rule's tangents are
+  never transposed where JAX could (``jax.grad`` of a vmapped custom_jvp
+  function cannot be transposed either way), so such a rule is evaluated as it
+  is. ``batching.BatchTracer`` is private (jax 0.10.2); without it every rule
+  takes the ``linear_call``.
+  """
+  from jax._src.interpreters import batching  # noqa: PLC0415
+  tracer = getattr(batching, "BatchTracer", None)
+  return tracer is not None and any(isinstance(t, tracer) for t in tangents)
+
+
+def _rule_tangents(jvp_jaxpr, consts, n_out: int, rule, eval_fn,
+                   primals: list, tangents: list) -> list:
+  """The nonzero tangent outputs of a custom_jvp rule's jaxpr, as one
+  ``linear_call`` in the (non-float0) tangents: forward, the jaxpr evaluated
+  with ``rule``; transposed, the VJP of that evaluation."""
+  import numpy as np  # noqa: PLC0415
+  linear = [i for i, t in enumerate(tangents)
+            if np.dtype(typeof(t).dtype) != jax.dtypes.float0]
+  if not linear:
+    return eval_fn(jvp_jaxpr, consts, rule, [*primals, *tangents])[n_out:]
+  lin_avals = [typeof(tangents[i]) for i in linear]
+
+  def full(lin):
+    # float0 tangents (of integer primals) are zeros: made afresh, not closed
+    # over, as the transpose is traced later.
+    tans = [np.zeros(typeof(t).shape, jax.dtypes.float0) for t in tangents]
+    for i, t in zip(linear, lin):
+      tans[i] = t
+    return tans
+
+  def forward(res, lin):
+    return eval_fn(jvp_jaxpr, consts, rule, [*res, *full(lin)])[n_out:]
+
+  def transpose(res, cts):
+    # ``forward`` is linear in ``lin``: its VJP at any point is its
+    # transpose, and JAX's VJP of the rewritten ops is theirs (the emulated
+    # ops' backward passes, with the primal parts rewritten as forward).
+    zeros = [lax.full(a.shape, 0, a.dtype) for a in lin_avals]
+    _, pullback = jax.vjp(lambda *lin: forward(res, lin), *zeros)
+    return tuple(pullback(list(cts)))
+
+  return list(linear_call(forward, transpose, tuple(primals),
+                          tuple(tangents[i] for i in linear)))
+
+
+def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:
+  """Bind params of a custom_vjp_call whose body, fwd and bwd are all rewritten."""
+  from jax._src import custom_derivatives as cd
+  from jax._src import ad_util
+  params = dict(params)
+  call_jaxpr = params.pop("call_jaxpr")
+  num_consts = params.pop("num_consts")
+  fwd_jaxpr_thunk = params.pop("fwd_jaxpr_thunk")
+  bwd = params.pop("bwd")
+  fun = _rewritten_body(call_jaxpr, rule, eval_fn)
+
+  # As jax._src.custom_derivatives.lift_fwd, evaluating with the rule.
+  def fwd(*args):
+    vals, nonzeros = args[::2], args[1::2]
+    primals = vals[num_consts:]
+    const_nonzeros, in_nonzeros = nonzeros[:num_consts], nonzeros[num_consts:]
+    if any(const_nonzeros):
+      raise jax._src.interpreters.ad.CustomVJPException()
+    fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*in_nonzeros)
+    return eval_fn(fwd_jaxpr, fwd_consts, rule, list(primals))
+
+  const_avals = call_jaxpr.in_avals[:num_consts]
+  bwd_c = cd._handle_consts_in_bwd(bwd, const_avals)
+
+  # The user's bwd is Python: trace it once per call to a jaxpr, then rewrite.
+  def new_bwd(*args):
+    flat, tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: x is None)
+    holder = {}
+
+    def flat_bwd(*leaves):
+      out = bwd_c.call_wrapped(*jax.tree_util.tree_unflatten(tree, leaves))
+      out_flat, holder["tree"] = jax.tree_util.tree_flatten(
+          out, is_leaf=lambda x: x is None or isinstance(x, ad_util.Zero))
+      holder["mask"] = [o is not None and not isinstance(o, ad_util.Zero)
+                        for o in out_flat]
+      holder["raw"] = out_flat
+      return [o for o, m in zip(out_flat, holder["mask"]) if m]
+
+    arrays = [x for x in flat if x is not None]
+    if len(arrays) != len(flat):
+      # Symbolic zeros or Nones among the inputs: keep the user's bwd as is.
+      return bwd_c.call_wrapped(*args)
+    avals = [typeof(x) for x in flat]
+    closed = trace_fn(flat_bwd, avals)
+    outs = iter(eval_fn(closed.jaxpr, closed.consts, rule, flat))
+    raw = [next(outs) if m else r for r, m in zip(holder["raw"], holder["mask"])]
+    return jax.tree_util.tree_unflatten(holder["tree"], raw)
+
+  params["subfuns"] = (
+      fun,
+      wrap_init(fwd, debug_info=fwd_jaxpr_thunk.debug_info),
+      wrap_init(new_bwd, debug_info=bwd.debug_info),
+  )
+  return params
+
+
+@functools.lru_cache(maxsize=None)
+def backend_platform() -> str:
+  """The default backend's platform ('cpu', 'gpu', 'tpu'); starts the backend."""
+  return jax.default_backend()
+
+
+def process_index() -> int:
+  """``jax.process_index()`` once JAX runs; 0 before, without starting JAX.
+
+  A multi-process run (``jax.distributed``, a TPU pod) has started a backend
+  by the time anything is written; a process that never started one (a
+  report read back from JSON and plotted) is alone and is process 0.
+  """
+  started = jax.distributed.is_initialized()
+  if not started:
+    try:  # private: jax 0.10.2 to 0.12 (no public name)
+      from jax._src import xla_bridge
+      started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # pragma: no cover -- moved: ask JAX
+      started = True
+  return jax.process_index() if started else 0
+
+
+def matmul_precision_state() -> tuple[Any, Any]:
+  """JAX's ``default_matmul_precision`` config state and its 'unset' marker.
+
+  ``state.get_local()`` is the thread-local (scope) value or the marker;
+  ``state.get_global()`` the global one. Private
+  (``jax._src.config``, jax >= 0.4.30): JAX has no public way to tell a scope
+  from the global setting.
+  """
+  from jax._src import config as jax_config
+  return jax_config.default_matmul_precision, jax_config.config_ext.unset
+
+
+# ---------------------------------------------------------------------------
+# Source information of equations, for reports (used by jaxprec._src.inspect.audit).
+# jax._src.source_info_util is private; written against jax 0.10.2.
+
+
+def eqn_name_stack(eqn) -> str:
+  """The equation's name stack as text, e.g. ``'MLP/dense1'`` (``''`` if none).
+
+  Relative to the enclosing jaxpr: JAX starts a new name stack inside ``jit``
+  and loop bodies, so a caller that wants a full path joins the parents' stacks.
+  """
+  return str(eqn.source_info.name_stack)
+
+
+def eqn_user_frames(eqn) -> list[tuple[str, int, str]]:
+  """``(file, line, function)`` of the frames that recorded ``eqn``, innermost first.
+
+  JAX's own frames (and the standard library's) are left out, as in JAX's
+  ``source_info_util.user_frames``; library frames such as Flax's stay in.
+  """
+  frames = _source_info_util.user_frames(eqn.source_info.traceback)
+  return [(f.file_name, f.start_line, f.function_name) for f in frames]
+
+
+def current_name_stack() -> str:
+  """The name stack JAX records on equations traced here and now, as text.
+
+  Relative to the jaxpr being traced, like :func:`eqn_name_stack`'s (used by
+  jaxprec's Flax interception to map module calls to equations).
+  """
+  return str(source_info_util.current_name_stack())
+
+
+def trace_context() -> Any:
+  """Everything in JAX's config that ``jax.jit`` keys its traces on, now.
+
+  The matmul precision flag, x64, jaxprec's policy state
+  (:func:`jit_key_scope`) and every other config state created with
+  ``include_in_jit_key``: a trace cache keyed on this value is never reused
+  where ``jax.jit`` would trace again. Hashable. ``jax._src.config
+  .trace_context`` is private (jax 0.4.30 to 0.10.2 at least); no public
+  equivalent exists in jax 0.10.2.
+  """
+  from jax._src import config as jax_config
+  return jax_config.trace_context()
+
+
+def _jit_key_state(name: str, doc: str):
+  """A JAX config state that is part of ``jax.jit``'s cache key and of
+  :func:`trace_context` (``jax._src.config.State`` with ``include_in_jit_key``;
+  written against jax 0.10.2, no public equivalent)."""
+  from jax._src import config as jax_config
+  return jax_config.State(name, None, doc, include_in_jit_key=True,
+                          include_in_trace_context=True)
+
+
+# Created at import, before anything is traced: a state created later would
+# change every trace context and make jax.jit trace each function again once.
+_POLICY_KEY_STATE = _jit_key_state(
+    "jaxprec_policy",
+    "The jaxprec policy in force while tracing (set by jaxprec only).")
+_KERNEL_STATE = _jit_key_state(
+    "jaxprec_kernel",
+    "The jaxprec emulation kernel setting (set by jaxprec only).")
+
+
+def jit_key_scope(value: str):
+  """A scope whose ``value`` is part of ``jax.jit``'s cache key.
+
+  A policy decides precisions while a function is traced (through Flax method
+  interception) in a way JAX cannot see; without this, a function jitted once
+  under one policy would silently reuse that trace under another. Scopes
+  nest: the key is the outer scope's value joined with ``value``, so an
+  inner scope never makes two different outer scopes look alike.
+  """
+  outer = _POLICY_KEY_STATE.value
+  return _POLICY_KEY_STATE(value if outer is None else f"{outer} | {value}")
+
+
+def kernel_state():
+  """The JAX config state holding jaxprec's emulation kernel setting.
+
+  Like :func:`jit_key_scope`: the kernel is part of ``jax.jit``'s cache key
+  and of :func:`trace_context`, so a function jitted under one kernel is
+  traced again under another. ``State(...)`` for a thread-local scope,
+  ``.set_global`` / ``.value``.
+  """
+  return _KERNEL_STATE

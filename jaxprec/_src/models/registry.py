@@ -1,0 +1,8 @@
+"""The built-in models by the names ``jaxprec check --model`` takes."""
+
+from __future__ import annotations
+
+from jaxprec._src.models.builders import bert, wav2vec2
+from jaxprec._src.models.llama import llama
+
+MODELS = {"bert": bert, "llama": llama, "wav2vec2": wav2vec2}

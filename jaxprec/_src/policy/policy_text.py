@@ -1,0 +1,293 @@
+"""The text grammar of policies: names, selectors, values, escapes.
+
+Pure string handling for :mod:`jaxprec._src.policy.policy` (which documents the
+grammar on :meth:`jaxprec.Policy.parse`): the module types and op kinds a
+selector names, the scan that finds top-level separators in a regex, the
+escapes of ``,`` and ``&``, and the value of an entry (a precision, a
+``dtype:``, or both joined by ``+``). Imports no Flax and no runtime.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from jaxprec._src.core import numerics
+from jaxprec._src.core.precision import Precision, resolve
+
+OP_KINDS = ("dot", "conv", "attention")
+MODULE_TYPES = ("Dense", "DenseGeneral", "Conv", "ConvTranspose", "Einsum",
+                "Attention")
+# Other spellings of the module types: Flax NNX's class names and the attention
+# classes of Flax linen. Matching is exact in policy strings, any case elsewhere.
+TYPE_ALIASES = {
+    "Linear": "Dense", "LinearGeneral": "DenseGeneral", "ConvLocal": "Conv",
+    "MultiHeadDotProductAttention": "Attention", "MultiHeadAttention": "Attention",
+    "SelfAttention": "Attention",
+}
+_PREFIXES = ("op:", "type:", "path:")
+_RESERVED = frozenset(("default", *OP_KINDS, *MODULE_TYPES, *TYPE_ALIASES))
+# The prefixes of a value's items (a bare item is a precision).
+_ITEM_PREFIXES = ("dtype:", "precision:")
+# A selector that ends so reads as a value item typo (check_item_typo).
+_ITEM_TYPO = re.compile(r"=\s*(dtype|precision)\s*$", re.IGNORECASE)
+
+
+def _choices(values: Sequence[str]) -> str:
+  return ", ".join(repr(v) for v in values)
+
+
+def unknown(what: str, value: Any, choices: Sequence[str]) -> ValueError:
+  """A ValueError naming ``value``, the choices and the closest one."""
+  msg = f"Unknown {what} {value!r}; valid choices: {_choices(choices)}."
+  if isinstance(value, str):
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    if not close:
+      lower = {c.lower(): c for c in choices}
+      close = [lower[c] for c in difflib.get_close_matches(
+          value.lower(), list(lower), n=1, cutoff=0.6)]
+    if close:
+      msg += f" Did you mean {close[0]!r}?"
+  return ValueError(msg)
+
+
+def canonical_op(op: Any) -> str:
+  """``'dot'``, ``'conv'`` or ``'attention'`` (any case); ValueError otherwise."""
+  if isinstance(op, str) and op.strip().lower() in OP_KINDS:
+    return op.strip().lower()
+  raise unknown("op kind", op, OP_KINDS)
+
+
+def canonical_type(module_type: Any) -> str:
+  """One of :data:`MODULE_TYPES` for a type name or alias (any case)."""
+  if isinstance(module_type, str):
+    key = module_type.strip().lower()
+    for name in (*MODULE_TYPES, *TYPE_ALIASES):
+      if name.lower() == key:
+        return TYPE_ALIASES.get(name, name)
+  raise unknown("module type", module_type, (*MODULE_TYPES, *TYPE_ALIASES))
+
+
+@functools.lru_cache(maxsize=1024)
+def compile_path(pattern: str) -> re.Pattern:
+  """The compiled module-path regex; ValueError naming it if invalid."""
+  try:
+    return re.compile(pattern)
+  except re.error as e:
+    raise ValueError(f"Invalid module path regex {pattern!r}: {e}.") from None
+
+
+def to_precision(value: Any, where: str) -> Precision:
+  """``resolve(value)``, its error prefixed with ``where``."""
+  try:
+    return resolve(value)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+
+
+def to_dtype(value: Any, where: str) -> str:
+  """:func:`jaxprec._src.core.numerics.canonical_dtype`, its error prefixed."""
+  try:
+    return numerics.canonical_dtype(value)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+
+
+# ---------------------------------------------------------------------------
+# Selectors: top-level separators and escapes in regexes.
+
+
+# A repetition ``{m,n}`` (its comma may be escaped: then a literal text that
+# must stay as written). Any other brace is a literal character in a regex.
+_REPEAT = re.compile(r"\{\d*(?:\\?,\d*)?\}")
+
+
+def scan(text: str, seps: str, *, escaped: bool = False
+         ) -> list[tuple[int, str]]:
+  r"""Top-level separator positions: not inside (), [] or a ``{m,n}``.
+
+  With ``escaped=False``, unescaped separators; with ``escaped=True``, the
+  backslashes of top-level ``\<sep>`` pairs. Inserting or removing such a
+  backslash changes the scan of nothing else, so the formatter and the parser
+  agree on what is top level.
+  """
+  out = []
+  depth = 0
+  i = 0
+  while i < len(text):
+    c = text[i]
+    if c == "\\":
+      if escaped and depth == 0 and text[i + 1:i + 2] in tuple(seps):
+        out.append((i, text[i + 1]))
+      i += 2
+      continue
+    if c == "[":
+      i = _class_end(text, i)
+      continue
+    repeat = _REPEAT.match(text, i) if c == "{" else None
+    if repeat:
+      i = repeat.end()
+      continue
+    if c == "(":
+      depth += 1
+    elif c == ")":
+      depth = max(0, depth - 1)
+    elif depth == 0 and c in seps and not escaped:
+      out.append((i, c))
+    i += 1
+  return out
+
+
+def _class_end(text: str, i: int) -> int:
+  """The index after the character class that opens at ``text[i]`` (``[``)."""
+  j = i + 1
+  if text[j:j + 1] == "^":
+    j += 1
+  if text[j:j + 1] == "]":  # first in the class: a literal ']'
+    j += 1
+  while j < len(text):
+    if text[j] == "\\":
+      j += 2
+      continue
+    if text[j] == "]":
+      return j + 1
+    j += 1
+  return len(text)
+
+
+def split(text: str, sep: str) -> list[str]:
+  """``text`` split at its top-level ``sep`` characters (:func:`scan`)."""
+  parts, start = [], 0
+  for i, _ in scan(text, sep):
+    parts.append(text[start:i])
+    start = i + 1
+  parts.append(text[start:])
+  return parts
+
+
+def unescape(regex: str) -> str:
+  r"""Top-level ``\,`` and ``\&`` become ``,`` and ``&`` (same regex).
+
+  Inside (), [] and ``{m,n}`` they are kept as written: there they need no
+  escape in a policy string, and ``{1\,2}`` (literal text) must not become
+  the repetition ``{1,2}``. This is also the canonical form a rule stores,
+  so that ``Policy.parse(str(p)) == p``.
+  """
+  out = list(regex)
+  for i, _ in reversed(scan(regex, ",&", escaped=True)):
+    del out[i]
+  return "".join(out)
+
+
+def format_path(regex: str) -> str:
+  """A regex as a policy-string term that parses back to the same regex."""
+  escaped = list(regex)
+  for i, _ in reversed(scan(regex, ",&")):
+    escaped[i] = "\\" + regex[i]
+  text = "".join(escaped)
+  if (text in _RESERVED or text.startswith(_PREFIXES) or text != text.strip()
+      or not text or _ITEM_TYPO.search(text)):
+    text = "path:" + text
+  return text
+
+
+def parse_selector(selector: str, entry: str) -> dict[str, str]:
+  """The ``path``/``module_type``/``op`` fields of a selector's terms."""
+  fields: dict[str, str] = {}
+  for raw in split(selector, "&"):
+    term = raw.strip()
+    if not term:
+      raise ValueError(f"Invalid policy entry {entry!r}: empty term in {selector!r}.")
+    if term.startswith("op:"):
+      key, value = "op", term[3:].strip()
+    elif term.startswith("type:"):
+      key, value = "module_type", term[5:].strip()
+    elif term.startswith("path:"):
+      key, value = "path", unescape(raw.lstrip()[5:])
+    elif term in OP_KINDS:
+      key, value = "op", term
+    elif term in MODULE_TYPES or term in TYPE_ALIASES:
+      key, value = "module_type", term
+    else:
+      key, value = "path", unescape(term)
+    if key in fields:
+      raise ValueError(f"Invalid policy entry {entry!r}: two {key} terms.")
+    fields[key] = value
+  return fields
+
+
+# ---------------------------------------------------------------------------
+# Values: PRECISION | "dtype:" DTYPE | "precision:" PRECISION, joined by "+".
+
+
+def parse_value(value: str, entry: str) -> tuple[Precision | None, str | None]:
+  """``(precision, dtype)`` of an entry's value; either may be None, not both.
+
+  Raises:
+    ValueError: naming the entry: an empty item, two precisions or two
+      dtypes, an unknown precision (with "did you mean" for a misspelt
+      ``dtype:`` prefix) or dtype.
+  """
+  where = f"Invalid policy entry {entry!r}"
+  if not value.strip():
+    raise ValueError(f"{where}: empty precision or dtype.")
+  precision: Precision | None = None
+  dtype: str | None = None
+  for raw in value.split("+"):
+    item = raw.strip()
+    if not item:
+      raise ValueError(f"{where}: empty item in {value.strip()!r} (items are "
+                       f"joined by '+', e.g. 'bf16+dtype:float32').")
+    if item.lower().startswith("dtype:"):
+      if dtype is not None:
+        raise ValueError(f"{where}: two dtypes.")
+      dtype = to_dtype(item[6:].strip(), where)
+      continue
+    if item.lower().startswith("precision:"):
+      item = item[10:].strip()
+    if precision is not None:
+      raise ValueError(f"{where}: two precisions.")
+    precision = _item_precision(item, where)
+  return precision, dtype
+
+
+def check_item_typo(selector: str, value: str, entry: str) -> None:
+  """ValueError for ``X=dtype=NAME`` (or ``X=precision=NAME``): a value item
+  written with ``=`` instead of ``:``, which would read as a path ``X=dtype``."""
+  head, sep, tail = selector.rpartition("=")
+  if split(selector, "&")[-1].strip().startswith("path:"):
+    return  # explicit: a regex that ends with "=dtype" (format_path writes it)
+  if sep and tail.strip().lower() in ("dtype", "precision"):
+    item = f"{tail.strip().lower()}:{value.strip()}"
+    raise ValueError(
+        f"Invalid policy entry {entry!r}: a value item is written "
+        f"'{tail.strip().lower()}:NAME', with ':'. Did you mean "
+        f"'{head.strip()}={item}'?")
+
+
+def _item_precision(item: str, where: str) -> Precision:
+  try:
+    return to_precision(item, where)
+  except ValueError as e:
+    head, sep, rest = item.partition(":")
+    if not sep:
+      raise
+    close = difflib.get_close_matches(head.strip().lower() + ":",
+                                      _ITEM_PREFIXES, n=1, cutoff=0.6)
+    if not close:
+      raise
+    msg = re.sub(r" Did you mean '[^']*'\?$", "", str(e))
+    raise ValueError(
+        f"{msg} Items are a precision, 'dtype:NAME' or 'precision:NAME'. "
+        f"Did you mean '{close[0]}{rest.strip()}'?") from None
+
+
+def format_value(precision: Precision | None, dtype: str | None) -> str:
+  """The text of a value: the precision first, then ``dtype:NAME``."""
+  items = [] if precision is None else [precision.name]
+  if dtype is not None:
+    items.append(f"dtype:{dtype}")
+  return "+".join(items)

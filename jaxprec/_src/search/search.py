@@ -1,0 +1,598 @@
+"""Policy search: the cheapest per-layer precision that meets a tolerance.
+
+:func:`search_policy` answers "which layers must run at a higher precision,
+and what does that cost?" (NVIDIA's Polygraphy answers it for TensorRT with
+``debug precision --mode bisect``). It assigns one of the candidate
+precisions to every Flax module path that runs a matmul or convolution the
+policy can reach (the *units*: :attr:`jaxprec.AuditRow.module_path` of the
+ops that record no precision of their own, ``''`` for ops outside modules),
+runs the function under each candidate :class:`jaxprec.Policy` (emulated:
+one switched program for every policy, :mod:`jaxprec._src.search.switch`; natively
+on the target's own hardware, or on the dtype axis: one ``jax.jit`` per
+policy), compares every output layer with a float32 reference
+using :mod:`jaxprec._src.checker.metrics` inside the jitted program, and keeps the
+cheapest assignment, by :func:`jaxprec.cost`, that meets the tolerance on
+every checked layer.
+
+The algorithm (``docs/search.md`` walks through it):
+
+1. Every unit at the cheapest candidate. If that meets the tolerance, it is
+   the answer, after one evaluation.
+2. Every unit at the next candidates in cost order, until one meets the
+   tolerance: level ``L``. (If none does, the answer is all-float32, with a
+   warning.)
+3. From all-``L`` down, for each cheaper candidate ``t`` (cheapest first),
+   in rounds:
+
+   a. *measure*: the sensitivity of a group of units (contiguous in
+      execution order) is the increase of each checked layer's error when
+      only that group runs at ``t``. Groups that cannot be lowered whole are
+      bisected, the most promising first (expected saving: large when one
+      half of a group holds nearly all of its sensitivity, discounted when
+      the sensitivity is spread so that even an average unit would not
+      fit); a half's sensitivity is measured, the other half's inferred by
+      difference (errors of independent roundings add in power:
+      ``rel_rms**2``, ``max_abs**2``, ``1 - cosine``, ``10**(-sqnr/10)``),
+      unless the difference is noise, so a bisection step costs one
+      evaluation;
+   b. *choose*: lower greedily the groups that save the most cost per unit
+      of error they add while the predicted error fits the tolerance, and
+      verify with one evaluation (dropping the last group and retrying when
+      the prediction was optimistic);
+   c. the next round splits the groups that fit alone but not together,
+      until a round lowers nothing.
+4. The answer is the cheapest evaluated policy that met the tolerance; the
+   last evaluation is always of it (run again if the search's last trial was
+   another), so :attr:`SearchResult.report` measures exactly the returned
+   policy.
+
+A model with one ill-conditioned layer among ``n`` takes about ``log2(n) +
+4`` evaluations; many sensitive layers take more, down to one evaluation per
+unit that must stay precise, and ``budget`` caps it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxprec._src.checker import harness
+from jaxprec._src.checker import metrics as metrics_lib
+from jaxprec._src.checker import rows
+from jaxprec._src.checker.report import DivergenceReport, LayerResult
+from jaxprec._src.core import numerics
+from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
+from jaxprec._src.emulation import compile_cache
+from jaxprec._src.inspect import cost as cost_lib
+from jaxprec._src.jaxpr import compat
+from jaxprec._src.policy.policy import Policy
+from jaxprec._src.search import search_dtype
+from jaxprec._src.search import switch
+from jaxprec._src.search.search_algorithm import Candidate, CostTable, Search, metric_value
+from jaxprec._src.search.search_result import SearchResult
+
+# Metrics a tolerance can bound. Smaller is better for all but cosine (the
+# tolerance bounds 1 - cosine) and sqnr_db (the tolerance is a minimum).
+METRICS = ("rel_rms", "max_abs", "max_rel", "cosine", "sqnr_db", "ulp_median",
+           "ulp_max")
+DEFAULT_CANDIDATES = {
+    "tpu": ("bfloat16", "bfloat16_3x", "float32"),
+    "gpu": ("tensorfloat32", "TF32_TF32_F32_X3", "float32"),
+}
+DEFAULT_BUDGET = 24
+
+
+def _check_metric(metric: Any) -> str:
+  if metric not in METRICS:
+    msg = (f"Unknown metric {metric!r}; valid choices: "
+           f"{', '.join(map(repr, METRICS))}.")
+    if isinstance(metric, str):
+      close = difflib.get_close_matches(metric, METRICS, n=1)
+      if close:
+        msg += f" Did you mean {close[0]!r}?"
+    raise ValueError(msg)
+  return metric
+
+
+def _check_tolerance(tolerance: Any, metric: str) -> float:
+  if isinstance(tolerance, bool) or not isinstance(
+      tolerance, (int, float, np.floating, np.integer)):
+    raise TypeError(f"tolerance must be a number; got {tolerance!r} of type "
+                    f"{type(tolerance).__name__}.")
+  t = float(tolerance)
+  if not (math.isfinite(t) and t >= 0):
+    raise ValueError(f"tolerance must be a finite number >= 0 (a bound on "
+                     f"{metric}); got {tolerance!r}.")
+  return t
+
+
+# ---------------------------------------------------------------------------
+# Candidates.
+
+
+def _candidates(candidates: Any, target: str,
+                weights: Mapping[str, float]) -> list[Candidate]:
+  if candidates is None:
+    candidates = DEFAULT_CANDIDATES[target]
+  if isinstance(candidates, (str, Precision, lax.Precision,
+                             lax.DotAlgorithmPreset)):
+    candidates = (candidates,)
+  try:
+    candidates = tuple(candidates)
+  except TypeError:
+    raise TypeError(f"candidates must be a sequence of precisions; got "
+                    f"{candidates!r}.") from None
+  if not candidates:
+    raise ValueError("candidates is empty: name at least one precision, e.g. "
+                     "candidates=('bfloat16', 'float32').")
+  f32 = weights[numerics.algorithm_for("float32", target, jnp.float32, jnp.float32)]
+  out: list[Candidate] = []
+  for c in candidates:
+    try:
+      p = resolve(c)
+    except ValueError as e:
+      raise ValueError(f"Unknown candidate {c!r}: {e}") from None
+    if p.flag is None:
+      raise ValueError(f"Candidate {c!r} is the backend default, which means "
+                       f"different things on different hardware; name a "
+                       f"precision (e.g. 'bfloat16', 'float32').")
+    if not p.on(target).supported:  # the one table's answer
+      raise ValueError(f"Candidate {c!r}: "
+                       f"{numerics.unsupported_message(p, target)}")
+    algo = numerics.algorithm_for(p.per_op, target, jnp.float32, jnp.float32)
+    w = weights.get(algo)
+    if w is None:
+      raise ValueError(f"Candidate {c!r} runs {algo} on {target}, which has "
+                       f"no cost weight.")
+    if w > f32:
+      raise ValueError(
+          f"Candidate {c!r} runs {algo} on {target}, which costs {w:g} per "
+          f"FLOP, more than float32 ({f32:g}); the search returns policies "
+          f"that cost no more than float32.")
+    for o in out:
+      if o.algorithm == algo:
+        raise ValueError(
+            f"Candidates {o.label!r} and {c!r} both run {algo} on {target}; "
+            f"keep one.")
+    label = c if isinstance(c, str) else p.name
+    out.append(Candidate(label, p, algo, w))
+  out.sort(key=lambda c: (c.weight, c.precision.on(target).operand_bits))
+  return out
+
+class _Runner:
+  """Evaluates policies with the shared harness.
+
+  Emulating on the precision axis, every evaluation after the first runs one
+  switched program (:mod:`jaxprec._src.search.switch`): compiled once, with each
+  unit's precision chosen at run time by an index array. The first
+  evaluation, and every evaluation the switch cannot serve (the dtype axis,
+  native runs, a unit the switched trace does not find), compile one
+  program per policy (``jax.jit`` of the emulated, or native, function, as
+  :func:`jaxprec.check` runs a row), kept for this search only. The metrics
+  are a second program, compiled once per layout, so the layers stay on the
+  device and only per-layer scalars reach the host. (Fusing both into one
+  program, as ``check`` does for programs it reuses, made every evaluation
+  about 1.4x to 1.8x slower on the built-in tiny Wav2Vec2:
+  ``benchmarks/bench_search.py``.)
+  """
+
+  def __init__(self, fn, call: harness.Args, ref: harness.Reference,
+               target: str, mode: str, *, units: Sequence[str] = (),
+               precisions: Sequence[Precision] | None = None,
+               prepare_weights: bool = False):
+    # The harness keeps a program for a function it can reference weakly
+    # only: a callable that cannot be (an object of a class with
+    # ``__slots__``) would compile the switched program at every evaluation.
+    self.fn, self.call, self.ref = _referable(fn), call, ref
+    self.names = tuple(ref.names)
+    self.target, self.mode = target, mode
+    self._programs: dict[Any, Any] = {}
+    self.units = tuple(units)
+    # The switch's choices: the candidates' precisions, float32 last when
+    # no candidate is float32 (levels None); None: no switched program.
+    self.precisions = None if precisions is None else tuple(precisions)
+    self.fell_back: str | None = None  # why the switch could not be used
+    self.fixed_runs = 0
+    # Parameters' parts for the switched program (jaxprec._src.emulation.prepared).
+    self._ready: dict | None = None if prepare_weights else {}
+    self._traces: dict[Any, Any] = {}
+
+  def run(self, policy: Policy, levels: Sequence[int] | None = None, *,
+          fixed: bool = False) -> tuple[list[metrics_lib.LayerMetrics], str]:
+    """``(metrics, program)``: ``program`` is ``'fixed'`` or ``'switched'``."""
+    if (fixed or self.precisions is None or self.fell_back is not None
+        or self.fixed_runs == 0):
+      self.fixed_runs += 1
+      p = rows.plan(policy, self.target, self.mode)
+      return harness.run_candidate(self.fn, self.call, p, self.ref, 0.0, 0.0,
+                                   cache=self._programs, fused=False), "fixed"
+    index = switch.index_of(
+        [len(self.precisions) - 1] * len(self.units) if levels is None
+        else levels)
+    try:
+      if self._ready is None:  # the parameters' parts, once per search
+        self._ready = harness.prepare_indexed(
+            self.fn, self.call, self._wrap, index, self.ref)
+      return harness.run_indexed(
+          self.fn, self.call, self._wrap, (self.precisions, self.units),
+          index, self.ref, self._programs, self._ready), "switched"
+    except switch.SwitchError as e:
+      self.fell_back = str(e)
+      warnings.warn(
+          f"jaxprec.search_policy: {e}; each policy compiles a program of "
+          f"its own instead (the search is slower, its answers the same).",
+          UserWarning, stacklevel=4)
+      return self.run(policy, levels, fixed=True)
+
+  def _wrap(self, f, index):
+    # ``f`` is a new wrapper of self.fn at each trace: one trace of it serves
+    # both traces of the switched program (prepare_indexed's and jit's).
+    g = switch.switched(f, self.units, self.precisions, target=self.target,
+                        traces=self._traces)
+    return functools.partial(g, index)
+
+
+def _referable(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn``, or a function calling it where ``fn`` cannot be weakly
+  referenced (the runner holds it for the search)."""
+  try:
+    weakref.ref(fn)
+  except TypeError:
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+      return fn(*args, **kwargs)
+    if not hasattr(fn, "__qualname__"):
+      call.__qualname__ = call.__name__ = type(fn).__qualname__
+    return call
+  return fn
+
+
+def _check_layers(layers: Any, names: Sequence[str]) -> list[str]:
+  if layers is None:
+    return list(names)
+  if isinstance(layers, str):
+    layers = (layers,)
+  chosen = []
+  for name in layers:
+    if name not in names:
+      close = difflib.get_close_matches(str(name), list(names), n=1)
+      hint = f" Did you mean {close[0]!r}?" if close else ""
+      listed = ", ".join(map(repr, names[:12])) + (", ..." if len(names) > 12
+                                                  else "")
+      raise ValueError(f"Unknown layer {name!r}; the output's layers are "
+                       f"{listed}.{hint}")
+    if name not in chosen:
+      chosen.append(name)
+  if not chosen:
+    raise ValueError("layers is empty: name at least one output layer, or "
+                     "pass None for all of them.")
+  return [n for n in names if n in chosen]
+
+
+def check_arguments(*, tolerance: Any, metric: Any = "rel_rms",
+                    candidates: Any = None, target: Any = "tpu",
+                    budget: Any = DEFAULT_BUDGET, axes: Any = ("precision",),
+                    dtypes: Any = None, chip: Any = None):
+  """Validates :func:`search_policy`'s arguments (the command line checks
+  them before building a model).
+
+  Returns:
+    ``(metric, tolerance, candidates, target, budget)``, normalized; the
+    candidates as internal records, cheapest first. (``axes``,
+    ``dtypes`` and ``chip`` are checked, not returned:
+    :func:`search_dtype.check_axes`.)
+
+  Raises:
+    TypeError, ValueError: as :func:`search_policy` does.
+  """
+  search_dtype.check_arguments(axes, dtypes, chip, target)
+  metric = _check_metric(metric)
+  tolerance = _check_tolerance(tolerance, metric)
+  target = numerics.check_target(target)
+  if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+    raise TypeError(f"budget must be an int; got {budget!r}.")
+  if budget < 1:
+    raise ValueError(f"budget must be >= 1 (evaluations); got {budget}.")
+  cands = _candidates(candidates, target, cost_lib.weights_for(target))
+  return metric, tolerance, cands, target, int(budget)
+
+
+def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
+                  metric: str = "rel_rms",
+                  candidates: Sequence[PrecisionLike] | None = None,
+                  target: str = "tpu", budget: int = DEFAULT_BUDGET,
+                  layers: Sequence[str] | str | None = None,
+                  reference: Any = "float32", mode: str = "auto",
+                  verbose: bool = True,
+                  cache: bool | str | os.PathLike = False,
+                  axes: Sequence[str] | str = ("precision",),
+                  dtypes: Sequence[Any] | None = None,
+                  chip: str | None = None,
+                  compile_once: bool = True,
+                  prepare_weights: bool = False,
+                  **kwargs: Any) -> SearchResult:
+  """Finds the cheapest per-layer precision policy that meets a tolerance.
+
+  Every Flax module path that runs a matmul or convolution (as
+  :attr:`jaxprec.AuditRow.module_path` shows it; ``''`` for ops outside
+  modules) gets one of ``candidates``; the result is the cheapest assignment
+  found, by :func:`jaxprec.cost` on ``target``, whose every checked output
+  layer is within ``tolerance`` of the reference. The search starts from the
+  cheapest candidate everywhere (if that passes, it is the answer after one
+  evaluation) and, where it does not, raises precision where it buys the
+  most accuracy per unit of cost, measuring the sensitivity of groups of
+  paths by bisection so that the number of runs stays near logarithmic in
+  the number of paths (details: :mod:`jaxprec._src.search.search`,
+  ``docs/search.md``). Emulated on the precision axis, the search compiles
+  one program for every policy it tries after the first: each path's
+  matmuls are a ``lax.switch`` among the candidates, chosen at run time
+  (``compile_once``); the returned policy's report comes from the program
+  compiled for it alone, as :func:`jaxprec.check` compiles it. One line per
+  evaluation goes to stderr unless ``verbose=False``.
+
+  Args:
+    fn: returns the layers to check: any pytree of arrays (its floating
+      leaves, named as :func:`jaxprec.named_layers` names them).
+    *args: positional arguments for ``fn`` (arrays are traced; other leaves
+      are static). Pass parameters as arguments, not closed over.
+    tolerance: the bound on ``metric`` for every checked layer (>= 0):
+      ``metric <= tolerance``; for ``'cosine'`` ``1 - cosine <= tolerance``;
+      for ``'sqnr_db'`` ``sqnr_db >= tolerance``.
+    metric: one of :data:`METRICS` (see :mod:`jaxprec._src.checker.metrics`).
+    candidates: the precisions to choose from (any order; sorted by cost on
+      ``target``; none may cost more than float32). Default: ``('bfloat16',
+      'bfloat16_3x', 'float32')`` on a TPU, ``('tensorfloat32',
+      'TF32_TF32_F32_X3', 'float32')`` on a GPU.
+    target: ``'tpu'`` or ``'gpu'``.
+    budget: the most evaluations (runs of ``fn`` under a candidate policy;
+      the reference run is extra). When it runs out the best policy found
+      so far that meets the tolerance is returned, with a warning.
+    layers: names of the output layers to check (default: all).
+    reference: what :func:`jaxprec.check` reads: ``'float32'`` (``fn`` at
+      float32, natively: exact on CPU and GPU, six bfloat16 passes on a
+      TPU), ``'float64'``, another precision or a policy (computed as a
+      candidate is), or hidden states computed elsewhere (a pytree like
+      ``fn``'s output, a ``{name: array}`` mapping, or a ``.npz``, ``.npy``
+      or ``.safetensors`` file), matched by name as ``check`` matches.
+    mode: ``'auto'`` (native on the target's own hardware, emulated
+      elsewhere), ``'emulate'`` or ``'native'``.
+    verbose: print a line per evaluation to stderr.
+    cache: JAX's persistent compilation cache for this call, as for
+      :func:`jaxprec.check`: ``False`` (default), ``True`` (the default
+      directory) or a directory; JAX's settings are restored afterwards.
+    axes: what the search decides per unit: ``('precision',)`` (default:
+      the matmul precision of each module path that runs matmuls),
+      ``('precision', 'dtype')`` (a compute dtype from ``dtypes`` and a
+      precision from ``candidates`` for each module a dtype decision
+      reaches, layer norms included) or ``('dtype',)`` (the compute dtype
+      alone); a comma-separated string is accepted. On the dtype axis the
+      candidates are ordered, and policies costed, by their roofline time on
+      ``chip`` (``docs/search.md``), and a float32 or float64 reference runs
+      a model built in bfloat16 at that dtype (as :func:`jaxprec.check`).
+    dtypes: the dtype axis's compute dtypes (default ``('bfloat16',
+      'float32')``; ``'float16'`` too on a GPU).
+    chip: the dtype axis's chip (:data:`jaxprec._src.inspect.chips.CHIPS`; default
+      ``'tpu-v5e'`` for a TPU target, ``'h100'`` for a GPU); its time is
+      :attr:`SearchResult.cost`'s ``seconds``.
+    compile_once: emulating on the precision axis, run every evaluation
+      after the first in one switched program (each path's precision chosen
+      at run time by an index array: :mod:`jaxprec._src.search.switch`) instead of
+      compiling a program per policy. It computes what the per-policy
+      program computes, bit for bit; the returned policy is run once more
+      in its own program, which checks so (a difference warns) and gives
+      the report. ``False`` compiles one program per policy. The dtype axis
+      and native runs always compile per policy.
+    prepare_weights: let the switched program read the parts of the
+      parameters that feed matmuls, split once per search, instead of
+      splitting them at every evaluation (:mod:`jaxprec._src.emulation.prepared`; the
+      same numbers, bit for bit). On BERT-base each evaluation is 6 to 24%
+      faster but preparing costs what 20 to 45 of them save, and the parts
+      take up to 3x (``bf16`` kernel) or 6x (``f32``) the weights' memory,
+      none above 1 GiB (``docs/performance.md``). Default False; it warns
+      where it cannot apply.
+    **kwargs: keyword arguments for ``fn``.
+
+  Returns:
+    A :class:`jaxprec.SearchResult`: ``.policy``, ``.report``, ``.cost``,
+    ``.evaluations``, ``.history``.
+
+  Raises:
+    TypeError: ``fn`` is not callable; a non-numeric tolerance; a
+      ``compile_once`` or ``prepare_weights`` that is not a bool.
+    ValueError: an unknown metric, candidate, target, mode, layer, axis,
+      dtype or chip; a negative tolerance; a budget below 1; an output
+      without floating
+      layers; a reference that does not match the output; a ``cache``
+      directory that cannot be created.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxprec
+    >>> def f(w, x):
+    ...   h = jnp.tanh(x @ w)
+    ...   return {"h": h, "out": h @ w}
+    >>> w = jax.random.normal(jax.random.key(0), (32, 32)) / 6
+    >>> x = jax.random.normal(jax.random.key(1), (4, 32))
+    >>> r = jaxprec.search_policy(f, w, x, tolerance=1e-2, verbose=False)
+    >>> str(r.policy), r.evaluations, r.cost.relative
+    ('default=bfloat16', 1, 0.16666666666666666)
+    >>> r = jaxprec.search_policy(f, w, x, tolerance=1e-4, verbose=False)
+    >>> str(r.policy), r.meets_tolerance
+    ('default=bfloat16_3x', True)
+
+    On a model with modules, ``axes=('precision', 'dtype')`` picks a compute
+    dtype per module too, e.g. ``'default=bfloat16+dtype:bfloat16,
+    dense_2=float32+dtype:float32'`` (``docs/search.md``).
+  """
+  if not callable(fn):
+    raise TypeError(f"jaxprec.search_policy expects a callable; got {fn!r} of "
+                    f"type {type(fn).__name__}")
+  for name, flag in (("compile_once", compile_once),
+                     ("prepare_weights", prepare_weights)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"{name} must be True or False; got {flag!r}.")
+  directory = compile_cache.resolve_cache(cache, "jaxprec.search_policy")
+  metric, tolerance, cands, target, budget = check_arguments(
+      tolerance=tolerance, metric=metric, candidates=candidates,
+      target=target, budget=budget, axes=axes, dtypes=dtypes, chip=chip)
+  axes = search_dtype.check_axes(axes)
+  mode = numerics.resolve_mode(mode, target)
+  if directory is not None:  # after the checks: a refused call writes nothing
+    with compile_cache.compilation_cache(directory):
+      return search_policy(
+          fn, *args, tolerance=tolerance, metric=metric, candidates=candidates,
+          target=target, budget=budget, layers=layers, reference=reference,
+          mode=mode, verbose=verbose, cache=False, axes=axes, dtypes=dtypes,
+          chip=chip, compile_once=compile_once,
+          prepare_weights=prepare_weights, **kwargs)
+  weights = cost_lib.weights_for(target)
+  if mode == "native" and compat.backend_platform() == "cpu":
+    warnings.warn("jaxprec.search_policy: native mode on cpu: the CPU ignores "
+                  "matmul precision, so every policy computes float32 (use "
+                  "mode='emulate')", UserWarning, stacklevel=2)
+  t_start = time.perf_counter()
+  fn = cost_lib.unjit(fn)  # each policy must trace fn anew
+  call = harness.Args(args, dict(kwargs), who="jaxprec.search_policy")
+  float32_policy = Policy(default="float32")
+  if "dtype" in axes:
+    table, cands = search_dtype.table(
+        fn, args, kwargs, target=target, axes=axes,
+        dtypes=search_dtype.check_dtypes(dtypes), precisions=cands, chip=chip)
+    chip = chip or search_dtype.DEFAULT_CHIPS[target]
+    float32_policy = Policy(default="float32" if "precision" in axes else None,
+                            default_dtype="float32")
+  else:
+    table = CostTable.of(fn, args, kwargs, target, cands, weights)
+
+  # Output layers and the reference (read or computed as check does).
+  info = harness.output_info(fn, call)
+  all_names = [n for n, _, _ in info]
+  if not all_names:
+    raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
+                     f"floating arrays to compare")
+  names = _check_layers(layers, all_names)
+  empty = [n for n, shape, _ in info if n in names and 0 in shape]
+  if empty and len(empty) < len(names):
+    # No elements, no error: its metrics are NaN, which no policy passes.
+    warnings.warn(
+        f"jaxprec.search_policy: {', '.join(map(repr, empty[:4]))} "
+        f"{'has' if len(empty) == 1 else 'have'} no elements and "
+        f"{'is' if len(empty) == 1 else 'are'} not checked.", UserWarning,
+        stacklevel=2)
+    names = [n for n in names if n not in empty]
+  ref = harness.build_reference(
+      fn, call, reference, target=target, mode=mode,
+      select=None if names == all_names else names)
+  switchable = (compile_once and mode == "emulate" and "dtype" not in axes
+                and bool(table.units))
+  if prepare_weights and not switchable:
+    why = ("compile_once=False" if not compile_once else "it runs natively"
+           if mode != "emulate" else "the dtype axis compiles a program per "
+           "policy" if "dtype" in axes else "no module path runs a matmul")
+    warnings.warn(f"jaxprec.search_policy: prepare_weights=True has no effect "
+                  f"here ({why}): only the switched program reads prepared "
+                  f"weights.", UserWarning, stacklevel=2)
+  runner = _Runner(fn, call, ref, target, mode, units=table.units,
+                   precisions=_choices(cands) if switchable else None,
+                   prepare_weights=bool(prepare_weights))
+
+  search = Search(runner=runner, table=table, cands=cands, metric=metric,
+                  tolerance=tolerance, budget=budget, verbose=verbose,
+                  float32_policy=float32_policy)
+  search.run()
+  best = search.finish()
+  if best is not None:
+    policy, metrics, meets = best.policy, best.metrics, True
+    if best.program == "switched":
+      metrics, meets = _fixed_run(runner, search, best)
+    if search.exhausted:
+      warnings.warn(
+          f"jaxprec.search_policy: the budget of {budget} evaluations ran "
+          f"out; returning the cheapest policy found that meets the "
+          f"tolerance ({policy}). A larger budget may find a cheaper one.",
+          UserWarning, stacklevel=2)
+  else:
+    trial = search.fallback()
+    policy = float32_policy
+    metrics = None if trial is None else trial.metrics
+    meets = trial is not None and trial.passed
+    if trial is not None and trial.program == "switched":
+      metrics, meets = _fixed_run(runner, search, trial)
+    msg = ("no policy of the candidates met the tolerance"
+           if not search.exhausted else
+           f"the budget of {budget} evaluations ran out before any policy "
+           f"met the tolerance")
+    warnings.warn(
+        f"jaxprec.search_policy: {msg} ({metric} "
+        f"{'>=' if metric == 'sqnr_db' else '<='} {tolerance:g}); returning "
+        f"{policy}{'' if trial is not None else ' (not evaluated)'}.",
+        UserWarning, stacklevel=2)
+  report = None if metrics is None else _report(
+      policy, metrics, ref, target, mode, metric, tolerance)
+  values = {} if metrics is None else {
+      n: metric_value(metric, m) for n, m in zip(ref.names, metrics)}
+  del runner, call  # they hold the arguments
+  cost_report = cost_lib.cost(fn, *args, policy=policy, target=target,
+                              **({} if "dtype" not in axes else {"chip": chip}),
+                              **kwargs)
+  return SearchResult(
+      policy=policy, meets_tolerance=meets, report=report, values=values,
+      cost=cost_report, evaluations=search.evaluations, budget=budget,
+      history=tuple(search.history), metric=metric, tolerance=tolerance,
+      candidates=tuple(c.label for c in cands), target=target, mode=mode,
+      units=tuple(table.units), seconds=time.perf_counter() - t_start,
+      axes=axes)
+
+
+def _choices(cands: Sequence[Candidate]) -> tuple[Precision, ...]:
+  """The switched program's choices: the candidates' precisions, cheapest
+  first, and float32 last when no candidate is (the all-float32 fallback)."""
+  out = tuple(c.precision for c in cands)
+  return out if any(c.is_float32 for c in cands) else (*out, resolve("float32"))
+
+
+def _fixed_run(runner: _Runner, search: Search, trial) -> tuple[list, bool]:
+  """The returned policy's metrics from its own compiled program.
+
+  The switched program computes what that program computes, bit for bit
+  (``tests/test_switch.py``); running it once more checks so on this model,
+  and :attr:`SearchResult.report` is then exactly what :func:`jaxprec.check`
+  reports for the policy. A difference is said out loud.
+  """
+  metrics, _ = runner.run(trial.policy, fixed=True)
+  powers = np.array([search.power(m) for m in metrics])
+  passed = bool(np.all(powers <= search.tol_power))
+  if not np.array_equal(powers, trial.powers, equal_nan=True):
+    warnings.warn(
+        f"jaxprec.search_policy: {trial.policy} measured differently in the "
+        f"search's switched program ({search.metric} powers "
+        f"{trial.powers.tolist()[:4]}) and in its own program "
+        f"({powers.tolist()[:4]}); the report is the latter's"
+        f"{'' if passed or not trial.passed else ', which misses the tolerance'}"
+        f". Please report this with the model: the two should agree bit for "
+        f"bit (search_policy(..., compile_once=False) avoids the switch).",
+        UserWarning, stacklevel=3)
+  return metrics, passed
+
+
+def _report(policy: Policy, metrics, ref: harness.Reference, target: str,
+            mode: str, metric: str, tolerance: float) -> DivergenceReport:
+  layers = tuple(
+      LayerResult(name=n, shape=tuple(s), dtype=d, metrics={"policy": m})
+      for n, s, d, m in zip(ref.names, ref.shapes, ref.dtypes, metrics))
+  return DivergenceReport(
+      layers=layers, precisions=("policy",), reference=ref.name, target=target,
+      mode=mode, backend=compat.backend_platform(), atol=0.0, rtol=0.0,
+      numerics={"policy": str(policy), "(reference)": ref.description},
+      notes=(f"searched for {metric} within {tolerance:g} on every layer; "
+             f"atol = rtol = 0 here, so '!' marks any difference",))

@@ -1,0 +1,321 @@
+"""The search's dtype axis: (dtype, precision) candidates, units and costs.
+
+``search_policy(..., axes=("precision", "dtype"))`` gives every *unit* a
+compute dtype and a matmul precision; ``axes=("dtype",)`` a compute dtype
+only. This module builds what :class:`jaxprec._src.search.search_algorithm.Search`
+needs for that: the candidates (cheapest first) and the
+:class:`~jaxprec._src.search.search_algorithm.CostTable`.
+
+**Units.** The modules the dtype policy reaches, recorded by a
+:class:`jaxprec._src.flax.state.Recorder` while ``fn`` is traced under
+``Policy(default_dtype=d)`` (one trace per candidate dtype), and the module
+paths of the matmuls and convolutions a policy decides (as the precision
+search finds them). A module that contains other modules and runs no matmul
+of its own is a unit only when the policy casts at its boundary (it has no
+``dtype`` field): otherwise its dtype decides nothing but what its children
+inherit, and it follows the policy's default. So a layer norm, which runs no
+matmul, is a unit: the search can keep it in float32.
+
+**Costs** (:func:`table`): the roofline time on a chip (``chip``; default
+:data:`DEFAULT_CHIPS`) from :mod:`jaxprec._src.inspect.chips`, the cost model's
+figures: each matmul or convolution of a unit takes ``max(passes * FLOPs /
+peak, bytes / bandwidth)`` (:func:`jaxprec._src.inspect.chips.op_seconds`), its
+operands and result at the dtypes the trace under ``d`` gives them and its
+passes those of the candidate precision; a unit without matmuls moves its
+floating inputs and outputs (at ``d``) through memory once. Times add over
+units, so the search's cost of a policy is the sum of its units' costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxprec._src.core import numerics
+from jaxprec._src.core.precision import Precision, resolve
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import scope as flax_scope
+from jaxprec._src.flax import state as flax_state
+from jaxprec._src.inspect import audit as audit_lib
+from jaxprec._src.inspect import chips as chips_lib
+from jaxprec._src.inspect import cost as cost_lib
+from jaxprec._src.policy.policy import Policy, Rule
+from jaxprec._src.search.search_algorithm import Candidate, CostTable
+
+AXES = ("precision", "dtype")
+DEFAULT_DTYPES = ("bfloat16", "float32")
+# The chip whose spec sheet orders the dtype axis's costs, per target.
+DEFAULT_CHIPS = {"tpu": "tpu-v5e", "gpu": "h100"}
+
+
+def check_axes(axes: Any) -> tuple[str, ...]:
+  """``axes`` as a tuple in :data:`AXES` order.
+
+  Accepts a name, a comma-separated string (``'precision,dtype'``) or a
+  sequence of names.
+
+  Raises:
+    ValueError: an unknown or empty axis, naming it and the choices.
+
+  Examples:
+    >>> from jaxprec._src.search.search_dtype import check_axes
+    >>> check_axes("dtype,precision"), check_axes(("precision",))
+    (('precision', 'dtype'), ('precision',))
+  """
+  names = axes.split(",") if isinstance(axes, str) else axes
+  try:
+    names = [n.strip() if isinstance(n, str) else n for n in names]
+  except TypeError:
+    raise ValueError(f"Unknown axes {axes!r}; valid choices: a sequence of "
+                     f"{', '.join(map(repr, AXES))}.") from None
+  if not names:
+    raise ValueError(f"axes is empty; valid choices: "
+                     f"{', '.join(map(repr, AXES))} (one or both).")
+  for n in names:
+    if n not in AXES:
+      msg = f"Unknown axis {n!r}; valid choices: {', '.join(map(repr, AXES))}."
+      close = difflib.get_close_matches(str(n), AXES, n=1)
+      if close:
+        msg += f" Did you mean {close[0]!r}?"
+      raise ValueError(msg)
+  return tuple(a for a in AXES if a in names)
+
+
+def check_dtypes(dtypes: Any) -> tuple[str, ...]:
+  """Candidate dtypes, canonical, narrowest first (default
+  :data:`DEFAULT_DTYPES`); ValueError naming a bad one."""
+  if dtypes is None:
+    return DEFAULT_DTYPES
+  if isinstance(dtypes, str):
+    dtypes = dtypes.split(",")
+  try:
+    names = [numerics.canonical_dtype(d.strip() if isinstance(d, str) else d)
+             for d in dtypes]
+  except TypeError:
+    raise ValueError(f"dtypes must be a sequence of dtypes, e.g. "
+                     f"('bfloat16', 'float32'); got {dtypes!r}.") from None
+  if not names:
+    raise ValueError("dtypes is empty: name at least one, e.g. "
+                     "dtypes=('bfloat16', 'float32').")
+  return tuple(sorted(set(names), key=lambda d: (numerics.DTYPE_BYTES[d],
+                                                 numerics.DTYPES.index(d))))
+
+
+def check_arguments(axes: Any, dtypes: Any, chip: Any, target: Any) -> None:
+  """Checks ``search_policy``'s ``axes``, ``dtypes`` and ``chip``.
+
+  Raises:
+    ValueError: a bad value (naming it and the choices); ``dtypes`` or
+      ``chip`` without the dtype axis; a chip of another target; a narrow
+      dtype the chip (or the target's default chip) has no peak figure for.
+  """
+  axes = check_axes(axes)
+  names = check_dtypes(dtypes)
+  if "dtype" not in axes and (dtypes is not None or chip is not None):
+    raise ValueError(f"dtypes= and chip= apply to the dtype axis; got axes="
+                     f"{axes!r}: pass axes=('precision', 'dtype') or "
+                     f"('dtype',).")
+  if chip is not None:
+    spec = chips_lib.check_chip(chip)
+    if target in DEFAULT_CHIPS and spec.target != target:
+      raise ValueError(f"chip {spec.name!r} is a {spec.target} chip; the "
+                       f"target is {target!r}.")
+  if "dtype" in axes and (chip is not None or target in DEFAULT_CHIPS):
+    spec = chips_lib.check_chip(chip or DEFAULT_CHIPS[target])
+    ok = [d for d in numerics.DTYPES if d == "float32" or d in spec.peak]
+    for d in names:  # a narrow dtype's matmuls run natively in it
+      if d not in ok:
+        raise ValueError(
+            f"dtype {d!r} has no peak figure on {spec.name}, so its matmuls "
+            f"cannot be costed; choose dtypes from "
+            f"{', '.join(map(repr, ok))}, or a chip that has it (a gpu one).")
+
+
+# ---------------------------------------------------------------------------
+# One trace per dtype: the matmuls, the modules reached, their boundaries.
+
+
+def _float_bytes(tree: Any) -> int:
+  total = 0
+  for x in jax.tree_util.tree_leaves(tree):
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and hasattr(x, "shape") and np.issubdtype(
+        np.dtype(dtype), np.floating):
+      total += math.prod(x.shape) * np.dtype(dtype).itemsize
+  return total
+
+
+@contextlib.contextmanager
+def _boundaries(found: dict[str, int]) -> Iterator[None]:
+  """Adds the floating bytes in and out of each linen module call to ``found``
+  (by module path as the policy in force sees it)."""
+  if "flax.linen" not in sys.modules:
+    yield
+    return
+  from flax import linen as nn  # noqa: PLC0415 -- Flax only when in use
+
+  def interceptor(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    scope = flax_state.active()
+    if scope is not None and context.method_name != "setup":
+      path = scope.relative(scope.paths.of(context.module))
+      found[path] = found.get(path, 0) + _float_bytes((args, kwargs, out))
+    return out
+
+  with nn.intercept_methods(interceptor):
+    yield
+
+
+def _trace(fn, args, kwargs, dtype: str):
+  """``(rows, reached, boundary bytes)`` of ``fn`` traced with every module at
+  ``dtype``: the audit rows, the module paths a dtype decision reached (in
+  call order, with how: ``'field'``/``'boundary'``), and the bytes."""
+  fn = cost_lib.unjit(fn)
+  # A rule for every path: the default dtype leaves a linen module without a
+  # dtype field as built, a rule casts it at its boundary, so it is a unit.
+  # (NNX cannot cast one: a rule may not match it, the default skips it.)
+  nnx = nnx_policy.bind(fn, None) is not fn
+  policy = (Policy(default_dtype=dtype) if nnx
+            else Policy(rules=[Rule(path=".*", dtype=dtype)]))
+  recorder = flax_state.Recorder(policy)
+  found: dict[str, int] = {}
+  bound = nnx_policy.bind(fn, policy, recorder)
+
+  @functools.wraps(bound)
+  def traced(*a, **k):
+    with flax_scope.policy_scope(policy, recorder), \
+         jax.default_matmul_precision(None), _boundaries(found):
+      return bound(*a, **k)
+  rows = audit_lib.audit(traced, *args, **kwargs).rows
+  reached: dict[str, str] = {}
+  for m in recorder.report().matches:
+    if m.dtype_how in ("field", "boundary") and m.path not in reached:
+      reached[m.path] = m.dtype_how
+  return rows, reached, found
+
+
+def _is_container(path: str, paths: Sequence[str]) -> bool:
+  return any(p != path and (path == "" or p.startswith(path + "/"))
+             for p in paths)
+
+
+def _nbytes(row: audit_lib.AuditRow) -> int:
+  def size(shape, dtype):
+    return math.prod(shape) * np.dtype(dtype).itemsize
+  return row.trip_count * (size(row.lhs_shape, row.lhs_dtype)
+                           + size(row.rhs_shape, row.rhs_dtype)
+                           + size(row.out_shape, row.out_dtype))
+
+
+def _seconds(rows, chip: chips_lib.Chip, target: str,
+             p: Precision | None, what: str | None) -> float:
+  """Roofline seconds of ``rows``; a row without a figure raises (naming
+  ``what``), or counts nothing when ``what`` is None."""
+  total = 0.0
+  for r in rows:
+    algo = cost_lib.algorithm(r, target, p)
+    s = chips_lib.op_seconds(chip, algo, r.flops, _nbytes(r))
+    if s is None and what is None:
+      continue
+    if s is None:
+      raise ValueError(
+          f"{what}: a {r.primitive} at {r.module_path or '(top)'!r} runs "
+          f"{algo!r}, which {chip.name} has no peak figure for; choose other "
+          f"dtypes or candidates (or another chip).")
+    total += s
+  return total
+
+
+def table(fn, args, kwargs, *, target: str, axes: tuple[str, ...],
+          dtypes: tuple[str, ...], precisions: Sequence[Candidate],
+          chip: str | None) -> tuple[CostTable, list[Candidate]]:
+  """The units, the (dtype, precision) candidates and their costs.
+
+  Args:
+    fn, args, kwargs: the call (``fn`` is traced, never run).
+    target: ``'tpu'`` or ``'gpu'``.
+    axes: from :func:`check_axes`, with ``'dtype'``.
+    dtypes: from :func:`check_dtypes`.
+    precisions: the precision candidates, cheapest first (used when
+      ``'precision'`` is an axis).
+    chip: the chip of the roofline (default :data:`DEFAULT_CHIPS`).
+
+  Returns:
+    ``(table, candidates)``: the candidates cheapest first, each a
+    :class:`Candidate` with ``dtype`` set (and ``precision`` None on the
+    dtype axis alone).
+
+  Raises:
+    ValueError: a chip of another target; a candidate the chip has no peak
+      figure for (float16 on a TPU).
+  """
+  spec = chips_lib.check_chip(DEFAULT_CHIPS[target] if chip is None else chip)
+  if spec.target != target:
+    raise ValueError(f"chip {spec.name!r} is a {spec.target} chip; the "
+                     f"target is {target!r}.")
+  traced = {d: _trace(fn, args, kwargs, d)
+            for d in dict.fromkeys((*dtypes, "float32"))}
+  # Units in call order: the modules reached, then matmul paths outside them.
+  reached: dict[str, str] = {}
+  for _, r, _ in traced.values():
+    for path, how in r.items():
+      reached.setdefault(path, how)
+  dots: dict[str, None] = {}
+  for rows, _, _ in traced.values():
+    for row in rows:
+      if row.precision is None and row.emulated:
+        dots.setdefault(row.module_path, None)
+  use_precision = "precision" in axes
+  units = [p for p, how in reached.items()
+           if p in dots or how == "boundary"
+           or not _is_container(p, list(reached))]
+  if use_precision:
+    units += [p for p in dots if p not in reached]
+  # Candidates: a narrow dtype's matmuls run natively whatever the precision.
+  pairs: list[tuple[str, Precision | None, str]] = []
+  for d in dtypes:
+    if not use_precision:
+      pairs.append((d, None, f"dtype:{d}"))
+    elif numerics.DTYPE_BYTES[d] < 4:
+      c = precisions[0]
+      pairs.append((d, c.precision, f"{c.label}+dtype:{d}"))
+    else:
+      pairs += [(d, c.precision, f"{c.label}+dtype:{d}") for c in precisions]
+
+  def unit_cost(u: str, d: str, p: Precision | None) -> float:
+    rows, _, found = traced[d]
+    mine = [r for r in rows if r.module_path == u and r.precision is None
+            and r.emulated]
+    if mine:
+      return _seconds(mine, spec, target, p, f"dtype {d}")
+    return found.get(u, 0) / spec.hbm_bytes_per_s
+
+  costs = np.array([[unit_cost(u, d, p) for d, p, _ in pairs] for u in units]
+                   ).reshape(len(units), len(pairs))
+  rows32 = traced["float32"][0]
+  fixed = [r for r in rows32 if not (r.module_path in units
+                                     and r.precision is None and r.emulated)]
+  fixed_cost = _seconds(fixed, spec, target, None, None)
+  f32 = resolve("float32") if use_precision else None
+  float32_cost = fixed_cost + sum(unit_cost(u, "float32", f32) for u in units)
+  totals = costs.sum(axis=0)
+  cands = [Candidate(label, p, f"{d}/{'-' if p is None else p.name}",
+                     float(total), dtype=d)
+           for (d, p, label), total in zip(pairs, totals)]
+  order = sorted(range(len(cands)), key=lambda k: (
+      cands[k].weight, numerics.DTYPE_BYTES[cands[k].dtype],
+      0 if cands[k].precision is None
+      else cands[k].precision.on(target).operand_bits))
+  cands = [cands[k] for k in order]
+  reach = tuple((u in reached, u in dots) for u in units)
+  cast = tuple(reached.get(u) == "boundary" for u in units)
+  return CostTable(units, costs[:, order], fixed_cost, float32_cost,
+                   reach=reach, cast=cast), cands

@@ -1,0 +1,214 @@
+"""What :func:`jaxprec.search_policy` returns: :class:`SearchResult` and its steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from jaxprec._src.checker.report import DivergenceReport
+from jaxprec._src.inspect import cost as cost_lib
+from jaxprec._src.policy.policy import Policy
+
+
+def shown(metric: str, v: float) -> str:
+  """``v`` as printed: a cosine with the digits where it differs from 1."""
+  return f"{v:.9f}" if metric == "cosine" else f"{v:.3g}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchStep:
+  """One evaluation of the search (an entry of :attr:`SearchResult.history`).
+
+  Attributes:
+    index: 1 for the first evaluation.
+    phase: what the step tried, e.g. ``'all bfloat16'``, ``'measure 6 paths
+      at bfloat16'``, ``'lower 9 paths to bfloat16'``, ``'re-check'``.
+    policy: the policy evaluated.
+    passed: whether every checked layer met the tolerance.
+    worst_layer: the layer closest to (or furthest past) the tolerance.
+    worst_value: its metric value, as :func:`jaxprec.check` reports it (the
+      cosine itself for ``cosine``, whose tolerance bounds ``1 - cosine``).
+    relative_cost: the policy's cost relative to all-float32.
+    counts: candidate -> number of module paths at it.
+    seconds: wall time, compilation included.
+    program: ``'fixed'`` (a program compiled for this policy) or
+      ``'switched'`` (the search's one program for every policy, with each
+      path's precision chosen at run time: :mod:`jaxprec._src.search.switch`).
+  """
+
+  index: int
+  phase: str
+  policy: Policy
+  passed: bool
+  worst_layer: str
+  worst_value: float
+  relative_cost: float
+  counts: Mapping[str, int]
+  seconds: float
+  program: str = "fixed"
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"index": self.index, "phase": self.phase,
+            "policy": str(self.policy), "passed": self.passed,
+            "worst_layer": self.worst_layer,
+            "worst_value": _json_float(self.worst_value),
+            "relative_cost": _json_float(self.relative_cost),
+            "counts": dict(self.counts), "seconds": self.seconds,
+            "program": self.program}
+
+
+def _json_float(x: float) -> float | str:
+  if isinstance(x, float) and not math.isfinite(x):
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+  return x
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchResult:
+  """What :func:`jaxprec.search_policy` returns.
+
+  Attributes:
+    policy: the cheapest policy found that meets the tolerance: a default and
+      one rule per module path (exact, :func:`re.escape`-d) at another
+      precision. ``str(policy)`` is accepted by :meth:`jaxprec.Policy.parse`,
+      :func:`jaxprec.swap`, :func:`jaxprec.emulate` and ``jaxprec run
+      --policy``.
+    meets_tolerance: whether ``report`` shows every checked layer within the
+      tolerance (False only when even all-float32 does not, or the budget
+      ran out before any policy did).
+    report: the measured divergence of ``policy`` on the checked layers (one
+      column, ``'policy'``; computed with ``atol = rtol = 0``), or None when
+      the budget left no evaluation for it.
+    values: checked layer -> its metric value under ``policy``.
+    cost: :func:`jaxprec.cost` of ``policy`` on the target.
+    evaluations: how many times the function ran under a candidate policy
+      (the reference run is not counted).
+    budget: the most evaluations allowed.
+    history: one :class:`SearchStep` per evaluation, in order.
+    metric, tolerance: what was bounded (``cosine``: ``1 - cosine <=
+      tolerance``; ``sqnr_db``: ``sqnr_db >= tolerance``; others: ``<=``).
+    candidates: the candidate precisions, cheapest first.
+    target, mode: whose numerics, and ``'emulate'`` or ``'native'``.
+    units: the module paths the search assigned, in execution order.
+    seconds: wall time of the whole search.
+    axes: what the search decided per unit: ``('precision',)``,
+      ``('precision', 'dtype')`` or ``('dtype',)``.
+  """
+
+  policy: Policy
+  meets_tolerance: bool
+  report: DivergenceReport | None
+  values: Mapping[str, float]
+  cost: cost_lib.CostReport
+  evaluations: int
+  budget: int
+  history: tuple[SearchStep, ...]
+  metric: str
+  tolerance: float
+  candidates: tuple[str, ...]
+  target: str
+  mode: str
+  units: tuple[str, ...]
+  seconds: float = 0.0
+  axes: tuple[str, ...] = ("precision",)
+
+  @property
+  def relative_cost(self) -> float | None:
+    """The policy's cost relative to all-float32 (None where no op's cost
+    is known).
+
+    On the precision axis alone, ``cost.relative`` (matmul passes). With the
+    dtype axis, the search's own roofline estimate on the chip (matmuls, and
+    the memory traffic of modules without matmuls, such as layer norms), as
+    its last step (always of :attr:`policy`) shows it; ``cost`` has the
+    matmuls' time alone (``cost.time_relative``).
+    """
+    if "dtype" in self.axes:
+      if self.history and self.history[-1].policy == self.policy:
+        return self.history[-1].relative_cost
+      if getattr(self.cost, "time_relative", None) is not None:
+        return self.cost.time_relative
+    return self.cost.relative
+
+  def precision_by_path(self) -> dict[str, str]:
+    """Module path -> the candidate the policy gives it."""
+    out = {}
+    for path in self.units:
+      p = self.policy.precision_for(path, None, "dot")
+      out[path] = p.name if p is not None else "-"
+    return out
+
+  def dtype_by_path(self) -> dict[str, str]:
+    """Module path -> the compute dtype the policy gives it (``'-'``: none)."""
+    return {path: self.policy.dtype_for(path, None, "dot") or "-"
+            for path in self.units}
+
+  def _by_path(self) -> dict[str, str]:
+    if self.axes == ("precision",):
+      return self.precision_by_path()
+    dtypes = self.dtype_by_path()
+    if "precision" not in self.axes:
+      return dtypes
+    return {path: f"{p}+dtype:{dtypes[path]}"
+            for path, p in self.precision_by_path().items()}
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-able values (non-finite numbers as strings, as in check reports)."""
+    return {
+        "kind": "search", "policy": str(self.policy),
+        "meets_tolerance": self.meets_tolerance, "metric": self.metric,
+        "tolerance": self.tolerance, "target": self.target, "mode": self.mode,
+        "candidates": list(self.candidates),
+        "relative_cost": _json_float(self.relative_cost),
+        "evaluations": self.evaluations, "budget": self.budget,
+        "values": {k: _json_float(v) for k, v in self.values.items()},
+        "precision_by_path": self.precision_by_path(),
+        "cost": self.cost.to_dict(),
+        "history": [s.to_dict() for s in self.history],
+        "seconds": self.seconds,
+        **({} if self.axes == ("precision",) else {
+            "axes": list(self.axes), "dtype_by_path": self.dtype_by_path()}),
+    }
+
+  def to_json(self, indent: int | None = 2) -> str:
+    return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+  def __str__(self) -> str:
+    rel = "{:.3f}".format(self.relative_cost)
+    bound = {"cosine": "1 - cosine <=", "sqnr_db": "sqnr_db >="}.get(
+        self.metric, f"{self.metric} <=")
+    status = "meets" if self.meets_tolerance else "DOES NOT meet"
+    lines = [
+        f"jaxprec search: {bound} {self.tolerance:g} on {len(self.values)} "
+        f"layers; target {self.target} ({self.mode}); candidates "
+        f"{', '.join(self.candidates)}",
+        f"policy: {self.policy}",
+        f"cost: {rel} of float32 on {self.target}{self._cost_unit()} "
+        f"({status} the tolerance)",
+        f"evaluations: {self.evaluations} (budget {self.budget}; plus 1 "
+        f"reference run), {self.seconds:.1f} s",
+    ]
+    if self.values:
+      worst = max(self.values, key=lambda k: self._badness(self.values[k]))
+      lines.append(f"worst layer: {worst} ({self.metric} "
+                   f"{shown(self.metric, self.values[worst])})")
+    counts: dict[str, int] = {}
+    for p in self._by_path().values():
+      counts[p] = counts.get(p, 0) + 1
+    lines.append("module paths: " + ", ".join(
+        f"{n} at {p}" for p, n in counts.items()))
+    return "\n".join(lines)
+
+  def _cost_unit(self) -> str:
+    chip = getattr(self.cost, "chip", None)
+    return "" if self.axes == ("precision",) or not chip else (
+        f" (roofline time on {chip})")
+
+  def _badness(self, v: float) -> float:
+    if math.isnan(v):
+      return math.inf
+    # Larger is better for sqnr_db and cosine, smaller for the rest.
+    return -v if self.metric in ("sqnr_db", "cosine") else v

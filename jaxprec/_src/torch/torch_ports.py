@@ -1,0 +1,159 @@
+"""Port checks: a PyTorch original and jaxprec's own NNX port of it.
+
+:func:`port` builds a tiny transformers model in PyTorch with random weights
+(seeded, PyTorch's global RNG left as it was) and jaxprec's NNX model with
+the same weights (``jaxprec.models.*.from_pytorch``), with synthetic inputs.
+``jaxprec check --model hf-llama --reference pytorch`` (and ``hf-wav2vec2``,
+``hf-bert``) checks the port against the PyTorch original with them. Only
+transformers' PyTorch classes are used, which transformers 4 and 5 both
+have; nothing is downloaded.
+
+Imports transformers, PyTorch and Flax when a port is built, never at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxprec._src.torch import torch_ref
+from jaxprec._src.torch import torch_twins
+
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+  """A transformers PyTorch model and jaxprec's NNX model with its weights.
+
+  Attributes:
+    name: e.g. ``'hf-llama'``.
+    torch_model: the PyTorch model (e.g. ``transformers.LlamaModel``).
+    model: the NNX model (e.g. :class:`jaxprec.models.LlamaModel`).
+    inputs: the inputs by argument name, as NumPy arrays, in call order.
+  """
+
+  name: str
+  torch_model: Any
+  model: Any
+  inputs: dict[str, np.ndarray]
+
+  def reference(self, **kwargs: Any) -> dict[str, np.ndarray]:
+    """The PyTorch model's hidden states (:func:`jaxprec.torch.capture`)."""
+    return torch_ref.capture(self.torch_model, **self._torch_inputs(),
+                             output_hidden_states=True, **kwargs)
+
+  def _torch_inputs(self) -> dict[str, Any]:
+    # Token ids as int64, as PyTorch's embedding layers take them.
+    return {k: v.astype(np.int64) if np.issubdtype(v.dtype, np.integer) else v
+            for k, v in self.inputs.items()}
+
+  def fn(self, state: Any, *inputs: Any) -> Any:
+    """The NNX model's outputs, ``fn(state, *inputs.values())``, named and
+    ordered as the PyTorch model's (``hidden_states[i]`` first)."""
+    from flax import nnx  # noqa: PLC0415
+    graphdef = nnx.graphdef(self.model)
+    return torch_twins.depth_ordered(nnx.merge(graphdef, state)(*inputs))
+
+  def args(self) -> tuple:
+    """``(state, *inputs)``, the arguments of :meth:`fn`."""
+    from flax import nnx  # noqa: PLC0415
+    return (nnx.state(self.model), *self.inputs.values())
+
+
+def _llama(transformers, layers: int) -> tuple[Any, str]:
+  config = transformers.LlamaConfig(
+      vocab_size=128, hidden_size=64, intermediate_size=128,
+      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+      max_position_embeddings=64, rope_theta=10000.0, attention_dropout=0.0,
+      # At the default init scale (0.02) random layers barely move the
+      # residual stream, and so neither does their rounding; 0.2 makes them
+      # count.
+      initializer_range=0.2)
+  return config, "LlamaModel"
+
+
+def _llama_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+  return {"input_ids": rng.integers(0, 128, size=(1, 16)).astype(np.int32)}
+
+
+def _wav2vec2(transformers, layers: int) -> tuple[Any, str]:
+  config, torch_name, _ = torch_twins._wav2vec2(transformers, layers)  # noqa: SLF001
+  return config, torch_name
+
+
+def _bert(transformers, layers: int) -> tuple[Any, str]:
+  config, torch_name, _ = torch_twins._bert(transformers, layers)  # noqa: SLF001
+  return config, torch_name
+
+
+# name -> (config and the name of its transformers class, inputs).
+PORTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "hf-wav2vec2": (_wav2vec2, torch_twins._wav2vec2_inputs),  # noqa: SLF001
+    "hf-bert": (_bert, torch_twins._bert_inputs),  # noqa: SLF001
+    "hf-llama": (_llama, _llama_inputs),
+}
+_LAYERS = 4
+_TRANSFORMERS_HINT = "pip install 'jaxprec[torch]' transformers"
+
+
+def _import_transformers() -> Any:
+  try:
+    import transformers  # noqa: PLC0415 -- optional, imported when used
+  except ImportError as e:
+    raise ImportError(f"port checks need transformers' PyTorch models: "
+                      f"{_TRANSFORMERS_HINT}") from e
+  return transformers
+
+
+def port(name: str, seed: int = 0, *, layers: int | None = None) -> Port:
+  """A built-in port check: a tiny random transformers model in PyTorch and
+  jaxprec's NNX model with its weights.
+
+  Args:
+    name: ``'hf-wav2vec2'``, ``'hf-bert'`` or ``'hf-llama'``.
+    seed: seeds the PyTorch weights (PyTorch's global RNG is restored) and
+      the inputs.
+    layers: the number of transformer layers (default 4).
+
+  Returns:
+    A :class:`Port`.
+
+  Raises:
+    ValueError: an unknown name (naming the choices), or ``layers`` not an
+      integer of at least 1.
+    ImportError: PyTorch or transformers is missing (one line, with the
+      install hint).
+
+  Examples:
+    >>> import jaxprec, jaxprec.torch
+    >>> p = jaxprec.torch.port("hf-llama", layers=1)  # doctest: +SKIP
+    >>> report = jaxprec.check(p.fn, *p.args(), reference=p.reference())  # doctest: +SKIP
+  """
+  if name not in PORTS:
+    import difflib  # noqa: PLC0415
+    close = difflib.get_close_matches(str(name), list(PORTS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"Unknown port {name!r}; choose one of "
+                     f"{', '.join(PORTS)}.{hint}")
+  if layers is not None and (isinstance(layers, bool) or not isinstance(
+      layers, (int, np.integer)) or layers < 1):
+    raise ValueError(f"port(layers={layers!r}): the number of transformer "
+                     f"layers is an integer of at least 1 (default {_LAYERS})")
+  torch = torch_ref.import_torch()
+  transformers = _import_transformers()
+  make, inputs = PORTS[name]
+  config, torch_name = make(transformers, _LAYERS if layers is None
+                            else int(layers))
+  from jaxprec._src.models.llama import LlamaModel  # noqa: PLC0415
+  from jaxprec._src.models.nnx_bert import BertModel  # noqa: PLC0415
+  from jaxprec._src.models.nnx_wav2vec2 import Wav2Vec2Model  # noqa: PLC0415
+  jax_cls = {"hf-wav2vec2": Wav2Vec2Model, "hf-bert": BertModel,
+             "hf-llama": LlamaModel}[name]
+  with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(seed)
+    torch_model = getattr(transformers, torch_name)(config).eval()
+  return Port(name=name, torch_model=torch_model,
+              model=jax_cls.from_pytorch(torch_model),
+              inputs=inputs(np.random.default_rng(seed)))

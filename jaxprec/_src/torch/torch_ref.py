@@ -1,0 +1,397 @@
+"""PyTorch as the reference: a PyTorch model's outputs as jaxprec layers.
+
+:func:`capture` runs a ``torch.nn.Module`` and returns its floating outputs
+(and, with ``modules=``, its submodules' outputs) as ``{name: np.ndarray}``,
+named as :func:`jaxprec.named_layers` names a JAX output
+(``'last_hidden_state'``, ``'hidden_states[3]'``), ready for
+``jaxprec.check(..., reference=...)``. :func:`from_torch` converts a tensor, a
+Hugging Face ``ModelOutput`` or a structure of them the same way, and returns
+None for anything else: objects are recognised by their type's module, so
+PyTorch is imported only when the object is PyTorch's.
+
+:func:`flax_params` gives a Flax Hugging Face model the weights of its
+PyTorch twin with transformers' own converter; :data:`TWINS` builds the twin
+pairs (:mod:`jaxprec._src.torch.torch_twins`). The command line's port checks
+(``jaxprec check --model hf-wav2vec2 --reference pytorch``) use jaxprec's own
+NNX models instead (:mod:`jaxprec._src.torch.torch_ports`).
+
+Nothing here imports JAX, PyTorch or transformers at import time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+INSTALL_HINT = "pip install 'jaxprec[torch]'"
+# transformers 5 removed every Flax model class and modeling_flax_* module.
+HF_FLAX_HINT = ("pip install 'jaxprec[hf-flax]' (transformers 4.x: "
+                "transformers 5 has no Flax models)")
+
+
+def import_torch():
+  """``torch``, or ImportError with the install hint."""
+  try:
+    import torch  # noqa: PLC0415 -- optional, imported when used
+  except ImportError as e:
+    raise ImportError(f"jaxprec.torch needs PyTorch: {INSTALL_HINT}") from e
+  return torch
+
+
+def import_transformers_flax(what: str, *names: str) -> Any:
+  """``transformers``, with its Flax model classes ``names``, or ImportError.
+
+  The error is one line with the install hint, whether transformers is
+  missing or is a release without Flax models (5.0 and newer), never an
+  AttributeError from the missing class.
+
+  Args:
+    what: what needs them, with its verb, for the message
+      (``'flax_params needs'``).
+    *names: attributes of ``transformers`` that must exist
+      (``'FlaxBertModel'``).
+  """
+  try:
+    import transformers  # noqa: PLC0415 -- optional, imported when used
+  except ImportError as e:
+    raise ImportError(f"{what} transformers' Flax models: "
+                      f"{HF_FLAX_HINT}") from e
+  for name in names:
+    if not hasattr(transformers, name):
+      version = getattr(transformers, "__version__", "?")
+      raise ImportError(f"{what} transformers' Flax models, and "
+                        f"transformers {version} has no {name}: {HF_FLAX_HINT}")
+  return transformers
+
+
+def _top_module(obj: Any) -> str:
+  return (type(obj).__module__ or "").split(".")[0]
+
+
+def _is_tensor(x: Any) -> bool:
+  """A torch.Tensor (or Parameter), known without importing torch."""
+  return _top_module(x) == "torch" and hasattr(x, "detach") and hasattr(
+      x, "dtype") and hasattr(x, "shape")
+
+
+def _is_model_output(x: Any) -> bool:
+  """A Hugging Face PyTorch ``ModelOutput`` (an ordered dict of tensors)."""
+  return any(c.__name__ == "ModelOutput" and
+             (c.__module__ or "").startswith("transformers")
+             for c in type(x).__mro__) and isinstance(x, Mapping)
+
+
+def _holds_tensor(x: Any, depth: int = 0) -> bool:
+  if _is_tensor(x):
+    return True
+  if depth > 8:
+    return False
+  if isinstance(x, Mapping):
+    return any(_holds_tensor(v, depth + 1) for v in x.values())
+  if isinstance(x, (tuple, list)):
+    return any(_holds_tensor(v, depth + 1) for v in x)
+  return False
+
+
+def _to_numpy(t: Any) -> np.ndarray:
+  """A tensor as NumPy, copied; bfloat16 and float16 widened exactly to
+  float32. A copy, not a view of the tensor's memory: an in-place op later in
+  the forward pass (``nn.ReLU(inplace=True)``, ``h += residual``) would
+  rewrite what a hook captured."""
+  torch = import_torch()
+  t = t.detach()
+  if t.dtype in (torch.bfloat16, torch.float16):
+    t = t.to(torch.float32)  # every bfloat16/float16 value is a float32
+  return np.array(t.cpu().numpy(), copy=True)
+
+
+def _is_float_tensor(t: Any) -> bool:
+  return bool(getattr(t, "is_floating_point", lambda: False)())
+
+
+def _is_float_array(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or not hasattr(x, "shape"):
+    return False
+  try:
+    return np.issubdtype(np.dtype(dtype), np.floating) or str(dtype) == "bfloat16"
+  except TypeError:
+    return False
+
+
+def _key(k: Any) -> str:
+  return f".{k}" if isinstance(k, str) else f"[{k!r}]"
+
+
+def _named(x: Any, path: str, out: dict[str, np.ndarray]) -> None:
+  """Adds the floating tensors of ``x`` under ``path`` (jaxprec's naming)."""
+  if _is_tensor(x):
+    if _is_float_tensor(x):
+      out[path.lstrip(".") or "output"] = _to_numpy(x)
+    return
+  if isinstance(x, Mapping):  # ModelOutputs hold only their non-None fields
+    for k, v in x.items():
+      if v is not None:
+        _named(v, path + _key(k), out)
+    return
+  if isinstance(x, (tuple, list)):
+    for i, v in enumerate(x):
+      _named(v, f"{path}[{i}]", out)
+    return
+  if _is_float_array(x):
+    out[path.lstrip(".") or "output"] = np.asarray(x)
+
+
+def from_torch(obj: Any) -> dict[str, np.ndarray] | None:
+  """A PyTorch output as ``{name: np.ndarray}``, or None if it is not one.
+
+  Accepts a ``torch.Tensor``, a Hugging Face ``ModelOutput``, or a dict, list
+  or tuple holding tensors; names follow :func:`jaxprec.named_layers`
+  (``'last_hidden_state'``, ``'hidden_states[3]'``, ``'output'`` for a bare
+  tensor). Only floating tensors are kept; bfloat16 and float16 are widened
+  exactly to float32. Anything else gives None, without importing PyTorch.
+
+  Examples:
+    >>> import numpy as np
+    >>> from jaxprec._src.torch.torch_ref import from_torch
+    >>> from_torch({"h": np.zeros(2)}) is None  # no tensor: not PyTorch's
+    True
+  """
+  if not (_is_tensor(obj) or _is_model_output(obj) or (
+      isinstance(obj, (Mapping, tuple, list)) and _holds_tensor(obj))):
+    return None
+  out: dict[str, np.ndarray] = {}
+  _named(obj, "", out)
+  return out
+
+
+def _rename(found: dict[str, np.ndarray],
+            names: Mapping[str, str | None] | Callable[[str], str | None] | None
+            ) -> dict[str, np.ndarray]:
+  if names is None:
+    return found
+  if not (isinstance(names, Mapping) or callable(names)):
+    raise TypeError(f"names= must be a dict or a callable mapping PyTorch "
+                    f"names to the JAX side's names; got {type(names).__name__}")
+  out: dict[str, np.ndarray] = {}
+  for k, v in found.items():
+    new = names.get(k, k) if isinstance(names, Mapping) else names(k)
+    if new is None:
+      continue  # dropped
+    if not isinstance(new, str):
+      raise TypeError(f"names= gave {new!r} for {k!r}: expected a str (or "
+                      f"None to drop the layer)")
+    if new in out:
+      raise ValueError(f"names= maps two layers to {new!r}")
+    out[new] = v
+  return out
+
+
+def _as_torch(x: Any, torch) -> Any:
+  """A NumPy argument as a tensor of its own: a copy, so that an in-place op
+  in ``forward`` never writes into the caller's array."""
+  return torch.from_numpy(x.copy()) if isinstance(x, np.ndarray) else x
+
+
+def capture(module: Any, *args: Any, modules: str | None = None,
+            names: Mapping[str, str | None] | Callable[[str], str | None]
+            | None = None, **kwargs: Any) -> dict[str, np.ndarray]:
+  """Runs a PyTorch module and returns its hidden states, named for jaxprec.
+
+  ``module(*args, **kwargs)`` runs under ``torch.no_grad()`` in eval mode;
+  every submodule's training flag is restored afterwards, on errors too.
+  NumPy arrays among ``args``/``kwargs`` are passed as tensors.
+
+  Args:
+    module: a ``torch.nn.Module`` (e.g. a Hugging Face model).
+    *args: its positional arguments.
+    modules: a regular expression, matched in full against the names of
+      ``module.named_modules()`` (``'encoder.layers.0.attention'``): each
+      matching submodule's output is added, named by its path, through
+      forward hooks that are always removed.
+    names: maps PyTorch names to the JAX side's names: a dict (unlisted
+      names are kept) or a callable; a mapped value of None drops the layer.
+    **kwargs: its keyword arguments (e.g. ``output_hidden_states=True``).
+
+  Returns:
+    An insertion-ordered ``{name: np.ndarray}``: the output's floating
+    tensors (``'last_hidden_state'``, ``'hidden_states[3]'``), then the hooked
+    submodules' (``'encoder.layers.0'``, ``'encoder.layers.0[0]'`` when a
+    submodule returns a tuple; ``'encoder.layers.0#0'``,
+    ``'encoder.layers.0#1'`` for each call of a submodule called more than
+    once, as :func:`jaxprec.check_module` names them). bfloat16 and float16
+    are widened exactly to float32.
+
+  Raises:
+    ImportError: PyTorch is not installed (with the install hint).
+    ValueError: ``modules=`` is not a valid regular expression or matches no
+      submodule (listing some names).
+  """
+  torch = import_torch()
+  if not isinstance(module, torch.nn.Module):
+    raise TypeError(f"capture() needs a torch.nn.Module; got "
+                    f"{type(module).__name__}")
+  pattern = None
+  if modules is not None:
+    try:
+      pattern = re.compile(modules)
+    except (re.error, TypeError) as e:
+      raise ValueError(f"modules={modules!r} is not a regular expression: "
+                       f"{e}") from None
+  calls: dict[str, list[dict[str, np.ndarray]]] = {}  # per call, in order
+  handles = []
+  flags = {m: m.training for m in module.modules()}
+  try:
+    if pattern is not None:
+      all_names = [n for n, _ in module.named_modules() if n]
+      for name, sub in module.named_modules():
+        if name and pattern.fullmatch(name):
+          def hook(_mod, _inputs, output, name=name):
+            _named(output, name, one := {})
+            calls.setdefault(name, []).append(one)
+          handles.append(sub.register_forward_hook(hook))
+      if not handles:
+        shown = ", ".join(repr(n) for n in all_names[:8])
+        raise ValueError(
+            f"modules={modules!r} matches no submodule (matched in full "
+            f"against named_modules(): {shown}{'...' if len(all_names) > 8 else ''})")
+    module.eval()
+    args = tuple(_as_torch(a, torch) for a in args)
+    kwargs = {k: _as_torch(v, torch) for k, v in kwargs.items()}
+    with torch.no_grad():
+      output = module(*args, **kwargs)
+  finally:
+    for h in handles:
+      h.remove()
+    for m, training in flags.items():
+      m.training = training
+  found: dict[str, np.ndarray] = {}
+  _named(output, "", found)
+  for k, v in _numbered(calls).items():
+    if k in found:
+      raise ValueError(f"submodule {k!r} has the name of an output layer; "
+                       f"rename one with names=")
+    found[k] = v
+  return _rename(found, names)
+
+
+def _numbered(calls: dict[str, list[dict[str, np.ndarray]]]
+              ) -> dict[str, np.ndarray]:
+  """The hooked outputs by name; a submodule called more than once has each
+  call's outputs under ``name#0``, ``name#1``, ... (as
+  :func:`jaxprec.check_module` names a Flax module called twice)."""
+  out: dict[str, np.ndarray] = {}
+  for name, per_call in calls.items():
+    for i, one in enumerate(per_call):
+      for k, v in one.items():  # k is name + the output's own path
+        out[k if len(per_call) == 1 else f"{name}#{i}{k[len(name):]}"] = v
+  return out
+
+
+def flax_params(pt_model: Any, flax_model: Any) -> Any:
+  """The Flax twin's parameters from a PyTorch Hugging Face model.
+
+  Uses transformers' own converter
+  (``modeling_flax_pytorch_utils.convert_pytorch_state_dict_to_flax``); neither
+  model is changed.
+
+  Args:
+    pt_model: a transformers PyTorch model (``Wav2Vec2Model``, ``BertModel``).
+    flax_model: its Flax counterpart (``FlaxWav2Vec2Model``, ...), built with
+      the same config; with its own weights, or without
+      (``_do_init=False``: then only their shapes are computed, abstractly,
+      which saves initialising them: 8 s for the built-in Wav2Vec2 twin).
+
+  Returns:
+    The parameters for ``flax_model(..., params=...)``.
+
+  Raises:
+    ImportError: PyTorch is missing, or transformers, or its Flax models
+      (transformers 5 has none): one line with the install hint.
+    ValueError: the PyTorch model does not fit the Flax model (another
+      architecture or size), naming the first parameter whose name or shape
+      differs.
+  """
+  import_torch()
+  import_transformers_flax("flax_params needs", "FlaxPreTrainedModel")
+  try:
+    from transformers import modeling_flax_pytorch_utils as convert  # noqa: PLC0415
+  except ImportError as e:
+    raise ImportError(f"flax_params needs transformers' Flax models: "
+                      f"{HF_FLAX_HINT}") from e
+  state = {k: v.detach().clone() for k, v in pt_model.state_dict().items()}
+  shapes = _Shapes(flax_model)
+  what = (f"{type(pt_model).__name__} does not fit "
+          f"{type(flax_model).__name__}")
+  try:
+    params = convert.convert_pytorch_state_dict_to_flax(state, shapes)
+  except ValueError as e:  # the converter's own shape check
+    raise ValueError(f"flax_params: {what}: {' '.join(str(e).split())}") from None
+  _check_fit(params, shapes.params, what)
+  _check_config(pt_model, flax_model, what)
+  return params
+
+
+# Config fields that change the numbers without changing a parameter's shape.
+_SHAPELESS_FIELDS = (
+    "num_attention_heads", "num_key_value_heads", "hidden_act",
+    "layer_norm_eps", "rms_norm_eps", "rope_theta", "position_embedding_type",
+    "feat_extract_activation", "feat_extract_norm", "do_stable_layer_norm",
+    "num_conv_pos_embedding_groups", "conv_stride", "conv_bias")
+
+
+def _check_config(pt_model: Any, flax_model: Any, what: str) -> None:
+  """ValueError naming the config fields (of :data:`_SHAPELESS_FIELDS`) in
+  which the two models differ: weights of the same shapes that compute
+  something else would pass for the two frameworks' own disagreement."""
+  a = getattr(pt_model, "config", None)
+  b = getattr(flax_model, "config", None)
+  if a is None or b is None:
+    return
+  differ = [f"{k}={getattr(a, k)!r} against {getattr(b, k)!r}"
+            for k in _SHAPELESS_FIELDS
+            if hasattr(a, k) and hasattr(b, k)
+            and _plain(getattr(a, k)) != _plain(getattr(b, k))]
+  if differ:
+    raise ValueError(f"flax_params: {what}: their configs differ where the "
+                     f"shapes do not show it: {'; '.join(differ)} (PyTorch "
+                     f"against Flax)")
+
+
+def _plain(v: Any) -> Any:
+  return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def _check_fit(got: Any, want: Any, what: str) -> None:
+  """ValueError naming the first parameter whose name or shape differs
+  between the converted parameters and the Flax model's own."""
+  from flax import traverse_util  # noqa: PLC0415
+  got_flat = traverse_util.flatten_dict(dict(got), sep="/")
+  want_flat = traverse_util.flatten_dict(dict(want), sep="/")
+  for name in [*want_flat, *(k for k in got_flat if k not in want_flat)]:
+    a = tuple(got_flat[name].shape) if name in got_flat else None
+    b = tuple(want_flat[name].shape) if name in want_flat else None
+    if a != b:
+      raise ValueError(
+          f"flax_params: {what}: first mismatch at {name!r}: from PyTorch "
+          f"{'missing' if a is None else a}, the Flax model "
+          f"{'has none' if b is None else b}")
+
+
+class _Shapes:
+  """What transformers' converter reads of a Flax model: its base model
+  prefix, and its parameters' names and shapes (abstract where the model was
+  built without weights)."""
+
+  def __init__(self, flax_model: Any):
+    import jax  # noqa: PLC0415
+    self.base_model_prefix = flax_model.base_model_prefix
+    if getattr(flax_model, "_is_initialized", True):
+      self.params = flax_model.params
+    else:
+      self.params = jax.eval_shape(
+          lambda key: flax_model.init_weights(key, flax_model.input_shape),
+          jax.random.PRNGKey(0))

@@ -1,0 +1,188 @@
+"""PyTorch/Flax twin pairs: one Hugging Face model in both frameworks.
+
+:func:`twin` builds a tiny Hugging Face model in PyTorch with random weights
+(seeded, PyTorch's global RNG left as it was), its Flax counterpart carrying
+the same weights (:func:`jaxprec._src.torch.torch_ref.flax_params`), and synthetic
+inputs (transformers 4: transformers 5 has no Flax models). The command
+line's ``--model hf-wav2vec2 --reference pytorch`` checks jaxprec's own NNX
+port instead (:mod:`jaxprec._src.torch.torch_ports`), which needs no Flax class.
+Nothing is downloaded.
+
+Imports transformers and PyTorch when a twin is built, never at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxprec._src.torch import torch_ref
+
+
+@dataclasses.dataclass(frozen=True)
+class Twin:
+  """A Hugging Face model in PyTorch and in Flax, with the same weights.
+
+  Attributes:
+    name: e.g. ``'hf-wav2vec2'``.
+    torch_model: the PyTorch model (e.g. ``transformers.Wav2Vec2Model``).
+    flax_model: its Flax counterpart (e.g. ``FlaxWav2Vec2Model``), built
+      without weights of its own (``_do_init=False``): call it with
+      ``params=``.
+    params: the Flax parameters, converted from ``torch_model``.
+    inputs: the inputs by argument name, as NumPy arrays, in call order.
+  """
+
+  name: str
+  torch_model: Any
+  flax_model: Any
+  params: Any
+  inputs: dict[str, np.ndarray]
+
+  def reference(self, **kwargs: Any) -> dict[str, np.ndarray]:
+    """The PyTorch model's hidden states (:func:`jaxprec.torch.capture`)."""
+    return torch_ref.capture(self.torch_model, **self.inputs,
+                             output_hidden_states=True, **kwargs)
+
+  def fn(self, params: Any, *inputs: Any) -> Any:
+    """The Flax model's hidden states, ``fn(params, *inputs.values())``.
+
+    In depth order (:func:`depth_ordered`), so that a report's first
+    divergence is the first layer that diverges, not ``last_hidden_state``.
+    """
+    return depth_ordered(
+        self.flax_model(*inputs, params=params, output_hidden_states=True))
+
+  def args(self) -> tuple:
+    """``(params, *inputs)``, the arguments of :meth:`fn`."""
+    return (self.params, *self.inputs.values())
+
+
+# Hugging Face ModelOutput fields in the order the model computes them; a
+# ModelOutput lists last_hidden_state first.
+_DEPTH = ("extract_features", "hidden_states", "last_hidden_state",
+          "pooler_output")
+
+
+def depth_ordered(output: Any) -> dict[str, Any]:
+  """A Hugging Face ``ModelOutput``'s fields as a dict in depth order.
+
+  ``extract_features``, ``hidden_states`` (one layer per entry, embeddings
+  first), ``last_hidden_state``, ``pooler_output``, then any other non-None
+  field in its own order. Layer names are unchanged (``hidden_states[3]``).
+
+  Examples:
+    >>> from jaxprec._src.torch.torch_twins import depth_ordered
+    >>> list(depth_ordered({"last_hidden_state": 1, "hidden_states": (0,),
+    ...                     "attentions": None}))
+    ['hidden_states', 'last_hidden_state']
+  """
+  fields = {k: v for k, v in dict(output).items() if v is not None}
+  first = [k for k in _DEPTH if k in fields]
+  return {k: fields[k] for k in first + [k for k in fields if k not in first]}
+
+
+def _wav2vec2(transformers, layers: int) -> tuple[Any, str, str]:
+  config = transformers.Wav2Vec2Config(
+      hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+      intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 2, 2),
+      conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16,
+      num_conv_pos_embedding_groups=4,
+      # The Flax model implements only the "stable layer norm" variant.
+      do_stable_layer_norm=True, feat_extract_norm="layer",
+      hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+      feat_proj_dropout=0.0, layerdrop=0.0)
+  return config, "Wav2Vec2Model", "FlaxWav2Vec2Model"
+
+
+def _wav2vec2_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+  t = np.arange(8000, dtype=np.float64) / 16000
+  audio = 0.5 * np.sin(2 * np.pi * 220 * t) + 0.1 * rng.standard_normal(t.size)
+  return {"input_values": audio[None].astype(np.float32)}
+
+
+def _bert(transformers, layers: int) -> tuple[Any, str, str]:
+  config = transformers.BertConfig(
+      vocab_size=1000, hidden_size=64, num_hidden_layers=layers,
+      num_attention_heads=4, intermediate_size=128,
+      max_position_embeddings=64, hidden_dropout_prob=0.0,
+      attention_probs_dropout_prob=0.0,
+      # At BERT's init scale (0.02) random blocks barely move the residual
+      # stream, and so neither does their rounding; 0.2 makes them count.
+      initializer_range=0.2)
+  return config, "BertModel", "FlaxBertModel"
+
+
+def _bert_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+  ids = rng.integers(1, 1000, size=(1, 32)).astype(np.int32)
+  return {"input_ids": ids, "attention_mask": np.ones_like(ids),
+          "token_type_ids": np.zeros_like(ids)}
+
+
+# name -> (config and the names of its transformers classes, inputs).
+TWINS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "hf-wav2vec2": (_wav2vec2, _wav2vec2_inputs),
+    "hf-bert": (_bert, _bert_inputs),
+}
+_LAYERS = 4
+# The seeds a twin takes: what NumPy, PyTorch and Flax all accept.
+_MAX_SEED = 2**32 - 1
+
+
+def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
+  """A built-in twin pair: a tiny random Hugging Face model in both frameworks.
+
+  Args:
+    name: ``'hf-wav2vec2'`` or ``'hf-bert'``.
+    seed: seeds the PyTorch weights (PyTorch's global RNG is restored) and
+      the inputs: an integer from 0 to ``2**32 - 1``.
+    layers: the number of transformer layers (default 4).
+
+  Returns:
+    A :class:`Twin`.
+
+  Raises:
+    ValueError: an unknown name (naming the choices), ``layers`` not an
+      integer of at least 1, or ``seed`` out of its range or not an integer.
+    ImportError: PyTorch is missing, or transformers, or its Flax models
+      (transformers 5 has none): one line with the install hint.
+  """
+  if name not in TWINS:
+    import difflib  # noqa: PLC0415
+    close = difflib.get_close_matches(str(name), list(TWINS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"Unknown twin {name!r}; choose one of "
+                     f"{', '.join(TWINS)}.{hint}")
+  if layers is not None and (isinstance(layers, bool) or not isinstance(
+      layers, (int, np.integer)) or layers < 1):
+    raise ValueError(f"twin(layers={layers!r}): the number of transformer "
+                     f"layers is an integer of at least 1 (default {_LAYERS})")
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
+      0 <= seed <= _MAX_SEED):
+    raise ValueError(f"twin(seed={seed!r}): the seed is an integer from 0 to "
+                     f"{_MAX_SEED} (it seeds PyTorch, Flax and NumPy)")
+  torch = torch_ref.import_torch()
+  transformers = torch_ref.import_transformers_flax("twin models need")
+  make, inputs = TWINS[name]
+  config, torch_name, flax_name = make(transformers, _LAYERS if layers is None
+                                       else int(layers))
+  torch_ref.import_transformers_flax("twin models need", flax_name)
+  torch_cls, flax_cls = getattr(transformers, torch_name), getattr(
+      transformers, flax_name)
+  verbosity = transformers.logging.get_verbosity()
+  transformers.logging.set_verbosity_error()  # "Flax classes are deprecated"
+  try:
+    with torch.random.fork_rng(devices=[]):
+      torch.manual_seed(seed)
+      torch_model = torch_cls(config).eval()
+    # Built without weights: the converted ones are its parameters (an
+    # initialisation took 8 s of small compiles for the Wav2Vec2 twin).
+    flax_model = flax_cls(config, seed=seed, _do_init=False)
+    params = torch_ref.flax_params(torch_model, flax_model)
+  finally:
+    transformers.logging.set_verbosity(verbosity)
+  return Twin(name=name, torch_model=torch_model, flax_model=flax_model,
+              params=params, inputs=inputs(np.random.default_rng(seed)))
