@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxprec._src import trees
+
 __all__ = ["is_float", "layers", "named_layers", "normalize", "ordered_layers"]
 
 
@@ -139,7 +141,8 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
       out = fn(*a, **k)
       order.append([n for n, _ in layers(out)])
       return out
-  found = layers(call.call(wrap(observed), dynamic))
+  # A leaf jit cannot return names the user's function (jit would name ours).
+  found = layers(trees.jax_outputs(fn, call.call(wrap(observed), dynamic)))
   if not order:
     return found
   by_name = dict(found)
