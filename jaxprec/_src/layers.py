@@ -124,6 +124,10 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
     # Stay a method of the NNX module, so that a policy's path rules still
     # find it (jaxprec._src.flax.nnx_policy.bind).
     clone = sys.modules["flax.nnx"].clone
+    # A copy made here, inside the program's trace: what the call writes
+    # (batch statistics, RNG counts) goes into it, never into the user's
+    # module, whose variables belong to no trace of ours.
+    module = clone(module)
 
     def observed_method(self, *a, **k):
       if self is module:
