@@ -83,7 +83,7 @@ class Args:
 
   def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
     """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
-    return self.static.call(fn, dynamic)
+    return trees.jax_outputs(fn, self.static.call(fn, dynamic))
 
 
 # ---------------------------------------------------------------------------
@@ -118,7 +118,8 @@ def narrow_compute(fn, call: Args, cache: dict | None = None
 
   def make(fn_ref):
     run = nnx_policy.bind(fn_ref(), None)  # an NNX model: a clone runs
-    closed = jax.make_jaxpr(lambda dynamic: static.call(run, dynamic))(
+    closed = jax.make_jaxpr(lambda dynamic: trees.jax_outputs(
+        run, static.call(run, dynamic)))(
         call.dynamic)
     if not computes_narrow(closed):
       return False, False, False
@@ -128,7 +129,8 @@ def narrow_compute(fn, call: Args, cache: dict | None = None
       warnings.simplefilter("ignore", UnusedRuleWarning)
       bound = nnx_policy.bind(fn_ref(), undo, recorder)
       with flax_scope.policy_scope(undo, recorder):
-        after = jax.make_jaxpr(lambda dynamic: static.call(bound, dynamic))(
+        after = jax.make_jaxpr(lambda dynamic: trees.jax_outputs(
+            bound, static.call(bound, dynamic)))(
             call.dynamic)
     reached = any(m.dtype_how in ("field", "boundary")
                   for m in recorder.report().matches)

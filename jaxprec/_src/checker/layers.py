@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxprec._src.jaxpr import trees
+
 
 def _key_name(k: Any) -> str:
   tu = jax.tree_util
@@ -120,6 +122,10 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
     # Stay a method of the NNX module, so that a policy's path rules still
     # find it (jaxprec._src.flax.nnx_policy.bind).
     clone = sys.modules["flax.nnx"].clone
+    # A copy made here, inside the program's trace: what the call writes
+    # (batch statistics, RNG counts) goes into it, never into the user's
+    # module, whose variables belong to no trace of ours.
+    module = clone(module)
 
     def observed_method(self, *a, **k):
       if self is module:
@@ -137,7 +143,8 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
       out = fn(*a, **k)
       order.append([n for n, _ in layers(out)])
       return out
-  found = layers(call.call(wrap(observed), dynamic))
+  # A leaf jit cannot return names the user's function (jit would name ours).
+  found = layers(trees.jax_outputs(fn, call.call(wrap(observed), dynamic)))
   if not order:
     return found
   by_name = dict(found)

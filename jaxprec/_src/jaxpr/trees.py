@@ -130,14 +130,9 @@ class CallStatics:
     return jax.tree_util.tree_unflatten(self.treedef, full)
 
   def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
-    """Calls ``fn`` with ``dynamic`` in place of the array leaves.
-
-    Raises:
-      TypeError: for an output leaf that is not a JAX type, naming ``fn``
-        (:func:`jax_outputs`).
-    """
+    """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
     args, kwargs = self.rebuild(dynamic)
-    return jax_outputs(fn, fn(*args, **kwargs))
+    return fn(*args, **kwargs)
 
 
 def split_call(args: Sequence[Any], kwargs: dict, *, abstract: bool = True
