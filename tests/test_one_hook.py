@@ -207,3 +207,56 @@ def test_an_rngs_argument_advances_as_natively():
     for _ in range(2):
       _eq(run(x, rngs=ours), net(x, rngs=theirs))
   assert int(ours.default.count[...]) == int(theirs.default.count[...]) == 4
+
+
+class _TrainBlock(nnx.Module):
+  """Linear, BatchNorm and Dropout: a call in train mode writes state."""
+
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(8, 8, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, rngs=rngs)
+    self.do = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.do(self.bn(self.lin(x)))
+
+
+def _numbers(tree):
+  """The state's values as NumPy (typed PRNG keys by their key data)."""
+  def leaf(v):
+    if jnp.issubdtype(v.dtype, jax.dtypes.prng_key):
+      v = jax.random.key_data(v)
+    return np.asarray(v)
+  return jax.tree.map(leaf, tree)
+
+
+def _train_block():
+  m = _TrainBlock(nnx.Rngs(0, dropout=1))
+  m.train()
+  return m
+
+
+def test_check_and_search_on_a_train_mode_nnx_model_leave_it_as_it_was():
+  m = _train_block()
+  before = _numbers(nnx.state(m))
+  x = jax.random.normal(jax.random.key(2), (4, 8))
+  report = jaxprec.check(m, x, precisions=["bfloat16"])
+  assert "bfloat16" in report.precisions and report.layers
+  result = jaxprec.search_policy(m, x, tolerance=1e-1, budget=2, verbose=False)
+  assert result.policy is not None
+  after = _numbers(nnx.state(m))
+  jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_writing_state_across_a_trace_says_what_to_do():
+  m = _train_block()
+  x = jnp.ones((4, 8))
+  with pytest.raises(Exception, match=r"Use nnx\.jit") as info:
+    jax.jit(jaxprec.emulate(m, "bfloat16"))(x)
+  assert type(info.value).__name__ == "TraceContextError"
+  with pytest.raises(Exception, match=r"Emulate the model itself"):
+    jaxprec.emulate(lambda x: m(x), "bfloat16")(x)
+  # The way the message names works, and writes the statistics.
+  mean = np.asarray(m.bn.mean.value)
+  nnx.jit(lambda mod, x: jaxprec.emulate(mod, "bfloat16")(x))(m, x)
+  assert not np.array_equal(mean, np.asarray(m.bn.mean.value))

@@ -232,3 +232,15 @@ def test_cli_llama_size_it_does_not_come_in_is_one_usage_line(capsys):
   _, err = capsys.readouterr()
   assert rc == 2
   assert err.count("\n") == 1 and "Unknown size 'base'" in err, err
+
+
+def test_a_bfloat16_pytorch_model_is_ported_with_a_warning():
+  torch.manual_seed(0)
+  pt = transformers.LlamaModel(_llama_config()).eval()
+  with pytest.warns(UserWarning, match=r"bfloat16 parameters; jaxprec's model gets "
+                    r"them as float32"):
+    models.llama(from_pytorch=pt.to(torch.bfloat16), seq_len=4)
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    models.llama(from_pytorch=pt.float(), seq_len=4)  # float32: no warning

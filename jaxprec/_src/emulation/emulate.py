@@ -272,7 +272,7 @@ def _emulator(fn: Callable[..., Any],
         graphdefs, call_args, kwargs, nodes = lifted.split(module, args, kwargs)
         traced = functools.partial(lifted.call, graphdefs)
         outer = (*outer, graphdefs)
-      with jax.default_matmul_precision(None):
+      with jax.default_matmul_precision(None), _closed_over_nnx_writes(what):
         call = walker.trace_call(traced, call_args, kwargs, cache,
                                  extra_key=outer)
       if policy is not None:
@@ -292,6 +292,34 @@ def _emulator(fn: Callable[..., Any],
     return out
 
   return emulated
+
+
+def _is_trace_context_error(e: BaseException) -> bool:
+  """Whether ``e`` is Flax's refusal to write a variable from another trace."""
+  return (type(e).__name__ == "TraceContextError"
+          and type(e).__module__.startswith("flax"))
+
+
+@contextlib.contextmanager
+def _closed_over_nnx_writes(what: str):
+  """Says what to do when ``fn`` writes an NNX model it closes over.
+
+  ``emulate`` traces ``fn``; an NNX model that ``fn`` closes over (rather than
+  one passed as ``fn`` or as an argument) and writes to (batch statistics, RNG
+  counts) cannot be written from inside that trace.
+  """
+  try:
+    yield
+  except Exception as e:
+    if not _is_trace_context_error(e):
+      raise
+    raise type(e)(
+        f"jaxprec.emulate traces {what}, and the NNX model it closes over writes "
+        f"its variables (batch statistics, RNG counts) inside that trace, "
+        f"which Flax refuses. Emulate the model itself "
+        f"(jaxprec.emulate(model, ...)) or pass it as an argument, and "
+        f"jaxprec writes what the call changes back into it. Flax said: {e}"
+    ) from e
 
 
 def _native(fn: Callable[..., Any], policy: policy_lib.Policy

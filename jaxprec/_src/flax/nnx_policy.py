@@ -260,8 +260,20 @@ class Lifted:
     nnx = sys.modules["flax.nnx"]
     targets = [self.module if module is None else module] + [n for _, n in nodes]
     for target, state in zip(targets, written):
-      if jax.tree.leaves(state):
+      if not jax.tree.leaves(state):
+        continue
+      try:
         nnx.update(target, state)
+      except sys.modules["flax.errors"].TraceContextError as e:
+        raise type(e)(
+            "the call writes the model's variables (batch statistics, RNG "
+            "counts), and jaxprec writes them back into the model as a native "
+            "call does; under jax.jit that write crosses a trace, which Flax "
+            "refuses (a native call of the model under jax.jit fails the same "
+            "way). Use nnx.jit, e.g. nnx.jit(lambda m, x: "
+            "jaxprec.emulate(m, ...)(x))(model, x), or call the model outside "
+            f"jax.jit. Flax said: {e}") from e
+
 
 
 def _is_node(value: Any) -> bool:

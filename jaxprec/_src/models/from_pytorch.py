@@ -172,6 +172,17 @@ def load(model: nnx.Module, pt_model: Any, *, what: str,
       if name not in params:
         raise ValueError(f"{what}: first mismatch at {name!r}: the PyTorch "
                          f"model has no such parameter")
+    narrow = sorted({str(t.dtype).replace("torch.", "")
+                     for t in params.values() if t.dtype != torch.float32})
+    if narrow:
+      import warnings  # noqa: PLC0415
+      warnings.warn(
+          f"{what}: the PyTorch model holds {', '.join(narrow)} parameters; "
+          f"jaxprec's model gets them as float32 and computes in float32, so "
+          f"it is compared with a float32 computation, not with the "
+          f"{narrow[0]} one the PyTorch model runs. Port a float32 model "
+          f"(pt_model.float()) and give both the same compute dtype to "
+          f"compare like with like.", stacklevel=3)
     values = {plan[k][1]: plan[k][2](
         tensor.detach().to(torch.float32).cpu().numpy().copy())
               for k, tensor in params.items()}
