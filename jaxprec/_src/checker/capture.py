@@ -81,7 +81,7 @@ def _taking_marks(found: list[tuple[str, Any]], lost: list[str]) -> walker.Rule:
 def _scan(eqn, invals, found, lost) -> list[Any]:
   """A ``scan`` equation run as ``lax.scan``, its body's marks stacked."""
   p = eqn.params
-  nc, nk = p["num_consts"], p["num_carry"]
+  nc, nk = compat.scan_counts(p)
   consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
   body = p["jaxpr"]
   marks: list[str] = []

@@ -71,6 +71,17 @@ def scan_add_consts(params: dict, n: int) -> dict:
   return params
 
 
+def scan_counts(params: dict) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a scan equation's params.
+
+  jax 0.11+ keeps them as the groups of one FlatTree, ``ft_in``.
+  """
+  if "ft_in" in params:
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+  return params["num_consts"], params["num_carry"]
+
+
 def jaxprs_in_params(params) -> Any:
   """The open jaxprs in an equation's params (``ClosedJaxpr`` unwrapped),
   also inside tuples: ``jax.extend.core.jaxprs_in_params`` (jax 0.10.2), else
