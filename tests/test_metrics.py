@@ -31,7 +31,7 @@ def reference_metrics(c, r, atol, rtol):
   c64, r64 = np.ravel(c).astype(np.float64), np.ravel(r).astype(np.float64)
   e = c64 - r64
   rms = np.sqrt(np.mean(r64 ** 2))
-  floor = max(M.REL_FLOOR * rms, np.finfo(np.float32).tiny)
+  floor = max(S.REL_FLOOR * rms, np.finfo(np.float32).tiny)
   u = ulp_np(np.ravel(c), np.ravel(r).astype(np.float32))
   return {
       "max_abs": np.abs(e).max(),
@@ -155,7 +155,7 @@ def test_relative_floor_is_documented_fraction_of_rms():
   r = np.float32([1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1e-9])
   c = r + np.float32([0, 0, 0, 0, 0, 0, 1e-4])
   m = M.compare(c, r)
-  floor = M.REL_FLOOR * np.sqrt(np.mean(r.astype(np.float64) ** 2))
+  floor = S.REL_FLOOR * np.sqrt(np.mean(r.astype(np.float64) ** 2))
   assert m.max_rel == pytest.approx(1e-4 / floor, rel=1e-4)
 
 
@@ -181,14 +181,14 @@ def test_many_layers_packed_together_match_one_by_one():
 
 
 def test_pack_pads_with_zeros_in_chunks():
-  layout = M.Layout((3, M.CHUNK + 1))
+  layout = M.Layout((3, S.CHUNK + 1))
   assert layout.n_chunks == 3
   assert layout.chunk_layer.tolist() == [0, 1, 1]
-  assert layout.chunk_count.tolist() == [3, M.CHUNK, 1]
-  p = np.asarray(M.pack([jnp.ones(3), jnp.full((M.CHUNK + 1,), 2.0)], layout))
-  assert p.shape == (3, M.CHUNK)
+  assert layout.chunk_count.tolist() == [3, S.CHUNK, 1]
+  p = np.asarray(S.pack([jnp.ones(3), jnp.full((S.CHUNK + 1,), 2.0)], layout))
+  assert p.shape == (3, S.CHUNK)
   assert p[0, :3].tolist() == [1, 1, 1] and not p[0, 3:].any()
-  np.testing.assert_array_equal(p, M.pack_numpy([np.ones(3), np.full(M.CHUNK + 1, 2.0)],
+  np.testing.assert_array_equal(p, M.pack_numpy([np.ones(3), np.full(S.CHUNK + 1, 2.0)],
                                                 layout))
 
 
@@ -196,7 +196,7 @@ def test_a_grouped_layout_stacks_each_devices_share_and_measures_the_same():
   """Layout(groups=G): group k of every layer, then group k + 1. The rows of
   group k are element block k of each layer (a batch shard on device k);
   the metrics are those of one group (sums in another order: 1e-6)."""
-  sizes = (0, 7, 3 * 2 * M.CHUNK, 1200, 1)
+  sizes = (0, 7, 3 * 2 * S.CHUNK, 1200, 1)
   one, grouped = M.Layout(sizes), M.Layout(sizes, groups=3)
   assert grouped.chunks.tolist() == [0, 3, 6, 3, 3]
   assert grouped.chunk_layer.tolist() == [1, 2, 2, 3, 4] * 3
@@ -207,7 +207,7 @@ def test_a_grouped_layout_stacks_each_devices_share_and_measures_the_same():
   refs = [(x + 0.01 * RNG.standard_normal(x.shape)).astype(np.float32)
           for x in cands]
   cands[3][1100] = np.nan  # the masked path too
-  packed = np.asarray(M.pack(cands, grouped))
+  packed = np.asarray(S.pack(cands, grouped))
   np.testing.assert_array_equal(packed, M.pack_numpy(cands, grouped))
   for k in range(3):  # group k's rows of the aligned layer: its block k
     rows = packed[k * 5 + 1:k * 5 + 3].ravel()
