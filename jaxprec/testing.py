@@ -1,4 +1,4 @@
-"""Test helpers for users' pytest suites (no Flax needed).
+"""Assertions for users' pytest suites (no Flax needed).
 
 Examples:
   >>> import jax.numpy as jnp, jaxprec.testing

@@ -7,7 +7,7 @@ are not changed):
 * Sphinx roles (``:func:`resolve```, ``:class:`~jaxprec.Numerics```), which
   Markdown would show verbatim (":func:resolve"). Each becomes inline code,
   linked to the API page (``[`resolve()`][jaxprec.resolve]``) when it names
-  something in ``jaxprec.__all__``; other targets (private helpers, other
+  something in ``jaxprec.__all__``; other targets (private functions, other
   libraries) stay plain code, so a strict build never sees a dangling link.
 * Grouped entries in Args/Attributes sections (``atol, rtol: the tolerance.``,
   possibly with the names over several lines). Each name gets its own entry

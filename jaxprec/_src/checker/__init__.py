@@ -4,5 +4,5 @@ references (``reference``), how a row runs (``rows``), the jitted programs
 (``metric_stats``, ``metrics``), reports and their rendering (``report``,
 ``training_report``, ``render``, ``progress``), and its clients
 :func:`jaxprec.check`, ``check_module``, ``check_training`` and the pytest
-helper.
+assertion ``assert_precision_robust``.
 """

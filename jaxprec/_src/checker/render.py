@@ -5,7 +5,7 @@ module imports no report type, so the report modules can import it) and
 return text or a matplotlib figure. The report's methods (``str``,
 ``to_text``, ``to_markdown``, ``plot``) call them.
 
-It also holds the small number helpers every report shares: :func:`fmt` for
+It also holds the small number functions every report shares: :func:`fmt` for
 tables, and :func:`encode_float` / :func:`decode_float` / :func:`encode` for
 JSON, which has no literal for NaN or infinities.
 """
