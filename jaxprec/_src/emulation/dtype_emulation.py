@@ -1,9 +1,9 @@
 """bfloat16 and float16 compute under ``jaxprec.emulate``: one rounding per op.
 
-What XLA:CPU does (jax 0.10.2, measured; ``docs/fidelity.md`` has the
-evidence): its ``float-normalization-bf16`` pass computes each bfloat16 HLO
-instruction in float32 between a pair of converts. Between two bfloat16 ops
-the pair stays, so those round once per HLO instruction; a jaxpr op that
+What XLA:CPU does (jax 0.10.2; ``docs/fidelity.md``): its
+``float-normalization-bf16`` pass computes each bfloat16 HLO instruction in
+float32 between a pair of converts. Between two bfloat16 ops the pair stays,
+so those round once per HLO instruction; a jaxpr op that
 lowers to several instructions rounds several times (``integer_pow``, i.e.
 ``x**3`` in ``gelu``, multiplies twice in bfloat16; ``logistic`` is expanded
 into bfloat16 arithmetic). But where the program widens a bfloat16 result
@@ -11,9 +11,9 @@ into bfloat16 arithmetic). But where the program widens a bfloat16 result
 output, ``jnp.mean``, the softmax sum), the algebraic simplifier cancels the
 rounding convert against the widening one under ``xla_allow_excess_precision``
 (default true), and the consumer reads the unrounded float32 value: excess
-precision (measured: 32% of a bfloat16 LayerNorm's outputs differ by one ulp;
-``--xla_allow_excess_precision=false`` restores the rounding). A bfloat16 dot
-is widened to a float32 dot (exact products, float32 sums) and rounded once.
+precision (``--xla_allow_excess_precision=false`` restores the rounding).
+A bfloat16 dot is widened to a float32 dot (exact products, float32 sums)
+and rounded once.
 A ``reduce_sum`` written in bfloat16 adds in bfloat16 (``jnp.sum`` and
 ``jnp.mean`` widen it first).
 

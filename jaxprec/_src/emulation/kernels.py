@@ -20,7 +20,7 @@ they differ in the dots that run the passes (``docs/emulation.md``):
   (Arm) among its flags (:func:`bf16_dot_units`). The one-pass algorithms run
   on ``bf16`` everywhere. Each multi-pass algorithm runs on ``f32`` only
   where that is clearly cheaper at the time ratio of a bfloat16 dot to a
-  float32 dot measured on such CPUs (:data:`NOMINAL_RATIO`): where its
+  float32 dot assumed for such CPUs (:data:`NOMINAL_RATIO`): where its
   float32 dots are fewer than :data:`F32_MARGIN` times the ``bf16`` kernel's
   cost in float32-dot equivalents (``ratio * bf16_dots + f32_dots``). With
   the units that is ``f32`` for X9 and the TF32 algorithms, ``bf16`` for the
@@ -59,15 +59,12 @@ KERNELS = ("auto", "bf16", "f32")
 # AVX512-BF16 and AMX-BF16, Arm's FEAT_BF16.
 BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 # The time of a bfloat16 dot (float32 result) over a float32 dot that auto
-# assumes, by whether the CPU has bfloat16 dot units: 0.52-0.57 measured on
-# an AMD EPYC with AVX512-BF16 (512-cubed dots, 8 processes); 1.16 with
-# Eigen's dots, which widen bfloat16 to float32 (docs/performance.md). A
-# constant, not a timing: a timing under load moved the one-pass figure
-# between 0.78x and 1.67x from one process to the next, across its threshold.
+# assumes, by whether the CPU has bfloat16 dot units; without them (Eigen's
+# dots) bfloat16 is widened to float32 (docs/performance.md). A constant, not
+# a timing, so that the choice does not move with the machine's load.
 NOMINAL_RATIO = {True: 0.55, False: 1.16}
-# 512: at 256 the bfloat16 dot's fixed costs showed, and the ratio moved
-# between 0.63 and 0.98 from process to process on a CPU where it is 0.52 for
-# real work; at 512 it stayed within 0.52-0.57 (measured, 8 processes each).
+# measure() times 512-cubed dots: large enough that a bfloat16 dot's fixed
+# costs do not dominate the ratio.
 _BENCH_SIZE = 512
 # The f32 kernel runs an algorithm where it costs below this fraction of the
 # bf16 kernel (in float32-dot equivalents).
@@ -75,10 +72,9 @@ F32_MARGIN = 0.9
 _BENCH_REPEATS = 9
 _OPS = ("dot_general", "conv_general_dilated")
 # One-pass algorithms: one dot on rounded operands in either kernel; they run
-# on bf16 on every CPU. With Eigen's dots (no bfloat16 dot units) the dots
-# alone measure 1.16x, the whole op, rounding included, 0.98-1.07x, and
-# BERT-base at one pass ran at 1.36-1.49x native on bf16 against 1.52-1.66x
-# on f32 (measure_one_pass times the whole op at a BERT-base FFN shape).
+# on bf16 on every CPU: without bfloat16 dot units the two kernels cost about
+# the same at one pass (measure_one_pass times the whole op at a BERT-base FFN
+# shape).
 _ONE_PASS = tuple(a for a in algorithms.emulated()
                   if algorithms.record(a).dots[:2] == (1, 0))
 _ONE_PASS_SHAPE = (128, 768, 3072)
