@@ -21,27 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprec._src.models.layers import FeedForward, SelfAttention
-
-SIZES = ("tiny", "small", "base")
-
+from jaxprec._src.models.layers import EncoderSizes, FeedForward, SelfAttention
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BertConfig:
+class BertConfig(EncoderSizes):
   """Sizes of :class:`BertEncoder`; ``base()`` matches bert-base-uncased."""
 
   vocab_size: int = 30522
   max_positions: int = 512
   type_vocab_size: int = 2
-  hidden_size: int = 768
-  num_layers: int = 12
-  num_heads: int = 12
-  intermediate_size: int = 3072
   layer_norm_eps: float = 1e-12
-
-  @classmethod
-  def base(cls) -> BertConfig:
-    return cls()
 
   @classmethod
   def small(cls) -> BertConfig:
@@ -51,13 +40,6 @@ class BertConfig:
   def tiny(cls) -> BertConfig:
     return cls(vocab_size=1000, max_positions=128, hidden_size=64, num_layers=2,
                num_heads=4, intermediate_size=128)
-
-  @classmethod
-  def of_size(cls, size: str) -> BertConfig:
-    if size not in SIZES:
-      raise ValueError(f"Unknown size {size!r}; valid choices: "
-                       f"{', '.join(map(repr, SIZES))}.")
-    return getattr(cls, size)()
 
 
 class _BertLayer(nn.Module):

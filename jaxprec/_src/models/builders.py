@@ -25,12 +25,6 @@ from jaxprec._src.models.nnx_bert import BertModel
 from jaxprec._src.models.nnx_wav2vec2 import Wav2Vec2Model
 
 
-def _no_size(name: str, size: str | None) -> None:
-  if size is not None:
-    raise ValueError(f"{name}(size={size!r}, from_pytorch=...): the sizes "
-                     f"come from the PyTorch model's config; leave size unset")
-
-
 def wav2vec2(size: str | None = None, seed: int = 0, *, batch: int = 1,
              seconds: float = 1.0, from_pytorch: Any = None
              ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -74,7 +68,7 @@ def wav2vec2(size: str | None = None, seed: int = 0, *, batch: int = 1,
   if from_pytorch is None:
     return wav2vec2_linen.wav2vec2(size or "tiny", seed, batch=batch,
                                    seconds=seconds)
-  _no_size("wav2vec2", size)
+  loading.no_size("wav2vec2", size)
   model = Wav2Vec2Model.from_pytorch(from_pytorch)
   fn, state = loading.split_fn(model, f"{type(from_pytorch).__name__}_port")
   audio = wav2vec2_linen.synthetic_audio(batch, seconds, seed=seed)
@@ -108,7 +102,7 @@ def bert(size: str | None = None, seed: int = 0, *, batch: int = 1,
   """
   if from_pytorch is None:
     return bert_linen.bert(size or "tiny", seed, batch=batch, seq_len=seq_len)
-  _no_size("bert", size)
+  loading.no_size("bert", size)
   model = BertModel.from_pytorch(from_pytorch)
   fn, state = loading.split_fn(model, f"{type(from_pytorch).__name__}_port")
   ids = bert_linen.synthetic_tokens(batch, seq_len,

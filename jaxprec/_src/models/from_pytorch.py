@@ -35,6 +35,14 @@ def module_list(modules: Iterable[nnx.Module]) -> Any:
   return make(list(modules))
 
 
+def no_size(name: str, size: str | None) -> None:
+  """ValueError for ``name(size=..., from_pytorch=...)``: the PyTorch model's
+  config gives the sizes."""
+  if size is not None:
+    raise ValueError(f"{name}(size={size!r}, from_pytorch=...): the sizes "
+                     f"come from the PyTorch model's config; leave size unset")
+
+
 def split_fn(model: nnx.Module, name: str) -> tuple[Callable[..., Any], Any]:
   """``(fn, state)``: ``fn(state, *inputs)`` calls a copy of ``model`` made
   from ``state`` (a pure function of arrays, for :func:`jaxprec.check`)."""

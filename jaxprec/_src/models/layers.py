@@ -1,10 +1,43 @@
-"""Transformer pieces shared by the built-in models (flax.linen)."""
+"""Transformer pieces shared by the built-in models (flax.linen), and their
+configs' sizes."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+
+class Sized:
+  """A config with a classmethod per size name in ``SIZES``, and
+  :meth:`of_size` to call one by its name."""
+
+  SIZES: ClassVar[tuple[str, ...]] = ("tiny", "small", "base")
+
+  @classmethod
+  def of_size(cls, size: str):
+    if size not in cls.SIZES:
+      raise ValueError(f"Unknown size {size!r}; valid choices: "
+                       f"{', '.join(map(repr, cls.SIZES))}.")
+    return getattr(cls, size)()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EncoderSizes(Sized):
+  """The transformer sizes BERT and Wav2Vec2 share; the defaults, ``base()``,
+  are their base models' (bert-base-uncased, wav2vec2-base)."""
+
+  hidden_size: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  intermediate_size: int = 3072
+
+  @classmethod
+  def base(cls):
+    return cls()
 
 
 class SelfAttention(nn.Module):

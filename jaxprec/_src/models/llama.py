@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +31,12 @@ from flax import nnx
 
 from jaxprec._src.models import from_pytorch as loading
 from jaxprec._src.models.bert import synthetic_tokens
+from jaxprec._src.models.layers import Sized
 from jaxprec._src.models.nnx_layers import attention
-
-SIZES = ("tiny", "small")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LlamaConfig:
+class LlamaConfig(Sized):
   """Sizes of :class:`LlamaModel`, named as in transformers' ``LlamaConfig``
   where they mean the same.
 
@@ -64,6 +63,7 @@ class LlamaConfig:
   o_bias: bool = False
   mlp_bias: bool = False
   tie_word_embeddings: bool = False
+  SIZES: ClassVar[tuple[str, ...]] = ("tiny", "small")
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -85,13 +85,6 @@ class LlamaConfig:
     """4 layers, 256 wide, 8 query heads sharing 2 key/value heads."""
     return cls(vocab_size=1024, hidden_size=256, intermediate_size=704,
                num_layers=4, num_heads=8, num_kv_heads=2)
-
-  @classmethod
-  def of_size(cls, size: str) -> LlamaConfig:
-    if size not in SIZES:
-      raise ValueError(f"Unknown size {size!r}; valid choices: "
-                       f"{', '.join(map(repr, SIZES))}.")
-    return getattr(cls, size)()
 
 
 def rotary(positions: jax.Array, dim: int, theta: float
@@ -342,9 +335,7 @@ def llama(size: str | None = None, seed: int = 0, *, batch: int = 1,
   """
   if from_pytorch is None:
     return _llama_random(size or "tiny", seed, batch, seq_len)
-  if size is not None:
-    raise ValueError(f"llama(size={size!r}, from_pytorch=...): the sizes "
-                     f"come from the PyTorch model's config; leave size unset")
+  loading.no_size("llama", size)
   causal = hasattr(from_pytorch, "lm_head")
   model = (LlamaForCausalLM if causal else LlamaModel).from_pytorch(from_pytorch)
   fn, state = loading.split_fn(model, f"{type(from_pytorch).__name__}_port")

@@ -35,31 +35,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxprec._src.models.layers import FeedForward, SelfAttention
-
-SIZES = ("tiny", "small", "base")
-
+from jaxprec._src.models.layers import EncoderSizes, FeedForward, SelfAttention
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Wav2Vec2Config:
-  """Sizes of :class:`Wav2Vec2Encoder`; ``base()`` matches wav2vec2-base."""
+class Wav2Vec2Config(EncoderSizes):
+  """Sizes of :class:`Wav2Vec2Encoder`; ``base()`` matches wav2vec2-base
+  (95M parameters)."""
 
   conv_dim: tuple[int, ...] = (512,) * 7
   conv_kernel: tuple[int, ...] = (10, 3, 3, 3, 3, 2, 2)
   conv_stride: tuple[int, ...] = (5, 2, 2, 2, 2, 2, 2)
   conv_bias: bool = True
-  hidden_size: int = 768
-  num_layers: int = 12
-  num_heads: int = 12
-  intermediate_size: int = 3072
   pos_conv_kernel: int = 128
   pos_conv_groups: int = 16
   layer_norm_eps: float = 1e-5
-
-  @classmethod
-  def base(cls) -> Wav2Vec2Config:
-    """wav2vec2-base sizes (95M parameters)."""
-    return cls()
 
   @classmethod
   def small(cls) -> Wav2Vec2Config:
@@ -72,13 +61,6 @@ class Wav2Vec2Config:
     """2 layers, 64 wide: for tests and a check in seconds on a laptop."""
     return cls(conv_dim=(32,) * 7, hidden_size=64, num_layers=2, num_heads=4,
                intermediate_size=128, pos_conv_kernel=16, pos_conv_groups=4)
-
-  @classmethod
-  def of_size(cls, size: str) -> Wav2Vec2Config:
-    if size not in SIZES:
-      raise ValueError(f"Unknown size {size!r}; valid choices: "
-                       f"{', '.join(map(repr, SIZES))}.")
-    return getattr(cls, size)()
 
   def num_frames(self, samples: int) -> int:
     """Frames the feature encoder makes of ``samples`` audio samples."""
@@ -206,14 +188,7 @@ def wav2vec2(size: str = "tiny", seed: int = 0, *, batch: int = 1,
     seconds: clip length at 16 kHz.
 
   Returns:
-    ``(fn, (variables, audio))``.
-
-  Examples:
-    >>> import jax, jaxprec.models
-    >>> fn, args = jaxprec.models.wav2vec2("tiny")
-    >>> out = jax.jit(fn)(*args)
-    >>> len(out["conv_features"]), len(out["hidden_states"]), out["hidden_states"][-1].shape
-    (7, 3, (1, 49, 64))
+    ``(fn, (variables, audio))``; :func:`jaxprec.models.wav2vec2` shows one.
   """
   config = Wav2Vec2Config.of_size(size)
   model = Wav2Vec2Encoder(config)
