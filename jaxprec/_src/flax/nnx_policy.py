@@ -118,14 +118,21 @@ def check_dtypes(model: Any, policy: Policy) -> None:
           f"which leaves such modules as they are.")
 
 
-def _module_and_method(fn: Any) -> tuple[Any, Callable[..., Any]] | None:
+def _module_and_method(fn: Any, policy: Policy | None
+                       ) -> tuple[Any, Callable[..., Any]] | None:
   """``(module, unbound method)`` of an ``nnx.Module`` or a bound method of
-  one; None for anything else (or when NNX is not imported)."""
+  one, the module's dtypes checked against ``policy`` now, not at the first
+  call (:func:`check_dtypes`); None for anything else (or when NNX is not
+  imported)."""
   if hook.is_nnx_module(fn):
-    return fn, type(fn).__call__
-  if isinstance(fn, types.MethodType) and hook.is_nnx_module(fn.__self__):
-    return fn.__self__, fn.__func__
-  return None
+    found = fn, type(fn).__call__
+  elif isinstance(fn, types.MethodType) and hook.is_nnx_module(fn.__self__):
+    found = fn.__self__, fn.__func__
+  else:
+    return None
+  if policy is not None and policy.has_dtypes:
+    check_dtypes(found[0], policy)
+  return found
 
 
 def _in_force(policy: Policy | None):
@@ -149,12 +156,10 @@ def bind(fn: Callable[..., Any], policy: Policy | None,
   :func:`jaxprec._src.flax.scope.policy_scope`. The user's module is never
   modified (state the call writes stays in the clone).
   """
-  found = _module_and_method(fn)
+  found = _module_and_method(fn, policy)
   if found is None:
     return fn
   module, method = found
-  if policy is not None and policy.has_dtypes:
-    check_dtypes(module, policy)  # now, not at the first call
   nnx = sys.modules["flax.nnx"]
 
   def with_policy(*args, **kwargs):
@@ -315,13 +320,8 @@ def lift(fn: Callable[..., Any], policy: Policy | None = None,
     ValueError: a dtype rule of ``policy`` matches a module without a
       ``dtype`` attribute (:func:`check_dtypes`).
   """
-  found = _module_and_method(fn)
-  if found is None:
-    return None
-  module, method = found
-  if policy is not None and policy.has_dtypes:
-    check_dtypes(module, policy)  # now, not at the first call
-  return Lifted(module, method, policy, recorder)
+  found = _module_and_method(fn, policy)
+  return None if found is None else Lifted(*found, policy, recorder)
 
 
 @dataclasses.dataclass(frozen=True)

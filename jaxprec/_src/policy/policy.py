@@ -247,11 +247,7 @@ class Policy:
       ``(default, None)`` when none matches; ``(None, None)`` when none
       matches and there is no default.
     """
-    op = canonical_op(op)
-    for r in self.rules:
-      if r.precision is not None and r.matches(path, module_type, op):
-        return r.precision, r
-    return self.default, None
+    return self._first("precision", self.default, path, module_type, op)
 
   def precision_for(self, path: str = "", module_type: str | None = None,
                     op: str = "dot") -> Precision | None:
@@ -275,16 +271,23 @@ class Policy:
       rule; ``(default_dtype, None)`` when none matches (``(None, None)``
       without a default dtype: the module keeps its own).
     """
-    op = canonical_op(op)
-    for r in self.rules:
-      if r.dtype is not None and r.matches(path, module_type, op):
-        return r.dtype, r
-    return self.default_dtype, None
+    return self._first("dtype", self.default_dtype, path, module_type, op)
 
   def dtype_for(self, path: str = "", module_type: str | None = None,
                 op: str = "dot") -> str | None:
     """The dtype :meth:`match_dtype` gives (None: leave as is)."""
     return self.match_dtype(path, module_type, op)[0]
+
+  def _first(self, axis: str, default: Any, path: str,
+             module_type: str | None, op: str) -> tuple[Any, Rule | None]:
+    """The first matching rule that sets ``axis`` (``'precision'`` or
+    ``'dtype'``) with its value; ``(default, None)`` when none matches."""
+    op = canonical_op(op)
+    for r in self.rules:
+      value = getattr(r, axis)
+      if value is not None and r.matches(path, module_type, op):
+        return value, r
+    return default, None
 
   @property
   def has_dtypes(self) -> bool:
