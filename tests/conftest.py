@@ -104,3 +104,21 @@ def _restore_emulation_kernel():
 def lowered(fn, *args) -> str:
   """StableHLO text of ``jax.jit(fn)`` on ``args``."""
   return jax.jit(fn).lower(*args).as_text()
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+  """``(exit status, stdout, stderr)`` of ``jaxprec ARGV`` run in this process."""
+  from jaxprec._src.cli.cli import main  # pylint: disable=import-outside-toplevel
+  rc = main(list(argv))
+  out, err = capsys.readouterr()
+  return rc, out, err
+
+
+def one_line_error(rc, err, code, *fragments):
+  """The command exited ``code`` with one ``jaxprec: error:`` line holding
+  every fragment, and no traceback."""
+  assert rc == code, err
+  lines = [l for l in err.splitlines() if l.startswith("jaxprec: error:")]
+  assert len(lines) == 1 and "Traceback" not in err, err
+  for f in fragments:
+    assert f in lines[0], (f, lines[0])

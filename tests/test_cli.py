@@ -12,6 +12,7 @@ import pytest
 
 import jaxprec
 from jaxprec._src.cli.cli import main
+from conftest import run_cli as run
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp
@@ -62,12 +63,6 @@ def project(tmp_path, monkeypatch):
   for name in set(sys.modules) - before:
     if name.endswith("_cli_test"):
       del sys.modules[name]
-
-
-def run(capsys, *argv):
-  rc = main(list(argv))
-  out, err = capsys.readouterr()
-  return rc, out, err
 
 
 def assert_usage_error(rc, err, *fragments):

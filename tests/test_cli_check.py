@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from jaxprec._src.cli.cli import main
+from conftest import one_line_error, run_cli as run
+
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp
@@ -62,20 +63,6 @@ def project(project_dir, tmp_path, monkeypatch):
   monkeypatch.setattr(sys, "path", [str(project_dir), *sys.path])
   (tmp_path / "clicheck_model.py").write_text(MODEL)  # for path:FUNCTION
   return tmp_path
-
-
-def run(capsys, *argv):
-  rc = main(list(argv))
-  out, err = capsys.readouterr()
-  return rc, out, err
-
-
-def one_line_error(rc, err, code, *fragments):
-  assert rc == code, err
-  lines = [l for l in err.splitlines() if l.startswith("jaxprec: error:")]
-  assert len(lines) == 1 and "Traceback" not in err, err
-  for f in fragments:
-    assert f in lines[0], (f, lines[0])
 
 
 def test_module_function_prints_table_and_writes_outputs(project, capsys):

@@ -17,6 +17,7 @@ import pytest
 
 from jaxprec._src.cli.cli import main
 from jaxprec._src.core import names
+from conftest import one_line_error, run_cli as run
 
 MODEL = textwrap.dedent("""\
     import sys
@@ -73,20 +74,6 @@ def project(tmp_path, monkeypatch):
   for name in list(sys.modules):
     if name.startswith(("clierr_", "_jaxprec_audit_clierr_")):
       del sys.modules[name]
-
-
-def run(capsys, *argv):
-  rc = main(list(argv))
-  out, err = capsys.readouterr()
-  return rc, out, err
-
-
-def one_line_error(rc, err, code, *fragments):
-  assert rc == code, err
-  lines = [l for l in err.splitlines() if l.startswith("jaxprec: error:")]
-  assert len(lines) == 1 and "Traceback" not in err, err
-  for f in fragments:
-    assert f in lines[0], (f, lines[0])
 
 
 # ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 
 import jaxprec
 from jaxprec._src.cli.cli import main
+from conftest import one_line_error, run_cli as run
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp
@@ -57,20 +58,6 @@ def project(tmp_path, monkeypatch):
   monkeypatch.setattr(sys, "path", list(sys.path))
   yield tmp_path
   sys.modules.pop("clisearch_model", None)
-
-
-def run(capsys, *argv):
-  rc = main(list(argv))
-  out, err = capsys.readouterr()
-  return rc, out, err
-
-
-def one_line_error(rc, err, code, *fragments):
-  assert rc == code, err
-  lines = [l for l in err.splitlines() if l.startswith("jaxprec: error:")]
-  assert len(lines) == 1 and "Traceback" not in err, err
-  for f in fragments:
-    assert f in lines[0], lines[0]
 
 
 def field(out, name):
