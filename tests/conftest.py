@@ -114,6 +114,14 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
   return rc, out, err
 
 
+def run_cli_json(capsys, *argv):
+  """The JSON ``jaxprec ARGV`` prints, once it exited 0."""
+  import json  # pylint: disable=import-outside-toplevel
+  rc, out, err = run_cli(capsys, *argv)
+  assert rc == 0, err
+  return json.loads(out)
+
+
 def one_line_error(rc, err, code, *fragments):
   """The command exited ``code`` with one ``jaxprec: error:`` line holding
   every fragment, and no traceback."""

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from conftest import one_line_error, run_cli as run
+from conftest import one_line_error, run_cli as run, run_cli_json as run_json
 
 
 MODEL = textwrap.dedent("""\
@@ -100,11 +100,9 @@ def test_a_failed_plot_leaves_no_picture_of_another_run(project, capsys,
 
 
 def test_json_and_options(project, capsys):
-  rc, out, err = run(capsys, "check", "clicheck_model.py:two", "--json",
-                     "--precisions", "bf16, float32", "--target", "gpu",
-                     "--reference", "float64", "--out", "r2")
-  assert rc == 0, err
-  d = json.loads(out)
+  d = run_json(capsys, "check", "clicheck_model.py:two", "--json",
+               "--precisions", "bf16, float32", "--target", "gpu",
+               "--reference", "float64", "--out", "r2")
   assert d["precisions"] == ["bf16", "float32"] and d["target"] == "gpu"
   assert d["reference"] == "float64" and d["mode"] == "emulate"
   assert d["numerics"]["float32"] == "f32 (emulated)"
@@ -132,10 +130,9 @@ def test_reference_file(project, capsys):
   rng = np.random.default_rng(0)
   np.savez(project / "ref.npz", h1=rng.standard_normal((4, 32)),
            h2=rng.standard_normal((4, 32)))
-  rc, out, err = run(capsys, "check", "clicheck_model:make", "--reference",
-                     "ref.npz", "--precisions", "bf16", "--json", "--out", "r6")
-  assert rc == 0, err
-  assert json.loads(out)["reference"] == "file:ref.npz"
+  d = run_json(capsys, "check", "clicheck_model:make", "--reference",
+               "ref.npz", "--precisions", "bf16", "--json", "--out", "r6")
+  assert d["reference"] == "file:ref.npz"
   np.savez(project / "bad.npz", h1=np.zeros((4, 3)))
   rc, out, err = run(capsys, "check", "clicheck_model:make", "--reference",
                      "bad.npz", "--out", "r7")

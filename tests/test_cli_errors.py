@@ -17,7 +17,7 @@ import pytest
 
 from jaxprec._src.cli.cli import main
 from jaxprec._src.core import names
-from conftest import one_line_error, run_cli as run
+from conftest import one_line_error, run_cli as run, run_cli_json as run_json
 
 MODEL = textwrap.dedent("""\
     import sys
@@ -334,11 +334,9 @@ def test_upper_case_npz_reference_is_read(project, capsys):
 
 def test_npy_reference_is_read_as_the_one_layer(project, capsys):
   np.save(project / "ref.npy", np.zeros((4, 32), np.float32))
-  rc, out, err = run(capsys, "check", "clierr_model:make", "--reference",
-                     "ref.npy", "--precisions", "bf16", "--out", "rn", "--json")
-  assert rc == 0, err
-  import json
-  assert json.loads(out)["reference"] == "file:ref.npy"
+  d = run_json(capsys, "check", "clierr_model:make", "--reference",
+               "ref.npy", "--precisions", "bf16", "--out", "rn", "--json")
+  assert d["reference"] == "file:ref.npy"
 
 
 def test_console_script_with_a_bad_env_var():

@@ -1,6 +1,5 @@
 """`jaxprec search` and `jaxprec run --policy`: output, exit codes, the env var."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import pytest
 
 import jaxprec
 from jaxprec._src.cli.cli import main
-from conftest import one_line_error, run_cli as run
+from conftest import one_line_error, run_cli as run, run_cli_json as run_json
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp
@@ -94,11 +93,9 @@ def test_search_module_function_finds_the_layer_and_run_takes_it(project, capfd)
 
 
 def test_search_json_and_options(project, capsys):
-  rc, out, err = run(capsys, "search", "clisearch_model:make", "--tolerance",
-                     "1e-3", "--metric", "max_abs", "--candidates",
-                     "float32,bfloat16", "--budget", "6", "--json")
-  assert rc == 0, err
-  d = json.loads(out)
+  d = run_json(capsys, "search", "clisearch_model:make", "--tolerance",
+               "1e-3", "--metric", "max_abs", "--candidates",
+               "float32,bfloat16", "--budget", "6", "--json")
   assert d["metric"] == "max_abs" and d["tolerance"] == 1e-3
   assert d["candidates"] == ["bfloat16", "float32"]  # cheapest first
   assert d["budget"] == 6 and d["evaluations"] <= 6
