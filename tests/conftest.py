@@ -130,3 +130,45 @@ def one_line_error(rc, err, code, *fragments):
   assert len(lines) == 1 and "Traceback" not in err, err
   for f in fragments:
     assert f in lines[0], (f, lines[0])
+
+
+def policies(pieces, dtypes=None):
+  """A hypothesis strategy of random ``jaxprec.Policy`` values: up to four
+  rules, each with a path regex joined from ``pieces`` (a strategy), a module
+  type, an op kind, or some of them, and a precision; with ``dtypes`` (a
+  strategy) a rule sets a precision, a dtype or both, and the policy has a
+  default dtype too."""
+  import hypothesis  # pylint: disable=import-outside-toplevel
+  import hypothesis.strategies as st  # pylint: disable=import-outside-toplevel
+  from jaxprec import Policy, Rule  # pylint: disable=import-outside-toplevel
+  from jaxprec._src.policy.policy_text import MODULE_TYPES, OP_KINDS  # pylint: disable=import-outside-toplevel
+  precisions = st.sampled_from(["bfloat16", "tensorfloat32", "float32", "bfloat16_3x",
+                                "BF16_BF16_F32_X3", "F32_F32_F32", "backend-default"])
+
+  @st.composite
+  def policy(draw):
+    rules = []
+    for _ in range(draw(st.integers(0, 4))):
+      path = draw(st.none() | st.lists(pieces, min_size=1, max_size=4).map("".join))
+      mtype = draw(st.none() | st.sampled_from(MODULE_TYPES))
+      op = draw(st.none() | st.sampled_from(OP_KINDS))
+      if path is None and mtype is None and op is None:
+        op = "dot"
+      if dtypes is None:
+        values = {"precision": draw(precisions)}
+      else:
+        values = {"precision": draw(st.none() | precisions),
+                  "dtype": draw(st.none() | dtypes)}
+        if values["precision"] is None and values["dtype"] is None:
+          values["dtype"] = "bfloat16"
+      try:
+        rules.append(Rule(path=path, module_type=mtype, op=op, **values))
+      except ValueError:  # an invalid regex from the pieces
+        hypothesis.assume(False)
+    default = draw(st.none() | precisions)
+    if dtypes is None:
+      return Policy(rules=tuple(rules), default=default)
+    return Policy(rules=tuple(rules), default=default,
+                  default_dtype=draw(st.none() | dtypes))
+
+  return policy()

@@ -16,7 +16,9 @@ import jaxprec
 from jaxprec import Policy, Rule
 from jaxprec._src.jaxpr import walker
 from jaxprec._src.policy.policy import as_policy
-from jaxprec._src.policy.policy_text import MODULE_TYPES, OP_KINDS, TYPE_ALIASES
+from jaxprec._src.policy.policy_text import TYPE_ALIASES
+
+from conftest import policies
 
 # -- matching -------------------------------------------------------------------
 
@@ -132,31 +134,10 @@ def test_repr_round_trips():
 _REGEX_PIECES = st.sampled_from(
     ["enc", "layer", r"\d+", "/", ".*", "(a|b)", "[,&]", "x{1,2}", ",", "&", "=",
      "default", "conv", "Dense", "op:", "path:", " ", "é"])
-_PRECISIONS = st.sampled_from(["bfloat16", "tensorfloat32", "float32",
-                               "bfloat16_3x", "BF16_BF16_F32_X3", "F32_F32_F32",
-                               "backend-default"])
-
-
-@st.composite
-def policies(draw):
-  rules = []
-  for _ in range(draw(st.integers(0, 4))):
-    path = draw(st.none() | st.lists(_REGEX_PIECES, min_size=1, max_size=4).map("".join))
-    mtype = draw(st.none() | st.sampled_from(MODULE_TYPES))
-    op = draw(st.none() | st.sampled_from(OP_KINDS))
-    if path is None and mtype is None and op is None:
-      op = "dot"
-    try:
-      rules.append(Rule(path=path, module_type=mtype, op=op,
-                        precision=draw(_PRECISIONS)))
-    except ValueError:  # an invalid regex from the pieces
-      hypothesis.assume(False)
-  default = draw(st.none() | _PRECISIONS)
-  return Policy(rules=tuple(rules), default=default)
 
 
 @hypothesis.settings(max_examples=150, deadline=None)
-@hypothesis.given(policies())
+@hypothesis.given(policies(_REGEX_PIECES))
 def test_str_round_trips_through_parse(policy):
   assert Policy.parse(str(policy)) == policy
 

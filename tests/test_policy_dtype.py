@@ -14,6 +14,8 @@ from jaxprec._src.core import numerics
 from jaxprec._src.policy.policy import reference_policy
 from jaxprec._src.policy.policy_text import MODULE_TYPES, OP_KINDS
 
+from conftest import policies
+
 # -- the dtype table -----------------------------------------------------------------
 
 
@@ -179,36 +181,12 @@ def test_a_misspelt_dtype_prefix_suggests_only_the_prefix():
 _REGEX_PIECES = st.sampled_from(
     ["enc", "layer", r"\d+", "/", ".*", "(a|b)", "[,&+]", "x{1,2}", ",", "&", "=", "+",
      "default", "conv", "Dense", "op:", "path:", "dtype:", " ", "LayerNorm"])
-_PRECISIONS = st.sampled_from(["bfloat16", "tensorfloat32", "float32", "bfloat16_3x",
-                               "BF16_BF16_F32_X3", "F32_F32_F32", "backend-default"])
 _DTYPES = st.sampled_from(["bfloat16", "bf16", "float16", "half", "float32", "fp32",
                            jnp.bfloat16, np.float32, np.dtype("float16")])
 
 
-@st.composite
-def policies(draw):
-  rules = []
-  for _ in range(draw(st.integers(0, 4))):
-    path = draw(st.none() | st.lists(_REGEX_PIECES, min_size=1, max_size=4).map("".join))
-    mtype = draw(st.none() | st.sampled_from(MODULE_TYPES))
-    op = draw(st.none() | st.sampled_from(OP_KINDS))
-    if path is None and mtype is None and op is None:
-      op = "dot"
-    precision = draw(st.none() | _PRECISIONS)
-    dtype = draw(st.none() | _DTYPES)
-    if precision is None and dtype is None:
-      dtype = "bfloat16"
-    try:
-      rules.append(Rule(path=path, module_type=mtype, op=op, precision=precision,
-                        dtype=dtype))
-    except ValueError:  # an invalid regex from the pieces
-      hypothesis.assume(False)
-  return Policy(rules=tuple(rules), default=draw(st.none() | _PRECISIONS),
-                default_dtype=draw(st.none() | _DTYPES))
-
-
 @hypothesis.settings(max_examples=200, deadline=None)
-@hypothesis.given(policies())
+@hypothesis.given(policies(_REGEX_PIECES, _DTYPES))
 def test_str_round_trips_through_parse_with_dtypes(policy):
   text = str(policy)
   back = Policy.parse(text)
@@ -221,7 +199,7 @@ def test_str_round_trips_through_parse_with_dtypes(policy):
 
 
 @hypothesis.settings(max_examples=100, deadline=None)
-@hypothesis.given(policies(), st.sampled_from(["enc/layer/0", "LayerNorm", "x", "", "a/Dense"]),
+@hypothesis.given(policies(_REGEX_PIECES, _DTYPES), st.sampled_from(["enc/layer/0", "LayerNorm", "x", "", "a/Dense"]),
                   st.sampled_from((None, *MODULE_TYPES)), st.sampled_from(OP_KINDS))
 def test_each_axis_is_decided_by_the_first_rule_that_sets_it(policy, path, mtype, op):
   dtype, rule = policy.match_dtype(path, mtype, op)
