@@ -172,3 +172,19 @@ def policies(pieces, dtypes=None):
                   default_dtype=draw(st.none() | dtypes))
 
   return policy()
+
+
+def assert_same_figures(report, result):
+  """``report`` (a check with the row ``str(result.policy)``) measures what
+  the search's final step measured, layer by layer and metric by metric."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  label = str(result.policy)
+  assert report.precisions == (label,)
+  assert [l.name for l in report.layers] == list(result.values)
+  for got, want in zip(report.layers, result.report.layers):
+    g, w = got.metrics[label], want.metrics["policy"]
+    for k in ("rel_rms", "max_abs", "max_rel", "cosine", "sqnr_db"):
+      np.testing.assert_allclose(getattr(g, k), getattr(w, k), rtol=1e-5,
+                                 atol=1e-12, err_msg=f"{got.name} {k}")
+  np.testing.assert_allclose(report.metric(result.metric, label),
+                             list(result.values.values()), rtol=1e-5)

@@ -21,6 +21,8 @@ import pytest
 import jaxprec
 from jaxprec._src.checker import metrics as metrics_lib
 
+from conftest import assert_same_figures
+
 TOL = 2e-2
 
 
@@ -321,21 +323,6 @@ def test_builtin_wav2vec2_tiny():
   # check re-checks the searched policy and reproduces the search's figures.
   c = jaxprec.check(fn, *args, precisions=[r.policy])
   assert_same_figures(c, r)
-
-
-def assert_same_figures(report, result):
-  """``report`` (a check with the row ``str(result.policy)``) measures what
-  the search's final step measured, layer by layer and metric by metric."""
-  label = str(result.policy)
-  assert report.precisions == (label,)
-  assert [l.name for l in report.layers] == list(result.values)
-  for got, want in zip(report.layers, result.report.layers):
-    g, w = got.metrics[label], want.metrics["policy"]
-    for k in ("rel_rms", "max_abs", "max_rel", "cosine", "sqnr_db"):
-      np.testing.assert_allclose(getattr(g, k), getattr(w, k), rtol=1e-5,
-                                 atol=1e-12, err_msg=f"{got.name} {k}")
-  np.testing.assert_allclose(report.metric(result.metric, label),
-                             list(result.values.values()), rtol=1e-5)
 
 
 def test_check_rechecks_a_mixed_searched_policy(bad100):

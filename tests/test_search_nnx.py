@@ -20,6 +20,8 @@ from flax import nnx
 
 import jaxprec
 
+from conftest import assert_same_figures
+
 TOL = 2e-2
 OFFSET = 100.0
 BAD = 3
@@ -134,15 +136,7 @@ def test_check_reproduces_the_search_figures(model_x, result):
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxprec.UnusedRuleWarning)
     report = jaxprec.check(model, x, precisions=[result.policy])
-  label = str(result.policy)
-  assert [l.name for l in report.layers] == list(result.values)
-  for got, want in zip(report.layers, result.report.layers):
-    g, w = got.metrics[label], want.metrics["policy"]
-    for k in ("rel_rms", "max_abs", "max_rel", "cosine", "sqnr_db"):
-      np.testing.assert_allclose(getattr(g, k), getattr(w, k), rtol=1e-5,
-                                 atol=1e-12, err_msg=f"{got.name} {k}")
-  np.testing.assert_allclose(report.metric(result.metric, label),
-                             list(result.values.values()), rtol=1e-5)
+  assert_same_figures(report, result)
 
 
 def test_searched_policy_against_numpy(model_x, result):
