@@ -1,5 +1,5 @@
-"""`jaxprec search --program-per-policy` and `--prepare-weights`: which programs
-the search runs, and the same answers either way."""
+"""`jaxprec search --program-per-policy`: which programs the search runs, and
+the same answers either way."""
 
 import json
 import sys
@@ -7,7 +7,6 @@ import sys
 import pytest
 
 from jaxprec._src.cli.cli import main
-from jaxprec._src.emulation import prepared
 from test_cli_search import MODEL
 
 
@@ -29,30 +28,34 @@ def _search(capsys, *flags):
   return json.loads(out)
 
 
-def test_program_flags_choose_the_programs_and_keep_the_answers(
-    project, capsys, monkeypatch):
-  calls = []
-  real = prepared.prepare
-  monkeypatch.setattr(prepared, "prepare",
-                      lambda *a, **k: calls.append(1) or real(*a, **k))
+def test_program_flags_choose_the_programs_and_keep_the_answers(project,
+                                                                capsys):
   default = _search(capsys)
-  assert calls == []  # weights are split at every evaluation by default
   per_policy = _search(capsys, "--program-per-policy")
-  weights = _search(capsys, "--prepare-weights")
-  assert calls == [1]  # once per search
   programs = lambda r: [s["program"] for s in r["history"]]  # noqa: E731
   assert programs(default)[0] == "fixed"
   assert set(programs(default)[1:]) == {"switched"}
   assert set(programs(per_policy)) == {"fixed"}
-  assert programs(weights) == programs(default)
-  for other in (per_policy, weights):
-    assert other["policy"] == default["policy"] == (
-        "default=bfloat16,dense_2=bfloat16_3x")
-    assert [s["worst_value"] for s in other["history"]] == [
-        s["worst_value"] for s in default["history"]]
+  assert per_policy["policy"] == default["policy"] == (
+      "default=bfloat16,dense_2=bfloat16_3x")
+  assert [s["worst_value"] for s in per_policy["history"]] == [
+      s["worst_value"] for s in default["history"]]
+
+
+def test_removed_prepare_weights_is_refused(project, capsys):
+  """The removed ``--prepare-weights`` / ``prepare_weights=`` are refused
+  with a clear error, not passed on to the model."""
+  assert main(["search", "clisearch_programs:make", "--tolerance", "0.02",
+               "--prepare-weights"]) == 2
+  assert "unrecognized arguments: --prepare-weights" in capsys.readouterr().err
+  import jax.numpy as jnp
+  import jaxprec
+  with pytest.raises(TypeError, match="prepare_weights was removed"):
+    jaxprec.search_policy(lambda x: x @ x, jnp.ones((2, 2)), tolerance=0.1,
+                          prepare_weights=True)
 
 
 def test_program_flags_are_in_the_help(capsys):
   assert main(["search", "--help"]) == 0
   out = capsys.readouterr().out
-  assert "--program-per-policy" in out and "--prepare-weights" in out
+  assert "--program-per-policy" in out and "--prepare-weights" not in out

@@ -285,6 +285,8 @@ def accuracy():
          for a in ("bf16x1", "bf16x3", "bf16x6", "bf16x9", "tf32", "tf32x3")}
   native = jax.jit(lambda a, b: lax.dot_general(a, b, MATMUL))(lhs, rhs)
   err["native"] = np.abs(np.asarray(native) - exact).max() / scale
+  # No float32 result is nearer than the exact product rounded once.
+  err["rounded"] = np.abs(exact.astype(F32) - exact).max() / scale
   return err
 
 
@@ -292,7 +294,9 @@ def test_error_levels(accuracy):
   e = accuracy
   assert 1e-4 < e["bf16x1"] < 1e-2      # bfloat16 operands: 8 bits
   assert e["bf16x3"] < e["bf16x1"] / 100  # about 16 bits
-  assert e["native"] / 4 < e["bf16x6"] < 4 * e["native"]  # float32 level
+  # Float32 level: within 4x of the CPU's own float32 dot, whose summation
+  # order depends on the CPU's dot kernel (it may be the less accurate one).
+  assert e["rounded"] <= e["bf16x6"] < 4 * e["native"]
   assert e["bf16x9"] < 4 * e["native"]
   assert e["bf16x1"] / 30 < e["tf32"] < e["bf16x1"] / 3  # 11 bits
   assert e["tf32x3"] < 4 * e["native"]

@@ -118,7 +118,6 @@ def _benchmark(name: str):
     ("bench_emulated_matmul.py", ["--size", "-5"], "--size"),
     ("bench_emulated_matmul.py", ["--repeats", "0"], "--repeats"),
     ("bench_import.py", ["--repeats", "0"], "--repeats"),
-    ("bench_prepared.py", ["--seq", "-1", "--layers", "1"], "--seq"),
     ("bench_search.py", ["--tolerance", "nan"], "--tolerance"),
     ("bench_search.py", ["--policies", "0"], "--policies"),
 ])

@@ -37,7 +37,6 @@ from jaxprec._src.checker import metric_stats as stats_lib
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import placement
 from jaxprec._src.checker import reference as reference_lib
-from jaxprec._src.emulation import prepared
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.jaxpr import compat
@@ -497,43 +496,21 @@ def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
 
 def run_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
                                                Callable[..., Any]],
-                key: Any, index: Any, ref: Reference, cache: dict,
-                ready: prepared.Ready | None = None
+                key: Any, index: Any, ref: Reference, cache: dict
                 ) -> list[metrics_lib.LayerMetrics]:
   """Runs the program ``wrap(fn, index)`` and returns its metrics.
 
   One program per ``key`` serves every ``index`` (an array argument): the
   search's switched program (:mod:`jaxprec._src.search.switch`), where the index
   array chooses each unit's precision at run time. The metrics are a second
-  program, as :func:`run_candidate` with ``fused=False``. ``ready``: the
-  parameters' parts, from :func:`prepare_indexed`.
+  program, as :func:`run_candidate` with ``fused=False``.
   """
   prog = _indexed_program(fn, call, wrap, key, tuple(ref.names), cache)
   hi, lo, stats, dynamic, atol, rtol = candidate_args(call, ref, 0.0, 0.0)
-  values = prog(index, ready or {}, dynamic)
+  values = prog(index, dynamic)
   out = _metrics(values, hi, lo, stats, ref.layout, atol, rtol)
   del values
   return metrics_lib.finish(jax.device_get(out), ref.layout)
-
-
-def prepare_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
-                                                   Callable[..., Any]],
-                    index: Any, ref: Reference) -> prepared.Ready:
-  """The parts of the parameters that :func:`run_indexed`'s program splits,
-  computed once (:mod:`jaxprec._src.emulation.prepared`): the program is traced
-  abstractly to learn which parts of which arguments its matmuls ask for,
-  at every choice of ``index``."""
-  names, static = tuple(ref.names), call.static
-
-  def body(index, dynamic):
-    with prepared.recording(dynamic) as asked:
-      by_name = dict(layers_lib.ordered_layers(
-          lambda f: wrap(f, index), fn, static, dynamic))
-      requests.update(asked)
-    return [by_name[n] for n in names]
-  requests: prepared.Requests = {}
-  jax.eval_shape(body, index, call.dynamic)
-  return prepared.prepare(call.dynamic, requests)
 
 
 def _indexed_program(fn, call: Args, wrap, key: Any, names: tuple[str, ...],
@@ -541,10 +518,9 @@ def _indexed_program(fn, call: Args, wrap, key: Any, names: tuple[str, ...],
   static = call.static
 
   def make(fn_ref):
-    def program(index, ready, dynamic):
-      with prepared.serving(dynamic, ready):
-        by_name = dict(layers_lib.ordered_layers(
-            lambda f: wrap(f, index), fn_ref(), static, dynamic))
+    def program(index, dynamic):
+      by_name = dict(layers_lib.ordered_layers(
+          lambda f: wrap(f, index), fn_ref(), static, dynamic))
       return [by_name[n] for n in names]
     return _Jit(program)
 

@@ -232,9 +232,6 @@ def _parser() -> argparse.ArgumentParser:
                       help="print the result as JSON")
   search.add_argument("--program-per-policy", action="store_true", help=(
       "compile a program per policy, not one for all (the same answers)"))
-  search.add_argument("--prepare-weights", action="store_true", help=(
-      "split the weights once per search, not at each evaluation (the same "
-      "numbers; up to 3x the weights' memory)"))
   _add_search_axes(search)
   _add_no_cache(search)
   search.set_defaults(handler=_search)
@@ -559,8 +556,7 @@ def _search(ns: argparse.Namespace) -> int:
       result = search_lib.search_policy(
           fn, *args, tolerance=ns.tolerance, metric=ns.metric,
           candidates=candidates, target=ns.target, budget=budget, **axes,
-          compile_once=not ns.program_per_policy,
-          prepare_weights=ns.prepare_weights, **kwargs)
+          compile_once=not ns.program_per_policy, **kwargs)
   except Exception as e:  # noqa: BLE001 -- the user's code failed
     raise _Failure(f"searching {what} failed: {type(e).__name__}: "
                    f"{e}") from None

@@ -2,8 +2,8 @@
 the passes of each algorithm (``passes``) on the kernel the CPU's features
 choose (``kernels``), the emulated ``dot_general`` and
 ``conv_general_dilated`` with their derivatives (``emulated_ops``),
-bfloat16/float16 compute (``dtype_emulation``), prepared parameters
-(``prepared``), :func:`jaxprec.emulate` (``emulate``) and JAX's persistent
+bfloat16/float16 compute (``dtype_emulation``), :func:`jaxprec.emulate`
+(``emulate``) and JAX's persistent
 compilation cache (``compile_cache``).
 
 Never imports Flax: Flax models reach it through :mod:`jaxprec._src.flax`,

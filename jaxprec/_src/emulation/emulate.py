@@ -45,7 +45,6 @@ from jaxprec._src.core.context import current
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
 from jaxprec._src.emulation import dtype_emulation
 from jaxprec._src.emulation import emulated_ops
-from jaxprec._src.emulation import prepared
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.jaxpr import compat
@@ -70,7 +69,6 @@ _CONV_PARAMS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
 def emulation_rule(default: Precision, *, target: str,
                    conv_default: Precision | None = None,
                    on_opaque: Callable[[str], None] | None = None,
-                   sources: prepared.Sources | None = None,
                    guarded: frozenset = frozenset(),
                    **options) -> walker.Rule:
   """The walker rule that emulates dots and convs (used by :func:`emulate`).
@@ -85,11 +83,8 @@ def emulation_rule(default: Precision, *, target: str,
       ``default`` (a policy's ``conv=`` rule).
     on_opaque: called with :func:`walker.opaque_name` of every opaque op met
       (bound unchanged: jaxprec cannot emulate inside it).
-    sources: where the top-level ops find operand parts prepared already
-      (:mod:`jaxprec._src.emulation.prepared`); None: every op splits its operands.
-    guarded: variables a transpose made
-      (:func:`jaxprec._src.emulation.prepared.guarded`): an op reads them behind
-      an optimization barrier.
+    guarded: variables a transpose made (:func:`transposed`): an op reads
+      them behind an optimization barrier.
     **options: passed to the emulated ops (e.g. ``tf32_rounding='truncate'``).
   """
   dot_default = numerics.per_op(default, "dot")
@@ -125,10 +120,38 @@ def emulation_rule(default: Precision, *, target: str,
       return None
     out = emulated_ops.emulated_op(
         prim.name, *invals, params, prec, p.get("preferred_element_type"),
-        target=target, guard=guard(eqn),
-        source=None if sources is None else sources.for_eqn(eqn), **options)
+        target=target, guard=guard(eqn), **options)
     return [out]
   return rule
+
+
+# Ops that keep each element: an operand a transpose made stays one.
+_KEEPS = frozenset({"reshape", "squeeze", "expand_dims", "convert_element_type",
+                    "copy", "copy_p", "broadcast_in_dim", "slice"})
+
+
+def transposed(closed) -> frozenset:
+  """The variables of ``closed`` (at any depth) a transpose made, directly or
+  through data movement: the operands an emulated op reads behind an
+  ``optimization_barrier``.
+
+  Otherwise XLA folds the transpose into the op's dots: ``w.T @ w`` became a
+  bfloat16 dot in a layout XLA:CPU cannot run ("Unsupported element type
+  for DotThunk"), or a float32 dot that sums in another order than where
+  the operand arrives already transposed, as in the branches of the search's
+  switched program (:mod:`jaxprec._src.search.switch`). Only those operands:
+  a barrier on every operand slows compilation.
+  """
+  out: set = set()
+  for w in walker.iter_eqns(closed):
+    eqn = w.eqn
+    name = eqn.primitive.name
+    if name in ("transpose", "rev") or (
+        name in _KEEPS and eqn.invars
+        and not isinstance(eqn.invars[0], compat.Literal)
+        and eqn.invars[0] in out):
+      out.update(eqn.outvars)
+  return frozenset(out)
 
 
 def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
@@ -249,7 +272,7 @@ def _emulator(fn: Callable[..., Any],
     if hit is None or hit[0] is not closed:
       if len(guarded) >= 64:  # traces the cache does not keep: bounded
         guarded.clear()
-      hit = guarded[id(closed)] = (closed, prepared.guarded(closed))
+      hit = guarded[id(closed)] = (closed, transposed(closed))
     return hit[1]
   warned: set[str] = set()
   what = getattr(fn, "__qualname__", type(fn).__name__)
@@ -281,7 +304,6 @@ def _emulator(fn: Callable[..., Any],
     rule = emulation_rule(dot_fixed or now, target=target,
                           conv_default=conv_fixed or now,
                           on_opaque=opaque.append,
-                          sources=prepared.sources(call.jaxpr, call.dynamic),
                           guarded=guards(call.jaxpr),
                           **options)
     out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))

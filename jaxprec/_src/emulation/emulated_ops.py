@@ -227,9 +227,6 @@ def _canonical_dot(lhs_shape, rhs_shape, dimension_numbers):
 
 MATMUL = (((1,), (0,)), ((), ()))
 
-_NOT_READY = (None, None)
-
-
 def _moves(spec: _Spec, lhs_shape, rhs_shape):
   """``(lhs_move, rhs_move, dimension_numbers, out_shape)``: how the operands
   are moved before they are split (None: not moved)."""
@@ -239,19 +236,16 @@ def _moves(spec: _Spec, lhs_shape, rhs_shape):
   return None, None, None, None
 
 
-def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, ready=_NOT_READY,
-             asked=_NOT_READY) -> jax.Array:
-  """The emulated op. ``ready``: parts of each operand, moved as here,
-  prepared already (:mod:`jaxprec._src.emulation.prepared`); ``asked``: lists that
-  record the part keys each operand asks for (:func:`operand_needs`)."""
+def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  """The emulated op."""
   lhs_move, rhs_move, dn, out_shape = _moves(spec, lhs.shape, rhs.shape)
   lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
   if spec.guard[0]:
     lhs = lax.optimization_barrier(lhs)
   if spec.guard[1]:
     rhs = lax.optimization_barrier(rhs)
-  lhs = passes.Operand(passes.move(lhs, lhs_move), ready[0], asked[0])
-  rhs = passes.Operand(passes.move(rhs, rhs_move), ready[1], asked[1])
+  lhs = passes.Operand(passes.move(lhs, lhs_move))
+  rhs = passes.Operand(passes.move(rhs, rhs_move))
   fns = passes.F32 if spec.kernel == "f32" else passes.BF16
   if dn is not None:
     # bfloat16 parts run as bfloat16 dots with float32 results: exact
@@ -299,21 +293,19 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, ready=_NOT_READY,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _emulated(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
-              ready=_NOT_READY) -> jax.Array:
-  return _forward(spec, lhs, rhs, ready)
+def _emulated(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  return _forward(spec, lhs, rhs)
 
 
-def _emulated_fwd(spec: _Spec, lhs, rhs, ready=_NOT_READY):
+def _emulated_fwd(spec: _Spec, lhs, rhs):
   # Through the custom_vjp function itself, not `_forward`: higher-order
   # derivatives differentiate this rule, and the rounding inside `_forward`
   # (bit masks) would differentiate to zero.
-  return _emulated(spec, lhs, rhs, ready), (lhs, rhs)
+  return _emulated(spec, lhs, rhs), (lhs, rhs)
 
 
 def _emulated_bwd(spec: _Spec, res, ct):
-  gl, gr = _pullback(spec, res, ct)
-  return gl, gr, None  # prepared parts: no cotangent (lhs and rhs carry it)
+  return _pullback(spec, res, ct)
 
 
 def _pullback(spec: _Spec, res, ct):
@@ -356,39 +348,20 @@ def _pullback(spec: _Spec, res, ct):
 _emulated.defvjp(_emulated_fwd, _emulated_bwd)
 
 
-def _marked(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
-            ready=None) -> jax.Array:
+def _marked(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """``_emulated`` bound under :data:`MARKER` (see :func:`is_emulated_call`),
-  through a ``jax.jit`` keyed on ``spec`` (see :func:`_traced_once`).
-  ``ready``: prepared parts of the operands (:mod:`jaxprec._src.emulation.prepared`)."""
-  args = (lhs, rhs) if ready is None else (lhs, rhs, ready)
+  through a ``jax.jit`` keyed on ``spec`` (see :func:`_traced_once`)."""
   try:
     hash(spec)
   except TypeError:  # a parameter JAX itself would not take as static
     with jax.named_scope(MARKER):
-      return _emulated(spec, *args)
+      return _emulated(spec, lhs, rhs)
   with jax.named_scope(MARKER):
-    return _traced_once(spec, *args)
-
-
-@functools.lru_cache(maxsize=4096)
-def operand_needs(spec: _Spec, lhs_shape, lhs_dtype, rhs_shape, rhs_dtype):
-  """``((lhs_keys, lhs_move), (rhs_keys, rhs_move))``: the part keys
-  (:func:`jaxprec._src.emulation.passes.compute`) the emulated op asks of each operand
-  once moved by its move (:func:`jaxprec._src.emulation.passes.move`). An abstract
-  evaluation, cached."""
-  asked: tuple[list[str], list[str]] = ([], [])
-  jax.eval_shape(lambda l, r: _forward(spec, l, r, asked=asked),
-                 jax.ShapeDtypeStruct(lhs_shape, lhs_dtype),
-                 jax.ShapeDtypeStruct(rhs_shape, rhs_dtype))
-  lhs_move, rhs_move, _, _ = _moves(spec, lhs_shape, rhs_shape)
-  return ((tuple(dict.fromkeys(asked[0])), lhs_move),
-          (tuple(dict.fromkeys(asked[1])), rhs_move))
+    return _traced_once(spec, lhs, rhs)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _traced_once(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
-                 ready=_NOT_READY) -> jax.Array:
+def _traced_once(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """``_emulated`` traced once per spec, shapes and dtypes (jit's cache).
 
   A model repeats the same matmul in every layer: jit's trace cache then
@@ -397,16 +370,15 @@ def _traced_once(spec: _Spec, lhs: jax.Array, rhs: jax.Array,
   compiled program, and every number it computes, is the same (tested).
   """
   with jax.named_scope(MARKER):
-    return _emulated(spec, lhs, rhs, ready)
+    return _emulated(spec, lhs, rhs)
 
 
 def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
          precision, preferred_element_type, target: str, tf32_rounding: str,
-         out_sharding: Any, source: Callable[..., Any] | None = None,
-         guard: tuple[bool, bool] = (False, False)) -> jax.Array:
-  """The emulated op. ``source``: where prepared operand parts are found
-  (:meth:`jaxprec._src.emulation.prepared.Sources.for_eqn`), or None; ``guard``:
-  which operands a transpose made (:func:`jaxprec._src.emulation.prepared.guarded`)."""
+         out_sharding: Any, guard: tuple[bool, bool] = (False, False)
+         ) -> jax.Array:
+  """The emulated op. ``guard``: which operands a transpose made
+  (:func:`jaxprec._src.emulation.emulate.transposed`)."""
   target = check_target(target, emulation=True)
   tf32_rounding = _check_tf32_rounding(tf32_rounding)
   if target in ("cpu", "native"):
@@ -424,18 +396,7 @@ def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
     return passes.stored(native(_EXACT))
   spec = _make_spec(op, params, lhs, rhs, preferred_element_type, algorithm,
                     tf32_rounding, kernels.kernel_for(algorithm, op), guard)
-  ready = None
-  if source is not None:
-    shapes = (spec, tuple(lhs.shape), np.dtype(lhs.dtype), tuple(rhs.shape),
-              np.dtype(rhs.dtype))
-    try:
-      needs = operand_needs(*shapes)
-    except TypeError:  # a spec JAX would not take as static: not cached
-      needs = operand_needs.__wrapped__(*shapes)
-    ready = source(*needs)
-    if ready == _NOT_READY:
-      ready = None
-  out = _marked(spec, lhs, rhs, ready)
+  out = _marked(spec, lhs, rhs)
   if out_sharding is not None:
     out = lax.with_sharding_constraint(out, out_sharding)
   return out
@@ -503,13 +464,11 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
 def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
                 preferred_element_type=None, *, target: str = "tpu",
                 tf32_rounding: str = "nearest", out_sharding: Any = None,
-                source: Callable[..., Any] | None = None,
                 guard: tuple[bool, bool] = (False, False)) -> jax.Array:
   """The emulated ``op`` (``'dot_general'`` or ``'conv_general_dilated'``),
-  ``params`` the lax op's other arguments, for the emulation rule: reading
-  prepared operand parts from ``source`` (:mod:`jaxprec._src.emulation.prepared`) and
-  the operands ``guard`` marks behind an optimization barrier
-  (:func:`jaxprec._src.emulation.prepared.guarded`)."""
+  ``params`` the lax op's other arguments, for the emulation rule, with the
+  operands ``guard`` marks behind an optimization barrier
+  (:func:`jaxprec._src.emulation.emulate.transposed`)."""
   def native(p):
     if op == "dot_general":
       return lax.dot_general(lhs, rhs, params["dimension_numbers"], p,
@@ -520,7 +479,7 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
         params["dimension_numbers"], params["feature_group_count"],
         params["batch_group_count"], p, preferred_element_type, out_sharding)
   return _run(op, native, params, lhs, rhs, precision, preferred_element_type,
-              target, tf32_rounding, out_sharding, source, guard)
+              target, tf32_rounding, out_sharding, guard)
 
 
 def emulated_conv_general_dilated(

@@ -110,27 +110,16 @@ def _zero_nonfinite(x: jax.Array) -> jax.Array:
 
 
 class Operand:
-  """A float32 operand of a pass function, and the parts it asks for.
+  """A float32 operand of a pass function: ``get(key)`` returns
+  :func:`compute`'s parts of it for ``key``."""
 
-  ``get(key)`` returns :func:`compute`'s parts of the operand for ``key``:
-  from ``ready`` when they were prepared already (the parameters of a
-  search's program, moved as the op moves them: :mod:`jaxprec._src.emulation.prepared`),
-  else computed here.
-  ``asked`` (a list) records every key asked for.
-  """
+  __slots__ = ("value",)
 
-  __slots__ = ("value", "ready", "asked")
-
-  def __init__(self, value: jax.Array, ready: dict | None = None,
-               asked: list | None = None):
-    self.value, self.ready, self.asked = value, ready, asked
+  def __init__(self, value: jax.Array):
+    self.value = value
 
   def get(self, key: str) -> tuple[jax.Array, ...]:
-    if self.asked is not None:
-      self.asked.append(key)
-    hit = None if self.ready is None else self.ready.get(key)
-    return tuple(hit) if hit is not None else compute(key, self.value)
-
+    return compute(key, self.value)
 
 
 def move(x: jax.Array, how: tuple[tuple[int, ...], tuple[int, ...]] | None

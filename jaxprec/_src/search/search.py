@@ -189,8 +189,7 @@ class _Runner:
 
   def __init__(self, fn, call: harness.Args, ref: harness.Reference,
                target: str, mode: str, *, units: Sequence[str] = (),
-               precisions: Sequence[Precision] | None = None,
-               prepare_weights: bool = False):
+               precisions: Sequence[Precision] | None = None):
     # The harness keeps a program for a function it can reference weakly
     # only: a callable that cannot be (an object of a class with
     # ``__slots__``) would compile the switched program at every evaluation.
@@ -204,8 +203,6 @@ class _Runner:
     self.precisions = None if precisions is None else tuple(precisions)
     self.fell_back: str | None = None  # why the switch could not be used
     self.fixed_runs = 0
-    # Parameters' parts for the switched program (jaxprec._src.emulation.prepared).
-    self._ready: dict | None = None if prepare_weights else {}
     self._traces: dict[Any, Any] = {}
 
   def run(self, policy: Policy, levels: Sequence[int] | None = None, *,
@@ -221,12 +218,9 @@ class _Runner:
         [len(self.precisions) - 1] * len(self.units) if levels is None
         else levels)
     try:
-      if self._ready is None:  # the parameters' parts, once per search
-        self._ready = harness.prepare_indexed(
-            self.fn, self.call, self._wrap, index, self.ref)
       return harness.run_indexed(
           self.fn, self.call, self._wrap, (self.precisions, self.units),
-          index, self.ref, self._programs, self._ready), "switched"
+          index, self.ref, self._programs), "switched"
     except switch.SwitchError as e:
       self.fell_back = str(e)
       warnings.warn(
@@ -237,7 +231,7 @@ class _Runner:
 
   def _wrap(self, f, index):
     # ``f`` is a new wrapper of self.fn at each trace: one trace of it serves
-    # both traces of the switched program (prepare_indexed's and jit's).
+    # every trace of the switched program.
     g = switch.switched(f, self.units, self.precisions, target=self.target,
                         traces=self._traces)
     return functools.partial(g, index)
@@ -320,7 +314,6 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   dtypes: Sequence[Any] | None = None,
                   chip: str | None = None,
                   compile_once: bool = True,
-                  prepare_weights: bool = False,
                   **kwargs: Any) -> SearchResult:
   """Finds the cheapest per-layer precision policy that meets a tolerance.
 
@@ -393,14 +386,6 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       in its own program, which checks so (a difference warns) and gives
       the report. ``False`` compiles one program per policy. The dtype axis
       and native runs always compile per policy.
-    prepare_weights: let the switched program read the parts of the
-      parameters that feed matmuls, split once per search, instead of
-      splitting them at every evaluation (:mod:`jaxprec._src.emulation.prepared`; the
-      same numbers, bit for bit). On BERT-base each evaluation is 6 to 24%
-      faster but preparing costs what 20 to 45 of them save, and the parts
-      take up to 3x (``bf16`` kernel) or 6x (``f32``) the weights' memory,
-      none above 1 GiB (``docs/performance.md``). Default False; it warns
-      where it cannot apply.
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
@@ -409,7 +394,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
 
   Raises:
     TypeError: ``fn`` is not callable; a non-numeric tolerance; a
-      ``compile_once`` or ``prepare_weights`` that is not a bool.
+      ``compile_once`` that is not a bool.
     ValueError: an unknown metric, candidate, target, mode, layer, axis,
       dtype or chip; a negative tolerance; a budget below 1; an output
       without floating
@@ -437,10 +422,13 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   if not callable(fn):
     raise TypeError(f"jaxprec.search_policy expects a callable; got {fn!r} of "
                     f"type {type(fn).__name__}")
-  for name, flag in (("compile_once", compile_once),
-                     ("prepare_weights", prepare_weights)):
-    if not isinstance(flag, (bool, np.bool_)):
-      raise TypeError(f"{name} must be True or False; got {flag!r}.")
+  if not isinstance(compile_once, (bool, np.bool_)):
+    raise TypeError(f"compile_once must be True or False; got "
+                    f"{compile_once!r}.")
+  if "prepare_weights" in kwargs:
+    raise TypeError("jaxprec.search_policy: prepare_weights was removed (it "
+                    "did not pay back within a search's evaluations); drop "
+                    "the argument.")
   directory = compile_cache.resolve_cache(cache, "jaxprec.search_policy")
   metric, tolerance, cands, target, budget = check_arguments(
       tolerance=tolerance, metric=metric, candidates=candidates,
@@ -453,8 +441,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
           fn, *args, tolerance=tolerance, metric=metric, candidates=candidates,
           target=target, budget=budget, layers=layers, reference=reference,
           mode=mode, verbose=verbose, cache=False, axes=axes, dtypes=dtypes,
-          chip=chip, compile_once=compile_once,
-          prepare_weights=prepare_weights, **kwargs)
+          chip=chip, compile_once=compile_once, **kwargs)
   weights = cost_lib.weights_for(target)
   if mode == "native" and compat.backend_platform() == "cpu":
     warnings.warn("jaxprec.search_policy: native mode on cpu: the CPU ignores "
@@ -495,16 +482,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       select=None if names == all_names else names)
   switchable = (compile_once and mode == "emulate" and "dtype" not in axes
                 and bool(table.units))
-  if prepare_weights and not switchable:
-    why = ("compile_once=False" if not compile_once else "it runs natively"
-           if mode != "emulate" else "the dtype axis compiles a program per "
-           "policy" if "dtype" in axes else "no module path runs a matmul")
-    warnings.warn(f"jaxprec.search_policy: prepare_weights=True has no effect "
-                  f"here ({why}): only the switched program reads prepared "
-                  f"weights.", UserWarning, stacklevel=2)
   runner = _Runner(fn, call, ref, target, mode, units=table.units,
-                   precisions=_choices(cands) if switchable else None,
-                   prepare_weights=bool(prepare_weights))
+                   precisions=_choices(cands) if switchable else None)
 
   search = Search(runner=runner, table=table, cands=cands, metric=metric,
                   tolerance=tolerance, budget=budget, verbose=verbose,

@@ -45,7 +45,6 @@ from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import Precision
 from jaxprec._src.emulation import emulate as emulate_lib
 from jaxprec._src.emulation import emulated_ops
-from jaxprec._src.emulation import prepared
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.inspect import audit as audit_lib
@@ -112,8 +111,7 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
     # around the model's modules) would otherwise serve the audit's trace,
     # in which no module call is recorded now. Kept per signature and
     # context (keyed outside the scopes, which are new at each record),
-    # with the module paths it recorded, for the next trace of the program
-    # (the search traces it twice: :func:`jaxprec._src.emulation.prepared.recording`).
+    # with the module paths it recorded, for the next trace of the program.
     key, dynamic = walker.call_key(args, kwargs)
     held = None if key is None else traces.get(key)
     if held is None:
@@ -136,18 +134,14 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
           f"the switched trace found no matmul of the units "
           f"{sorted(missing)[:4]}")
     # One emulation rule per choice; ops without a precision take the
-    # choice's (convolutions its level, as a policy gives them). The
-    # parameters' parts may be prepared (jaxprec._src.emulation.prepared).
-    sources = prepared.sources(closed, call.dynamic)
-    guarded = prepared.guarded(closed)  # as emulate: the same ops
+    # choice's (convolutions its level, as a policy gives them).
+    guarded = emulate_lib.transposed(closed)  # as emulate: the same ops
     rules = [emulate_lib.emulation_rule(p, target=target, conv_default=p,
-                                        sources=sources, guarded=guarded,
-                                        **options)
+                                        guarded=guarded, **options)
              for p in precisions]
     fixed = emulate_lib.emulation_rule(None, target=target,
                                        on_opaque=opaque.append,
-                                       sources=sources, guarded=guarded,
-                                       **options)
+                                       guarded=guarded, **options)
 
     def rule(eqn, invals):
       if id(eqn) in inline:
@@ -155,8 +149,6 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
         # evaluated in place: its own trace could not see ``index``. XLA
         # inlines such calls anyway, and the forward pass of a custom
         # derivative is its body, so the program computes the same.
-        if sources is not None:
-          sources.enter(eqn, _body(eqn))
         return walker.interpret(_body(eqn), rule, *invals)
       hit = unit_of.get(id(eqn))
       if hit is None or hit[0] is not eqn:
