@@ -327,7 +327,7 @@ def test_non_array_output_raises_as_jit_does():
 def _marked_calls(fn, *args):
   from jaxprec._src.emulation import emulated_ops
   eqns = [w.eqn for w in walker.iter_eqns(jax.make_jaxpr(fn)(*args))
-          if w.eqn.primitive.name == "custom_vjp_call"]
+          if w.eqn.primitive.name in ("custom_vjp_call", emulated_ops.MARKER)]
   return eqns, [emulated_ops.is_emulated_call(e) for e in eqns]
 
 

@@ -171,3 +171,102 @@ def test_second_derivatives_in_reverse_mode_and_of_an_emulated_hessian():
     assert not h.any()
   native = np.einsum("in,jn,ln->ijl", s, W, W)
   assert np.abs(want - native).max() > 1e-3
+
+
+# ---------------------------------------------------------------------------
+# Forward mode, batching and every composition of an emulated op.
+
+_K = _RNG.standard_normal((3, 4, 6)).astype(np.float32)  # conv kernel, WIO
+_IMG = _RNG.standard_normal((2, 9, 4)).astype(np.float32)  # NWC
+
+
+def _layers(x, w, k, img):
+  """A matmul, an einsum of the transposed weight, a Gram matrix and a conv."""
+  y = jnp.tanh(x @ w)
+  z = jnp.einsum("bi,ij->bj", y, w.T)
+  c = jax.lax.conv_general_dilated(img * x[0, 0], k, (1,), "SAME",
+                                   dimension_numbers=("NWC", "WIO", "NWC"))
+  return {"y": y, "z": z, "c": c, "gram": x.T @ x}
+
+
+def _model(x, w, k, img):
+  h = _layers(x, w, k, img)
+  return (h["z"] ** 2).sum() + jnp.sin(h["c"]).sum() + h["gram"].sum()
+
+
+_HOW = [("bfloat16", "tpu", "bf16"), ("bfloat16_3x", "tpu", "f32"),
+        ("tensorfloat32", "gpu", "bf16"), ("TF32_TF32_F32_X3", "gpu", "f32")]
+
+
+def _same(a, b):
+  for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(p, q)
+
+
+@pytest.mark.parametrize("precision,target,kernel", _HOW)
+def test_forward_mode_of_an_emulated_function_is_the_emulated_jvp(
+    precision, target, kernel):
+  # jax.jvp / jax.linearize of emulate(f) computes what emulating f's JVP
+  # computes: every tangent matmul emulated at the forward's algorithm.
+  args = (X, W, _K, _IMG)
+  tans = tuple(_RNG.standard_normal(a.shape).astype(np.float32) for a in args)
+  with jaxprec.use_kernel(kernel):
+    g = jaxprec.emulate(_layers, precision, target=target)
+    emulated_jvp = jaxprec.emulate(lambda a, t: jax.jvp(_layers, a, t),
+                                   precision, target=target)
+    # Jitted, and op by op (where XLA fuses the elementwise ops otherwise).
+    want = jax.jit(emulated_jvp)(args, tans)
+    _same(jax.jit(lambda a, t: jax.jvp(g, a, t))(args, tans), want)
+    eager = emulated_jvp(args, tans)
+    _same(jax.jvp(g, args, tans), eager)
+    out, lin = jax.linearize(g, *args)
+    _same((out, lin(*tans)), eager)
+    native = jax.jvp(_layers, args, tans)[1]
+  for name in ("y", "z", "c", "gram"):  # one pass: the tangents differ
+    assert precision.endswith("X3") or not np.array_equal(
+        want[1][name], native[name]), name
+
+
+@pytest.mark.parametrize("precision,target,kernel", _HOW[:2])
+def test_jacfwd_hessian_and_vmap_of_grad_are_the_emulated_derivatives(
+    precision, target, kernel):
+  f = lambda x: _model(x, W, _K, _IMG)  # noqa: E731
+  with jaxprec.use_kernel(kernel):
+    g = jaxprec.emulate(f, precision, target=target)
+    for derivative in (jax.jacfwd, jax.hessian):
+      want = jax.jit(jaxprec.emulate(derivative(f), precision,
+                                     target=target))(X)
+      _same(jax.jit(derivative(g))(X), want)
+    # Per-example gradients: a vmap of the gradient (of a Gram matrix too).
+    per = lambda h: jax.vmap(jax.grad(lambda r: h(r[None])))  # noqa: E731
+    want = jax.jit(jaxprec.emulate(per(f), precision, target=target))(X)
+    _same(jax.jit(per(g))(X), want)
+    loop = np.stack([jax.grad(lambda r: g(r[None]))(X[i]) for i in range(3)])
+    np.testing.assert_allclose(per(g)(X), loop, rtol=1e-6, atol=1e-6)
+
+
+def test_forward_mode_against_bfloat16_products():
+  # Independent reference: the tangent of x @ w at bfloat16 is
+  # R(dx) @ R(w) + R(x) @ R(dw) in float32 sums (R: round to bfloat16).
+  g = jaxprec.emulate(lambda x, w: x @ w, "bfloat16", target="tpu")
+  dx = _RNG.standard_normal(X.shape).astype(np.float32)
+  dw = _RNG.standard_normal(W.shape).astype(np.float32)
+  _, (t,) = jax.jvp(lambda x, w: (g(x, w),), (X, W), (dx, dw))
+  first = np.asarray(g(dx, W), np.float64)
+  second = np.asarray(g(X, dw), np.float64)
+  _within_f32_sums(first, _bf16(dx) @ _bf16(W), _bf16(dx), _bf16(W))
+  _within_f32_sums(second, _bf16(X) @ _bf16(dw), _bf16(X), _bf16(dw))
+  np.testing.assert_array_equal(t, (first + second).astype(np.float32))
+
+
+def test_vmap_of_grad_through_a_custom_jvp_rule_with_tangent_matmuls():
+  # The rule's tangent matmul is an emulated op JAX transposes and batches.
+  emulated = jaxprec.emulate(_linear, "bfloat16", target="tpu")
+  grad = jax.grad(_loss(emulated))
+  per_example = jax.jit(jax.vmap(grad))(X[:, None])
+  for i in range(3):
+    np.testing.assert_array_equal(per_example[i], grad(X[i:i + 1]))
+  hess = jax.jit(jax.hessian(_loss(emulated)))(X)
+  want = jax.jit(jaxprec.emulate(jax.hessian(_loss(lambda x: x @ W)),
+                                 "bfloat16"))(X)
+  np.testing.assert_array_equal(hess, want)

@@ -423,10 +423,16 @@ def test_second_derivative():
   np.testing.assert_allclose(hess_diag, native, rtol=1e-3, atol=1e-3)
 
 
-def test_forward_mode_is_not_supported():
-  x = np.ones((2, 2), F32)
-  with pytest.raises(TypeError, match="custom_vjp"):
-    jax.jvp(lambda a: emulated("bf16x1")(a, x), (x,), (x,))
+def test_forward_mode_is_the_emulated_op_of_the_tangents():
+  # The op is bilinear: its tangent is op(dx, w) + op(x, dw), each emulated.
+  rng = np.random.default_rng(5)
+  x, w = _random(rng, (4, 9)), _random(rng, (9, 3))
+  dx, dw = _random(rng, (4, 9)), _random(rng, (9, 3))
+  op = emulated("bf16x3")
+  out, tangent = jax.jvp(op, (x, w), (dx, dw))
+  np.testing.assert_array_equal(out, op(x, w))
+  np.testing.assert_array_equal(tangent, op(dx, w) + op(x, dw))
+  assert not np.array_equal(tangent, dx @ w + x @ dw)  # emulated, not native
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -4,9 +4,10 @@
 arguments of ``lax.dot_general`` and ``lax.conv_general_dilated`` (so they can
 be passed to Flax as ``dot_general=`` / ``conv_general_dilated=``) and compute,
 on any backend, what the target computes for float32 operands at the given
-precision. They lower to ordinary lax operations, so they compose with
-``jax.jit`` and ``jax.vmap``; their gradients are emulated at the same
-algorithm (the transposed matmuls of a TPU carry the forward's precision).
+precision. Each is one JAX primitive that lowers to ordinary lax operations,
+so it composes with ``jax.jit``, ``jax.vmap`` and differentiation in either
+mode; its tangent and transposed matmuls are emulated at the same algorithm
+(the transposed matmuls of a TPU carry the forward's precision).
 
 The algorithms (the jax.lax.Precision docs and JAX's tests/lax_test.py; XLA's dot_algorithm_rewriter.cc, openxla/xla; NVIDIA's TF32 documentation, as XLA rounds it), by the name
 :func:`algorithm_for` returns:
@@ -79,14 +80,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 from jaxprec._src.emulation import kernels
 from jaxprec._src.emulation import passes
@@ -125,7 +129,7 @@ def _check_tf32_rounding(mode: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The custom VJP shared by both ops.
+# What is static about one emulated op.
 
 
 def _freeze(x: Any) -> Any:
@@ -292,41 +296,65 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   return lax.optimization_barrier(out.astype(spec.out_dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+# ---------------------------------------------------------------------------
+# The emulated op: one JAX primitive for both ops, whose rules JAX's own rules
+# for the native op give. Its derivatives in either mode, and its batching,
+# are the native op's, traced and emulated again at the same algorithm (so a
+# TPU's transposed and tangent matmuls carry the forward's precision).
+
+_emulated_p = jex_core.Primitive(MARKER)
+
+
 def _emulated(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  return _forward(spec, lhs, rhs)
+  return _emulated_p.bind(lhs, rhs, spec=spec)
 
 
-def _emulated_fwd(spec: _Spec, lhs, rhs):
-  # Through the custom_vjp function itself, not `_forward`: higher-order
-  # derivatives differentiate this rule, and the rounding inside `_forward`
-  # (bit masks) would differentiate to zero.
-  return _emulated(spec, lhs, rhs), (lhs, rhs)
+def _native(spec: _Spec) -> Callable[..., jax.Array]:
+  """The native op that ``spec`` emulates."""
+  return functools.partial(spec.lax_op(), precision=_LOW,
+                           preferred_element_type=spec.preferred_element_type)
 
 
-def _emulated_bwd(spec: _Spec, res, ct):
-  return _pullback(spec, res, ct)
+def _impl(lhs, rhs, *, spec: _Spec) -> jax.Array:
+  try:
+    hash(spec)
+  except TypeError:  # a parameter JAX itself would not take as static
+    return jax.jit(functools.partial(_forward, spec))(lhs, rhs)
+  return _forward_jit(spec, lhs, rhs)
 
 
-def _pullback(spec: _Spec, res, ct):
-  """Transposes the native op, then emulates each transposed matmul/conv.
+_forward_jit = jax.jit(_forward, static_argnums=0)
 
-  The transposed ops come from JAX's own transpose rules (so every
-  dimension-number and grouping case is right), traced to a jaxpr and
-  re-evaluated by the shared walker with each ``dot_general`` and
-  ``conv_general_dilated`` replaced by its emulation at ``spec.algorithm``.
-  """
-  lhs, rhs = res
-  native = functools.partial(spec.lax_op(), precision=_LOW,
-                             preferred_element_type=spec.preferred_element_type)
 
-  def pullback(l, r, c):
-    (gl,) = jax.linear_transpose(lambda a: native(a, r), l)(c)
-    (gr,) = jax.linear_transpose(lambda b: native(l, b), r)(c)
-    return gl, gr
+@functools.lru_cache(maxsize=4096)
+def _native_eqn(spec: _Spec, lhs_shape, rhs_shape):
+  """``(primitive, params)`` of the native op on float32 operands."""
+  f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+  closed = jax.make_jaxpr(_native(spec))(f32(lhs_shape), f32(rhs_shape))
+  (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == spec.op]
+  return eqn.primitive, eqn.params
 
-  closed = jax.make_jaxpr(pullback)(lhs, rhs, ct)
 
+def _abstract_eval(lhs, rhs, *, spec: _Spec):
+  # The native op's own rule on the float32 operands the passes read: its
+  # shape, sharding and the mesh axes it varies over, as JAX computes them.
+  try:
+    prim, params = _native_eqn(spec, tuple(lhs.shape), tuple(rhs.shape))
+  except TypeError:
+    prim, params = _native_eqn.__wrapped__(spec, tuple(lhs.shape),
+                                           tuple(rhs.shape))
+  out, effects = prim.abstract_eval(lhs.update(dtype=np.dtype(np.float32)),
+                                    rhs.update(dtype=np.dtype(np.float32)),
+                                    **params)
+  return out.update(dtype=spec.out_dtype, weak_type=False), effects
+
+
+_CONV_PARAMS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
+                "dimension_numbers", "feature_group_count", "batch_group_count")
+
+
+def _emulate_again(spec: _Spec) -> walker.Rule:
+  """The walker rule that emulates every op at ``spec``'s algorithm."""
   def rule(eqn, invals):
     name = eqn.primitive.name
     if name not in OPS:
@@ -334,18 +362,54 @@ def _pullback(spec: _Spec, res, ct):
     l, r = invals
     if not emulatable(l.dtype, r.dtype):
       return None
-    params = dict(eqn.params)
-    params.pop("precision", None)
-    pet = params.pop("preferred_element_type", None)
-    s = _make_spec(name, params, l, r, pet, spec.algorithm, spec.tf32_rounding,
-                   spec.kernel)
+    keys = _CONV_PARAMS if name == "conv_general_dilated" else ("dimension_numbers",)
+    params = {k: eqn.params[k] for k in keys}
+    s = _make_spec(name, params, l, r, eqn.params.get("preferred_element_type"),
+                   spec.algorithm, spec.tf32_rounding, spec.kernel)
     return [_marked(s, l, r)]
-
-  gl, gr = walker.interpret(closed, rule, lhs, rhs, ct)
-  return gl.astype(lhs.dtype), gr.astype(rhs.dtype)
+  return rule
 
 
-_emulated.defvjp(_emulated_fwd, _emulated_bwd)
+def _transpose_rule(side: int):
+  """The cotangent of operand ``side``: the native op's transpose (JAX's own
+  rule, so every dimension-number and grouping case is right), each of its
+  matmuls and convolutions emulated at the forward's algorithm."""
+  def rule(ct, lhs, rhs, *, spec: _Spec):
+    undefined = lhs if side == 0 else rhs
+    other = rhs if side == 0 else lhs
+    aval = undefined.aval
+    native = _native(spec)
+
+    def pullback(o, c):
+      f = ((lambda a: native(a, o)) if side == 0 else (lambda b: native(o, b)))
+      # The operand's own type (the mesh axes it varies over included), so
+      # that the transpose adds no collective the native one would not.
+      (g,) = jax.linear_transpose(f, aval.update(dtype=np.dtype(np.float32)))(c)
+      return g
+
+    ct = ct.astype(jnp.float32) if ct.dtype != spec.out_dtype else ct
+    closed = jax.make_jaxpr(pullback)(other, ct)
+    (g,) = walker.interpret(closed, _emulate_again(spec), other, ct)
+    return g.astype(aval.dtype)
+  return rule
+
+
+def _batch_rule(args, dims, *, spec: _Spec):
+  """``jax.vmap`` of the native op (JAX's own batching rule), each of its
+  matmuls and convolutions emulated at ``spec``'s algorithm."""
+  lhs, rhs = args
+  axes = tuple(None if d is None else int(d) for d in dims)  # None: unmapped
+  closed = jax.make_jaxpr(jax.vmap(_native(spec), in_axes=axes))(lhs, rhs)
+  (out,) = walker.interpret(closed, _emulate_again(spec), lhs, rhs)
+  return out.astype(spec.out_dtype), 0
+
+
+_emulated_p.def_impl(_impl)
+_emulated_p.def_effectful_abstract_eval(_abstract_eval)
+mlir.register_lowering(_emulated_p, mlir.lower_fun(
+    lambda lhs, rhs, *, spec: _forward(spec, lhs, rhs), multiple_results=False))
+ad.defbilinear(_emulated_p, _transpose_rule(0), _transpose_rule(1))
+batching.primitive_batchers[_emulated_p] = _batch_rule
 
 
 def _marked(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
@@ -418,9 +482,9 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
   within ``(k + passes) * 2**-24 * sum|products|`` of the exact sum of the
   algorithm's products (``k``: contraction length).
 
-  Differentiable in reverse mode (``jax.grad``, ``jax.vjp``): the gradient's
-  matmuls are emulated at the same algorithm. It is a ``jax.custom_vjp``, so
-  forward mode (``jax.jvp``, ``jax.jacfwd``) raises; use ``jax.jacrev``.
+  Differentiable in both modes (``jax.grad``, ``jax.jvp``, ``jax.hessian``)
+  and batched by ``jax.vmap``: the tangent, transposed and batched matmuls
+  are emulated at the same algorithm.
 
   Args:
     lhs, rhs: the operands.
@@ -535,20 +599,11 @@ def emulated_conv_general_dilated(
 def is_emulated_call(eqn) -> bool:
   """Whether a jaxpr equation is a call of an emulated op (already emulated).
 
-  Recognised by the explicit :data:`MARKER` on its name stack (kept through
-  jit, grad, vmap and scan), never by a function's name. ``jaxprec.emulate``
-  leaves these alone: their inner passes are float32 dots at HIGHEST that
-  must not be emulated a second time. The ``jit`` call that wraps one (see
-  :func:`_traced_once`) counts too: marked, with that one call as its body.
+  Recognised by its primitive (:data:`MARKER`), never by a function's name.
+  ``jaxprec.emulate`` leaves these alone: they are emulated already. The
+  ``jit`` call that wraps one (see :func:`_traced_once`) counts too.
   """
-  name = eqn.primitive.name
-  if name in ("jit", "pjit"):
+  if eqn.primitive.name in ("jit", "pjit"):
     body = eqn.params["jaxpr"].jaxpr.eqns
-    if len(body) != 1 or not is_emulated_call(body[0]):
-      return False
-  elif name != "custom_vjp_call":
-    return False
-  return _MARKED.search(compat.eqn_name_stack(eqn)) is not None
-
-
-_MARKED = re.compile(rf"(?:^|[/(]){MARKER}(?:$|[/)])")
+    return len(body) == 1 and is_emulated_call(body[0])
+  return eqn.primitive is _emulated_p

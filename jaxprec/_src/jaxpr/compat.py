@@ -194,31 +194,12 @@ def _rewritten_body(call_jaxpr: ClosedJaxpr, rule, eval_fn):
       debug_info=call_jaxpr.jaxpr.debug_info)
 
 
-# ``jax.custom_derivatives.linear_call`` (public in jax 0.10.2): a linear
-# function with a transpose of the caller's choosing. The fallback to its
-# private home can go if the public name is ever removed.
-try:
-  from jax.custom_derivatives import linear_call
-except ImportError:  # pragma: no cover -- a JAX without the public name
-  from jax._src.custom_derivatives import linear_call
-
-
-def custom_jvp_bind_params(params: dict, rule, eval_fn,
-                           rewrites_tangents: Callable[[Any, int], bool]
-                           ) -> dict:
+def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
   """Bind params of a custom_jvp_call whose body and JVP are both rewritten.
 
-  Where ``rewrites_tangents(jvp_jaxpr, num_tangents)`` says the rule's
-  tangent computation holds ops that ``rule`` rewrites (and the rule is not
-  batched, see :func:`_batched`), the rule's tangent outputs are one
-  ``linear_call`` (a linear function with its own transpose): evaluated, it
-  is the tangent computation rewritten by ``rule``; transposed (``jax.grad``
-  of the custom_jvp function), it is the VJP of that rewritten computation,
-  so the gradient's matmuls are the rewritten ops' own backward passes.
-  Without it JAX would have to transpose the rewritten ops themselves, which
-  the emulated ops (custom_vjp functions) do not allow. Other rules are
-  evaluated with ``rule`` as they are (``linear_call`` has no batching rule:
-  ``jax.vmap`` of their gradients keeps working).
+  The rule's tangent computation is evaluated with ``rule`` too: JAX
+  transposes the rewritten ops (the emulated ops' own transpose rules) where
+  ``jax.grad`` needs it.
   """
   from jax._src import custom_derivatives as cd
   params = dict(params)
@@ -238,65 +219,12 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn,
     n_out = len(out_zeros)
     out = eval_fn(jvp_jaxpr, jvp_consts, rule, [*primals, *nonzero])
     out_primals, nz_out = out[:n_out], iter(out[n_out:])
-    if not _batched(nonzero) and rewrites_tangents(jvp_jaxpr, len(nonzero)):
-      nz_out = iter(_rule_tangents(jvp_jaxpr, jvp_consts, n_out, rule, eval_fn,
-                                   list(primals), nonzero))
     out_tangents = [cd.SymbolicZero(typeof(p).to_tangent_aval())
                     if z else next(nz_out) for p, z in zip(out_primals, out_zeros)]
     return [*out_primals, *out_tangents]
 
   params["subfuns"] = (fun, wrap_init(jvp, debug_info=jvp_jaxpr_fun.debug_info))
   return params
-
-
-def _batched(tangents: Sequence[Any]) -> bool:
-  """Whether a custom_jvp rule runs on tangents of a ``jax.vmap`` (``jax.jacfwd``,
-  ``jax.jvp`` of a vmapped function).
-
-  ``linear_call`` has no batching rule, and a batched rule's tangents are
-  never transposed where JAX could (``jax.grad`` of a vmapped custom_jvp
-  function cannot be transposed either way), so such a rule is evaluated as it
-  is. ``batching.BatchTracer`` is private (jax 0.10.2); without it every rule
-  takes the ``linear_call``.
-  """
-  from jax._src.interpreters import batching  # noqa: PLC0415
-  tracer = getattr(batching, "BatchTracer", None)
-  return tracer is not None and any(isinstance(t, tracer) for t in tangents)
-
-
-def _rule_tangents(jvp_jaxpr, consts, n_out: int, rule, eval_fn,
-                   primals: list, tangents: list) -> list:
-  """The nonzero tangent outputs of a custom_jvp rule's jaxpr, as one
-  ``linear_call`` in the (non-float0) tangents: forward, the jaxpr evaluated
-  with ``rule``; transposed, the VJP of that evaluation."""
-  import numpy as np  # noqa: PLC0415
-  linear = [i for i, t in enumerate(tangents)
-            if np.dtype(typeof(t).dtype) != jax.dtypes.float0]
-  if not linear:
-    return eval_fn(jvp_jaxpr, consts, rule, [*primals, *tangents])[n_out:]
-  lin_avals = [typeof(tangents[i]) for i in linear]
-
-  def full(lin):
-    # float0 tangents (of integer primals) are zeros: made afresh, not closed
-    # over, as the transpose is traced later.
-    tans = [np.zeros(typeof(t).shape, jax.dtypes.float0) for t in tangents]
-    for i, t in zip(linear, lin):
-      tans[i] = t
-    return tans
-
-  def forward(res, lin):
-    return eval_fn(jvp_jaxpr, consts, rule, [*res, *full(lin)])[n_out:]
-
-  def transpose(res, cts):
-    # ``forward`` is linear in ``lin``: its VJP at any point is its
-    # transpose, and JAX's VJP of the rewritten ops is theirs (the emulated
-    # ops' backward passes, with the primal parts rewritten as forward).
-    zeros = [lax.full(a.shape, 0, a.dtype) for a in lin_avals]
-    _, pullback = jax.vjp(lambda *lin: forward(res, lin), *zeros)
-    return tuple(pullback(list(cts)))
-
-  return list(linear_call(forward, transpose, tuple(primals),
-                          tuple(tangents[i] for i in linear)))
 
 
 def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:

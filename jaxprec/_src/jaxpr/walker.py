@@ -428,27 +428,8 @@ def _shard_map(eqn, invals, rule, params):
 
 
 def _custom_jvp(eqn, invals, rule, params):
-  bind_params = compat.custom_jvp_bind_params(params, rule, _eval,
-                                              _matmul_on_tangents)
+  bind_params = compat.custom_jvp_bind_params(params, rule, _eval)
   return _bind(eqn, invals, bind_params)
-
-
-def _matmul_on_tangents(jvp_jaxpr, num_tangents: int) -> bool:
-  """Whether a custom_jvp rule's jaxpr (its last ``num_tangents`` inputs are
-  the tangents) computes a matmul or convolution, at any depth, from a value
-  that depends on a tangent."""
-  binders = compat.all_binders(jvp_jaxpr)
-  tangent = set(binders[len(binders) - num_tangents:])
-  for eqn in jvp_jaxpr.eqns:
-    if not any(not isinstance(v, compat.Literal) and v in tangent
-               for v in eqn.invars):
-      continue
-    if eqn.primitive.name in PRIMITIVES or any(
-        w.eqn.primitive.name in PRIMITIVES
-        for sub, _ in _sub_jaxprs(eqn) for w in iter_eqns(sub)):
-      return True
-    tangent.update(eqn.outvars)
-  return False
 
 
 def _custom_vjp(eqn, invals, rule, params):
