@@ -83,6 +83,14 @@ class Transformer(_Layers):
     return self.readout(x)
 
 
+class Cell(nn.Module):
+  """A scan cell: ``(c, x) -> (Dense(c) + x, None)``, its Dense named ``inner``."""
+
+  @nn.compact
+  def __call__(self, c, x):
+    return nn.Dense(4, name="inner")(c) + x, None
+
+
 def inputs(kind: str, batch: int = 2):
   """Deterministic inputs for 'mlp', 'cnn' or 'transformer'."""
   key = jax.random.key({"mlp": 1, "cnn": 2, "transformer": 3}[kind])
