@@ -18,11 +18,15 @@ from flax import nnx
 # --------------------------------------------------------------------------- linen
 
 
-class MLP(nn.Module):
-  """Dense -> relu -> Dense -> DenseGeneral, auto-named (Dense_0, Dense_1, ...)."""
+class _Layers(nn.Module):
+  """A model built from ``layers`` with the extra arguments ``kw``."""
 
   layers: Any = nn
   kw: tuple = ()
+
+
+class MLP(_Layers):
+  """Dense -> relu -> Dense -> DenseGeneral, auto-named (Dense_0, Dense_1, ...)."""
 
   @nn.compact
   def __call__(self, x):
@@ -32,11 +36,8 @@ class MLP(nn.Module):
     return self.layers.DenseGeneral((2, 3), **kw)(x)
 
 
-class CNN(nn.Module):
+class CNN(_Layers):
   """Conv -> Conv (strided) -> ConvTranspose -> Einsum head, made in setup."""
-
-  layers: Any = nn
-  kw: tuple = ()
 
   def setup(self):
     kw = dict(self.kw)
@@ -51,11 +52,8 @@ class CNN(nn.Module):
     return self.head(nn.relu(self.up(x)))
 
 
-class Block(nn.Module):
+class Block(_Layers):
   """Pre-LN transformer block: Flax attention (scores via jnp.einsum) + MLP."""
-
-  layers: Any = nn
-  kw: tuple = ()
 
   @nn.compact
   def __call__(self, x):
@@ -68,11 +66,8 @@ class Block(nn.Module):
     return x + self.layers.Dense(x.shape[-1], name="down", **kw)(h)
 
 
-class Transformer(nn.Module):
+class Transformer(_Layers):
   """Dense embedding, two blocks (layers/0, layers/1), Dense readout."""
-
-  layers: Any = nn
-  kw: tuple = ()
 
   def setup(self):
     kw = dict(self.kw)
@@ -86,6 +81,14 @@ class Transformer(nn.Module):
     for block in self.blocks:
       x = block(x)
     return self.readout(x)
+
+
+class Cell(nn.Module):
+  """A scan cell: ``(c, x) -> (Dense(c) + x, None)``, its Dense named ``inner``."""
+
+  @nn.compact
+  def __call__(self, c, x):
+    return nn.Dense(4, name="inner")(c) + x, None
 
 
 def inputs(kind: str, batch: int = 2):

@@ -58,12 +58,6 @@ def assert_audit_paths_are_interceptor_paths(model, fn_of, *args):
   return paths
 
 
-class Cell(nn.Module):
-  @nn.compact
-  def __call__(self, c, x):
-    return nn.Dense(4, name="inner")(c) + x, None
-
-
 class Block(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -78,7 +72,7 @@ class Nested(nn.Module):
   def __call__(self, x):
     x = Block(name="block")(x)
     x = nn.remat(Block)(name="remat_block")(x)
-    x, _ = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False},
+    x, _ = nn.scan(models.Cell, variable_broadcast="params", split_rngs={"params": False},
                    length=3)(name="scan")(x, jnp.ones((3, *x.shape)))
     x = nn.Conv(4, (1,), name="conv")(x[..., None, :])[..., 0, :]
     return nn.Dense(2, name="head")(x) + x @ x.T @ x[:, :2]  # own op: ""

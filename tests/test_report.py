@@ -247,11 +247,12 @@ def test_worst_refuses_a_bad_count_metric_or_precision():
     with pytest.raises(TypeError, match=r"n must be a non-negative integer.*got "):
       r.worst(bad)
   assert r.worst(0) == []
-  with pytest.raises(ValueError, match=r"Unknown metric 'rel_rsm'.*did you mean 'rel_rms'"):
+  with pytest.raises(ValueError, match=r"Unknown metric 'rel_rsm'.*Did you mean 'rel_rms'"):
     r.worst(3, "rel_rsm")
   with pytest.raises(ValueError, match=r"Unknown precision 'bf61'.*'bf16'"):
     r.worst(3, precision="bf61")
-  with pytest.raises(KeyError, match=r"did you mean 'hidden_states\[3\]'"):
+  with pytest.raises(KeyError, match=r"Unknown layer 'hidden_states\[9\]'; valid "
+                                     r"choices: .*Did you mean 'hidden_states\[3\]'"):
     r.layer("hidden_states[9]")
 
 
@@ -301,7 +302,8 @@ def floor_report(floor_max_abs=2e-6, **kw):
 
 
 def test_floor_must_be_one_of_the_precisions():
-  with pytest.raises(ValueError, match=r"floor 'fp32' is not one of the report's precisions"):
+  with pytest.raises(ValueError, match=r"Unknown floor 'fp32'; valid choices: "
+                                       r".* \(the report's precisions\)"):
     floor_report(floor="fp32")
   assert make_report().floor is None
 

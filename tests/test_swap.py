@@ -180,12 +180,6 @@ def test_a_swapped_submodule_and_bind():
   assert {p for _, p in rows(lambda x: bound(x), x)} == {"HIGHEST"}
 
 
-class Cell(nn.Module):
-  @nn.compact
-  def __call__(self, c, x):
-    return nn.Dense(4, name="inner")(c) + x, None
-
-
 class Lifted(nn.Module):
   """Layers under Flax's lifted transforms, which make new root scopes."""
 
@@ -193,7 +187,7 @@ class Lifted(nn.Module):
   def __call__(self, x):
     x = nn.remat(nn.Dense)(4, name="rem")(x)
     x = nn.jit(nn.Dense)(4, name="jitted")(x)
-    x, _ = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False},
+    x, _ = nn.scan(models.Cell, variable_broadcast="params", split_rngs={"params": False},
                    length=3)(name="scan")(x, jnp.ones((3, *x.shape)))
     return nn.vmap(nn.Dense, variable_axes={"params": None},
                    split_rngs={"params": False})(4, name="vm")(x[None])[0]

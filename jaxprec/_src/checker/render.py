@@ -12,11 +12,10 @@ JSON, which has no literal for NaN or infinities.
 
 from __future__ import annotations
 
-import difflib
 import io
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 PLOTS_HINT = ("needs matplotlib: pip install 'jaxprec[plots]' (or pip "
@@ -64,12 +63,6 @@ def encode(obj: Any) -> Any:
   if isinstance(obj, (list, tuple)):
     return [encode(v) for v in obj]
   return obj
-
-
-def did_you_mean(value: Any, choices: Iterable[str], n: int = 3) -> str:
-  """``"; did you mean 'a', 'b'?"`` for the choices close to ``value``, or ``""``."""
-  close = difflib.get_close_matches(str(value), list(choices), n=n)
-  return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
 
 
 def figure_class(what: str):

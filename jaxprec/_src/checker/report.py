@@ -66,6 +66,7 @@ from typing import Any
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker.metrics import LayerMetrics
+from jaxprec._src.core import names
 
 SCHEMA = 1
 
@@ -170,8 +171,8 @@ class DivergenceReport:
 
   def __post_init__(self):
     if self.floor is not None and self.floor not in self.precisions:
-      raise ValueError(f"floor {self.floor!r} is not one of the report's "
-                       f"precisions {list(self.precisions)}")
+      raise names.unknown("floor", self.floor, self.precisions,
+                          hint=" (the report's precisions)")
 
   @property
   def candidates(self) -> tuple[str, ...]:
@@ -186,12 +187,11 @@ class DivergenceReport:
     return iter(self.layers)
 
   def layer(self, name: str) -> LayerResult:
-    """The layer called ``name``; KeyError naming close matches otherwise."""
+    """The layer called ``name``; KeyError naming the layers otherwise."""
     by_name = {l.name: l for l in self.layers}
     if name in by_name:
       return by_name[name]
-    raise KeyError(f"no layer {name!r} in the report"
-                   f"{render.did_you_mean(name, by_name)}")
+    raise names.unknown("layer", name, by_name, error=KeyError)
 
   def metric(self, name: str, precision: str | None = None) -> list[float]:
     """One metric for every layer, in depth order (``precision``: the first
@@ -199,18 +199,15 @@ class DivergenceReport:
     p = self._precision(precision)
     choices = (*metrics_lib.METRICS, "required_atol")
     if not isinstance(name, str) or name not in choices:
-      raise ValueError(f"Unknown metric {name!r}; valid choices: "
-                       f"{', '.join(choices)}"
-                       f"{render.did_you_mean(name, choices, n=1)}")
+      raise names.unknown("metric", name, choices)
     return [getattr(l.metrics[p], name) for l in self.layers]
 
   def _precision(self, precision: str | None) -> str:
     if precision is None:
       return (self.candidates or self.precisions)[0]
     if not isinstance(precision, str) or precision not in self.precisions:
-      raise ValueError(f"Unknown precision {precision!r}; this report has "
-                       f"{', '.join(map(repr, self.precisions))}"
-                       f"{render.did_you_mean(precision, self.precisions, 1)}")
+      raise names.unknown("precision", precision, self.precisions,
+                          hint=" (those of this report)")
     return precision
 
   def _required(self, m: LayerMetrics, rtol: float) -> tuple[float, float]:

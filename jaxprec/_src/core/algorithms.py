@@ -39,6 +39,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from jaxprec._src.core import names
+
 # What a TPU or an Ampere+ GPU computes.
 TARGETS = ("tpu", "gpu")
 
@@ -163,8 +165,7 @@ def record(algorithm: str) -> Numerics:
   try:
     return RECORDS[algorithm]
   except KeyError:
-    raise ValueError(f"Unknown algorithm {algorithm!r}; valid choices: "
-                     f"{', '.join(map(repr, RECORDS))}.") from None
+    raise names.unknown("algorithm", algorithm, RECORDS) from None
 
 
 def meaning(algorithm: str, target: str) -> Numerics:

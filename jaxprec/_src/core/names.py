@@ -7,6 +7,8 @@ before JAX is imported (JAX rejects a bad value at import with an opaque error);
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+
 ENV_VAR = "JAX_DEFAULT_MATMUL_PRECISION"
 
 # Canonical jaxprec name -> the value JAX's flag accepts (None: leave unset).
@@ -63,31 +65,113 @@ def canonical(name: str) -> str | None:
   return ALIASES.get(key.lower())
 
 
-# How alike (difflib's ratio) a suggestion must be: one letter wrong in four
-# ('bf17', 'bf61' for 'bf16') still is; 'nonsense' for 'none' (0.67) is not.
+# A close name, for "Did you mean": one edit away (a letter added, dropped,
+# changed or two swapped: 'tpv' for 'tpu', 'f23' for 'f32', names of 3 letters
+# or more); else this alike by difflib's ratio: one letter wrong in four
+# ('bf17' for 'bf16') still is, 'nonsense' for 'none' (0.67) is not; else one
+# word of a name ('rms' for 'rel_rms').
 _SUGGEST_CUTOFF = 0.75
+# An unknown-name message lists at most this many choices.
+_LISTED = 12
 
 
-def suggest(name: str) -> str | None:
-  """The closest accepted spelling to ``name``, for "did you mean" messages;
-  None unless one is close (:data:`_SUGGEST_CUTOFF`)."""
+def _one_edit(a: str, b: str) -> bool:
+  """Whether ``a`` and ``b`` (3 letters or more) differ by one edit."""
+  if min(len(a), len(b)) < 3 or abs(len(a) - len(b)) > 1 or a == b:
+    return False
+  i = 0
+  while i < min(len(a), len(b)) and a[i] == b[i]:
+    i += 1
+  if len(a) != len(b):
+    return a[i + (len(a) > len(b)):] == b[i + (len(b) > len(a)):]
+  return (a[i + 1:] == b[i + 1:]
+          or a[i:i + 2] == b[i:i + 2][::-1] and a[i + 2:] == b[i + 2:])
+
+
+def close_name(value: object, names: Iterable[str] | Mapping[str, str]
+               ) -> str | None:
+  """The name in ``names`` that ``value`` is a typo of, any letter case, for
+  "Did you mean" messages; None unless ``value`` is a string and one is close
+  (one edit first, then :data:`_SUGGEST_CUTOFF`, then one word of it).
+
+  ``names`` may map each spelling to match to the name to offer (an alias
+  to its canonical name).
+  """
   import difflib
-  choices = sorted(set(ALIASES) | set(FLAGS))
-  close = difflib.get_close_matches(name.strip().lower(),
-                                    [c.lower() for c in choices], n=1,
-                                    cutoff=_SUGGEST_CUTOFF)
-  if not close:
+  if not isinstance(value, str) or not value.strip():
     return None
-  return next(c for c in choices if c.lower() == close[0])
+  offer = names if isinstance(names, Mapping) else {n: n for n in names}
+  lower: dict[str, str] = {}
+  for n in sorted(offer):
+    lower.setdefault(n.lower(), offer[n])
+  key = value.strip().lower()
+  edits = [n for n in lower if _one_edit(key, n)]  # the most alike of them
+  close = (difflib.get_close_matches(key, edits, n=1, cutoff=0)
+           or difflib.get_close_matches(key, list(lower), n=1,
+                                        cutoff=_SUGGEST_CUTOFF)
+           or [n for n in lower
+               if len(key) >= 3 and key in n.replace("-", "_").split("_")])
+  return lower[close[0]] if close else None
+
+
+def unknown(kind: str, value: object, choices: Iterable[str], *,
+            error: type[Exception] = ValueError, hint: str = "",
+            near: Iterable[str] | Mapping[str, str] | None = None) -> Exception:
+  """The one error for a name that is not one of ``choices``, to raise.
+
+  Its message names ``value`` (repr) and the choices (the first
+  :data:`_LISTED` of them), and ends "Did you mean 'x'?" only where a choice
+  is close (:func:`close_name`):
+  ``Unknown target 'tpuu'; valid choices: 'tpu', 'gpu'. Did you mean 'tpu'?``
+
+  Args:
+    kind: what the name names ('target', 'emulation kernel').
+    value: the name given.
+    choices: the valid names, in the order to list them.
+    error: the exception type (ValueError, TypeError, a KeyError subclass).
+    hint: text after the list, before its period (' (aliases: bf16, ...)').
+    near: the spellings to suggest from instead of ``choices`` (a mapping
+      offers its values); empty for no suggestion.
+  """
+  choices = list(choices)
+  listed = ", ".join(map(repr, choices[:_LISTED]))
+  if len(choices) > _LISTED:
+    listed += f", ... ({len(choices)} in all)"
+  msg = f"Unknown {kind} {value!r}; valid choices: {listed}{hint}."
+  close = close_name(value, choices if near is None else near)
+  if close is not None:
+    msg += f" Did you mean {close!r}?"
+  return error(msg)
+
+
+def check_choice(value: object, choices: Sequence[str], kind: str, *,
+                 error: type[Exception] = ValueError) -> str:
+  """The choice ``value`` names (any letter case, spaces stripped); else
+  :func:`unknown`'s error.
+
+  Examples:
+    >>> from jaxprec._src.core.names import check_choice
+    >>> check_choice("TPU", ("tpu", "gpu"), "target")
+    'tpu'
+    >>> check_choice("tpuu", ("tpu", "gpu"), "target")
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown target 'tpuu'; valid choices: 'tpu', 'gpu'. Did you mean 'tpu'?
+  """
+  if isinstance(value, str):
+    key = value.strip().lower()
+    for c in choices:
+      if c.lower() == key:
+        return c
+  raise unknown(kind, value, choices, error=error)
 
 
 def invalid_message(value: object, why: str) -> str:
   msg = (f"Invalid precision {value!r}: {why}. Valid names: "
          f"{', '.join(sorted(FLAGS))} ({ALIAS_HELP}).")
-  if isinstance(value, str) and value.strip():
-    s = suggest(value)
-    if s is not None:
-      msg += f" Did you mean {s!r}?"
+  s = close_name(value, set(ALIASES) | set(FLAGS))
+  if s is not None:
+    msg += f" Did you mean {s!r}?"
   return msg
 
 

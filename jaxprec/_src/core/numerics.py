@@ -8,7 +8,8 @@ checker and the search. A fact written here once is never re-derived elsewhere
 * **Targets and modes**: :data:`TARGETS` (what a TPU or GPU computes),
   :data:`EMULATION_TARGETS` (plus ``'cpu'``/``'native'``: emulate nothing),
   :data:`MODES`, and the one checker of each, :func:`check_target`,
-  :func:`resolve_mode`, :func:`check_choice`.
+  :func:`resolve_mode` (unknown names raise
+  :func:`jaxprec._src.core.names.unknown`'s one message).
 * **Levels**: :func:`level_name`, the jaxprec name of a ``lax.Precision``.
 * **What an op records under a precision** (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py: a
   convolution understands levels only, so under a preset it runs at the
@@ -27,8 +28,6 @@ checker and the search. A fact written here once is never re-derived elsewhere
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -37,6 +36,7 @@ from jax import lax
 
 from jaxprec._src.core import algorithms
 from jaxprec._src.core.algorithms import Numerics
+from jaxprec._src.core.names import check_choice, unknown
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
 from jaxprec._src.jaxpr.walker import PRIMITIVES
 
@@ -73,31 +73,6 @@ _DTYPE_ALIASES = {
 }
 _EMULATED_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16),
                     np.dtype(np.float16))
-
-
-def check_choice(value: Any, choices: Sequence[str], what: str) -> str:
-  """``value`` lower-cased if it is one of ``choices``; else a ValueError.
-
-  The message names the value, every choice and the closest one.
-
-  Examples:
-    >>> from jaxprec._src.core.numerics import check_choice
-    >>> check_choice("TPU", ("tpu", "gpu"), "target")
-    'tpu'
-    >>> check_choice("tpuu", ("tpu", "gpu"), "target")
-    Traceback (most recent call last):
-    ...
-    ValueError: Unknown target 'tpuu'; valid choices: 'tpu', 'gpu'. Did you mean 'tpu'?
-  """
-  v = value.strip().lower() if isinstance(value, str) else None
-  if v not in choices:
-    msg = (f"Unknown {what} {value!r}; valid choices: "
-           f"{', '.join(map(repr, choices))}.")
-    close = difflib.get_close_matches(v, list(choices), n=1) if v else []
-    if close:
-      msg += f" Did you mean {close[0]!r}?"
-    raise ValueError(msg)
-  return v
 
 
 def canonical_dtype(value: Any, *, allow_float64: bool = False) -> str:
@@ -141,18 +116,13 @@ def canonical_dtype(value: Any, *, allow_float64: bool = False) -> str:
   if name in choices:
     return name
   shown = name if name is not None and not isinstance(value, str) else value
-  msg = (f"Unknown dtype {shown!r}; valid choices: "
-         f"{', '.join(map(repr, choices))} (aliases: bf16, f16, fp16, half, "
-         f"f32, fp32; numpy dtypes and jnp.bfloat16, jnp.float32, ...).")
+  hint = (" (aliases: bf16, f16, fp16, half, f32, fp32; numpy dtypes and "
+          "jnp.bfloat16, jnp.float32, ...)")
   if name == "float64":
-    msg += (" float64 is not a compute dtype a policy can give; the float64 "
-            "reference is the checker's reference='float64'.")
-  elif isinstance(value, str):
-    key = value.strip().lower()
-    close = difflib.get_close_matches(key, list(_DTYPE_ALIASES), n=1, cutoff=0.6)
-    if close and _DTYPE_ALIASES[close[0]] in choices:
-      msg += f" Did you mean {_DTYPE_ALIASES[close[0]]!r}?"
-  raise ValueError(msg)
+    hint += (". float64 is not a compute dtype a policy can give; the float64 "
+             "reference is the checker's reference='float64'")
+  raise unknown("dtype", shown, choices, hint=hint, near=() if name else {
+      k: v for k, v in _DTYPE_ALIASES.items() if v in choices})
 
 
 def check_target(target: Any, *, emulation: bool = False) -> str:
@@ -186,8 +156,7 @@ def op_kind(primitive: Any) -> str:
   try:
     return PRIMITIVES[name]
   except KeyError:
-    raise ValueError(f"Unknown op {name!r}; valid choices: "
-                     f"{', '.join(map(repr, PRIMITIVES))}.") from None
+    raise unknown("op", name, PRIMITIVES) from None
 
 
 def per_op(p: Precision | None, kind: str) -> Any:

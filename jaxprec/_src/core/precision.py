@@ -81,8 +81,8 @@ class Precision:
     """Numerics on ``backend`` (``'tpu'``, ``'gpu'``/``'cuda'``, ``'cpu'``)."""
     b = _BACKEND_ALIASES.get(str(backend).lower())
     if b is None:
-      raise ValueError(
-          f"Unknown backend {backend!r}; valid choices: 'tpu', 'gpu', 'cpu'.")
+      raise names.unknown("backend", backend, ("tpu", "gpu", "cpu"),
+                          near=_BACKEND_ALIASES)
     return getattr(self, b)
 
   def with_source(self, source: str) -> Precision:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import os
 import platform
@@ -49,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprec._src.core import algorithms
+from jaxprec._src.core import names
 from jaxprec._src.jaxpr import compat
 
 ENV_VAR = "JAXPREC_KERNEL"
@@ -82,15 +82,7 @@ _ONE_PASS_SHAPE = (128, 768, 3072)
 
 def check_kernel(name: Any) -> str:
   """``name`` if it is a kernel setting; otherwise a ValueError naming the choices."""
-  if isinstance(name, str) and name.strip().lower() in KERNELS:
-    return name.strip().lower()
-  msg = (f"Unknown emulation kernel {name!r}; valid choices: "
-         f"{', '.join(map(repr, KERNELS))}.")
-  if isinstance(name, str):
-    close = difflib.get_close_matches(name.strip().lower(), KERNELS, n=1)
-    if close:
-      msg += f" Did you mean {close[0]!r}?"
-  raise ValueError(msg)
+  return names.check_choice(name, KERNELS, "emulation kernel")
 
 
 def set_kernel(name: str | None) -> None:
@@ -226,11 +218,9 @@ class KernelChoice:
     dots = algorithms.RECORDS.get(algorithm)
     dots = None if dots is None else dots.dots  # the one table's record
     if dots is None:
-      raise ValueError(f"Unknown emulated algorithm {algorithm!r}; valid "
-                       f"choices: {', '.join(map(repr, algorithms.emulated()))}.")
+      raise names.unknown("emulated algorithm", algorithm, algorithms.emulated())
     if op not in _OPS:
-      raise ValueError(f"Unknown op {op!r}; valid choices: "
-                       f"{', '.join(map(repr, _OPS))}.")
+      raise names.unknown("op", op, _OPS)
     if self.setting != "auto":
       return self.setting
     if self.ratio is None:  # GPU, TPU: bfloat16 dot units

@@ -24,13 +24,14 @@ uses them. Where the splits come from (openxla/xla):
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxprec._src.core import names
 
 # Canonical format name -> (exponent bits, explicit mantissa bits).
 FORMATS: dict[str, tuple[int, int]] = {
@@ -65,25 +66,15 @@ def canonical_format(fmt: Any) -> str:
   key = fmt.strip().lower() if isinstance(fmt, str) else None
   canon = _FORMAT_ALIASES.get(key) if key else None
   if canon is None:
-    msg = (f"Unknown format {fmt!r}; valid choices: 'bfloat16', 'tensorfloat32', "
-           "'float16' (aliases 'bf16', 'tf32', 'f16', 'fp16', 'half').")
-    if key:
-      close = difflib.get_close_matches(key, list(_FORMAT_ALIASES), n=1)
-      if close:
-        msg += f" Did you mean {_FORMAT_ALIASES[close[0]]!r}?"
-    raise ValueError(msg)
+    raise names.unknown("format", fmt, ("bfloat16", "tensorfloat32", "float16"),
+                        hint=" (aliases 'bf16', 'tf32', 'f16', 'fp16', 'half')",
+                        near=_FORMAT_ALIASES)
   return canon
 
 
 def _check_mode(mode: Any) -> str:
   if mode not in MODES:
-    msg = (f"Unknown rounding mode {mode!r}; valid choices: "
-           f"{', '.join(repr(m) for m in MODES)}.")
-    if isinstance(mode, str):
-      close = difflib.get_close_matches(mode.lower(), MODES, n=1)
-      if close:
-        msg += f" Did you mean {close[0]!r}?"
-    raise ValueError(msg)
+    raise names.unknown("rounding mode", mode, MODES)
   return mode
 
 
@@ -383,7 +374,7 @@ def split_tf32(x: jax.Array, mode: str = "nearest") -> tuple[jax.Array, jax.Arra
   if x.dtype != jnp.float32:
     raise ValueError(f"split_tf32 expects a float32 array, got {x.dtype}.")
   if mode not in ("nearest", "nearest_away", "truncate"):
-    raise ValueError(f"Unknown TF32 rounding {mode!r}; valid choices: 'nearest', "
-                     "'nearest_away', 'truncate'.")
+    raise names.unknown("TF32 rounding", mode,
+                        ("nearest", "nearest_away", "truncate"))
   big = round_to(x, "tensorfloat32", mode)
   return big, round_to(x - big, "tensorfloat32", mode)

@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from jaxprec._src.core import algorithms
+from jaxprec._src.core import names
 from jaxprec._src.core import numerics
 
 
@@ -122,11 +123,10 @@ def check_chip(chip: object) -> Chip:
     ...
     ValueError: Unknown chip 'tpu-v5ee'; valid choices: 'tpu-v4', 'tpu-v5e', 'tpu-v5p', 'a100', 'h100'. Did you mean 'tpu-v5e'?
   """
-  name = chip.replace("_", "-") if isinstance(chip, str) else chip
-  try:
-    return CHIPS[numerics.check_choice(name, tuple(CHIPS), "chip")]
-  except ValueError as e:  # name the value as the user spelled it
-    raise ValueError(str(e).replace(repr(name), repr(chip), 1)) from None
+  name = chip.strip().lower().replace("_", "-") if isinstance(chip, str) else None
+  if name in CHIPS:
+    return CHIPS[name]
+  raise names.unknown("chip", chip, CHIPS)
 
 
 def pass_type(algorithm: str, target: str) -> tuple[str, int] | None:

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxprec._src.core import algorithms
+from jaxprec._src.core import names
 from jaxprec._src.core import numerics
 from jaxprec._src.core.numerics import algorithm_for
 from jaxprec._src.core.precision import Precision
@@ -367,14 +368,12 @@ class CostReport:
     return _ratio(self.seconds, self.float32_seconds, self.untimed_flops)
 
   def row(self, path: str) -> CostRow:
-    """The row of module ``path``; KeyError naming close paths otherwise."""
+    """The row of module ``path``; KeyError naming the paths otherwise."""
     for r in self.rows:
       if r.path == path:
         return r
-    import difflib
-    close = difflib.get_close_matches(path, [r.path for r in self.rows], n=3)
-    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-    raise KeyError(f"no module path {path!r} in the cost report{hint}")
+    raise names.unknown("module path", path, [r.path for r in self.rows],
+                        error=KeyError, hint=" (those of this cost report)")
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-able values: the attributes, ``relative`` and the rows."""

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from jaxprec._src.core import names
+
 # A PyTorch parameter's name -> (its PyTorch shape, the NNX path, a function
 # turning the PyTorch array into the NNX value).
 _Plan = dict[str, tuple[tuple[int, ...], tuple[Any, ...], Callable[[np.ndarray], np.ndarray]]]
@@ -202,9 +204,8 @@ def load(model: nnx.Module, pt_model: Any, *, what: str,
 
 
 def _near(name: str, plan: Mapping[str, Any]) -> str:
-  import difflib  # noqa: PLC0415
-  close = difflib.get_close_matches(name, list(plan), n=1, cutoff=0.6)
-  return f"closest: {close[0]!r}" if close else f"it has {len(plan)} parameters"
+  close = names.close_name(name, list(plan))
+  return f"closest: {close!r}" if close else f"it has {len(plan)} parameters"
 
 
 def hf_config(pt_model: Any, model_types: tuple[str, ...], cls: str) -> Any:

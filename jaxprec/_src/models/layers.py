@@ -10,6 +10,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxprec._src.core import names
+
 
 class Sized:
   """A config with a classmethod per size name in ``SIZES``, and
@@ -20,8 +22,7 @@ class Sized:
   @classmethod
   def of_size(cls, size: str):
     if size not in cls.SIZES:
-      raise ValueError(f"Unknown size {size!r}; valid choices: "
-                       f"{', '.join(map(repr, cls.SIZES))}.")
+      raise names.unknown("size", size, cls.SIZES)
     return getattr(cls, size)()
 
 

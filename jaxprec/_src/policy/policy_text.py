@@ -9,12 +9,11 @@ escapes of ``,`` and ``&``, and the value of an entry (a precision, a
 
 from __future__ import annotations
 
-import difflib
 import functools
 import re
-from collections.abc import Sequence
 from typing import Any
 
+from jaxprec._src.core import names
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import Precision, resolve
 
@@ -36,29 +35,9 @@ _ITEM_PREFIXES = ("dtype:", "precision:")
 _ITEM_TYPO = re.compile(r"=\s*(dtype|precision)\s*$", re.IGNORECASE)
 
 
-def _choices(values: Sequence[str]) -> str:
-  return ", ".join(repr(v) for v in values)
-
-
-def unknown(what: str, value: Any, choices: Sequence[str]) -> ValueError:
-  """A ValueError naming ``value``, the choices and the closest one."""
-  msg = f"Unknown {what} {value!r}; valid choices: {_choices(choices)}."
-  if isinstance(value, str):
-    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
-    if not close:
-      lower = {c.lower(): c for c in choices}
-      close = [lower[c] for c in difflib.get_close_matches(
-          value.lower(), list(lower), n=1, cutoff=0.6)]
-    if close:
-      msg += f" Did you mean {close[0]!r}?"
-  return ValueError(msg)
-
-
 def canonical_op(op: Any) -> str:
   """``'dot'``, ``'conv'`` or ``'attention'`` (any case); ValueError otherwise."""
-  if isinstance(op, str) and op.strip().lower() in OP_KINDS:
-    return op.strip().lower()
-  raise unknown("op kind", op, OP_KINDS)
+  return names.check_choice(op, OP_KINDS, "op kind")
 
 
 def canonical_type(module_type: Any) -> str:
@@ -68,7 +47,7 @@ def canonical_type(module_type: Any) -> str:
     for name in (*MODULE_TYPES, *TYPE_ALIASES):
       if name.lower() == key:
         return TYPE_ALIASES.get(name, name)
-  raise unknown("module type", module_type, (*MODULE_TYPES, *TYPE_ALIASES))
+  raise names.unknown("module type", module_type, (*MODULE_TYPES, *TYPE_ALIASES))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -275,14 +254,13 @@ def _item_precision(item: str, where: str) -> Precision:
     head, sep, rest = item.partition(":")
     if not sep:
       raise
-    close = difflib.get_close_matches(head.strip().lower() + ":",
-                                      _ITEM_PREFIXES, n=1, cutoff=0.6)
-    if not close:
+    close = names.close_name(head + ":", _ITEM_PREFIXES)
+    if close is None:
       raise
     msg = re.sub(r" Did you mean '[^']*'\?$", "", str(e))
     raise ValueError(
         f"{msg} Items are a precision, 'dtype:NAME' or 'precision:NAME'. "
-        f"Did you mean '{close[0]}{rest.strip()}'?") from None
+        f"Did you mean '{close}{rest.strip()}'?") from None
 
 
 def format_value(precision: Precision | None, dtype: str | None) -> str:

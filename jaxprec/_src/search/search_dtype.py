@@ -29,7 +29,6 @@ units, so the search's cost of a policy is the sum of its units' costs.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import math
 import sys
@@ -39,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxprec._src.core import names
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import Precision, resolve
 from jaxprec._src.flax import nnx_policy
@@ -70,23 +70,19 @@ def check_axes(axes: Any) -> tuple[str, ...]:
     >>> check_axes("dtype,precision"), check_axes(("precision",))
     (('precision', 'dtype'), ('precision',))
   """
-  names = axes.split(",") if isinstance(axes, str) else axes
+  given = axes.split(",") if isinstance(axes, str) else axes
   try:
-    names = [n.strip() if isinstance(n, str) else n for n in names]
+    given = [n.strip() if isinstance(n, str) else n for n in given]
   except TypeError:
-    raise ValueError(f"Unknown axes {axes!r}; valid choices: a sequence of "
-                     f"{', '.join(map(repr, AXES))}.") from None
-  if not names:
+    raise names.unknown("axes", axes, AXES,
+                        hint=" (one, or a sequence of them)") from None
+  if not given:
     raise ValueError(f"axes is empty; valid choices: "
                      f"{', '.join(map(repr, AXES))} (one or both).")
-  for n in names:
+  for n in given:
     if n not in AXES:
-      msg = f"Unknown axis {n!r}; valid choices: {', '.join(map(repr, AXES))}."
-      close = difflib.get_close_matches(str(n), AXES, n=1)
-      if close:
-        msg += f" Did you mean {close[0]!r}?"
-      raise ValueError(msg)
-  return tuple(a for a in AXES if a in names)
+      raise names.unknown("axis", n, AXES)
+  return tuple(a for a in AXES if a in given)
 
 
 def check_dtypes(dtypes: Any) -> tuple[str, ...]:

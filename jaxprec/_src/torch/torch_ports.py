@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxprec._src.core import names
 from jaxprec._src.torch import torch_ref
 from jaxprec._src.torch import torch_twins
 
@@ -132,11 +133,7 @@ def port(name: str, seed: int = 0, *, layers: int | None = None) -> Port:
     >>> report = jaxprec.check(p.fn, *p.args(), reference=p.reference())  # doctest: +SKIP
   """
   if name not in PORTS:
-    import difflib  # noqa: PLC0415
-    close = difflib.get_close_matches(str(name), list(PORTS), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"Unknown port {name!r}; choose one of "
-                     f"{', '.join(PORTS)}.{hint}")
+    raise names.unknown("port", name, PORTS)
   if layers is not None and (isinstance(layers, bool) or not isinstance(
       layers, (int, np.integer)) or layers < 1):
     raise ValueError(f"port(layers={layers!r}): the number of transformer "

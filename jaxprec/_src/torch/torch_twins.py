@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxprec._src.core import names
 from jaxprec._src.torch import torch_ref
 
 
@@ -151,11 +152,7 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
       (transformers 5 has none): one line with the install hint.
   """
   if name not in TWINS:
-    import difflib  # noqa: PLC0415
-    close = difflib.get_close_matches(str(name), list(TWINS), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"Unknown twin {name!r}; choose one of "
-                     f"{', '.join(TWINS)}.{hint}")
+    raise names.unknown("twin", name, TWINS)
   if layers is not None and (isinstance(layers, bool) or not isinstance(
       layers, (int, np.integer)) or layers < 1):
     raise ValueError(f"twin(layers={layers!r}): the number of transformer "
