@@ -13,7 +13,6 @@ import pytest
 from jax import lax
 
 import jaxprec
-from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation.emulated_ops import algorithm_for
 
 import reference as ref

@@ -31,7 +31,6 @@ matmuls run at the forward's emulated precision, as on a TPU, so
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import warnings
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from typing import Any, TypeVar
 import jax
 from jax import lax
 
+from jaxprec._src.core import names
 from jaxprec._src.core import numerics
 from jaxprec._src.core.context import current
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
@@ -376,13 +376,10 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
   """``options`` checked now, not at the first call: names and values."""
   for name in options:
     if name not in _OPTIONS:
-      close = difflib.get_close_matches(name, _OPTIONS, n=1)
-      hint = f" Did you mean {close[0]!r}?" if close else ""
-      raise TypeError(
-          f"jaxprec.emulate got an unknown option {name!r}; valid options: "
-          f"{', '.join(map(repr, _OPTIONS))}.{hint}")
+      raise names.unknown("jaxprec.emulate option", name, _OPTIONS,
+                          error=TypeError)
   if "tf32_rounding" in options:
-    options = dict(options, tf32_rounding=numerics.check_choice(
+    options = dict(options, tf32_rounding=names.check_choice(
         options["tf32_rounding"], emulated_ops.TF32_ROUNDINGS, "tf32_rounding"))
   return options
 

@@ -94,11 +94,11 @@ from jax.interpreters import mlir
 
 from jaxprec._src.emulation import kernels
 from jaxprec._src.emulation import passes
-from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import walker
 from jaxprec._src.core.numerics import (EMULATION_TARGETS, PASSES,
                                    PRIMITIVES, algorithm_for, check_target,
                                    emulatable)
+from jaxprec._src.core import names
 from jaxprec._src.core.precision import PrecisionLike
 
 # ``TARGETS``, ``ALGORITHMS`` and ``algorithm_for`` live in
@@ -123,8 +123,7 @@ _EXACT = (_P.HIGHEST, _P.HIGHEST)
 
 def _check_tf32_rounding(mode: Any) -> str:
   if mode not in TF32_ROUNDINGS:
-    raise ValueError(f"Unknown tf32_rounding {mode!r}; valid choices: "
-                     f"{', '.join(map(repr, TF32_ROUNDINGS))}.")
+    raise names.unknown("tf32_rounding", mode, TF32_ROUNDINGS)
   return mode
 
 

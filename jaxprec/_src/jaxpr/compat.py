@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.extend as jex
-from jax import lax
 from jax._src import core as _core
 from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import partial_eval as pe

@@ -53,7 +53,6 @@ unit that must stay precise, and ``budget`` caps it.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import math
 import os
@@ -72,6 +71,7 @@ from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
 from jaxprec._src.core import numerics
+from jaxprec._src.core.names import unknown
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
 from jaxprec._src.emulation import compile_cache
 from jaxprec._src.inspect import cost as cost_lib
@@ -95,13 +95,7 @@ DEFAULT_BUDGET = 24
 
 def _check_metric(metric: Any) -> str:
   if metric not in METRICS:
-    msg = (f"Unknown metric {metric!r}; valid choices: "
-           f"{', '.join(map(repr, METRICS))}.")
-    if isinstance(metric, str):
-      close = difflib.get_close_matches(metric, METRICS, n=1)
-      if close:
-        msg += f" Did you mean {close[0]!r}?"
-    raise ValueError(msg)
+    raise unknown("metric", metric, METRICS)
   return metric
 
 
@@ -260,12 +254,7 @@ def _check_layers(layers: Any, names: Sequence[str]) -> list[str]:
   chosen = []
   for name in layers:
     if name not in names:
-      close = difflib.get_close_matches(str(name), list(names), n=1)
-      hint = f" Did you mean {close[0]!r}?" if close else ""
-      listed = ", ".join(map(repr, names[:12])) + (", ..." if len(names) > 12
-                                                  else "")
-      raise ValueError(f"Unknown layer {name!r}; the output's layers are "
-                       f"{listed}.{hint}")
+      raise unknown("layer", name, names, hint=" (the output's layers)")
     if name not in chosen:
       chosen.append(name)
   if not chosen:
