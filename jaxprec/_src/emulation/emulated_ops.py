@@ -108,10 +108,9 @@ from jaxprec._src.core.precision import PrecisionLike
 TARGETS = EMULATION_TARGETS
 TF32_ROUNDINGS = ("nearest", "nearest_away", "truncate")
 OPS = tuple(PRIMITIVES)  # the primitives emulated, from the one table
-# The explicit mark of jaxprec's own emulated ops: every emulated op is bound
-# inside ``jax.named_scope(MARKER)``, which JAX keeps on the equation's name
-# stack through jit, grad, vmap and scan (tested). ``jaxprec.emulate`` leaves
-# marked calls alone instead of emulating their inner passes a second time.
+# The name of jaxprec's own emulated op, a JAX primitive (see
+# :func:`is_emulated_call`), and of the name scope it is bound in (it shows in
+# profiles). ``jaxprec.emulate`` binds such ops unchanged, never twice.
 MARKER = "jaxprec_emulated"
 
 _P = lax.Precision
