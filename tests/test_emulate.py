@@ -487,3 +487,13 @@ def test_scatters_and_the_gradient_of_a_lookup_are_emulated():
   np.testing.assert_allclose(np.asarray(seg), np.asarray(jax.ops.segment_sum(
       bf16(x) @ bf16(w), jnp.array([0, 1, 1, 2]), num_segments=3)),
       rtol=1e-6, atol=1e-6)
+
+
+def test_audit_and_cost_of_an_emulated_function_count_its_passes():
+  # An emulated op is one primitive; audit and cost see the matmuls it runs.
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 3))
+  for name, passes in (("bfloat16", 1), ("bfloat16_3x", 3)):
+    f = jaxprec.emulate(lambda a, b: a @ b, name)
+    rows = jaxprec.audit(f, x, w).rows
+    assert [(r.lhs_dtype, r.flops) for r in rows] == [("bfloat16", 192)] * passes
+    assert jaxprec.cost(f, x, w).cost == 192 * passes

@@ -270,3 +270,30 @@ def test_vmap_of_grad_through_a_custom_jvp_rule_with_tangent_matmuls():
   want = jax.jit(jaxprec.emulate(jax.hessian(_loss(lambda x: x @ W)),
                                  "bfloat16"))(X)
   np.testing.assert_array_equal(hess, want)
+
+
+def test_derivatives_of_float16_compute_are_not_zero():
+  # float16 compute is rounded once per op by bit arithmetic, whose own
+  # derivative is zero: the rounding's derivative is a convert's.
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float16)
+  w = jnp.asarray(rng.standard_normal((8, 3)), jnp.float16)
+  loss = lambda a, b: jnp.sum(jnp.sin(a @ b).astype(jnp.float32))  # noqa: E731
+  got = jax.grad(jaxprec.emulate(loss, "bfloat16"), (0, 1))(x, w)
+  want = jaxprec.emulate(jax.grad(loss, (0, 1)), "bfloat16")(x, w)
+  _same(got, want)
+  native = jax.grad(loss, (0, 1))(x, w)
+  for g, n in zip(got, native):
+    assert np.abs(np.asarray(g, np.float32)).min() > 0
+    np.testing.assert_allclose(np.asarray(g, np.float32),
+                               np.asarray(n, np.float32), rtol=2e-2, atol=2e-2)
+  # Forward mode rounds the tangent once per op of f; emulating f's JVP
+  # rounds once per op of the JVP (two products and their sum here): a
+  # float16 rounding apart (docs/emulation.md, Gradients).
+  mm = lambda a, b: a @ b  # noqa: E731
+  got = jax.jvp(jaxprec.emulate(mm, "bfloat16"), (x, w), (x, w))[1]
+  want = jaxprec.emulate(lambda *a: jax.jvp(mm, a[:2], a[2:]),
+                         "bfloat16")(x, w, x, w)[1]
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert np.abs(got - want).max() <= 2 * 2.0**-11 * np.abs(want).max()
+  assert np.abs(got).min() > 0

@@ -62,6 +62,21 @@ _CHECKS = textwrap.dedent("""
       np.testing.assert_array_equal(emulate(f)(a, b),
                                     np.tile(mm(a, b), (4 if check else 1, 1)))
 
+      # The emulated op called inside the body itself (not through emulate):
+      # a sharded and a replicated operand, forward, reverse and forward mode.
+      dn = (((1,), (0,)), ((), ()))
+      op = lambda u, v: jaxprec.emulated_dot_general(u, v, dn, "bfloat16")
+      f = smap(op, line, (P("x"), P()), P("x"))
+      want = np.concatenate([op(a[2 * i:2 * i + 2], b) for i in range(4)])
+      np.testing.assert_array_equal(jax.jit(f)(a, b), want)
+      ga, gb = jax.jit(jax.grad(loss(f), (0, 1)))(a, b)
+      wa, wb = jax.jit(jax.grad(loss(op), (0, 1)))(a, b)
+      np.testing.assert_array_equal(ga, wa)
+      np.testing.assert_allclose(gb, wb, rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(jax.jvp(f, (a, b), (a, b))[1],
+                                 jax.jvp(op, (a, b), (a, b))[1],
+                                 rtol=1e-6, atol=1e-6)
+
     for check in (True, False):  # check_vma both ways
       checks(check)
     print("ok")

@@ -375,3 +375,21 @@ def test_wrong_dtypes():
     jaxprec.round_to(np.ones(2, np.float64), "bf16")  # no silent double rounding
   with pytest.raises(ValueError, match=r"n must be 1, 2 or 3"):
     rounding.split_bf16(jnp.ones(2), 4)
+
+
+@pytest.mark.parametrize("fmt,bits", [("bfloat16", (8, 7)),
+                                      ("tensorfloat32", (8, 10)),
+                                      ("float16", (5, 10))])
+@pytest.mark.parametrize("mode", ["nearest", "truncate"])
+def test_round_to_has_a_converts_derivative(fmt, bits, mode):
+  # Not the zero derivative of its bit arithmetic: the tangent (and the
+  # cotangent) rounded to the format, as a convert's derivative is.
+  x = jnp.asarray([0.1, -3.0, 1 + 2.0**-12, 7e3], jnp.float32)
+  t = jnp.asarray([1 + 2.0**-12, 0.3, -2.0, 1e-3], jnp.float32)
+  want = jax.lax.reduce_precision(t, exponent_bits=bits[0],
+                                  mantissa_bits=bits[1])
+  f = lambda v: jaxprec.round_to(v, fmt, mode)  # noqa: E731
+  np.testing.assert_array_equal(jax.jvp(f, (x,), (t,))[1], want)
+  np.testing.assert_array_equal(jax.vjp(f, x)[1](t)[0], want)
+  np.testing.assert_array_equal(jax.jit(jax.grad(lambda v: f(v).sum()))(x),
+                                np.ones(4, np.float32))

@@ -232,6 +232,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="print the result as JSON")
   search.add_argument("--program-per-policy", action="store_true", help=(
       "compile a program per policy, not one for all (the same answers)"))
+  search.add_argument("--prepare-weights", action="store_true",
+                      help=argparse.SUPPRESS)  # removed: refused with why
   _add_search_axes(search)
   _add_no_cache(search)
   search.set_defaults(handler=_search)
@@ -527,6 +529,9 @@ def _run(ns: argparse.Namespace) -> int:
 
 
 def _search(ns: argparse.Namespace) -> int:
+  if ns.prepare_weights:
+    raise _UsageError("--prepare-weights was removed (it did not pay back "
+                      "within a search's evaluations); drop the flag")
   if (ns.function is None) == (ns.model is None):
     raise _UsageError("search needs either --model wav2vec2|bert or "
                       "MODULE:FUNCTION (not both)")

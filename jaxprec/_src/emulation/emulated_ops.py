@@ -94,6 +94,7 @@ from jax.interpreters import mlir
 
 from jaxprec._src.emulation import kernels
 from jaxprec._src.emulation import passes
+from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import walker
 from jaxprec._src.core.numerics import (EMULATION_TARGETS, PASSES,
                                    PRIMITIVES, algorithm_for, check_target,
@@ -304,7 +305,9 @@ _emulated_p = jex_core.Primitive(MARKER)
 
 
 def _emulated(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  return _emulated_p.bind(lhs, rhs, spec=spec)
+  # Inside shard_map, both operands vary over the same mesh axes, as JAX's
+  # own dot_general casts them before it binds.
+  return _emulated_p.bind(*compat.match_varying(lhs, rhs), spec=spec)
 
 
 def _native(spec: _Spec) -> Callable[..., jax.Array]:
@@ -592,6 +595,19 @@ def emulated_conv_general_dilated(
   return emulated_op("conv_general_dilated", lhs, rhs, params, precision,
                      preferred_element_type, target=target,
                      tf32_rounding=tf32_rounding, out_sharding=out_sharding)
+
+
+def written_out(closed):
+  """``closed`` with every emulated op written out as its passes: the
+  float32 and bfloat16 matmuls it runs, as :func:`jaxprec.audit` and
+  :func:`jaxprec.cost` count them."""
+  def rule(eqn, invals):
+    if eqn.primitive is not _emulated_p:
+      return None
+    return [_forward(eqn.params["spec"], *invals)]
+  if not any(w.eqn.primitive is _emulated_p for w in walker.iter_eqns(closed)):
+    return closed
+  return walker.transform(closed, rule)
 
 
 def is_emulated_call(eqn) -> bool:

@@ -24,6 +24,8 @@ uses them. Where the splits come from (openxla/xla):
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import jax
@@ -222,6 +224,9 @@ def round_to(x: jax.typing.ArrayLike, fmt: str, mode: str = "nearest", *,
     key: a ``jax.random`` key, required for ``'stochastic'`` and not allowed
       otherwise. A fixed key gives a fixed result.
 
+  Differentiable in both modes: the derivative is a convert's, the tangent
+  (or cotangent) rounded to ``fmt`` to nearest (``lax.reduce_precision``).
+
   Returns:
     A float32 array of ``x``'s shape (``x``'s dtype for the unchanged cases).
 
@@ -266,7 +271,23 @@ def round_to(x: jax.typing.ArrayLike, fmt: str, mode: str = "nearest", *,
         f"round_to expects a float32 array, got {x.dtype}; cast to float32 "
         f"first (x.astype(jnp.float32)), which is exact for "
         f"{'any bfloat16 or float16 value' if x.dtype in (jnp.bfloat16, jnp.float16) else 'values in float32 range'}.")
+  return _rounded(x, key, fmt, mode)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _rounded(x: jax.Array, key: Any, fmt: str, mode: str) -> jax.Array:
   return _round_f32(x, fmt, mode, key)
+
+
+@_rounded.defjvp
+def _rounded_jvp(fmt, mode, primals, tangents):
+  # The derivative of a convert to the format, as JAX gives a convert's and a
+  # reduce_precision's: the tangent rounded to the format (a linear op, its
+  # own transpose). The bit arithmetic of the value itself has none.
+  x, key = primals
+  exp_bits, man_bits = FORMATS[fmt]
+  return _rounded(x, key, fmt, mode), lax.reduce_precision(
+      tangents[0], exponent_bits=exp_bits, mantissa_bits=man_bits)
 
 
 # ---------------------------------------------------------------------------

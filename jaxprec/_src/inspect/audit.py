@@ -59,6 +59,7 @@ from jax import lax
 from jaxprec._src.core import numerics
 from jaxprec._src.core.algorithms import Numerics
 from jaxprec._src.core.precision import from_lax
+from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.inspect import audit_dtypes
@@ -348,6 +349,7 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
     raise AuditError(
         f"jaxprec.audit: tracing {name} failed: {type(e).__name__}: {e}") from e
   opaque: list[OpaqueRow] = []
+  closed = emulated_ops.written_out(closed)  # emulated already: its passes
   rows = tuple(_rows(closed, module_paths, opaque))
   return AuditReport(rows=rows, function=name, precision_in_force=in_force,
                      opaque=tuple(opaque))

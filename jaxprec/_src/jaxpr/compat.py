@@ -28,6 +28,15 @@ Literal = jex.core.Literal
 Var = getattr(jex.core, "Var", _core.Var)
 DropVar = getattr(jex.core, "DropVar", _core.DropVar)
 typeof = getattr(jax, "typeof", _core.typeof)
+
+
+def match_varying(*args):
+  """``args`` cast (``pvary``) to vary over the same ``shard_map`` mesh axes,
+  as JAX's own binary ops cast theirs before they bind
+  (``jax._src.core.auto_insert_reshard``, jax 0.10 to 0.12); unchanged where
+  JAX has no such cast."""
+  insert = getattr(_core, "auto_insert_reshard", None)
+  return list(args) if insert is None else list(insert(*args))
 try:  # jax.extend.linear_util.wrap_init, with debug_info (jax 0.10.2)
   from jax.extend.linear_util import wrap_init
 except ImportError:  # pragma: no cover -- older JAX
