@@ -9,6 +9,7 @@ from jax import lax
 
 import jaxprec
 import jaxprec.linen as jpl
+from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.jaxpr import walker
 
 import models
@@ -161,6 +162,7 @@ def test_emulated_ops_carry_no_unset_precision_and_no_float32_dot():
   params = m.init(jax.random.key(0), x)
   with jaxprec.use_kernel("bf16"):  # the kernel of bfloat16 dots, on any CPU
     closed = jax.make_jaxpr(m.apply)(params, x)
+  closed = emulated_ops.written_out(closed)  # each emulated op as its passes
   dots = [w.eqn for w in walker.iter_eqns(closed) if w.eqn.primitive is lax.dot_general_p]
   assert len(dots) == 6  # q, k, v, scores, weighting, out: one pass each
   assert all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)

@@ -14,6 +14,7 @@ from jax import lax
 
 import jaxprec
 from jaxprec import Policy, Rule
+from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.jaxpr import walker
 from jaxprec._src.policy.policy import as_policy
 from jaxprec._src.policy.policy_text import TYPE_ALIASES
@@ -315,6 +316,7 @@ def test_emulate_policy_keeps_explicit_precisions_and_traces_once():
     closed = jax.make_jaxpr(f)(a, a)
     got = f(a, a)
     f(a, a)
+  closed = emulated_ops.written_out(closed)  # each emulated op as its passes
   precisions = [w.eqn.params["precision"] for w in walker.iter_eqns(closed)
                 if w.eqn.primitive is lax.dot_general_p]
   # HIGHEST: six bf16 passes; bfloat16: one. Every pass is a DEFAULT bf16 dot.
