@@ -6,6 +6,7 @@ Dropout. ``swap`` (native and emulated) and ``emulate`` with a policy must give
 both the same bits, and NNX calls must write the state the native call writes.
 """
 
+import dataclasses
 import functools
 import re
 import warnings
@@ -260,3 +261,111 @@ def test_writing_state_across_a_trace_says_what_to_do():
   mean = np.asarray(m.bn.mean.value)
   nnx.jit(lambda mod, x: jaxprec.emulate(mod, "bfloat16")(x))(m, x)
   assert not np.array_equal(mean, np.asarray(m.bn.mean.value))
+
+
+def _audit_rows(report):
+  return [(r.primitive, r.module_path, r.precision_name, r.tpu, r.gpu, r.flops)
+          for r in report.rows]
+
+
+def test_linen_and_nnx_twins_give_the_same_audit_check_and_search():
+  lin, v, net, x = twins()
+  net.eval()
+  policy = "default=bf16,attn=float32"
+  run = lambda p, x: lin.apply(p, x)  # noqa: E731
+  # The audit: every dot, in order, with the same path and precisions.
+  got_l = quiet(jaxprec.audit, jaxprec.swap(lin, policy).apply, v, x)
+  got_n = quiet(jaxprec.audit, jaxprec.swap(net, policy), x)
+  assert _audit_rows(got_l) == _audit_rows(got_n)
+  assert {r.precision_name for r in got_l.rows} == {"DEFAULT", "HIGHEST"}
+  # check: the same rows, bit for bit.
+  rows = ["bfloat16", "tensorfloat32", policy]
+  rep_l = jaxprec.check(run, v, x, precisions=rows)
+  rep_n = jaxprec.check(net, x, precisions=rows)
+  assert rep_l.precisions == rep_n.precisions
+  metrics = lambda rep: [(layer.name, label, dataclasses.astuple(m))  # noqa: E731
+                         for layer in rep.layers
+                         for label, m in layer.metrics.items()]
+  assert metrics(rep_l) == metrics(rep_n)
+  assert rep_l.layers[0].metrics["bfloat16"].rel_rms > 0
+  # search_policy: the same policy and the same value at every step.
+  kw = dict(tolerance=1e-3, verbose=False, budget=8)
+  res_l = quiet(jaxprec.search_policy, run, v, x, **kw)
+  res_n = quiet(jaxprec.search_policy, net, x, **kw)
+  assert str(res_l.policy) == str(res_n.policy)
+  assert ([s.worst_value for s in res_l.history]
+          == [s.worst_value for s in res_n.history])
+
+
+class _LinenCell(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return jnp.tanh(nn.Dense(F, name="dense")(h)), None
+
+
+class _LinenStack(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(_LinenCell, variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=3)
+    return scan(name="layers")(x, None)[0]
+
+
+class _NnxCell(nnx.Module):
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(F, F, rngs=rngs)
+
+
+class _NnxStack(nnx.Module):
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return _NnxCell(rngs)
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def step(h, cell):
+      return jnp.tanh(cell.dense(h))
+    return step(x, self.layers)
+
+
+def test_scanned_stacks_give_the_same_bits_in_linen_and_nnx():
+  x = jax.random.normal(jax.random.key(1), (2, F)) + 2.0**-9
+  lin = _LinenStack()
+  v = lin.init(jax.random.key(0), x)
+  net = _NnxStack(nnx.Rngs(0))
+  p = v["params"]["layers"]["dense"]
+  net.layers.dense.kernel[...] = p["kernel"]
+  net.layers.dense.bias[...] = p["bias"]
+  _eq(lin.apply(v, x), net(x))
+  for policy in ("bfloat16", "default=bf16,.*dense.*=float32"):
+    want = quiet(jaxprec.emulate(lin.apply, policy), v, x)
+    _eq(quiet(jaxprec.emulate(net, policy), x), want)
+    _eq(quiet(jaxprec.swap, lin, policy, emulate=True).apply(v, x), want)
+    _eq(quiet(jaxprec.swap, net, policy, emulate=True)(x), want)
+  assert not np.array_equal(
+      np.asarray(quiet(jaxprec.emulate(lin.apply, "bfloat16"), v, x)),
+      np.asarray(lin.apply(v, x)))
+
+
+def test_check_and_search_read_an_nnx_models_state_at_each_call():
+  # Programs are kept per model structure, never with its weights in them:
+  # after an in-place update, the figures are those of the new weights.
+  lin, v, net, x = twins()
+  net.eval()
+  first = jaxprec.check(net, x, precisions=["bfloat16"])
+  net.dense.kernel[...] = net.dense.kernel[...] * 3.0 + 0.25
+  again = jaxprec.check(net, x, precisions=["bfloat16"])
+  _, _, fresh, _ = twins()
+  fresh.eval()
+  nnx.update(fresh, nnx.state(net))
+  want = jaxprec.check(fresh, x, precisions=["bfloat16"])
+  value = lambda r: r.layers[0].metrics["bfloat16"].rel_rms  # noqa: E731
+  assert value(again) == value(want) != value(first)
+  kw = dict(tolerance=1e-3, verbose=False, budget=4)
+  got = quiet(jaxprec.search_policy, net, x, **kw)
+  want = quiet(jaxprec.search_policy, fresh, x, **kw)
+  assert [s.worst_value for s in got.history] == [
+      s.worst_value for s in want.history]

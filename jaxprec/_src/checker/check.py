@@ -184,6 +184,7 @@ def check(fn: Callable[..., Any], *args: Any,
     plans = [rows.native_float32(p.label) if p.label == rows.FLOOR
              else p for p in plans]
     floor = rows.FLOOR if any(p.label == rows.FLOOR for p in plans) else None
+  fn, args = nnx_policy.stateful(fn, args)  # an NNX model: its state an argument
   call = harness.Args(args, dict(kwargs), who="jaxprec.check")
   backend = compat.backend_platform()
   notes = []

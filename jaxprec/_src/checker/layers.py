@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxprec._src.flax import nnx_policy
 from jaxprec._src.jaxpr import trees
 
 
@@ -118,7 +119,11 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
   """
   order: list[list[str]] = []
   module, method = _nnx_method(fn)
-  if module is not None:
+  if isinstance(fn, nnx_policy.Stateful):
+    # Stays a Stateful, so that a policy's path rules still find the module
+    # (jaxprec._src.flax.nnx_policy.bind).
+    observed = fn.observing(lambda out: order.append([n for n, _ in layers(out)]))
+  elif module is not None:
     # Stay a method of the NNX module, so that a policy's path rules still
     # find it (jaxprec._src.flax.nnx_policy.bind).
     clone = sys.modules["flax.nnx"].clone

@@ -221,6 +221,7 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
     return _native(fn, policy or policy_lib.Policy(default=resolve(precision)))
   # An NNX module's state is an argument of each call, not a constant of the
   # cached trace (no stale weights); the policy reaches its copy.
+  fn = nnx_policy.bind_stateful(fn, policy, recorder)
   lifted = nnx_policy.lift(fn, policy, recorder)
   emulated = _emulator(fn, policy if policy is not None else precision,
                        target, options, recorder, lifted)
@@ -350,6 +351,7 @@ def _native(fn: Callable[..., Any], policy: policy_lib.Policy
   module, as :func:`jaxprec.swap`), its compute dtypes, nothing emulated."""
   recorder = flax_scope.Recorder(policy)
   what = getattr(fn, "__qualname__", type(fn).__name__)
+  fn = nnx_policy.bind_stateful(fn, policy, recorder)
   lifted = nnx_policy.lift(fn, policy, recorder)
   outside = policy.precision_for("", None, "dot")
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import sys
 import types
@@ -143,6 +144,78 @@ def _in_force(policy: Policy | None):
   return flax_scope.policy_scope(policy)
 
 
+@dataclasses.dataclass(frozen=True)
+class Stateful:
+  """An NNX module's method as a function of the module's state, its first
+  argument: ``Stateful(graphdef, method)(state, *args)`` calls ``method`` on
+  ``nnx.merge(graphdef, state)``.
+
+  ``check`` and ``search_policy`` keep the programs they compile for a
+  function. A program traced from the module itself would hold its
+  parameters as constants, and a later check after the user changed them in
+  place (an optimizer step, ``nnx.update``) would answer with the old ones: a
+  stale number. With the state an argument, a program depends on the graph
+  definition only (as ``nnx.jit``'s do), and every call reads the state the
+  module holds then. The merged copy is made inside the program's trace, so
+  what the call writes stays in it.
+  """
+
+  graphdef: Any
+  method: Callable[..., Any]
+
+  def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+    return self.method(sys.modules["flax.nnx"].merge(self.graphdef, state),
+                       *args, **kwargs)
+
+  def __post_init__(self):  # named as the user's method
+    object.__setattr__(self, "__qualname__",
+                       getattr(self.method, "__qualname__", "Module.__call__"))
+    object.__setattr__(self, "__name__",
+                       getattr(self.method, "__name__", "__call__"))
+
+  def observing(self, record: Callable[[Any], None]) -> Stateful:
+    """The same call, with ``record(output)`` called on each output."""
+    method = self.method
+
+    def observed(module, *args, **kwargs):
+      out = method(module, *args, **kwargs)
+      record(out)
+      return out
+    observed.__qualname__ = getattr(method, "__qualname__", "observed")
+    return Stateful(self.graphdef, observed)
+
+
+def stateful(fn: Callable[..., Any], args: tuple
+             ) -> tuple[Callable[..., Any], tuple]:
+  """``(fn, args)`` of a call, with an ``nnx.Module`` (or a bound method of
+  one) as a :class:`Stateful` of its state, which leads ``args``; any other
+  ``fn`` unchanged."""
+  found = _module_and_method(fn, None)
+  if found is None:
+    return fn, args
+  module, method = found
+  graphdef, state = sys.modules["flax.nnx"].split(module)
+  try:
+    made = _stateful(graphdef, method)
+  except TypeError:  # a graph definition that is not hashable: not shared
+    made = Stateful(graphdef, method)
+  return made, (state, *args)
+
+
+@functools.lru_cache(maxsize=16)
+def _stateful(graphdef: Any, method: Callable[..., Any]) -> Stateful:
+  # One per graph definition: programs compiled for it serve every model of
+  # that structure, whatever its state (an argument).
+  return Stateful(graphdef, method)
+
+
+def bind_stateful(fn: Callable[..., Any], policy: Policy | None,
+                  recorder: Recorder | None = None) -> Callable[..., Any]:
+  """:func:`bind` of a :class:`Stateful` (its state is an argument already);
+  any other ``fn`` unchanged."""
+  return bind(fn, policy, recorder) if isinstance(fn, Stateful) else fn
+
+
 def bind(fn: Callable[..., Any], policy: Policy | None,
          recorder: Recorder | None = None) -> Callable[..., Any]:
   """``fn`` with ``policy`` reaching its NNX modules through the hook.
@@ -156,6 +229,17 @@ def bind(fn: Callable[..., Any], policy: Policy | None,
   :func:`jaxprec._src.flax.scope.policy_scope`. The user's module is never
   modified (state the call writes stays in the clone).
   """
+  if isinstance(fn, Stateful):
+    def with_state(state, *args, **kwargs):
+      module = sys.modules["flax.nnx"].merge(fn.graphdef, state)  # a copy
+      if policy is not None and policy.has_dtypes:
+        check_dtypes(module, policy)
+      apply(module, policy, recorder)
+      with _in_force(policy):
+        return hook.run(module, "", fn.method, args, kwargs)
+    with_state.__wrapped__ = fn
+    with_state.__name__, with_state.__qualname__ = fn.__name__, fn.__qualname__
+    return with_state
   found = _module_and_method(fn, policy)
   if found is None:
     return fn

@@ -74,6 +74,7 @@ from jaxprec._src.core import numerics
 from jaxprec._src.core.names import unknown
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
 from jaxprec._src.emulation import compile_cache
+from jaxprec._src.flax import nnx_policy
 from jaxprec._src.inspect import cost as cost_lib
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.policy.policy import Policy
@@ -438,6 +439,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   "mode='emulate')", UserWarning, stacklevel=2)
   t_start = time.perf_counter()
   fn = cost_lib.unjit(fn)  # each policy must trace fn anew
+  fn, args = nnx_policy.stateful(fn, args)  # an NNX model: its state an argument
   call = harness.Args(args, dict(kwargs), who="jaxprec.search_policy")
   float32_policy = Policy(default="float32")
   if "dtype" in axes:
