@@ -1,5 +1,6 @@
 """The emulation kernel setting: precedence, errors, jit keys, auto's choice."""
 
+import inspect
 import json
 import os
 import re
@@ -104,14 +105,11 @@ def test_gpu_and_tpu_use_bf16_dots():
 
 
 def _cpu(monkeypatch, flags, model="Test CPU"):
-  """A CPU whose /proc/cpuinfo lists ``flags``; every timing fails the test."""
+  """A CPU whose /proc/cpuinfo lists ``flags``; kernels has no timing to run."""
   monkeypatch.delenv(kernels.ENV_VAR, raising=False)  # the tests are about 'auto'
   fields = {"flags": flags, "model name": model}
   monkeypatch.setattr(kernels, "_cpuinfo", fields.get)
-  fail = lambda *a, **k: pytest.fail("auto timed something")  # noqa: E731
-  monkeypatch.setattr(kernels, "measure", fail)
-  monkeypatch.setattr(kernels, "measure_one_pass", fail)
-  monkeypatch.setattr(kernels, "_best_ratio", fail)
+  assert "perf_counter" not in inspect.getsource(kernels)  # never timed
 
 
 # Float32 passes in both kernels (TF32, float16): the fewer dots, or f32 on
@@ -207,28 +205,6 @@ def test_auto_opens_no_cache_file(monkeypatch, tmp_path):
   jaxprec.emulated_dot_general(x, x, MATMUL, "high")
   jaxprec.current_kernel()
   assert not [f for f in opened if f.startswith(str(tmp_path))]
-
-
-def test_both_measurements_run_their_ops_even_inside_a_trace(monkeypatch):
-  # From inside a jax.jit trace (where the first emulated op usually asks for
-  # them), both figures time ops that ran, not their tracing.
-  got, waited_on, ready = [], [], jax.block_until_ready
-  monkeypatch.setattr(jax, "block_until_ready", lambda x: waited_on.extend(
-      jax.tree_util.tree_leaves(x)) or ready(x))
-
-  def fn(x):
-    got.append(kernels.measure_one_pass(shape=(16, 32, 64), repeats=2))
-    got.append(kernels.measure(size=64, repeats=2))
-    return x
-  jax.jit(fn)(np.ones(2, np.float32))
-  assert all(isinstance(r, float) and 0.01 < r < 100 for r in got), got
-  assert waited_on and not [v for v in waited_on
-                            if isinstance(v, jax.core.Tracer)]
-
-
-def test_measure_is_a_time_ratio():
-  r = kernels.measure(size=64, repeats=2)
-  assert 0.01 < r < 100
 
 
 def test_cache_dir(monkeypatch, tmp_path):

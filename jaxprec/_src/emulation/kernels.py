@@ -38,14 +38,11 @@ import dataclasses
 import functools
 import os
 import platform
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jaxprec._src.core import algorithms
 from jaxprec._src.core import names
@@ -63,21 +60,15 @@ BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 # dots) bfloat16 is widened to float32 (docs/performance.md). A constant, not
 # a timing, so that the choice does not move with the machine's load.
 NOMINAL_RATIO = {True: 0.55, False: 1.16}
-# measure() times 512-cubed dots: large enough that a bfloat16 dot's fixed
-# costs do not dominate the ratio.
-_BENCH_SIZE = 512
 # The f32 kernel runs an algorithm where it costs below this fraction of the
 # bf16 kernel (in float32-dot equivalents).
 F32_MARGIN = 0.9
-_BENCH_REPEATS = 9
 _OPS = ("dot_general", "conv_general_dilated")
 # One-pass algorithms: one dot on rounded operands in either kernel; they run
 # on bf16 on every CPU: without bfloat16 dot units the two kernels cost about
-# the same at one pass (measure_one_pass times the whole op at a BERT-base FFN
-# shape).
+# the same at one pass (benchmarks/bench_emulated_matmul.py).
 _ONE_PASS = tuple(a for a in algorithms.emulated()
                   if algorithms.record(a).dots[:2] == (1, 0))
-_ONE_PASS_SHAPE = (128, 768, 3072)
 
 
 def check_kernel(name: Any) -> str:
@@ -345,71 +336,3 @@ def bf16_dot_units() -> tuple[str, ...]:
   """
   flags = set((_cpuinfo("flags") or _cpuinfo("Features") or "").split())
   return tuple(f for f in BF16_UNIT_FLAGS if f in flags)
-
-
-# ---------------------------------------------------------------------------
-# Timings, for benchmarks and for choosing NOMINAL_RATIO: never read by auto.
-
-
-def measure(size: int = _BENCH_SIZE, repeats: int = _BENCH_REPEATS) -> float:
-  """Times a ``size``-cubed bfloat16 dot (float32 result) over a float32 dot.
-
-  The best of ``repeats`` alternating runs of each, after compiling: about
-  15 ms at 512 cubed on a CPU. Below 1 where the device has bfloat16 dot
-  units. Runs its dots even when called inside a ``jax.jit`` trace.
-  """
-  with jax.ensure_compile_time_eval():  # run, even when called in a trace
-    return _measure(size, repeats)
-
-
-def measure_one_pass(shape: tuple[int, int, int] = _ONE_PASS_SHAPE,
-                     repeats: int = _BENCH_REPEATS) -> float:
-  """Times the ``bf16`` kernel's one-pass matmul over the ``f32`` kernel's.
-
-  ``(m, k) @ (k, n)`` float32 operands rounded to bfloat16 values: converted
-  to bfloat16 and multiplied by a bfloat16 dot, against rounded in float32
-  and multiplied by a float32 dot; the best of ``repeats`` alternating runs
-  of each, after compiling (0.2-0.3 s with the compiling, on a CPU).
-  """
-  with jax.ensure_compile_time_eval():  # run, even when called in a trace
-    m, k, n = shape
-    dn = (((1,), (0,)), ((), ()))
-    rng = np.random.default_rng(1)
-    a = jnp.asarray(rng.standard_normal((m, k), np.float32))
-    b = jnp.asarray(rng.standard_normal((k, n), np.float32))
-    # Each kernel's own one-pass operands (passes.compute's parts).
-    from jaxprec._src.emulation import passes
-    part = lambda x, dtype: passes.compute(f"bf16/1/{dtype}", x)[0]  # noqa: E731
-    f32 = jax.jit(lambda x, y: jax.lax.dot_general(
-        part(x, "float32"), part(y, "float32"), dn,
-        precision=jax.lax.Precision.HIGHEST))
-    bf16 = jax.jit(lambda x, y: jax.lax.dot_general(
-        part(x, "bfloat16"), part(y, "bfloat16"), dn,
-        precision=jax.lax.Precision.DEFAULT,
-        preferred_element_type=jnp.float32))
-    return _best_ratio(bf16, f32, (a, b), (a, b), repeats)
-
-
-def _best_ratio(bf16, f32, bf16_args, f32_args, repeats: int) -> float:
-  best = {"f32": np.inf, "bf16": np.inf}
-  jax.block_until_ready((f32(*f32_args), bf16(*bf16_args)))
-  for _ in range(repeats):
-    for name, fn, args in (("f32", f32, f32_args), ("bf16", bf16, bf16_args)):
-      t = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      best[name] = min(best[name], time.perf_counter() - t)
-  return float(best["bf16"] / best["f32"])
-
-
-def _measure(size: int, repeats: int) -> float:
-  dn = (((1,), (0,)), ((), ()))
-  rng = np.random.default_rng(0)
-  a = jnp.asarray(rng.standard_normal((size, size), np.float32))
-  b = jnp.asarray(rng.standard_normal((size, size), np.float32))
-  f32 = jax.jit(lambda x, y: jax.lax.dot_general(
-      x, y, dn, precision=jax.lax.Precision.HIGHEST))
-  bf16 = jax.jit(lambda x, y: jax.lax.dot_general(  # whatever JAX's default
-      x, y, dn, precision=jax.lax.Precision.DEFAULT,
-      preferred_element_type=jnp.float32))
-  a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-  return _best_ratio(bf16, f32, (a16, b16), (a, b), repeats)
