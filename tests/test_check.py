@@ -825,3 +825,22 @@ def test_a_string_output_names_the_function_and_the_output():
   assert message.startswith(f"{__name__}._tagged returned a str at "
                             f"output['tag']"), message
   assert "harness" not in message
+
+
+def test_a_float64_reference_of_random_draws_is_said_out_loud():
+  # Under x64 jax.random samples float64 from other bits: the reference's
+  # dropout mask is not the rows'. Said out loud, in a warning and the
+  # reference's description.
+  def dropout(k, x, key):
+    h = x @ k
+    return jnp.where(jax.random.bernoulli(key, 0.7, h.shape), h / 0.7, 0)
+  k = np.ones((8, 8), np.float32)
+  x = np.ones((2, 8), np.float32)
+  with pytest.warns(UserWarning, match="other random numbers"):
+    report = jaxprec.check(dropout, k, x, jax.random.key(0),
+                           precisions=["bfloat16"], reference="float64")
+  assert "random" in report.numerics["(reference)"]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no random draw: no warning
+    jaxprec.check(lambda k, x: x @ k, k, x, precisions=["bfloat16"],
+                  reference="float64")

@@ -369,3 +369,50 @@ def test_check_and_search_read_an_nnx_models_state_at_each_call():
   want = quiet(jaxprec.search_policy, fresh, x, **kw)
   assert [s.worst_value for s in got.history] == [
       s.worst_value for s in want.history]
+
+
+class _Configured(nnx.Module):
+  """Lists and dicts among its attributes (an unhashable graph definition)
+  and a call keyword named ``state``."""
+
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(F, F, rngs=rngs)
+    self.sizes, self.cfg = [1, 2], {"a": 1}
+
+  def __call__(self, x, state=None):
+    return self.lin(x) + (0 if state is None else state)
+
+
+def test_nnx_models_with_list_attributes_and_a_state_keyword():
+  m = _Configured(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, F)) + 2.0**-9
+  value = lambda r: r.layers[0].metrics["bfloat16"].rel_rms  # noqa: E731
+  first = value(jaxprec.check(m, x, precisions=["bfloat16"]))
+  m.lin.kernel[...] = m.lin.kernel[...] * 3 + 0.1
+  again = value(jaxprec.check(m, x, precisions=["bfloat16"]))
+  fresh = _Configured(nnx.Rngs(0))
+  nnx.update(fresh, nnx.state(m))
+  assert again == value(jaxprec.check(fresh, x, precisions=["bfloat16"])) != first
+  # The user's keyword named `state` reaches the model's call.
+  s = x * 0.5
+  got = jaxprec.check(m, x, state=s, precisions=["bfloat16"])
+  want = jaxprec.check(lambda x, s: m(x, state=s), x, s, precisions=["bfloat16"])
+  assert value(got) == value(want)
+  _eq(jaxprec.emulate(m, "bfloat16")(x, state=s),
+      jaxprec.emulate(lambda x, s: m(x, state=s), "bfloat16")(x, s))
+  result = quiet(jaxprec.search_policy, m, x, state=s, tolerance=1e-3,
+                 verbose=False, budget=4)
+  assert result.evaluations >= 1
+  assert jaxprec.check_module(m, x, state=s, precisions=["bfloat16"]).layers
+
+
+def test_an_nnx_models_output_error_names_the_users_module():
+  class Tagged(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(F, F, rngs=rngs)
+
+    def __call__(self, x):
+      return {"h": self.lin(x), "tag": "not an array"}
+  with pytest.raises(TypeError) as e:
+    jaxprec.check(Tagged(nnx.Rngs(0)), jnp.ones((2, F)))
+  assert "Tagged.__call__" in str(e.value) and "jaxprec._src" not in str(e.value)

@@ -349,21 +349,21 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                       "variables (a dict with 'params') come first")
     variables = {k: v for k, v in args[0].items() if k != "intermediates"}
 
-    def captured(variables, *inputs, lost=None, **kw):
+    def captured(variables, /, *inputs, lost=None, **kw):
       return flax_capture.linen_outputs(module, variables, inputs, kw,
                                         method=method, capture=capture,
                                         lost=lost)
     # This trace warns of outputs that cannot be checked; the rows' do not.
     order = _execution_order(captured, (variables, *args[1:]), kwargs)
 
-    def linen_fn(variables, *inputs, **kw):
+    def linen_fn(variables, /, *inputs, **kw):
       return _in_order(captured(variables, *inputs, lost=[], **kw), order)
     return _check_cached(linen_fn, ("linen", module, method, capture, order),
                          variables, *args[1:], **common, **kwargs)
   if isinstance(module, nnx.Module):
     graphdef, state = nnx.split(module)
 
-    def captured(state, *inputs, **kw):
+    def captured(state, /, *inputs, **kw):
       m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
       scope = flax_state.active()
       if scope is not None:  # a policy row: its path rules reach NNX modules
@@ -374,7 +374,7 @@ def check_module(module: Any, *args: Any, method: str | None = None,
       return _nnx_intermediates(m, inter)
     order = _execution_order(captured, (state, *args), kwargs)
 
-    def nnx_fn(state, *inputs, **kw):
+    def nnx_fn(state, /, *inputs, **kw):
       return _in_order(captured(state, *inputs, **kw), order)
     return _check_cached(nnx_fn, ("nnx", graphdef, method, order), state,
                          *args, **common, **kwargs)

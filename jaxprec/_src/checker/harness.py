@@ -41,6 +41,7 @@ from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import trees
+from jaxprec._src.jaxpr import walker
 from jaxprec._src.policy import policy as policy_lib
 from jaxprec._src.policy.policy import Policy, UnusedRuleWarning
 from jaxprec._src.checker.rows import (
@@ -101,6 +102,30 @@ def has_dtype_decisions(fn, call: Args, cache: dict | None = None) -> bool:
   float32 model. A float32 model's reference is computed as before.
   """
   return narrow_compute(fn, call, cache)[1]
+
+
+# JAX's primitives that draw random bits (jax.random's samplers bind them).
+_RANDOM_BITS = frozenset({"random_bits", "threefry2x32"})
+
+
+def draws_random(fn, call: Args, cache: dict | None = None) -> bool:
+  """Whether ``fn`` draws random numbers (dropout in train mode, a sampler).
+
+  Under x64 ``jax.random``'s samplers draw float64 values from other bits, so
+  a float64 reference of such a function compares other random values than
+  its float32 rows use. One trace per function and signature (cached).
+  """
+  static = call.static
+
+  def make(fn_ref):
+    run = nnx_policy.bind(fn_ref(), None)
+    closed = jax.make_jaxpr(lambda dynamic: trees.jax_outputs(
+        run, static.call(run, dynamic)))(call.dynamic)
+    return any(w.eqn.primitive.name in _RANDOM_BITS
+               for w in walker.iter_eqns(closed))
+  key = None if call.key is None else (
+      "random", call.key, trees.signature(call.dynamic), compat.trace_context())
+  return _program(fn, key, make, cache)
 
 
 def narrow_compute(fn, call: Args, cache: dict | None = None
@@ -173,7 +198,8 @@ def _program(fn: Callable[..., Any], key: Any,
   """The program ``make(fn_ref)``, cached under ``key`` (None: not cached)."""
   try:
     fn_ref = weakref.ref(fn)
-  except TypeError:  # not weak-referenceable: no caching
+    hash(fn)
+  except TypeError:  # not weak-referenceable or not hashable: no caching
     return make(lambda: fn)
   if key is None:
     return make(fn_ref)
@@ -375,6 +401,15 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     desc += ", modules at float64"
   if x64:
     desc += note
+  if x64 and draws_random(fn, call, cache):  # said out loud: not comparable
+    desc += ("; fn draws random numbers, which x64 draws from other bits: "
+             "the reference's are not the rows' (check it in eval mode, or "
+             "against 'float32')")
+    warnings.warn(
+        "jaxprec: the float64 reference draws other random numbers than the "
+        "rows (jax.random samples float64 under x64), so its figures compare "
+        "different random values; check the model in eval mode (no dropout) "
+        "or use reference='float32'.", UserWarning, stacklevel=3)
   return Reference([n for n, _, _ in info], [s for _, s, _ in info],
                    [d for _, _, d in info], _layout(info, call.groups), hi, lo,
                    stats, description=desc, name=name)

@@ -144,7 +144,7 @@ def _in_force(policy: Policy | None):
   return flax_scope.policy_scope(policy)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity
 class Stateful:
   """An NNX module's method as a function of the module's state, its first
   argument: ``Stateful(graphdef, method)(state, *args)`` calls ``method`` on
@@ -163,11 +163,13 @@ class Stateful:
   graphdef: Any
   method: Callable[..., Any]
 
-  def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+  def __call__(self, state: Any, /, *args: Any, **kwargs: Any) -> Any:
     return self.method(sys.modules["flax.nnx"].merge(self.graphdef, state),
                        *args, **kwargs)
 
   def __post_init__(self):  # named as the user's method
+    object.__setattr__(self, "__module__",
+                       getattr(self.method, "__module__", None))
     object.__setattr__(self, "__qualname__",
                        getattr(self.method, "__qualname__", "Module.__call__"))
     object.__setattr__(self, "__name__",
@@ -182,6 +184,7 @@ class Stateful:
       record(out)
       return out
     observed.__qualname__ = getattr(method, "__qualname__", "observed")
+    observed.__module__ = getattr(method, "__module__", None)
     return Stateful(self.graphdef, observed)
 
 
@@ -230,7 +233,7 @@ def bind(fn: Callable[..., Any], policy: Policy | None,
   modified (state the call writes stays in the clone).
   """
   if isinstance(fn, Stateful):
-    def with_state(state, *args, **kwargs):
+    def with_state(state, /, *args, **kwargs):
       module = sys.modules["flax.nnx"].merge(fn.graphdef, state)  # a copy
       if policy is not None and policy.has_dtypes:
         check_dtypes(module, policy)
@@ -239,6 +242,7 @@ def bind(fn: Callable[..., Any], policy: Policy | None,
         return hook.run(module, "", fn.method, args, kwargs)
     with_state.__wrapped__ = fn
     with_state.__name__, with_state.__qualname__ = fn.__name__, fn.__qualname__
+    with_state.__module__ = fn.__module__
     return with_state
   found = _module_and_method(fn, policy)
   if found is None:
@@ -317,7 +321,7 @@ class Lifted:
           nodes.append((k, node))
     return (graphdef, tuple(places)), (state, *args), kwargs, nodes
 
-  def call(self, graphdefs: Any, state: Any, *args, **kwargs
+  def call(self, graphdefs: Any, state: Any, /, *args, **kwargs
            ) -> tuple[Any, tuple[Any, ...]]:
     """``(output, written)``: the method's output on a copy of the module
     made from ``state`` (and copies of the graph-node arguments made from
