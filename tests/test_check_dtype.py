@@ -128,7 +128,8 @@ def test_a_float32_model_checks_as_before():
   assert not harness.has_dtype_decisions(mlp, call)
   # Narrow, but in no module jaxprec can set: nothing to undo.
   assert harness.narrow_compute(
-      lambda w, x: mlp(w.astype(jnp.bfloat16), x), call) == (True, False, True)
+      lambda w, x: mlp(w.astype(jnp.bfloat16), x), call) == (
+          True, False, True, False)  # ..., and no random draws
 
 
 def test_reference_of_a_bfloat16_nnx_model_is_the_float32_model():
@@ -171,7 +172,7 @@ def test_narrow_casts_outside_modules_are_said_out_loud():
   w = jax.random.normal(jax.random.key(0), (8, 4))
   x = jax.random.normal(jax.random.key(1), (2, 8))
   call = harness.Args((w, x), {}, who="test")
-  assert harness.narrow_compute(own_casts, call) == (True, False, True)
+  assert harness.narrow_compute(own_casts, call) == (True, False, True, False)
   assert not harness.has_dtype_decisions(own_casts, call)
   r = jaxprec.check(own_casts, w, x, precisions=["bfloat16"], mode="emulate")
   ref = r.numerics["(reference)"]

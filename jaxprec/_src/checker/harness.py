@@ -108,35 +108,18 @@ def has_dtype_decisions(fn, call: Args, cache: dict | None = None) -> bool:
 _RANDOM_BITS = frozenset({"random_bits", "threefry2x32"})
 
 
-def draws_random(fn, call: Args, cache: dict | None = None) -> bool:
-  """Whether ``fn`` draws random numbers (dropout in train mode, a sampler).
-
-  Under x64 ``jax.random``'s samplers draw float64 values from other bits, so
-  a float64 reference of such a function compares other random values than
-  its float32 rows use. One trace per function and signature (cached).
-  """
-  static = call.static
-
-  def make(fn_ref):
-    run = nnx_policy.bind(fn_ref(), None)
-    closed = jax.make_jaxpr(lambda dynamic: trees.jax_outputs(
-        run, static.call(run, dynamic)))(call.dynamic)
-    return any(w.eqn.primitive.name in _RANDOM_BITS
-               for w in walker.iter_eqns(closed))
-  key = None if call.key is None else (
-      "random", call.key, trees.signature(call.dynamic), compat.trace_context())
-  return _program(fn, key, make, cache)
-
-
 def narrow_compute(fn, call: Args, cache: dict | None = None
-                   ) -> tuple[bool, bool, bool]:
-  """``(narrow, undoable, narrow_after)`` for ``fn`` at ``call``'s signature.
+                   ) -> tuple[bool, bool, bool, bool]:
+  """``(narrow, undoable, narrow_after, random)`` for ``fn`` at ``call``'s
+  signature.
 
   ``narrow``: its program computes in bfloat16 or float16; ``undoable``: the
   float32 reference policy reaches one of its modules (a ``dtype`` field set
   or a boundary cast); ``narrow_after``: under that policy it still computes
-  narrow (its own casts outside any module it can set). Two traces at most,
-  once per function and signature (cached).
+  narrow (its own casts outside any module it can set); ``random``: it draws
+  random numbers (dropout in train mode, a sampler), which ``jax.random``
+  draws from other bits under x64. Two traces at most, once per function and
+  signature (cached).
   """
   static = call.static
 
@@ -145,8 +128,10 @@ def narrow_compute(fn, call: Args, cache: dict | None = None
     closed = jax.make_jaxpr(lambda dynamic: trees.jax_outputs(
         run, static.call(run, dynamic)))(
         call.dynamic)
+    random = any(w.eqn.primitive.name in _RANDOM_BITS
+                 for w in walker.iter_eqns(closed))
     if not computes_narrow(closed):
-      return False, False, False
+      return False, False, False, random
     undo = policy_lib.reference_policy("float32")
     recorder = flax_scope.Recorder(undo)
     with warnings.catch_warnings():
@@ -158,7 +143,7 @@ def narrow_compute(fn, call: Args, cache: dict | None = None
             call.dynamic)
     reached = any(m.dtype_how in ("field", "boundary")
                   for m in recorder.report().matches)
-    return True, reached, computes_narrow(after) if reached else True
+    return True, reached, computes_narrow(after) if reached else True, random
   # Keyed on the arguments' shapes and dtypes and on what jax.jit keys on
   # (x64, a policy in force, ...): a bfloat16 input may make ``fn`` narrow.
   key = None if call.key is None else (
@@ -373,10 +358,10 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
                      f"{reference_lib.SUPPORTED}.") from None
   x64 = ref_plan is None
   undo = None
-  note = ""
+  note, random = "", False
   if x64 or (not isinstance(ref_plan.precision, Policy) and ref_plan.precision.name
              in ("float32", "F32_F32_F32")):
-    narrow, undoable, narrow_after = narrow_compute(fn, call, cache)
+    narrow, undoable, narrow_after, random = narrow_compute(fn, call, cache)
     if narrow_after:  # said out loud: what the reference cannot undo
       note = ("; it computes in bfloat16/float16 outside any module jaxprec "
               "can set (its own casts are kept)")
@@ -401,7 +386,7 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     desc += ", modules at float64"
   if x64:
     desc += note
-  if x64 and draws_random(fn, call, cache):  # said out loud: not comparable
+  if x64 and random:  # said out loud: not comparable
     desc += ("; fn draws random numbers, which x64 draws from other bits: "
              "the reference's are not the rows' (check it in eval mode, or "
              "against 'float32')")

@@ -62,10 +62,6 @@ class OpaqueOpWarning(UserWarning):
   host callback): they run natively, not as the emulated target would."""
 
 
-_CONV_PARAMS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
-                "dimension_numbers", "feature_group_count", "batch_group_count")
-
-
 def emulation_rule(default: Precision, *, target: str,
                    conv_default: Precision | None = None,
                    on_opaque: Callable[[str], None] | None = None,
@@ -110,16 +106,15 @@ def emulation_rule(default: Precision, *, target: str,
       return low
     p = eqn.params
     if prim is lax.dot_general_p:
-      params = {"dimension_numbers": p["dimension_numbers"]}
       prec = dot_default if p["precision"] is None else p["precision"]
     elif prim is lax.conv_general_dilated_p:
-      params = {k: p[k] for k in _CONV_PARAMS}
       prec = (conv_default if p["precision"] is None
               else numerics.lowered(p["precision"], "conv"))
     else:
       return None
     out = emulated_ops.emulated_op(
-        prim.name, *invals, params, prec, p.get("preferred_element_type"),
+        prim.name, *invals, emulated_ops.op_params(eqn), prec,
+        p.get("preferred_element_type"),
         target=target, guard=guard(eqn), **options)
     return [out]
   return rule

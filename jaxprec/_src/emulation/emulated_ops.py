@@ -354,6 +354,15 @@ _CONV_PARAMS = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
                 "dimension_numbers", "feature_group_count", "batch_group_count")
 
 
+def op_params(eqn) -> dict[str, Any]:
+  """The lax op's arguments of a ``dot_general`` or ``conv_general_dilated``
+  equation, other than its precision and result type (:func:`emulated_op`'s
+  ``params``)."""
+  keys = (_CONV_PARAMS if eqn.primitive.name == "conv_general_dilated"
+          else ("dimension_numbers",))
+  return {k: eqn.params[k] for k in keys}
+
+
 def _emulate_again(spec: _Spec) -> walker.Rule:
   """The walker rule that emulates every op at ``spec``'s algorithm."""
   def rule(eqn, invals):
@@ -363,9 +372,8 @@ def _emulate_again(spec: _Spec) -> walker.Rule:
     l, r = invals
     if not emulatable(l.dtype, r.dtype):
       return None
-    keys = _CONV_PARAMS if name == "conv_general_dilated" else ("dimension_numbers",)
-    params = {k: eqn.params[k] for k in keys}
-    s = _make_spec(name, params, l, r, eqn.params.get("preferred_element_type"),
+    s = _make_spec(name, op_params(eqn), l, r,
+                   eqn.params.get("preferred_element_type"),
                    spec.algorithm, spec.tf32_rounding, spec.kernel)
     return [_marked(s, l, r)]
   return rule
