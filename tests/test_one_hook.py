@@ -416,3 +416,19 @@ def test_an_nnx_models_output_error_names_the_users_module():
   with pytest.raises(TypeError) as e:
     jaxprec.check(Tagged(nnx.Rngs(0)), jnp.ones((2, F)))
   assert "Tagged.__call__" in str(e.value) and "jaxprec._src" not in str(e.value)
+
+
+def test_models_whose_static_attributes_compare_equal_share_no_program():
+  # 2 == 2.0, but x ** 2 and x ** 2.0 trace to different programs.
+  class Power(nnx.Module):
+    def __init__(self, p, rngs):
+      self.lin, self.p = nnx.Linear(F, F, rngs=rngs), p
+
+    def __call__(self, x):
+      return self.lin(x) ** self.p
+  from jaxprec._src.flax import nnx_policy
+  x = jnp.ones((2, F))
+  same = [nnx_policy.stateful(Power(2, nnx.Rngs(0)), (x,))[0] for _ in range(2)]
+  assert same[0] is same[1]  # one structure: one program cache
+  other = nnx_policy.stateful(Power(2.0, nnx.Rngs(0)), (x,))[0]
+  assert other is not same[0]

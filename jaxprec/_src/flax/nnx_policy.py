@@ -199,16 +199,20 @@ def stateful(fn: Callable[..., Any], args: tuple
   module, method = found
   graphdef, state = sys.modules["flax.nnx"].split(module)
   try:
-    made = _stateful(graphdef, method)
+    # Its text too: static attributes that compare equal but trace
+    # differently (2 and 2.0, 0.0 and -0.0) give equal graph definitions.
+    made = _stateful(graphdef, method, repr(graphdef))
   except TypeError:  # a graph definition that is not hashable: not shared
     made = Stateful(graphdef, method)
   return made, (state, *args)
 
 
 @functools.lru_cache(maxsize=16)
-def _stateful(graphdef: Any, method: Callable[..., Any]) -> Stateful:
+def _stateful(graphdef: Any, method: Callable[..., Any], text: str
+              ) -> Stateful:
   # One per graph definition: programs compiled for it serve every model of
   # that structure, whatever its state (an argument).
+  del text  # part of the key only
   return Stateful(graphdef, method)
 
 
