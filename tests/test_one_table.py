@@ -24,7 +24,7 @@ import jaxprec
 from jaxprec._src.core import algorithms, numerics
 from jaxprec._src.core.precision import resolve
 from jaxprec._src.emulation import kernels
-from jaxprec._src.inspect import chips, cost
+from jaxprec._src.inspect import cost
 from jaxprec._src.search import search
 
 import reference
@@ -114,8 +114,8 @@ def test_audit_emulation_and_cost_agree_on_every_precision(target):
     assert len(reference.passes(column)) == meaning.passes, p.name
     assert _in_format(reference.operand_parts(X, column), meaning.pass_format)
     assert _in_format(reference.operand_parts(W, column), meaning.pass_format)
-    assert chips.pass_type(column, target) == (meaning.pass_format,
-                                               meaning.passes)
+    assert algorithms.pass_type(column, target) == (meaning.pass_format,
+                                                    meaning.passes)
     # What the emulation computes is those passes, bit for bit.
     want = reference.emulate(X, W, column, CONTRACT)
     np.testing.assert_array_equal(got, want, err_msg=f"{p.name} on {target}")
@@ -164,7 +164,7 @@ def test_every_module_reads_the_record():
   for name, r in algorithms.RECORDS.items():
     for target in algorithms.TARGETS:
       runs = target in r.targets
-      assert chips.pass_type(name, target) == (
+      assert algorithms.pass_type(name, target) == (
           (r.pass_format, r.passes) if runs else None), (name, target)
       weight = cost.WEIGHTS[target].get(name)
       if name in numerics.ALGORITHMS and runs and (
@@ -181,7 +181,7 @@ def test_every_module_reads_the_record():
   # Native float32 is the target's HIGHEST, and HIGHEST is the search's top.
   for target in algorithms.TARGETS:
     f32 = resolve("float32").on(target)
-    assert chips.FLOAT32_ALGORITHM[target] == f32.algorithm
+    assert algorithms.float32_algorithm(target) == f32.algorithm
     assert cost.WEIGHTS[target]["native float32"] == cost.WEIGHTS[target][f32.algorithm]
     algos = [resolve(c).on(target) for c in search.DEFAULT_CANDIDATES[target]]
     assert all(a.supported for a in algos) and algos[-1] == f32

@@ -544,7 +544,7 @@ def _dot_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
   (_, rhs_contract), (_, rhs_batch) = dimension_numbers
   rhs_free = [d for i, d in enumerate(rhs_shape)
               if i not in rhs_contract and i not in rhs_batch]
-  return _int(2 * math.prod(lhs_shape) * math.prod(rhs_free))
+  return known_int(2 * math.prod(lhs_shape) * math.prod(rhs_free))
 
 
 def _conv_flops(out_shape, rhs_shape, dimension_numbers) -> int:
@@ -552,13 +552,14 @@ def _conv_flops(out_shape, rhs_shape, dimension_numbers) -> int:
   # kernel's input-feature dimension already holds in_features / groups.
   rhs_spec = dimension_numbers.rhs_spec  # (out feature, in feature, spatial...)
   spatial = math.prod(rhs_shape[i] for i in rhs_spec[2:])
-  return _int(2 * math.prod(out_shape) * spatial * rhs_shape[rhs_spec[1]])
+  return known_int(2 * math.prod(out_shape) * spatial * rhs_shape[rhs_spec[1]])
 
 
-def _int(x) -> int:
+def known_int(x) -> int:
+  """``int(x)``, or 0 for a symbolic size (``jax.export``)."""
   try:
     return int(x)
-  except (TypeError, ValueError):  # symbolic shapes (jax.export)
+  except (TypeError, ValueError):
     return 0
 
 

@@ -15,8 +15,8 @@ A pass type is the dtype a matrix unit multiplies in: ``'bfloat16'``,
 ``'float16'``, ``'tensorfloat32'``, ``'float32'`` (CUDA cores, no tensor
 cores), ``'int8'``. Each algorithm's record in the one table
 (:mod:`jaxprec._src.core.algorithms`) says which one it uses and how many times
-(:func:`pass_type`); float32 on a TPU is six bfloat16 passes (XLA's
-dot_algorithm_rewriter.cc, openxla/xla).
+(:func:`jaxprec._src.core.algorithms.pass_type`); float32 on a TPU is six
+bfloat16 passes (XLA's dot_algorithm_rewriter.cc, openxla/xla).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from collections.abc import Mapping
 
 from jaxprec._src.core import algorithms
 from jaxprec._src.core import names
-from jaxprec._src.core import numerics
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,11 +99,6 @@ CHIPS: Mapping[str, Chip] = {
         source="https://www.nvidia.com/en-us/data-center/h100/"),
 }
 
-# Native float32 runs as the target's float32 algorithm (the one table).
-FLOAT32_ALGORITHM: Mapping[str, str] = {
-    t: algorithms.float32_algorithm(t) for t in numerics.TARGETS}
-
-
 def check_chip(chip: object) -> Chip:
   """The :class:`Chip` named ``chip`` (case-insensitive, ``_`` read as ``-``).
 
@@ -129,14 +123,6 @@ def check_chip(chip: object) -> Chip:
   raise names.unknown("chip", chip, CHIPS)
 
 
-def pass_type(algorithm: str, target: str) -> tuple[str, int] | None:
-  """``(pass type, passes)`` of ``algorithm`` (or a ``'native <dtype>'``
-  cost key) on ``target``, from the one table's record
-  (:func:`jaxprec._src.core.algorithms.pass_type`); None when unknown (a custom
-  algorithm, one the target does not run)."""
-  return algorithms.pass_type(algorithm, target)
-
-
 def op_seconds(chip: Chip, algorithm: str, flops: float, nbytes: float
                ) -> float | None:
   """The roofline time of one op: ``max(passes * flops / peak, nbytes /
@@ -153,7 +139,7 @@ def op_seconds(chip: Chip, algorithm: str, flops: float, nbytes: float
     >>> op_seconds(v5e, "tf32", 1e9, 1e6) is None
     True
   """
-  kind = pass_type(algorithm, chip.target)
+  kind = algorithms.pass_type(algorithm, chip.target)
   if kind is None or kind[0] not in chip.peak:
     return None
   dtype, passes = kind

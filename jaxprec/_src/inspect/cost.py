@@ -1,49 +1,22 @@
 """What a precision policy costs: FLOPs weighted by the passes each op needs.
 
-:func:`cost` traces a function as :func:`jaxprec.emulate` traces it under a
-policy (the policy's interception in force, JAX's flag cleared), lists its
-matmuls and convolutions with :func:`jaxprec.audit` (the shared walker, no
-other jaxpr walk), finds for each op the algorithm the target runs
-(:func:`jaxprec._src.core.numerics.algorithm_for`, the same function the
-emulation uses), and weighs its FLOPs by that algorithm's cost in passes.
+:func:`cost` lists a function's matmuls and convolutions with
+:func:`jaxprec.audit`, traced as :func:`jaxprec.emulate` traces it under a
+policy, finds for each op the algorithm the target runs
+(:func:`jaxprec._src.core.numerics.algorithm_for`, as the emulation does), and
+weighs its FLOPs by that algorithm's passes times the cost of one pass in its
+format (:data:`PASS_COSTS`), in units of the target's cheapest float32 matmul
+pass (``docs/search.md`` has the table with sources):
 
-Weights (:data:`WEIGHTS`), in units of the target's cheapest float32 matmul
-(``docs/search.md`` has the table with sources):
+* TPU: one bfloat16 MXU pass is 1, so ``bf16x3`` 3, ``bf16x6`` (``float32``) 6.
+* NVIDIA GPU: one TF32 tensor-core pass is 1; ``f32`` (no tensor cores) 8,
+  the A100's dense TF32/FP32 ratio (156 / 19.5 TFLOPS; the H100 SXM's is
+  495 / 67 = 7.4); bfloat16 and float16 tensor-core passes 0.5 (twice TF32's
+  rate on both); 8-bit operands 0.25; float64 8 (A100: 19.5 TFLOPS).
 
-* TPU: one bfloat16 MXU pass is 1, so ``bf16x1`` 1, ``bf16x3`` 3, ``bf16x6``
-  6 (``float32``), ``bf16x9`` 9; bfloat16 operands 1.
-* NVIDIA GPU: one TF32 tensor-core pass is 1, so ``tf32`` 1, ``tf32x3`` 3;
-  ``f32`` (no tensor cores) 8, the A100's dense TF32/FP32 ratio (156 / 19.5
-  TFLOPS; the H100 SXM's is 495 / 67 = 7.4); bfloat16 and float16 tensor-core
-  passes 0.5 (twice TF32's rate on both), so ``bf16x3`` 1.5 and ``bf16x6`` 3;
-  8-bit operands 0.25; float64 8 (A100: 19.5 TFLOPS).
-
-Ops whose algorithm has no weight (``unknown``, e.g. a custom
-``lax.DotAlgorithm``, or float16 passes on a TPU) are counted in
-``unknown_flops`` and left out of both totals; pass ``weights=`` to give them
-one. An op whose algorithm the target does not run (``F32_F32_F32`` or a
-TF32 preset on a TPU) has no cost there: :func:`cost` raises
-``UnsupportedAlgorithmError``, as the emulation does, naming the precisions
-the target runs.
-
-The weights are passes times the cost of one pass in its format
-(:data:`PASS_COSTS`), both read from the one table
-(:mod:`jaxprec._src.core.algorithms`).
-
-The float32 baseline is the same function with ``policy='float32'``: every
-op the policy can reach at float32, ops whose code sets a precision as they
-are.
-
-Bytes and time: every op also moves its operands and its result
-at their dtypes (:attr:`CostRow.bytes`; the all-float32 program moves them
-at 4 bytes an element, :attr:`CostRow.float32_bytes`). With ``chip=`` (a
-key of :data:`jaxprec._src.inspect.chips.CHIPS`: ``'tpu-v4'``, ``'tpu-v5e'``,
-``'tpu-v5p'``, ``'a100'``, ``'h100'``) each op takes the roofline time
-``max(passes * FLOPs / peak of its pass type, bytes / HBM bandwidth)``
-(:func:`jaxprec._src.inspect.chips.op_seconds`), against the same op with float32
-operands and result at the target's float32 algorithm (``bf16x6`` on a TPU,
-``f32`` on a GPU). ``docs/cost.md`` has the figures, their sources and what
-the model leaves out (overlap, fusion, caches).
+With a chip (:mod:`jaxprec._src.inspect.chips`) each op also takes a roofline
+time; ``docs/cost.md`` has the figures, their sources and what the model
+leaves out.
 """
 
 from __future__ import annotations
@@ -81,8 +54,6 @@ CHIPS = chips_lib.CHIPS
 ``hbm_bytes_per_s`` and ``source`` (the spec sheet). ``docs/cost.md`` has
 the table."""
 
-TARGETS = numerics.TARGETS
-
 # Cost of one pass in each format, per FLOP, in units of the target's
 # cheapest float32 matmul pass (module docstring; docs/search.md for the
 # sources). A pass format a target has no figure for is left unweighted.
@@ -112,10 +83,6 @@ WEIGHTS: Mapping[str, Mapping[str, float]] = {
     t: _weights(t) for t in numerics.TARGETS}
 
 
-# One checker for every entry point (kept here by name for old callers).
-check_target = numerics.check_target
-
-
 def weights_for(target: str, weights: Mapping[str, float] | None = None
                 ) -> dict[str, float]:
   """:data:`WEIGHTS` of ``target`` updated with ``weights`` (validated)."""
@@ -129,31 +96,13 @@ def weights_for(target: str, weights: Mapping[str, float] | None = None
   return out
 
 
-def _dtype_class(name: str) -> str:
-  if name.startswith("float8"):
-    return "float8"
-  if name in ("int8", "uint8"):
-    return "int8"
-  return name
-
-
 def _native_key(lhs: str, rhs: str) -> str:
+  """The cost key of an op on ``lhs`` x ``rhs`` operands the precision does
+  not apply to: ``'native <the wider dtype>'``, 8-bit types by class."""
+  a, b = ("float8" if d.startswith("float8") else "int8"
+          if d in ("int8", "uint8") else d for d in (lhs, rhs))
   order = ("float64", "float32", "bfloat16", "float16", "float8", "int8")
-  a, b = _dtype_class(lhs), _dtype_class(rhs)
-  ranked = [d for d in order if d in (a, b)]
-  return f"native {ranked[0] if ranked else a}"
-
-
-def op_kind(row: audit_lib.AuditRow) -> str:
-  return numerics.op_kind(row.primitive)
-
-
-def recorded_for(p: Precision, kind: str) -> Any:
-  """The ``precision`` an op of ``kind`` records (or is emulated at) under ``p``:
-  :func:`numerics.per_op`, with the backend default read as the target's
-  DEFAULT."""
-  per_op = numerics.per_op(p, kind)
-  return lax.Precision.DEFAULT if per_op is None else per_op
+  return f"native {next((d for d in order if d in (a, b)), a)}"
 
 
 def algorithm(row: audit_lib.AuditRow, target: str,
@@ -175,9 +124,10 @@ def algorithm(row: audit_lib.AuditRow, target: str,
       (``F32_F32_F32`` or a TF32 preset on a TPU), as the emulation raises.
   """
   prec = row.precision
-  if prec is None:
-    prec = lax.Precision.DEFAULT if unset is None else recorded_for(
-        unset, op_kind(row))
+  if prec is None and unset is not None:
+    prec = numerics.per_op(unset, numerics.op_kind(row.primitive))
+  if prec is None:  # the backend default: the target's DEFAULT
+    prec = lax.Precision.DEFAULT
   try:
     algo = algorithm_for(prec, target, jnp.dtype(row.lhs_dtype),
                          jnp.dtype(row.rhs_dtype), op=row.primitive)
@@ -400,26 +350,18 @@ class CostReport:
     return cost_text.format_report(self)
 
 
-def _as_policy(policy: PolicyLike | None) -> Policy | None:
-  if policy is None:
-    return None
-  return policy_lib.as_policy(policy)
-
-
-def _unset_precision(policy: Policy | None, kind: str) -> Precision:
-  """What ``jaxprec.emulate(fn, policy)`` gives an op that recorded none."""
-  from jaxprec._src.core.context import current  # noqa: PLC0415 -- as emulate does
-  p = None if policy is None else policy.precision_for("", None, kind)
-  return current() if p is None else p
-
-
 def _costs(rows, policy: Policy | None, target: str,
            weights: Mapping[str, float]) -> list[tuple[str, float | None]]:
-  """``(algorithm, cost or None)`` of each row under ``policy``."""
-  unset = {k: _unset_precision(policy, k) for k in ("dot", "conv")}
+  """``(algorithm, cost or None)`` of each row under ``policy``; an op that
+  recorded no precision gets what ``jaxprec.emulate(fn, policy)`` gives it."""
+  from jaxprec._src.core.context import current  # noqa: PLC0415 -- as emulate does
+  unset = {}
+  for kind in numerics.OP_KINDS:
+    p = None if policy is None else policy.precision_for("", None, kind)
+    unset[kind] = current() if p is None else p
   out = []
   for r in rows:
-    algo = algorithm(r, target, unset[op_kind(r)])
+    algo = algorithm(r, target, unset[numerics.op_kind(r.primitive)])
     w = weights.get(algo)
     out.append((algo, None if w is None else r.flops * w))
   return out
@@ -433,18 +375,11 @@ def op_bytes(row: audit_lib.AuditRow) -> tuple[int, int]:
   for shape, dtype in ((row.lhs_shape, row.lhs_dtype),
                        (row.rhs_shape, row.rhs_dtype),
                        (row.out_shape, row.out_dtype)):
-    n = _int(math.prod(shape))
+    n = audit_lib.known_int(math.prod(shape))
     dt = jnp.dtype(dtype)
     moved += n * dt.itemsize
     f32 += n * (4 if jnp.issubdtype(dt, jnp.floating) else dt.itemsize)
   return moved * row.trip_count, f32 * row.trip_count
-
-
-def _int(x: Any) -> int:
-  try:
-    return int(x)
-  except (TypeError, ValueError):  # symbolic shapes (jax.export)
-    return 0
 
 
 def _target_and_chip(target: str | None, chip: str | None
@@ -452,7 +387,7 @@ def _target_and_chip(target: str | None, chip: str | None
   spec = None if chip is None else chips_lib.check_chip(chip)
   if target is None:
     return ("tpu" if spec is None else spec.target), spec
-  target = check_target(target)
+  target = numerics.check_target(target)
   if spec is not None and spec.target != target:
     raise ValueError(
         f"chip {spec.name!r} is a {spec.target.upper()} but target={target!r}; "
@@ -526,7 +461,7 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
                     f"{type(fn).__name__}")
   target, spec = _target_and_chip(target, chip)
   table = weights_for(target, weights)
-  pol = _as_policy(policy)
+  pol = None if policy is None else policy_lib.as_policy(policy)
   base = Policy(default="float32")
   report = trace_rows(fn, args, kwargs, pol)
   rows = report.rows
@@ -538,20 +473,20 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
         f"relative to float32 needs the same ops")
   costs = _costs(rows, pol, target, table)
   base_costs = _costs(base_rows, base, target, table)
-  f32_algo = chips_lib.FLOAT32_ALGORITHM[target]
+  f32_algo = algorithms.float32_algorithm(target)
   per_path: dict[str, dict[str, Any]] = {}
   by_algo: dict[str, int] = {}
   for r, (algo, c), (_, c32) in zip(rows, costs, base_costs):
     by_algo[algo] = by_algo.get(algo, 0) + r.flops
     e = per_path.setdefault(r.module_path, {
-        "ops": 0, "flops": 0, "algorithms": [], "cost": 0.0,
+        "ops": 0, "flops": 0, "algorithms": (), "cost": 0.0,
         "float32_cost": 0.0, "unknown_flops": 0, "bytes": 0,
         "float32_bytes": 0, "seconds": 0.0, "float32_seconds": 0.0,
         "untimed_flops": 0})
     e["ops"] += 1
     e["flops"] += r.flops
     if algo not in e["algorithms"]:
-      e["algorithms"].append(algo)
+      e["algorithms"] += (algo,)
     if c is None or c32 is None:  # no weight: out of both totals
       e["unknown_flops"] += r.flops
     else:
@@ -568,27 +503,16 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
         e["seconds"] += t
         e["float32_seconds"] += chips_lib.op_seconds(
             spec, f32_algo, r.flops, moved32)
-  timed = spec is not None
-  out = tuple(CostRow(path=path, ops=e["ops"], flops=e["flops"],
-                      algorithms=tuple(e["algorithms"]), cost=e["cost"],
-                      float32_cost=e["float32_cost"],
-                      unknown_flops=e["unknown_flops"], bytes=e["bytes"],
-                      float32_bytes=e["float32_bytes"],
-                      seconds=e["seconds"] if timed else None,
-                      float32_seconds=e["float32_seconds"] if timed else None,
-                      untimed_flops=e["untimed_flops"])
-              for path, e in per_path.items())
+  if spec is None:
+    for e in per_path.values():
+      e["seconds"] = e["float32_seconds"] = None
+  out = tuple(CostRow(path=path, **e) for path, e in per_path.items())
+  totals = {k: sum(getattr(r, k) for r in out) for k in (
+      "flops", "cost", "float32_cost", "unknown_flops", "bytes",
+      "float32_bytes", "untimed_flops", "seconds", "float32_seconds")
+            if spec is not None or "seconds" not in k}
   return CostReport(
       function=report.function,
       policy="" if pol is None else str(pol), target=target, rows=out,
-      flops=sum(r.flops for r in out), cost=sum(r.cost for r in out),
-      float32_cost=sum(r.float32_cost for r in out),
-      unknown_flops=sum(r.unknown_flops for r in out),
       by_algorithm=dict(sorted(by_algo.items(), key=lambda kv: (-kv[1], kv[0]))),
-      weights=table, chip=None if spec is None else spec.name,
-      bytes=sum(r.bytes for r in out),
-      float32_bytes=sum(r.float32_bytes for r in out),
-      seconds=sum(r.seconds for r in out) if timed else None,
-      float32_seconds=(sum(r.float32_seconds for r in out) if timed
-                       else None),
-      untimed_flops=sum(r.untimed_flops for r in out))
+      weights=table, chip=None if spec is None else spec.name, **totals)
