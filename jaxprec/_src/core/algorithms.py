@@ -184,11 +184,6 @@ def level_meaning(level: str, target: str) -> Numerics:
   return meaning(LEVELS[target][level], target)
 
 
-def preset_meaning(preset: str, target: str) -> Numerics:
-  """What ``target`` computes for the ``lax.DotAlgorithmPreset`` ``preset``."""
-  return meaning(PRESETS[preset], target)
-
-
 def float32_algorithm(target: str) -> str:
   """The algorithm ``target`` runs at ``HIGHEST``: its float32 matmul."""
   return LEVELS[target]["HIGHEST"]

@@ -1,16 +1,10 @@
 """Scoping: ``jaxprec.precision(p)`` as a decorator and a context manager.
 
-Both forms set ``jax.default_matmul_precision`` to the normalised value for the
-dynamic extent of the call or block (thread-local, restored in ``finally``).
-
-The decorator form also fixes JAX's preset pitfall (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py):
-``conv_general_dilated`` understands precision *levels* only, so under a
-``DotAlgorithmPreset`` such as ``F32_F32_F32`` JAX lowers convolutions with
-``precision_config = [DEFAULT, DEFAULT]`` (one bfloat16 pass on TPU). A function
-decorated with a preset is traced once per input signature (like ``jax.jit``),
-and its convolutions that recorded the preset are re-bound at the matching
-level (``Precision.level``: HIGHEST for ``F32_F32_F32``). The ``with`` form
-cannot see equations being recorded, so it warns once per preset instead.
+Both forms set ``jax.default_matmul_precision`` for the dynamic extent of the
+call or block. Under a ``DotAlgorithmPreset`` JAX lowers convolutions at
+``DEFAULT`` (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py):
+the decorator re-binds them at the preset's level, the ``with`` form warns
+(:class:`precision`).
 """
 
 from __future__ import annotations
@@ -53,7 +47,7 @@ def _warn_preset_once(p: Precision) -> None:
       f"convolutions under a DotAlgorithmPreset at precision DEFAULT (one "
       f"bfloat16 pass on TPU), not at {p.level.name}. Fix: decorate the "
       f"function instead (@jaxprec.precision({p.name!r}) re-binds its convs at "
-      f"{p.level.name}), or use the level {numerics.level_name(p.level)!r}, or pass "
+      f"{p.level.name}), or use the level {resolve(p.level).name!r}, or pass "
       f"precision=lax.Precision.{p.level.name} to the convolutions.",
       PresetConvWarning, stacklevel=3)
 
@@ -69,13 +63,6 @@ def _conv_rule(p: Precision) -> walker.Rule:
       return [eqn.primitive.bind(*invals, **params)]
     return None
   return rule
-
-
-def _has_preset_conv(closed) -> bool:
-  return any(
-      w.eqn.primitive is lax.conv_general_dilated_p
-      and isinstance(w.eqn.params.get("precision"), lax.DotAlgorithmPreset)
-      for w in walker.iter_eqns(closed))
 
 
 class precision:  # noqa: N801 -- reads as a function, like jax.default_matmul_precision
@@ -125,9 +112,6 @@ class precision:  # noqa: N801 -- reads as a function, like jax.default_matmul_p
   def __enter__(self) -> Precision:
     if self.precision.is_preset:
       _warn_preset_once(self.precision)
-    return self._enter()
-
-  def _enter(self) -> Precision:
     cm = jax.default_matmul_precision(self.precision.flag)
     cm.__enter__()
     stack = getattr(self._local, "stack", None)
@@ -171,16 +155,8 @@ class precision:  # noqa: N801 -- reads as a function, like jax.default_matmul_p
     def preset_wrapper(*args, **kwargs):
       with jax.default_matmul_precision(p.flag):
         call = walker.trace_call(fn, args, kwargs, cache)
-        needs_rewrite = _has_preset_conv(call.jaxpr)
-        outs = walker.interpret(call.jaxpr, rule if needs_rewrite else _keep,
-                                *call.dynamic)
-        return call.unflatten(outs)
+        return call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
     return preset_wrapper  # type: ignore[return-value]
-
-
-def _keep(eqn, invals):
-  del eqn, invals
-  return None
 
 
 def current() -> Precision:

@@ -1,29 +1,14 @@
 """The one table of precision decisions: what runs for an op, and how to ask for it.
 
-Every feature that decides something about an op's numerics asks here: the
+Every feature that decides something about an op's numerics asks here (the
 audit, the cost model, the emulation, the Flax interception and modules, the
-checker and the search. A fact written here once is never re-derived elsewhere
-(``docs/architecture.md``).
-
-* **Targets and modes**: :data:`TARGETS` (what a TPU or GPU computes),
-  :data:`EMULATION_TARGETS` (plus ``'cpu'``/``'native'``: emulate nothing),
-  :data:`MODES`, and the one checker of each, :func:`check_target`,
-  :func:`resolve_mode` (unknown names raise
-  :func:`jaxprec._src.core.names.unknown`'s one message).
-* **Levels**: :func:`level_name`, the jaxprec name of a ``lax.Precision``.
-* **What an op records under a precision** (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py: a
-  convolution understands levels only, so under a preset it runs at the
-  preset's level, never at JAX's silent DEFAULT): :func:`per_op` and
-  :func:`flag_for`.
-* **What a target runs** for an op at a precision and operand dtypes, the
-  one decision that the audit, the emulation and the cost model share:
-  :func:`op_numerics` (the record of the one table of algorithms,
-  :mod:`jaxprec._src.core.algorithms`) and :func:`algorithm_for` (its name, one of
-  :data:`ALGORITHMS`, whose passes are :data:`PASSES`). An algorithm the
-  target does not run raises :class:`UnsupportedAlgorithmError`.
-* **Compute dtypes** a policy may give a module: :data:`DTYPES`, their
-  spellings and sizes (:data:`DTYPE_BYTES`), and the one checker,
-  :func:`canonical_dtype`.
+checker and the search): the targets and modes and their one checker
+(:func:`check_target`, :func:`resolve_mode`), the ``precision=`` an op gets
+under a precision (:func:`per_op`, :func:`flag_for`: a convolution understands
+levels only, JAX's conv_general_dilated lowering,
+jax/_src/lax/convolution.py), what a target runs for it (:func:`op_numerics`,
+:func:`algorithm_for`), and the compute dtypes a policy may give a module
+(:func:`canonical_dtype`).
 """
 
 from __future__ import annotations
@@ -59,8 +44,6 @@ PASSES = {"native": 1, **{a: algorithms.record(a).passes
                           for a in ALGORITHMS[1:]}}
 
 _P = lax.Precision
-_LEVEL_NAMES = {_P.DEFAULT: "bfloat16", _P.HIGH: "tensorfloat32",
-                _P.HIGHEST: "float32"}
 # Compute dtypes a policy may give a module (Rule(dtype=), default_dtype), by
 # their numpy names. float64 only for jaxprec's own reference runs.
 DTYPES = ("bfloat16", "float16", "float32")
@@ -144,12 +127,6 @@ def resolve_mode(mode: Any, target: str) -> str:
   return "native" if backend in native else "emulate"
 
 
-def level_name(level: lax.Precision) -> str:
-  """jaxprec's name of a ``lax.Precision`` level: ``'bfloat16'``,
-  ``'tensorfloat32'`` or ``'float32'``."""
-  return _LEVEL_NAMES[level]
-
-
 def op_kind(primitive: Any) -> str:
   """``'dot'`` or ``'conv'`` for a primitive or its name."""
   name = getattr(primitive, "name", primitive)
@@ -164,8 +141,8 @@ def per_op(p: Precision | None, kind: str) -> Any:
 
   None for the backend default (or ``p`` None). Dots take the preset or the
   level pair; convolutions take the level, because JAX lowers a convolution
-  under a preset at DEFAULT (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py), which is never what the
-  preset means. This is the one place that rule lives.
+  under a preset at DEFAULT (JAX's conv_general_dilated lowering,
+  jax/_src/lax/convolution.py), which is never what the preset means.
 
   Examples:
     >>> import jaxprec
@@ -177,15 +154,14 @@ def per_op(p: Precision | None, kind: str) -> Any:
   """
   if p is None or p.flag is None:
     return None
-  if kind == "conv":
-    return p.level
-  return p.per_op
+  return p.level if kind == "conv" else p.per_op
 
 
 def lowered(recorded: Any, kind: str) -> Any:
   """The ``precision`` JAX lowers an op of ``kind`` with, given the one its
   jaxpr equation recorded: a convolution that recorded a
-  ``DotAlgorithmPreset`` lowers at ``(DEFAULT, DEFAULT)`` (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py); anything else as recorded."""
+  ``DotAlgorithmPreset`` lowers at ``(DEFAULT, DEFAULT)`` (:func:`per_op`);
+  anything else as recorded."""
   if kind == "conv" and isinstance(recorded, lax.DotAlgorithmPreset):
     return (_P.DEFAULT, _P.DEFAULT)
   return recorded
@@ -195,7 +171,7 @@ def flag_for(p: Precision, kind: str) -> str | None:
   """The value of JAX's flag that gives ops of ``kind`` precision ``p``
   (a conv under a preset: the preset's level, as :func:`per_op`)."""
   if kind == "conv" and p.is_preset:
-    return _LEVEL_NAMES[p.level]
+    return resolve(p.level).flag
   return p.flag
 
 
@@ -279,7 +255,7 @@ def op_numerics(precision: PrecisionLike, target: str, lhs_dtype: Any,
   if target in ("cpu", "native") or not emulatable(lhs_dtype, rhs_dtype):
     return None
   if p.preset is not None and kind == "dot":
-    return algorithms.preset_meaning(p.preset.name, target)
+    return algorithms.meaning(algorithms.PRESETS[p.preset.name], target)
   # A convolution under a preset runs at DEFAULT (per_op's rule).
   level = _P.DEFAULT if p.preset is not None else p.level
   return algorithms.level_meaning(level.name, target)

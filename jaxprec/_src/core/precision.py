@@ -103,52 +103,37 @@ P = lax.Precision
 D = lax.DotAlgorithmPreset
 
 
-def _level(name: str, flag: str | None, level: P) -> Precision:
-  """A level's :class:`Precision`; its meaning on each target from the one
-  table (:data:`jaxprec._src.core.algorithms.LEVELS`)."""
-  return Precision(
-      name=name, flag=flag, level=level, preset=None,
-      tpu=algorithms.level_meaning(level.name, "tpu"),
-      gpu=algorithms.level_meaning(level.name, "gpu"),
-      cpu=algorithms.CPU)
-
-
-def _preset(preset: D, level: P) -> Precision:
-  """A preset's :class:`Precision`; its meaning on each target from the one
-  table (:data:`jaxprec._src.core.algorithms.PRESETS`): unsupported where the
-  target does not run it."""
-  return Precision(
-      name=preset.name, flag=preset.name, level=level, preset=preset,
-      tpu=algorithms.preset_meaning(preset.name, "tpu"),
-      gpu=algorithms.preset_meaning(preset.name, "gpu"),
-      cpu=algorithms.CPU)
+def _precision(name: str, level: P, preset: D | None = None) -> Precision:
+  """The :class:`Precision` of a level or preset; its meaning on each target
+  from the one table (:mod:`jaxprec._src.core.algorithms`)."""
+  def on(target):
+    if preset is None:
+      return algorithms.level_meaning(level.name, target)
+    return algorithms.meaning(algorithms.PRESETS[preset.name], target)
+  return Precision(name=name, flag=names.FLAGS[name], level=level,
+                   preset=preset, tpu=on("tpu"), gpu=on("gpu"),
+                   cpu=algorithms.CPU)
 
 
 # ``level`` is what a convolution runs under the precision (convolutions
 # understand levels only).
 _CANONICAL: dict[str, Precision] = {
     p.name: p for p in [
-        _level("backend-default", None, P.DEFAULT),
-        _level("bfloat16", "bfloat16", P.DEFAULT),
-        _level("bfloat16_3x", "tensorfloat32", P.HIGH),
-        _level("tensorfloat32", "tensorfloat32", P.HIGH),
-        _level("float32", "float32", P.HIGHEST),
-        _preset(D.BF16_BF16_F32, P.DEFAULT),
-        _preset(D.BF16_BF16_F32_X3, P.HIGH),
-        _preset(D.BF16_BF16_F32_X6, P.HIGHEST),
-        _preset(D.BF16_BF16_F32_X9, P.HIGHEST),
-        _preset(D.BF16_BF16_BF16, P.DEFAULT),
-        _preset(D.TF32_TF32_F32, P.HIGH),
-        _preset(D.TF32_TF32_F32_X3, P.HIGHEST),
-        _preset(D.F16_F16_F32, P.DEFAULT),
-        _preset(D.F16_F16_F16, P.DEFAULT),
-        _preset(D.F32_F32_F32, P.HIGHEST),
-        _preset(D.F64_F64_F64, P.HIGHEST),
-        _preset(D.ANY_F8_ANY_F8_F32, P.DEFAULT),
-        _preset(D.ANY_F8_ANY_F8_F32_FAST_ACCUM, P.DEFAULT),
-        _preset(D.ANY_F8_ANY_F8_ANY, P.DEFAULT),
-        _preset(D.ANY_F8_ANY_F8_ANY_FAST_ACCUM, P.DEFAULT),
-    ]
+        _precision("backend-default", P.DEFAULT),
+        _precision("bfloat16", P.DEFAULT),
+        _precision("bfloat16_3x", P.HIGH),
+        _precision("tensorfloat32", P.HIGH),
+        _precision("float32", P.HIGHEST),
+    ] + [_precision(d.name, level, d) for d, level in (
+        (D.BF16_BF16_F32, P.DEFAULT), (D.BF16_BF16_F32_X3, P.HIGH),
+        (D.BF16_BF16_F32_X6, P.HIGHEST), (D.BF16_BF16_F32_X9, P.HIGHEST),
+        (D.BF16_BF16_BF16, P.DEFAULT), (D.TF32_TF32_F32, P.HIGH),
+        (D.TF32_TF32_F32_X3, P.HIGHEST), (D.F16_F16_F32, P.DEFAULT),
+        (D.F16_F16_F16, P.DEFAULT), (D.F32_F32_F32, P.HIGHEST),
+        (D.F64_F64_F64, P.HIGHEST), (D.ANY_F8_ANY_F8_F32, P.DEFAULT),
+        (D.ANY_F8_ANY_F8_F32_FAST_ACCUM, P.DEFAULT),
+        (D.ANY_F8_ANY_F8_ANY, P.DEFAULT),
+        (D.ANY_F8_ANY_F8_ANY_FAST_ACCUM, P.DEFAULT))]
 }
 
 _LEVEL_NAMES = {P.DEFAULT: "bfloat16", P.HIGH: "tensorfloat32", P.HIGHEST: "float32"}
@@ -232,15 +217,3 @@ def resolve(value: PrecisionLike) -> Precision:
   if canon is None:
     raise _invalid(value, "unknown name")
   return _CANONICAL[canon]
-
-
-def from_lax(precision: Any) -> Precision | None:
-  """Reads a ``precision`` param as stored in a jaxpr equation.
-
-  ``None`` (no precision recorded) returns None; a pair of levels, a level or a
-  preset returns its :class:`Precision`. ``lax.DotAlgorithm`` objects (custom
-  algorithms) are not presets and raise ValueError.
-  """
-  if precision is None:
-    return None
-  return resolve(precision)

@@ -58,7 +58,7 @@ from jax import lax
 
 from jaxprec._src.core import numerics
 from jaxprec._src.core.algorithms import Numerics
-from jaxprec._src.core.precision import from_lax
+from jaxprec._src.core.precision import resolve
 from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import paths as flax_paths
@@ -488,7 +488,7 @@ def _risk(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str,
     return False, ""
   if not tpu.supported:
     return True, "unsupported on TPU: " + numerics.unsupported_message(
-        from_lax(precision), "tpu")
+        resolve(precision), "tpu")
   if numerics.lowered(precision, numerics.op_kind(prim)) is not precision:
     # A convolution that recorded a preset (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py).
     return True, (
