@@ -31,20 +31,16 @@ An op whose algorithm a target does not run (``F32_F32_F32`` or a TF32 preset
 on a TPU, as JAX's own tests/lax_test.py says) shows ``'unsupported'`` in that
 column, and is risky on TPU: the program does not compile there.
 
-The dtype story of every op: the compute dtypes of its operands
-(:attr:`AuditRow.lhs_dtype`), the dtypes they are stored in before a chain of
-``convert_element_type`` casts (:attr:`AuditRow.lhs_storage`: a Flax layer
-with ``dtype=bfloat16, param_dtype=float32`` reads float32 parameters and
-computes in bfloat16), and the accumulation dtype
-(:attr:`AuditRow.accumulation_dtype`: ``preferred_element_type``, else the
-result dtype). An op that accumulates in bfloat16 or float16 is risky too:
-its result keeps 8 (11) significand bits, and XLA need not sum the products
-in float32; ask ``preferred_element_type=jnp.float32``.
+An op that accumulates in bfloat16 or float16
+(:attr:`AuditRow.accumulation_dtype`) is risky too: its result keeps 8 (11)
+significand bits, and XLA need not sum the products in float32; ask
+``preferred_element_type=jnp.float32``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -405,17 +401,14 @@ def _rows(closed, module_paths: dict[str, list[str]] | None = None,
       opaque.append(OpaqueRow(primitive=eqn.primitive.name, name=name,
                               source=source, name_stack=path,
                               scope=tuple(w.scope), trip_count=w.trip_count))
-    if eqn.primitive.name in numerics.PRIMITIVES:
-      inside = not walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope)
-      depth = len(w.scope)
-      yield dataclasses.replace(
-          _row(w, path), module_path=module, emulated=not inside,
-          lhs_storage=storage.of(eqn.invars[0], depth),
-          rhs_storage=storage.of(eqn.invars[1], depth))
+    if eqn.primitive.name in walker.PRIMITIVES:
+      yield _row(w, path, module, storage)
 
 
-def _row(w: walker.WalkedEqn, name_stack: str) -> AuditRow:
+def _row(w: walker.WalkedEqn, name_stack: str, module: str,
+         storage: audit_dtypes.Storage) -> AuditRow:
   eqn = w.eqn
+  depth = len(w.scope)
   prim = eqn.primitive.name
   lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
   out = eqn.outvars[0].aval
@@ -441,16 +434,17 @@ def _row(w: walker.WalkedEqn, name_stack: str) -> AuditRow:
       out_dtype=np.dtype(out.dtype).name, precision=precision,
       precision_name=_precision_name(precision), tpu=tpu, gpu=gpu,
       tpu_numerics=tpu_n, gpu_numerics=gpu_n, flops=flops * w.trip_count,
-      risky=risky, reason=reason, lhs_storage=lhs_dtype, rhs_storage=rhs_dtype,
+      risky=risky, reason=reason, module_path=module,
+      emulated=walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope),
+      lhs_storage=storage.of(eqn.invars[0], depth),
+      rhs_storage=storage.of(eqn.invars[1], depth),
       accumulation_dtype=accumulation)
 
 
 def _precision_name(precision: Any) -> str:
   if precision is None:
     return "None"
-  if isinstance(precision, lax.DotAlgorithmPreset):
-    return precision.name
-  if isinstance(precision, lax.Precision):
+  if isinstance(precision, (lax.DotAlgorithmPreset, lax.Precision)):
     return precision.name
   if isinstance(precision, tuple) and len(precision) == 2:
     names = [p.name if isinstance(p, lax.Precision) else str(p) for p in precision]
@@ -516,27 +510,23 @@ def _frames(eqn) -> tuple[str, str]:
   file, line, func = frames[0]
   op = f"{func} ({file}:{line})"
   for file, line, _ in frames:
-    if not _is_library_file(file):
+    if not os.path.realpath(file).startswith(_library_dirs()):
       return f"{file}:{line}", op
   return "", op
 
 
-_library_dirs: tuple[str, ...] | None = None
-
-
-def _is_library_file(path: str) -> bool:
-  global _library_dirs
-  if _library_dirs is None:
-    dirs = []
-    for pkg in _LIBRARY_PACKAGES:
-      try:
-        spec = importlib.util.find_spec(pkg)
-      except (ImportError, ValueError):
-        spec = None
-      for d in (spec.submodule_search_locations or []) if spec else []:
-        dirs.append(os.path.join(os.path.realpath(d), ""))
-    _library_dirs = tuple(dirs)
-  return os.path.realpath(path).startswith(_library_dirs)
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+  """The folders of :data:`_LIBRARY_PACKAGES`, each ending in a separator."""
+  dirs = []
+  for pkg in _LIBRARY_PACKAGES:
+    try:
+      spec = importlib.util.find_spec(pkg)
+    except (ImportError, ValueError):
+      continue
+    for d in (spec and spec.submodule_search_locations) or ():
+      dirs.append(os.path.join(os.path.realpath(d), ""))
+  return tuple(dirs)
 
 
 def _dot_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:

@@ -57,11 +57,24 @@ def _verb(n: int, verb: str) -> str:
   return verb + "s" if n == 1 else verb
 
 
-def _si(n: float) -> str:
+def si(n: float, small: str = ".3g") -> str:
+  """``n`` with an SI prefix (``'1.02k'``); below 1000 in format ``small``."""
   for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
     if abs(n) >= scale:
       return f"{n / scale:.3g}{unit}"
-  return f"{n:.0f}"
+  return f"{n:{small}}"
+
+
+def table(cols: list[str], body: list[list[str]], right: set[int]
+          ) -> list[str]:
+  """The header ``cols``, a rule and the ``body`` rows, each column as wide
+  as its widest cell; columns ``right`` right-aligned."""
+  widths = [max(len(c), *(len(b[j]) for b in body)) for j, c in enumerate(cols)]
+
+  def line(cells):
+    return "  ".join(c.rjust(w) if j in right else c.ljust(w)
+                     for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
+  return [line(cols), line(["-" * w for w in widths])] + [line(b) for b in body]
 
 
 def _shape(dtype: str, shape: tuple[int, ...]) -> str:
@@ -111,22 +124,14 @@ def format_report(report: Any) -> str:
                  _short_path(r.source),
                  f"{_shape(r.lhs_dtype, r.lhs_shape)} x "
                  f"{_shape(r.rhs_dtype, r.rhs_shape)}",
-                 dtype_story(r), r.precision_name, r.tpu, r.gpu, _si(r.flops),
+                 dtype_story(r), r.precision_name, r.tpu, r.gpu, si(r.flops, ".0f"),
                  "RISKY" if r.risky else ""))
-  widths = [max(len(c), *(len(row[j]) for row in body)) for j, c in enumerate(cols)]
-  right = {0, 10}
-
-  def line(cells):
-    return "  ".join(c.rjust(w) if j in right else c.ljust(w)
-                     for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-  out = [head, line(cols), line(["-" * w for w in widths])]
-  out += [line(row) for row in body]
+  out = [head, *table(cols, body, {0, 10})]
   by = report.flops_by_precision()
   n_risky = len(report.risky)
   out.append(
       f"total: {len(report.rows)} ops, {n_risky} risky, "
-      f"{_si(report.total_flops)} FLOPs per call; "
+      f"{si(report.total_flops, '.0f')} FLOPs per call; "
       f"TPU: {_share(by['tpu'])}; GPU: {_share(by['gpu'])}")
   dtypes = dtype_summary(report.rows)
   if dtypes:

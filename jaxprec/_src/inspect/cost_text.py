@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxprec._src.inspect import chips
+from jaxprec._src.inspect.audit_text import si, table
 
 
 def format_report(r: Any) -> str:
@@ -36,13 +37,7 @@ def format_report(r: Any) -> str:
   body = [cells(x.path or "(top)", str(x.ops), x.flops, "+".join(x.algorithms),
                 x) for x in r.rows]
   body.append(cells("total", str(sum(x.ops for x in r.rows)), r.flops, "", r))
-  widths = [max(len(c), *(len(b[j]) for b in body)) for j, c in enumerate(cols)]
-
-  def line(cells):
-    return "  ".join(c.ljust(w) if j in (0, 3) else c.rjust(w)
-                     for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-  out += [line(cols), line(["-" * w for w in widths])]
-  out += [line(b) for b in body]
+  out += table(cols, body, set(range(len(cols))) - {0, 3})
   used = [a for a in r.by_algorithm if a in r.weights]
   out.append(f"weights ({r.target}, cost per FLOP): " + ", ".join(
       f"{a} {r.weights[a]:g}" for a in used))
@@ -67,10 +62,3 @@ def _time(seconds: float | None) -> str:
 
 def _rel(x: float | None) -> str:
   return "-" if x is None else f"{x:.3f}"
-
-
-def si(n: float) -> str:
-  for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-    if abs(n) >= scale:
-      return f"{n / scale:.3g}{unit}"
-  return f"{n:.3g}"
