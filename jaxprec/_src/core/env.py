@@ -26,13 +26,9 @@ _FLAG = "jax_default_matmul_precision"
 _set_by_us: list[Any] = []
 
 
-def _state():
-  return compat.matmul_precision_state()
-
-
 def flag_value_and_source() -> tuple[str | None, str]:
   """The raw flag value in force and where it came from."""
-  state, unset = _state()
+  state, unset = compat.matmul_precision_state()
   local = state.get_local()
   if local is not unset:
     return local, "context"
@@ -68,8 +64,7 @@ def set_default(p: PrecisionLike) -> Precision:
     >>> _ = jaxprec.set_default(before)
   """
   new = resolve(p)
-  state, _ = _state()
-  previous = state.get_global()
+  previous = compat.matmul_precision_state()[0].get_global()
   jax.config.update(_FLAG, new.flag)
   _set_by_us.append(new.flag)
   return resolve(previous)

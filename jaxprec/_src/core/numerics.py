@@ -229,13 +229,21 @@ def op_numerics(precision: PrecisionLike, target: str, lhs_dtype: Any,
   and the cost model all ask here, so they give an op the same answer.
 
   Args:
-    precision: as :func:`algorithm_for`.
-    target: one of :data:`EMULATION_TARGETS`.
+    precision: anything ``lax.dot_general`` accepts (None, a
+      ``lax.Precision``, a ``(lhs, rhs)`` pair, a ``DotAlgorithmPreset``, their
+      names) and any jaxprec name. None means the value of
+      ``jax.config.jax_default_matmul_precision`` now (None there: the
+      target's default, ``DEFAULT``).
+    target: one of :data:`EMULATION_TARGETS` (``'cpu'``/``'native'`` emulate
+      nothing).
     lhs_dtype, rhs_dtype: the operand dtypes. The precision applies where one
       operand is float32 and the other float32, bfloat16 or float16 (the
       narrower one is exact in float32): a float32 x bfloat16 dot at
       ``DEFAULT`` is one bfloat16 pass on a TPU.
-    op: ``'dot_general'`` or ``'conv_general_dilated'``.
+    op: ``'dot_general'`` or ``'conv_general_dilated'``. Convolutions
+      understand levels only: under a ``DotAlgorithmPreset`` JAX lowers them at
+      ``DEFAULT`` (JAX's conv_general_dilated lowering,
+      jax/_src/lax/convolution.py), and so does the emulation.
 
   Returns:
     The algorithm's record (:class:`jaxprec.Numerics`), the ``'unsupported'``
@@ -266,20 +274,7 @@ def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
   """Names the algorithm ``target`` runs for a matmul or conv at ``precision``.
 
   Args:
-    precision: anything ``lax.dot_general`` accepts (None, a
-      ``lax.Precision``, a ``(lhs, rhs)`` pair, a ``DotAlgorithmPreset``, their
-      names) and any jaxprec name. None means the value of
-      ``jax.config.jax_default_matmul_precision`` now (None there: the
-      target's default, ``DEFAULT``).
-    target: one of :data:`EMULATION_TARGETS` (``'cpu'``/``'native'`` emulate
-      nothing).
-    lhs_dtype, rhs_dtype: operand dtypes. Only float32 operands (or float32
-      with a bfloat16/float16 operand) are emulated; anything else keeps its
-      native meaning.
-    op: ``'dot_general'`` or ``'conv_general_dilated'``. Convolutions
-      understand levels only: under a ``DotAlgorithmPreset`` JAX lowers them at
-      ``DEFAULT`` (JAX's conv_general_dilated lowering,
-      jax/_src/lax/convolution.py), and so does the emulation.
+    precision, target, lhs_dtype, rhs_dtype, op: as :func:`op_numerics`.
 
   Returns:
     One of :data:`ALGORITHMS` (:func:`op_numerics`' record; ``'native'``

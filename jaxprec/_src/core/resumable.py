@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -53,17 +54,12 @@ def _steps(it: Any, scope: Scope) -> Generator[Any, Any, Any]:
       thrown = e
 
 
-class _Scoped:
-  """An awaitable that awaits ``awaitable`` with each step inside ``scope()``."""
-
-  def __init__(self, awaitable: Any, scope: Scope):
-    self._awaitable, self._scope = awaitable, scope
-
-  def __await__(self):
-    it = self._awaitable
-    if not hasattr(it, "send"):  # a plain awaitable: step its iterator
-      it = it.__await__()
-    return (yield from _steps(it, self._scope))
+@types.coroutine
+def _scoped(awaitable: Any, scope: Scope):
+  """Awaits ``awaitable`` with each step inside ``scope()``."""
+  if not hasattr(awaitable, "send"):  # a plain awaitable: step its iterator
+    awaitable = awaitable.__await__()
+  return (yield from _steps(awaitable, scope))
 
 
 def wrap(fn: Callable[..., Any], scope: Scope) -> Callable[..., Any]:
@@ -90,7 +86,7 @@ def wrap(fn: Callable[..., Any], scope: Scope) -> Callable[..., Any]:
   if what == "coroutine":
     @functools.wraps(fn)
     async def coroutine(*args, **kwargs):
-      return await _Scoped(fn(*args, **kwargs), scope)
+      return await _scoped(fn(*args, **kwargs), scope)
     return coroutine
   if what == "async generator":
     @functools.wraps(fn)
@@ -102,7 +98,7 @@ def wrap(fn: Callable[..., Any], scope: Scope) -> Callable[..., Any]:
           step = agen.asend(sent) if thrown is None else agen.athrow(thrown)
           sent, thrown = None, None
           try:
-            value = await _Scoped(step, scope)
+            value = await _scoped(step, scope)
           except StopAsyncIteration:
             return
           try:
@@ -112,6 +108,6 @@ def wrap(fn: Callable[..., Any], scope: Scope) -> Callable[..., Any]:
           except BaseException as e:  # noqa: BLE001 -- passed on to agen
             thrown = e
       finally:
-        await _Scoped(agen.aclose(), scope)
+        await _scoped(agen.aclose(), scope)
     return async_generator
   raise TypeError(f"not a generator or coroutine function: {fn!r}")
