@@ -12,12 +12,8 @@ Nothing is downloaded.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
-from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -87,31 +83,3 @@ def synthetic_tokens(batch: int = 1, seq_len: int = 32, *, vocab_size: int = 100
   ids = rng.integers(3, vocab_size, size=(batch, seq_len))
   ids[:, 0], ids[:, -1] = 1, 2
   return ids.astype(np.int32)
-
-
-@functools.lru_cache(maxsize=8)
-def bert(size: str = "tiny", seed: int = 0, *, batch: int = 1,
-         seq_len: int = 32) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-  """A ready-to-check BERT-style encoder: ``(fn, (variables, input_ids))``.
-
-  ``fn(variables, input_ids)`` returns ``{"hidden_states": ...}``. Cached like
-  :func:`jaxprec.models.wav2vec2`.
-
-  Args:
-    size: ``'tiny'``, ``'small'`` or ``'base'`` (:class:`BertConfig`).
-    seed: seeds the weights and the tokens.
-    batch, seq_len: the token batch's shape.
-
-  Returns:
-    ``(fn, (variables, input_ids))``.
-  """
-  config = BertConfig.of_size(size)
-  model = BertEncoder(config)
-  ids = jnp.asarray(synthetic_tokens(batch, seq_len,
-                                     vocab_size=config.vocab_size, seed=seed))
-  variables = jax.jit(model.init)(jax.random.key(seed), ids)
-
-  def fn(variables, input_ids):
-    return model.apply(variables, input_ids)
-  fn.__name__ = fn.__qualname__ = f"bert_{size}"
-  return fn, (variables, ids)

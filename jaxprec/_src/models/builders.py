@@ -1,28 +1,82 @@
 """The built-in models as ``(fn, args)``: randomly initialised, or with the
 weights of their PyTorch originals (``from_pytorch=``).
 
-Random models are the flax.linen encoders (:mod:`jaxprec._src.models.wav2vec2`,
-:mod:`~jaxprec._src.models.bert`); ``from_pytorch=`` builds the NNX models
-(:mod:`~jaxprec._src.models.nnx_wav2vec2`, :mod:`~jaxprec._src.models.nnx_bert`)
-from a transformers PyTorch model and returns them as ``fn(state, *inputs)``,
-whose outputs are named as the PyTorch model's
-``output_hidden_states=True`` outputs, so that
-``check(fn, *args, reference=jaxprec.torch.capture(pt_model, ...))`` lines up
-layer by layer.
+Random Wav2Vec2 and BERT models are the flax.linen encoders
+(:mod:`jaxprec._src.models.wav2vec2`, :mod:`~jaxprec._src.models.bert`),
+random Llama models the NNX :class:`LlamaModel`. ``from_pytorch=`` builds the
+NNX models (:mod:`~jaxprec._src.models.nnx_wav2vec2`,
+:mod:`~jaxprec._src.models.nnx_bert`, :mod:`~jaxprec._src.models.llama`) from
+a transformers PyTorch model and returns them as ``fn(state, *inputs)``,
+whose outputs are named as the PyTorch model's ``output_hidden_states=True``
+outputs, so that ``check(fn, *args, reference=jaxprec.torch.capture(pt_model,
+...))`` lines up layer by layer.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jaxprec._src.models import bert as bert_linen
 from jaxprec._src.models import from_pytorch as loading
-from jaxprec._src.models import wav2vec2 as wav2vec2_linen
+from jaxprec._src.models.bert import BertConfig, BertEncoder, synthetic_tokens
+from jaxprec._src.models.llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from jaxprec._src.models.nnx_bert import BertModel
 from jaxprec._src.models.nnx_wav2vec2 import Wav2Vec2Model
+from jaxprec._src.models.wav2vec2 import (Wav2Vec2Config, Wav2Vec2Encoder,
+                                          synthetic_audio)
+
+
+def _inputs(name: str, config: Any, seed: int, batch: int,
+            length: float) -> jax.Array:
+  """Model ``name``'s synthetic inputs: ``batch`` audio clips of ``length``
+  seconds, or token batches ``(batch, length)``."""
+  if name == "wav2vec2":
+    return jnp.asarray(synthetic_audio(batch, length, seed=seed))
+  return jnp.asarray(synthetic_tokens(batch, length, seed=seed,
+                                      vocab_size=config.vocab_size))
+
+
+@functools.lru_cache(maxsize=24)
+def _random(name: str, size: str, seed: int, batch: int, length: float
+            ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+  """The model ``name`` at ``size``, randomly initialised from ``seed``;
+  cached, so that repeated checks reuse compiled programs."""
+  if name == "llama":
+    config = LlamaConfig.of_size(size)
+    fn, state = loading.split_fn(LlamaModel(config, rngs=nnx.Rngs(seed)),
+                                 f"llama_{size}")
+    return fn, (state, _inputs(name, config, seed, batch, length))
+  config = (BertConfig if name == "bert" else Wav2Vec2Config).of_size(size)
+  model = (BertEncoder if name == "bert" else Wav2Vec2Encoder)(config)
+  inputs = _inputs(name, config, seed, batch, length)
+  variables = jax.jit(model.init)(jax.random.key(seed), inputs)
+
+  def fn(variables, inputs):
+    return model.apply(variables, inputs)
+  fn.__name__ = fn.__qualname__ = f"{name}_{size}"
+  return fn, (variables, inputs)
+
+
+def _build(name: str, size: str | None, seed: int, batch: int, length: float,
+           from_pytorch: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+  """``name(...)``'s ``(fn, args)``: :func:`_random`, or the NNX model with
+  ``from_pytorch``'s weights."""
+  if from_pytorch is None:
+    return _random(name, size or "tiny", seed, batch, length)
+  loading.no_size(name, size)
+  if name == "llama":
+    causal = hasattr(from_pytorch, "lm_head")
+    cls = LlamaForCausalLM if causal else LlamaModel
+  else:
+    cls = BertModel if name == "bert" else Wav2Vec2Model
+  model = cls.from_pytorch(from_pytorch)
+  fn, state = loading.split_fn(model, f"{type(from_pytorch).__name__}_port")
+  return fn, (state, _inputs(name, model.config, seed, batch, length))
 
 
 def wav2vec2(size: str | None = None, seed: int = 0, *, batch: int = 1,
@@ -65,14 +119,7 @@ def wav2vec2(size: str | None = None, seed: int = 0, *, batch: int = 1,
     >>> len(out["conv_features"]), len(out["hidden_states"]), out["hidden_states"][-1].shape
     (7, 3, (1, 49, 64))
   """
-  if from_pytorch is None:
-    return wav2vec2_linen.wav2vec2(size or "tiny", seed, batch=batch,
-                                   seconds=seconds)
-  loading.no_size("wav2vec2", size)
-  model = Wav2Vec2Model.from_pytorch(from_pytorch)
-  fn, state = loading.split_fn(model, f"{type(from_pytorch).__name__}_port")
-  audio = wav2vec2_linen.synthetic_audio(batch, seconds, seed=seed)
-  return fn, (state, jnp.asarray(audio))
+  return _build("wav2vec2", size, seed, batch, seconds, from_pytorch)
 
 
 def bert(size: str | None = None, seed: int = 0, *, batch: int = 1,
@@ -100,12 +147,35 @@ def bert(size: str | None = None, seed: int = 0, *, batch: int = 1,
   Raises:
     ValueError: as :func:`wav2vec2`.
   """
-  if from_pytorch is None:
-    return bert_linen.bert(size or "tiny", seed, batch=batch, seq_len=seq_len)
-  loading.no_size("bert", size)
-  model = BertModel.from_pytorch(from_pytorch)
-  fn, state = loading.split_fn(model, f"{type(from_pytorch).__name__}_port")
-  ids = bert_linen.synthetic_tokens(batch, seq_len,
-                                    vocab_size=model.config.vocab_size,
-                                    seed=seed)
-  return fn, (state, jnp.asarray(ids))
+  return _build("bert", size, seed, batch, seq_len, from_pytorch)
+
+
+def llama(size: str | None = None, seed: int = 0, *, batch: int = 1,
+          seq_len: int = 16, from_pytorch: Any = None
+          ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+  """A ready-to-check Llama-style decoder: ``(fn, (state, input_ids))``.
+
+  ``fn(state, input_ids)`` runs the NNX model whose state it is
+  (:class:`LlamaModel`, randomly initialised from ``seed``, or
+  ``from_pytorch``'s weights) and returns its hidden states. Random models
+  are cached, so repeated checks reuse compiled programs.
+
+  Args:
+    size: ``'tiny'`` (default) or ``'small'`` (:class:`LlamaConfig`); left
+      unset with ``from_pytorch``, whose config gives the sizes.
+    seed: seeds the weights and the tokens.
+    batch, seq_len: the token batch's shape.
+    from_pytorch: a transformers PyTorch ``LlamaModel`` or
+      ``LlamaForCausalLM`` (or Qwen2's) whose weights to load
+      (:meth:`LlamaModel.from_pytorch`); it is not changed.
+
+  Returns:
+    ``(fn, (state, input_ids))``.
+
+  Examples:
+    >>> import jax, jaxprec.models
+    >>> fn, args = jaxprec.models.llama("tiny")
+    >>> jax.jit(fn)(*args)["last_hidden_state"].shape
+    (1, 16, 64)
+  """
+  return _build("llama", size, seed, batch, seq_len, from_pytorch)

@@ -25,10 +25,6 @@ from flax import nnx
 
 from jaxprec._src.core import names
 
-# A PyTorch parameter's name -> (its PyTorch shape, the NNX path, a function
-# turning the PyTorch array into the NNX value).
-_Plan = dict[str, tuple[tuple[int, ...], tuple[Any, ...], Callable[[np.ndarray], np.ndarray]]]
-
 
 def module_list(modules: Iterable[nnx.Module]) -> Any:
   """A list of submodules as an NNX attribute: ``nnx.List`` where Flax has it
@@ -68,54 +64,36 @@ def _set(var: Any, value: Any) -> None:
     var.value = value
 
 
-def _linear_kernel(w: np.ndarray) -> np.ndarray:
-  return w.T  # PyTorch (out, in) -> Flax (in, out)
-
-
-def _conv_kernel(w: np.ndarray) -> np.ndarray:
-  # PyTorch (out, in / groups, *window) -> Flax (*window, in / groups, out).
-  return np.transpose(w, (*range(2, w.ndim), 1, 0))
-
-
-def _same(w: np.ndarray) -> np.ndarray:
-  return w
-
-
-def _inverse_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-  if kind == "linear":
-    return shape[::-1]
-  if kind == "conv":
-    return (shape[-1], shape[-2], *shape[:-2])
-  return shape
-
-
-# NNX layer type -> {its parameter: (PyTorch's name for it, kind)}.
-_LEAVES: tuple[tuple[type, dict[str, tuple[str, str]]], ...] = (
-    (nnx.Linear, {"kernel": ("weight", "linear"), "bias": ("bias", "same")}),
-    (nnx.Conv, {"kernel": ("weight", "conv"), "bias": ("bias", "same")}),
-    (nnx.LayerNorm, {"scale": ("weight", "same"), "bias": ("bias", "same")}),
-    (nnx.RMSNorm, {"scale": ("weight", "same")}),
-    (nnx.Embed, {"embedding": ("weight", "same")}),
+# NNX layer type -> {its parameter: PyTorch's name for it}. A ``kernel`` is
+# PyTorch's weight transposed: (out, in / groups, *window) -> (*window,
+# in / groups, out).
+_LEAVES: tuple[tuple[type, dict[str, str]], ...] = (
+    (nnx.Linear, {"kernel": "weight", "bias": "bias"}),
+    (nnx.Conv, {"kernel": "weight", "bias": "bias"}),
+    (nnx.LayerNorm, {"scale": "weight", "bias": "bias"}),
+    (nnx.RMSNorm, {"scale": "weight"}),
+    (nnx.Embed, {"embedding": "weight"}),
 )
-_CONVERT = {"linear": _linear_kernel, "conv": _conv_kernel, "same": _same}
 
 
-def _plan(state: Any, model: nnx.Module) -> _Plan:
-  """Every NNX parameter of ``model`` as the PyTorch parameter it loads."""
+def _plan(model: nnx.Module) -> dict[str, tuple[tuple[int, ...], tuple]]:
+  """Every NNX parameter of ``model`` by the PyTorch parameter it loads:
+  ``{PyTorch name: (PyTorch shape, NNX path)}``."""
   layers = {tuple(path): node for path, node in nnx.iter_graph(model)
             if isinstance(node, nnx.Module)}
-  plan: _Plan = {}
-  for path, var in nnx.to_flat_state(state):
+  plan = {}
+  for path, var in nnx.to_flat_state(nnx.state(model)):
     path = tuple(path)
     layer = layers.get(path[:-1])
-    leaves = next((names for cls, names in _LEAVES
-                   if isinstance(layer, cls)), None)
-    if leaves is None or path[-1] not in leaves:
+    leaves = next((leaves for cls, leaves in _LEAVES
+                   if isinstance(layer, cls)), {})
+    if path[-1] not in leaves:
       raise TypeError(f"jaxprec cannot load {'/'.join(map(str, path))} of "
                       f"{type(layer).__name__} from PyTorch")
-    leaf, kind = leaves[path[-1]]
-    name = ".".join(map(str, (*path[:-1], leaf)))
-    plan[name] = (_inverse_shape(kind, _shape(var)), path, _CONVERT[kind])
+    shape = _shape(var)
+    if path[-1] == "kernel":
+      shape = (shape[-1], shape[-2], *shape[:-2])
+    plan[".".join(map(str, (*path[:-1], leaves[path[-1]])))] = (shape, path)
   return plan
 
 
@@ -141,23 +119,22 @@ def torch_parameters(pt_model: Any) -> dict[str, Any]:
   return params
 
 
-def load(model: nnx.Module, pt_model: Any, *, what: str,
-         unused: Iterable[str] = ()) -> nnx.Module:
-  """``model`` (NNX, abstract or not) with the PyTorch model's weights.
+def load(cls: type, config: Any, pt_model: Any, *,
+         unused: Iterable[str] = (), **kwargs: Any) -> nnx.Module:
+  """``cls(config, **kwargs)``, a jaxprec NNX model, with the PyTorch model's
+  weights.
 
   Args:
-    model: a jaxprec NNX model whose module tree mirrors ``pt_model``'s,
-      built with the PyTorch model's sizes (its parameters may be abstract,
-      ``nnx.eval_shape``).
+    cls: a jaxprec NNX model class whose module tree mirrors ``pt_model``'s.
+    config: its sizes, the PyTorch model's.
     pt_model: the ``torch.nn.Module`` to take the weights from; not changed.
-    what: the two models, for messages (``'Wav2Vec2Model does not fit
-      jaxprec's Wav2Vec2Model'``).
     unused: PyTorch parameter names the NNX model leaves out because they do
       not take part in inference (e.g. Wav2Vec2's ``masked_spec_embed``,
       used only for masking in training).
+    **kwargs: more arguments of ``cls``.
 
   Returns:
-    A new NNX model with the weights, as float32; ``model`` is not changed.
+    The NNX model with the weights, as float32.
 
   Raises:
     ValueError: a parameter of either model has no counterpart, or a shape
@@ -165,7 +142,10 @@ def load(model: nnx.Module, pt_model: Any, *, what: str,
       then the NNX model's).
   """
   import torch  # noqa: PLC0415 -- pt_model is a torch module: torch is there
-  plan = _plan(nnx.state(model), model)
+  model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), **kwargs))
+  what = (f"from_pytorch: {type(pt_model).__name__} does not fit jaxprec's "
+          f"{cls.__name__}")
+  plan = _plan(model)
   unused = set(unused)
   with torch.no_grad():
     params = {k: v for k, v in torch_parameters(pt_model).items()
@@ -193,11 +173,14 @@ def load(model: nnx.Module, pt_model: Any, *, what: str,
           f"{narrow[0]} one the PyTorch model runs. Port a float32 model "
           f"(pt_model.float()) and give both the same compute dtype to "
           f"compare like with like.", stacklevel=3)
-    values = {plan[k][1]: plan[k][2](
-        tensor.detach().to(torch.float32).cpu().numpy().copy())
-              for k, tensor in params.items()}
+    values = {}
+    for name, tensor in params.items():
+      w = tensor.detach().to(torch.float32).cpu().numpy().copy()
+      path = plan[name][1]
+      values[path] = (np.transpose(w, (*range(2, w.ndim), 1, 0))
+                      if path[-1] == "kernel" else w)
   import jax.numpy as jnp  # noqa: PLC0415
-  graphdef, state = nnx.split(nnx.clone(model))  # model stays as it was
+  graphdef, state = nnx.split(model)
   for path, var in nnx.to_flat_state(state):
     _set(var, jnp.asarray(values[tuple(path)]))
   return nnx.merge(graphdef, state)
@@ -222,31 +205,6 @@ def hf_config(pt_model: Any, model_types: tuple[str, ...], cls: str) -> Any:
                      f"{kind!r} model; jaxprec's {cls} loads "
                      f"{' or '.join(map(repr, model_types))}")
   return config
-
-
-def ties_last_state(pt_model: Any, *, default_from: int | None) -> bool:
-  """Whether the PyTorch model's ``hidden_states[-1]`` is its
-  ``last_hidden_state`` (after the final normalization) or the last layer's
-  output before it.
-
-  transformers 5 collects hidden states with hooks and replaces the last one
-  by ``last_hidden_state`` unless the model's forward says otherwise
-  (``capture_outputs(tie_last_hidden_states=False)``, as ``Wav2Vec2Model``
-  does) or its config sets ``tie_last_hidden_states``; transformers 4
-  appended the normalized state. ``default_from`` is the transformers major
-  version from which the model class stopped tying (None: it always ties).
-  """
-  tie = getattr(getattr(pt_model, "config", None), "tie_last_hidden_states",
-                None)
-  if tie is not None:
-    return bool(tie)
-  if default_from is None:
-    return True
-  import sys  # noqa: PLC0415
-  transformers = sys.modules.get("transformers")
-  version = str(getattr(transformers, "__version__", "0"))
-  major = int(version.split(".")[0]) if version.split(".")[0].isdigit() else 0
-  return major < default_from
 
 
 def require(config: Any, cls: str, **allowed: Any) -> None:

@@ -20,8 +20,6 @@ would round the positions to bfloat16 on a TPU.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -30,7 +28,6 @@ import numpy as np
 from flax import nnx
 
 from jaxprec._src.models import from_pytorch as loading
-from jaxprec._src.models.bert import synthetic_tokens
 from jaxprec._src.models.layers import Sized
 from jaxprec._src.models.nnx_layers import attention
 
@@ -215,9 +212,7 @@ class LlamaModel(nnx.Module):
         activation), or a parameter's name or shape does not fit (naming the
         first).
     """
-    config = config_from_pytorch(pt_model)
-    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
-    return loading.load(model, pt_model, what=_misfit(pt_model, cls))
+    return loading.load(cls, config_from_pytorch(pt_model), pt_model)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -250,14 +245,7 @@ class LlamaForCausalLM(nnx.Module):
     """The model with the weights of transformers' PyTorch
     ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``), tied or not as its
     config says; raises as :meth:`LlamaModel.from_pytorch`."""
-    config = config_from_pytorch(pt_model)
-    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
-    return loading.load(model, pt_model, what=_misfit(pt_model, cls))
-
-
-def _misfit(pt_model: Any, cls: type) -> str:
-  return (f"from_pytorch: {type(pt_model).__name__} does not fit jaxprec's "
-          f"{cls.__name__}")
+    return loading.load(cls, config_from_pytorch(pt_model), pt_model)
 
 
 def config_from_pytorch(pt_model: Any) -> LlamaConfig:
@@ -293,52 +281,3 @@ def config_from_pytorch(pt_model: Any) -> LlamaConfig:
       qkv_bias=qwen or bias, o_bias=bias and not qwen,
       mlp_bias=bool(getattr(hf, "mlp_bias", False)),
       tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)))
-
-
-@functools.lru_cache(maxsize=8)
-def _llama_random(size: str, seed: int, batch: int, seq_len: int):
-  config = LlamaConfig.of_size(size)
-  model = LlamaModel(config, rngs=nnx.Rngs(seed))
-  fn, state = loading.split_fn(model, f"llama_{size}")
-  ids = jnp.asarray(synthetic_tokens(batch, seq_len,
-                                     vocab_size=config.vocab_size, seed=seed))
-  return fn, (state, ids)
-
-
-def llama(size: str | None = None, seed: int = 0, *, batch: int = 1,
-          seq_len: int = 16, from_pytorch: Any = None
-          ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-  """A ready-to-check Llama-style decoder: ``(fn, (state, input_ids))``.
-
-  ``fn(state, input_ids)`` runs the NNX model whose state it is
-  (:class:`LlamaModel`, randomly initialised from ``seed``, or
-  ``from_pytorch``'s weights) and returns its hidden states. Random models
-  are cached, so repeated checks reuse compiled programs.
-
-  Args:
-    size: ``'tiny'`` (default) or ``'small'`` (:class:`LlamaConfig`); left
-      unset with ``from_pytorch``, whose config gives the sizes.
-    seed: seeds the weights and the tokens.
-    batch, seq_len: the token batch's shape.
-    from_pytorch: a transformers PyTorch ``LlamaModel`` or
-      ``LlamaForCausalLM`` (or Qwen2's) whose weights to load
-      (:meth:`LlamaModel.from_pytorch`); it is not changed.
-
-  Returns:
-    ``(fn, (state, input_ids))``.
-
-  Examples:
-    >>> import jax, jaxprec.models
-    >>> fn, args = jaxprec.models.llama("tiny")
-    >>> jax.jit(fn)(*args)["last_hidden_state"].shape
-    (1, 16, 64)
-  """
-  if from_pytorch is None:
-    return _llama_random(size or "tiny", seed, batch, seq_len)
-  loading.no_size("llama", size)
-  causal = hasattr(from_pytorch, "lm_head")
-  model = (LlamaForCausalLM if causal else LlamaModel).from_pytorch(from_pytorch)
-  fn, state = loading.split_fn(model, f"{type(from_pytorch).__name__}_port")
-  ids = synthetic_tokens(batch, seq_len, vocab_size=model.config.vocab_size,
-                         seed=seed)
-  return fn, (state, jnp.asarray(ids))

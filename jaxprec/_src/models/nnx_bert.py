@@ -19,12 +19,7 @@ from flax import nnx
 
 from jaxprec._src.models import from_pytorch as loading
 from jaxprec._src.models.bert import BertConfig
-from jaxprec._src.models.nnx_layers import attention, gelu
-
-
-def _layer_norm(n: int, eps: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
-  # Two-pass variance (mean of squared deviations), as torch.nn.LayerNorm.
-  return nnx.LayerNorm(n, epsilon=eps, use_fast_variance=False, rngs=rngs)
+from jaxprec._src.models.nnx_layers import attention, gelu, layer_norm
 
 
 class _Embeddings(nnx.Module):
@@ -34,7 +29,7 @@ class _Embeddings(nnx.Module):
                                          rngs=rngs)
     self.token_type_embeddings = nnx.Embed(c.type_vocab_size, c.hidden_size,
                                            rngs=rngs)
-    self.LayerNorm = _layer_norm(c.hidden_size, c.layer_norm_eps, rngs)  # noqa: N815
+    self.LayerNorm = layer_norm(c.hidden_size, c.layer_norm_eps, rngs)  # noqa: N815
 
   def __call__(self, ids: jax.Array, token_type_ids: jax.Array) -> jax.Array:
     positions = jnp.arange(ids.shape[1])[None, :]
@@ -62,7 +57,7 @@ class _Output(nnx.Module):
 
   def __init__(self, cin: int, c: BertConfig, *, rngs: nnx.Rngs):
     self.dense = nnx.Linear(cin, c.hidden_size, rngs=rngs)
-    self.LayerNorm = _layer_norm(c.hidden_size, c.layer_norm_eps, rngs)  # noqa: N815
+    self.LayerNorm = layer_norm(c.hidden_size, c.layer_norm_eps, rngs)  # noqa: N815
 
   def __call__(self, x: jax.Array, residual: jax.Array) -> jax.Array:
     return self.LayerNorm(self.dense(x) + residual)
@@ -177,14 +172,9 @@ class BertModel(nnx.Module):
         activation), or a parameter's name or shape does not fit (naming the
         first).
     """
-    config = config_from_pytorch(pt_model)
     pool = getattr(pt_model, "pooler", None) is not None
-    model = nnx.eval_shape(lambda: cls(config, add_pooling_layer=pool,
-                                       rngs=nnx.Rngs(0)))
-    return loading.load(
-        model, pt_model,
-        what=f"from_pytorch: {type(pt_model).__name__} does not fit "
-             f"jaxprec's BertModel")
+    return loading.load(cls, config_from_pytorch(pt_model), pt_model,
+                        add_pooling_layer=pool)
 
 
 def config_from_pytorch(pt_model: Any) -> BertConfig:

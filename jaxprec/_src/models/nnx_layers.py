@@ -1,15 +1,23 @@
-"""Pieces shared by the built-in NNX models: attention and activations."""
+"""Pieces shared by the built-in NNX models: attention, layer normalization
+and activations."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def gelu(x: jax.Array) -> jax.Array:
   """GELU with the error function, transformers' ``"gelu"`` (not the tanh
   approximation)."""
   return jax.nn.gelu(x, approximate=False)
+
+
+def layer_norm(n: int, eps: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  """``nnx.LayerNorm`` with a two-pass variance (mean of squared
+  deviations), as ``torch.nn.LayerNorm``."""
+  return nnx.LayerNorm(n, epsilon=eps, use_fast_variance=False, rngs=rngs)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array,

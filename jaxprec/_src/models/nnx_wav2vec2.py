@@ -17,6 +17,7 @@ and ``check_module`` lines its layers up with
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxprec._src.models import from_pytorch as loading
-from jaxprec._src.models.nnx_layers import attention, gelu
+from jaxprec._src.models.nnx_layers import attention, gelu, layer_norm
 from jaxprec._src.models.wav2vec2 import Wav2Vec2Config
 
 # transformers builds each feature-encoder layer norm as torch.nn.LayerNorm
@@ -32,17 +33,12 @@ from jaxprec._src.models.wav2vec2 import Wav2Vec2Config
 _CONV_NORM_EPS = 1e-5
 
 
-def _layer_norm(n: int, eps: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
-  # Two-pass variance (mean of squared deviations), as torch.nn.LayerNorm.
-  return nnx.LayerNorm(n, epsilon=eps, use_fast_variance=False, rngs=rngs)
-
-
 class _ConvLayer(nnx.Module):
   def __init__(self, cin: int, cout: int, kernel: int, stride: int, bias: bool,
                *, rngs: nnx.Rngs):
     self.conv = nnx.Conv(cin, cout, (kernel,), strides=(stride,),
                          padding="VALID", use_bias=bias, rngs=rngs)
-    self.layer_norm = _layer_norm(cout, _CONV_NORM_EPS, rngs)
+    self.layer_norm = layer_norm(cout, _CONV_NORM_EPS, rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return gelu(self.layer_norm(self.conv(x)))
@@ -64,7 +60,7 @@ class _FeatureEncoder(nnx.Module):
 
 class _FeatureProjection(nnx.Module):
   def __init__(self, c: Wav2Vec2Config, *, rngs: nnx.Rngs):
-    self.layer_norm = _layer_norm(c.conv_dim[-1], c.layer_norm_eps, rngs)
+    self.layer_norm = layer_norm(c.conv_dim[-1], c.layer_norm_eps, rngs)
     self.projection = nnx.Linear(c.conv_dim[-1], c.hidden_size, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -112,10 +108,10 @@ class _FeedForward(nnx.Module):
 class _EncoderLayer(nnx.Module):
   def __init__(self, c: Wav2Vec2Config, *, rngs: nnx.Rngs):
     self.attention = _Attention(c.hidden_size, c.num_heads, rngs=rngs)
-    self.layer_norm = _layer_norm(c.hidden_size, c.layer_norm_eps, rngs)
+    self.layer_norm = layer_norm(c.hidden_size, c.layer_norm_eps, rngs)
     self.feed_forward = _FeedForward(c.hidden_size, c.intermediate_size,
                                      rngs=rngs)
-    self.final_layer_norm = _layer_norm(c.hidden_size, c.layer_norm_eps, rngs)
+    self.final_layer_norm = layer_norm(c.hidden_size, c.layer_norm_eps, rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x + self.attention(self.layer_norm(x))
@@ -127,7 +123,7 @@ class _Encoder(nnx.Module):
                rngs: nnx.Rngs):
     self.norm_last_state = norm_last_state
     self.pos_conv_embed = _PositionalConvEmbedding(c, rngs=rngs)
-    self.layer_norm = _layer_norm(c.hidden_size, c.layer_norm_eps, rngs)
+    self.layer_norm = layer_norm(c.hidden_size, c.layer_norm_eps, rngs)
     self.layers = loading.module_list(_EncoderLayer(c, rngs=rngs)
                                       for _ in range(c.num_layers))
 
@@ -188,8 +184,11 @@ class Wav2Vec2Model(nnx.Module):
     """The model with the weights of transformers' PyTorch ``Wav2Vec2Model``.
 
     Sizes come from ``pt_model.config``; ``pt_model`` is not changed.
-    ``hidden_states[-1]`` follows the PyTorch model's own convention
-    (:func:`jaxprec._src.models.from_pytorch.ties_last_state`).
+    ``hidden_states[-1]`` follows the PyTorch model's own convention: its
+    config's ``tie_last_hidden_states`` where set, else the normalized state
+    under transformers 4 and the last layer's output under transformers 5
+    (whose ``Wav2Vec2Model`` says ``capture_outputs(
+    tie_last_hidden_states=False)``).
 
     Raises:
       TypeError: ``pt_model`` is not a transformers PyTorch model.
@@ -199,13 +198,13 @@ class Wav2Vec2Model(nnx.Module):
         (naming the first).
     """
     config = config_from_pytorch(pt_model)
-    norm_last = loading.ties_last_state(pt_model, default_from=5)
-    model = nnx.eval_shape(lambda: cls(config, norm_last_state=norm_last,
-                                       rngs=nnx.Rngs(0)))
-    return loading.load(
-        model, pt_model, unused=("masked_spec_embed",),
-        what=f"from_pytorch: {type(pt_model).__name__} does not fit "
-             f"jaxprec's Wav2Vec2Model")
+    tie = getattr(pt_model.config, "tie_last_hidden_states", None)
+    if tie is None:
+      version = getattr(sys.modules.get("transformers"), "__version__", "0")
+      major = str(version).split(".")[0]
+      tie = not major.isdigit() or int(major) < 5
+    return loading.load(cls, config, pt_model, norm_last_state=bool(tie),
+                        unused=("masked_spec_embed",))
 
 
 def config_from_pytorch(pt_model: Any) -> Wav2Vec2Config:

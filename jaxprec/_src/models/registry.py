@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from jaxprec._src.models.builders import bert, wav2vec2
-from jaxprec._src.models.llama import llama
+from jaxprec._src.models.builders import bert, llama, wav2vec2
 
 MODELS = {"bert": bert, "llama": llama, "wav2vec2": wav2vec2}

@@ -26,13 +26,9 @@ fixed seed.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
-from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxprec._src.models.layers import EncoderSizes, FeedForward, SelfAttention
@@ -169,33 +165,3 @@ def synthetic_audio(batch: int = 1, seconds: float = 1.0, *,
   x = x + 0.1 * rng.standard_normal((batch, n))
   x = (x - x.mean(axis=1, keepdims=True)) / x.std(axis=1, keepdims=True)
   return x.astype(np.float32)
-
-
-@functools.lru_cache(maxsize=8)
-def wav2vec2(size: str = "tiny", seed: int = 0, *, batch: int = 1,
-             seconds: float = 1.0) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-  """A ready-to-check Wav2Vec2-style encoder: ``(fn, args)``.
-
-  ``fn(variables, audio)`` returns the hidden states (see
-  :class:`Wav2Vec2Encoder`); ``args`` holds the randomly initialised
-  variables and :func:`synthetic_audio`. The same call returns the same
-  objects (cached), so repeated checks reuse compiled programs.
-
-  Args:
-    size: ``'tiny'``, ``'small'`` or ``'base'`` (:class:`Wav2Vec2Config`).
-    seed: seeds the weights and the audio.
-    batch: number of audio clips.
-    seconds: clip length at 16 kHz.
-
-  Returns:
-    ``(fn, (variables, audio))``; :func:`jaxprec.models.wav2vec2` shows one.
-  """
-  config = Wav2Vec2Config.of_size(size)
-  model = Wav2Vec2Encoder(config)
-  audio = jnp.asarray(synthetic_audio(batch, seconds, seed=seed))
-  variables = jax.jit(model.init)(jax.random.key(seed), audio)
-
-  def fn(variables, audio):
-    return model.apply(variables, audio)
-  fn.__name__ = fn.__qualname__ = f"wav2vec2_{size}"
-  return fn, (variables, audio)
