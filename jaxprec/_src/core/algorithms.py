@@ -1,15 +1,10 @@
 """The one table of matmul algorithms: one record per algorithm, and which runs where.
 
 Each :class:`Numerics` record names one algorithm that a TPU or an NVIDIA GPU
-runs for a matmul or convolution with float32 operands: its passes, the
-format each pass multiplies in, the dots each emulation kernel spends on it,
-the significand bits its operands keep, and the targets that run it.
-:data:`LEVELS` says which algorithm each ``lax.Precision`` level means on
-each target and :data:`PRESETS` which one each ``lax.DotAlgorithmPreset``
-names. Every other module asks here: the per-backend meanings of
-:class:`jaxprec.Precision`, the audit's TPU and GPU columns, the emulation
-(:func:`jaxprec._src.core.numerics.algorithm_for`), the emulation kernels, the
-cost model and its chips, the search and ``jaxprec info``.
+runs for a matmul or convolution with float32 operands. :data:`LEVELS` says
+which algorithm each ``lax.Precision`` level means on each target and
+:data:`PRESETS` which one each ``lax.DotAlgorithmPreset`` names. Every other
+module that needs one of these facts asks here.
 
 Sources:
 

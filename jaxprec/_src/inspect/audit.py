@@ -179,12 +179,15 @@ class AuditRow:
     for k in ("lhs_shape", "rhs_shape", "out_shape"):
       d[k] = list(d[k])
     for k in ("tpu_numerics", "gpu_numerics"):
-      n = d[k]
-      d[k] = None if n is None else {
-          "algorithm": n.algorithm, "passes": n.passes,
+      d[k] = None if d[k] is None else numerics_dict(d[k])
+    return d
+
+
+def numerics_dict(n: Numerics) -> dict[str, Any]:
+  """A :class:`~jaxprec.Numerics` record's figures as JSON-able values."""
+  return {"algorithm": n.algorithm, "passes": n.passes,
           "operand_bits": n.operand_bits, "rel_error": n.rel_error,
           "note": n.note}
-    return d
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

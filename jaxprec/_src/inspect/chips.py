@@ -11,12 +11,10 @@ moves no bytes of its own; a cast that is not fused moves its own), caches,
 and how far real kernels stay below the peaks; it ranks policies, it does not
 predict a step time.
 
-A pass type is the dtype a matrix unit multiplies in: ``'bfloat16'``,
-``'float16'``, ``'tensorfloat32'``, ``'float32'`` (CUDA cores, no tensor
-cores), ``'int8'``. Each algorithm's record in the one table
-(:mod:`jaxprec._src.core.algorithms`) says which one it uses and how many times
-(:func:`jaxprec._src.core.algorithms.pass_type`); float32 on a TPU is six
-bfloat16 passes (XLA's dot_algorithm_rewriter.cc, openxla/xla).
+A pass type is the dtype a matrix unit multiplies in (``'float32'``: CUDA
+cores, no tensor cores); :func:`jaxprec._src.core.algorithms.pass_type` gives
+an algorithm's, and its passes: float32 on a TPU is six bfloat16 passes (XLA's
+dot_algorithm_rewriter.cc, openxla/xla).
 """
 
 from __future__ import annotations

@@ -234,15 +234,28 @@ class CostRow:
     return _ratio(self.seconds, self.float32_seconds, self.untimed_flops)
 
   def to_dict(self) -> dict[str, Any]:
-    return {"path": self.path, "ops": self.ops, "flops": self.flops,
-            "algorithms": list(self.algorithms), "cost": self.cost,
-            "float32_cost": self.float32_cost, "relative": self.relative,
-            "unknown_flops": self.unknown_flops, "bytes": self.bytes,
-            "float32_bytes": self.float32_bytes,
-            "bytes_relative": self.bytes_relative, "seconds": self.seconds,
-            "float32_seconds": self.float32_seconds,
-            "time_relative": self.time_relative,
-            "untimed_flops": self.untimed_flops}
+    return _to_dict(self)
+
+
+# Each ratio of a cost row or report, by the figure it divides by.
+_RATIOS = {"float32_cost": "relative", "float32_bytes": "bytes_relative",
+           "float32_seconds": "time_relative"}
+
+
+def _to_dict(x: Any) -> dict[str, Any]:
+  """The fields of a :class:`CostRow` or :class:`CostReport` as JSON-able
+  values, each ratio right after the figure it divides by, the rows last."""
+  out: dict[str, Any] = {}
+  for f in dataclasses.fields(x):
+    v = getattr(x, f.name)
+    out[f.name] = ([r.to_dict() for r in v] if f.name == "rows"
+                   else list(v) if isinstance(v, tuple)
+                   else dict(v) if isinstance(v, Mapping) else v)
+    if f.name in _RATIOS:
+      out[_RATIOS[f.name]] = getattr(x, _RATIOS[f.name])
+  if "rows" in out:
+    out["rows"] = out.pop("rows")
+  return out
 
 
 def _ratio(a: float, b: float, left_out: int = 0) -> float | None:
@@ -326,22 +339,8 @@ class CostReport:
                         error=KeyError, hint=" (those of this cost report)")
 
   def to_dict(self) -> dict[str, Any]:
-    """JSON-able values: the attributes, ``relative`` and the rows."""
-    return {
-        "function": self.function, "policy": self.policy,
-        "target": self.target, "flops": self.flops, "cost": self.cost,
-        "float32_cost": self.float32_cost, "relative": self.relative,
-        "unknown_flops": self.unknown_flops,
-        "by_algorithm": dict(self.by_algorithm),
-        "weights": dict(self.weights),
-        "chip": self.chip, "bytes": self.bytes,
-        "float32_bytes": self.float32_bytes,
-        "bytes_relative": self.bytes_relative, "seconds": self.seconds,
-        "float32_seconds": self.float32_seconds,
-        "time_relative": self.time_relative,
-        "untimed_flops": self.untimed_flops,
-        "rows": [r.to_dict() for r in self.rows],
-    }
+    """JSON-able values: the attributes, the ratios and the rows."""
+    return _to_dict(self)
 
   def to_json(self, indent: int | None = 2) -> str:
     return json.dumps(self.to_dict(), indent=indent)

@@ -17,9 +17,8 @@ import jax
 from jaxprec._src.core import algorithms
 from jaxprec._src.core import context
 from jaxprec._src.core import env as env_lib
-from jaxprec._src.core.algorithms import Numerics
-from jaxprec._src.core.precision import Precision
 from jaxprec._src.emulation import kernels
+from jaxprec._src.inspect import audit
 
 HOW_TO_CHANGE: dict[str, str] = {
     "function": ("@jaxprec.precision('float32') on a function, or "
@@ -50,18 +49,6 @@ PITFALLS: tuple[str, ...] = (
 )
 
 
-def _numerics(n: Numerics) -> dict[str, Any]:
-  return {"algorithm": n.algorithm, "passes": n.passes,
-          "operand_bits": n.operand_bits, "rel_error": n.rel_error, "note": n.note}
-
-
-def _here(p: Precision, platform: str) -> Numerics | None:
-  try:
-    return p.on(platform)
-  except ValueError:
-    return None  # A plugin backend jaxprec has no table for.
-
-
 def explain_dict() -> dict[str, Any]:
   """What :func:`explain` says, as JSON-able values (``jaxprec info --json``).
 
@@ -89,7 +76,10 @@ def explain_dict() -> dict[str, Any]:
   p = context.current()
   platform = jax.default_backend()
   devices = jax.devices()
-  here = _here(p, platform)
+  try:
+    here = p.on(platform)
+  except ValueError:  # a plugin backend jaxprec has no table for
+    here = None
   kernel = kernels.current_kernel()
   return {
       "jaxprec_version": __version__,
@@ -106,10 +96,10 @@ def explain_dict() -> dict[str, Any]:
       },
       "env": {"name": env_lib.ENV_VAR, "value": os.environ.get(env_lib.ENV_VAR)},
       "numerics": {
-          "here": None if here is None else _numerics(here),
-          "tpu": _numerics(p.tpu),
-          "gpu": _numerics(p.gpu),
-          "cpu": _numerics(p.cpu),
+          "here": None if here is None else audit.numerics_dict(here),
+          "tpu": audit.numerics_dict(p.tpu),
+          "gpu": audit.numerics_dict(p.gpu),
+          "cpu": audit.numerics_dict(p.cpu),
       },
       "kernel": {
           "setting": kernel.setting,
