@@ -39,6 +39,7 @@ significand bits, and XLA need not sum the products in float32; ask
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import importlib.util
@@ -265,10 +266,9 @@ class AuditReport:
     """
     out: dict[str, dict[str, int]] = {}
     for backend in ("tpu", "gpu"):
-      totals: dict[str, int] = {}
+      totals: collections.Counter[str] = collections.Counter()
       for r in self.rows:
-        key = getattr(r, backend)
-        totals[key] = totals.get(key, 0) + r.flops
+        totals[getattr(r, backend)] += r.flops
       out[backend] = dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
     return out
 

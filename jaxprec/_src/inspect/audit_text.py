@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any
 
@@ -31,10 +32,8 @@ def dtype_story(row: Any) -> str:
 
 def dtype_summary(rows: Any) -> str:
   """One line on the dtypes of ``rows``, or ``''`` when all are float32."""
-  compute: dict[str, int] = {}
-  for r in rows:
-    for d in {r.lhs_dtype, r.rhs_dtype}:
-      compute[d] = compute.get(d, 0) + 1
+  compute = collections.Counter(d for r in rows
+                                for d in {r.lhs_dtype, r.rhs_dtype})
   narrow_acc = [r for r in rows if (r.accumulation_dtype or r.out_dtype)
                 in _NARROW]
   cast = sum(1 for r in rows if (r.lhs_storage and r.lhs_storage != r.lhs_dtype)
