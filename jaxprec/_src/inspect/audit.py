@@ -53,6 +53,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from jaxprec._src.core import context
 from jaxprec._src.core import numerics
 from jaxprec._src.core.algorithms import Numerics
 from jaxprec._src.core.precision import resolve
@@ -336,7 +337,7 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
         f"jaxprec.audit expects a callable as its first argument; got {fn!r} "
         f"of type {type(fn).__name__}")
   name = _qualname(fn)
-  in_force = _precision_in_force()
+  in_force = context.current()
   fn = nnx_policy.bind(fn, None)  # a traced copy of an NNX module, with paths
 
   statics, dynamic = trees.split_call(args, kwargs)
@@ -350,7 +351,8 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
   opaque: list[OpaqueRow] = []
   closed = emulated_ops.written_out(closed)  # emulated already: its passes
   rows = tuple(_rows(closed, module_paths, opaque))
-  return AuditReport(rows=rows, function=name, precision_in_force=in_force,
+  return AuditReport(rows=rows, function=name,
+                     precision_in_force=f"{in_force.name} ({in_force.source})",
                      opaque=tuple(opaque))
 
 
@@ -568,9 +570,3 @@ def _qualname(fn) -> str:
       return name
   # A callable object (an NNX module): its class, not a many-line repr.
   return type(fn).__qualname__
-
-
-def _precision_in_force() -> str:
-  from jaxprec._src.core import context
-  p = context.current()
-  return f"{p.name} ({p.source})"

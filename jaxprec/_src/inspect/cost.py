@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxprec._src.core import algorithms
+from jaxprec._src.core import context
 from jaxprec._src.core import names
 from jaxprec._src.core import numerics
 from jaxprec._src.core.numerics import algorithm_for
@@ -353,11 +354,10 @@ def _costs(rows, policy: Policy | None, target: str,
            weights: Mapping[str, float]) -> list[tuple[str, float | None]]:
   """``(algorithm, cost or None)`` of each row under ``policy``; an op that
   recorded no precision gets what ``jaxprec.emulate(fn, policy)`` gives it."""
-  from jaxprec._src.core.context import current  # noqa: PLC0415 -- as emulate does
   unset = {}
   for kind in numerics.OP_KINDS:
     p = None if policy is None else policy.precision_for("", None, kind)
-    unset[kind] = current() if p is None else p
+    unset[kind] = context.current() if p is None else p
   out = []
   for r in rows:
     algo = algorithm(r, target, unset[numerics.op_kind(r.primitive)])
