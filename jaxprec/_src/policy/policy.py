@@ -21,13 +21,9 @@ sets a ``dtype`` and matches the module, else ``default_dtype``
 (:meth:`Policy.match_dtype`); the two axes never decide for each other.
 
 The text form, :meth:`Policy.parse` and ``str(policy)``, is the one grammar
-that every entry point (Python, the command line, the environment) accepts; it
-is documented on :meth:`Policy.parse` and in ``docs/modules.md``.
-
-This module is data and grammar only: it imports neither Flax nor jaxprec's
-Flax side. The runtime side (the scope in which a policy applies, module
-paths, interception, swap) lives in :mod:`jaxprec._src.flax`, which imports
-this module and never the other way round.
+that every entry point (Python, the command line, the environment) accepts.
+The runtime side (the scope in which a policy applies) is
+:mod:`jaxprec._src.flax`, which imports this module, never the other way.
 """
 
 from __future__ import annotations
@@ -136,14 +132,9 @@ class Rule:
     return self.path is None or compile_path(self.path).fullmatch(path) is not None
 
   def _selector(self) -> str:
-    terms = []
-    if self.path is not None:
-      terms.append(format_path(self.path))
-    if self.module_type is not None:
-      terms.append(str(self.module_type))
-    if self.op is not None:
-      terms.append(str(self.op))
-    return "&".join(terms)
+    terms = [] if self.path is None else [format_path(self.path)]
+    return "&".join(terms + [str(t) for t in (self.module_type, self.op)
+                             if t is not None])
 
   def __str__(self) -> str:
     return f"{self._selector()}={format_value(self.precision, self.dtype)}"
@@ -458,9 +449,6 @@ def reference_policy(dtype: Any, base: Policy | None = None) -> Policy:
 # What a policy did: matches, unused rules.
 
 
-DTYPE_HOWS = ("field", "boundary", "skipped")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyMatch:
   """What a policy decided for one module (or for ops outside modules).
@@ -509,8 +497,6 @@ def _precision_text(m: PolicyMatch) -> str:
 
 
 def _dtype_text(m: PolicyMatch) -> str:
-  if m.dtype_how is None:
-    return ""
   why = str(m.dtype_rule) if m.dtype_rule is not None else "default"
   if m.dtype_how == "skipped":
     return f"dtype - (no dtype attribute; {why} not applied)"

@@ -79,9 +79,11 @@ def to_dtype(value: Any, where: str) -> str:
 # Selectors: top-level separators and escapes in regexes.
 
 
-# A repetition ``{m,n}`` (its comma may be escaped: then a literal text that
-# must stay as written). Any other brace is a literal character in a regex.
-_REPEAT = re.compile(r"\{\d*(?:\\?,\d*)?\}")
+# What the scan skips whole: a character class (a ``]`` first in it is
+# literal; unterminated, it runs to the end), or a repetition ``{m,n}`` (its
+# comma may be escaped: then a literal text that must stay as written). Any
+# other brace is a literal character in a regex.
+_SKIP = re.compile(r"\[\^?\]?(?:\\.|[^\\\]])*\]?|\{\d*(?:\\?,\d*)?\}", re.S)
 
 
 def scan(text: str, seps: str, *, escaped: bool = False
@@ -103,12 +105,9 @@ def scan(text: str, seps: str, *, escaped: bool = False
         out.append((i, text[i + 1]))
       i += 2
       continue
-    if c == "[":
-      i = _class_end(text, i)
-      continue
-    repeat = _REPEAT.match(text, i) if c == "{" else None
-    if repeat:
-      i = repeat.end()
+    skip = _SKIP.match(text, i) if c in "[{" else None
+    if skip:
+      i = skip.end()
       continue
     if c == "(":
       depth += 1
@@ -120,31 +119,10 @@ def scan(text: str, seps: str, *, escaped: bool = False
   return out
 
 
-def _class_end(text: str, i: int) -> int:
-  """The index after the character class that opens at ``text[i]`` (``[``)."""
-  j = i + 1
-  if text[j:j + 1] == "^":
-    j += 1
-  if text[j:j + 1] == "]":  # first in the class: a literal ']'
-    j += 1
-  while j < len(text):
-    if text[j] == "\\":
-      j += 2
-      continue
-    if text[j] == "]":
-      return j + 1
-    j += 1
-  return len(text)
-
-
 def split(text: str, sep: str) -> list[str]:
   """``text`` split at its top-level ``sep`` characters (:func:`scan`)."""
-  parts, start = [], 0
-  for i, _ in scan(text, sep):
-    parts.append(text[start:i])
-    start = i + 1
-  parts.append(text[start:])
-  return parts
+  cuts = [i for i, _ in scan(text, sep)]
+  return [text[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
 
 
 def unescape(regex: str) -> str:
