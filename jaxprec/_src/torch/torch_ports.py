@@ -42,13 +42,11 @@ class Port:
 
   def reference(self, **kwargs: Any) -> dict[str, np.ndarray]:
     """The PyTorch model's hidden states (:func:`jaxprec.torch.capture`)."""
-    return torch_ref.capture(self.torch_model, **self._torch_inputs(),
-                             output_hidden_states=True, **kwargs)
-
-  def _torch_inputs(self) -> dict[str, Any]:
     # Token ids as int64, as PyTorch's embedding layers take them.
-    return {k: v.astype(np.int64) if np.issubdtype(v.dtype, np.integer) else v
-            for k, v in self.inputs.items()}
+    inputs = {k: v.astype(np.int64) if np.issubdtype(v.dtype, np.integer)
+              else v for k, v in self.inputs.items()}
+    return torch_ref.capture(self.torch_model, **inputs,
+                             output_hidden_states=True, **kwargs)
 
   def fn(self, state: Any, *inputs: Any) -> Any:
     """The NNX model's outputs, ``fn(state, *inputs.values())``, named and
@@ -79,33 +77,12 @@ def _llama_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
   return {"input_ids": rng.integers(0, 128, size=(1, 16)).astype(np.int32)}
 
 
-def _wav2vec2(transformers, layers: int) -> tuple[Any, str]:
-  config, torch_name, _ = torch_twins._wav2vec2(transformers, layers)  # noqa: SLF001
-  return config, torch_name
-
-
-def _bert(transformers, layers: int) -> tuple[Any, str]:
-  config, torch_name, _ = torch_twins._bert(transformers, layers)  # noqa: SLF001
-  return config, torch_name
-
-
 # name -> (config and the name of its transformers class, inputs).
 PORTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
-    "hf-wav2vec2": (_wav2vec2, torch_twins._wav2vec2_inputs),  # noqa: SLF001
-    "hf-bert": (_bert, torch_twins._bert_inputs),  # noqa: SLF001
+    **torch_twins.TWINS,
     "hf-llama": (_llama, _llama_inputs),
 }
 _LAYERS = 4
-_TRANSFORMERS_HINT = "pip install 'jaxprec[torch]' transformers"
-
-
-def _import_transformers() -> Any:
-  try:
-    import transformers  # noqa: PLC0415 -- optional, imported when used
-  except ImportError as e:
-    raise ImportError(f"port checks need transformers' PyTorch models: "
-                      f"{_TRANSFORMERS_HINT}") from e
-  return transformers
 
 
 def port(name: str, seed: int = 0, *, layers: int | None = None) -> Port:
@@ -134,23 +111,22 @@ def port(name: str, seed: int = 0, *, layers: int | None = None) -> Port:
   """
   if name not in PORTS:
     raise names.unknown("port", name, PORTS)
-  if layers is not None and (isinstance(layers, bool) or not isinstance(
-      layers, (int, np.integer)) or layers < 1):
-    raise ValueError(f"port(layers={layers!r}): the number of transformer "
-                     f"layers is an integer of at least 1 (default {_LAYERS})")
+  layers = torch_twins.layer_count("port", layers, _LAYERS)
   torch = torch_ref.import_torch()
-  transformers = _import_transformers()
+  try:
+    import transformers  # noqa: PLC0415 -- optional, imported when used
+  except ImportError as e:
+    raise ImportError("port checks need transformers' PyTorch models: pip "
+                      "install 'jaxprec[torch]' transformers") from e
   make, inputs = PORTS[name]
-  config, torch_name = make(transformers, _LAYERS if layers is None
-                            else int(layers))
+  config, torch_name = make(transformers, layers)
   from jaxprec._src.models.llama import LlamaModel  # noqa: PLC0415
   from jaxprec._src.models.nnx_bert import BertModel  # noqa: PLC0415
   from jaxprec._src.models.nnx_wav2vec2 import Wav2Vec2Model  # noqa: PLC0415
   jax_cls = {"hf-wav2vec2": Wav2Vec2Model, "hf-bert": BertModel,
              "hf-llama": LlamaModel}[name]
-  with torch.random.fork_rng(devices=[]):
-    torch.manual_seed(seed)
-    torch_model = getattr(transformers, torch_name)(config).eval()
+  torch_model = torch_twins.seeded(torch, getattr(transformers, torch_name),
+                                   config, seed)
   return Port(name=name, torch_model=torch_model,
               model=jax_cls.from_pytorch(torch_model),
               inputs=inputs(np.random.default_rng(seed)))

@@ -21,6 +21,7 @@ Nothing here imports JAX, PyTorch or transformers at import time.
 from __future__ import annotations
 
 import re
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -108,10 +109,6 @@ def _to_numpy(t: Any) -> np.ndarray:
   return np.array(t.cpu().numpy(), copy=True)
 
 
-def _is_float_tensor(t: Any) -> bool:
-  return bool(getattr(t, "is_floating_point", lambda: False)())
-
-
 def _is_float_array(x: Any) -> bool:
   dtype = getattr(x, "dtype", None)
   if dtype is None or not hasattr(x, "shape"):
@@ -122,20 +119,17 @@ def _is_float_array(x: Any) -> bool:
     return False
 
 
-def _key(k: Any) -> str:
-  return f".{k}" if isinstance(k, str) else f"[{k!r}]"
-
-
 def _named(x: Any, path: str, out: dict[str, np.ndarray]) -> None:
   """Adds the floating tensors of ``x`` under ``path`` (jaxprec's naming)."""
   if _is_tensor(x):
-    if _is_float_tensor(x):
+    if getattr(x, "is_floating_point", lambda: False)():
       out[path.lstrip(".") or "output"] = _to_numpy(x)
     return
   if isinstance(x, Mapping):  # ModelOutputs hold only their non-None fields
     for k, v in x.items():
       if v is not None:
-        _named(v, path + _key(k), out)
+        key = f".{k}" if isinstance(k, str) else f"[{k!r}]"
+        _named(v, path + key, out)
     return
   if isinstance(x, (tuple, list)):
     for i, v in enumerate(x):
@@ -323,7 +317,7 @@ def flax_params(pt_model: Any, flax_model: Any) -> Any:
     raise ImportError(f"flax_params needs transformers' Flax models: "
                       f"{HF_FLAX_HINT}") from e
   state = {k: v.detach().clone() for k, v in pt_model.state_dict().items()}
-  shapes = _Shapes(flax_model)
+  shapes = _shapes(flax_model)
   what = (f"{type(pt_model).__name__} does not fit "
           f"{type(flax_model).__name__}")
   try:
@@ -381,17 +375,16 @@ def _check_fit(got: Any, want: Any, what: str) -> None:
           f"{'has none' if b is None else b}")
 
 
-class _Shapes:
+def _shapes(flax_model: Any) -> Any:
   """What transformers' converter reads of a Flax model: its base model
   prefix, and its parameters' names and shapes (abstract where the model was
   built without weights)."""
-
-  def __init__(self, flax_model: Any):
-    import jax  # noqa: PLC0415
-    self.base_model_prefix = flax_model.base_model_prefix
-    if getattr(flax_model, "_is_initialized", True):
-      self.params = flax_model.params
-    else:
-      self.params = jax.eval_shape(
-          lambda key: flax_model.init_weights(key, flax_model.input_shape),
-          jax.random.PRNGKey(0))
+  import jax  # noqa: PLC0415
+  prefix = flax_model.base_model_prefix
+  if getattr(flax_model, "_is_initialized", True):
+    params = flax_model.params
+  else:
+    params = jax.eval_shape(
+        lambda key: flax_model.init_weights(key, flax_model.input_shape),
+        jax.random.PRNGKey(0))
+  return types.SimpleNamespace(base_model_prefix=prefix, params=params)

@@ -86,7 +86,7 @@ def depth_ordered(output: Any) -> dict[str, Any]:
   return {k: fields[k] for k in first + [k for k in fields if k not in first]}
 
 
-def _wav2vec2(transformers, layers: int) -> tuple[Any, str, str]:
+def _wav2vec2(transformers, layers: int) -> tuple[Any, str]:
   config = transformers.Wav2Vec2Config(
       hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
       intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 2, 2),
@@ -96,7 +96,7 @@ def _wav2vec2(transformers, layers: int) -> tuple[Any, str, str]:
       do_stable_layer_norm=True, feat_extract_norm="layer",
       hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
       feat_proj_dropout=0.0, layerdrop=0.0)
-  return config, "Wav2Vec2Model", "FlaxWav2Vec2Model"
+  return config, "Wav2Vec2Model"
 
 
 def _wav2vec2_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -105,7 +105,7 @@ def _wav2vec2_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
   return {"input_values": audio[None].astype(np.float32)}
 
 
-def _bert(transformers, layers: int) -> tuple[Any, str, str]:
+def _bert(transformers, layers: int) -> tuple[Any, str]:
   config = transformers.BertConfig(
       vocab_size=1000, hidden_size=64, num_hidden_layers=layers,
       num_attention_heads=4, intermediate_size=128,
@@ -114,7 +114,7 @@ def _bert(transformers, layers: int) -> tuple[Any, str, str]:
       # At BERT's init scale (0.02) random blocks barely move the residual
       # stream, and so neither does their rounding; 0.2 makes them count.
       initializer_range=0.2)
-  return config, "BertModel", "FlaxBertModel"
+  return config, "BertModel"
 
 
 def _bert_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -123,7 +123,8 @@ def _bert_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
           "token_type_ids": np.zeros_like(ids)}
 
 
-# name -> (config and the names of its transformers classes, inputs).
+# name -> (config and the name of its transformers PyTorch class, whose Flax
+# class is the same name with "Flax" before it; inputs).
 TWINS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "hf-wav2vec2": (_wav2vec2, _wav2vec2_inputs),
     "hf-bert": (_bert, _bert_inputs),
@@ -131,6 +132,26 @@ TWINS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 _LAYERS = 4
 # The seeds a twin takes: what NumPy, PyTorch and Flax all accept.
 _MAX_SEED = 2**32 - 1
+
+
+def layer_count(what: str, layers: Any, default: int) -> int:
+  """``layers`` as an int, ``default`` for None; ValueError unless it is an
+  integer of at least 1."""
+  if layers is None:
+    return default
+  if isinstance(layers, bool) or not isinstance(
+      layers, (int, np.integer)) or layers < 1:
+    raise ValueError(f"{what}(layers={layers!r}): the number of transformer "
+                     f"layers is an integer of at least 1 (default {default})")
+  return int(layers)
+
+
+def seeded(torch: Any, cls: Any, config: Any, seed: int) -> Any:
+  """``cls(config)`` in eval mode, its weights drawn from ``seed``; PyTorch's
+  global RNG is left as it was."""
+  with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(seed)
+    return cls(config).eval()
 
 
 def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
@@ -153,10 +174,7 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
   """
   if name not in TWINS:
     raise names.unknown("twin", name, TWINS)
-  if layers is not None and (isinstance(layers, bool) or not isinstance(
-      layers, (int, np.integer)) or layers < 1):
-    raise ValueError(f"twin(layers={layers!r}): the number of transformer "
-                     f"layers is an integer of at least 1 (default {_LAYERS})")
+  layers = layer_count("twin", layers, _LAYERS)
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
       0 <= seed <= _MAX_SEED):
     raise ValueError(f"twin(seed={seed!r}): the seed is an integer from 0 to "
@@ -164,20 +182,15 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
   torch = torch_ref.import_torch()
   transformers = torch_ref.import_transformers_flax("twin models need")
   make, inputs = TWINS[name]
-  config, torch_name, flax_name = make(transformers, _LAYERS if layers is None
-                                       else int(layers))
-  torch_ref.import_transformers_flax("twin models need", flax_name)
-  torch_cls, flax_cls = getattr(transformers, torch_name), getattr(
-      transformers, flax_name)
+  config, torch_name = make(transformers, layers)
+  torch_ref.import_transformers_flax("twin models need", f"Flax{torch_name}")
   verbosity = transformers.logging.get_verbosity()
   transformers.logging.set_verbosity_error()  # "Flax classes are deprecated"
   try:
-    with torch.random.fork_rng(devices=[]):
-      torch.manual_seed(seed)
-      torch_model = torch_cls(config).eval()
-    # Built without weights: the converted ones are its parameters (an
-    # initialisation took 8 s of small compiles for the Wav2Vec2 twin).
-    flax_model = flax_cls(config, seed=seed, _do_init=False)
+    torch_model = seeded(torch, getattr(transformers, torch_name), config, seed)
+    # Built without weights: the converted ones are its parameters.
+    flax_model = getattr(transformers, f"Flax{torch_name}")(
+        config, seed=seed, _do_init=False)
     params = torch_ref.flax_params(torch_model, flax_model)
   finally:
     transformers.logging.set_verbosity(verbosity)
