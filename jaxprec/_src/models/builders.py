@@ -1,16 +1,5 @@
-"""The built-in models as ``(fn, args)``: randomly initialised, or with the
-weights of their PyTorch originals (``from_pytorch=``).
-
-Random Wav2Vec2 and BERT models are the flax.linen encoders
-(:mod:`jaxprec._src.models.wav2vec2`, :mod:`~jaxprec._src.models.bert`),
-random Llama models the NNX :class:`LlamaModel`. ``from_pytorch=`` builds the
-NNX models (:mod:`~jaxprec._src.models.nnx_wav2vec2`,
-:mod:`~jaxprec._src.models.nnx_bert`, :mod:`~jaxprec._src.models.llama`) from
-a transformers PyTorch model and returns them as ``fn(state, *inputs)``,
-whose outputs are named as the PyTorch model's ``output_hidden_states=True``
-outputs, so that ``check(fn, *args, reference=jaxprec.torch.capture(pt_model,
-...))`` lines up layer by layer.
-"""
+"""The built-in models as ``(fn, args)``: randomly initialised, or the NNX
+models with the weights of their PyTorch originals (``from_pytorch=``)."""
 
 from __future__ import annotations
 

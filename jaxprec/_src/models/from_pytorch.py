@@ -1,18 +1,11 @@
 """Weights of a PyTorch original for jaxprec's NNX models, checked to fit.
 
-The built-in NNX models (:mod:`jaxprec._src.models.nnx_wav2vec2`,
-:mod:`~jaxprec._src.models.nnx_bert`, :mod:`~jaxprec._src.models.llama`)
-mirror the module tree of transformers' PyTorch classes: the NNX attribute path
-``encoder/layers/0/attention/q_proj`` is the PyTorch module
-``encoder.layers.0.attention.q_proj``. :func:`load` walks the NNX model's
-layers (``nnx.Linear``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.RMSNorm``,
-``nnx.Embed``), names the PyTorch parameter each of their parameters comes
-from and its PyTorch shape, compares them with the PyTorch model's
-``named_parameters()`` and refuses a model that does not fit, naming the first
-parameter whose name or shape differs. :func:`hf_config` reads a transformers
-config and refuses settings the NNX model does not implement.
-
-Imports PyTorch only through the model it is given.
+The built-in NNX models mirror the module tree of transformers' PyTorch
+classes: the NNX attribute path ``encoder/layers/0/attention/q_proj`` is the
+PyTorch module ``encoder.layers.0.attention.q_proj``, so :func:`load` finds
+each parameter's PyTorch counterpart by name and refuses a model that does
+not fit. :func:`hf_config` and :func:`require` refuse a config the NNX model
+does not implement. Imports PyTorch only through the model it is given.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Wav2Vec2 in Flax NNX, with the module tree of transformers' PyTorch
-``Wav2Vec2Model`` in its stable-layer-norm variant (``do_stable_layer_norm=True,
-feat_extract_norm="layer"``: the ``wav2vec2-large-lv60`` family, the model of
-transformers issue 15754).
+``Wav2Vec2Model`` in its stable-layer-norm variant.
 
 :class:`Wav2Vec2Model` computes what ``transformers``'
-``modeling_wav2vec2.py`` computes in eval mode: the feature encoder (temporal
-convolutions, each followed by layer normalization over channels and GELU),
-the feature projection (layer normalization, dense), the weight-normalised
-grouped positional convolution, pre-LN transformer layers and a final layer
-normalization. Attribute paths are PyTorch's module names
-(``encoder/layers/0/attention/q_proj`` is ``encoder.layers.0.attention.q_proj``),
-so :meth:`Wav2Vec2Model.from_pytorch` loads a PyTorch model's weights by name,
-and ``check_module`` lines its layers up with
-``jaxprec.torch.capture(pt_model, modules=...)``.
+``modeling_wav2vec2.py`` computes in eval mode: the architecture of
+:mod:`jaxprec._src.models.wav2vec2`, the positional convolution taking the
+weight its weight normalisation computes. Attribute paths are PyTorch's
+module names (``encoder/layers/0/attention/q_proj`` is
+``encoder.layers.0.attention.q_proj``), so :meth:`Wav2Vec2Model.from_pytorch`
+loads a PyTorch model's weights by name, and ``check_module`` lines its
+layers up with ``jaxprec.torch.capture(pt_model, modules=...)``.
 """
 
 from __future__ import annotations
