@@ -164,19 +164,10 @@ def record(algorithm: str) -> Numerics:
 
 
 def meaning(algorithm: str, target: str) -> Numerics:
-  """What ``target`` computes for ``algorithm``: its record where the target
-  runs it, :data:`UNSUPPORTED` where it does not, :data:`CPU` on a CPU."""
-  if target == "cpu":
-    return CPU
+  """What ``target`` (one of :data:`TARGETS`) computes for ``algorithm``: its
+  record where the target runs it, :data:`UNSUPPORTED` where it does not."""
   r = record(algorithm)
   return r if target in r.targets else UNSUPPORTED
-
-
-def level_meaning(level: str, target: str) -> Numerics:
-  """What ``target`` computes at ``lax.Precision`` level ``level`` (a name)."""
-  if target == "cpu":
-    return CPU
-  return meaning(LEVELS[target][level], target)
 
 
 def float32_algorithm(target: str) -> str:

@@ -262,11 +262,9 @@ def op_numerics(precision: PrecisionLike, target: str, lhs_dtype: Any,
   p = resolve(precision)  # validates even when nothing is emulated
   if target in ("cpu", "native") or not emulatable(lhs_dtype, rhs_dtype):
     return None
-  if p.preset is not None and kind == "dot":
-    return algorithms.meaning(algorithms.PRESETS[p.preset.name], target)
-  # A convolution under a preset runs at DEFAULT (per_op's rule).
-  level = _P.DEFAULT if p.preset is not None else p.level
-  return algorithms.level_meaning(level.name, target)
+  if p.preset is not None and kind == "conv":
+    p = resolve(_P.DEFAULT)  # a convolution under a preset (per_op's rule)
+  return p.on(target)
 
 
 def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,

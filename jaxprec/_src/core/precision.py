@@ -108,7 +108,7 @@ def _precision(name: str, level: P, preset: D | None = None) -> Precision:
   from the one table (:mod:`jaxprec._src.core.algorithms`)."""
   def on(target):
     if preset is None:
-      return algorithms.level_meaning(level.name, target)
+      return algorithms.meaning(algorithms.LEVELS[target][level.name], target)
     return algorithms.meaning(algorithms.PRESETS[preset.name], target)
   return Precision(name=name, flag=names.FLAGS[name], level=level,
                    preset=preset, tpu=on("tpu"), gpu=on("gpu"),
