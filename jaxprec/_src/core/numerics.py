@@ -22,7 +22,9 @@ from jax import lax
 from jaxprec._src.core import algorithms
 from jaxprec._src.core.algorithms import Numerics
 from jaxprec._src.core.names import check_choice, unknown
+from jaxprec._src.core.precision import BACKEND_TARGETS
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
+from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr.walker import PRIMITIVES
 
 # What a TPU or an Ampere+ GPU computes; 'cpu'/'native' emulate nothing.
@@ -118,13 +120,11 @@ def check_target(target: Any, *, emulation: bool = False) -> str:
 def resolve_mode(mode: Any, target: str) -> str:
   """``'emulate'`` or ``'native'``; ``'auto'`` is native on the target's own
   backend and emulation elsewhere."""
-  from jaxprec._src.jaxpr import compat
   mode = check_choice(mode, MODES, "mode")
   if mode != "auto":
     return mode
-  backend = compat.backend_platform()
-  native = {"tpu": ("tpu",), "gpu": ("gpu", "cuda", "rocm")}[check_target(target)]
-  return "native" if backend in native else "emulate"
+  backend = BACKEND_TARGETS.get(compat.backend_platform())
+  return "native" if backend == check_target(target) else "emulate"
 
 
 def op_kind(primitive: Any) -> str:

@@ -79,10 +79,10 @@ class Precision:
 
   def on(self, backend: str) -> Numerics:
     """Numerics on ``backend`` (``'tpu'``, ``'gpu'``/``'cuda'``, ``'cpu'``)."""
-    b = _BACKEND_ALIASES.get(str(backend).lower())
+    b = BACKEND_TARGETS.get(str(backend).lower())
     if b is None:
       raise names.unknown("backend", backend, ("tpu", "gpu", "cpu"),
-                          near=_BACKEND_ALIASES)
+                          near=BACKEND_TARGETS)
     return getattr(self, b)
 
   def with_source(self, source: str) -> Precision:
@@ -96,8 +96,9 @@ class Precision:
     return f"jaxprec.Precision({self.name!r}{src})"
 
 
-_BACKEND_ALIASES = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu",
-                    "cpu": "cpu"}
+# The target each JAX backend name computes as.
+BACKEND_TARGETS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu",
+                   "cpu": "cpu"}
 
 P = lax.Precision
 D = lax.DotAlgorithmPreset
