@@ -17,14 +17,14 @@ PyTorch and transformers are imported only when these are used.
 """
 
 from jaxprec._src.torch.torch_ports import PORTS
+from jaxprec._src.torch.torch_ports import TWINS
 from jaxprec._src.torch.torch_ports import Port
+from jaxprec._src.torch.torch_ports import Twin
 from jaxprec._src.torch.torch_ports import port
+from jaxprec._src.torch.torch_ports import twin
 from jaxprec._src.torch.torch_ref import capture
 from jaxprec._src.torch.torch_ref import flax_params
 from jaxprec._src.torch.torch_ref import from_torch
-from jaxprec._src.torch.torch_twins import TWINS
-from jaxprec._src.torch.torch_twins import Twin
-from jaxprec._src.torch.torch_twins import twin
 
 __all__ = ("PORTS", "Port", "TWINS", "Twin", "capture", "flax_params",
            "from_torch", "port", "twin")

@@ -115,7 +115,7 @@ def _entry_points():
   from jaxprec._src.models.llama import LlamaConfig
   from jaxprec._src.policy import policy_text
   from jaxprec._src.search import search_dtype
-  from jaxprec._src.torch import torch_ports, torch_twins
+  from jaxprec._src.torch import torch_ports
   x = jnp.ones((2,), jnp.float32)
   report = _report()
   return [
@@ -168,8 +168,8 @@ def _entry_points():
        "base", LlamaConfig.SIZES, None),
       ("model size typo", lambda: BertConfig.of_size("smal"), ValueError,
        "size", "smal", BertConfig.SIZES, "small"),
-      ("twin", lambda: torch_twins.twin("hf-bret"), ValueError, "twin",
-       "hf-bret", tuple(torch_twins.TWINS), "hf-bert"),
+      ("twin", lambda: torch_ports.twin("hf-bret"), ValueError, "twin",
+       "hf-bret", tuple(torch_ports.TWINS), "hf-bert"),
       ("port", lambda: torch_ports.port("hf-lama"), ValueError, "port",
        "hf-lama", tuple(torch_ports.PORTS), "hf-llama"),
   ]

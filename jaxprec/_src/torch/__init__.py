@@ -1,5 +1,4 @@
-"""PyTorch: reading PyTorch hidden states as a reference (``torch_ref``), the
-Hugging Face Flax twins (``torch_twins``) and the port checks against
-PyTorch originals (``torch_ports``). Imports torch and transformers only
-when called.
+"""PyTorch: its hidden states as a reference (``torch_ref``), and the twin
+and port pairs with JAX models (``torch_ports``). Imports torch and
+transformers only when called.
 """

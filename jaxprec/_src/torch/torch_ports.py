@@ -1,14 +1,15 @@
-"""Port checks: a PyTorch original and jaxprec's own NNX port of it.
+"""PyTorch originals paired with a JAX model holding the same weights.
 
-:func:`port` builds a tiny transformers model in PyTorch with random weights
-(seeded, PyTorch's global RNG left as it was) and jaxprec's NNX model with
-the same weights (``jaxprec.models.*.from_pytorch``), with synthetic inputs.
-``jaxprec check --model hf-llama --reference pytorch`` (and ``hf-wav2vec2``,
-``hf-bert``) checks the port against the PyTorch original with them. Only
-transformers' PyTorch classes are used, which transformers 4 and 5 both
-have; nothing is downloaded.
-
-Imports transformers, PyTorch and Flax when a port is built, never at import.
+:func:`port` pairs a tiny random transformers PyTorch model with jaxprec's
+own NNX model (``jaxprec.models.*.from_pytorch``); ``jaxprec check --model
+hf-llama --reference pytorch`` (and ``hf-wav2vec2``, ``hf-bert``) checks the
+port against the original, with the PyTorch classes transformers 4 and 5 both
+have. :func:`twin` pairs it with its Hugging Face Flax model instead
+(:func:`jaxprec._src.torch.torch_ref.flax_params`; transformers 4:
+transformers 5 has no Flax models). Both seed the PyTorch weights, leaving
+PyTorch's global RNG as it was, and make synthetic inputs; nothing is
+downloaded. Imports transformers, PyTorch and Flax when a pair is built,
+never at import.
 """
 
 from __future__ import annotations
@@ -21,7 +22,69 @@ import numpy as np
 
 from jaxprec._src.core import names
 from jaxprec._src.torch import torch_ref
-from jaxprec._src.torch import torch_twins
+
+
+@dataclasses.dataclass(frozen=True)
+class Twin:
+  """A Hugging Face model in PyTorch and in Flax, with the same weights.
+
+  Attributes:
+    name: e.g. ``'hf-wav2vec2'``.
+    torch_model: the PyTorch model (e.g. ``transformers.Wav2Vec2Model``).
+    flax_model: its Flax counterpart (e.g. ``FlaxWav2Vec2Model``), built
+      without weights of its own (``_do_init=False``): call it with
+      ``params=``.
+    params: the Flax parameters, converted from ``torch_model``.
+    inputs: the inputs by argument name, as NumPy arrays, in call order.
+  """
+
+  name: str
+  torch_model: Any
+  flax_model: Any
+  params: Any
+  inputs: dict[str, np.ndarray]
+
+  def reference(self, **kwargs: Any) -> dict[str, np.ndarray]:
+    """The PyTorch model's hidden states (:func:`jaxprec.torch.capture`)."""
+    return torch_ref.capture(self.torch_model, **self.inputs,
+                             output_hidden_states=True, **kwargs)
+
+  def fn(self, params: Any, *inputs: Any) -> Any:
+    """The Flax model's hidden states, ``fn(params, *inputs.values())``.
+
+    In depth order (:func:`depth_ordered`), so that a report's first
+    divergence is the first layer that diverges, not ``last_hidden_state``.
+    """
+    return depth_ordered(
+        self.flax_model(*inputs, params=params, output_hidden_states=True))
+
+  def args(self) -> tuple:
+    """``(params, *inputs)``, the arguments of :meth:`fn`."""
+    return (self.params, *self.inputs.values())
+
+
+# Hugging Face ModelOutput fields in the order the model computes them; a
+# ModelOutput lists last_hidden_state first.
+_DEPTH = ("extract_features", "hidden_states", "last_hidden_state",
+          "pooler_output")
+
+
+def depth_ordered(output: Any) -> dict[str, Any]:
+  """A Hugging Face ``ModelOutput``'s fields as a dict in depth order.
+
+  ``extract_features``, ``hidden_states`` (one layer per entry, embeddings
+  first), ``last_hidden_state``, ``pooler_output``, then any other non-None
+  field in its own order. Layer names are unchanged (``hidden_states[3]``).
+
+  Examples:
+    >>> from jaxprec._src.torch.torch_ports import depth_ordered
+    >>> list(depth_ordered({"last_hidden_state": 1, "hidden_states": (0,),
+    ...                     "attentions": None}))
+    ['hidden_states', 'last_hidden_state']
+  """
+  fields = {k: v for k, v in dict(output).items() if v is not None}
+  first = [k for k in _DEPTH if k in fields]
+  return {k: fields[k] for k in first + [k for k in fields if k not in first]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +115,49 @@ class Port:
     """The NNX model's outputs, ``fn(state, *inputs.values())``, named and
     ordered as the PyTorch model's (``hidden_states[i]`` first)."""
     from flax import nnx  # noqa: PLC0415
-    graphdef = nnx.graphdef(self.model)
-    return torch_twins.depth_ordered(nnx.merge(graphdef, state)(*inputs))
+    return nnx.merge(nnx.graphdef(self.model), state)(*inputs)
 
   def args(self) -> tuple:
     """``(state, *inputs)``, the arguments of :meth:`fn`."""
     from flax import nnx  # noqa: PLC0415
     return (nnx.state(self.model), *self.inputs.values())
+
+
+def _wav2vec2(transformers, layers: int) -> tuple[Any, str]:
+  config = transformers.Wav2Vec2Config(
+      hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+      intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 2, 2),
+      conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16,
+      num_conv_pos_embedding_groups=4,
+      # The Flax model implements only the "stable layer norm" variant.
+      do_stable_layer_norm=True, feat_extract_norm="layer",
+      hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+      feat_proj_dropout=0.0, layerdrop=0.0)
+  return config, "Wav2Vec2Model"
+
+
+def _wav2vec2_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+  t = np.arange(8000, dtype=np.float64) / 16000
+  audio = 0.5 * np.sin(2 * np.pi * 220 * t) + 0.1 * rng.standard_normal(t.size)
+  return {"input_values": audio[None].astype(np.float32)}
+
+
+def _bert(transformers, layers: int) -> tuple[Any, str]:
+  config = transformers.BertConfig(
+      vocab_size=1000, hidden_size=64, num_hidden_layers=layers,
+      num_attention_heads=4, intermediate_size=128,
+      max_position_embeddings=64, hidden_dropout_prob=0.0,
+      attention_probs_dropout_prob=0.0,
+      # At BERT's init scale (0.02) random blocks barely move the residual
+      # stream, and so neither does their rounding; 0.2 makes them count.
+      initializer_range=0.2)
+  return config, "BertModel"
+
+
+def _bert_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+  ids = rng.integers(1, 1000, size=(1, 32)).astype(np.int32)
+  return {"input_ids": ids, "attention_mask": np.ones_like(ids),
+          "token_type_ids": np.zeros_like(ids)}
 
 
 def _llama(transformers, layers: int) -> tuple[Any, str]:
@@ -77,12 +176,83 @@ def _llama_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
   return {"input_ids": rng.integers(0, 128, size=(1, 16)).astype(np.int32)}
 
 
-# name -> (config and the name of its transformers class, inputs).
+# name -> (config and the name of its transformers PyTorch class, whose Flax
+# class is the same name with "Flax" before it; inputs).
+TWINS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "hf-wav2vec2": (_wav2vec2, _wav2vec2_inputs),
+    "hf-bert": (_bert, _bert_inputs),
+}
 PORTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
-    **torch_twins.TWINS,
+    **TWINS,
     "hf-llama": (_llama, _llama_inputs),
 }
 _LAYERS = 4
+# The seeds a twin takes: what NumPy, PyTorch and Flax all accept.
+_MAX_SEED = 2**32 - 1
+
+
+def _layer_count(what: str, layers: Any, default: int) -> int:
+  """``layers`` as an int, ``default`` for None; ValueError unless it is an
+  integer of at least 1."""
+  if layers is None:
+    return default
+  if isinstance(layers, bool) or not isinstance(
+      layers, (int, np.integer)) or layers < 1:
+    raise ValueError(f"{what}(layers={layers!r}): the number of transformer "
+                     f"layers is an integer of at least 1 (default {default})")
+  return int(layers)
+
+
+def _seeded(torch: Any, cls: Any, config: Any, seed: int) -> Any:
+  """``cls(config)`` in eval mode, its weights drawn from ``seed``; PyTorch's
+  global RNG is left as it was."""
+  with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(seed)
+    return cls(config).eval()
+
+
+def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
+  """A built-in twin pair: a tiny random Hugging Face model in both frameworks.
+
+  Args:
+    name: ``'hf-wav2vec2'`` or ``'hf-bert'``.
+    seed: seeds the PyTorch weights (PyTorch's global RNG is restored) and
+      the inputs: an integer from 0 to ``2**32 - 1``.
+    layers: the number of transformer layers (default 4).
+
+  Returns:
+    A :class:`Twin`.
+
+  Raises:
+    ValueError: an unknown name (naming the choices), ``layers`` not an
+      integer of at least 1, or ``seed`` out of its range or not an integer.
+    ImportError: PyTorch is missing, or transformers, or its Flax models
+      (transformers 5 has none): one line with the install hint.
+  """
+  if name not in TWINS:
+    raise names.unknown("twin", name, TWINS)
+  layers = _layer_count("twin", layers, _LAYERS)
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
+      0 <= seed <= _MAX_SEED):
+    raise ValueError(f"twin(seed={seed!r}): the seed is an integer from 0 to "
+                     f"{_MAX_SEED} (it seeds PyTorch, Flax and NumPy)")
+  torch = torch_ref.import_torch()
+  transformers = torch_ref.import_transformers_flax("twin models need")
+  make, inputs = TWINS[name]
+  config, torch_name = make(transformers, layers)
+  torch_ref.import_transformers_flax("twin models need", f"Flax{torch_name}")
+  verbosity = transformers.logging.get_verbosity()
+  transformers.logging.set_verbosity_error()  # "Flax classes are deprecated"
+  try:
+    torch_model = _seeded(torch, getattr(transformers, torch_name), config, seed)
+    # Built without weights: the converted ones are its parameters.
+    flax_model = getattr(transformers, f"Flax{torch_name}")(
+        config, seed=seed, _do_init=False)
+    params = torch_ref.flax_params(torch_model, flax_model)
+  finally:
+    transformers.logging.set_verbosity(verbosity)
+  return Twin(name=name, torch_model=torch_model, flax_model=flax_model,
+              params=params, inputs=inputs(np.random.default_rng(seed)))
 
 
 def port(name: str, seed: int = 0, *, layers: int | None = None) -> Port:
@@ -111,7 +281,7 @@ def port(name: str, seed: int = 0, *, layers: int | None = None) -> Port:
   """
   if name not in PORTS:
     raise names.unknown("port", name, PORTS)
-  layers = torch_twins.layer_count("port", layers, _LAYERS)
+  layers = _layer_count("port", layers, _LAYERS)
   torch = torch_ref.import_torch()
   try:
     import transformers  # noqa: PLC0415 -- optional, imported when used
@@ -125,8 +295,8 @@ def port(name: str, seed: int = 0, *, layers: int | None = None) -> Port:
   from jaxprec._src.models.nnx_wav2vec2 import Wav2Vec2Model  # noqa: PLC0415
   jax_cls = {"hf-wav2vec2": Wav2Vec2Model, "hf-bert": BertModel,
              "hf-llama": LlamaModel}[name]
-  torch_model = torch_twins.seeded(torch, getattr(transformers, torch_name),
-                                   config, seed)
+  torch_model = _seeded(torch, getattr(transformers, torch_name), config,
+                        seed)
   return Port(name=name, torch_model=torch_model,
               model=jax_cls.from_pytorch(torch_model),
               inputs=inputs(np.random.default_rng(seed)))

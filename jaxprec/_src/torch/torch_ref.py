@@ -1,21 +1,10 @@
 """PyTorch as the reference: a PyTorch model's outputs as jaxprec layers.
 
-:func:`capture` runs a ``torch.nn.Module`` and returns its floating outputs
-(and, with ``modules=``, its submodules' outputs) as ``{name: np.ndarray}``,
-named as :func:`jaxprec.named_layers` names a JAX output
-(``'last_hidden_state'``, ``'hidden_states[3]'``), ready for
-``jaxprec.check(..., reference=...)``. :func:`from_torch` converts a tensor, a
-Hugging Face ``ModelOutput`` or a structure of them the same way, and returns
-None for anything else: objects are recognised by their type's module, so
-PyTorch is imported only when the object is PyTorch's.
-
+:func:`capture` runs a ``torch.nn.Module``, :func:`from_torch` converts its
+output, both named as :func:`jaxprec.named_layers` names a JAX output;
 :func:`flax_params` gives a Flax Hugging Face model the weights of its
-PyTorch twin with transformers' own converter; :data:`TWINS` builds the twin
-pairs (:mod:`jaxprec._src.torch.torch_twins`). The command line's port checks
-(``jaxprec check --model hf-wav2vec2 --reference pytorch``) use jaxprec's own
-NNX models instead (:mod:`jaxprec._src.torch.torch_ports`).
-
-Nothing here imports JAX, PyTorch or transformers at import time.
+PyTorch twin. Objects are recognised by their type's module, so nothing here
+imports JAX, PyTorch or transformers at import time.
 """
 
 from __future__ import annotations
