@@ -94,7 +94,7 @@ def _restore_emulation_kernel():
   import jaxprec  # pylint: disable=import-outside-toplevel
   from jaxprec._src.jaxpr import compat
   from jaxprec._src.emulation import kernels
-  before = compat.kernel_state().get_global()
+  before = compat.KERNEL_STATE.get_global()
   kernels._forget_environment()  # each test reads JAXPREC_KERNEL afresh
   yield
   jaxprec.set_kernel(before)

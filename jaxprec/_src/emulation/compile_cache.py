@@ -1,31 +1,13 @@
 """JAX's persistent compilation cache, for jaxprec's checks and searches.
 
-XLA compiles every program that a check or a search runs: the reference, one
-program per precision, one per policy. Most of a ``jaxprec check`` of a small
-model is compilation, and the next run of the same check compiles the same
-programs again. JAX's persistent compilation cache stores each compiled
-program on disk, keyed by the program (its HLO), the compile options, the
-backend and the jaxlib version, so that a later process loads it instead.
-
-* :func:`enable_compilation_cache` turns the cache on for the rest of the
-  process.
-* :func:`compilation_cache` turns it on for a ``with`` block and then
-  restores JAX's settings as they were: ``jaxprec check`` and ``jaxprec
-  search`` run in one (unless ``--no-cache``), and so do
-  ``jaxprec.check(..., cache=True)`` and ``jaxprec.search_policy(...,
-  cache=True)``.
-
-The cache lives in :func:`default_dir`: ``$JAXPREC_CACHE_DIR/jax-compilation``,
-else ``jax-compilation`` in the user's cache directory (``~/.cache/jaxprec``
-on Linux; see :func:`jaxprec._src.emulation.kernels.cache_dir`). It holds compiled
-programs only: no hidden states, reports or arguments. A program embeds the
-constants it was traced with, so arrays that ``fn`` closes over (rather than
-taking as arguments) are stored inside it. Delete the directory to clear the
-cache. As JAX warns, a compilation cache is trusted code: never point it at a
-directory that others may write to.
-
-Every small program is cached too: the minimum compile time and entry size
-are set to zero while the cache is on.
+Most of a ``jaxprec check`` of a small model is compiling its programs (the
+reference, one per precision, one per policy), and the next run compiles the
+same programs again. JAX's persistent compilation cache stores each compiled
+program on disk, keyed by its HLO, the compile options, the backend and the
+jaxlib version, so that a later process loads it instead:
+:func:`enable_compilation_cache` for the rest of the process,
+:func:`compilation_cache` for a ``with`` block (``jaxprec check``, ``jaxprec
+search``, ``cache=True``), in :func:`default_dir`.
 """
 
 from __future__ import annotations
@@ -35,9 +17,6 @@ import os
 from collections.abc import Iterator
 
 from jaxprec._src.emulation import kernels
-
-# The folder of jaxprec's cache directory that holds JAX's compiled programs.
-SUBDIR = "jax-compilation"
 
 # The JAX settings that the cache changes; compilation_cache restores them.
 _SETTINGS = ("jax_compilation_cache_dir", "jax_enable_compilation_cache",
@@ -53,7 +32,7 @@ def default_dir() -> str:
     >>> os.path.basename(default_dir())
     'jax-compilation'
   """
-  return os.path.join(kernels.cache_dir(), SUBDIR)
+  return os.path.join(kernels.cache_dir(), "jax-compilation")
 
 
 def checked_dir(path: str | os.PathLike | None) -> str:
@@ -82,9 +61,8 @@ def checked_dir(path: str | os.PathLike | None) -> str:
 
 
 def _reset() -> None:
-  """Makes JAX open the cache again from its settings at the next compile."""
-  # JAX opens the cache once, at the first compile after a path is set, and
-  # keeps it open until reset: changing the setting alone is not enough.
+  """Makes JAX open the cache again from its settings at the next compile
+  (JAX keeps it open until reset: changing the setting alone is not enough)."""
   from jax.experimental.compilation_cache import compilation_cache as cc
   cc.reset_cache()
 

@@ -1,43 +1,22 @@
 """bfloat16 and float16 compute under ``jaxprec.emulate``: one rounding per op.
 
-What XLA:CPU does (jax 0.10.2; ``docs/fidelity.md``): its
-``float-normalization-bf16`` pass computes each bfloat16 HLO instruction in
-float32 between a pair of converts. Between two bfloat16 ops the pair stays,
-so those round once per HLO instruction; a jaxpr op that
-lowers to several instructions rounds several times (``integer_pow``, i.e.
-``x**3`` in ``gelu``, multiplies twice in bfloat16; ``logistic`` is expanded
-into bfloat16 arithmetic). But where the program widens a bfloat16 result
-(``convert_element_type`` to float32: Flax's LayerNorm reading the Dense
-output, ``jnp.mean``, the softmax sum), the algebraic simplifier cancels the
-rounding convert against the widening one under ``xla_allow_excess_precision``
-(default true), and the consumer reads the unrounded float32 value: excess
-precision (``--xla_allow_excess_precision=false`` restores the rounding).
-A bfloat16 dot is widened to a float32 dot (exact products, float32 sums)
-and rounded once.
-A ``reduce_sum`` written in bfloat16 adds in bfloat16 (``jnp.sum`` and
-``jnp.mean`` widen it first).
+XLA:CPU (jax 0.10.2) rounds bfloat16 compute once per HLO instruction, so a
+jaxpr op that lowers to several instructions rounds several times, and where
+the program widens a bfloat16 result its algebraic simplifier drops the
+rounding under ``xla_allow_excess_precision`` (default true): the consumer
+reads the unrounded float32 value (``docs/fidelity.md``, measured).
 
 :func:`rewrite` makes one rounding per jaxpr op explicit, so that it holds on
-every backend, every XLA build and every setting of the flag:
-
-* elementwise arithmetic with a bfloat16 or float16 result: the operands
-  widened to float32 (exact), the op in float32, its result rounded once with
-  ``lax.reduce_precision`` (bfloat16) or :func:`rounding.round_to` (float16),
-  which no simplifier removes, then converted (exact);
-* ``convert_element_type`` from float32 to bfloat16/float16: the same rounding
-  (a user's ``x.astype(bf16).astype(f32)`` keeps its rounding);
-* ``dot_general`` on bfloat16 (float16) operands: exact products summed in
-  float32 (the emulated ``BF16_BF16_F32`` / ``F16_F16_F32`` pass, on the kernel
-  in force), the result rounded once to the output dtype, as a TPU's MXU or a
-  GPU's tensor cores;
-* ``conv_general_dilated`` on such operands: a float32 convolution at
-  ``HIGHEST`` on the widened operands (exact products, float32 sums), rounded
-  once;
-* ``reduce_sum`` with a bfloat16/float16 result: float32 sums, one rounding
-  (as a TPU; XLA:CPU would add in bfloat16).
-
-Ops that cannot round (``max``, ``neg``, ``select_n``, reshapes, ...) and ops
-not listed in :data:`ROUNDING_PRIMITIVES` run as written.
+every backend, every XLA build and every setting of the flag: an op of
+:data:`ROUNDING_PRIMITIVES` or a ``convert_element_type`` from float32 with a
+bfloat16/float16 result is computed in float32 and rounded once
+(:func:`round_result`); a dot or convolution on such operands sums exact
+products in float32 (a dot as the emulated ``BF16_BF16_F32`` /
+``F16_F16_F32`` pass, on the kernel in force) and rounds once, as a TPU's MXU
+or a GPU's tensor cores; a ``reduce_sum`` sums in float32 (as a TPU; XLA:CPU
+would add in bfloat16). Ops that cannot round (``max``, ``neg``,
+``select_n``, reshapes, ...) and other ops run as written. The table:
+``docs/fidelity.md``.
 """
 
 from __future__ import annotations
@@ -142,10 +121,8 @@ def rewrite(eqn, invals: Sequence[Any], *, target: str,
     caller then handles it).
   """
   name = eqn.primitive.name
-  if name == "dot_general":
-    return _dot(eqn, invals, target, options)
-  if name == "conv_general_dilated":
-    return _conv(eqn, invals)
+  if name in ("dot_general", "conv_general_dilated"):
+    return _dot_or_conv(eqn, invals, target, options)
   outs = _out_dtypes(eqn)
   if not outs or not all(d in LOW_DTYPES for d in outs):
     return None
@@ -162,35 +139,21 @@ def rewrite(eqn, invals: Sequence[Any], *, target: str,
   return [round_result(y, d) for y, d in zip(res, outs)]
 
 
-def _narrow_operands(eqn, invals) -> tuple[str, np.dtype] | None:
-  """``(format, result dtype)`` of a dot or conv on two operands of one narrow
-  format with a narrow or float32 result; None for anything else."""
+def _dot_or_conv(eqn, invals, target: str, options: dict) -> list[Any] | None:
+  """A dot or conv on two operands of one narrow format with a narrow or
+  float32 result, as exact products summed in float32, rounded once; None
+  for anything else."""
   lhs, rhs = invals
-  fmt = _low(lhs)
-  outs = _out_dtypes(eqn)
+  fmt, outs = _low(lhs), _out_dtypes(eqn)
   if fmt is None or _low(rhs) != fmt or not outs or (
       outs[0] not in LOW_DTYPES and outs[0] != _F32):
     return None
-  return fmt, outs[0]
-
-
-def _dot(eqn, invals, target: str, options: dict) -> list[Any] | None:
-  found = _narrow_operands(eqn, invals)
-  if found is None:
-    return None
-  (fmt, out), (lhs, rhs) = found, invals
-  acc = emulated_ops.emulated_dot_general(
-      _widen(lhs), _widen(rhs), eqn.params["dimension_numbers"],
-      precision=DOT_PRESETS[fmt], preferred_element_type=_F32,
-      target=target, **options)
-  return [acc if out == _F32 else round_result(acc, out)]
-
-
-def _conv(eqn, invals) -> list[Any] | None:
-  found = _narrow_operands(eqn, invals)
-  if found is None:
-    return None
-  (_, out), (lhs, rhs) = found, invals
-  params = dict(eqn.params, precision=_HIGHEST, preferred_element_type=_F32)
-  acc = eqn.primitive.bind(_widen(lhs), _widen(rhs), **params)
-  return [acc if out == _F32 else round_result(acc, out)]
+  wide = _widen(lhs), _widen(rhs)
+  if eqn.primitive.name == "dot_general":
+    acc = emulated_ops.emulated_dot_general(
+        *wide, eqn.params["dimension_numbers"], precision=DOT_PRESETS[fmt],
+        preferred_element_type=_F32, target=target, **options)
+  else:
+    params = dict(eqn.params, precision=_HIGHEST, preferred_element_type=_F32)
+    acc = eqn.primitive.bind(*wide, **params)
+  return [acc if outs[0] == _F32 else round_result(acc, outs[0])]

@@ -5,7 +5,8 @@ cleared, so that the jaxpr records ``precision=None`` exactly on the ops the
 user wrote without one. The shared walker then re-evaluates the jaxpr with
 every ``dot_general`` and ``conv_general_dilated`` (at any depth: jit, remat,
 scan, while, cond, custom_jvp, custom_vjp, shard_map) replaced by its emulated
-counterpart from :mod:`jaxprec._src.emulation.emulated_ops`. Nested structure is kept.
+counterpart from :mod:`jaxprec._src.emulation.emulated_ops`. Nested structure
+is kept.
 
 Which precision an op gets:
 
@@ -15,17 +16,11 @@ Which precision an op gets:
   when ``precision`` is None, the precision in force when the emulated function
   is traced (``jaxprec.precision`` scopes, ``set_default``, the env var);
 * a convolution whose code passed a ``DotAlgorithmPreset`` is emulated at
-  DEFAULT, because that is how JAX lowers it (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py).
+  DEFAULT, because that is how JAX lowers it (JAX's conv_general_dilated
+  lowering, jax/_src/lax/convolution.py).
 
-Ops that compute in bfloat16 or float16 (a Flax model with
-``dtype=jnp.bfloat16``) are computed in float32 and rounded once per jaxpr op,
-and their dots sum exact products in float32 and round the result once
-(:mod:`jaxprec._src.emulation.dtype_emulation`; ``docs/fidelity.md`` says what XLA:CPU
-does natively and what may differ on a TPU).
-
-Gradients are emulated too: the emulated ops carry custom VJPs whose transposed
-matmuls run at the forward's emulated precision, as on a TPU, so
-``jax.grad(emulate(f))`` and ``emulate(jax.grad(f))`` both see TPU numerics.
+bfloat16/float16 compute is rounded once per jaxpr op
+(:mod:`jaxprec._src.emulation.dtype_emulation`).
 """
 
 from __future__ import annotations
@@ -52,9 +47,6 @@ from jaxprec._src.jaxpr import walker
 from jaxprec._src.policy import policy as policy_lib
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-# The targets live in the one table (numerics); re-exported for old callers.
-TARGETS = numerics.EMULATION_TARGETS
 
 
 class OpaqueOpWarning(UserWarning):
@@ -312,12 +304,6 @@ def _emulator(fn: Callable[..., Any],
   return emulated
 
 
-def _is_trace_context_error(e: BaseException) -> bool:
-  """Whether ``e`` is Flax's refusal to write a variable from another trace."""
-  return (type(e).__name__ == "TraceContextError"
-          and type(e).__module__.startswith("flax"))
-
-
 @contextlib.contextmanager
 def _closed_over_nnx_writes(what: str):
   """Says what to do when ``fn`` writes an NNX model it closes over.
@@ -329,7 +315,9 @@ def _closed_over_nnx_writes(what: str):
   try:
     yield
   except Exception as e:
-    if not _is_trace_context_error(e):
+    # Flax's refusal to write a variable from another trace.
+    if not (type(e).__name__ == "TraceContextError"
+            and type(e).__module__.startswith("flax")):
       raise
     raise type(e)(
         f"jaxprec.emulate traces {what}, and the NNX model it closes over writes "

@@ -9,32 +9,25 @@ so it composes with ``jax.jit``, ``jax.vmap`` and differentiation in either
 mode; its tangent and transposed matmuls are emulated at the same algorithm
 (the transposed matmuls of a TPU carry the forward's precision).
 
-The algorithms (the jax.lax.Precision docs and JAX's tests/lax_test.py; XLA's dot_algorithm_rewriter.cc, openxla/xla; NVIDIA's TF32 documentation, as XLA rounds it), by the name
+The algorithms (the jax.lax.Precision docs and JAX's tests/lax_test.py;
+NVIDIA's TF32 documentation, as XLA rounds it; the passes' order in
+:mod:`jaxprec._src.emulation.passes` and ``docs/emulation.md``), by the name
 :func:`algorithm_for` returns:
 
 ``'bf16x1'``
   Operands rounded to bfloat16 (nearest even), exact products, float32
   accumulation. TPU ``DEFAULT``; ``BF16_BF16_F32``.
 ``'bf16x3'``, ``'bf16x6'``
-  XLA's ``DotAlgorithmRewriter`` (openxla/xla,
-  ``xla/service/gpu/transforms/dot_algorithm_rewriter.cc``,
-  ``RewriteF32ToBF16X3`` and ``RewriteF32ToBF16X6``): operands split into
-  bfloat16 parts by :func:`jaxprec._src.emulation.rounding.split_bf16`, one bfloat16
-  matmul per pair of parts, the small pairs summed first in XLA's order, NaN
-  in that partial sum replaced by zero (``ReplaceNaNWithZeros``: a select on
-  ``inf >= |x|``, so infinities are kept), then the ``hi * hi`` matmul added:
-
-  * X3: ``(lo*hi + hi*lo)``, NaN -> 0, ``+ hi*hi``.
-  * X6: ``((((mid*mid + hi*lo) + lo*hi) + hi*mid) + mid*hi)``, NaN -> 0,
-    ``+ hi*hi``.
-
-  TPU ``HIGH`` and ``HIGHEST``; ``BF16_BF16_F32_X3`` and ``_X6``.
+  XLA's ``RewriteF32ToBF16X3`` and ``RewriteF32ToBF16X6`` (openxla/xla,
+  ``xla/service/gpu/transforms/dot_algorithm_rewriter.cc``): operands split
+  into bfloat16 parts (:func:`jaxprec._src.emulation.rounding.split_bf16`),
+  one matmul per pair of parts, the small pairs summed first in XLA's order,
+  NaN in that sum replaced by zero (``ReplaceNaNWithZeros``), then
+  ``+ hi*hi``. TPU ``HIGH`` and ``HIGHEST``; ``BF16_BF16_F32_X3``, ``_X6``.
 ``'bf16x9'``
   XLA's Triton emitter (``xla/backends/gpu/codegen/triton/dot_algorithms.cc``,
-  ``EmitBF16x9Matmul``): ``lo*lo, mid*lo, lo*mid, mid*mid, lo*hi, hi*lo,
-  mid*hi, hi*mid`` accumulated in this order, non-finite values replaced by
-  zero (``ZeroNaNs``: a select on ``inf > |x|``, so infinities too), then
-  ``+ hi*hi``. ``BF16_BF16_F32_X9``.
+  ``EmitBF16x9Matmul``): the eight small products, non-finite values replaced
+  by zero (``ZeroNaNs``), then ``+ hi*hi``. ``BF16_BF16_F32_X9``.
 ``'tf32'``
   Operands rounded to TF32 (``tf32_rounding``), float32 accumulation. GPU
   ``DEFAULT`` and ``HIGH``; ``TF32_TF32_F32``.
@@ -53,27 +46,16 @@ The algorithms (the jax.lax.Precision docs and JAX's tests/lax_test.py; XLA's do
 
 Faithfulness. Every pass is a real matmul whose products are exact (a product
 of two bfloat16 values has at most 16 significant bits; of two TF32 or float16
-values at most 22) and whose sums are float32; the passes are combined exactly
-as XLA combines them. So with a contraction of length 1 the result is bit for
-bit XLA's; with longer contractions the only difference is the order in which
-each pass accumulates its products, which XLA does not fix either, and the
-error against the exact sum of the same products is at most
-``(k + passes) * 2**-24 * sum|products|``. Arithmetic runs in the host's
+values at most 22) and whose sums are float32, combined as XLA combines them
+(the bound: :func:`emulated_dot_general`). Arithmetic runs in the host's
 float32 mode: XLA:CPU flushes subnormal inputs and results to zero (as TPUs
 do).
 
-Kernels (:mod:`jaxprec._src.emulation.kernels`, :mod:`jaxprec._src.emulation.passes`). On the
-``bf16`` kernel, all the above holds: bfloat16 matmul passes run as bfloat16
-dots with float32 results, which on CPUs with AVX512-BF16 cost 0.5x a float32
-dot each (measured, see ``benchmarks/bench_emulated_matmul.py``); convolution
-passes run on float32 arrays holding bfloat16 values (XLA:CPU widens bfloat16
-convolutions anyway). On the ``f32`` kernel the passes are float32 dots on
-operands rounded in float32, merged where the products stay exact or round
-once (X3 in 2 dots, X6 and X9 in 3, TF32x3 in 2): within the same bound at
-every contraction length, not bit-exact. The kernel in force
-(``jaxprec.use_kernel``, ``jaxprec.set_kernel``, ``JAXPREC_KERNEL``; ``auto``
-measures) is read when the op is traced and is part of ``jax.jit``'s key.
-See ``docs/emulation.md``.
+Kernels. All the above holds on the ``bf16`` kernel; the ``f32`` kernel
+merges passes into float32 dots, within the same bound at every contraction
+length but not bit-exact (:mod:`jaxprec._src.emulation.kernels`,
+:mod:`jaxprec._src.emulation.passes`, ``docs/emulation.md``). The kernel in
+force is read when the op is traced and is part of ``jax.jit``'s key.
 """
 
 from __future__ import annotations
@@ -96,19 +78,12 @@ from jaxprec._src.emulation import kernels
 from jaxprec._src.emulation import passes
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import walker
-from jaxprec._src.core.numerics import (EMULATION_TARGETS, PASSES,
-                                   PRIMITIVES, algorithm_for, check_target,
-                                   emulatable)
+from jaxprec._src.core.numerics import (PASSES, PRIMITIVES, algorithm_for,
+                                        check_target, emulatable)
 from jaxprec._src.core import names
 from jaxprec._src.core.precision import PrecisionLike
 
-# ``TARGETS``, ``ALGORITHMS`` and ``algorithm_for`` live in
-# :mod:`jaxprec._src.core.numerics` (the one table); re-exported here for callers
-# that imported them from this module.
-
-TARGETS = EMULATION_TARGETS
 TF32_ROUNDINGS = ("nearest", "nearest_away", "truncate")
-OPS = tuple(PRIMITIVES)  # the primitives emulated, from the one table
 # The name of jaxprec's own emulated op, a JAX primitive (see
 # :func:`is_emulated_call`), and of the name scope it is bound in (it shows in
 # profiles). ``jaxprec.emulate`` binds such ops unchanged, never twice.
@@ -121,14 +96,18 @@ _LOW = (_P.DEFAULT, _P.DEFAULT)
 _EXACT = (_P.HIGHEST, _P.HIGHEST)
 
 
-def _check_tf32_rounding(mode: Any) -> str:
-  if mode not in TF32_ROUNDINGS:
-    raise names.unknown("tf32_rounding", mode, TF32_ROUNDINGS)
-  return mode
-
-
 # ---------------------------------------------------------------------------
 # What is static about one emulated op.
+
+
+def _hashable(x: Any) -> bool:
+  """False for a spec holding a parameter JAX itself would not take as static:
+  it is then neither cached nor a ``jax.jit`` static argument."""
+  try:
+    hash(x)
+  except TypeError:
+    return False
+  return True
 
 
 def _freeze(x: Any) -> Any:
@@ -167,14 +146,9 @@ def _make_spec(op: str, params: Mapping[str, Any], lhs, rhs,
   spec = _Spec(op, params, preferred_element_type, np.dtype(np.float32),
                algorithm, tf32_rounding, kernel=kernel,
                guard=(bool(guard[0]), bool(guard[1])))
-  try:
-    return _complete(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
-                     tuple(rhs.shape), np.dtype(rhs.dtype))
-  except TypeError as e:
-    if "unhashable" not in str(e):
-      raise
-    return _complete.__wrapped__(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
-                                 tuple(rhs.shape), np.dtype(rhs.dtype))
+  complete = _complete if _hashable(spec) else _complete.__wrapped__
+  return complete(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
+                  tuple(rhs.shape), np.dtype(rhs.dtype))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -183,9 +157,7 @@ def _complete(spec: _Spec, lhs_shape, lhs_dtype, rhs_shape, rhs_dtype) -> _Spec:
   repeats the same op signature in every layer, and tracing it is slow)."""
   # The native op's result type (and its shape checks, with lax's messages).
   out = jax.eval_shape(
-      functools.partial(spec.lax_op(), precision=_LOW,
-                        preferred_element_type=spec.preferred_element_type),
-      jax.ShapeDtypeStruct(lhs_shape, lhs_dtype),
+      _native(spec), jax.ShapeDtypeStruct(lhs_shape, lhs_dtype),
       jax.ShapeDtypeStruct(rhs_shape, rhs_dtype))
   return dataclasses.replace(spec, out_dtype=np.dtype(out.dtype),
                              contraction=_contraction(spec, lhs_shape, rhs_shape))
@@ -223,32 +195,23 @@ def _canonical_dot(lhs_shape, rhs_shape, dimension_numbers):
   out_shape = tuple([lhs_shape[d] for d in lb] + [lhs_shape[d] for d in lf] +
                     [rhs_shape[d] for d in rf])
   lhs_form, rhs_form = ((b, m, k), (b, k, n)) if lb else ((m, k), (k, n))
-  dn = (((2,), (1,)), ((0,), (0,))) if lb else MATMUL
+  dn = (((2,), (1,)), ((0,), (0,))) if lb else (((1,), (0,)), ((), ()))
   return (((*lb, *lf, *lc), lhs_form), ((*rb, *rc, *rf), rhs_form), dn,
           out_shape)
 
 
-MATMUL = (((1,), (0,)), ((), ()))
-
-def _moves(spec: _Spec, lhs_shape, rhs_shape):
-  """``(lhs_move, rhs_move, dimension_numbers, out_shape)``: how the operands
-  are moved before they are split (None: not moved)."""
-  if spec.op == "dot_general" and spec.kernel == "bf16":
-    return _canonical_dot(lhs_shape, rhs_shape,
-                          dict(spec.params)["dimension_numbers"])
-  return None, None, None, None
-
-
 def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """The emulated op."""
-  lhs_move, rhs_move, dn, out_shape = _moves(spec, lhs.shape, rhs.shape)
+  lhs_move = rhs_move = dn = out_shape = None  # moved only on the bf16 kernel
+  if spec.op == "dot_general" and spec.kernel == "bf16":
+    lhs_move, rhs_move, dn, out_shape = _canonical_dot(
+        lhs.shape, rhs.shape, dict(spec.params)["dimension_numbers"])
   lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
   if spec.guard[0]:
     lhs = lax.optimization_barrier(lhs)
   if spec.guard[1]:
     rhs = lax.optimization_barrier(rhs)
-  lhs = passes.Operand(passes.move(lhs, lhs_move))
-  rhs = passes.Operand(passes.move(rhs, rhs_move))
+  lhs, rhs = passes.move(lhs, lhs_move), passes.move(rhs, rhs_move)
   fns = passes.F32 if spec.kernel == "f32" else passes.BF16
   if dn is not None:
     # bfloat16 parts run as bfloat16 dots with float32 results: exact
@@ -289,9 +252,8 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   out = fns[spec.algorithm](one_pass, lhs, rhs, spec.tf32_rounding, parts)
   if out_shape is not None:
     out = out.reshape(out_shape)
-  # A fusion boundary: XLA:CPU (jax 0.12.0.1) fused the user's next op into
-  # the loop summing the passes, to other bits than alone (tanh(x @ w.T) at
-  # bfloat16_3x, an ulp apart jitted and op by op or in a lax.switch).
+  # A fusion boundary: XLA:CPU (jax 0.12.0.1) fuses the user's next op into
+  # the loop summing the passes otherwise, to other bits than alone.
   return lax.optimization_barrier(out.astype(spec.out_dtype))
 
 
@@ -317,11 +279,9 @@ def _native(spec: _Spec) -> Callable[..., jax.Array]:
 
 
 def _impl(lhs, rhs, *, spec: _Spec) -> jax.Array:
-  try:
-    hash(spec)
-  except TypeError:  # a parameter JAX itself would not take as static
-    return jax.jit(functools.partial(_forward, spec))(lhs, rhs)
-  return _forward_jit(spec, lhs, rhs)
+  if _hashable(spec):
+    return _forward_jit(spec, lhs, rhs)
+  return jax.jit(functools.partial(_forward, spec))(lhs, rhs)
 
 
 _forward_jit = jax.jit(_forward, static_argnums=0)
@@ -339,11 +299,8 @@ def _native_eqn(spec: _Spec, lhs_shape, rhs_shape):
 def _abstract_eval(lhs, rhs, *, spec: _Spec):
   # The native op's own rule on the float32 operands the passes read: its
   # shape, sharding and the mesh axes it varies over, as JAX computes them.
-  try:
-    prim, params = _native_eqn(spec, tuple(lhs.shape), tuple(rhs.shape))
-  except TypeError:
-    prim, params = _native_eqn.__wrapped__(spec, tuple(lhs.shape),
-                                           tuple(rhs.shape))
+  native_eqn = _native_eqn if _hashable(spec) else _native_eqn.__wrapped__
+  prim, params = native_eqn(spec, tuple(lhs.shape), tuple(rhs.shape))
   out, effects = prim.abstract_eval(lhs.update(dtype=np.dtype(np.float32)),
                                     rhs.update(dtype=np.dtype(np.float32)),
                                     **params)
@@ -367,7 +324,7 @@ def _emulate_again(spec: _Spec) -> walker.Rule:
   """The walker rule that emulates every op at ``spec``'s algorithm."""
   def rule(eqn, invals):
     name = eqn.primitive.name
-    if name not in OPS:
+    if name not in PRIMITIVES:
       return None
     l, r = invals
     if not emulatable(l.dtype, r.dtype):
@@ -384,9 +341,7 @@ def _transpose_rule(side: int):
   rule, so every dimension-number and grouping case is right), each of its
   matmuls and convolutions emulated at the forward's algorithm."""
   def rule(ct, lhs, rhs, *, spec: _Spec):
-    undefined = lhs if side == 0 else rhs
-    other = rhs if side == 0 else lhs
-    aval = undefined.aval
+    other, aval = (rhs, lhs.aval) if side == 0 else (lhs, rhs.aval)
     native = _native(spec)
 
     def pullback(o, c):
@@ -424,12 +379,9 @@ batching.primitive_batchers[_emulated_p] = _batch_rule
 def _marked(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """``_emulated`` bound under :data:`MARKER` (see :func:`is_emulated_call`),
   through a ``jax.jit`` keyed on ``spec`` (see :func:`_traced_once`)."""
-  try:
-    hash(spec)
-  except TypeError:  # a parameter JAX itself would not take as static
-    with jax.named_scope(MARKER):
-      return _emulated(spec, lhs, rhs)
   with jax.named_scope(MARKER):
+    if not _hashable(spec):
+      return _emulated(spec, lhs, rhs)
     return _traced_once(spec, lhs, rhs)
 
 
@@ -444,35 +396,6 @@ def _traced_once(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """
   with jax.named_scope(MARKER):
     return _emulated(spec, lhs, rhs)
-
-
-def _run(op: str, native: Callable[[Any], jax.Array], params: dict, lhs, rhs,
-         precision, preferred_element_type, target: str, tf32_rounding: str,
-         out_sharding: Any, guard: tuple[bool, bool] = (False, False)
-         ) -> jax.Array:
-  """The emulated op. ``guard``: which operands a transpose made
-  (:func:`jaxprec._src.emulation.emulate.transposed`)."""
-  target = check_target(target, emulation=True)
-  tf32_rounding = _check_tf32_rounding(tf32_rounding)
-  if target in ("cpu", "native"):
-    return native(precision)
-  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  algorithm = algorithm_for(precision, target, lhs.dtype, rhs.dtype, op=op)
-  if algorithm == "native":
-    if not (jnp.issubdtype(lhs.dtype, jnp.inexact)
-            and jnp.issubdtype(rhs.dtype, jnp.inexact)):
-      # Integer products are exact at any precision; a preset the backend
-      # runs only on floats (TF32 on CPU) would be refused by the lowering.
-      return native(None)
-    return native(precision)
-  if algorithm == "f32":  # stored as a multi-pass result is: passes.stored
-    return passes.stored(native(_EXACT))
-  spec = _make_spec(op, params, lhs, rhs, preferred_element_type, algorithm,
-                    tf32_rounding, kernels.kernel_for(algorithm, op), guard)
-  out = _marked(spec, lhs, rhs)
-  if out_sharding is not None:
-    out = lax.with_sharding_constraint(out, out_sharding)
-  return out
 
 
 def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
@@ -543,16 +466,33 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
   operands ``guard`` marks behind an optimization barrier
   (:func:`jaxprec._src.emulation.emulate.transposed`)."""
   def native(p):
-    if op == "dot_general":
-      return lax.dot_general(lhs, rhs, params["dimension_numbers"], p,
-                             preferred_element_type, out_sharding=out_sharding)
-    return lax.conv_general_dilated(
-        lhs, rhs, params["window_strides"], params["padding"],
-        params["lhs_dilation"], params["rhs_dilation"],
-        params["dimension_numbers"], params["feature_group_count"],
-        params["batch_group_count"], p, preferred_element_type, out_sharding)
-  return _run(op, native, params, lhs, rhs, precision, preferred_element_type,
-              target, tf32_rounding, out_sharding, guard)
+    fn = lax.dot_general if op == "dot_general" else lax.conv_general_dilated
+    return fn(lhs, rhs, **params, precision=p,
+              preferred_element_type=preferred_element_type,
+              out_sharding=out_sharding)
+
+  target = check_target(target, emulation=True)
+  if tf32_rounding not in TF32_ROUNDINGS:
+    raise names.unknown("tf32_rounding", tf32_rounding, TF32_ROUNDINGS)
+  if target in ("cpu", "native"):
+    return native(precision)
+  l, r = jnp.asarray(lhs), jnp.asarray(rhs)
+  algorithm = algorithm_for(precision, target, l.dtype, r.dtype, op=op)
+  if algorithm == "native":
+    if not (jnp.issubdtype(l.dtype, jnp.inexact)
+            and jnp.issubdtype(r.dtype, jnp.inexact)):
+      # Integer products are exact at any precision; a preset the backend
+      # runs only on floats (TF32 on CPU) would be refused by the lowering.
+      return native(None)
+    return native(precision)
+  if algorithm == "f32":  # stored as a multi-pass result is: passes.stored
+    return passes.stored(native(_EXACT))
+  spec = _make_spec(op, params, l, r, preferred_element_type, algorithm,
+                    tf32_rounding, kernels.kernel_for(algorithm, op), guard)
+  out = _marked(spec, l, r)
+  if out_sharding is not None:
+    out = lax.with_sharding_constraint(out, out_sharding)
+  return out
 
 
 def emulated_conv_general_dilated(

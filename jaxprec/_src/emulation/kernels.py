@@ -1,30 +1,21 @@
 """Which kernel computes the emulated passes: bfloat16 dots or float32 dots.
 
-Both kernels compute the same algorithms (:mod:`jaxprec._src.emulation.emulated_ops`);
-they differ in the dots that run the passes (``docs/emulation.md``):
+Both kernels compute the same algorithms (:mod:`jaxprec._src.emulation.passes`);
+they differ in the dots that run the passes (``docs/emulation.md``, "How it
+runs: two kernels"):
 
 ``'bf16'``
   One bfloat16-operand dot with float32 results per pass, combined in XLA's
-  order: bit for bit XLA's result at contraction length 1. Fast where the
-  device has bfloat16 dot units (TPU, GPU, CPUs with AVX512-BF16 or AMX);
-  CPUs without them widen every bfloat16 dot to float32 and pay for it.
+  order: bit for bit XLA's result at contraction length 1.
 ``'f32'``
   Float32 dots on operands rounded in float32, passes merged where the
-  products stay exact (X3 in 2 dots, X6 in 3, X9 in 3, TF32x3 in 2): within
-  the accumulation bound of the ``bf16`` kernel, not bit for bit.
+  products stay exact: within the accumulation bound of the ``bf16`` kernel,
+  not bit for bit.
 ``'auto'`` (default)
   GPU and TPU backends use ``bf16``. On CPU the choice is a function of the
-  CPU's feature flags alone, never of a timing, so that the same inputs give
-  the same bits in every process on a machine, whatever its load. A CPU has
-  bfloat16 dot units where the OS lists AVX512-BF16 or AMX-BF16 (x86) or BF16
-  (Arm) among its flags (:func:`bf16_dot_units`). The one-pass algorithms run
-  on ``bf16`` everywhere. Each multi-pass algorithm runs on ``f32`` only
-  where that is clearly cheaper at the time ratio of a bfloat16 dot to a
-  float32 dot assumed for such CPUs (:data:`NOMINAL_RATIO`): where its
-  float32 dots are fewer than :data:`F32_MARGIN` times the ``bf16`` kernel's
-  cost in float32-dot equivalents (``ratio * bf16_dots + f32_dots``). With
-  the units that is ``f32`` for X9 and the TF32 algorithms, ``bf16`` for the
-  rest; without them, ``f32`` for every multi-pass algorithm.
+  CPU's feature flags alone (:func:`bf16_dot_units`), never of a timing, so
+  that the same inputs give the same bits in every process on a machine,
+  whatever its load: :meth:`KernelChoice.kernel_for`.
 
 Set it with ``JAXPREC_KERNEL=auto|bf16|f32``, :func:`set_kernel` (global) or
 :func:`use_kernel` (a thread-local scope); a scope beats the global setting,
@@ -64,11 +55,6 @@ NOMINAL_RATIO = {True: 0.55, False: 1.16}
 # bf16 kernel (in float32-dot equivalents).
 F32_MARGIN = 0.9
 _OPS = ("dot_general", "conv_general_dilated")
-# One-pass algorithms: one dot on rounded operands in either kernel; they run
-# on bf16 on every CPU: without bfloat16 dot units the two kernels cost about
-# the same at one pass (benchmarks/bench_emulated_matmul.py).
-_ONE_PASS = tuple(a for a in algorithms.emulated()
-                  if algorithms.record(a).dots[:2] == (1, 0))
 
 
 def check_kernel(name: Any) -> str:
@@ -93,7 +79,7 @@ def set_kernel(name: str | None) -> None:
     'f32'
     >>> jaxprec.set_kernel(None)
   """
-  compat.kernel_state().set_global(None if name is None else check_kernel(name))
+  compat.KERNEL_STATE.set_global(None if name is None else check_kernel(name))
 
 
 def use_kernel(name: str) -> contextlib.AbstractContextManager[None]:
@@ -115,12 +101,12 @@ def use_kernel(name: str) -> contextlib.AbstractContextManager[None]:
 
 @contextlib.contextmanager
 def _kernel_scope(name: str) -> Iterator[None]:
-  with compat.kernel_state()(name):
+  with compat.KERNEL_STATE(name):
     yield
 
 
-_UNREAD = object()
-_ENV_READ: list[Any] = [_UNREAD]  # JAXPREC_KERNEL as first read
+# "first": JAXPREC_KERNEL as first read; "warned": a change was warned about.
+_ENV_READ: dict[str, Any] = {}
 
 
 def _environment() -> str | None:
@@ -131,11 +117,9 @@ def _environment() -> str | None:
   later change warns and is not followed; :func:`set_kernel` is the way.
   """
   now = os.environ.get(ENV_VAR) or None
-  first = _ENV_READ[0]
-  if first is _UNREAD:
-    _ENV_READ[0] = first = now
-  elif now != first and len(_ENV_READ) == 1:
-    _ENV_READ.append(now)  # warn once
+  first = _ENV_READ.setdefault("first", now)
+  if now != first and not _ENV_READ.get("warned"):
+    _ENV_READ["warned"] = True
     warnings.warn(
         f"{ENV_VAR} changed from {first!r} to {now!r} after jaxprec first "
         f"read it; it is read once per process, so {first!r} stays in force. "
@@ -146,7 +130,7 @@ def _environment() -> str | None:
 
 def _forget_environment() -> None:
   """Reads ``JAXPREC_KERNEL`` afresh at its next use (tests)."""
-  _ENV_READ[:] = [_UNREAD]
+  _ENV_READ.clear()
 
 
 def check_setting() -> str:
@@ -157,7 +141,7 @@ def check_setting() -> str:
 
 def _setting() -> tuple[str, str]:
   """(setting, source): source is 'scope', 'global', 'env' or 'default'."""
-  state = compat.kernel_state()
+  state = compat.KERNEL_STATE
   local = state.get_local()
   if isinstance(local, str):  # jax marks "no thread-local value" otherwise
     return local, "scope"
@@ -203,12 +187,17 @@ class KernelChoice:
   def kernel_for(self, algorithm: str, op: str = "dot_general") -> str:
     """``'bf16'`` or ``'f32'``: the kernel that runs ``algorithm`` for ``op``.
 
+    Under ``auto`` on CPU, one-pass algorithms run on ``bf16``, and a
+    multi-pass one on ``f32`` only where its float32 dots are fewer than
+    :data:`F32_MARGIN` times the ``bf16`` kernel's cost in float32-dot
+    equivalents (``ratio * bf16_dots + f32_dots``); algorithms whose passes
+    are all float32 take the kernel with fewer dots.
+
     Raises:
       ValueError: an algorithm or op jaxprec does not emulate.
     """
-    dots = algorithms.RECORDS.get(algorithm)
-    dots = None if dots is None else dots.dots  # the one table's record
-    if dots is None:
+    record = algorithms.RECORDS.get(algorithm)
+    if record is None or record.dots is None:
       raise names.unknown("emulated algorithm", algorithm, algorithms.emulated())
     if op not in _OPS:
       raise names.unknown("op", op, _OPS)
@@ -216,12 +205,14 @@ class KernelChoice:
       return self.setting
     if self.ratio is None:  # GPU, TPU: bfloat16 dot units
       return "bf16"
-    bf16_dots, f32_dots, merged = dots
+    bf16_dots, f32_dots, merged = record.dots
     if op != "dot_general":  # convolution passes run in float32 either way
       f32_dots, bf16_dots = f32_dots + bf16_dots, 0
     if not bf16_dots:  # float32 passes in both kernels: the fewer dots
       return "bf16" if f32_dots < merged else "f32"
-    if algorithm in _ONE_PASS:
+    if (bf16_dots, f32_dots) == (1, 0):
+      # One pass: the two kernels cost about the same without bfloat16 dot
+      # units (benchmarks/bench_emulated_matmul.py).
       return "bf16"
     bf16_cost = self.ratio * bf16_dots + f32_dots
     return "f32" if merged < F32_MARGIN * bf16_cost else "bf16"
@@ -259,34 +250,28 @@ def current_kernel() -> KernelChoice:
   """
   setting, source = _setting()
   backend = jax.default_backend()
-  kind = jax.devices()[0].device_kind
+  choice = functools.partial(KernelChoice, setting=setting, source=source,
+                             backend=backend,
+                             device_kind=jax.devices()[0].device_kind)
   if setting != "auto":
     how = {"scope": "jaxprec.use_kernel", "global": "jaxprec.set_kernel",
            "env": f"{ENV_VAR}={setting}"}[source]
-    return KernelChoice(setting=setting, source=source, backend=backend,
-                        device_kind=kind, ratio=None,
-                        reason=f"set by {how}")
+    return choice(ratio=None, reason=f"set by {how}")
   if backend != "cpu":
-    return KernelChoice(setting=setting, source=source, backend=backend,
-                        device_kind=kind, ratio=None,
-                        reason=f"{backend} backends have bfloat16 dot units")
+    return choice(ratio=None,
+                  reason=f"{backend} backends have bfloat16 dot units")
   units = bf16_dot_units()
   has = (f"has bfloat16 dot units ({', '.join(units)})" if units
          else "has no bfloat16 dot units")
-  return KernelChoice(
-      setting=setting, source=source, backend=backend, device_kind=kind,
-      ratio=NOMINAL_RATIO[bool(units)], bf16_units=units,
-      reason=(f"chosen from the CPU's feature flags, not timed: "
-              f"{_cpu_model()} {has}"))
+  return choice(ratio=NOMINAL_RATIO[bool(units)], bf16_units=units,
+                reason=(f"chosen from the CPU's feature flags, not timed: "
+                        f"{_cpu_model()} {has}"))
 
 
 def kernel_for(algorithm: str, op: str = "dot_general") -> str:
   """The kernel (``'bf16'`` or ``'f32'``) that runs ``algorithm`` now."""
   return current_kernel().kernel_for(algorithm, op)
 
-
-# ---------------------------------------------------------------------------
-# The measurement.
 
 def cache_dir() -> str:
   """Where jaxprec keeps its caches: ``JAXPREC_CACHE_DIR``, else the user's cache dir.

@@ -3,23 +3,15 @@
 Everything here is built from ``lax.reduce_precision`` and integer operations
 on the float32 bit pattern (``lax.bitcast_convert_type``), never from a
 ``float32 -> bfloat16 -> float32`` convert pair, which XLA's simplifier may
-remove (XLA's dot_algorithm_rewriter.cc, openxla/xla). The results are float32 arrays that
-hold values of the narrower format, so they can be fed to float32 arithmetic.
+remove (XLA's dot_algorithm_rewriter.cc, openxla/xla). The results are float32
+arrays that hold values of the narrower format, so they can be fed to float32
+arithmetic.
 
-It also holds the operand splits that XLA uses to build multi-pass matmuls
-(:func:`split_bf16`, :func:`split_tf32`); :mod:`jaxprec._src.emulation.emulated_ops`
-uses them. Where the splits come from (openxla/xla):
-
-* ``xla/service/gpu/transforms/dot_algorithm_rewriter.cc``: ``Truncate``
-  (``bitcast``, ``and 0xFFFF0000``, ``bitcast``), ``RoundToBF16`` (a convert,
-  round to nearest even), ``Split2xToBF16`` (hi = truncate(x),
-  lo = rne(x - hi)) and ``Split3xToBF16`` (hi = truncate(x),
-  mid = truncate(x - hi), lo = rne(x - hi - mid)).
-* ``xla/backends/gpu/codegen/triton/dot_algorithms.cc`` (``SplitF32``) used
-  the same truncate-then-round split for ``BF16_BF16_F32_X9``; later XLA
-  versions split with round-to-nearest at every step instead.
-* triton-lang/triton ``lib/Dialect/TritonGPU/Transforms/F32DotTC.cpp``
-  (``TF32x3``): big = tf32(x), small = x - big, each read by a TF32 matmul.
+It also holds the operand splits of XLA's multi-pass matmuls,
+:func:`split_bf16` and :func:`split_tf32` (openxla/xla
+``xla/service/gpu/transforms/dot_algorithm_rewriter.cc`` and
+``xla/backends/gpu/codegen/triton/dot_algorithms.cc``; triton-lang/triton
+``lib/Dialect/TritonGPU/Transforms/F32DotTC.cpp``).
 """
 
 from __future__ import annotations
@@ -74,26 +66,12 @@ def canonical_format(fmt: Any) -> str:
   return canon
 
 
-def _check_mode(mode: Any) -> str:
-  if mode not in MODES:
-    raise names.unknown("rounding mode", mode, MODES)
-  return mode
-
-
 def _bits(x: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(x, jnp.uint32)
 
 
 def _float(u: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(u, jnp.float32)
-
-
-def _u32(v: int) -> np.uint32:
-  return np.uint32(v)
-
-
-def _random_bits(key: Any, shape: tuple[int, ...]) -> jax.Array:
-  return jax.random.bits(key, shape, jnp.uint32)
 
 
 def _drop_low_bits(a: jax.Array, drop: int, mode: str,
@@ -104,17 +82,17 @@ def _drop_low_bits(a: jax.Array, drop: int, mode: str,
   values up to +inf, because positive floats are ordered like their bit
   patterns. The caller handles NaN.
   """
-  mask = _u32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
+  mask = np.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
   if mode == "truncate":
     return a & mask
   if mode == "nearest":
-    odd = jnp.right_shift(a, _u32(drop)) & _u32(1)
-    return (a + _u32((1 << (drop - 1)) - 1) + odd) & mask
+    odd = jnp.right_shift(a, np.uint32(drop)) & np.uint32(1)
+    return (a + np.uint32((1 << (drop - 1)) - 1) + odd) & mask
   if mode == "nearest_away":
-    return (a + _u32(1 << (drop - 1))) & mask
+    return (a + np.uint32(1 << (drop - 1))) & mask
   # stochastic: add `drop` uniform random bits, then truncate. The carry into
   # the kept bits happens with probability (discarded part) / (spacing).
-  return (a + jnp.right_shift(rnd, _u32(32 - drop))) & mask
+  return (a + jnp.right_shift(rnd, np.uint32(32 - drop))) & mask
 
 
 def _f16_subnormal(a: jax.Array, mode: str, rnd: jax.Array | None) -> jax.Array:
@@ -122,30 +100,32 @@ def _f16_subnormal(a: jax.Array, mode: str, rnd: jax.Array | None) -> jax.Array:
 
   Returns the float32 bit pattern of the rounded magnitude.
   """
-  e = jnp.right_shift(a, _u32(23))
-  frac = a & _u32(0x7FFFFF)
+  e = jnp.right_shift(a, np.uint32(23))
+  frac = a & np.uint32(0x7FFFFF)
   # value = mant * 2**(e - 150) = mant * 2**-s in units of 2**-24.
-  mant = jnp.where(e == 0, frac, frac | _u32(0x800000))
-  s = jnp.where(e == 0, _u32(125), _u32(126) - e)  # s >= 14 here
-  s31 = jnp.minimum(s, _u32(31))  # mant < 2**24: a shift by 31 already gives 0
+  mant = jnp.where(e == 0, frac, frac | np.uint32(0x800000))
+  s = jnp.where(e == 0, np.uint32(125), np.uint32(126) - e)  # s >= 14 here
+  # mant < 2**24: a shift by 31 already gives 0
+  s31 = jnp.minimum(s, np.uint32(31))
   if mode == "truncate":
     k = jnp.right_shift(mant, s31)
   elif mode == "nearest":
-    half_m1 = jnp.left_shift(_u32(1), s31 - _u32(1)) - _u32(1)
-    odd = jnp.right_shift(mant, s31) & _u32(1)
+    half_m1 = jnp.left_shift(np.uint32(1), s31 - np.uint32(1)) - np.uint32(1)
+    odd = jnp.right_shift(mant, s31) & np.uint32(1)
     k = jnp.right_shift(mant + half_m1 + odd, s31)
   elif mode == "nearest_away":
-    half = jnp.left_shift(_u32(1), s31 - _u32(1))
+    half = jnp.left_shift(np.uint32(1), s31 - np.uint32(1))
     k = jnp.right_shift(mant + half, s31)
   else:
     # s <= 31: add s uniform random bits (mant + r < 2**24 + 2**31 fits).
     # s > 31 (|x| < 2**-32): round up with probability floor(mant / 2**(s-32))
     # / 2**32, within 2**-32 of the exact probability mant / 2**s.
-    r = jnp.right_shift(rnd, _u32(32) - s31)
+    r = jnp.right_shift(rnd, np.uint32(32) - s31)
     k_small = jnp.right_shift(mant + r, s31)
-    thresh = jnp.right_shift(mant, jnp.minimum(s - _u32(32), _u32(31)))
+    thresh = jnp.right_shift(mant,
+                             jnp.minimum(s - np.uint32(32), np.uint32(31)))
     k_tiny = (rnd < thresh).astype(jnp.uint32)
-    k = jnp.where(s <= _u32(31), k_small, k_tiny)
+    k = jnp.where(s <= np.uint32(31), k_small, k_tiny)
   # k <= 1024 converts exactly; k * 2**-24 >= 2**-24 is a normal float32.
   return _bits(k.astype(jnp.float32) * _TWO_M24)
 
@@ -155,41 +135,35 @@ def _quiet_nan(x: jax.Array) -> jax.Array:
   return (_bits(x) & _BF16_MASK) | _QUIET
 
 
-def _round_f32(x: jax.Array, fmt: str, mode: str, key: Any) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _rounded(x: jax.Array, key: Any, fmt: str, mode: str) -> jax.Array:
+  """:func:`round_to` of float32 ``x``, arguments checked."""
   if fmt in ("bfloat16", "tensorfloat32") and mode == "nearest":
     # XLA's reduce-precision rounds to nearest even and handles subnormals,
-    # overflow and inf exactly (XLA's dot_algorithm_rewriter.cc, openxla/xla; tested bit for bit
-    # against ml_dtypes), and survives XLA's simplifier, which a convert pair
-    # may not. It keeps a NaN's low payload bits: only NaN needs a select.
+    # overflow and inf exactly (XLA's dot_algorithm_rewriter.cc,
+    # openxla/xla; tested bit for bit against ml_dtypes), and survives XLA's
+    # simplifier, which a convert pair may not. It keeps a NaN's low payload
+    # bits: only NaN needs a select.
     exp_bits, man_bits = FORMATS[fmt]
     r = lax.reduce_precision(x, exponent_bits=exp_bits, mantissa_bits=man_bits)
     return jnp.where(jnp.isnan(x), _float(_quiet_nan(x)), r)
   u = _bits(x)
   sign = u & _SIGN
   a = u & _ABS
-  rnd = _random_bits(key, x.shape) if mode == "stochastic" else None
-  if fmt == "bfloat16":
-    r = _drop_low_bits(a, 16, mode, rnd)
-  elif fmt == "tensorfloat32":
-    r = _drop_low_bits(a, 13, mode, rnd)
-  else:  # float16: 10 mantissa bits, exponent range [2**-24, 65504].
-    normal = _drop_low_bits(a, 13, mode, rnd)
+  rnd = (jax.random.bits(key, x.shape, jnp.uint32) if mode == "stochastic"
+         else None)
+  r = _drop_low_bits(a, 23 - FORMATS[fmt][1], mode, rnd)
+  if fmt == "float16":  # exponent range [2**-24, 65504]
     if mode == "truncate":
-      normal = jnp.minimum(normal, _F16_MAX)  # toward zero never overflows
+      r = jnp.minimum(r, _F16_MAX)  # toward zero never overflows
     else:
-      normal = jnp.where(normal > _F16_MAX, _EXP_ALL_ONES, normal)
-    r = jnp.where(a < _F16_MIN_NORMAL, _f16_subnormal(a, mode, rnd), normal)
+      r = jnp.where(r > _F16_MAX, _EXP_ALL_ONES, r)
+    r = jnp.where(a < _F16_MIN_NORMAL, _f16_subnormal(a, mode, rnd), r)
     r = jnp.where(a == _EXP_ALL_ONES, a, r)  # +-inf stays inf
   is_nan = a > _EXP_ALL_ONES
   # A NaN stays a NaN that the narrow format can hold: keep the high payload
   # bits and set the quiet bit (as a float32 -> bfloat16 convert does).
   return _float(jnp.where(is_nan, _quiet_nan(x), r | sign))
-
-
-def _contains(fmt: str, dtype: np.dtype) -> bool:
-  """Whether every value of ``dtype`` is a value of ``fmt``."""
-  return (dtype == jnp.bfloat16 and fmt in ("bfloat16", "tensorfloat32")) or (
-      dtype == jnp.float16 and fmt in ("float16", "tensorfloat32"))
 
 
 def round_to(x: jax.typing.ArrayLike, fmt: str, mode: str = "nearest", *,
@@ -250,7 +224,8 @@ def round_to(x: jax.typing.ArrayLike, fmt: str, mode: str = "nearest", *,
     True
   """
   fmt = canonical_format(fmt)
-  mode = _check_mode(mode)
+  if mode not in MODES:
+    raise names.unknown("rounding mode", mode, MODES)
   if mode == "stochastic" and key is None:
     raise ValueError("round_to(mode='stochastic') needs key=, a jax.random key "
                      "(for example jax.random.key(0)).")
@@ -264,19 +239,15 @@ def round_to(x: jax.typing.ArrayLike, fmt: str, mode: str = "nearest", *,
         "round_to expects a float32 array, got float64; cast to float32 first "
         "if the values are float32 values (x.astype(np.float32)).")
   x = jnp.asarray(x)
-  if _contains(fmt, x.dtype):
-    return x
+  if (x.dtype == jnp.bfloat16 and fmt in ("bfloat16", "tensorfloat32")) or (
+      x.dtype == jnp.float16 and fmt in ("float16", "tensorfloat32")):
+    return x  # every value of x's dtype is a value of fmt
   if x.dtype != jnp.float32:
     raise ValueError(
         f"round_to expects a float32 array, got {x.dtype}; cast to float32 "
         f"first (x.astype(jnp.float32)), which is exact for "
         f"{'any bfloat16 or float16 value' if x.dtype in (jnp.bfloat16, jnp.float16) else 'values in float32 range'}.")
   return _rounded(x, key, fmt, mode)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def _rounded(x: jax.Array, key: Any, fmt: str, mode: str) -> jax.Array:
-  return _round_f32(x, fmt, mode, key)
 
 
 @_rounded.defjvp
@@ -310,17 +281,6 @@ def _rne_bf16(x: jax.Array) -> jax.Array:
   the parts only feed matmuls).
   """
   return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
-
-
-def _as_bf16(x: jax.Array) -> jax.Array:
-  """A float32 array holding bfloat16 values (or NaN) -> bfloat16, exactly.
-
-  One convert: it cannot round, as every value is a bfloat16 value, and XLA
-  converts a NaN to a NaN. Should XLA fold this convert with a widening one
-  after it (CPUs without bfloat16 dot units widen bfloat16 dots), the values
-  are the same: the rounding is the ``reduce_precision`` or bit mask before.
-  """
-  return x.astype(jnp.bfloat16)
 
 
 def split_bf16(x: jax.Array, n: int, *, dtype: Any = jnp.bfloat16
@@ -363,7 +323,9 @@ def split_bf16(x: jax.Array, n: int, *, dtype: Any = jnp.bfloat16
   if np.dtype(dtype) == np.float32:
     out = lambda v: v  # noqa: E731
   elif np.dtype(dtype) == jnp.bfloat16:
-    out = _as_bf16
+    # One convert of bfloat16 values (or NaN): it cannot round. Folded with
+    # a widening convert after it, the values are the same.
+    out = lambda v: v.astype(jnp.bfloat16)  # noqa: E731
   else:
     raise ValueError(f"split_bf16: dtype must be bfloat16 or float32, got {dtype}.")
   if n == 1:

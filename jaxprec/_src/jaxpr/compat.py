@@ -106,10 +106,6 @@ def jaxprs_in_params(params) -> Any:
         yield v.jaxpr
 
 
-def is_dropvar(v) -> bool:
-  return isinstance(v, DropVar)
-
-
 @contextlib.contextmanager
 def eqn_context(eqn):
   """Re-enters an equation's source info, name stack and context (as eval_jaxpr)."""
@@ -119,16 +115,13 @@ def eqn_context(eqn):
     yield
 
 
-def _api_debug_info(fn, in_avals):
-  from jax._src import api_util
-  return api_util.debug_info("jaxprec", fn, tuple(in_avals), {})
-
-
 def trace_to_closed_jaxpr(fn: Callable[..., Sequence[Any]], in_avals,
                           *, debug_info=None) -> ClosedJaxpr:
-  """Traces a flat function on abstract values, keeping weak types exactly."""
+  """Traces a flat function (flat inputs, a flat list of outputs) on abstract
+  values, keeping weak types exactly."""
+  from jax._src import api_util
   if debug_info is None:
-    debug_info = _api_debug_info(fn, in_avals)
+    debug_info = api_util.debug_info("jaxprec", fn, tuple(in_avals), {})
   wrapped = wrap_init(lambda *a: list(fn(*a)), debug_info=debug_info)
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
   return ClosedJaxpr(jaxpr, consts)
@@ -195,11 +188,16 @@ def shard_map(body: Callable[..., Sequence[Any]], params: dict,
   return list(jax.shard_map(lambda *a: tuple(body(*a)), **kwargs)(*args))
 
 
-def _rewritten_body(call_jaxpr: ClosedJaxpr, rule, eval_fn):
-  """A custom_*_call's body as a WrappedFun that evaluates it with ``rule``."""
-  return wrap_init(
+def _rewritten_body(params: dict, rule, eval_fn):
+  """``(params, call_jaxpr, num_consts, fun)``: a custom_*_call's params
+  without these two, and its body as a WrappedFun that evaluates it with
+  ``rule``."""
+  params = dict(params)
+  call_jaxpr = params.pop("call_jaxpr")
+  fun = wrap_init(
       lambda *a: eval_fn(call_jaxpr.jaxpr, call_jaxpr.consts, rule, a),
       debug_info=call_jaxpr.jaxpr.debug_info)
+  return params, call_jaxpr, params.pop("num_consts"), fun
 
 
 def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
@@ -210,11 +208,8 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
   ``jax.grad`` needs it.
   """
   from jax._src import custom_derivatives as cd
-  params = dict(params)
-  call_jaxpr = params.pop("call_jaxpr")
-  num_consts = params.pop("num_consts")
+  params, _, num_consts, fun = _rewritten_body(params, rule, eval_fn)
   jvp_jaxpr_fun = params.pop("jvp_jaxpr_fun")
-  fun = _rewritten_body(call_jaxpr, rule, eval_fn)
 
   # As jax._src.custom_derivatives.lift_jvp, evaluating with the rule.
   def jvp(*xs):
@@ -235,16 +230,13 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
   return params
 
 
-def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:
+def custom_vjp_bind_params(params: dict, rule, eval_fn) -> dict:
   """Bind params of a custom_vjp_call whose body, fwd and bwd are all rewritten."""
   from jax._src import custom_derivatives as cd
   from jax._src import ad_util
-  params = dict(params)
-  call_jaxpr = params.pop("call_jaxpr")
-  num_consts = params.pop("num_consts")
+  params, call_jaxpr, num_consts, fun = _rewritten_body(params, rule, eval_fn)
   fwd_jaxpr_thunk = params.pop("fwd_jaxpr_thunk")
   bwd = params.pop("bwd")
-  fun = _rewritten_body(call_jaxpr, rule, eval_fn)
 
   # As jax._src.custom_derivatives.lift_fwd, evaluating with the rule.
   def fwd(*args):
@@ -273,12 +265,11 @@ def custom_vjp_bind_params(params: dict, rule, eval_fn, trace_fn) -> dict:
       holder["raw"] = out_flat
       return [o for o, m in zip(out_flat, holder["mask"]) if m]
 
-    arrays = [x for x in flat if x is not None]
-    if len(arrays) != len(flat):
+    if any(x is None for x in flat):
       # Symbolic zeros or Nones among the inputs: keep the user's bwd as is.
       return bwd_c.call_wrapped(*args)
     avals = [typeof(x) for x in flat]
-    closed = trace_fn(flat_bwd, avals)
+    closed = trace_to_closed_jaxpr(flat_bwd, avals)
     outs = iter(eval_fn(closed.jaxpr, closed.consts, rule, flat))
     raw = [next(outs) if m else r for r, m in zip(holder["raw"], holder["mask"])]
     return jax.tree_util.tree_unflatten(holder["tree"], raw)
@@ -387,7 +378,10 @@ def _jit_key_state(name: str, doc: str):
 _POLICY_KEY_STATE = _jit_key_state(
     "jaxprec_policy",
     "The jaxprec policy in force while tracing (set by jaxprec only).")
-_KERNEL_STATE = _jit_key_state(
+# jaxprec's emulation kernel setting, a JAX config state like the policy's: a
+# function jitted under one kernel is traced again under another.
+# ``KERNEL_STATE(...)`` for a thread-local scope, ``.set_global``, ``.value``.
+KERNEL_STATE = _jit_key_state(
     "jaxprec_kernel",
     "The jaxprec emulation kernel setting (set by jaxprec only).")
 
@@ -404,13 +398,3 @@ def jit_key_scope(value: str):
   outer = _POLICY_KEY_STATE.value
   return _POLICY_KEY_STATE(value if outer is None else f"{outer} | {value}")
 
-
-def kernel_state():
-  """The JAX config state holding jaxprec's emulation kernel setting.
-
-  Like :func:`jit_key_scope`: the kernel is part of ``jax.jit``'s cache key
-  and of :func:`trace_context`, so a function jitted under one kernel is
-  traced again under another. ``State(...)`` for a thread-local scope,
-  ``.set_global`` / ``.value``.
-  """
-  return _KERNEL_STATE

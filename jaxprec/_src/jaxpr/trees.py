@@ -123,15 +123,11 @@ class CallStatics:
   leaves: tuple[Any, ...]
   key: Any
 
-  def rebuild(self, dynamic: Sequence[Any]) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` with ``dynamic`` in place of the array leaves."""
-    it = iter(dynamic)
-    full = [next(it) if a else s for s, a in zip(self.leaves, self.is_array)]
-    return jax.tree_util.tree_unflatten(self.treedef, full)
-
   def call(self, fn: Callable[..., Any], dynamic: Sequence[Any]) -> Any:
     """Calls ``fn`` with ``dynamic`` in place of the array leaves."""
-    args, kwargs = self.rebuild(dynamic)
+    it = iter(dynamic)
+    full = [next(it) if a else s for s, a in zip(self.leaves, self.is_array)]
+    args, kwargs = jax.tree_util.tree_unflatten(self.treedef, full)
     return fn(*args, **kwargs)
 
 

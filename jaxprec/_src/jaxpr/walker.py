@@ -176,13 +176,9 @@ def interpret(closed_jaxpr, rule: Rule, *args) -> list[Any]:
 
 def transform(closed_jaxpr, rule: Rule):
   """Returns a new ``ClosedJaxpr`` equal to ``closed_jaxpr`` rewritten by ``rule``."""
-  return trace(lambda *a: interpret(closed_jaxpr, rule, *a),
-               closed_jaxpr.in_avals, debug_info=closed_jaxpr.jaxpr.debug_info)
-
-
-def trace(fn: Callable[..., Sequence[Any]], in_avals, *, debug_info=None):
-  """Traces ``fn`` (flat inputs, a flat list of outputs) to a ``ClosedJaxpr``."""
-  return compat.trace_to_closed_jaxpr(fn, list(in_avals), debug_info=debug_info)
+  return compat.trace_to_closed_jaxpr(
+      lambda *a: interpret(closed_jaxpr, rule, *a), closed_jaxpr.in_avals,
+      debug_info=closed_jaxpr.jaxpr.debug_info)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,11 +226,12 @@ def trace_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
 
   def flat_fn(*dyn):
     out = statics.call(fn, dyn)
+    _check_outputs(fn, out)
     out_leaves, store["out_tree"] = jax.tree_util.tree_flatten(out)
-    _check_outputs(fn, out, out_leaves)
     return out_leaves
 
-  closed = trace(flat_fn, avals, debug_info=compat.debug_info(fn, avals))
+  closed = compat.trace_to_closed_jaxpr(flat_fn, avals,
+                                        debug_info=compat.debug_info(fn, avals))
   if key is not None:
     cache[key] = (closed, store["out_tree"])
   return TracedCall(closed, store["out_tree"], dynamic)
@@ -262,14 +259,12 @@ def _key(args, kwargs, extra_key, want: bool):
   return key, (statics, dynamic, avals)
 
 
-def _check_outputs(fn, out, leaves) -> None:
+def _check_outputs(fn, out) -> None:
   """TypeError, as ``jax.jit``'s, for an output leaf that is not a JAX type."""
-  for i, x in enumerate(leaves):
+  for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
     if trees.is_jax_type(x):
       continue
-    paths = jax.tree_util.tree_flatten_with_path(out)[0]
-    where = (f" at output{jax.tree_util.keystr(paths[i][0])}"
-             if i < len(paths) and paths[i][0] else "")
+    where = f" at output{jax.tree_util.keystr(path)}" if path else ""
     name = getattr(fn, "__qualname__", None) or repr(fn)
     raise TypeError(
         f"{name} returned a value of type {type(x)}{where}, which is not a "
@@ -301,7 +296,7 @@ def _eval(jaxpr, consts, rule: Rule, args) -> list[Any]:
           f"rewriting {eqn.primitive.name} gave {len(outs)} outputs, expected "
           f"{len(eqn.outvars)}")
     for v, x in zip(eqn.outvars, outs):
-      if not compat.is_dropvar(v):
+      if not isinstance(v, compat.DropVar):
         env[v] = x
   return [read(v) for v in jaxpr.outvars]
 
@@ -314,11 +309,6 @@ def bind_unchanged(eqn, invals) -> list[Any]:
 def _bind(eqn, invals, params) -> list[Any]:
   out = eqn.primitive.bind(*invals, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _closed(rule: Rule, closed):
-  """``closed`` rewritten by ``rule``, with any new consts kept as consts."""
-  return transform(closed, rule)
 
 
 def _hoisted(rule: Rule, closed):
@@ -351,10 +341,10 @@ def _rebind(eqn, invals, rule: Rule) -> list[Any]:
     # rewritten safely without knowing the primitive's conventions.
     for k, v in params.items():
       if isinstance(v, compat.ClosedJaxpr):
-        params[k] = _closed(rule, v)
+        params[k] = transform(v, rule)
       elif isinstance(v, tuple) and v and all(
           isinstance(x, compat.ClosedJaxpr) for x in v):
-        items = [_closed(rule, x) for x in v]
+        items = [transform(x, rule) for x in v]
         # A named tuple stays one (custom_linear_solve's jaxprs: .solve, ...).
         params[k] = v._make(items) if hasattr(v, "_make") else tuple(items)
       elif isinstance(v, compat.Jaxpr):
@@ -365,7 +355,7 @@ def _rebind(eqn, invals, rule: Rule) -> list[Any]:
 
 
 def _jit(eqn, invals, rule, params):
-  params["jaxpr"] = _closed(rule, params["jaxpr"])
+  params["jaxpr"] = transform(params["jaxpr"], rule)
   return _bind(eqn, invals, params)
 
 
@@ -405,17 +395,10 @@ def _cond(eqn, invals, rule, params):
   return _bind(eqn, [invals[0], *all_consts, *invals[1:]], params)
 
 
-def _open_jaxpr(eqn, invals, rule, params, *, key="jaxpr"):
-  """remat / shard_map style: params[key] is an open Jaxpr with no constvars."""
-  closed = compat.close(params[key])
-  new, consts = _hoisted(rule, closed)
-  if consts:
-    if eqn.primitive.name != "remat2" and not eqn.primitive.name.startswith(
-        "checkpoint"):
-      raise NotImplementedError(
-          f"jaxprec: rewriting inside {eqn.primitive.name!r} created constants; "
-          "please file an issue with a reproducer")
-  params[key] = new.jaxpr
+def _remat(eqn, invals, rule, params):
+  """params["jaxpr"] is an open Jaxpr with no constvars; new consts lead."""
+  new, consts = _hoisted(rule, compat.close(params["jaxpr"]))
+  params["jaxpr"] = new.jaxpr
   return _bind(eqn, [*consts, *invals], params)
 
 
@@ -428,13 +411,11 @@ def _shard_map(eqn, invals, rule, params):
 
 
 def _custom_jvp(eqn, invals, rule, params):
-  bind_params = compat.custom_jvp_bind_params(params, rule, _eval)
-  return _bind(eqn, invals, bind_params)
+  return _bind(eqn, invals, compat.custom_jvp_bind_params(params, rule, _eval))
 
 
 def _custom_vjp(eqn, invals, rule, params):
-  bind_params = compat.custom_vjp_bind_params(params, rule, _eval, trace)
-  return _bind(eqn, invals, bind_params)
+  return _bind(eqn, invals, compat.custom_vjp_bind_params(params, rule, _eval))
 
 
 _HANDLERS: dict[str, Callable[..., list[Any]]] = {
@@ -443,8 +424,8 @@ _HANDLERS: dict[str, Callable[..., list[Any]]] = {
     "scan": _scan,
     "while": _while,
     "cond": _cond,
-    "remat2": _open_jaxpr,
-    "checkpoint": _open_jaxpr,
+    "remat2": _remat,
+    "checkpoint": _remat,
     "shard_map": _shard_map,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
