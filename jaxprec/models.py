@@ -17,9 +17,12 @@ Examples:
   'hidden_states[0]'
 """
 
-from jaxprec._src.models.bert import BertConfig
-from jaxprec._src.models.bert import BertEncoder
-from jaxprec._src.models.bert import synthetic_tokens
+from jaxprec._src.models.encoders import BertConfig
+from jaxprec._src.models.encoders import BertEncoder
+from jaxprec._src.models.encoders import Wav2Vec2Config
+from jaxprec._src.models.encoders import Wav2Vec2Encoder
+from jaxprec._src.models.encoders import synthetic_audio
+from jaxprec._src.models.encoders import synthetic_tokens
 from jaxprec._src.models.builders import bert
 from jaxprec._src.models.builders import llama
 from jaxprec._src.models.builders import wav2vec2
@@ -28,9 +31,6 @@ from jaxprec._src.models.llama import LlamaForCausalLM
 from jaxprec._src.models.llama import LlamaModel
 from jaxprec._src.models.nnx_bert import BertModel
 from jaxprec._src.models.nnx_wav2vec2 import Wav2Vec2Model
-from jaxprec._src.models.wav2vec2 import Wav2Vec2Config
-from jaxprec._src.models.wav2vec2 import Wav2Vec2Encoder
-from jaxprec._src.models.wav2vec2 import synthetic_audio
 
 from jaxprec._src.models.registry import MODELS
 

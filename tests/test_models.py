@@ -10,8 +10,7 @@ import pytest
 
 import jaxprec
 import jaxprec.models as models
-from jaxprec._src.models.bert import BertEncoder
-from jaxprec._src.models.wav2vec2 import Wav2Vec2Encoder
+from jaxprec._src.models.encoders import BertEncoder, Wav2Vec2Encoder
 
 
 def n_params(variables):

@@ -111,7 +111,7 @@ def _entry_points():
   from jaxprec._src.core import algorithms, numerics
   from jaxprec._src.emulation import kernels, rounding
   from jaxprec._src.inspect import chips
-  from jaxprec._src.models.bert import BertConfig
+  from jaxprec._src.models.encoders import BertConfig
   from jaxprec._src.models.llama import LlamaConfig
   from jaxprec._src.policy import policy_text
   from jaxprec._src.search import search_dtype

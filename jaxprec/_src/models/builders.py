@@ -12,12 +12,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxprec._src.models import from_pytorch as loading
-from jaxprec._src.models.bert import BertConfig, BertEncoder, synthetic_tokens
+from jaxprec._src.models.encoders import (BertConfig, BertEncoder,
+                                          Wav2Vec2Config, Wav2Vec2Encoder,
+                                          synthetic_audio, synthetic_tokens)
 from jaxprec._src.models.llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from jaxprec._src.models.nnx_bert import BertModel
 from jaxprec._src.models.nnx_wav2vec2 import Wav2Vec2Model
-from jaxprec._src.models.wav2vec2 import (Wav2Vec2Config, Wav2Vec2Encoder,
-                                          synthetic_audio)
 
 
 def _inputs(name: str, config: Any, seed: int, batch: int,

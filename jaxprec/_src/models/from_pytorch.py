@@ -96,19 +96,15 @@ def torch_parameters(pt_model: Any) -> dict[str, Any]:
   module's ``parametrizations.weight.original0``/``original1`` (g and v)
   become its ``weight``, ``g * v / ||v||``, as its forward pass uses it."""
   params: dict[str, Any] = {}
-  parametrized = {}
-  for mod_name, mod in pt_model.named_modules():
-    for attr in (getattr(mod, "parametrizations", None) or {}):
-      prefix = f"{mod_name}.parametrizations.{attr}." if mod_name else (
-          f"parametrizations.{attr}.")
-      parametrized[prefix] = (f"{mod_name}.{attr}" if mod_name else attr,
-                              mod, attr)
   for name, p in pt_model.named_parameters():
-    hit = next((v for k, v in parametrized.items() if name.startswith(k)), None)
-    if hit is None:
+    owner, found, rest = f".{name}".partition(".parametrizations.")
+    if not found:
       params[name] = p
-    elif hit[0] not in params:
-      params[hit[0]] = getattr(hit[1], hit[2])  # the computed weight
+      continue
+    attr = rest.split(".")[0]
+    weight = f"{owner}.{attr}"[1:]
+    if weight not in params:  # the computed weight
+      params[weight] = getattr(pt_model.get_submodule(owner[1:]), attr)
   return params
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprec._src.models import from_pytorch as loading
-from jaxprec._src.models.layers import Sized
+from jaxprec._src.models.encoders import Sized
 from jaxprec._src.models.nnx_layers import attention
 
 

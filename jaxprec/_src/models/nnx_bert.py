@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxprec._src.models import from_pytorch as loading
-from jaxprec._src.models.bert import BertConfig
+from jaxprec._src.models.encoders import BertConfig
 from jaxprec._src.models.nnx_layers import attention, gelu, layer_norm
 
 

@@ -3,8 +3,8 @@
 
 :class:`Wav2Vec2Model` computes what ``transformers``'
 ``modeling_wav2vec2.py`` computes in eval mode: the architecture of
-:mod:`jaxprec._src.models.wav2vec2`, the positional convolution taking the
-weight its weight normalisation computes. Attribute paths are PyTorch's
+:class:`jaxprec.models.Wav2Vec2Encoder`, the positional convolution taking
+the weight its weight normalisation computes. Attribute paths are PyTorch's
 module names (``encoder/layers/0/attention/q_proj`` is
 ``encoder.layers.0.attention.q_proj``), so :meth:`Wav2Vec2Model.from_pytorch`
 loads a PyTorch model's weights by name, and ``check_module`` lines its
@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxprec._src.models import from_pytorch as loading
 from jaxprec._src.models.nnx_layers import attention, gelu, layer_norm
-from jaxprec._src.models.wav2vec2 import Wav2Vec2Config
+from jaxprec._src.models.encoders import Wav2Vec2Config
 
 # transformers builds each feature-encoder layer norm as torch.nn.LayerNorm
 # with its default epsilon, whatever config.layer_norm_eps says.
