@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # 64 rows of 128 per process: each process's share of a layer is whole
-# chunks of 512 elements (jaxprec._src.checker.metric_stats.CHUNK).
+# chunks of 512 elements (jaxprec._src.checker.metrics.CHUNK).
 ROWS, WIDTH = 128, 128
 
 

@@ -802,8 +802,8 @@ def test_candidate_metrics_fused_or_not_are_those_of_the_masked_path(fn, args):
   unfused = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3, fused=False)
   hi, lo, stats, dynamic, atol, rtol = harness.candidate_args(
       call, ref, 1e-3, 1e-3)
-  values = harness._layers_program(fn, call, p, tuple(ref.names), None)(
-      dynamic)
+  values = harness._layers_program(fn, call, lambda f, _: p.wrap(f), p.key,
+                                   tuple(ref.names), None)(None, dynamic)
   masked = harness._metrics_program(ref.layout)(values, hi, lo, stats, atol,
                                                 rtol)
   want = metrics_lib.finish(jax_.device_get(masked), ref.layout)

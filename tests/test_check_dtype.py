@@ -12,7 +12,7 @@ import pytest
 
 import jaxprec
 from jaxprec._src.checker import harness
-from jaxprec._src.checker import metric_stats
+from jaxprec._src.checker import metrics
 
 import models
 
@@ -41,8 +41,8 @@ def _rel_rms(got, ref):
 def test_reference_of_a_bfloat16_bert_is_the_float32_model_bit_for_bit(berts):
   fn32, fn16, params, ids = berts
   call = harness.Args((params, ids), {}, who="test")
-  assert harness.has_dtype_decisions(fn16, call)
-  assert not harness.has_dtype_decisions(fn32, call)
+  assert harness.narrow_compute(fn16, call)[1]
+  assert not harness.narrow_compute(fn32, call)[1]
   ref16 = harness.build_reference(fn16, call, "float32", target="tpu",
                                   mode="emulate")
   ref32 = harness.build_reference(fn32, call, "float32", target="tpu",
@@ -55,7 +55,7 @@ def test_reference_of_a_bfloat16_bert_is_the_float32_model_bit_for_bit(berts):
   # ... and the float32 model's own outputs.
   with jax.default_matmul_precision("float32"):
     want = jax.jit(fn32)(params, ids)
-  packed = metric_stats.pack_numpy([np.asarray(w) for w in want], ref16.layout)
+  packed = metrics.pack_numpy([np.asarray(w) for w in want], ref16.layout)
   np.testing.assert_array_equal(np.asarray(ref16.hi), packed)
 
 
@@ -125,7 +125,7 @@ def test_a_float32_model_checks_as_before():
   r = jaxprec.check(mlp, w, x, precisions=["bf16"], mode="emulate")
   assert r.numerics["(reference)"] == "f32 (native cpu)"
   call = harness.Args((w, x), {}, who="test")
-  assert not harness.has_dtype_decisions(mlp, call)
+  assert not harness.narrow_compute(mlp, call)[1]
   # Narrow, but in no module jaxprec can set: nothing to undo.
   assert harness.narrow_compute(
       lambda w, x: mlp(w.astype(jnp.bfloat16), x), call) == (
@@ -173,7 +173,7 @@ def test_narrow_casts_outside_modules_are_said_out_loud():
   x = jax.random.normal(jax.random.key(1), (2, 8))
   call = harness.Args((w, x), {}, who="test")
   assert harness.narrow_compute(own_casts, call) == (True, False, True, False)
-  assert not harness.has_dtype_decisions(own_casts, call)
+  assert not harness.narrow_compute(own_casts, call)[1]
   r = jaxprec.check(own_casts, w, x, precisions=["bfloat16"], mode="emulate")
   ref = r.numerics["(reference)"]
   assert "modules at float32" not in ref

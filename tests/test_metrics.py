@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxprec._src.checker import metric_stats as S
+from jaxprec._src.checker import metrics as S
 from jaxprec._src.checker import metrics as M
 
 RNG = np.random.default_rng(0)
@@ -238,13 +238,10 @@ def test_a_grouped_layout_stacks_each_devices_share_and_measures_the_same():
     M.Layout(sizes, groups=0)
 
 
-def test_growth_per_layer_and_first_exceeding():
+def test_growth_per_layer():
   assert M.growth_per_layer([1e-4, 2e-4, 4e-4]) == pytest.approx(2.0)
   assert M.growth_per_layer([1e-3, 0.0, 1e-3 * 9]) == pytest.approx(3.0)
   assert math.isnan(M.growth_per_layer([1e-3]))
-  assert M.first_exceeding([0.1, 0.2, 0.5], 0.3) == 2
-  assert M.first_exceeding([0.1, float("nan")], 0.3) == 1
-  assert M.first_exceeding([0.1], 0.3) is None
 
 
 def test_shape_mismatch_raises():

@@ -43,14 +43,10 @@ _INLINED = frozenset({"jit", "pjit", "checkpoint", "remat2",
                       "custom_jvp_call", "custom_vjp_call"})
 
 
-def _path(module: Any) -> tuple[str, ...]:
-  return tuple(str(p) for p in module.scope.path)
-
-
-def _marked(closed: Any) -> bool:
-  return any(w.eqn.primitive.name == "name"
-             and str(w.eqn.params.get("name", "")).startswith(_MARK)
-             for w in walker.iter_eqns(closed))
+def _mark(eqn: Any) -> str | None:
+  """The layer mark of a ``checkpoint_name`` equation, else None."""
+  name = str(eqn.params.get("name", "")) if eqn.primitive.name == "name" else ""
+  return name[len(_MARK):] if name.startswith(_MARK) else None
 
 
 def _taking_marks(found: list[tuple[str, Any]], lost: list[str]) -> walker.Rule:
@@ -58,22 +54,21 @@ def _taking_marks(found: list[tuple[str, Any]], lost: list[str]) -> walker.Rule:
   ``found`` as ``(mark, value)``, at the level the rule is called at."""
 
   def rule(eqn, invals):
-    prim = eqn.primitive.name
-    if prim == "name" and str(eqn.params.get("name", "")).startswith(_MARK):
-      found.append((eqn.params["name"][len(_MARK):], invals[0]))
+    prim, mark = eqn.primitive.name, _mark(eqn)
+    if mark is not None:
+      found.append((mark, invals[0]))
       return invals
     bodies = list(compat.jaxprs_in_params(eqn.params))
-    if not bodies or not any(_marked(b) for b in bodies):
+    marks = [m for b in bodies for w in walker.iter_eqns(b)
+             if (m := _mark(w.eqn)) is not None]
+    if not marks:
       return walker.bind_unchanged(eqn, invals) if bodies else None
     if prim == "scan":
       return _scan(eqn, invals, found, lost)
     if prim in _INLINED:  # a body whose outputs are the equation's
       body = next(b for b in bodies if len(b.outvars) == len(eqn.outvars))
       return walker.interpret(compat.close(body), rule, *invals)
-    lost.extend(str(w.eqn.params["name"][len(_MARK):]).split("\x00")[0]
-                for b in bodies for w in walker.iter_eqns(b)
-                if w.eqn.primitive.name == "name"
-                and str(w.eqn.params.get("name", "")).startswith(_MARK))
+    lost.extend(m.split("\x00")[0] for m in marks)
     return walker.bind_unchanged(eqn, invals)
   return rule
 
@@ -131,7 +126,7 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
     if (mod.scope is None or mod.is_mutable_collection(_COLLECTION)
         or not wants(mod, name)):
       return out  # capture_intermediates sows it (or it is not asked for)
-    key = _name(_path(mod), name)
+    key = output_name(tuple(str(p) for p in mod.scope.path), name)
     leaves, structure[key] = jax.tree_util.tree_flatten(out)
     return jax.tree_util.tree_unflatten(structure[key], [
         checkpoint_name(x, f"{_MARK}{key}\x00{i}") if layers.is_float(x) else x
@@ -169,10 +164,10 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
     runs[-1][int(i)] = value
   for name, runs in calls.items():
     treedef = structure[name]
-    for j, got in enumerate(runs):
-      leaves = [got.get(i) for i in range(treedef.num_leaves)]
-      out[name if len(runs) == 1 else f"{name}#{j}"] = \
-          jax.tree_util.tree_unflatten(treedef, leaves)
+    add_calls(out, name, [
+        jax.tree_util.tree_unflatten(
+            treedef, [got.get(i) for i in range(treedef.num_leaves)])
+        for got in runs])
   if missing:
     names = ", ".join(repr(n) for n in dict.fromkeys(missing))
     if lost is None:
@@ -185,9 +180,17 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
   return out
 
 
-def _name(path: tuple[str, ...], method: str) -> str:
+def output_name(path: tuple[str, ...], method: str) -> str:
+  """A module output's name (see the module docstring)."""
   base = "/".join(path) or "output"
   return base if method == "__call__" else f"{base}.{method}"
+
+
+def add_calls(out: dict, name: str, calls: Any) -> None:
+  """``out[name]`` for each call's output (``'#0'``, ``'#1'`` when several)."""
+  calls = tuple(calls) if isinstance(calls, (tuple, list)) else (calls,)
+  for i, x in enumerate(calls):
+    out[name if len(calls) == 1 else f"{name}#{i}"] = x
 
 
 def _collect(tree: Mapping, path: tuple[str, ...], out: dict) -> None:
@@ -196,7 +199,4 @@ def _collect(tree: Mapping, path: tuple[str, ...], out: dict) -> None:
     if isinstance(v, Mapping):
       _collect(v, path + (str(k),), out)
     else:  # a method name -> its outputs, one per call
-      vals = tuple(v) if isinstance(v, (tuple, list)) else (v,)
-      name = _name(path, k)
-      for i, x in enumerate(vals):
-        out[name if len(vals) == 1 else f"{name}#{i}"] = x
+      add_calls(out, output_name(path, k), v)

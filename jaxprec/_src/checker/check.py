@@ -1,14 +1,10 @@
 """The divergence checker: ``jaxprec.check`` and ``jaxprec.check_module``.
 
-``check(fn, *args)`` runs ``fn`` once at a reference precision and once per
-precision under test, and compares every floating leaf of the output (a
-*layer*, named by its pytree path) with the reference. Each candidate run is
-one jitted program that computes ``fn`` at its precision and reduces every
-layer to the scalars of :func:`jaxprec._src.checker.metrics.layer_stats`: candidate
-hidden states never leave the device, and memory stays near one reference run
-(whose layers are kept) plus one candidate run, whatever the number of
-precisions. Programs are cached per function, precision and input signature,
-so a second check of the same function does not compile again.
+Each candidate run is one jitted program that computes ``fn`` at its
+precision and reduces every layer to the scalars of
+:func:`jaxprec._src.checker.metrics.layer_stats`: candidate hidden states
+never leave the device, and memory stays near one reference run (whose layers
+are kept) plus one candidate run, whatever the number of precisions.
 
 What a precision name means when *emulating* (``mode='emulate'``, or
 ``'auto'`` on a backend that is not the target): the numerics its name says,
@@ -42,7 +38,7 @@ import jax
 from jaxprec._src.checker import capture as flax_capture
 from jaxprec._src.checker import harness
 from jaxprec._src.checker import metrics as metrics_lib
-from jaxprec._src.checker import progress as progress_lib
+from jaxprec._src.checker import render
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
 from jaxprec._src.checker.rows import DEFAULT_PRECISIONS
@@ -189,7 +185,7 @@ def check(fn: Callable[..., Any], *args: Any,
   backend = compat.backend_platform()
   notes = []
   seconds: dict[str, float] = {}
-  with progress_lib.maybe_progress(len(plans) + 1, "jaxprec check", progress) as bar:
+  with render.Progress(len(plans) + 1, "jaxprec check", progress) as bar:
     bar.update("reference")
     t0 = time.perf_counter()
     ref = harness.build_reference(fn, call, reference, target=target, mode=mode)
@@ -218,27 +214,23 @@ def check(fn: Callable[..., Any], *args: Any,
       for i, (n, s, d) in enumerate(zip(ref.names, ref.shapes, ref.dtypes)))
   zero = [layer.name for layer in layers
           if all(m.ref_max_abs == 0 for m in layer.metrics.values())]
-  if zero:
-    notes.append(_zero_reference_note(zero))
-  numerics_ = {p.label: p.description for p in plans}
+  if zero:  # said out loud: metrics there say 'exact'
+    shown = ", ".join(repr(n) for n in zero[:5]) + (
+        f" and {len(zero) - 5} more" if len(zero) > 5 else "")
+    notes.append(
+        f"the reference of {shown} is all zeros: relative metrics there "
+        f"compare nothing and read as exact. If these values are not zero "
+        f"in exact arithmetic, they are below float32's smallest normal "
+        f"(about 1.2e-38), which XLA flushes to zero on CPU and TPU: "
+        f"rescale the inputs")
   return DivergenceReport(
       layers=layers, precisions=tuple(p.label for p in plans),
       reference=ref.name, target=target, mode=mode, backend=backend,
       atol=atol, rtol=rtol,
-      numerics={**numerics_, "(reference)": ref.description},
+      numerics={**{p.label: p.description for p in plans},
+                "(reference)": ref.description},
       notes=tuple(notes), seconds=seconds, floor=floor,
       kernel=kernels.current_kernel().to_dict())
-
-
-def _zero_reference_note(names: Sequence[str]) -> str:
-  """Says out loud that a layer's reference is all zeros (metrics say 'exact')."""
-  shown = ", ".join(repr(n) for n in names[:5]) + (
-      f" and {len(names) - 5} more" if len(names) > 5 else "")
-  return (f"the reference of {shown} is all zeros: relative metrics there "
-          f"compare nothing and read as exact. If these values are not zero "
-          f"in exact arithmetic, they are below float32's smallest normal "
-          f"(about 1.2e-38), which XLA flushes to zero on CPU and TPU: "
-          f"rescale the inputs")
 
 
 def _nnx_intermediates(module: Any, state: Any) -> dict:
@@ -249,12 +241,9 @@ def _nnx_intermediates(module: Any, state: Any) -> dict:
   out: dict[str, Any] = {}
   for mpath, _ in nnx.iter_modules(module):  # post-order: children first
     for method, var in flat.get(tuple(mpath), ()):
-      base = "/".join(map(str, mpath)) or "output"
-      name = base if method == "__call__" else f"{base}.{method}"
-      vals = var.get_value() if hasattr(var, "get_value") else var.value
-      vals = tuple(vals) if isinstance(vals, (tuple, list)) else (vals,)
-      for i, x in enumerate(vals):
-        out[name if len(vals) == 1 else f"{name}#{i}"] = x
+      flax_capture.add_calls(
+          out, flax_capture.output_name(tuple(map(str, mpath)), method),
+          var.get_value() if hasattr(var, "get_value") else var.value)
   return out
 
 

@@ -37,10 +37,6 @@ def _key_name(k: Any) -> str:
   return f"[{k}]"
 
 
-def _path_name(path: Sequence[Any]) -> str:
-  return "".join(_key_name(k) for k in path).lstrip(".") or "output"
-
-
 def _leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
   """Like ``tree_flatten_with_path``, but plain dicts keep insertion order.
 
@@ -78,11 +74,9 @@ def is_float(x: Any) -> bool:
 
 def layers(tree: Any) -> list[tuple[str, Any]]:
   """``(name, leaf)`` for every floating leaf; ValueError on duplicate names."""
-  out = [(_path_name(p), v) for p, v in _leaves_with_paths(tree) if is_float(v)]
-  seen: dict[str, int] = {}
-  for name, _ in out:
-    seen[name] = seen.get(name, 0) + 1
-  dup = [n for n, c in seen.items() if c > 1]
+  out = [("".join(map(_key_name, p)).lstrip(".") or "output", v)
+         for p, v in _leaves_with_paths(tree) if is_float(v)]
+  dup = [n for n, c in collections.Counter(n for n, _ in out).items() if c > 1]
   if dup:
     raise ValueError(f"Two layers of the output have the same name {dup[0]!r}; "
                      f"rename the keys of the returned pytree.")
@@ -118,11 +112,15 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
     dynamic: the array arguments.
   """
   order: list[list[str]] = []
+
+  def note(out):
+    order.append([n for n, _ in layers(out)])
+    return out
   module, method = _nnx_method(fn)
   if isinstance(fn, nnx_policy.Stateful):
     # Stays a Stateful, so that a policy's path rules still find the module
     # (jaxprec._src.flax.nnx_policy.bind).
-    observed = fn.observing(lambda out: order.append([n for n, _ in layers(out)]))
+    observed = fn.observing(note)
   elif module is not None:
     # Stay a method of the NNX module, so that a policy's path rules still
     # find it (jaxprec._src.flax.nnx_policy.bind).
@@ -138,16 +136,12 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
         # nnx.remat, nnx.jit) refuse variables of another trace level, and
         # the user's module is never written to.
         self = clone(module)
-      out = method(self, *a, **k)
-      order.append([n for n, _ in layers(out)])
-      return out
+      return note(method(self, *a, **k))
     observed = types.MethodType(observed_method, module)
   else:
     @functools.wraps(fn)
     def observed(*a, **k):
-      out = fn(*a, **k)
-      order.append([n for n, _ in layers(out)])
-      return out
+      return note(fn(*a, **k))
   # A leaf jit cannot return names the user's function (jit would name ours).
   found = layers(trees.jax_outputs(fn, call.call(wrap(observed), dynamic)))
   if not order:

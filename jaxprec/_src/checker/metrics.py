@@ -1,10 +1,9 @@
 """Divergence metrics: how far one array (a layer's output) is from a reference.
 
-Three parts, so that only scalars leave the device:
+Two parts, so that only scalars leave the device:
 
 * :func:`reference_stats` (once per check) and :func:`layer_stats` (once per
-  precision), in :mod:`jaxprec._src.checker.metric_stats` and importable from here,
-  run inside ``jax.jit``: all layers, packed into one array (see
+  precision) run inside ``jax.jit``: all layers, packed into one array (see
   :class:`Layout`), are reduced to a few numbers per layer (sums, maxima,
   counts, a histogram for the ULP median) next to the computation that
   produced them;
@@ -61,9 +60,8 @@ the candidate. An error that itself exceeds the float32 maximum (a candidate
 of the opposite sign near the maximum) gives ``max_abs`` from a halved
 computation and ``required_atol = inf``.
 
-Summaries over layers (depth = the order of the layers): :func:`first_exceeding`
-and :func:`growth_per_layer` (a least-squares slope of ``log10`` of a metric
-against depth).
+A summary over layers (depth = the order of the layers): :func:`growth_per_layer`
+(a least-squares slope of ``log10`` of a metric against depth).
 """
 
 from __future__ import annotations
@@ -76,11 +74,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-
-from jaxprec._src.checker import metric_stats as stats_lib
-from jaxprec._src.checker.metric_stats import (Layout, layer_stats, pack_numpy,
-                                               reference_stats, split_reference)
+from jax import lax
 
 # The metrics of the JSON schema, in its order (`required_atol` comes after).
 METRICS = ("max_abs", "max_rel", "rel_rms", "cosine", "sqnr_db", "ulp_median",
@@ -160,17 +156,442 @@ class LayerMetrics:
     return d
 
 
+# max_rel measures an element against at least REL_FLOOR * rms(reference).
+REL_FLOOR = 1e-3
+
+# ---------------------------------------------------------------------------
+# On the device. All layers are reduced together, so that the compiled program
+# does not grow with the number of layers: each layer is flattened and padded
+# to whole chunks of CHUNK elements, the chunks of all layers are stacked into
+# one (n_chunks, CHUNK) array, every metric is reduced per chunk and then per
+# layer (a segment reduction over the chunks' layer ids).
+
+CHUNK = 512
+# ULP medians come from a per-layer histogram of log2(1 + distance) with
+# 2**_SUB buckets per octave: exact below 2**_SUB, within 2**-_SUB above.
+_SUB = 6
+_BUCKETS = 33 << _SUB
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where each layer's elements sit in the stacked ``(n_chunks, CHUNK)`` array.
+
+  With ``groups == 1`` each layer's chunks follow the previous layer's. With
+  ``groups = G > 1`` (a program whose arrays span G devices) every layer is
+  padded to a whole number of chunks per group and cut into G equal parts,
+  and the stacked array holds group 0 of every layer, then group 1 of every
+  layer, and so on. A layer whose elements are split evenly over the devices
+  along its leading axis (a batch-sharded hidden state whose shards hold
+  whole chunks) then packs into rows that stay on the device that holds them:
+  stacking the layers moves no data between devices, where stacking them
+  one after another would gather them.
+  """
+
+  sizes: tuple[int, ...]
+  groups: int = 1
+
+  def __post_init__(self):
+    if isinstance(self.groups, bool) or not isinstance(self.groups, int) \
+        or self.groups < 1:
+      raise ValueError(f"Layout groups must be an integer >= 1; got "
+                       f"{self.groups!r}")
+
+  @functools.cached_property
+  def chunks(self) -> np.ndarray:
+    """Chunks per layer (whole groups: a multiple of ``groups``)."""
+    g = self.groups
+    return np.array([-(-s // (CHUNK * g)) * g for s in self.sizes], np.int64)
+
+  @property
+  def n_chunks(self) -> int:
+    return int(self.chunks.sum())
+
+  @functools.cached_property
+  def _order(self) -> tuple[np.ndarray, np.ndarray]:
+    """Per stacked chunk: its layer and its index within the layer."""
+    per_group = [int(n) // self.groups for n in self.chunks]
+    layer, index = [np.zeros((0,), np.int64)], [np.zeros((0,), np.int64)]
+    for k in range(self.groups):
+      for i, q in enumerate(per_group):
+        layer.append(np.full((q,), i, np.int64))
+        index.append(k * q + np.arange(q, dtype=np.int64))
+    return np.concatenate(layer).astype(np.int32), np.concatenate(index)
+
+  @functools.cached_property
+  def chunk_layer(self) -> np.ndarray:
+    """The layer of each stacked chunk."""
+    return self._order[0]
+
+  @functools.cached_property
+  def chunk_count(self) -> np.ndarray:
+    """Real (not padding) elements in each chunk."""
+    layer, index = self._order
+    sizes = np.array(self.sizes, np.int64).reshape(-1)[layer]
+    return np.clip(sizes - index * CHUNK, 0, CHUNK).astype(np.int32)
+
+
+def pack(arrays: Sequence[Any], layout: Layout) -> jax.Array:
+  """Flattens, pads and stacks layers into ``(n_chunks, CHUNK)`` float32."""
+  g = layout.groups
+  parts = []
+  for a, s, n in zip(arrays, layout.sizes, layout.chunks):
+    if n:
+      flat = jnp.ravel(jnp.asarray(a)).astype(jnp.float32)
+      flat = jnp.pad(flat, (0, int(n) * CHUNK - s))
+      parts.append(flat if g == 1 else flat.reshape(g, int(n) // g, CHUNK))
+  if not parts:
+    return jnp.zeros((0, CHUNK), jnp.float32)
+  return jnp.concatenate(parts, axis=0 if g == 1 else 1).reshape(
+      layout.n_chunks, CHUNK)
+
+
+def pack_numpy(arrays: Sequence[np.ndarray], layout: Layout) -> np.ndarray:
+  """:func:`pack` on the host (for references loaded from files)."""
+  g = layout.groups
+  out = np.zeros((g, layout.n_chunks // g, CHUNK), np.float32)
+  at = 0
+  for a, n in zip(arrays, layout.chunks):
+    q = int(n) // g  # the layer's chunks in each group
+    flat = np.ravel(a).astype(np.float32, copy=False)
+    for k in range(g):
+      part = flat[k * q * CHUNK:(k + 1) * q * CHUNK]
+      out[k, at:at + q].reshape(-1)[:part.size] = part  # a view of out
+    at += q
+  return out.reshape(layout.n_chunks, CHUNK)
+
+
+def _ordered(x: jax.Array) -> jax.Array:
+  """float32 -> int32 that orders like the floats (+0 and -0 both map to 0)."""
+  i = lax.bitcast_convert_type(x, jnp.int32)
+  mag = i & np.int32(0x7FFFFFFF)
+  return jnp.where(i < 0, -mag, mag)
+
+
+def _ulp_distance(a: jax.Array, b: jax.Array) -> jax.Array:
+  """|ordered(a) - ordered(b)| as uint32 (exact: the difference is < 2**32)."""
+  oa, ob = _ordered(a), _ordered(b)
+  ua, ub = oa.astype(jnp.uint32), ob.astype(jnp.uint32)  # two's complement
+  return jnp.where(oa >= ob, ua - ub, ub - ua)
+
+
+def _ulp_bucket(d: jax.Array) -> jax.Array:
+  f = d.astype(jnp.float32) + np.float32(1)
+  bits = lax.bitcast_convert_type(f, jnp.int32)
+  return (bits >> (23 - _SUB)) - np.int32(127 << _SUB)
+
+
+def bucket_value(b: np.ndarray) -> np.ndarray:
+  """The ULP distance a histogram bucket stands for (exact below 2**_SUB)."""
+  b = np.asarray(b, np.int64)
+  lo = ((b + (127 << _SUB)) << (23 - _SUB)).astype(np.uint32).view(np.float32)
+  hi = ((b + 1 + (127 << _SUB)) << (23 - _SUB)).astype(np.uint32).view(np.float32)
+  lo, hi = lo.astype(np.float64), hi.astype(np.float64)
+  return np.where(hi - lo <= 1, lo, (lo + hi) / 2) - 1
+
+
+# Layers whose reference lies below 2**-_TINY may have subnormal errors.
+_TINY = 64
+
+
+def _up_exp(c: jax.Array, r_exp: jax.Array, layout: Layout) -> jax.Array:
+  """Per layer, ``u >= 0`` with the reference and ``c`` times ``2**u`` below 1."""
+  c_abs = jnp.where(jnp.isfinite(c), jnp.abs(c), np.float32(0))
+  c_exp = _scale_exp(_per_layer([c_abs], layout, "max")[0])
+  return jnp.maximum(jnp.minimum(r_exp, c_exp), 0)
+
+
+def _pow2(k: jax.Array) -> jax.Array:
+  """``2.0 ** k`` in float32, exactly, for integer ``k`` in [-126, 127]."""
+  return lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def _scale_exp(max_abs: jax.Array) -> jax.Array:
+  """``k`` with ``max_abs * 2**k`` in [0.5, 1), clipped to [-126, 126].
+
+  ``2**k`` is then a normal float32, and scaling by it is exact (the device
+  may flush subnormal numbers to zero: none is used).
+  """
+  _, e = jnp.frexp(max_abs)
+  return jnp.clip(-e, -126, 126).astype(jnp.int32)
+
+
+def _real_mask(layout: Layout) -> jax.Array:
+  return (jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
+          < jnp.asarray(layout.chunk_count)[:, None])
+
+
+def _per_layer(xs: Sequence[jax.Array], layout: Layout, op: str) -> jax.Array:
+  """Reduces each ``(n_chunks, CHUNK)`` array per chunk, then per layer.
+
+  One reduction per array: XLA:CPU runs separate row reductions faster than
+  one over stacked or variadic operands.
+  """
+  n_layers = len(layout.sizes)
+  seg = jnp.asarray(layout.chunk_layer)
+  if op == "sum":
+    part = jnp.stack([jnp.sum(x, axis=-1, dtype=x.dtype) for x in xs], axis=1)
+    out = jax.ops.segment_sum(part, seg, num_segments=n_layers,
+                              indices_are_sorted=layout.groups == 1)
+  else:
+    part = jnp.stack([jnp.max(x, axis=-1, initial=0) for x in xs], axis=1)
+    out = jax.ops.segment_max(part, seg, num_segments=n_layers,
+                              indices_are_sorted=layout.groups == 1)
+    out = jnp.maximum(out, jnp.zeros((), out.dtype))  # empty layers: -inf
+  return out.T
+
+
+def reference_stats(ref_hi: jax.Array, ref_lo: jax.Array | None,
+                    layout: Layout) -> dict[str, jax.Array]:
+  """What :func:`layer_stats` needs of the reference, computed once per check.
+
+  Args:
+    ref_hi: the packed reference (see :func:`pack`).
+    ref_lo: the packed low part of a float64 reference, or None.
+    layout: the layers' sizes.
+
+  Returns:
+    Per-layer ``max_abs``, ``r_exp`` (the scaling exponent: the reference's
+    magnitudes times ``2**r_exp`` lie below 1), ``sum_r2`` (of the scaled
+    reference), ``nan``, ``inf``, ``floor`` (the ``max_rel`` floor), and
+    ``finite`` (a scalar: no non-finite element).
+  """
+  del ref_lo  # the low part changes none of these beyond float32 rounding
+  hi = jnp.asarray(ref_hi, jnp.float32)
+  i32 = jnp.int32
+  sizes = jnp.asarray(np.array(layout.sizes, np.int32))
+  finite = jnp.all(jnp.isfinite(hi))
+
+  def fast(hi):
+    zeros = jnp.zeros((len(layout.sizes),), i32)
+    return hi, zeros, zeros, sizes
+
+  def masked(hi):
+    real = _real_mask(layout)
+    fin = jnp.isfinite(hi)
+    counts = _per_layer([(jnp.isnan(hi) & real).astype(i32),
+                         (jnp.isinf(hi) & real).astype(i32),
+                         (fin & real).astype(i32)], layout, "sum")
+    return jnp.where(fin, hi, np.float32(0)), counts[0], counts[1], counts[2]
+
+  r0, nan, inf, n_finite = lax.cond(finite, fast, masked, hi)
+  max_abs = _per_layer([jnp.abs(r0)], layout, "max")[0]
+  r_exp = _scale_exp(max_abs)
+  r_s = r0 * _pow2(r_exp)[jnp.asarray(layout.chunk_layer)][:, None]
+  sum_r2 = _per_layer([r_s * r_s], layout, "sum")[0]
+  rms = (jnp.sqrt(sum_r2 / jnp.maximum(n_finite, 1).astype(jnp.float32))
+         * _pow2(-r_exp))
+  return {
+      "sum_r2": sum_r2, "r_exp": r_exp, "max_abs": max_abs, "nan": nan,
+      "inf": inf,
+      "floor": jnp.maximum(np.float32(REL_FLOOR) * rms,
+                           np.float32(np.finfo(np.float32).tiny)),
+      "finite": finite,
+  }
+
+
+# layer_stats returns three arrays (few transfers): these rows, then ulp_max.
+# Sums are of scaled values: sum_r2 of r * 2**r_exp, sum_e2 of e * 2**e_exp,
+# sum_er of both; max_half is max |e| / 2 (finite when max_abs overflows).
+INT_ROWS = ("n_valid", "nan", "inf", "mismatch", "outside", "ulp_lo",
+             "ulp_hi", "ref_nan", "ref_inf", "r_exp", "e_exp", "u_exp")
+FLOAT_ROWS = ("sum_e2", "sum_er", "max_abs", "max_rel", "required", "sum_r2",
+               "ref_max_abs", "max_half")
+# max_abs, required and max_half are of errors computed on values scaled by
+# 2**u_exp >= 1 (u_exp > 0 for a tiny layer only: its differences would
+# otherwise fall below float32's smallest normal and flush to zero on CPU).
+# The error is scaled like the reference unless that leaves its largest
+# magnitude outside [2**-40, 2**40] (squares could then overflow, or lose
+# the error to underflow): then a second pass scales it by its own maximum.
+_SAFE = 2.0 ** 40
+
+
+def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
+                ref_lo: jax.Array | None, ref: Mapping[str, jax.Array],
+                layout: Layout, *, atol: Any, rtol: Any,
+                finite_only: bool = False) -> dict[str, jax.Array]:
+  """Reduces candidate layers against their packed reference to per-layer scalars.
+
+  Call it under ``jax.jit``; only its outputs (a few numbers per layer) need
+  to leave the device. When every element of both is finite (the common
+  case) it makes eight passes over the data; otherwise a masked path that
+  also counts NaNs and infinities runs instead (``lax.cond``).
+
+  Args:
+    candidates: the layers computed at the precision under test.
+    ref_hi: the reference, :func:`pack`-ed.
+    ref_lo: for a float64 reference, the packed ``ref - ref_hi``; else None.
+    ref: :func:`reference_stats` of the reference.
+    layout: the layers' sizes.
+    atol, rtol: the tolerance (scalars; may be traced).
+    finite_only: compute the all-finite path only, without the ``lax.cond``
+      (XLA:CPU runs the same reductions several times slower inside a
+      conditional branch). The output then holds ``finite``: where it is
+      False, its numbers are wrong and the caller must compute them again
+      with ``finite_only=False`` (:mod:`jaxprec._src.checker.harness` does);
+      where it is True, they are those of ``finite_only=False``.
+
+  Returns:
+    Arrays for :func:`finish`: ``int`` and ``float`` (one row per statistic,
+    one column per layer) and ``ulp_max``; with ``finite_only``, also
+    ``finite`` (a scalar).
+  """
+  f32, i32 = jnp.float32, jnp.int32
+  n_layers = len(layout.sizes)
+  c = pack(candidates, layout)
+  hi = jnp.asarray(ref_hi, f32)
+  lo = None if ref_lo is None else jnp.asarray(ref_lo, f32)
+  atol, rtol = jnp.asarray(atol, f32), jnp.asarray(rtol, f32)
+  seg = jnp.asarray(layout.chunk_layer)
+  floor = ref["floor"][seg][:, None]
+  r_exp = ref["r_exp"]
+  scale = _pow2(r_exp)[seg][:, None]
+  sizes = jnp.asarray(np.array(layout.sizes, np.int32))
+  zeros = jnp.zeros((n_layers,), i32)
+  u_exp = lax.cond(jnp.any(r_exp > _TINY), lambda: _up_exp(c, r_exp, layout),
+                   lambda: zeros)
+  up = _pow2(u_exp)[seg][:, None]  # exact, and c * up cannot overflow
+  rest = _pow2(r_exp - u_exp)[seg][:, None]
+
+  def error(c, hi):
+    e = c * up - hi * up
+    return e if lo is None else e - lo * up
+
+  def common(c0, r0, e, valid, mismatch):
+    # e is scaled by up; so are ae, ar and the tolerance.
+    ae, ar = jnp.abs(e), jnp.abs(r0 * up)
+    outside = (ae > atol * up + rtol * ar) | mismatch
+    floor_up = floor * up
+    e_s, r_s = e * rest, r0 * scale
+    if valid is None:
+      sums = _per_layer([e_s * e_s, e_s * r_s], layout, "sum")
+      sums = [sums[0], sums[1], ref["sum_r2"]]
+    else:  # the reference's sum too, over the valid elements only
+      sums = _per_layer([e_s * e_s, e_s * r_s, r_s * r_s], layout, "sum")
+    maxes = _per_layer([ae, ae / jnp.maximum(ar, floor_up),
+                        ae - rtol * ar], layout, "max")
+    ulp = _ulp_distance(c0, r0)
+    if valid is not None:
+      ulp = jnp.where(valid, ulp, np.uint32(0))
+    bucket = seg[:, None] * _BUCKETS + _ulp_bucket(ulp)
+    weight = (jnp.ones(c0.shape, i32) if valid is None
+              else valid.astype(i32))
+    hist = jnp.zeros((max(n_layers, 1) * _BUCKETS,), i32).at[
+        bucket.ravel()].add(weight.ravel(), mode="drop")
+    return {
+        "outside": _per_layer([outside.astype(i32)], layout, "sum")[0],
+        "sum_e2": sums[0], "sum_er": sums[1], "sum_r2": sums[2],
+        "max_abs": maxes[0],
+        "max_rel": maxes[1], "required": maxes[2],
+        "ulp_max": _per_layer([ulp], layout, "max")[0],
+        "hist": hist.reshape(-1, _BUCKETS)[:n_layers],
+    }
+
+  def fast(c):
+    # Padding is zero in both arrays, so it adds nothing and passes.
+    out = common(c, hi, error(c, hi), None, False)
+    pad = jnp.asarray(layout.chunks.astype(np.int32)) * CHUNK - sizes
+    out["hist"] = out["hist"].at[:, 0].add(-pad)  # padding: distance 0
+    out.update(n_valid=sizes, nan=zeros, inf=zeros, mismatch=zeros)
+    return out
+
+  def masked(c):
+    real = _real_mask(layout)
+    fin_c, fin_r = jnp.isfinite(c), jnp.isfinite(hi)
+    valid = real & fin_c & fin_r
+    same = (jnp.isnan(c) & jnp.isnan(hi)) | (
+        jnp.isinf(c) & jnp.isinf(hi) & (c == hi))
+    mismatch = real & ~(fin_c & fin_r) & ~same
+    zero = f32(0)
+    c0 = jnp.where(valid, c, zero)
+    r0 = jnp.where(valid, hi, zero)
+    e = jnp.where(valid, error(c0, r0), zero)
+    out = common(c0, r0, e, valid, mismatch)
+    counts = _per_layer([valid.astype(i32), (real & jnp.isnan(c)).astype(i32),
+                         (real & jnp.isinf(c)).astype(i32),
+                         mismatch.astype(i32)], layout, "sum")
+    out.update(n_valid=counts[0], nan=counts[1], inf=counts[2],
+               mismatch=counts[3])
+    return out
+
+  def rescaled(out):
+    # The error, halved so that c - r cannot overflow, scaled per layer by
+    # its own largest magnitude.
+    fin = jnp.isfinite(c) & jnp.isfinite(hi)
+    half = f32(0.5)
+    e_h = (c * up * half - hi * up * half)
+    if lo is not None:
+      e_h = e_h - lo * up * half
+    e_h = jnp.where(fin, e_h, f32(0))
+    max_half = _per_layer([jnp.abs(e_h)], layout, "max")[0]
+    k = _scale_exp(max_half)
+    e_s = e_h * _pow2(k)[seg][:, None]
+    r_s = jnp.where(fin, hi, f32(0)) * scale
+    sums = _per_layer([e_s * e_s, e_s * r_s], layout, "sum")
+    return dict(out, sum_e2=sums[0], sum_er=sums[1], e_exp=k - 1 + u_exp,
+                max_half=max_half)
+
+  finite = ref["finite"] & jnp.all(jnp.isfinite(c))
+  out = fast(c) if finite_only else lax.cond(finite, fast, masked, c)
+  out.update(e_exp=r_exp, max_half=out["max_abs"] * f32(0.5))
+  m_s = out["max_abs"] * _pow2(r_exp - u_exp)
+  unsafe = (m_s > _SAFE) | ((m_s < 1 / _SAFE) & (m_s > 0))
+  out = lax.cond(jnp.any(unsafe), rescaled, lambda out: out, out)
+  out["required"] = jnp.where(out["mismatch"] > 0, f32(np.inf), out["required"])
+  cum = jnp.cumsum(out.pop("hist"), axis=1)
+  n_valid = out["n_valid"]
+  out["ulp_lo"] = jnp.argmax(cum > jnp.maximum((n_valid - 1) // 2, 0)[:, None],
+                             axis=1)
+  out["ulp_hi"] = jnp.argmax(cum > (n_valid // 2)[:, None], axis=1)
+  out.update(ref_max_abs=ref["max_abs"],
+             ref_nan=ref["nan"], ref_inf=ref["inf"], r_exp=r_exp, u_exp=u_exp)
+  result = {"int": jnp.stack([out[k].astype(i32) for k in INT_ROWS]),
+            "float": jnp.stack([out[k].astype(f32) for k in FLOAT_ROWS]),
+            "ulp_max": out["ulp_max"]}
+  if finite_only:
+    result["finite"] = finite
+  return result
+
+
+def split_reference(ref: Any, xp: Any = np) -> tuple[Any, Any]:
+  """A float64 array as a float32 pair ``(hi, lo)`` with ``hi + lo ~ ref``.
+
+  Other dtypes return ``(ref, None)``. ``xp``: ``np``, or ``jnp`` inside a
+  jitted float64 computation.
+  """
+  if ref.dtype != xp.float64:
+    return ref, None
+  with np.errstate(over="ignore", invalid="ignore"):
+    hi = ref.astype(xp.float32)
+    lo = xp.where(xp.isfinite(hi), ref - hi.astype(xp.float64), 0.0)
+  return hi, lo.astype(xp.float32)
+
+
+def pack_reference(values: Sequence[Any], layout: Layout, xp: Any = np
+                   ) -> tuple[Any, Any]:
+  """``(hi, lo)``: the reference layers :func:`split_reference` and packed
+  (:func:`pack_numpy` for ``xp=np``, else :func:`pack`); ``lo`` is None
+  when no layer is float64."""
+  pack_ = pack_numpy if xp is np else pack
+  pairs = [split_reference(v, xp) for v in values]
+  hi = pack_([h for h, _ in pairs], layout)
+  if all(l is None for _, l in pairs):
+    return hi, None
+  return hi, pack_([xp.zeros(xp.shape(h), xp.float32) if l is None else l
+                    for h, l in pairs], layout)
+
+
 # ---------------------------------------------------------------------------
 # On the host.
 
 
 def finish(stats: Mapping[str, Any], layout: Layout) -> list[LayerMetrics]:
   """Turns :func:`layer_stats` output (fetched to the host) into metrics."""
-  s = {k: v for k, v in zip(stats_lib.INT_ROWS, np.asarray(stats["int"]))}
-  s.update(zip(stats_lib.FLOAT_ROWS, np.asarray(stats["float"])))
+  s = {k: v for k, v in zip(INT_ROWS, np.asarray(stats["int"]))}
+  s.update(zip(FLOAT_ROWS, np.asarray(stats["float"])))
   s["ulp_max"] = np.asarray(stats["ulp_max"])
-  ulp_lo = stats_lib.bucket_value(s["ulp_lo"])
-  ulp_hi = stats_lib.bucket_value(s["ulp_hi"])
+  ulp_lo = bucket_value(s["ulp_lo"])
+  ulp_hi = bucket_value(s["ulp_hi"])
   return [_finish_one({k: v[i] for k, v in s.items()}, size, ulp_lo[i], ulp_hi[i])
           for i, size in enumerate(layout.sizes)]
 
@@ -252,14 +673,13 @@ def compare(candidate: jax.typing.ArrayLike, reference: jax.typing.ArrayLike, *,
     >>> m.max_abs, m.frac_outside, m.required_atol
     (0.5, 0.3333333333333333, 0.5)
   """
-  c = np.asarray(candidate)
-  hi, lo = split_reference(np.asarray(reference))
-  if c.shape != hi.shape:
-    raise ValueError(f"candidate shape {c.shape} != reference shape {hi.shape}")
+  c, reference = np.asarray(candidate), np.asarray(reference)
+  if c.shape != reference.shape:
+    raise ValueError(f"candidate shape {c.shape} != reference shape "
+                     f"{reference.shape}")
   c = c.ravel()  # one compilation per size, whatever the shape
   layout = Layout((int(c.size),))
-  hi_p = pack_numpy([hi], layout)
-  lo_p = None if lo is None else pack_numpy([lo], layout)
+  hi_p, lo_p = pack_reference([reference], layout)
   stats = jax.device_get(_compare(c, hi_p, lo_p, layout, np.float32(atol),
                                   np.float32(rtol)))
   return finish(stats, layout)[0]
@@ -267,14 +687,6 @@ def compare(candidate: jax.typing.ArrayLike, reference: jax.typing.ArrayLike, *,
 
 # ---------------------------------------------------------------------------
 # Summaries over layers.
-
-
-def first_exceeding(required: Sequence[float], atol: float) -> int | None:
-  """Index of the first layer whose ``required_atol`` exceeds ``atol``."""
-  for i, r in enumerate(required):
-    if not r <= atol:  # NaN counts as exceeding
-      return i
-  return None
 
 
 def growth_per_layer(values: Sequence[float]) -> float:

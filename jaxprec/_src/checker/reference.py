@@ -12,7 +12,8 @@ form: an insertion-ordered ``{name: np.ndarray}``. What it reads:
 * a pytree of arrays (named as :func:`jaxprec.named_layers` names them).
 
 Objects of other frameworks are converted in one place,
-:func:`_convert_foreign`, before anything else looks at them.
+:func:`jaxprec._src.torch.torch_ref.from_torch`, before anything else looks
+at them.
 """
 
 from __future__ import annotations
@@ -65,9 +66,7 @@ def _safetensors(name: str):
 
 
 def _load_file(obj: Any) -> dict[str, np.ndarray]:
-  path = os.fspath(obj)
-  if not isinstance(path, str):
-    path = os.fsdecode(path)
+  path = os.fsdecode(obj)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no reference file {path!r}")
   kind = _suffix(path)
@@ -93,18 +92,6 @@ def _load_file(obj: Any) -> dict[str, np.ndarray]:
         f"numpy.savez/numpy.save or safetensors).") from None
 
 
-def _convert_foreign(obj: Any) -> Any:
-  """Objects of other frameworks as NumPy arrays or pytrees of them.
-
-  The one place where such objects are recognised (by duck typing, so that
-  no framework is imported here). Returns ``obj`` unchanged when it is not
-  one of them.
-  """
-  from jaxprec._src.torch import torch_ref
-  converted = torch_ref.from_torch(obj)  # PyTorch tensors and ModelOutputs
-  return obj if converted is None else converted
-
-
 def load(obj: Any) -> dict[str, np.ndarray]:
   """An external reference as ``{name: np.ndarray}``, in its own order.
 
@@ -121,8 +108,10 @@ def load(obj: Any) -> dict[str, np.ndarray]:
   """
   if is_file(obj):
     return _load_file(obj)
+  from jaxprec._src.torch import torch_ref
   given = obj
-  obj = _convert_foreign(obj)
+  obj = torch_ref.from_torch(obj)  # PyTorch tensors and ModelOutputs
+  obj = given if obj is None else obj
   if isinstance(obj, Mapping) and obj and all(isinstance(k, str) for k in obj) \
       and all(hasattr(v, "shape") and hasattr(v, "dtype")
               for v in obj.values()):

@@ -1,20 +1,23 @@
-"""Rendering reports for people: numbers, tables (text, rich), Markdown, plots.
+"""Rendering for people: numbers, tables (text, rich), Markdown, plots, and
+the progress bar of long checks.
 
 The functions here read a :class:`jaxprec.DivergenceReport` (duck-typed: this
 module imports no report type, so the report modules can import it) and
 return text or a matplotlib figure. The report's methods (``str``,
 ``to_text``, ``to_markdown``, ``plot``) call them.
 
-It also holds the small number functions every report shares: :func:`fmt` for
-tables, and :func:`encode_float` / :func:`decode_float` / :func:`encode` for
-JSON, which has no literal for NaN or infinities.
+It also holds what every report shares: :func:`fmt` and :func:`table` for
+tables, :func:`encode` / :func:`decode_float` for JSON, which has no literal
+for NaN or infinities, and :func:`save` for figures.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,29 +43,41 @@ def fmt(x: float, digits: int = 2) -> str:
   return f"{x:.{digits}e}"
 
 
-def encode_float(x: float) -> float | str:
-  """A float as JSON allows it: non-finite values become strings."""
-  if isinstance(x, float) and not math.isfinite(x):
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-  return x
-
-
-def decode_float(x: Any) -> Any:
-  """The inverse of :func:`encode_float` (other values pass through)."""
-  if isinstance(x, str) and x in ("nan", "inf", "-inf"):
-    return float(x)
-  return x
-
-
 def encode(obj: Any) -> Any:
-  """:func:`encode_float` applied through dicts, lists and tuples."""
-  if isinstance(obj, float):
-    return encode_float(obj)
+  """``obj`` as JSON allows it: non-finite floats become strings, through
+  dicts, lists and tuples."""
+  if isinstance(obj, float) and not math.isfinite(obj):
+    return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
   if isinstance(obj, Mapping):
     return {k: encode(v) for k, v in obj.items()}
   if isinstance(obj, (list, tuple)):
     return [encode(v) for v in obj]
   return obj
+
+
+def to_json(report: Any, indent: int | None = 2) -> str:
+  """``report.to_dict()`` as a JSON string (strict: no NaN or Infinity
+  literals)."""
+  return json.dumps(report.to_dict(), indent=indent, allow_nan=False)
+
+
+def decode_float(x: Any) -> Any:
+  """The inverse of :func:`encode` for a float (other values pass through)."""
+  if isinstance(x, str) and x in ("nan", "inf", "-inf"):
+    return float(x)
+  return x
+
+
+def table(cols: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
+  """A plain-text table's lines: the header, a rule, the rows; the columns in
+  ``left`` aligned left, the others right."""
+  widths = [max(len(c), *(len(r[j]) for r in rows)) if rows else len(c)
+            for j, c in enumerate(cols)]
+
+  def line(cells):
+    return "  ".join(c.ljust(w) if j in left else c.rjust(w)
+                     for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
+  return [line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
 
 
 def figure_class(what: str):
@@ -165,18 +180,9 @@ def _summary_lines(report: Any) -> list[str]:
 
 def text(report: Any) -> str:
   """The table as plain text (what ``str`` gives without ``rich``)."""
-  cols, rows = _columns(report), _rows(report)
-  widths = [max(len(c), *(len(r[j]) for r in rows)) if rows else len(c)
-            for j, c in enumerate(cols)]
-  left = {1, 2}
-
-  def line(cells):
-    return "  ".join(c.ljust(w) if j in left else c.rjust(w)
-                     for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-  out = [_heading(report), line(cols), line(["-" * w for w in widths])]
-  out += [line(r) for r in rows]
-  out += _summary_lines(report)
-  return "\n".join(out)
+  return "\n".join([_heading(report),
+                    *table(_columns(report), _rows(report), {1, 2}),
+                    *_summary_lines(report)])
 
 
 def _rich_table(report: Any):
@@ -205,7 +211,8 @@ def rich_group(report: Any):
 
 
 def to_str(report: Any) -> str:
-  """The table drawn with ``rich`` when installed, else :func:`text`."""
+  """The heading, table and summary (``str``): the table drawn with ``rich``
+  when installed, else :func:`text`."""
   try:
     from rich.console import Console
   except ImportError:
@@ -218,7 +225,7 @@ def to_str(report: Any) -> str:
 
 
 def markdown(report: Any) -> str:
-  """The table and summary as GitHub-flavoured Markdown.
+  """The table and summary as GitHub-flavoured Markdown (``to_markdown``).
 
   Layer names are escaped: ``|`` as ``\\|``, a backslash doubled, and line
   breaks, tabs and carriage returns shown as ``\\n``, ``\\t``, ``\\r``, so
@@ -240,11 +247,25 @@ def markdown(report: Any) -> str:
 
 
 def plot(report: Any, path: str | os.PathLike | None = None, *,
-         metric: str = "rel_rms"):
-  """``metric`` against depth, one line per precision, log scale.
+         metric: str = "rel_rms") -> "matplotlib.figure.Figure":
+  """Plots ``metric`` against depth, one line per precision, log scale.
 
   The framework floor (``report.floor``), when there is one, is a dashed grey
   line labelled ``'<label> (framework floor)'``.
+
+  Args:
+    report: the :class:`jaxprec.DivergenceReport` (``self``).
+    path: where to save the figure (format from the extension, e.g.
+      ``.png``, ``.svg``); None only returns the figure. In a multi-process
+      run (``jax.distributed``) process 0 alone saves it; every process
+      returns the figure.
+    metric: which metric to plot (default ``rel_rms``).
+
+  Returns:
+    The ``matplotlib.figure.Figure``.
+
+  Raises:
+    ImportError: matplotlib is not installed (the ``plots`` extra).
   """
   Figure = figure_class("DivergenceReport.plot")
   fig = Figure(figsize=(max(6.0, 0.35 * len(report.layers) + 3), 4.5),
@@ -274,3 +295,68 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
   if path is not None:
     save(fig, path)
   return fig
+
+
+# ---------------------------------------------------------------------------
+# Progress.
+
+
+class Progress:
+  """A progress bar on stderr, shown only when ``enabled`` and stderr is a
+  terminal; a context manager.
+
+  Uses ``rich`` when installed, else one rewritten line.
+  """
+
+  def __init__(self, total: int, description: str, enabled: bool = True):
+    self.total = total
+    self.description = description
+    try:
+      self.enabled = enabled and bool(sys.stderr.isatty())
+    except (AttributeError, ValueError):
+      self.enabled = False
+    self._done = 0
+    self._rich = None
+    self._task = None
+
+  def __enter__(self) -> Progress:
+    if not self.enabled:
+      return self
+    try:
+      from rich.console import Console
+      from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RP,
+                                 TextColumn, TimeElapsedColumn)
+    except ImportError:
+      self._line("")
+      return self
+    self._rich = RP(TextColumn("{task.description}"), BarColumn(),
+                    MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
+    self._rich.__enter__()
+    self._task = self._rich.add_task(self.description, total=self.total)
+    return self
+
+  def update(self, what: str, advance: int = 0) -> None:
+    """Shows ``what`` as the current item and advances by ``advance``."""
+    if not self.enabled:
+      return
+    self._done += advance
+    if self._rich is not None:
+      self._rich.update(self._task, advance=advance,
+                        description=f"{self.description}: {what}")
+    else:
+      self._line(what)
+
+  def _line(self, what: str) -> None:
+    sys.stderr.write(f"\r{self.description}: [{self._done}/{self.total}] "
+                     f"{what}\033[K")
+    sys.stderr.flush()
+
+  def __exit__(self, *exc) -> None:
+    if not self.enabled:
+      return
+    if self._rich is not None:
+      self._rich.__exit__(*exc)
+    else:
+      sys.stderr.write("\r\033[K")
+      sys.stderr.flush()

@@ -4,8 +4,7 @@
 frozen dataclass holding plain Python values (no arrays), so it can be kept,
 compared and serialised. Rendering (tables, Markdown, plots) lives in
 :mod:`jaxprec._src.checker.render`, the training report in
-:mod:`jaxprec._src.checker.training_report`, the progress bar in
-:mod:`jaxprec._src.checker.progress`.
+:mod:`jaxprec._src.checker.training_report`.
 
 JSON schema 1 (``DivergenceReport.to_dict()``; keys beyond these may be added
 in later versions of schema 1, never removed or changed)::
@@ -59,7 +58,6 @@ import dataclasses
 import json
 import math
 import numbers
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -333,8 +331,6 @@ class DivergenceReport:
       raise ValueError(f"n must be a non-negative integer (how many layers), "
                        f"e.g. n=5; got {n!r}")
     labels = self.candidates if precision is None else (self._precision(precision),)
-    if labels:
-      self.metric(metric, labels[0])  # ValueError naming an unknown metric
     lower_is_worse = metric in ("cosine", "sqnr_db")
     rows = []
     for p in labels:
@@ -392,9 +388,7 @@ class DivergenceReport:
         "seconds": dict(self.seconds), "kernel": dict(self.kernel),
     })
 
-  def to_json(self, indent: int | None = 2) -> str:
-    """:meth:`to_dict` as a JSON string (strict: no NaN or Infinity literals)."""
-    return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+  to_json = render.to_json
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> DivergenceReport:
@@ -430,39 +424,9 @@ class DivergenceReport:
   def from_json(cls, text: str) -> DivergenceReport:
     return cls.from_dict(json.loads(text))
 
-  # -- rendering (jaxprec._src.checker.render) -------------------------------------
-  def to_text(self) -> str:
-    """The table as plain text (what ``str`` gives without ``rich``)."""
-    return render.text(self)
-
-  def __rich__(self):
-    return render.rich_group(self)
-
-  def __str__(self) -> str:
-    return render.to_str(self)
-
-  def to_markdown(self) -> str:
-    """The table and summary as GitHub-flavoured Markdown (layer names
-    escaped: each stays one row)."""
-    return render.markdown(self)
-
-  def plot(self, path: str | os.PathLike | None = None, *,
-           metric: str = "rel_rms") -> "matplotlib.figure.Figure":
-    """Plots ``metric`` against depth, one line per precision, log scale.
-
-    The framework floor, when the report has one, is a dashed grey line.
-
-    Args:
-      path: where to save the figure (format from the extension, e.g.
-        ``.png``, ``.svg``); None only returns the figure. In a
-        multi-process run (``jax.distributed``) process 0 alone saves it;
-        every process returns the figure.
-      metric: which metric to plot (default ``rel_rms``).
-
-    Returns:
-      The ``matplotlib.figure.Figure``.
-
-    Raises:
-      ImportError: matplotlib is not installed (the ``plots`` extra).
-    """
-    return render.plot(self, path, metric=metric)
+  # -- rendering: the functions of jaxprec._src.checker.render ---------------
+  to_text = render.text
+  __rich__ = render.rich_group
+  __str__ = render.to_str
+  to_markdown = render.markdown
+  plot = render.plot

@@ -44,8 +44,6 @@ _LITERAL = {
 _ONE_ROW = (str, lax.Precision, lax.DotAlgorithmPreset, Precision, Policy)
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """How one row (a precision or a policy) is computed.
@@ -186,9 +184,7 @@ def plans(precisions: Any, target: str, mode: str) -> list[Plan]:
 
 def native_float32(label: str = "float32") -> Plan:
   """float32 natively: exact where the backend has it (6 bf16 passes on a TPU)."""
-  backend = compat.backend_platform()
-  algo = resolve("float32").on(backend).algorithm
-  return Plan(label, resolve("float32"), None, algo, f"{algo} (native {backend})")
+  return dataclasses.replace(plan("float32", "tpu", "native"), label=label)
 
 
 def reference_plan(reference: Any, target: str, mode: str) -> Plan | None:
@@ -200,6 +196,7 @@ def reference_plan(reference: Any, target: str, mode: str) -> Plan | None:
   if not is_policy and resolve(reference).name in ("float32", "F32_F32_F32"):
     return native_float32(label_of(reference))
   return plan(reference, target, mode)
+
 
 # Compute dtypes a float32 or float64 reference undoes (numerics.DTYPES).
 _NARROW = tuple(d for d in numerics.DTYPES if numerics.DTYPE_BYTES[d] < 4)
@@ -216,7 +213,6 @@ def computes_narrow(closed) -> bool:
         str(getattr(v.aval, "dtype", "")) in _NARROW for v in eqn.invars):
       return True
   return False
-
 
 
 def is_computed(reference: Any) -> bool:

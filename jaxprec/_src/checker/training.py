@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprec._src.checker import harness
-from jaxprec._src.checker import progress as progress_lib
+from jaxprec._src.checker import render
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.training_report import TrainingReport
 from jaxprec._src.core import numerics
@@ -171,12 +171,11 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
     raise ValueError("no training steps: give at least one batch")
   n_steps = len(batch_list)
   if ref_plan.precision.name in ("float32", "F32_F32_F32") and \
-      harness.has_dtype_decisions(loss_fn, harness.Args(
-          (params, batch_list[0]), {}, who="jaxprec.check_training")):
+      harness.narrow_compute(loss_fn, harness.Args(
+          (params, batch_list[0]), {}, who="jaxprec.check_training"))[1]:
     # A bfloat16 model trains against the float32 model, as check compares.
     ref_plan = dataclasses.replace(
-        ref_plan, dtypes=policy_lib.reference_policy("float32"),
-        description=f"{ref_plan.description}, modules at float32")
+        ref_plan, dtypes=policy_lib.reference_policy("float32"))
   run_fns = [ref_plan.wrap(loss_fn)] + [p.wrap(loss_fn) for p in plans]
 
   def step(states, batch):
@@ -194,13 +193,12 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
       drifts.append(jnp.sqrt(diff) / jnp.maximum(ref_norm, np.float32(1e-30)))
     return new_states, jnp.stack(losses), jnp.stack(drifts)
 
-  step = harness.jit(step)
+  step = harness.Jit(step)
   opt_state = optimizer.init(params)
   states = [(params, opt_state)] * len(run_fns)
   all_losses, all_drifts = [], []
   t0 = time.perf_counter()
-  with progress_lib.maybe_progress(n_steps, "jaxprec check_training",
-                                 progress) as bar:
+  with render.Progress(n_steps, "jaxprec check_training", progress) as bar:
     for i, batch in enumerate(batch_list):
       states, losses, drifts = step(states, batch)
       losses, drifts = jax.device_get((losses, drifts))
@@ -208,12 +206,12 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
       all_drifts.append([float(v) for v in drifts])
       bar.update(f"step {i + 1}", advance=1)
   seconds = time.perf_counter() - t0
-  ref_losses = tuple(l[0] for l in all_losses)
-  losses = {p.label: tuple(l[j + 1] for l in all_losses)
-            for j, p in enumerate(plans)}
-  drift = {p.label: tuple(d[j] for d in all_drifts) for j, p in enumerate(plans)}
+  labels = tuple(p.label for p in plans)
+  ref_losses, *run_losses = zip(*all_losses)  # per run, over the steps
+  losses = dict(zip(labels, run_losses))
+  drift = dict(zip(labels, zip(*all_drifts)))
   return TrainingReport(
-      precisions=tuple(p.label for p in plans), reference=reference,
+      precisions=labels, reference=reference,
       target=target, mode=mode, backend=compat.backend_platform(),
       steps=n_steps, reference_losses=ref_losses, losses=losses, drift=drift,
       divergence_step={p: divergence_step(losses[p], ref_losses, threshold)

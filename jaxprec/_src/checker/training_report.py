@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -12,7 +11,6 @@ from typing import Any
 from jaxprec._src.checker import render
 
 SCHEMA = 1
-
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,8 +70,7 @@ class TrainingReport:
         "notes": list(self.notes), "seconds": self.seconds,
     })
 
-  def to_json(self, indent: int | None = 2) -> str:
-    return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+  to_json = render.to_json
 
   def __str__(self) -> str:
     head = (f"jaxprec.check_training: {self.steps} steps vs reference "
@@ -94,14 +91,8 @@ class TrainingReport:
                    render.fmt(max(diffs, default=0.0)),
                    render.fmt(self.drift[p][-1]) if self.drift[p] else "-",
                    "-" if step is None else str(step)])
-    widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
-
-    def line(cells):
-      return "  ".join(c.ljust(w) if j < 2 else c.rjust(w)
-                       for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    out = [head, line(cols), line(["-" * w for w in widths])]
-    out += [line(r) for r in rows] + [f"note: {n}" for n in self.notes]
-    return "\n".join(out)
+    return "\n".join([head, *render.table(cols, rows, {0, 1}),
+                      *[f"note: {n}" for n in self.notes]])
 
   def plot(self, path: str | os.PathLike | None = None
            ) -> "matplotlib.figure.Figure":
