@@ -11,7 +11,7 @@ from jax import lax
 
 import jaxprec
 import jaxprec.nnx as jpn
-from jaxprec._src.flax.nnx_policy import PrecisionScoped
+from jaxprec._src.modules.nnx import PrecisionScoped
 from jaxprec._src.jaxpr import walker
 
 import models

@@ -1,113 +1,152 @@
 """The one per-module hook: a policy's decisions around every Flax module call.
 
-Both Flax APIs run each module call through this hook, so one policy gives a
-linen model and an NNX model with the same modules the same program:
+Both Flax APIs run each module call through :func:`decide`, so one policy
+gives a linen model and an NNX model with the same modules the same program:
 
 * **linen**: ``flax.linen.intercept_methods`` calls the interceptor of
   :mod:`jaxprec._src.flax.interception` around every module method call.
 * **NNX**: NNX has no method interception. :func:`install` gives each module
   of a copy of the model (a clone, or the traced copy ``nnx.merge`` makes) a
-  call wrapper of its own: the instance's class becomes a subclass of its class
-  (same name, same state) whose ``__call__`` runs the module's call through
-  :func:`run`. Being in the class, the wrapper follows the module into the
-  copies that NNX transforms (``nnx.jit``, ``nnx.scan``) and ``nnx.clone``
-  make.
+  subclass of its class (same name, same state) whose ``__call__`` runs
+  through :func:`run`. Being in the class, the wrapper follows the module into
+  the copies that NNX transforms (``nnx.jit``, ``nnx.scan``) and
+  ``nnx.clone`` make.
 
-Around each call the hook asks the policy in force
-(:func:`jaxprec._src.flax.state.active`) for the module's precision
-(:func:`decide`: its path, type and op kind) and runs the call under
-``jax.default_matmul_precision`` at :func:`jaxprec._src.core.numerics.flag_for` of
-it. JAX writes the flag into every ``dot_general`` and
-``conv_general_dilated`` recorded without an explicit precision while the call
-traces, so the policy reaches every matmul of the module's own code: layers,
-a raw ``x @ w``, ``jnp.einsum``, attention scores. Inside a
-:func:`jaxprec._src.flax.paths.record` block (an audit) the NNX call also
-records its path (:func:`jaxprec._src.flax.paths.nnx_call`).
+Each call runs under ``jax.default_matmul_precision`` at the flag for the
+precision the policy in force gives the module's path, type and op kind. JAX
+writes the flag into every ``dot_general`` and ``conv_general_dilated``
+recorded without an explicit precision while the call traces, so the policy
+reaches every matmul of the module's own code: layers, a raw ``x @ w``,
+``jnp.einsum``, attention scores.
 
-A swapped NNX model's wrappers also carry an :class:`Entry`: a call made while
-its policy is not in force (the user calling the model) enters it there, and
-runs the call natively or through :func:`jaxprec.emulate`.
-
-Imports Flax NNX only when given NNX modules.
+What a module is to a policy (:func:`classify`: its type and op kind;
+:func:`own_precision`) is decided here too, for both APIs and for the
+precision-aware modules. Imports Flax NNX only when given NNX modules.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import sys
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
+from jax import lax
 
 from jaxprec._src.core import numerics
-from jaxprec._src.core.precision import Precision
+from jaxprec._src.core.precision import Precision, resolve
 from jaxprec._src.flax import paths as flax_paths
-from jaxprec._src.flax.identity import classify_nnx, own_precision
-from jaxprec._src.flax.state import ActiveScope, active
-from jaxprec._src.policy.policy import Rule
+from jaxprec._src.flax.state import active
+from jaxprec._src.policy.policy import Policy, Rule
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """What a policy decided for one module call.
+def per_op_precision(value: Any, *, conv: bool) -> Any:
+  """What a Flax module should pass to ``lax`` for a jaxprec ``precision=``.
 
-  Attributes:
-    flag: the value of JAX's matmul precision flag the call runs under.
-    precision: the precision the module's ops run at (its own, if it keeps
-      one), or None.
-    rule: the policy's rule that matched, or None.
-    kept: the module keeps a ``precision`` of its own.
+  None and ``lax.DotAlgorithm`` objects pass through, as do pairs of
+  different levels; anything else is resolved and becomes
+  :func:`jaxprec._src.core.numerics.per_op` of its kind (a convolution gets a
+  preset's level).
   """
+  if value is None or isinstance(value, lax.DotAlgorithm):
+    return value
+  if (isinstance(value, (tuple, list)) and len(value) == 2
+      and all(isinstance(v, lax.Precision) for v in value)
+      and value[0] != value[1]):
+    return tuple(value)
+  return numerics.per_op(resolve(value), "conv" if conv else "dot")
 
-  flag: Any
-  precision: Precision | None
-  rule: Rule | None
-  kept: bool
+
+def own_precision(module: Any, p: Precision | None, kind: str
+                  ) -> tuple[bool, Precision | None]:
+  """``(kept, precision)``: whether a Flax module keeps its own ``precision=``
+  rather than the policy's ``p``, and the precision it runs at.
+
+  A module whose ``precision`` already is what ``p`` would set (a swapped
+  model) is the policy's decision, not the module's.
+  """
+  own = getattr(module, "precision", None)
+  if own is None or (p is not None
+                     and own == per_op_precision(p, conv=kind == "conv")):
+    return False, p
+  try:
+    return True, resolve(own)
+  except (TypeError, ValueError):
+    return True, None
 
 
-def decide(scope: ActiveScope, path: str, module: Any, module_type: str | None,
-           kind: str) -> Decision:
-  """``scope``'s policy's :class:`Decision` for one module call.
+def classify(module: Any, table: Sequence[tuple[Any, str]]
+             ) -> tuple[str | None, str]:
+  """``(module type, op kind)`` of a Flax module; type None for other modules.
 
-  The flag is the policy's precision for the module's path, type and op kind
+  The type is that of the first ``(classes, type)`` row of ``table`` whose
+  classes ``module`` is an instance of, else ``'Attention'`` for a class named
+  so (attention modules of other libraries, Hugging Face's
+  ``FlaxBertSelfAttention``, subclass nothing of Flax's). The op kind follows
+  from the type: ``'attention'`` for attention modules, ``'conv'`` for
+  convolutions, ``'dot'`` for the rest.
+  """
+  for classes, module_type in table:
+    if isinstance(module, classes):
+      return module_type, _KINDS.get(module_type, "dot")
+  if "Attention" in type(module).__name__:
+    return "Attention", "attention"
+  return None, "dot"
+
+
+_KINDS = {"Attention": "attention", "Conv": "conv", "ConvTranspose": "conv"}
+
+
+@functools.cache
+def _nnx_types() -> tuple[tuple[Any, str], ...]:
+  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
+  return ((nnx.MultiHeadAttention, "Attention"),
+          (nnx.ConvTranspose, "ConvTranspose"), (nnx.Conv, "Conv"),
+          (nnx.LinearGeneral, "DenseGeneral"), (nnx.Linear, "Dense"),
+          (nnx.Einsum, "Einsum"))
+
+
+def classify_nnx(module: Any) -> tuple[str | None, str]:
+  """``(module type, op kind)`` of an NNX module (:func:`classify`)."""
+  return classify(module, _nnx_types())
+
+
+def decide(policy: Policy, path: str, module: Any, module_type: str | None,
+           kind: str, outer_flag: Any = None
+           ) -> tuple[Any, Precision | None, Rule | None, bool]:
+  """``(flag, precision, rule, kept)``: what ``policy`` decides for one call.
+
+  ``flag``, the value of JAX's matmul precision flag the call runs under, is
+  that of the policy's precision for the module's path, type and op kind
   (:func:`jaxprec._src.core.numerics.flag_for`); a module that keeps a
-  ``precision`` of its own (:func:`own_precision`) runs at that one, so that
-  ops of its call which take no precision argument
-  (``jax.nn.dot_product_attention``) get it too; the flag outside the scope
-  when the policy decides nothing.
+  ``precision`` of its own (``kept``, :func:`own_precision`) runs at that
+  one, so that ops of its call which take no precision argument
+  (``jax.nn.dot_product_attention``) get it too; ``outer_flag`` (the flag
+  outside the policy's scope) when the policy decides nothing. ``precision``
+  is the one the module's ops run at (None: left as it was), ``rule`` the
+  policy's rule that matched (or None).
   """
-  p, rule = scope.policy.match(path, module_type, kind)
+  p, rule = policy.match(path, module_type, kind)
   kept, shown = (own_precision(module, p, kind) if module_type is not None
                  else (False, p))
   run_at = shown if kept and shown is not None else p
-  flag = scope.outer_flag if run_at is None else numerics.flag_for(run_at, kind)
-  return Decision(flag, shown, rule, kept)
-
-
-class Entry(Protocol):
-  """What a swapped NNX model's wrappers carry: its policy, and how to run a
-  call that starts outside it."""
-
-  def in_force(self) -> bool:
-    """Whether the call runs inside this entry's policy already."""
-
-  def enter(self, module: Any, path: str, call: Callable[..., Any],
-            args: tuple, kwargs: dict) -> Any:
-    """Runs ``call(module, *args, **kwargs)`` under the entry's policy."""
+  flag = outer_flag if run_at is None else numerics.flag_for(run_at, kind)
+  return flag, shown, rule, kept
 
 
 def run(module: Any, path: str, call: Callable[..., Any], args: tuple,
-        kwargs: dict, entry: Entry | None = None) -> Any:
+        kwargs: dict, entry: Any = None) -> Any:
   """``call(module, *args, **kwargs)``, the call of the NNX module at ``path``,
   through the hook.
 
-  With an ``entry`` whose policy is not in force yet, the entry runs it (and
-  comes back here). Otherwise the call runs at the flag :func:`decide` gives
-  it under the policy in force (none: as it is), inside
-  :func:`jaxprec._src.flax.paths.nnx_call` of its path.
+  ``entry``, on a swapped model's modules, is its way into its policy: while
+  ``entry.in_force()`` is False, ``entry.enter(module, path, call, args,
+  kwargs)`` runs the call under the policy (and comes back here). Otherwise
+  the call runs at the flag :func:`decide` gives it under the policy in force
+  (none: as it is), inside :func:`jaxprec._src.flax.paths.nnx_call` of its
+  path.
   """
   if entry is not None and not entry.in_force():
     return entry.enter(module, path, call, args, kwargs)
@@ -116,7 +155,8 @@ def run(module: Any, path: str, call: Callable[..., Any], args: tuple,
   if scope is not None:
     module_type, kind = classify_nnx(module)
     flag = jax.default_matmul_precision(
-        decide(scope, path, module, module_type, kind).flag)
+        decide(scope.policy, path, module, module_type, kind,
+               scope.outer_flag)[0])
   with flax_paths.nnx_call(path), flag:
     return call(module, *args, **kwargs)
 
@@ -126,36 +166,31 @@ def base_class(cls: type) -> type:
   return getattr(cls, "_jaxprec_nnx_base", cls)
 
 
-def install(model: Any, entry: Entry | None = None,
-            classes: dict | None = None) -> None:
+def install(model: Any, entry: Any = None) -> None:
   """Gives every module of ``model`` (a copy: never the user's) the hook, in place.
 
   Each module, found by :func:`jaxprec._src.flax.paths.nnx_modules` with its
   path, gets the hooked subclass of its class for that path (and ``entry``).
   With ``entry`` None, a module hooked already keeps its hook (a swapped
-  model's, with its entry). ``classes`` caches the classes made for
-  ``entry`` (the caller owns it, so that the cache lives as long as the
-  entry); without an entry a process-wide cache serves. A class that cannot be
+  model's, with its entry). The classes made for an entry are kept in its
+  ``classes`` dict (so that they live as long as the entry); without an
+  entry a process-wide cache serves. A class that cannot be
   subclassed so (``__slots__``, arguments to ``__init_subclass__``) or that
   has no ``__call__`` is left as is: its ops belong to the enclosing module.
   """
   for path, node in flax_paths.nnx_modules(model):
     if entry is None and "_jaxprec_nnx_base" in vars(type(node)):
       continue
-    base = base_class(type(node))
+    key = (base_class(type(node)), path)
     if entry is None:
-      cls = _hooked_class(base, path)
+      cls = _hooked_class(*key)
     else:
-      key = (base, path)
-      if key not in classes:
-        classes[key] = _make_class(base, path, entry)
-      cls = classes[key]
-    if cls is None:
-      continue
-    try:
-      object.__setattr__(node, "__class__", cls)
-    except TypeError:  # an incompatible layout (__slots__)
-      continue
+      if key not in entry.classes:
+        entry.classes[key] = _make_class(*key, entry)
+      cls = entry.classes[key]
+    if cls is not None:
+      with contextlib.suppress(TypeError):  # an incompatible layout (__slots__)
+        object.__setattr__(node, "__class__", cls)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -163,7 +198,7 @@ def _hooked_class(cls: type, path: str) -> type | None:
   return _make_class(cls, path, None)
 
 
-def _make_class(cls: type, path: str, entry: Entry | None) -> type | None:
+def _make_class(cls: type, path: str, entry: Any) -> type | None:
   """``cls`` with its ``__call__`` run through :func:`run` at ``path``."""
   if not callable_class(cls):
     return None  # not callable: nothing to wrap

@@ -1,45 +1,34 @@
-"""Linen interception: a policy's precision for every module call.
+"""Linen interception: a policy's precision and dtype for every module call.
 
 Imported only when Flax linen is (:func:`jaxprec._src.flax.scope.policy_scope`
 checks ``sys.modules``).
 
-How a policy reaches the ops of a linen model whose code the user does not own
-(Hugging Face Flax models, for instance): ``flax.linen.intercept_methods``
-calls an interceptor around every module method call, with the module. The
-interceptor takes the module's path (:mod:`jaxprec._src.flax.paths`, the
-audit's source too), type and op kind, asks the policy for a precision and
-runs the method under ``jax.default_matmul_precision`` at that precision
-(thread-local, restored on return). JAX resolves the flag while tracing and
-writes it into each ``dot_general``/``conv_general_dilated`` equation recorded
-without an explicit precision (the jax.default_matmul_precision docs), so every op gets the
-precision of its innermost module, including ops that are not modules
+A policy reaches the ops of a linen model whose code the user does not own
+(Hugging Face Flax models, for instance) through
+``flax.linen.intercept_methods``, which calls an interceptor around every
+module method call, with the module. The interceptor asks the hook
+(:func:`jaxprec._src.flax.hook.decide`) for the module's flag and runs the
+method under ``jax.default_matmul_precision`` (thread-local, restored on
+return). JAX resolves the flag while tracing and writes it into each
+``dot_general``/``conv_general_dilated`` equation recorded without an
+explicit precision (the jax.default_matmul_precision docs), so every op gets
+the precision of its innermost module, including ops that are not modules
 themselves (the attention-score ``jnp.einsum`` calls inside
 ``flax.linen.dot_product_attention_weights``), and nothing is left to do at
-run time: the program is the one the model would give with those precisions
-written by hand.
+run time.
 
-The interceptor also applies the policy's compute dtype, per module
-(:meth:`jaxprec.Policy.match_dtype`): a module with a ``dtype`` dataclass
-field (Flax's and Hugging Face's layers) runs its ``setup`` and each method
-with that field set to the decided dtype on the bound module (set with
-``object.__setattr__`` and restored in ``finally``; the user's module is never
-bound, hence never touched), so submodules built in ``setup`` or a compact
-method with ``dtype=self.dtype`` inherit it unless a rule decides otherwise for
-them. Flax's ``setup`` runs through the interceptors too (``method_name ==
-'setup'``, before any submodule is built; flax 0.10 and 0.12
-``Module._call_wrapped_method``). A module without a ``dtype`` field that a
-dtype *rule* matches has its floating inputs and outputs cast at its boundary
-(as jmp does); parameters it reads are not cast. Under the default dtype such
-a module is left as it is (``'skipped'``, as in NNX), so that
-``default=dtype:D`` is the model built with ``dtype=D``. Parameters keep their stored dtype everywhere: Flax's
+The compute dtype (:meth:`jaxprec.Policy.match_dtype`) is applied per module:
+a module with a ``dtype`` dataclass field runs its ``setup`` and each method
+with that field set on the bound module (restored in ``finally``; the user's
+module is never bound, hence never touched), so submodules built with
+``dtype=self.dtype`` inherit it unless a rule decides otherwise for them.
+Flax's ``setup`` runs through the interceptors too (``method_name ==
+'setup'``; flax 0.10 and 0.12 ``Module._call_wrapped_method``). A module
+without a ``dtype`` field that a dtype *rule* matches has its floating inputs
+and outputs cast at its boundary (as jmp does); under the default dtype it is
+left as it is (``'skipped'``, as in NNX), so that ``default=dtype:D`` is the
+model built with ``dtype=D``. Parameters keep their stored dtype: Flax's
 ``promote_dtype`` casts them at use.
-
-The op kind of an op is its innermost module's: ``'conv'`` in convolution
-modules, ``'attention'`` in attention modules (the score and weighting
-matmuls: the projections are ``Dense``/``DenseGeneral`` submodules with their
-own calls), ``'dot'`` elsewhere. The flag for a precision and kind is
-:func:`jaxprec._src.core.numerics.flag_for` (a conv under a preset runs at its
-level).
 """
 
 from __future__ import annotations
@@ -56,7 +45,6 @@ import numpy as np
 from flax import linen as nn
 
 from jaxprec._src.flax import hook
-from jaxprec._src.flax.identity import classify
 from jaxprec._src.flax.state import ActiveScope, active
 
 
@@ -65,11 +53,6 @@ _LINEN_TYPES = ((nn.MultiHeadDotProductAttention, "Attention"),
                 ((nn.Conv, nn.ConvLocal), "Conv"),
                 (nn.DenseGeneral, "DenseGeneral"), (nn.Dense, "Dense"),
                 (nn.Einsum, "Einsum"))
-
-
-def classify_linen(module: nn.Module) -> tuple[str | None, str]:
-  """``(module type, op kind)`` of a linen module; type None for other modules."""
-  return classify(module, _LINEN_TYPES)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -98,23 +81,16 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
   return jax.tree.map(leaf, tree)
 
 
-@contextlib.contextmanager
-def _field_dtype(module: nn.Module, dtype: Any) -> Iterator[None]:
-  """``module.dtype`` is ``dtype`` in the block (restored in finally)."""
-  old = module.dtype
-  object.__setattr__(module, "dtype", dtype)
-  try:
-    yield
-  finally:
-    object.__setattr__(module, "dtype", old)
-
-
 def _run(next_fun, args, kwargs, dtype_name: str | None, how: str | None,
          module: nn.Module, setup: bool):
   """Calls the method with the module's compute dtype applied."""
   if how == "field" and module.scope is not None:  # bound: never the user's
-    with _field_dtype(module, getattr(jnp, dtype_name)):
+    old = module.dtype
+    object.__setattr__(module, "dtype", getattr(jnp, dtype_name))
+    try:
       return next_fun(*args, **kwargs)
+    finally:
+      object.__setattr__(module, "dtype", old)
   if how == "boundary" and not setup:
     args, kwargs = cast_floating((args, kwargs), getattr(jnp, dtype_name))
     return cast_floating(next_fun(*args, **kwargs), getattr(jnp, dtype_name))
@@ -133,10 +109,11 @@ def intercept(scope: ActiveScope) -> Iterator[None]:
       return next_fun(*args, **kwargs)
     module = context.module
     path = scope.paths.of(module)
-    module_type, kind = classify_linen(module)
+    module_type, kind = hook.classify(module, _LINEN_TYPES)
     path_str = scope.relative(path)
     setup = context.method_name == "setup"
-    decision = hook.decide(scope, path_str, module, module_type, kind)
+    flag, precision, rule, kept = hook.decide(
+        policy, path_str, module, module_type, kind, scope.outer_flag)
     dt, drule, how = None, None, None
     if dtypes:
       dt, drule = policy.match_dtype(path_str, module_type, kind)
@@ -145,11 +122,9 @@ def intercept(scope: ActiveScope) -> Iterator[None]:
       elif dt is not None:  # only a rule casts at the boundary (as NNX)
         dt, how = (dt, "boundary") if drule is not None else (None, "skipped")
     if recorder is not None and not setup:
-      recorder.record(path_str, module_type, kind, decision.precision,
-                      decision.rule, kept=decision.kept, dtype=dt,
-                      dtype_how=how, dtype_rule=drule)
-    with scope.paths.entered(path), \
-         jax.default_matmul_precision(decision.flag):
+      recorder.record(path_str, module_type, kind, precision, rule, kept=kept,
+                      dtype=dt, dtype_how=how, dtype_rule=drule)
+    with scope.paths.entered(path), jax.default_matmul_precision(flag):
       return _run(next_fun, args, kwargs, dt, how, module, setup)
 
   with nn.intercept_methods(interceptor):

@@ -2,22 +2,16 @@
 
 A module's path is the ``'/'``-joined names from the top module down, without
 the top module's class name (``'encoder/layer/0/attention/self'``; ``()`` for
-the top module). :class:`ModulePaths` computes it for a linen module while it
-runs; the policy interceptor (:mod:`jaxprec._src.flax.interception`) and the
-audit (:func:`record`, :func:`lookup`) both ask it, so a policy rule written
-from ``jaxprec.audit(...)`` rows' ``.module_path`` matches the modules the
-interceptor sees.
+the top module). For a linen module, :class:`ModulePaths` computes it while
+it runs; the policy interceptor and the audit (:func:`record`,
+:func:`lookup`) both ask it, so a policy rule written from
+``jaxprec.audit(...)`` rows' ``.module_path`` matches the modules the
+interceptor sees. For an NNX module, it is the attribute names of
+:func:`flax.nnx.iter_graph` (:func:`nnx_modules`); the NNX hook runs each
+module call inside :func:`nnx_call`, which records it for the audit.
 
-An NNX module's path is the ``'/'``-joined attribute names of
-:func:`flax.nnx.iter_graph` (:func:`nnx_modules`), for
-:func:`jaxprec.swap` and the policy's NNX hook
-(:mod:`jaxprec._src.flax.nnx_policy`) alike; NNX records no module calls, so
-that hook runs each NNX module it can set inside :func:`nnx_call`, which
-names a ``jax.named_scope`` after the path and records it for the audit.
-
-This module imports Flax only inside :func:`record`, and only when Flax linen
-is already imported; :func:`nnx_modules` uses Flax NNX only when given an
-NNX object.
+Imports Flax only inside :func:`record` (and only when Flax linen is
+imported already) and :func:`flax_named_call_enabled`.
 """
 
 from __future__ import annotations
@@ -115,13 +109,14 @@ def record() -> Iterator[dict[str, list[str]]]:
   # inside fn, traced by an earlier record) runs no module call, and would
   # leave ``found`` empty: stale paths. A key of its own per record makes
   # JAX trace again.
-  with _recording_into(found), compat.jit_key_scope(
-      f"jaxprec record {next(_RECORDS)}"):
-    if "flax.linen" not in sys.modules:
+  linen = "flax.linen" in sys.modules
+  _LOCAL.found.append(found)
+  try:
+    with compat.jit_key_scope(f"jaxprec record {next(_RECORDS)}"), \
+         (_record_linen(found) if linen else contextlib.nullcontext()):
       yield found
-    else:
-      with _record_linen(found):
-        yield found
+  finally:
+    _LOCAL.found.pop()
 
 
 @contextlib.contextmanager
@@ -155,20 +150,6 @@ class _Local(threading.local):
 
 
 _LOCAL = _Local()
-
-
-@contextlib.contextmanager
-def _recording_into(found: dict[str, list[str]]) -> Iterator[None]:
-  _LOCAL.found.append(found)
-  try:
-    yield
-  finally:
-    _LOCAL.found.pop()
-
-
-def recording() -> bool:
-  """Whether a :func:`record` block is active in this thread."""
-  return bool(_LOCAL.found)
 
 
 def nnx_modules(model: Any) -> Iterator[tuple[str, Any]]:

@@ -31,20 +31,18 @@ class Recorder:
     # Distinct per recorder, for jax.jit's cache key (flax.scope.policy_scope).
     self.token = next(_TOKENS)
     self._lock = threading.Lock()
-    self._counts: dict[tuple, int] = {}
+    self._counts: dict[PolicyMatch, int] = {}
     self._warned: set[Rule] = set()
     self._idle_warned = False  # the default dtype reached no module
 
   def record(self, path: str, module_type: str | None, op: str,
-             precision: Precision | None, rule: Rule | None, *,
-             kept: bool = False, dtype: str | None = None,
-             dtype_how: str | None = None,
-             dtype_rule: Rule | None = None) -> None:
-    """Counts one decision; ``kept``: the module keeps its own precision;
-    ``dtype``, ``dtype_how``, ``dtype_rule``: its compute dtype decision
-    (see :class:`jaxprec.PolicyMatch`)."""
-    key = (path, module_type, op, precision, rule, kept, dtype, dtype_how,
-           dtype_rule)
+             precision: Precision | None, rule: Rule | None,
+             **decided: Any) -> None:
+    """Counts one decision; ``decided``: its other fields of
+    :class:`jaxprec.PolicyMatch` (``kept``, ``dtype``, ``dtype_how``,
+    ``dtype_rule``)."""
+    key = PolicyMatch(path=path, module_type=module_type, op=op,
+                      precision=precision, rule=rule, calls=0, **decided)
     with self._lock:
       self._counts[key] = self._counts.get(key, 0) + 1
 
@@ -52,9 +50,7 @@ class Recorder:
     with self._lock:
       items = list(self._counts.items())
     return PolicyReport(policy=self.policy, matches=tuple(
-        PolicyMatch(path=k[0], module_type=k[1], op=k[2], precision=k[3],
-                    rule=k[4], kept=k[5], dtype=k[6], dtype_how=k[7],
-                    dtype_rule=k[8], calls=n) for k, n in items))
+        dataclasses.replace(m, calls=n) for m, n in items))
 
   def warn_unused(self, what: str = "the model", stacklevel: int = 3) -> None:
     report = self.report()
@@ -86,14 +82,14 @@ class Recorder:
           UnusedRuleWarning, stacklevel=stacklevel)
 
 
-_local = threading.local()
+class _Stack(threading.local):
+  """This thread's policy scopes, innermost last."""
+
+  def __init__(self):
+    self.scopes: list[ActiveScope] = []
 
 
-def _stack() -> list[ActiveScope]:
-  stack = getattr(_local, "stack", None)
-  if stack is None:
-    stack = _local.stack = []
-  return stack
+_STACK = _Stack()
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -125,21 +121,19 @@ class ActiveScope:
 
 def active() -> ActiveScope | None:
   """The innermost policy scope of this thread, or None."""
-  stack = _stack()
-  return stack[-1] if stack else None
+  return _STACK.scopes[-1] if _STACK.scopes else None
 
 
 def recording(recorder: Recorder) -> bool:
   """Whether a scope of this thread records into ``recorder``."""
-  return any(s.recorder is recorder for s in _stack())
+  return any(s.recorder is recorder for s in _STACK.scopes)
 
 
 @contextlib.contextmanager
 def pushed(scope: ActiveScope) -> Iterator[ActiveScope]:
   """``scope`` is the innermost of this thread in the block (popped in finally)."""
-  stack = _stack()
-  stack.append(scope)
+  _STACK.scopes.append(scope)
   try:
     yield scope
   finally:
-    stack.pop()
+    _STACK.scopes.pop()

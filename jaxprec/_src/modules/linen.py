@@ -26,30 +26,12 @@ of Flax's module at the equivalent precision: no overhead.
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
 from flax import linen as nn
 from flax.core import lift
 
 from jaxprec._src.core import numerics
-from jaxprec._src.flax.identity import per_op_precision
-
-
-def _set(module: Any, name: str, value: Any) -> None:
-  object.__setattr__(module, name, value)
-
-
-def _prepare(module: Any, *, conv: bool) -> None:
-  _set(module, "precision", per_op_precision(module.precision, conv=conv))
-  _set(module, "target", numerics.check_target(module.target, emulation=True))
-
-
-def _emulating(module: Any) -> bool:
-  return module.emulate and module.target not in ("cpu", "native")
-
-
-# ---------------------------------------------------------------------------
-# Emulation lifted over a whole method, for modules without an op hook.
+from jaxprec._src.flax.hook import per_op_precision
 
 
 def _lift_emulate(fn, emulation_target: str):
@@ -68,33 +50,30 @@ def _lift_emulate(fn, emulation_target: str):
                    enable_kwargs=True)
 
 
-def _emulated_call(method, module, *args, **kwargs):
-  lifted = nn.transforms.lift_transform(_lift_emulate, method,
-                                        emulation_target=module.target)
-  return lifted(module, *args, **kwargs)
-
-
-# ---------------------------------------------------------------------------
-# The modules.
-
 def _post_init(base: type, *, conv: bool):
   """A ``__post_init__``: jaxprec's ``precision=`` and ``target=``, then
   ``base``'s."""
 
   def __post_init__(self):
-    _prepare(self, conv=conv)
+    object.__setattr__(self, "precision",
+                       per_op_precision(self.precision, conv=conv))
+    object.__setattr__(self, "target",
+                       numerics.check_target(self.target, emulation=True))
     base.__post_init__(self)
   return __post_init__
 
 
 def _call(base: type):
-  """A ``__call__`` that runs ``base``'s under :func:`jaxprec.emulate` when
-  the module emulates (:func:`_emulated_call`), else as it is."""
+  """A ``__call__`` that runs ``base``'s under :func:`jaxprec.emulate`
+  (lifted over the variables and RNGs) when the module emulates, else as it
+  is."""
   base_call = base.__call__
 
   def __call__(self, *args, **kwargs):
-    if _emulating(self):
-      return _emulated_call(base_call, self, *args, **kwargs)
+    if self.emulate and self.target not in ("cpu", "native"):
+      return nn.transforms.lift_transform(
+          _lift_emulate, base_call, emulation_target=self.target)(
+              self, *args, **kwargs)
     return base_call(self, *args, **kwargs)
 
   __call__.__signature__ = inspect.signature(base_call)

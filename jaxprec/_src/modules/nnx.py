@@ -10,52 +10,51 @@ module's call under :func:`jaxprec.emulate` for ``target`` (``'tpu'``,
 written back, so it computes what ``jaxprec.emulate`` of NNX's module
 computes, bit for bit. With ``emulate=False`` a module lowers to the StableHLO
 of NNX's module at the equivalent precision.
-
-:func:`configure` applies the same settings to an existing NNX module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
+import jax
 from flax import nnx
 
 from jaxprec._src.core import numerics
-from jaxprec._src.flax.identity import per_op_precision
-from jaxprec._src.flax.nnx_policy import PrecisionScoped
-
-_CONV_TYPES = (nnx.Conv, nnx.ConvTranspose)
+from jaxprec._src.core.precision import resolve
+from jaxprec._src.flax.hook import per_op_precision
 
 
-def configure(module: Any, *, precision: Any = None, set_precision: bool = True,
-              emulate: bool = False, target: str = "tpu") -> None:
-  """Sets an NNX module's precision and emulation in place.
+@dataclasses.dataclass(frozen=True)
+class PrecisionScoped:
+  """An attention function run with JAX's flag at its ``precision=`` argument.
 
-  Args:
-    module: an ``nnx.Linear``, ``LinearGeneral``, ``Einsum``, ``Conv``,
-      ``ConvTranspose`` or ``MultiHeadAttention`` (or a subclass).
-    precision: any jaxprec spelling; stored as the ``lax`` value.
-    set_precision: False leaves ``module.precision`` as it is.
-    emulate, target: as the modules' arguments (emulation needs a jaxprec
-      module's class, whose call reads them).
-
-  Raises:
-    ValueError: bad precision or target.
+  Flax NNX's ``dot_product_attention`` ignores ``precision`` for the score and
+  weighting matmuls when there is no dropout: it calls
+  ``jax.nn.dot_product_attention``, which has no precision argument and uses
+  the flag for float32 inputs (the jax.nn.dot_product_attention docs). Setting
+  the flag for the call makes ``precision`` reach them; ops given a precision
+  keep it.
   """
-  target = numerics.check_target(target, emulation=True)
-  if set_precision:
-    module.precision = per_op_precision(precision,
-                                        conv=isinstance(module, _CONV_TYPES))
-  if (isinstance(module, nnx.MultiHeadAttention)
-      and not isinstance(module.attention_fn, PrecisionScoped)):
-    # NNX's default attention function computes the scores with
-    # jax.nn.dot_product_attention (no precision argument) when there is no
-    # dropout: scope the flag so that `precision` reaches them.
-    module.attention_fn = PrecisionScoped(module.attention_fn)
-  module.emulate = emulate
-  module.target = target
+
+  fn: Callable[..., Any]
+
+  @property
+  def __signature__(self):
+    return inspect.signature(self.fn)
+
+  def __call__(self, *args, **kwargs):
+    try:
+      flag = resolve(kwargs.get("precision")).flag
+    except ValueError:  # a custom lax.DotAlgorithm: nothing to scope
+      flag = None
+    if flag is None:
+      return self.fn(*args, **kwargs)
+    with jax.default_matmul_precision(flag):
+      return self.fn(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,12 +79,23 @@ def _emulating_call(base_call):
 
 
 def _init(base: type):
-  """An ``__init__`` with ``base``'s signature plus ``emulate=`` and ``target=``."""
+  """An ``__init__`` with ``base``'s signature plus ``emulate=`` and
+  ``target=``, its ``precision=`` any jaxprec spelling, stored as the ``lax``
+  value (given to ``base``'s: attention builds its projections there)."""
+  conv = issubclass(base, (nnx.Conv, nnx.ConvTranspose))
 
   def __init__(self, *args, precision=None, emulate: bool = False,
                target: str = "tpu", **kwargs):
-    base.__init__(self, *args, **kwargs)
-    configure(self, precision=precision, emulate=emulate, target=target)
+    target = numerics.check_target(target, emulation=True)
+    base.__init__(self, *args, precision=per_op_precision(precision, conv=conv),
+                  **kwargs)
+    if isinstance(self, nnx.MultiHeadAttention):
+      # NNX's default attention function computes the scores with
+      # jax.nn.dot_product_attention (no precision argument) when there is
+      # no dropout: scope the flag so that `precision` reaches them.
+      self.attention_fn = PrecisionScoped(self.attention_fn)
+    self.emulate = emulate
+    self.target = target
 
   sig = inspect.signature(base.__init__)
   params = list(sig.parameters.values())
@@ -200,13 +210,5 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     (1, 3, 4)
   """
 
-  def __init__(self, *args, precision=None, emulate: bool = False,
-               target: str = "tpu", **kwargs):
-    # The projections are built in __init__ with this precision and hooks.
-    target = numerics.check_target(target, emulation=True)
-    p = per_op_precision(precision, conv=False)
-    super().__init__(*args, precision=p, **kwargs)
-    configure(self, precision=p, emulate=emulate, target=target)
-
-  __init__.__signature__ = _init(nnx.MultiHeadAttention).__signature__
+  __init__ = _init(nnx.MultiHeadAttention)
   __call__ = _emulating_call(nnx.MultiHeadAttention.__call__)

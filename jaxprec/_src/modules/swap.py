@@ -1,28 +1,13 @@
 """Swap-in: run an existing Flax model's matmuls and convs at a policy's precisions.
 
-:func:`swap` takes a model whose code the user need not own (a linen module, a
-Hugging Face Flax model, an NNX module) and returns a new one that uses the
-same variables; the user's model is never modified.
-
-* **linen**: the new module is an instance of a subclass of the model's class
-  (same name, same fields, same variables) that runs every method call under
-  the policy: each submodule call runs with JAX's precision flag at the
-  precision the policy gives that module's path, type and op kind
-  (:mod:`jaxprec._src.flax.interception`). With ``emulate=True``,
-  ``apply`` and ``init_with_output`` also run under :func:`jaxprec.emulate`,
-  which emulates each op at the precision recorded for it.
-* **Hugging Face Flax models** (``FlaxPreTrainedModel``): a shallow copy whose
-  ``module`` is the swapped linen module; ``model(inputs, params=...)`` calls
-  ``self.module.apply``, so both call styles run under the policy.
-* **NNX**: ``nnx.clone(model)`` with each module the policy gives a compute
-  dtype set to it, and every module's call run through the per-module hook
-  (:mod:`jaxprec._src.flax.hook`), the NNX side of the linen interception:
-  each call runs with JAX's precision flag at the precision the policy gives
-  that module's path, type and op kind. A call of the model enters the
-  policy; with ``emulate=True`` it runs through :func:`jaxprec.emulate`, so
-  it computes what ``emulate(model, policy)`` computes, and the variables it
-  writes (batch statistics, RNG counters) are written into the clone as the
-  native call writes them.
+:func:`swap` returns a new model that uses the same variables (the user's
+model is never modified), with every module call run through the one
+per-module hook (:mod:`jaxprec._src.flax.hook`): a linen module becomes an
+instance of a subclass of its class that runs every method call under the
+policy; a Hugging Face Flax model, a shallow copy whose ``module`` is such a
+module; an NNX module, a clone with the policy applied and the hook
+installed, whose call enters the policy (and, with ``emulate=True``,
+:func:`jaxprec.emulate`, writing back the variables it writes).
 
 This module imports Flax only when called.
 """
@@ -49,11 +34,41 @@ _NNX_RECORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _SwapConfig:
+  """A swapped model's policy, and how a call made outside it enters it.
+
+  A swapped linen class holds it (``_jaxprec_swap``); so do a swapped NNX
+  model's hooked modules, as their ``entry``
+  (:func:`jaxprec._src.flax.hook.run`): a call of one of them made outside the
+  policy (the user's call) enters the policy in :meth:`enter`; with
+  ``emulate``, it runs through :func:`jaxprec.emulate`'s interpreter, traced
+  as ``emulate(model, policy)`` traces it, and the variables it writes are
+  written back into the module.
+  """
+
   policy: policy_lib.Policy
   emulate: bool
   target: str
-  recorder: flax_scope.Recorder
   what: str
+  recorder: flax_scope.Recorder
+  classes: dict = dataclasses.field(default_factory=dict)  # hooked NNX classes
+  emulated: dict = dataclasses.field(default_factory=dict)
+
+  def in_force(self) -> bool:
+    scope = flax_state.active()
+    return scope is not None and scope.policy == self.policy
+
+  def enter(self, module, path, call, args, kwargs):
+    if not self.emulate:
+      with policy_scope(self.policy, self.recorder, what=self.what):
+        return hook.run(module, path, call, args, kwargs)
+    from jaxprec._src.emulation.emulate import emulate_nnx_call
+
+    key = (hook.base_class(type(module)), path)
+    fn = self.emulated.get(key)
+    if fn is None:
+      fn = self.emulated[key] = emulate_nnx_call(
+          call, self.target, self.policy, self.recorder, path)
+    return fn(module, *args, **kwargs)
 
 
 def _accepted(model: Any) -> TypeError:
@@ -185,13 +200,10 @@ def policy_report(model: Any) -> PolicyReport:
 
 
 def _recorder(model: Any) -> flax_scope.Recorder | None:
-  cfg = getattr(type(model), "_jaxprec_swap", None)
-  if isinstance(cfg, _SwapConfig):
-    return cfg.recorder
-  module = getattr(model, "_module", None)
-  cfg = getattr(type(module), "_jaxprec_swap", None)
-  if isinstance(cfg, _SwapConfig):
-    return cfg.recorder
+  for owner in (model, getattr(model, "_module", None)):  # linen, HF
+    cfg = getattr(type(owner), "_jaxprec_swap", None)
+    if isinstance(cfg, _SwapConfig):
+      return cfg.recorder
   rec = getattr(model, "_jaxprec_recorder", None)
   if isinstance(rec, flax_scope.Recorder):
     return rec
@@ -201,15 +213,10 @@ def _recorder(model: Any) -> flax_scope.Recorder | None:
     return None
 
 
-# ---------------------------------------------------------------------------
-# linen
-
-
 def _swap_linen(module, policy, emulate: bool, target: str):
   base = getattr(type(module), "_jaxprec_base", type(module))
-  what = f"{base.__name__} (jaxprec.swap)"
-  cfg = _SwapConfig(policy=policy, emulate=emulate, target=target,
-                    recorder=flax_scope.Recorder(policy), what=what)
+  cfg = _SwapConfig(policy, emulate, target, f"{base.__name__} (jaxprec.swap)",
+                    flax_scope.Recorder(policy))
   cls = _swapped_class(base, cfg)
   fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
             if f.init and f.name != "parent"}
@@ -260,56 +267,15 @@ def _policy_method(method, cfg: _SwapConfig):
   return wrapper
 
 
-# ---------------------------------------------------------------------------
-# NNX
-
-
 def _swap_nnx(model, policy, emulate: bool, target: str):
   from flax import nnx
 
   new = nnx.clone(model)
-  recorder = flax_scope.Recorder(policy)
-  what = f"{type(model).__name__} (jaxprec.swap)"
-  entry = _NnxEntry(policy=policy, recorder=recorder, emulate=emulate,
-                    target=target, what=what)
-  nnx_policy.apply(new, policy, recorder, hooks=False)
-  hook.install(new, entry, entry.classes)
-  _NNX_RECORDERS[new] = recorder
-  recorder.warn_unused(what, stacklevel=3)
+  entry = _SwapConfig(policy, emulate, target,
+                      f"{type(model).__name__} (jaxprec.swap)",
+                      flax_scope.Recorder(policy))
+  nnx_policy.apply(new, policy, entry.recorder, hooks=False)
+  hook.install(new, entry)
+  _NNX_RECORDERS[new] = entry.recorder
+  entry.recorder.warn_unused(entry.what, stacklevel=3)
   return new
-
-
-@dataclasses.dataclass(eq=False, kw_only=True)
-class _NnxEntry:
-  """A swapped NNX model's way into its policy (a :class:`hook.Entry`).
-
-  A call of one of the model's modules made outside the policy (the user's
-  call) enters the policy here; with ``emulate``, it runs through
-  :func:`jaxprec.emulate`'s interpreter, traced as ``emulate(model, policy)``
-  traces it, and the variables it writes are written back into the module.
-  """
-
-  policy: policy_lib.Policy
-  recorder: flax_scope.Recorder
-  emulate: bool
-  target: str
-  what: str
-  classes: dict = dataclasses.field(default_factory=dict)
-  emulated: dict = dataclasses.field(default_factory=dict)
-
-  def in_force(self) -> bool:
-    scope = flax_state.active()
-    return scope is not None and scope.policy == self.policy
-
-  def enter(self, module, path, call, args, kwargs):
-    if not self.emulate:
-      with policy_scope(self.policy, self.recorder, what=self.what):
-        return hook.run(module, path, call, args, kwargs)
-    from jaxprec._src.emulation.emulate import emulate_nnx_call
-
-    key = (hook.base_class(type(module)), path)
-    fn = self.emulated.get(key)
-    if fn is None:
-      fn = self.emulated[key] = emulate_nnx_call(
-          call, self.target, self.policy, self.recorder, path)
-    return fn(module, *args, **kwargs)
