@@ -1,10 +1,5 @@
-"""The global setting and the environment variable.
-
-``jaxprec.set_default`` sets JAX's global flag; ``env_for`` builds the
-environment for a subprocess; ``flag_value_and_source`` tells where the value
-in force came from. Environment values are checked with the same parser and
-message as everything else (:func:`jaxprec.resolve`).
-"""
+"""The global setting and the environment variable, checked with the same
+parser and message as everything else (:func:`jaxprec.resolve`)."""
 
 from __future__ import annotations
 

@@ -65,11 +65,8 @@ def canonical(name: str) -> str | None:
   return ALIASES.get(key.lower())
 
 
-# A close name, for "Did you mean": one edit away (a letter added, dropped,
-# changed or two swapped: 'tpv' for 'tpu', 'f23' for 'f32', names of 3 letters
-# or more); else this alike by difflib's ratio: one letter wrong in four
-# ('bf17' for 'bf16') still is, 'nonsense' for 'none' (0.67) is not; else one
-# word of a name ('rms' for 'rel_rms').
+# How alike by difflib's ratio a close name is (close_name): one letter wrong
+# in four ('bf17' for 'bf16') still is, 'nonsense' for 'none' (0.67) is not.
 _SUGGEST_CUTOFF = 0.75
 # An unknown-name message lists at most this many choices.
 _LISTED = 12
@@ -91,8 +88,10 @@ def _one_edit(a: str, b: str) -> bool:
 def close_name(value: object, names: Iterable[str] | Mapping[str, str]
                ) -> str | None:
   """The name in ``names`` that ``value`` is a typo of, any letter case, for
-  "Did you mean" messages; None unless ``value`` is a string and one is close
-  (one edit first, then :data:`_SUGGEST_CUTOFF`, then one word of it).
+  "Did you mean" messages; None unless ``value`` is a string and one is close:
+  one edit away (a letter added, dropped, changed or two swapped: 'tpv' for
+  'tpu', 3 letters or more), else :data:`_SUGGEST_CUTOFF` alike, else one word
+  of it ('rms' for 'rel_rms').
 
   ``names`` may map each spelling to match to the name to offer (an alias
   to its canonical name).

@@ -1,11 +1,5 @@
-"""The dtype story of an audited op: what is stored, and what it accumulates in.
-
-:class:`Storage` follows a chain of ``convert_element_type`` (and layout ops)
-back from a dot's operand to the dtype that is stored, across nested jaxprs,
-fed by the one walker (:func:`jaxprec._src.jaxpr.walker.iter_eqns`) as the audit
-walks. :func:`accumulation_risk` says why accumulating in a narrow float is
-risky.
-"""
+"""The dtype story of an audited op: what is stored (:class:`Storage`), and
+why accumulating in a narrow float is risky (:func:`accumulation_risk`)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from jaxprec._src.core import numerics
@@ -64,8 +65,8 @@ def si(n: float, small: str = ".3g") -> str:
   return f"{n:{small}}"
 
 
-def table(cols: list[str], body: list[list[str]], right: set[int]
-          ) -> list[str]:
+def table(cols: Sequence[str], body: Sequence[Sequence[str]],
+          right: Collection[int]) -> list[str]:
   """The header ``cols``, a rule and the ``body`` rows, each column as wide
   as its widest cell; columns ``right`` right-aligned."""
   widths = [max(len(c), *(len(b[j]) for b in body)) for j, c in enumerate(cols)]
@@ -117,13 +118,14 @@ def format_report(report: Any) -> str:
     op = numerics.op_kind(r.primitive)
     if r.trip_count != 1:
       op += f" x{r.trip_count}"
-    if not getattr(r, "emulated", True):
+    if not r.emulated:
       op += " (not emulated)"
     body.append((str(i), op, r.name_stack or "-", r.op.split(" (")[0] or "?",
                  _short_path(r.source),
                  f"{_shape(r.lhs_dtype, r.lhs_shape)} x "
                  f"{_shape(r.rhs_dtype, r.rhs_shape)}",
-                 dtype_story(r), r.precision_name, r.tpu, r.gpu, si(r.flops, ".0f"),
+                 dtype_story(r), r.precision_name, r.tpu, r.gpu,
+                 si(r.flops, ".0f"),
                  "RISKY" if r.risky else ""))
   out = [head, *table(cols, body, {0, 10})]
   by = report.flops_by_precision()
@@ -147,7 +149,7 @@ def format_report(report: Any) -> str:
 
 
 def _opaque_lines(report: Any) -> list[str]:
-  rows = getattr(report, "opaque", ())
+  rows = report.opaque
   if not rows:
     return []
   out = [f"opaque: {len(rows)} op(s) jaxprec cannot see into (run natively, "

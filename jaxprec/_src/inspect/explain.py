@@ -1,10 +1,9 @@
 """Explains the matmul precision in force: where it comes from and what it means.
 
 :func:`explain` is the text behind ``jaxprec info``; :func:`explain_dict` the
-JSON behind ``jaxprec info --json``. Both describe the backend, the precision
-in force and its source (:func:`jaxprec.current`), what it computes for
-float32 operands here and on TPU and GPU (:class:`~jaxprec.Numerics`), how to
-change it, and the pitfalls (the jax.lax.Precision docs and JAX's tests/lax_test.py; JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py).
+JSON behind ``jaxprec info --json``. The pitfalls come from the
+jax.lax.Precision docs, JAX's tests/lax_test.py and JAX's conv_general_dilated
+lowering, jax/_src/lax/convolution.py.
 """
 
 from __future__ import annotations
