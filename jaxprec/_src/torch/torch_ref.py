@@ -32,18 +32,10 @@ def import_torch():
 
 
 def import_transformers_flax(what: str, *names: str) -> Any:
-  """``transformers``, with its Flax model classes ``names``, or ImportError.
-
-  The error is one line with the install hint, whether transformers is
-  missing or is a release without Flax models (5.0 and newer), never an
-  AttributeError from the missing class.
-
-  Args:
-    what: what needs them, with its verb, for the message
-      (``'flax_params needs'``).
-    *names: attributes of ``transformers`` that must exist
-      (``'FlaxBertModel'``).
-  """
+  """``transformers``, with its Flax model classes ``names``, or a one-line
+  ImportError with the install hint (``what`` needs them: ``'flax_params
+  needs'``), whether transformers is missing or has no Flax models (5.0 and
+  newer)."""
   try:
     import transformers  # noqa: PLC0415 -- optional, imported when used
   except ImportError as e:
@@ -300,11 +292,7 @@ def flax_params(pt_model: Any, flax_model: Any) -> Any:
   """
   import_torch()
   import_transformers_flax("flax_params needs", "FlaxPreTrainedModel")
-  try:
-    from transformers import modeling_flax_pytorch_utils as convert  # noqa: PLC0415
-  except ImportError as e:
-    raise ImportError(f"flax_params needs transformers' Flax models: "
-                      f"{HF_FLAX_HINT}") from e
+  from transformers import modeling_flax_pytorch_utils as convert  # noqa: PLC0415
   state = {k: v.detach().clone() for k, v in pt_model.state_dict().items()}
   shapes = _shapes(flax_model)
   what = (f"{type(pt_model).__name__} does not fit "
