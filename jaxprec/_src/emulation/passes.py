@@ -135,18 +135,17 @@ def _f16(op: _Op, lhs, rhs, _, __) -> jax.Array:
   return op(round_to(lhs, "float16"), round_to(rhs, "float16"))
 
 
-def _bf16_out(op: _Op, lhs, rhs, r, parts) -> jax.Array:
-  return round_to(_bf16x1(op, lhs, rhs, r, parts), "bfloat16")
-
-
-def _f16_out(op: _Op, lhs, rhs, r, parts) -> jax.Array:
-  return round_to(_f16(op, lhs, rhs, r, parts), "float16")
+def _result_rounded(one_pass, fmt: str):
+  """``one_pass`` with its result rounded to ``fmt`` (the ``*_BF16`` and
+  ``*_F16`` presets)."""
+  return lambda *args: round_to(one_pass(*args), fmt)
 
 
 BF16 = {
     "bf16x1": _bf16x1, "bf16x3": _bf16x3, "bf16x6": _bf16x6,
     "bf16x9": _bf16x9, "tf32": _tf32, "tf32x3": _tf32x3, "f16": _f16,
-    "bf16_bf16_bf16": _bf16_out, "f16_f16_f16": _f16_out,
+    "bf16_bf16_bf16": _result_rounded(_bf16x1, "bfloat16"),
+    "f16_f16_f16": _result_rounded(_f16, "float16"),
 }
 
 # ---------------------------------------------------------------------------

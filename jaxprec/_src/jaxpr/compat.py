@@ -141,8 +141,7 @@ def hoist_consts(closed: ClosedJaxpr) -> ClosedJaxpr:
   return pe.close_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr))
 
 
-def close(jaxpr: Jaxpr) -> ClosedJaxpr:
-  return pe.close_jaxpr(jaxpr)
+close = pe.close_jaxpr  # an open Jaxpr without constvars as a ClosedJaxpr
 
 
 def pad_invars(closed: ClosedJaxpr, *, before: int, after: int, avals) -> ClosedJaxpr:

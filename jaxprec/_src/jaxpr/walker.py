@@ -410,12 +410,11 @@ def _shard_map(eqn, invals, rule, params):
                           invals)
 
 
-def _custom_jvp(eqn, invals, rule, params):
-  return _bind(eqn, invals, compat.custom_jvp_bind_params(params, rule, _eval))
-
-
-def _custom_vjp(eqn, invals, rule, params):
-  return _bind(eqn, invals, compat.custom_vjp_bind_params(params, rule, _eval))
+def _custom(eqn, invals, rule, params):
+  bind_params = (compat.custom_jvp_bind_params
+                 if eqn.primitive.name == "custom_jvp_call"
+                 else compat.custom_vjp_bind_params)
+  return _bind(eqn, invals, bind_params(params, rule, _eval))
 
 
 _HANDLERS: dict[str, Callable[..., list[Any]]] = {
@@ -427,6 +426,6 @@ _HANDLERS: dict[str, Callable[..., list[Any]]] = {
     "remat2": _remat,
     "checkpoint": _remat,
     "shard_map": _shard_map,
-    "custom_jvp_call": _custom_jvp,
-    "custom_vjp_call": _custom_vjp,
+    "custom_jvp_call": _custom,
+    "custom_vjp_call": _custom,
 }
