@@ -1,54 +1,10 @@
 """Policy search: the cheapest per-layer precision that meets a tolerance.
 
-:func:`search_policy` answers "which layers must run at a higher precision,
-and what does that cost?" (NVIDIA's Polygraphy answers it for TensorRT with
-``debug precision --mode bisect``). It assigns one of the candidate
-precisions to every Flax module path that runs a matmul or convolution the
-policy can reach (the *units*: :attr:`jaxprec.AuditRow.module_path` of the
-ops that record no precision of their own, ``''`` for ops outside modules),
-runs the function under each candidate :class:`jaxprec.Policy` (emulated:
-one switched program for every policy, :mod:`jaxprec._src.search.switch`; natively
-on the target's own hardware, or on the dtype axis: one ``jax.jit`` per
-policy), compares every output layer with a float32 reference
-using :mod:`jaxprec._src.checker.metrics` inside the jitted program, and keeps the
-cheapest assignment, by :func:`jaxprec.cost`, that meets the tolerance on
-every checked layer.
-
-The algorithm (``docs/search.md`` walks through it):
-
-1. Every unit at the cheapest candidate. If that meets the tolerance, it is
-   the answer, after one evaluation.
-2. Every unit at the next candidates in cost order, until one meets the
-   tolerance: level ``L``. (If none does, the answer is all-float32, with a
-   warning.)
-3. From all-``L`` down, for each cheaper candidate ``t`` (cheapest first),
-   in rounds:
-
-   a. *measure*: the sensitivity of a group of units (contiguous in
-      execution order) is the increase of each checked layer's error when
-      only that group runs at ``t``. Groups that cannot be lowered whole are
-      bisected, the most promising first (expected saving: large when one
-      half of a group holds nearly all of its sensitivity, discounted when
-      the sensitivity is spread so that even an average unit would not
-      fit); a half's sensitivity is measured, the other half's inferred by
-      difference (errors of independent roundings add in power:
-      ``rel_rms**2``, ``max_abs**2``, ``1 - cosine``, ``10**(-sqnr/10)``),
-      unless the difference is noise, so a bisection step costs one
-      evaluation;
-   b. *choose*: lower greedily the groups that save the most cost per unit
-      of error they add while the predicted error fits the tolerance, and
-      verify with one evaluation (dropping the last group and retrying when
-      the prediction was optimistic);
-   c. the next round splits the groups that fit alone but not together,
-      until a round lowers nothing.
-4. The answer is the cheapest evaluated policy that met the tolerance; the
-   last evaluation is always of it (run again if the search's last trial was
-   another), so :attr:`SearchResult.report` measures exactly the returned
-   policy.
-
-A model with one ill-conditioned layer among ``n`` takes about ``log2(n) +
-4`` evaluations; many sensitive layers take more, down to one evaluation per
-unit that must stay precise, and ``budget`` caps it.
+:func:`search_policy` validates its arguments, runs the function under each
+candidate :class:`jaxprec.Policy` (emulated on the precision axis: one
+switched program for every policy, :mod:`jaxprec._src.search.switch`) and
+returns a :class:`SearchResult`; :mod:`jaxprec._src.search.search_algorithm`
+decides which policies to evaluate (``docs/search.md``, "The algorithm").
 """
 
 from __future__ import annotations
@@ -80,7 +36,7 @@ from jaxprec._src.jaxpr import compat
 from jaxprec._src.policy.policy import Policy
 from jaxprec._src.search import search_dtype
 from jaxprec._src.search import switch
-from jaxprec._src.search.search_algorithm import Candidate, CostTable, Search, metric_value
+from jaxprec._src.search.search_algorithm import Candidate, CostTable, Search
 from jaxprec._src.search.search_result import SearchResult
 
 # Metrics a tolerance can bound. Smaller is better for all but cosine (the
@@ -92,28 +48,6 @@ DEFAULT_CANDIDATES = {
     "gpu": ("tensorfloat32", "TF32_TF32_F32_X3", "float32"),
 }
 DEFAULT_BUDGET = 24
-
-
-def _check_metric(metric: Any) -> str:
-  if metric not in METRICS:
-    raise unknown("metric", metric, METRICS)
-  return metric
-
-
-def _check_tolerance(tolerance: Any, metric: str) -> float:
-  if isinstance(tolerance, bool) or not isinstance(
-      tolerance, (int, float, np.floating, np.integer)):
-    raise TypeError(f"tolerance must be a number; got {tolerance!r} of type "
-                    f"{type(tolerance).__name__}.")
-  t = float(tolerance)
-  if not (math.isfinite(t) and t >= 0):
-    raise ValueError(f"tolerance must be a finite number >= 0 (a bound on "
-                     f"{metric}); got {tolerance!r}.")
-  return t
-
-
-# ---------------------------------------------------------------------------
-# Candidates.
 
 
 def _candidates(candidates: Any, target: str,
@@ -169,42 +103,32 @@ class _Runner:
   """Evaluates policies with the shared harness.
 
   Emulating on the precision axis, every evaluation after the first runs one
-  switched program (:mod:`jaxprec._src.search.switch`): compiled once, with each
-  unit's precision chosen at run time by an index array. The first
-  evaluation, and every evaluation the switch cannot serve (the dtype axis,
-  native runs, a unit the switched trace does not find), compile one
-  program per policy (``jax.jit`` of the emulated, or native, function, as
-  :func:`jaxprec.check` runs a row), kept for this search only. The metrics
-  are a second program, compiled once per layout, so the layers stay on the
-  device and only per-layer scalars reach the host. (Fusing both into one
-  program, as ``check`` does for programs it reuses, made every evaluation
-  about 1.4x to 1.8x slower on the built-in tiny Wav2Vec2:
-  ``benchmarks/bench_search.py``.)
+  switched program (:mod:`jaxprec._src.search.switch`), each unit's precision
+  chosen at run time by an index array. The first evaluation, and every one
+  the switch cannot serve, compile one program per policy, as
+  :func:`jaxprec.check` runs a row. The metrics are a second program, so only
+  per-layer scalars reach the host.
   """
 
   def __init__(self, fn, call: harness.Args, ref: harness.Reference,
                target: str, mode: str, *, units: Sequence[str] = (),
                precisions: Sequence[Precision] | None = None):
-    # The harness keeps a program for a function it can reference weakly
-    # only: a callable that cannot be (an object of a class with
-    # ``__slots__``) would compile the switched program at every evaluation.
+    # The harness keeps programs only for a function it can weakly reference.
     self.fn, self.call, self.ref = _referable(fn), call, ref
     self.names = tuple(ref.names)
     self.target, self.mode = target, mode
-    self._programs: dict[Any, Any] = {}
     self.units = tuple(units)
-    # The switch's choices: the candidates' precisions, float32 last when
-    # no candidate is float32 (levels None); None: no switched program.
+    # The switch's choices (float32 last when no candidate is float32);
+    # None: no switched program, or the switch could not serve this model.
     self.precisions = None if precisions is None else tuple(precisions)
-    self.fell_back: str | None = None  # why the switch could not be used
     self.fixed_runs = 0
+    self._programs: dict[Any, Any] = {}
     self._traces: dict[Any, Any] = {}
 
   def run(self, policy: Policy, levels: Sequence[int] | None = None, *,
           fixed: bool = False) -> tuple[list[metrics_lib.LayerMetrics], str]:
     """``(metrics, program)``: ``program`` is ``'fixed'`` or ``'switched'``."""
-    if (fixed or self.precisions is None or self.fell_back is not None
-        or self.fixed_runs == 0):
+    if fixed or self.precisions is None or self.fixed_runs == 0:
       self.fixed_runs += 1
       p = rows.plan(policy, self.target, self.mode)
       return harness.run_candidate(self.fn, self.call, p, self.ref, 0.0, 0.0,
@@ -217,7 +141,7 @@ class _Runner:
           self.fn, self.call, self._wrap, (self.precisions, self.units),
           index, self.ref, self._programs), "switched"
     except switch.SwitchError as e:
-      self.fell_back = str(e)
+      self.precisions = None
       warnings.warn(
           f"jaxprec.search_policy: {e}; each policy compiles a program of "
           f"its own instead (the search is slower, its answers the same).",
@@ -234,7 +158,7 @@ class _Runner:
 
 def _referable(fn: Callable[..., Any]) -> Callable[..., Any]:
   """``fn``, or a function calling it where ``fn`` cannot be weakly
-  referenced (the runner holds it for the search)."""
+  referenced."""
   try:
     weakref.ref(fn)
   except TypeError:
@@ -250,46 +174,45 @@ def _referable(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _check_layers(layers: Any, names: Sequence[str]) -> list[str]:
   if layers is None:
     return list(names)
-  if isinstance(layers, str):
-    layers = (layers,)
-  chosen = []
+  layers = (layers,) if isinstance(layers, str) else tuple(layers)
   for name in layers:
     if name not in names:
       raise unknown("layer", name, names, hint=" (the output's layers)")
-    if name not in chosen:
-      chosen.append(name)
-  if not chosen:
+  if not layers:
     raise ValueError("layers is empty: name at least one output layer, or "
                      "pass None for all of them.")
-  return [n for n in names if n in chosen]
+  return [n for n in names if n in layers]
 
 
 def check_arguments(*, tolerance: Any, metric: Any = "rel_rms",
                     candidates: Any = None, target: Any = "tpu",
                     budget: Any = DEFAULT_BUDGET, axes: Any = ("precision",),
                     dtypes: Any = None, chip: Any = None):
-  """Validates :func:`search_policy`'s arguments (the command line checks
-  them before building a model).
+  """Validates :func:`search_policy`'s arguments, raising as it does (the
+  command line checks them before building a model).
 
   Returns:
     ``(metric, tolerance, candidates, target, budget)``, normalized; the
-    candidates as internal records, cheapest first. (``axes``,
-    ``dtypes`` and ``chip`` are checked, not returned:
-    :func:`search_dtype.check_axes`.)
-
-  Raises:
-    TypeError, ValueError: as :func:`search_policy` does.
+    candidates as internal records, cheapest first (``axes``, ``dtypes``
+    and ``chip`` are checked, not returned).
   """
-  search_dtype.check_arguments(axes, dtypes, chip, target)
-  metric = _check_metric(metric)
-  tolerance = _check_tolerance(tolerance, metric)
   target = numerics.check_target(target)
+  search_dtype.check_arguments(axes, dtypes, chip, target)
+  if metric not in METRICS:
+    raise unknown("metric", metric, METRICS)
+  if isinstance(tolerance, bool) or not isinstance(
+      tolerance, (int, float, np.floating, np.integer)):
+    raise TypeError(f"tolerance must be a number; got {tolerance!r} of type "
+                    f"{type(tolerance).__name__}.")
+  if not (math.isfinite(tolerance) and tolerance >= 0):
+    raise ValueError(f"tolerance must be a finite number >= 0 (a bound on "
+                     f"{metric}); got {tolerance!r}.")
   if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
     raise TypeError(f"budget must be an int; got {budget!r}.")
   if budget < 1:
     raise ValueError(f"budget must be >= 1 (evaluations); got {budget}.")
   cands = _candidates(candidates, target, cost_lib.weights_for(target))
-  return metric, tolerance, cands, target, int(budget)
+  return metric, float(tolerance), cands, target, int(budget)
 
 
 def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
@@ -316,13 +239,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   evaluation) and, where it does not, raises precision where it buys the
   most accuracy per unit of cost, measuring the sensitivity of groups of
   paths by bisection so that the number of runs stays near logarithmic in
-  the number of paths (details: :mod:`jaxprec._src.search.search`,
-  ``docs/search.md``). Emulated on the precision axis, the search compiles
-  one program for every policy it tries after the first: each path's
-  matmuls are a ``lax.switch`` among the candidates, chosen at run time
-  (``compile_once``); the returned policy's report comes from the program
-  compiled for it alone, as :func:`jaxprec.check` compiles it. One line per
-  evaluation goes to stderr unless ``verbose=False``.
+  the number of paths (details: ``docs/search.md``).
 
   Args:
     fn: returns the layers to check: any pytree of arrays (its floating
@@ -432,7 +349,6 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
           target=target, budget=budget, layers=layers, reference=reference,
           mode=mode, verbose=verbose, cache=False, axes=axes, dtypes=dtypes,
           chip=chip, compile_once=compile_once, **kwargs)
-  weights = cost_lib.weights_for(target)
   if mode == "native" and compat.backend_platform() == "cpu":
     warnings.warn("jaxprec.search_policy: native mode on cpu: the CPU ignores "
                   "matmul precision, so every policy computes float32 (use "
@@ -450,7 +366,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     float32_policy = Policy(default="float32" if "precision" in axes else None,
                             default_dtype="float32")
   else:
-    table = CostTable.of(fn, args, kwargs, target, cands, weights)
+    table = CostTable.of(fn, args, kwargs, target, cands,
+                         cost_lib.weights_for(target))
 
   # Output layers and the reference (read or computed as check does).
   info = harness.output_info(fn, call)
@@ -481,23 +398,19 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   float32_policy=float32_policy)
   search.run()
   best = search.finish()
-  if best is not None:
-    policy, metrics, meets = best.policy, best.metrics, True
-    if best.program == "switched":
-      metrics, meets = _fixed_run(runner, search, best)
-    if search.exhausted:
-      warnings.warn(
-          f"jaxprec.search_policy: the budget of {budget} evaluations ran "
-          f"out; returning the cheapest policy found that meets the "
-          f"tolerance ({policy}). A larger budget may find a cheaper one.",
-          UserWarning, stacklevel=2)
-  else:
-    trial = search.fallback()
-    policy = float32_policy
-    metrics = None if trial is None else trial.metrics
-    meets = trial is not None and trial.passed
-    if trial is not None and trial.program == "switched":
-      metrics, meets = _fixed_run(runner, search, trial)
+  trial = best if best is not None else search.fallback()
+  policy = float32_policy if best is None else best.policy
+  metrics = None if trial is None else trial.metrics
+  meets = trial is not None and trial.passed
+  if trial is not None and trial.program == "switched":
+    metrics, meets = _fixed_run(runner, search, trial)
+  if best is not None and search.exhausted:
+    warnings.warn(
+        f"jaxprec.search_policy: the budget of {budget} evaluations ran "
+        f"out; returning the cheapest policy found that meets the "
+        f"tolerance ({policy}). A larger budget may find a cheaper one.",
+        UserWarning, stacklevel=2)
+  elif best is None:
     msg = ("no policy of the candidates met the tolerance"
            if not search.exhausted else
            f"the budget of {budget} evaluations ran out before any policy "
@@ -510,7 +423,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   report = None if metrics is None else _report(
       policy, metrics, ref, target, mode, metric, tolerance)
   values = {} if metrics is None else {
-      n: metric_value(metric, m) for n, m in zip(ref.names, metrics)}
+      n: float(getattr(m, metric)) for n, m in zip(ref.names, metrics)}
   del runner, call  # they hold the arguments
   cost_report = cost_lib.cost(fn, *args, policy=policy, target=target,
                               **({} if "dtype" not in axes else {"chip": chip}),
@@ -532,16 +445,11 @@ def _choices(cands: Sequence[Candidate]) -> tuple[Precision, ...]:
 
 
 def _fixed_run(runner: _Runner, search: Search, trial) -> tuple[list, bool]:
-  """The returned policy's metrics from its own compiled program.
-
-  The switched program computes what that program computes, bit for bit
-  (``tests/test_switch.py``); running it once more checks so on this model,
-  and :attr:`SearchResult.report` is then exactly what :func:`jaxprec.check`
-  reports for the policy. A difference is said out loud.
-  """
+  """The returned policy's metrics from its own compiled program, as
+  :func:`jaxprec.check` reports them; a difference from the switched
+  program's, which should agree bit for bit, warns."""
   metrics, _ = runner.run(trial.policy, fixed=True)
-  powers = np.array([search.power(m) for m in metrics])
-  passed = bool(np.all(powers <= search.tol_power))
+  powers, passed = search.powers(metrics)
   if not np.array_equal(powers, trial.powers, equal_nan=True):
     warnings.warn(
         f"jaxprec.search_policy: {trial.policy} measured differently in the "

@@ -1,12 +1,13 @@
 """The search's algorithm: bisection over module paths, measured by sensitivity.
 
 :mod:`jaxprec._src.search.search` validates the arguments and runs the function;
-this module decides which policies to evaluate (the steps are described in
-that module's docstring and in ``docs/search.md``).
+this module decides which policies to evaluate (``docs/search.md``, "The
+algorithm").
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -28,37 +29,6 @@ from jaxprec._src.search.search_result import SearchStep, shown
 # Groups whose lowering would save less than this fraction of the current
 # cost are not split further (not worth an evaluation).
 MIN_GAIN = 0.01
-
-
-# ---------------------------------------------------------------------------
-# Metrics as powers: quantities that add over independent rounding errors.
-
-
-def _power(metric: str, m: metrics_lib.LayerMetrics) -> float:
-  v = float(getattr(m, metric))
-  # The metrics skip non-finite elements; NaN or inf where the reference has
-  # none (an overflow in float16 or bfloat16) fails any tolerance.
-  if math.isnan(v) or math.isinf(m.required_atol):
-    return math.inf
-  if metric == "cosine":
-    return max(0.0, 1.0 - v)
-  if metric == "sqnr_db":
-    return 10.0 ** (-v / 10.0) if v < math.inf else 0.0
-  return v * v
-
-
-def _tolerance_power(metric: str, tolerance: float) -> float:
-  if metric == "cosine":
-    return tolerance
-  if metric == "sqnr_db":
-    return 10.0 ** (-tolerance / 10.0)
-  return tolerance * tolerance
-
-
-def metric_value(metric: str, m: metrics_lib.LayerMetrics) -> float:
-  """The metric as :func:`jaxprec.check` reports it: the cosine itself for
-  ``'cosine'`` (the tolerance bounds ``1 - cosine``)."""
-  return float(getattr(m, metric))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,15 +148,14 @@ class Search:
                cands: list[Candidate], metric: str, tolerance: float,
                budget: int, verbose: bool,
                float32_policy: Policy | None = None):
-    self.runner, self.cands = runner, cands
-    self.units = table.units
-    self.reach = table.reach
-    self.cast = table.cast
+    self.runner, self.cands, self.table = runner, cands, table
+    self.units, self.unit_costs = table.units, table.unit_costs
     self.float32_policy = float32_policy or Policy(default="float32")
-    self.unit_costs = table.unit_costs  # (units, candidates)
-    self.fixed_cost, self.float32_cost = table.fixed_cost, table.float32_cost
-    self.metric, self.tolerance, self.budget = metric, tolerance, budget
-    self.tol_power = _tolerance_power(metric, tolerance)
+    self.metric, self.budget = metric, budget
+    # Errors of independent roundings add in power: the tolerance's power.
+    self.tol_power = (tolerance if metric == "cosine" else
+                      10.0 ** (-tolerance / 10.0) if metric == "sqnr_db"
+                      else tolerance * tolerance)
     self.verbose = verbose
     self.trials: dict[tuple[int, ...], _Trial] = {}
     self.history: list[SearchStep] = []
@@ -199,18 +168,32 @@ class Search:
   def evaluations(self) -> int:
     return len(self.history)
 
-  def power(self, m: metrics_lib.LayerMetrics) -> float:
-    """The power of ``m``'s metric (errors add in power)."""
-    return _power(self.metric, m)
+  def powers(self, metrics: Sequence[metrics_lib.LayerMetrics]
+             ) -> tuple[np.ndarray, bool]:
+    """Each layer's metric as a power (errors add in power), and whether
+    every layer meets the tolerance."""
+    def power(m: metrics_lib.LayerMetrics) -> float:
+      v = float(getattr(m, self.metric))
+      # The metrics skip non-finite elements; NaN or inf where the reference
+      # has none (an overflow in float16 or bfloat16) fails any tolerance.
+      if math.isnan(v) or math.isinf(m.required_atol):
+        return math.inf
+      if self.metric == "cosine":
+        return max(0.0, 1.0 - v)
+      if self.metric == "sqnr_db":
+        return 10.0 ** (-v / 10.0) if v < math.inf else 0.0
+      return v * v
+    powers = np.array([power(m) for m in metrics])
+    return powers, bool(np.all(powers <= self.tol_power))
 
   def relative_cost(self, levels: Sequence[int] | None) -> float:
     """Predicted cost relative to float32 (``levels`` None: all-float32)."""
-    if levels is None or self.float32_cost == 0:
+    if levels is None or self.table.float32_cost == 0:
       return 1.0
     idx = np.asarray(levels, int)
-    total = self.fixed_cost + float(
+    total = self.table.fixed_cost + float(
         self.unit_costs[np.arange(len(idx)), idx].sum())
-    return total / self.float32_cost
+    return total / self.table.float32_cost
 
   def policy(self, levels: Sequence[int] | None) -> Policy:
     if levels is None:
@@ -220,15 +203,15 @@ class Search:
     counts = np.bincount(np.asarray(levels), minlength=len(self.cands))
     default = int(np.argmax(counts))  # most paths; ties: the cheaper
     rules = [self.rule(i, self.cands[l]) for i, l in enumerate(levels)
-             if l != default or (self.cast is not None and self.cast[i])]
+             if l != default or (self.table.cast and self.table.cast[i])]
     return _default(self.cands[default], tuple(r for r in rules if r))
 
   def rule(self, i: int, c: Candidate) -> Rule | None:
     """Unit ``i`` at ``c``: its precision if it runs matmuls, its dtype if a
     dtype decision reaches it (None when neither)."""
     kw: dict[str, Any] = {}
-    dtype_reaches, has_dots = (False, True) if self.reach is None else (
-        self.reach[i])
+    dtype_reaches, has_dots = (False, True) if self.table.reach is None else (
+        self.table.reach[i])
     if has_dots and c.precision is not None:
       kw["precision"] = c.precision
     if dtype_reaches and c.dtype is not None:
@@ -255,8 +238,7 @@ class Search:
     t0 = time.perf_counter()
     metrics, program = self.runner.run(policy, levels)
     seconds = time.perf_counter() - t0
-    powers = np.array([_power(self.metric, m) for m in metrics])
-    passed = bool(np.all(powers <= self.tol_power))
+    powers, passed = self.powers(metrics)
     trial = _Trial(levels, policy, powers, metrics, passed,
                    self.evaluations + 1, program)
     self.trials[levels] = trial
@@ -272,12 +254,10 @@ class Search:
     ratio = trial.powers / max(self.tol_power, np.finfo(np.float64).tiny)
     worst = int(np.argmax(np.where(np.isnan(ratio), np.inf, ratio)))
     name = self.runner.names[worst]
-    value = metric_value(self.metric, trial.metrics[worst])
-    counts: dict[str, int] = {}
-    if trial.levels is None:
-      counts = {"float32": len(self.units)}
-    for l in trial.levels or ():
-      counts[self.cands[l].label] = counts.get(self.cands[l].label, 0) + 1
+    value = float(getattr(trial.metrics[worst], self.metric))
+    counts = ({"float32": len(self.units)} if trial.levels is None else
+              dict(collections.Counter(self.cands[l].label
+                                       for l in trial.levels)))
     rel = self.relative_cost(trial.levels)
     step = SearchStep(index=trial.index, phase=phase, policy=trial.policy,
                       passed=trial.passed, worst_layer=name,
@@ -296,22 +276,17 @@ class Search:
 
   # -- the algorithm ------------------------------------------------------------
   def run(self) -> None:
-    n, m = len(self.units), len(self.cands)
-    first = self.evaluate((0,) * n, f"all {self.cands[0].label}")
-    if first.passed or n == 0:
+    n = len(self.units)
+    if self.evaluate((0,) * n, f"all {self.cands[0].label}").passed or n == 0:
       return
-    level = None
-    for k in range(1, m):
+    for k in range(1, len(self.cands)):
       if self.evaluations >= self.budget:
         self.exhausted = True
         return
       if self.evaluate((k,) * n, f"all {self.cands[k].label}").passed:
-        level = k
-        break
-    if level is None:
-      return
-    for t in range(level):
-      self.lower_to(t)
+        for t in range(k):
+          self.lower_to(t)
+        return
 
   def headroom(self, base: _Trial) -> np.ndarray:
     return np.maximum(self.tol_power - base.powers, 0.0)
@@ -323,10 +298,8 @@ class Search:
 
   def lowered(self, levels: Sequence[int], units: Sequence[int],
               t: int) -> tuple[int, ...]:
-    out = list(levels)
-    for u in units:
-      out[u] = t
-    return tuple(out)
+    moved = set(units)
+    return tuple(t if i in moved else l for i, l in enumerate(levels))
 
   def sensitivity(self, trial: _Trial, base: _Trial) -> np.ndarray:
     return np.maximum(trial.powers - base.powers, 0.0)
@@ -358,10 +331,10 @@ class Search:
       nodes = [dataclasses.replace(g, depth=0) for g in unchosen
                if self.saving(g.units, self.best.levels, t) > 0]
 
-  def density(self, node: _Node, room: np.ndarray) -> float:
-    """How many times the node's added error fills the headroom (worst layer)."""
+  def density(self, sens: np.ndarray, room: np.ndarray) -> float:
+    """How many times an added error fills the headroom (worst layer)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-      d = np.where(node.sens > 0, node.sens / room, 0.0)
+      d = np.where(sens > 0, sens / room, 0.0)
     d = np.where(np.isnan(d), np.inf, d)
     return float(d.max()) if d.size else 0.0
 
@@ -377,12 +350,13 @@ class Search:
     the headroom alone.
     """
     room = self.headroom(base)
-    min_gain = MIN_GAIN * self.relative_cost(base.levels) * self.float32_cost
+    min_gain = (MIN_GAIN * self.relative_cost(base.levels)
+                * self.table.float32_cost)
     leaves: list[_Node] = []
     heap: list[tuple[float, int, _Node]] = []
 
     def push(node: _Node) -> None:
-      d = self.density(node, room)
+      d = self.density(node.sens, room)
       if d <= 1.0:
         leaves.append(node)
         return
@@ -418,10 +392,10 @@ class Search:
       with np.errstate(invalid="ignore"):  # inf - inf: an overflow in both
         right_sens = np.maximum(node.sens - left_sens, 0.0)
       right_sens = np.where(np.isnan(right_sens), np.inf, right_sens)
-      d_left = self.density(_Node((), left_sens, True), room)
-      d_right = self.density(_Node((), right_sens, False), room)
+      d_left = self.density(left_sens, room)
+      d_right = self.density(right_sens, room)
       concentrated = min(d_left, d_right) <= 0.1 * max(d_left, d_right)
-      reliable = d_right >= 0.25 * self.density(node, room)
+      reliable = d_right >= 0.25 * self.density(node.sens, room)
       push(_Node(left_units, left_sens, True, node.depth + 1, concentrated))
       push(_Node(right_units, right_sens, False, node.depth + 1, concentrated,
                  reliable))
@@ -439,18 +413,16 @@ class Search:
       room = self.headroom(base)
       ranked = sorted(
           remaining, key=lambda g: -self.saving(g.units, base.levels, t)
-          / max(self.density(g, room), 1e-12))
+          / max(self.density(g.sens, room), 1e-12))
       chosen: list[_Node] = []
       total = np.zeros_like(room)
       for g in ranked:
         if self.saving(g.units, base.levels, t) <= 0:
           continue
         trial_total = total + g.sens
-        if self.density(_Node((), trial_total, False), room) <= 1.0:
+        if self.density(trial_total, room) <= 1.0:
           chosen.append(g)
           total = trial_total
-      if not chosen:
-        return remaining + failed
       while chosen:
         if not self.can_try():
           return remaining + failed
@@ -470,11 +442,11 @@ class Search:
 
   def finish(self) -> _Trial | None:
     """Makes the last evaluation the best policy's (re-running it if needed)."""
-    if self.best is not None and self.last is not self.best:
-      if self.evaluations < self.budget:
-        best, self.best = self.best, None
-        again = self.evaluate(best.levels, "re-check", again=True)
-        self.best = again if again.passed else None
+    if (self.best is not None and self.last is not self.best
+        and self.evaluations < self.budget):
+      best, self.best = self.best, None
+      again = self.evaluate(best.levels, "re-check", again=True)
+      self.best = again if again.passed else None
     return self.best
 
   def fallback(self) -> _Trial | None:
@@ -485,11 +457,10 @@ class Search:
         return trial
     if self.evaluations >= self.budget:
       return None
-    levels = None  # float32 is not a candidate
-    for k, c in enumerate(self.cands):
-      if c.is_float32:
-        levels = (k,) * len(self.units)
-    return self.evaluate(levels, "all float32")
+    k = [k for k, c in enumerate(self.cands) if c.is_float32]
+    # None: float32 is not a candidate.
+    return self.evaluate((k[-1],) * len(self.units) if k else None,
+                         "all float32")
 
 
 def _default(c: Candidate, rules: tuple[Rule, ...]) -> Policy:

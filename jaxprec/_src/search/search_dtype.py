@@ -2,28 +2,11 @@
 
 ``search_policy(..., axes=("precision", "dtype"))`` gives every *unit* a
 compute dtype and a matmul precision; ``axes=("dtype",)`` a compute dtype
-only. This module builds what :class:`jaxprec._src.search.search_algorithm.Search`
-needs for that: the candidates (cheapest first) and the
-:class:`~jaxprec._src.search.search_algorithm.CostTable`.
-
-**Units.** The modules the dtype policy reaches, recorded by a
-:class:`jaxprec._src.flax.state.Recorder` while ``fn`` is traced under
-``Policy(default_dtype=d)`` (one trace per candidate dtype), and the module
-paths of the matmuls and convolutions a policy decides (as the precision
-search finds them). A module that contains other modules and runs no matmul
-of its own is a unit only when the policy casts at its boundary (it has no
-``dtype`` field): otherwise its dtype decides nothing but what its children
-inherit, and it follows the policy's default. So a layer norm, which runs no
-matmul, is a unit: the search can keep it in float32.
-
-**Costs** (:func:`table`): the roofline time on a chip (``chip``; default
-:data:`DEFAULT_CHIPS`) from :mod:`jaxprec._src.inspect.chips`, the cost model's
-figures: each matmul or convolution of a unit takes ``max(passes * FLOPs /
-peak, bytes / bandwidth)`` (:func:`jaxprec._src.inspect.chips.op_seconds`), its
-operands and result at the dtypes the trace under ``d`` gives them and its
-passes those of the candidate precision; a unit without matmuls moves its
-floating inputs and outputs (at ``d``) through memory once. Times add over
-units, so the search's cost of a policy is the sum of its units' costs.
+only. :func:`table` builds what
+:class:`jaxprec._src.search.search_algorithm.Search` needs for that: the
+candidates (cheapest first) and the
+:class:`~jaxprec._src.search.search_algorithm.CostTable`, whose units and
+roofline costs ``docs/search.md`` ("Compute dtypes too") describes.
 """
 
 from __future__ import annotations
@@ -105,8 +88,9 @@ def check_dtypes(dtypes: Any) -> tuple[str, ...]:
                                                  numerics.DTYPES.index(d))))
 
 
-def check_arguments(axes: Any, dtypes: Any, chip: Any, target: Any) -> None:
-  """Checks ``search_policy``'s ``axes``, ``dtypes`` and ``chip``.
+def check_arguments(axes: Any, dtypes: Any, chip: Any, target: str) -> None:
+  """Checks ``search_policy``'s ``axes``, ``dtypes`` and ``chip`` (``target``
+  is checked).
 
   Raises:
     ValueError: a bad value (naming it and the choices); ``dtypes`` or
@@ -115,24 +99,23 @@ def check_arguments(axes: Any, dtypes: Any, chip: Any, target: Any) -> None:
   """
   axes = check_axes(axes)
   names = check_dtypes(dtypes)
-  if "dtype" not in axes and (dtypes is not None or chip is not None):
-    raise ValueError(f"dtypes= and chip= apply to the dtype axis; got axes="
-                     f"{axes!r}: pass axes=('precision', 'dtype') or "
-                     f"('dtype',).")
-  if chip is not None:
-    spec = chips_lib.check_chip(chip)
-    if target in DEFAULT_CHIPS and spec.target != target:
-      raise ValueError(f"chip {spec.name!r} is a {spec.target} chip; the "
-                       f"target is {target!r}.")
-  if "dtype" in axes and (chip is not None or target in DEFAULT_CHIPS):
-    spec = chips_lib.check_chip(chip or DEFAULT_CHIPS[target])
-    ok = [d for d in numerics.DTYPES if d == "float32" or d in spec.peak]
-    for d in names:  # a narrow dtype's matmuls run natively in it
-      if d not in ok:
-        raise ValueError(
-            f"dtype {d!r} has no peak figure on {spec.name}, so its matmuls "
-            f"cannot be costed; choose dtypes from "
-            f"{', '.join(map(repr, ok))}, or a chip that has it (a gpu one).")
+  if "dtype" not in axes:
+    if dtypes is not None or chip is not None:
+      raise ValueError(f"dtypes= and chip= apply to the dtype axis; got axes="
+                       f"{axes!r}: pass axes=('precision', 'dtype') or "
+                       f"('dtype',).")
+    return
+  spec = chips_lib.check_chip(chip or DEFAULT_CHIPS[target])
+  if spec.target != target:
+    raise ValueError(f"chip {spec.name!r} is a {spec.target} chip; the "
+                     f"target is {target!r}.")
+  ok = [d for d in numerics.DTYPES if d == "float32" or d in spec.peak]
+  for d in names:  # a narrow dtype's matmuls run natively in it
+    if d not in ok:
+      raise ValueError(
+          f"dtype {d!r} has no peak figure on {spec.name}, so its matmuls "
+          f"cannot be costed; choose dtypes from "
+          f"{', '.join(map(repr, ok))}, or a chip that has it (a gpu one).")
 
 
 # ---------------------------------------------------------------------------
@@ -203,14 +186,6 @@ def _is_container(path: str, paths: Sequence[str]) -> bool:
              for p in paths)
 
 
-def _nbytes(row: audit_lib.AuditRow) -> int:
-  def size(shape, dtype):
-    return math.prod(shape) * np.dtype(dtype).itemsize
-  return row.trip_count * (size(row.lhs_shape, row.lhs_dtype)
-                           + size(row.rhs_shape, row.rhs_dtype)
-                           + size(row.out_shape, row.out_dtype))
-
-
 def _seconds(rows, chip: chips_lib.Chip, target: str,
              p: Precision | None, what: str | None) -> float:
   """Roofline seconds of ``rows``; a row without a figure raises (naming
@@ -218,45 +193,29 @@ def _seconds(rows, chip: chips_lib.Chip, target: str,
   total = 0.0
   for r in rows:
     algo = cost_lib.algorithm(r, target, p)
-    s = chips_lib.op_seconds(chip, algo, r.flops, _nbytes(r))
-    if s is None and what is None:
-      continue
-    if s is None:
+    s = chips_lib.op_seconds(chip, algo, r.flops, cost_lib.op_bytes(r)[0])
+    if s is None and what is not None:
       raise ValueError(
           f"{what}: a {r.primitive} at {r.module_path or '(top)'!r} runs "
           f"{algo!r}, which {chip.name} has no peak figure for; choose other "
           f"dtypes or candidates (or another chip).")
-    total += s
+    total += 0.0 if s is None else s
   return total
 
 
 def table(fn, args, kwargs, *, target: str, axes: tuple[str, ...],
           dtypes: tuple[str, ...], precisions: Sequence[Candidate],
           chip: str | None) -> tuple[CostTable, list[Candidate]]:
-  """The units, the (dtype, precision) candidates and their costs.
+  """``(table, candidates)`` of the call ``fn(*args, **kwargs)`` (traced,
+  never run) on the roofline of ``chip`` (default :data:`DEFAULT_CHIPS`).
 
-  Args:
-    fn, args, kwargs: the call (``fn`` is traced, never run).
-    target: ``'tpu'`` or ``'gpu'``.
-    axes: from :func:`check_axes`, with ``'dtype'``.
-    dtypes: from :func:`check_dtypes`.
-    precisions: the precision candidates, cheapest first (used when
-      ``'precision'`` is an axis).
-    chip: the chip of the roofline (default :data:`DEFAULT_CHIPS`).
-
-  Returns:
-    ``(table, candidates)``: the candidates cheapest first, each a
-    :class:`Candidate` with ``dtype`` set (and ``precision`` None on the
-    dtype axis alone).
-
-  Raises:
-    ValueError: a chip of another target; a candidate the chip has no peak
-      figure for (float16 on a TPU).
+  The candidates come cheapest first, each with ``dtype`` set (and
+  ``precision`` None on the dtype axis alone); ``axes``, ``dtypes`` and
+  ``chip`` are as :func:`check_arguments` checked them, ``precisions`` the
+  precision candidates, cheapest first. ValueError: a candidate the chip has
+  no peak figure for.
   """
   spec = chips_lib.check_chip(DEFAULT_CHIPS[target] if chip is None else chip)
-  if spec.target != target:
-    raise ValueError(f"chip {spec.name!r} is a {spec.target} chip; the "
-                     f"target is {target!r}.")
   traced = {d: _trace(fn, args, kwargs, d)
             for d in dict.fromkeys((*dtypes, "float32"))}
   # Units in call order: the modules reached, then matmul paths outside them.
@@ -264,11 +223,9 @@ def table(fn, args, kwargs, *, target: str, axes: tuple[str, ...],
   for _, r, _ in traced.values():
     for path, how in r.items():
       reached.setdefault(path, how)
-  dots: dict[str, None] = {}
-  for rows, _, _ in traced.values():
-    for row in rows:
-      if row.precision is None and row.emulated:
-        dots.setdefault(row.module_path, None)
+  dots = dict.fromkeys(row.module_path for rows, _, _ in traced.values()
+                       for row in rows
+                       if row.precision is None and row.emulated)
   use_precision = "precision" in axes
   units = [p for p, how in reached.items()
            if p in dots or how == "boundary"

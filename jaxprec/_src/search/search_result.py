@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -51,19 +52,16 @@ class SearchStep:
   program: str = "fixed"
 
   def to_dict(self) -> dict[str, Any]:
-    return {"index": self.index, "phase": self.phase,
-            "policy": str(self.policy), "passed": self.passed,
-            "worst_layer": self.worst_layer,
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return {**fields, "policy": str(self.policy),
             "worst_value": _json_float(self.worst_value),
             "relative_cost": _json_float(self.relative_cost),
-            "counts": dict(self.counts), "seconds": self.seconds,
-            "program": self.program}
+            "counts": dict(self.counts)}
 
 
 def _json_float(x: float) -> float | str:
-  if isinstance(x, float) and not math.isfinite(x):
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-  return x
+  """``x``, or ``'nan'``, ``'inf'`` or ``'-inf'`` (JSON has no such number)."""
+  return str(x) if isinstance(x, float) and not math.isfinite(x) else x
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,25 +133,13 @@ class SearchResult:
 
   def precision_by_path(self) -> dict[str, str]:
     """Module path -> the candidate the policy gives it."""
-    out = {}
-    for path in self.units:
-      p = self.policy.precision_for(path, None, "dot")
-      out[path] = p.name if p is not None else "-"
-    return out
+    chosen = {u: self.policy.precision_for(u, None, "dot") for u in self.units}
+    return {u: "-" if p is None else p.name for u, p in chosen.items()}
 
   def dtype_by_path(self) -> dict[str, str]:
     """Module path -> the compute dtype the policy gives it (``'-'``: none)."""
     return {path: self.policy.dtype_for(path, None, "dot") or "-"
             for path in self.units}
-
-  def _by_path(self) -> dict[str, str]:
-    if self.axes == ("precision",):
-      return self.precision_by_path()
-    dtypes = self.dtype_by_path()
-    if "precision" not in self.axes:
-      return dtypes
-    return {path: f"{p}+dtype:{dtypes[path]}"
-            for path, p in self.precision_by_path().items()}
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-able values (non-finite numbers as strings, as in check reports)."""
@@ -181,34 +167,33 @@ class SearchResult:
     bound = {"cosine": "1 - cosine <=", "sqnr_db": "sqnr_db >="}.get(
         self.metric, f"{self.metric} <=")
     status = "meets" if self.meets_tolerance else "DOES NOT meet"
+    chip = getattr(self.cost, "chip", None)
+    unit = "" if self.axes == ("precision",) or not chip else (
+        f" (roofline time on {chip})")
     lines = [
         f"jaxprec search: {bound} {self.tolerance:g} on {len(self.values)} "
         f"layers; target {self.target} ({self.mode}); candidates "
         f"{', '.join(self.candidates)}",
         f"policy: {self.policy}",
-        f"cost: {rel} of float32 on {self.target}{self._cost_unit()} "
+        f"cost: {rel} of float32 on {self.target}{unit} "
         f"({status} the tolerance)",
         f"evaluations: {self.evaluations} (budget {self.budget}; plus 1 "
         f"reference run), {self.seconds:.1f} s",
     ]
     if self.values:
-      worst = max(self.values, key=lambda k: self._badness(self.values[k]))
+      # Larger is better for sqnr_db and cosine, smaller for the rest; NaN
+      # is the worst.
+      sign = -1 if self.metric in ("sqnr_db", "cosine") else 1
+      worst = max(self.values, key=lambda k: math.inf if math.isnan(
+          self.values[k]) else sign * self.values[k])
       lines.append(f"worst layer: {worst} ({self.metric} "
                    f"{shown(self.metric, self.values[worst])})")
-    counts: dict[str, int] = {}
-    for p in self._by_path().values():
-      counts[p] = counts.get(p, 0) + 1
+    by_path = self.precision_by_path()
+    if self.axes != ("precision",):
+      dtypes = self.dtype_by_path()
+      by_path = dtypes if "precision" not in self.axes else {
+          path: f"{p}+dtype:{dtypes[path]}" for path, p in by_path.items()}
+    counts = collections.Counter(by_path.values())
     lines.append("module paths: " + ", ".join(
         f"{n} at {p}" for p, n in counts.items()))
     return "\n".join(lines)
-
-  def _cost_unit(self) -> str:
-    chip = getattr(self.cost, "chip", None)
-    return "" if self.axes == ("precision",) or not chip else (
-        f" (roofline time on {chip})")
-
-  def _badness(self, v: float) -> float:
-    if math.isnan(v):
-      return math.inf
-    # Larger is better for sqnr_db and cosine, smaller for the rest.
-    return -v if self.metric in ("sqnr_db", "cosine") else v

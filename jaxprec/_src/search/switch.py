@@ -3,9 +3,7 @@
 :func:`jaxprec.search_policy` assigns one of a few candidate precisions to
 each *unit* (a Flax module path whose matmuls or convolutions record no
 precision of their own; ``''`` for ops outside modules) and evaluates many
-such assignments. Compiling one program per assignment made the search's
-cold run mostly compilation (measured: 15 evaluations of 3.2 to 3.5 s each on
-the built-in tiny Wav2Vec2, against milliseconds of computing).
+such assignments, which would otherwise compile one program each.
 
 :func:`switched` traces ``fn`` once and emulates each of those ops as a
 ``lax.switch`` among its candidates' emulations, indexed by an ``int32``
@@ -19,15 +17,11 @@ multi-pass emulated op stores its result through a scatter
 read it: they read it from memory in both programs, as they must across a
 ``lax.switch``, and XLA compiles them alike.
 
-Which equations are a unit's: :func:`jaxprec._src.inspect.audit.walk_modules`, the
-audit's own mapping from equations to module paths, over a trace recorded
-with :func:`jaxprec._src.flax.paths.record`, so the units found here are the
-ones :func:`jaxprec.cost`'s table lists; the trace is its own (JAX's trace
-caches do not serve an earlier one) and is copied so that each equation
-occurs once (a jaxpr those caches share between two modules' calls belongs
-to both units: :func:`_unshared`). A unit that this trace does not find
-is an error (:class:`SwitchError`); the search then falls back to one
-program per policy and says so.
+Which equations are a unit's: :func:`jaxprec._src.inspect.audit.walk_modules`
+over a trace of its own, recorded with :func:`jaxprec._src.flax.paths.record`
+(so the units are those :func:`jaxprec.cost` lists). A unit this trace does
+not find is a :class:`SwitchError`; the search then compiles one program per
+policy and says so.
 """
 
 from __future__ import annotations
@@ -94,7 +88,6 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
   warned: set[str] = set()
   what = getattr(fn, "__qualname__", type(fn).__name__)
   bound = nnx_policy.bind(fn, None)  # an NNX module: a traced copy, with paths
-  # fn's trace per signature (walker.trace_call), and what each trace holds.
   # fn's trace per signature and JAX context, with what it holds.
   traces = {} if traces is None else traces
   # A jit key of the traces' own (see trace()), the same for every trace
