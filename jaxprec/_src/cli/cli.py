@@ -1,40 +1,10 @@
-"""The ``jaxprec`` command line: ``info``, ``audit``, ``run``, ``check``, ``search``.
-
-* ``jaxprec info [--json]``: the precision in force and what it means
-  (:func:`jaxprec.explain`).
-* ``jaxprec audit [-p P] [--json] MODULE:FUNCTION``: imports ``MODULE`` (or a
-  file ``path/to/file.py``), calls ``FUNCTION()``, which takes no arguments and
-  returns ``(fn, args)`` or ``(fn, args, kwargs)``, and prints
-  :func:`jaxprec.audit` of ``fn(*args, **kwargs)``.
-* ``jaxprec run -p P -- CMD ...``: runs ``CMD`` with
-  ``JAX_DEFAULT_MATMUL_PRECISION`` set to ``P`` (in JAX's spelling) and exits
-  with its exit code. ``jaxprec run --policy POLICY -- CMD ...`` instead
-  passes a :class:`jaxprec.Policy` (its canonical text) in ``JAXPREC_POLICY``,
-  and, when the policy is one precision for everything, sets
-  ``JAX_DEFAULT_MATMUL_PRECISION`` to it as ``-p`` does.
-* ``jaxprec check [--model NAME | MODULE:FUNCTION] [options]``: runs
-  :func:`jaxprec.check` on a built-in model or on ``fn(*args, **kwargs)`` from
-  ``FUNCTION()`` (the ``audit`` convention), prints the table, and writes
-  ``report.json`` and ``divergence.png`` to ``--out``; with ``--atol`` or
-  ``--rtol`` it exits 1 when a layer is outside the tolerance (for CI).
-  ``--model hf-llama|hf-wav2vec2|hf-bert --reference pytorch`` checks
-  jaxprec's NNX port of a transformers PyTorch model against the PyTorch
-  original (:mod:`jaxprec.torch`).
-* ``jaxprec search [--model NAME | MODULE:FUNCTION] --tolerance T [options]``:
-  runs :func:`jaxprec.search_policy` and prints the cheapest policy found (in
-  the text ``jaxprec run --policy`` takes), its cost relative to float32 and
-  the number of evaluations (``--axes precision,dtype``: a compute dtype per
-  module too); exits 1 when no policy meets the tolerance.
-
-``check`` and ``search`` turn on JAX's persistent compilation cache
-(:func:`jaxprec.enable_compilation_cache`: ``$JAXPREC_CACHE_DIR/jax-compilation``,
-else under the user's cache directory), so that a second run loads its
-programs instead of compiling them; ``--no-cache`` turns it off.
+"""The ``jaxprec`` command line: ``info``, ``audit``, ``run``, ``check``,
+``search`` (``docs/cli.md`` documents each, and the exit statuses).
 
 Bad usage prints one line, ``jaxprec: error: ...``, to stderr and exits 2;
-arguments are checked before any model runs. ``sys.exit`` in the user's code
-exits as Python would.
-JAX is imported by the commands, not by ``--help``.
+arguments are checked before any model runs. ``check`` and ``search`` turn on
+JAX's persistent compilation cache unless ``--no-cache``. JAX is imported by
+the commands, not by ``--help``.
 """
 
 from __future__ import annotations
@@ -46,20 +16,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from jaxprec._src.cli.cli_inputs import Failure as _Failure
-from jaxprec._src.cli.cli_inputs import PYTORCH as _PYTORCH
-from jaxprec._src.cli.cli_inputs import UsageError as _UsageError
-from jaxprec._src.cli.cli_inputs import add_search_axes as _add_search_axes
-from jaxprec._src.cli.cli_inputs import call_target as _call_target
-from jaxprec._src.cli.cli_inputs import check_out as _check_out
-from jaxprec._src.cli.cli_inputs import check_reference_file as _check_reference_file
-from jaxprec._src.cli.cli_inputs import check_settings as _check_settings
-from jaxprec._src.cli.cli_inputs import is_reference_file as _is_reference_file
-from jaxprec._src.cli.cli_inputs import one_line as _one_line
-from jaxprec._src.cli.cli_inputs import precision_list as _precision_list
-from jaxprec._src.cli.cli_inputs import search_axes as _search_axes
-from jaxprec._src.cli.cli_inputs import seed as _seed
-from jaxprec._src.cli.cli_outputs import write_outputs as _write_outputs
+from jaxprec._src.cli import cli_inputs as inputs
+from jaxprec._src.cli.cli_inputs import PYTORCH, Failure, UsageError
 
 _PROG = "jaxprec"
 # Built-in models (jaxprec.models) and port checks against PyTorch
@@ -72,21 +30,17 @@ class _Parser(argparse.ArgumentParser):
   """An ArgumentParser whose errors are one line and do not exit."""
 
   def error(self, message: str):  # type: ignore[override]
-    raise _UsageError(message)
-
-
-def _version() -> str:
-  from jaxprec._src.core.version import __version__
-  return __version__
+    raise UsageError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
+  from jaxprec._src.core.version import __version__
   parser = _Parser(
       prog=_PROG,
       description="See, control and trust the precision of JAX matmuls and "
                   "convolutions.")
   parser.add_argument("--version", action="version",
-                      version=f"%(prog)s {_version()}")
+                      version=f"%(prog)s {__version__}")
   sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
   info = sub.add_parser(
@@ -185,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
   check.add_argument("--out", default="./jaxprec-report",
                      help="directory for report.json and divergence.png "
                           "(default ./jaxprec-report)")
-  check.add_argument("--seed", type=_seed, default=0,
+  check.add_argument("--seed", type=inputs.seed, default=0,
                      help="seed of the built-in model (default 0)")
   _add_no_cache(check)
   check.set_defaults(handler=_check)
@@ -212,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
   search.add_argument("--size", choices=("tiny", "small", "base"),
                       default=None,
                       help="size of the built-in model (default tiny)")
-  search.add_argument("--seed", type=_seed, default=0,
+  search.add_argument("--seed", type=inputs.seed, default=0,
                       help="seed of the built-in model (default 0)")
   search.add_argument("--tolerance", type=float, required=True,
                       help="bound on --metric for every layer (sqnr_db: a "
@@ -234,7 +188,16 @@ def _parser() -> argparse.ArgumentParser:
       "compile a program per policy, not one for all (the same answers)"))
   search.add_argument("--prepare-weights", action="store_true",
                       help=argparse.SUPPRESS)  # removed: refused with why
-  _add_search_axes(search)
+  search.add_argument("--axes", default="precision",
+                      help="what to choose per module: precision (default), "
+                           "precision,dtype or dtype (the compute dtype)")
+  search.add_argument("--dtypes", default=None,
+                      help="with --axes ...dtype: comma-separated compute "
+                           "dtypes to choose from (default bfloat16,float32)")
+  search.add_argument("--chip", default=None,
+                      help="with --axes ...dtype: the chip whose roofline "
+                           "orders the costs (tpu-v4, tpu-v5e, tpu-v5p, a100, "
+                           "h100; default tpu-v5e for tpu, h100 for gpu)")
   _add_no_cache(search)
   search.set_defaults(handler=_search)
   return parser
@@ -262,7 +225,7 @@ def _cache_on(ns: argparse.Namespace, stack: contextlib.ExitStack) -> None:
   try:
     path = compile_cache.checked_dir(None)
   except ValueError as e:
-    print(f"{_PROG}: warning: compilation cache off: {_one_line(e)}",
+    print(f"{_PROG}: warning: compilation cache off: {inputs.one_line(e)}",
           file=sys.stderr)
     return
   stack.enter_context(compile_cache.compilation_cache(path))
@@ -285,21 +248,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help and --version
       return e.code if isinstance(e.code, int) else 0
     if ns.command is None:
-      raise _UsageError("missing command: choose one of info, audit, run, "
-                        "check, search (see jaxprec --help)")
-    _check_settings()
+      raise UsageError("missing command: choose one of info, audit, run, "
+                       "check, search (see jaxprec --help)")
+    inputs.check_settings()
     try:
       with contextlib.ExitStack() as stack:  # ns.cache_on(): check, search
         ns.cache_on = lambda: _cache_on(ns, stack)
         return ns.handler(ns)
     except SystemExit as e:  # the user's module or function called sys.exit
       return _exit_status(e)
-  except _UsageError as e:
-    print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
-    return 2
-  except _Failure as e:
-    print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
-    return 1
+  except (UsageError, Failure) as e:
+    print(f"{_PROG}: error: {inputs.one_line(e)}", file=sys.stderr)
+    return 2 if isinstance(e, UsageError) else 1
   except KeyboardInterrupt:  # Ctrl-C: one line, the shells' status for SIGINT
     print(f"{_PROG}: interrupted", file=sys.stderr)
     return 128 + 2
@@ -318,15 +278,6 @@ def _exit_status(e: SystemExit) -> int:
   return 1
 
 
-def _policy(text: str):
-  """A Policy from ``--policy`` text (a policy string or one precision)."""
-  from jaxprec._src.policy.policy import as_policy
-  try:
-    return as_policy(text)
-  except ValueError as e:
-    raise _UsageError(str(e)) from None
-
-
 # ---------------------------------------------------------------------------
 # Commands.
 
@@ -338,32 +289,33 @@ def _info(ns: argparse.Namespace) -> int:
   return 0
 
 
-def _resolve(value: str):
+def _resolve(text: str, policy: bool = False):
+  """A precision, or with ``policy`` a Policy (a policy string or one
+  precision), from its text; bad usage when it names none."""
   from jaxprec._src.core.precision import resolve
+  from jaxprec._src.policy.policy import as_policy
   try:
-    return resolve(value)
+    return as_policy(text) if policy else resolve(text)
   except ValueError as e:
-    raise _UsageError(str(e)) from None
+    raise UsageError(str(e)) from None
 
 
 def _audit(ns: argparse.Namespace) -> int:
   p = _resolve(ns.precision) if ns.precision is not None else None
-  fn, args, kwargs = _call_target(ns.target)
+  fn, args, kwargs = inputs.call_target(ns.target)
 
   import jax
   from jaxprec._src.inspect import audit as audit_lib
   try:
-    if p is None:
+    # JAX's flag, as `jaxprec run -p` sets it: under a preset the report
+    # shows the convolutions JAX downgrades.
+    with (contextlib.nullcontext() if p is None
+          else jax.default_matmul_precision(p.flag)):
       report = audit_lib.audit(fn, *args, **kwargs)
-    else:
-      # JAX's flag, as `jaxprec run -p` sets it: under a preset the report
-      # shows the convolutions JAX downgrades.
-      with jax.default_matmul_precision(p.flag):
-        report = audit_lib.audit(fn, *args, **kwargs)
   except TypeError as e:  # fn is not callable
-    raise _UsageError(f"{ns.target}(): {e}") from None
+    raise UsageError(f"{ns.target}(): {e}") from None
   except audit_lib.AuditError as e:
-    raise _Failure(str(e)) from None
+    raise Failure(str(e)) from None
   print(report.to_json() if ns.json else str(report))
   return 0
 
@@ -374,82 +326,71 @@ def _model_or_target(ns: argparse.Namespace):
     try:
       from jaxprec._src.models import registry as models
     except ImportError as e:
-      raise _Failure(f"--model needs Flax: {e}") from None
+      raise Failure(f"--model needs Flax: {e}") from None
     try:
       fn, args = models.MODELS[ns.model](ns.size or "tiny", ns.seed)
     except ValueError as e:  # a size the model does not come in
-      raise _UsageError(f"--model {ns.model}: {_one_line(e)}") from None
+      raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
     kwargs: dict = {}
     what = f"{ns.model} ({ns.size or 'tiny'}, seed {ns.seed})"
   else:
-    fn, args, kwargs = _call_target(ns.function)
+    fn, args, kwargs = inputs.call_target(ns.function)
     what = ns.function
   if not callable(fn):
-    raise _UsageError(f"{ns.function}() returned a {type(fn).__name__} as fn, "
-                      f"not a callable")
+    raise UsageError(f"{ns.function}() returned a {type(fn).__name__} as fn, "
+                     f"not a callable")
   return fn, args, kwargs, what
-
-
-def _twin(name: str, seed: int):
-  """The port check ``name`` (the PyTorch original and jaxprec's NNX model
-  with its weights): exit 2 with a hint without PyTorch or transformers."""
-  try:
-    from jaxprec._src.torch import torch_ports
-    return torch_ports.port(name, seed)
-  except ImportError as e:
-    raise _UsageError(f"--model {name}: {_one_line(e)}") from None
 
 
 def _check(ns: argparse.Namespace) -> int:
   if (ns.function is None) == (ns.model is None):
-    raise _UsageError("check needs either --model wav2vec2|bert or "
-                      "MODULE:FUNCTION (not both)")
+    raise UsageError("check needs either --model wav2vec2|bert or "
+                     "MODULE:FUNCTION (not both)")
   if ns.size is not None and ns.model not in _MODELS:
-    raise _UsageError(f"--size applies to --model {' or '.join(_MODELS)} only")
+    raise UsageError(f"--size applies to --model {' or '.join(_MODELS)} only")
   from jaxprec._src.checker import check as check_lib
   from jaxprec._src.checker import reference as reference_lib
   # check's own default: with an external reference it adds the float32 floor.
-  precisions = check_lib.DEFAULT_PRECISIONS
-  if ns.precisions is not None:
-    precisions = _precision_list(ns.precisions)
+  precisions = (check_lib.DEFAULT_PRECISIONS if ns.precisions is None
+                else inputs.precision_list(ns.precisions))
   reference = ns.reference
-  if reference == _PYTORCH:
+  if reference == PYTORCH:
     if ns.model not in _TWINS:
-      what = (f"--model {ns.model}" if ns.model is not None
-              else ns.function)
-      raise _UsageError(f"--reference pytorch needs a model with a PyTorch "
-                        f"twin: --model {' or '.join(_TWINS)} ({what} has "
-                        f"none; for your own model, save the PyTorch hidden "
-                        f"states with jaxprec.torch.capture and pass the "
-                        f".npz file)")
-  elif _is_reference_file(reference):
-    _check_reference_file(reference)
+      what = ns.function if ns.model is None else f"--model {ns.model}"
+      raise UsageError(f"--reference pytorch needs a model with a PyTorch "
+                       f"twin: --model {' or '.join(_TWINS)} ({what} has "
+                       f"none; for your own model, save the PyTorch hidden "
+                       f"states with jaxprec.torch.capture and pass the "
+                       f".npz file)")
+  elif inputs.is_reference_file(reference):
+    inputs.check_reference_file(reference)
   elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
     _resolve(reference)
-  for name in ("atol", "rtol"):
+  enforce = ns.atol is not None or ns.rtol is not None
+  tol = {"atol": check_lib.DEFAULT_ATOL, "rtol": check_lib.DEFAULT_RTOL}
+  for name in tol:
     v = getattr(ns, name)
     if v is not None and not v >= 0:
-      raise _UsageError(f"--{name} must be >= 0, got {v}")
-  enforce = ns.atol is not None or ns.rtol is not None
-  tol = {"atol": check_lib.DEFAULT_ATOL if ns.atol is None else ns.atol,
-         "rtol": check_lib.DEFAULT_RTOL if ns.rtol is None else ns.rtol}
-  if ns.atol is None and ns.rtol is not None:
-    tol["atol"] = 0.0  # only the given tolerance counts
-  if ns.rtol is None and ns.atol is not None:
-    tol["rtol"] = 0.0
+      raise UsageError(f"--{name} must be >= 0, got {v}")
+    if enforce:  # only the given tolerance counts
+      tol[name] = 0.0 if v is None else v
 
-  _check_out(ns.out)
+  inputs.check_out(ns.out)
   ns.cache_on()  # after the arguments: bad usage writes nothing
   if ns.model in _TWINS:
-    twin = _twin(ns.model, ns.seed)
+    try:  # without PyTorch or transformers: exit 2 with a hint
+      from jaxprec._src.torch import torch_ports
+      twin = torch_ports.port(ns.model, ns.seed)
+    except ImportError as e:
+      raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
     fn, args, kwargs = twin.fn, twin.args(), {}
     what = f"{ns.model} (jaxprec's NNX port, seed {ns.seed})"
-    if reference == _PYTORCH:
+    if reference == PYTORCH:
       try:
         reference = twin.reference()
       except Exception as e:  # noqa: BLE001 -- the PyTorch model failed
-        raise _Failure(f"running the PyTorch {ns.model} failed: "
-                       f"{type(e).__name__}: {e}") from None
+        raise Failure(f"running the PyTorch {ns.model} failed: "
+                      f"{type(e).__name__}: {e}") from None
       what = (f"{ns.model} (jaxprec's NNX port) against the PyTorch "
               f"original, seed {ns.seed}")
   else:
@@ -459,10 +400,10 @@ def _check(ns: argparse.Namespace) -> int:
                              reference=reference, target=ns.target,
                              mode=ns.mode, progress=True, **tol, **kwargs)
   except reference_lib.ReferenceMismatchError as e:
-    raise _UsageError(str(e)) from None
+    raise UsageError(str(e)) from None
   except Exception as e:  # noqa: BLE001 -- the user's code failed
-    raise _Failure(f"checking {what} failed: {type(e).__name__}: {e}") from None
-  if ns.reference == _PYTORCH:  # not "pytree": say which reference it was
+    raise Failure(f"checking {what} failed: {type(e).__name__}: {e}") from None
+  if ns.reference == PYTORCH:  # not "pytree": say which reference it was
     import dataclasses
     report = dataclasses.replace(
         report, reference=f"pytorch:{type(twin.torch_model).__name__}")
@@ -472,14 +413,53 @@ def _check(ns: argparse.Namespace) -> int:
     print(f"model: {what}")
     _print_report(report)
   _write_outputs(report, ns.out)
-  if enforce:
-    first = report.first_divergence()
-    failed = {p: f for p, f in first.items() if f is not None}
-    if failed:
-      parts = [f"{p}: {f.layer} needs atol >= {f.value:.3g}" for p, f in failed.items()]
-      raise _Failure(f"outside atol={tol['atol']:g} rtol={tol['rtol']:g}: "
-                     + "; ".join(parts))
+  failed = [] if not enforce else [
+      f"{p}: {f.layer} needs atol >= {f.value:.3g}"
+      for p, f in report.first_divergence().items() if f is not None]
+  if failed:
+    raise Failure(f"outside atol={tol['atol']:g} rtol={tol['rtol']:g}: "
+                  + "; ".join(failed))
   return 0
+
+
+def _write_outputs(report, out: str) -> None:
+  """Writes ``report.json`` and ``divergence.png`` into ``out``.
+
+  The previous run's picture is removed first; a plot that fails is a
+  warning line (the report is written), without matplotlib a note. In a
+  multi-process run (``jax.distributed``) process 0 alone writes; the others,
+  which computed the same report, write nothing.
+
+  Raises:
+    Failure: ``out`` cannot be written.
+  """
+  from jaxprec._src.jaxpr import compat
+  if compat.process_index() != 0:
+    return
+  json_path, png = (os.path.join(out, name) for name in inputs.OUT_FILES)
+  try:
+    os.makedirs(out, exist_ok=True)
+    # A previous run's picture never stays beside this run's report.
+    if os.path.lexists(png):
+      os.remove(png)
+    with open(json_path, "w", encoding="utf-8") as f:
+      f.write(report.to_json() + "\n")
+  except OSError as e:
+    raise Failure(f"cannot write to {out!r}: {e}") from None
+  try:
+    report.plot(png)
+  except ImportError:
+    print(f"{_PROG}: note: divergence.png not written: matplotlib is not "
+          f"installed (pip install 'jaxprec[plots]')", file=sys.stderr)
+    return
+  except Exception as e:  # noqa: BLE001 -- the report is written: say so
+    with contextlib.suppress(OSError):
+      os.remove(png)
+    print(f"{_PROG}: warning: divergence.png not written "
+          f"({type(e).__name__}: {inputs.one_line(e)}); report.json is "
+          f"written", file=sys.stderr)
+    return
+  print(f"wrote {json_path} and {png}", file=sys.stderr)
 
 
 def _print_report(report) -> None:
@@ -499,12 +479,12 @@ POLICY_ENV_VAR = "JAXPREC_POLICY"
 
 
 def _run(ns: argparse.Namespace) -> int:
-  policy = None if ns.policy is None else _policy(ns.policy)
+  policy = None if ns.policy is None else _resolve(ns.policy, policy=True)
   cmd = list(ns.cmd)
   if cmd and cmd[0] == "--":
     cmd = cmd[1:]
   if not cmd:
-    raise _UsageError(
+    raise UsageError(
         "run needs a command, e.g. jaxprec run -p float32 -- python train.py")
   from jaxprec._src.core import env as env_lib
   if policy is None:
@@ -530,28 +510,28 @@ def _run(ns: argparse.Namespace) -> int:
 
 def _search(ns: argparse.Namespace) -> int:
   if ns.prepare_weights:
-    raise _UsageError("--prepare-weights was removed (it did not pay back "
-                      "within a search's evaluations); drop the flag")
+    raise UsageError("--prepare-weights was removed (it did not pay back "
+                     "within a search's evaluations); drop the flag")
   if (ns.function is None) == (ns.model is None):
-    raise _UsageError("search needs either --model wav2vec2|bert or "
-                      "MODULE:FUNCTION (not both)")
+    raise UsageError("search needs either --model wav2vec2|bert or "
+                     "MODULE:FUNCTION (not both)")
   if ns.size is not None and ns.model is None:
-    raise _UsageError("--size applies to --model only")
+    raise UsageError("--size applies to --model only")
   from jaxprec._src.search import search as search_lib
   candidates = None
   if ns.candidates is not None:
     candidates = tuple(c.strip() for c in ns.candidates.split(",") if c.strip())
     if not candidates:
-      raise _UsageError("--candidates is empty; e.g. --candidates "
-                        "bfloat16,float32")
+      raise UsageError("--candidates is empty; e.g. --candidates "
+                       "bfloat16,float32")
   budget = search_lib.DEFAULT_BUDGET if ns.budget is None else ns.budget
-  axes = _search_axes(ns)
+  axes = inputs.search_axes(ns)
   try:  # the arguments, before the model is built
     search_lib.check_arguments(tolerance=ns.tolerance, metric=ns.metric,
                                candidates=candidates, target=ns.target,
                                budget=budget, **axes)
   except (ValueError, TypeError) as e:
-    raise _UsageError(str(e)) from None
+    raise UsageError(str(e)) from None
   ns.cache_on()
   fn, args, kwargs, what = _model_or_target(ns)
   import warnings
@@ -563,16 +543,16 @@ def _search(ns: argparse.Namespace) -> int:
           candidates=candidates, target=ns.target, budget=budget, **axes,
           compile_once=not ns.program_per_policy, **kwargs)
   except Exception as e:  # noqa: BLE001 -- the user's code failed
-    raise _Failure(f"searching {what} failed: {type(e).__name__}: "
-                   f"{e}") from None
+    raise Failure(f"searching {what} failed: {type(e).__name__}: "
+                  f"{e}") from None
   for w in caught:
-    print(f"{_PROG}: warning: {_one_line(w.message)}", file=sys.stderr)
+    print(f"{_PROG}: warning: {inputs.one_line(w.message)}", file=sys.stderr)
   if ns.json:
     print(result.to_json())
   else:
     print(f"model: {what}")
     print(result)
   if not result.meets_tolerance:
-    raise _Failure(f"no policy met the tolerance ({result.metric} "
-                   f"{ns.tolerance:g}); the printed policy is the fallback")
+    raise Failure(f"no policy met the tolerance ({result.metric} "
+                  f"{ns.tolerance:g}); the printed policy is the fallback")
   return 0

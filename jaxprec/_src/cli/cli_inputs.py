@@ -1,16 +1,9 @@
-"""What the ``jaxprec`` command line reads: targets, reference files, ``--out``.
-
-* ``MODULE:FUNCTION`` (or ``path/to/file.py:FUNCTION``): imported as
-  ``python -m`` or ``python file.py`` would, and called for ``(fn, args)`` or
-  ``(fn, args, kwargs)``.
-* ``check --reference FILE`` and ``check --out DIR``: checked before any model
-  is built, so that bad usage exits 2 at once.
-* ``search --axes precision,dtype``, ``--dtypes`` and ``--chip``
-  (:func:`add_search_axes`, :func:`search_axes`).
+"""What the ``jaxprec`` command line reads: ``MODULE:FUNCTION`` targets,
+reference files, ``--out``, ``--seed``, ``--precisions`` and the search's
+axes, checked before any model is built.
 
 Errors: :class:`UsageError` (one line, exit 2) and :class:`Failure` (the
-user's code failed: one line, exit 1). ``sys.exit`` in the user's code is left
-to propagate (the command line exits as Python would).
+user's code failed: one line, exit 1).
 """
 
 from __future__ import annotations
@@ -46,8 +39,7 @@ def seed(text: str) -> int:
   try:
     value = int(text)
   except ValueError:
-    raise argparse.ArgumentTypeError(
-        f"invalid seed {text!r}: an integer from 0 to {MAX_SEED}") from None
+    value = -1
   if not 0 <= value <= MAX_SEED:
     raise argparse.ArgumentTypeError(
         f"invalid seed {text!r}: an integer from 0 to {MAX_SEED}")
@@ -106,16 +98,13 @@ def call_target(target: str) -> tuple[Any, tuple, dict]:
   if (not isinstance(made, tuple) or len(made) not in (2, 3)
       or not isinstance(made[1], (tuple, list))
       or (len(made) == 3 and not isinstance(made[2], dict))):
+    got = type(made).__name__ if not isinstance(made, tuple) else (
+        f"a tuple of {len(made)} "
+        f"({', '.join(type(v).__name__ for v in made)})")
     raise UsageError(
         f"{target}() must return (fn, args) or (fn, args, kwargs) with args "
-        f"a tuple and kwargs a dict; got {describe(made)}")
+        f"a tuple and kwargs a dict; got {got}")
   return made[0], tuple(made[1]), (made[2] if len(made) == 3 else {})
-
-
-def describe(x: Any) -> str:
-  if isinstance(x, tuple):
-    return f"a tuple of {len(x)} ({', '.join(type(v).__name__ for v in x)})"
-  return f"{type(x).__name__}"
 
 
 def load(target: str):
@@ -203,7 +192,7 @@ def check_reference_file(path: str) -> None:
     raise UsageError(message) from None
 
 
-# The files ``--out`` receives (:func:`jaxprec._src.cli.cli_outputs.write_outputs`).
+# The files ``--out`` receives (``jaxprec check`` writes them).
 OUT_FILES = ("report.json", "divergence.png")
 
 
@@ -236,20 +225,6 @@ def check_out(out: str) -> None:
   except OSError as e:
     raise UsageError(f"--out {out!r} is not writable: cannot create a "
                      f"directory in {existing!r} ({e.strerror})") from None
-
-
-def add_search_axes(parser: Any) -> None:
-  """``search``'s ``--axes``, ``--dtypes`` and ``--chip`` options."""
-  parser.add_argument("--axes", default="precision",
-                      help="what to choose per module: precision (default), "
-                           "precision,dtype or dtype (the compute dtype)")
-  parser.add_argument("--dtypes", default=None,
-                      help="with --axes ...dtype: comma-separated compute "
-                           "dtypes to choose from (default bfloat16,float32)")
-  parser.add_argument("--chip", default=None,
-                      help="with --axes ...dtype: the chip whose roofline "
-                           "orders the costs (tpu-v4, tpu-v5e, tpu-v5p, a100, "
-                           "h100; default tpu-v5e for tpu, h100 for gpu)")
 
 
 def search_axes(ns: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ it cleans up after the first).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import subprocess
@@ -112,7 +113,5 @@ def _wait(proc: subprocess.Popen, early: list[int] | None,
 
 
 def _send(proc: subprocess.Popen, signum: int) -> None:
-  try:
+  with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
     proc.send_signal(signum)
-  except ProcessLookupError:  # it ended meanwhile
-    pass
