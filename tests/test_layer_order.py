@@ -76,9 +76,9 @@ def test_linen_scan_layers_are_reported_stacked():
   assert shapes["stack/d"] == shapes["stack[0]"] == (3, 2, 8)
   assert _first(r) == "z_in"
   # The stacked outputs are each iteration's, computed independently.
-  from jaxprec._src.checker import capture as flax_capture
-  out = flax_capture.linen_outputs(net, variables, (X,), {}, method=None,
-                                   capture=True)
+  from jaxprec._src.checker import check as check_lib
+  out = check_lib.linen_outputs(net, variables, (X,), {}, method=None,
+                                capture=True)
   p = variables["params"]
   h = np.asarray(X) @ np.asarray(p["z_in"]["kernel"]) + np.asarray(
       p["z_in"]["bias"])

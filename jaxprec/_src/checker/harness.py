@@ -428,7 +428,8 @@ def _candidate_program(fn, call: Args, p: Plan, ref: Reference,
 
 def _layers_program(fn, call: Args, wrap, key: Any, names: tuple[str, ...],
                     cache: dict | None):
-  """The jitted program ``(index, dynamic) -> layers`` of ``wrap(fn, index)``."""
+  """The jitted program ``(index, dynamic) -> layers`` of
+  ``wrap(fn, index)``."""
   static = call.static
 
   def make(fn_ref):
@@ -456,7 +457,8 @@ def candidate_args(call: Args, ref: Reference, atol: float, rtol: float):
           np.float32(rtol))
 
 
-def _finish(out, values, ref: Reference, args) -> list[metrics_lib.LayerMetrics]:
+def _finish(out, values, ref: Reference, args
+            ) -> list[metrics_lib.LayerMetrics]:
   """The metrics of the all-finite program's ``out``, or, where a NaN or an
   infinity makes its numbers wrong, of the masked program on ``values``."""
   hi, lo, stats, _, atol, rtol = args
