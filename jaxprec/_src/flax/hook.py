@@ -12,12 +12,14 @@ gives a linen model and an NNX model with the same modules the same program:
   the copies that NNX transforms (``nnx.jit``, ``nnx.scan``) and
   ``nnx.clone`` make.
 
-Each call runs under ``jax.default_matmul_precision`` at the flag for the
-precision the policy in force gives the module's path, type and op kind. JAX
-writes the flag into every ``dot_general`` and ``conv_general_dilated``
-recorded without an explicit precision while the call traces, so the policy
-reaches every matmul of the module's own code: layers, a raw ``x @ w``,
-``jnp.einsum``, attention scores.
+Each call runs under ``jax.default_matmul_precision`` (thread-local, restored
+on return) at the flag for the precision the policy in force gives the
+module's path, type and op kind. JAX writes the flag into every
+``dot_general`` and ``conv_general_dilated`` recorded without an explicit
+precision while the call traces (the jax.default_matmul_precision docs), so
+the policy reaches every matmul of the module's own code: layers, a raw
+``x @ w``, ``jnp.einsum``, attention scores; nothing is left to do at run
+time.
 
 What a module is to a policy (:func:`classify`: its type and op kind;
 :func:`own_precision`) is decided here too, for both APIs and for the

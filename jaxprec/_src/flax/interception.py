@@ -6,16 +6,11 @@ checks ``sys.modules``).
 A policy reaches the ops of a linen model whose code the user does not own
 (Hugging Face Flax models, for instance) through
 ``flax.linen.intercept_methods``, which calls an interceptor around every
-module method call, with the module. The interceptor asks the hook
-(:func:`jaxprec._src.flax.hook.decide`) for the module's flag and runs the
-method under ``jax.default_matmul_precision`` (thread-local, restored on
-return). JAX resolves the flag while tracing and writes it into each
-``dot_general``/``conv_general_dilated`` equation recorded without an
-explicit precision (the jax.default_matmul_precision docs), so every op gets
-the precision of its innermost module, including ops that are not modules
-themselves (the attention-score ``jnp.einsum`` calls inside
-``flax.linen.dot_product_attention_weights``), and nothing is left to do at
-run time.
+module method call, with the module: the method runs under the flag the hook
+decides (:mod:`jaxprec._src.flax.hook`), so every op gets the precision of its
+innermost module, including ops that are not modules themselves (the
+attention-score ``jnp.einsum`` calls inside
+``flax.linen.dot_product_attention_weights``).
 
 The compute dtype (:meth:`jaxprec.Policy.match_dtype`) is applied per module:
 a module with a ``dtype`` dataclass field runs its ``setup`` and each method
@@ -81,22 +76,6 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
   return jax.tree.map(leaf, tree)
 
 
-def _run(next_fun, args, kwargs, dtype_name: str | None, how: str | None,
-         module: nn.Module, setup: bool):
-  """Calls the method with the module's compute dtype applied."""
-  if how == "field" and module.scope is not None:  # bound: never the user's
-    old = module.dtype
-    object.__setattr__(module, "dtype", getattr(jnp, dtype_name))
-    try:
-      return next_fun(*args, **kwargs)
-    finally:
-      object.__setattr__(module, "dtype", old)
-  if how == "boundary" and not setup:
-    args, kwargs = cast_floating((args, kwargs), getattr(jnp, dtype_name))
-    return cast_floating(next_fun(*args, **kwargs), getattr(jnp, dtype_name))
-  return next_fun(*args, **kwargs)
-
-
 @contextlib.contextmanager
 def intercept(scope: ActiveScope) -> Iterator[None]:
   """Runs linen module calls in the block at ``scope.policy``'s precisions
@@ -125,7 +104,17 @@ def intercept(scope: ActiveScope) -> Iterator[None]:
       recorder.record(path_str, module_type, kind, precision, rule, kept=kept,
                       dtype=dt, dtype_how=how, dtype_rule=drule)
     with scope.paths.entered(path), jax.default_matmul_precision(flag):
-      return _run(next_fun, args, kwargs, dt, how, module, setup)
+      if how == "field" and module.scope is not None:  # bound: not the user's
+        old = module.dtype
+        object.__setattr__(module, "dtype", getattr(jnp, dt))
+        try:
+          return next_fun(*args, **kwargs)
+        finally:
+          object.__setattr__(module, "dtype", old)
+      if how == "boundary" and not setup:
+        args, kwargs = cast_floating((args, kwargs), getattr(jnp, dt))
+        return cast_floating(next_fun(*args, **kwargs), getattr(jnp, dt))
+      return next_fun(*args, **kwargs)
 
   with nn.intercept_methods(interceptor):
     yield

@@ -69,11 +69,7 @@ def apply(model: Any, policy: Policy | None, recorder: Recorder | None,
 
 def check_dtypes(model: Any, policy: Policy) -> None:
   """Raises if a dtype rule of ``policy`` matches an NNX module of ``model``
-  that has no ``dtype`` attribute.
-
-  NNX has no method interception, so such a module cannot be cast at its
-  boundary; under ``default_dtype`` such modules are left alone (and reported
-  as ``'skipped'``).
+  that has no ``dtype`` attribute (it cannot be cast at its boundary).
 
   Raises:
     ValueError: naming the module's path and type, and the rule.
@@ -105,14 +101,6 @@ def _module_and_method(fn: Any, policy: Policy | None
   if policy is not None and policy.has_dtypes:
     check_dtypes(found[0], policy)
   return found
-
-
-def _in_force(policy: Policy | None):
-  """A scope of ``policy`` unless one is in force already (none for None)."""
-  scope = active()
-  if policy is None or (scope is not None and scope.policy == policy):
-    return contextlib.nullcontext()
-  return flax_scope.policy_scope(policy)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity
@@ -181,7 +169,11 @@ class Stateful:
       apply(copy, self.policy, self.recorder)
     else:
       hook.install(copy)
-    with _in_force(self.policy):
+    scope = active()
+    in_force = self.policy is None or (scope is not None
+                                       and scope.policy == self.policy)
+    with (contextlib.nullcontext() if in_force
+          else flax_scope.policy_scope(self.policy)):
       return hook.run(copy, self.path, self.method, args, kwargs)
 
   def split(self, module: Any | None, args: tuple, kwargs: dict
@@ -202,8 +194,9 @@ class Stateful:
     nodes: list[tuple[Any, Any]] = []
     for holder, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
       for k in keys:
-        node = holder[k]
-        if _is_node(node):
+        node = holder[k]  # a graph node with state of its own, not a variable
+        if (nnx.graph.is_graph_node(node)
+            and not isinstance(node, nnx.Variable)):
           g, holder[k] = nnx.split(node)
           places.append((k, g))
           nodes.append((k, node))
@@ -253,14 +246,6 @@ class Stateful:
 
 
 Lifted = Stateful  # the name jaxprec.emulate constructs it by
-
-
-def _is_node(value: Any) -> bool:
-  """Whether a call argument is an NNX graph node with state of its own (a
-  module, an ``nnx.Rngs``; not a lone variable)."""
-  nnx = sys.modules["flax.nnx"]
-  return (nnx.graph.is_graph_node(value)
-          and not isinstance(value, nnx.Variable))
 
 
 def _leaves(state: Any) -> dict[Any, list[Any]]:

@@ -61,12 +61,11 @@ def policy_scope(policy: Policy, recorder: Recorder | None = None,
     # and its rules would read as unused.
     key = str(policy) if recorder is None else (
         f"{policy} (recorder {recorder.token})")
-    with compat.jit_key_scope(key):
-      if "flax.linen" in sys.modules:
-        from jaxprec._src.flax import interception
-        with interception.intercept(scope):
-          yield scope
-      else:
-        yield scope
+    intercept = contextlib.nullcontext()
+    if "flax.linen" in sys.modules:
+      from jaxprec._src.flax import interception
+      intercept = interception.intercept(scope)
+    with compat.jit_key_scope(key), intercept:
+      yield scope
   if recorder is not None and not state.recording(recorder):
     recorder.warn_unused(what, stacklevel=4)
