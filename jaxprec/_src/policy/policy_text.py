@@ -215,14 +215,15 @@ def check_item_typo(selector: str, value: str, entry: str) -> None:
   """ValueError for ``X=dtype=NAME`` (or ``X=precision=NAME``): a value item
   written with ``=`` instead of ``:``, which would read as a path ``X=dtype``."""
   head, sep, tail = selector.rpartition("=")
-  if split(selector, "&")[-1].strip().startswith("path:"):
-    return  # explicit: a regex that ends with "=dtype" (format_path writes it)
-  if sep and tail.strip().lower() in ("dtype", "precision"):
-    item = f"{tail.strip().lower()}:{value.strip()}"
+  name = tail.strip().lower()
+  # A last term "path:..." is explicit: a regex that ends with "=dtype"
+  # (format_path writes it).
+  if (sep and name in ("dtype", "precision")
+      and not split(selector, "&")[-1].strip().startswith("path:")):
     raise ValueError(
         f"Invalid policy entry {entry!r}: a value item is written "
-        f"'{tail.strip().lower()}:NAME', with ':'. Did you mean "
-        f"'{head.strip()}={item}'?")
+        f"'{name}:NAME', with ':'. Did you mean "
+        f"'{head.strip()}={name}:{value.strip()}'?")
 
 
 def _item_precision(item: str, where: str) -> Precision:
