@@ -487,18 +487,17 @@ def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
       all-finite metrics only, and compute them again with the masked path
       where a NaN or an infinity needs it.
   """
-  args = candidate_args(call, ref, atol, rtol)
   if fused:
+    args = candidate_args(call, ref, atol, rtol)
     out, values = _candidate_program(fn, call, p, ref, cache)(*args)
     return _finish(out, values, ref, args)
-  return run_indexed(fn, call, lambda f, _: p.wrap(f), ("layers", p.key),
-                     None, ref, cache, atol, rtol)
+  return _run_unfused(fn, call, lambda f, _: p.wrap(f), ("layers", p.key),
+                      None, ref, cache, atol, rtol)
 
 
 def run_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
                                                Callable[..., Any]],
-                key: Any, index: Any, ref: Reference, cache: dict | None,
-                atol: float = 0.0, rtol: float = 0.0
+                key: Any, index: Any, ref: Reference, cache: dict
                 ) -> list[metrics_lib.LayerMetrics]:
   """Runs the program ``wrap(fn, index)`` and returns its metrics.
 
@@ -507,6 +506,14 @@ def run_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
   array chooses each unit's precision at run time. The metrics are a second
   program, as :func:`run_candidate` with ``fused=False``.
   """
+  return _run_unfused(fn, call, wrap, ("indexed", key), index, ref, cache,
+                      0.0, 0.0)
+
+
+def _run_unfused(fn, call: Args, wrap, key: Any, index: Any, ref: Reference,
+                 cache: dict | None, atol: float, rtol: float
+                 ) -> list[metrics_lib.LayerMetrics]:
+  """The metrics of ``wrap(fn, index)``'s layers, a second program."""
   args = candidate_args(call, ref, atol, rtol)
   hi, lo, stats, dynamic, atol_, rtol_ = args
   values = _layers_program(fn, call, wrap, key, tuple(ref.names), cache)(
