@@ -46,7 +46,7 @@ import importlib.util
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -60,8 +60,6 @@ from jaxprec._src.core.precision import resolve
 from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import paths as flax_paths
-from jaxprec._src.inspect import audit_dtypes
-from jaxprec._src.inspect import audit_text
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import trees
 from jaxprec._src.jaxpr import walker
@@ -170,8 +168,15 @@ class AuditRow:
   @property
   def dtype_story(self) -> str:
     """The dtypes compactly: ``'f32->bf16 x f32->bf16 -> bf16'`` (stored->
-    compute for each operand, then the accumulation dtype)."""
-    return audit_text.dtype_story(self)
+    compute for each operand, one name when nothing casts, then the
+    accumulation dtype)."""
+    def operand(stored: str, compute: str) -> str:
+      if stored and stored != compute:
+        return f"{_short(stored)}->{_short(compute)}"
+      return _short(compute)
+    acc = self.accumulation_dtype or self.out_dtype
+    return (f"{operand(self.lhs_storage, self.lhs_dtype)} x "
+            f"{operand(self.rhs_storage, self.rhs_dtype)} -> {_short(acc)}")
 
   def to_dict(self) -> dict[str, Any]:
     """The row as JSON-able values (``precision`` becomes ``precision_name``)."""
@@ -291,7 +296,49 @@ class AuditReport:
     return json.dumps(self.to_dict(), indent=indent)
 
   def __str__(self) -> str:
-    return audit_text.format_report(self)
+    name = self.function or "function"
+    head = f"jaxprec audit of {name}"
+    if self.precision_in_force:
+      head += f", traced at precision {self.precision_in_force}"
+    opaque = _opaque_lines(self)
+    if not self.rows:
+      return "\n".join([head, "no matmuls or convolutions (dot_general, "
+                         "conv_general_dilated) found", *opaque])
+    cols = ("#", "op", "name stack", "function", "source", "operands",
+            "dtypes", "precision", "TPU", "GPU", "FLOPs", "risky")
+    body = []
+    for i, r in enumerate(self.rows, 1):
+      op = numerics.op_kind(r.primitive)
+      if r.trip_count != 1:
+        op += f" x{r.trip_count}"
+      if not r.emulated:
+        op += " (not emulated)"
+      body.append((str(i), op, r.name_stack or "-", r.op.split(" (")[0] or "?",
+                   _short_path(r.source),
+                   f"{_shape(r.lhs_dtype, r.lhs_shape)} x "
+                   f"{_shape(r.rhs_dtype, r.rhs_shape)}",
+                   r.dtype_story, r.precision_name, r.tpu, r.gpu,
+                   si(r.flops, ".0f"),
+                   "RISKY" if r.risky else ""))
+    out = [head, *table(cols, body, {0, 10})]
+    by = self.flops_by_precision()
+    n_risky = len(self.risky)
+    out.append(
+        f"total: {len(self.rows)} ops, {n_risky} risky, "
+        f"{si(self.total_flops, '.0f')} FLOPs per call; "
+        f"TPU: {_share(by['tpu'])}; GPU: {_share(by['gpu'])}")
+    dtypes = _dtype_summary(self.rows)
+    if dtypes:
+      out.append(dtypes)
+    if n_risky:
+      out.append("risky:")
+      by_reason: dict[str, list[int]] = {}
+      for i, r in enumerate(self.rows, 1):
+        if r.risky:
+          by_reason.setdefault(r.reason, []).append(i)
+      for reason, nums in by_reason.items():
+        out.append(f"  {', '.join(f'#{i}' for i in nums)}: {reason}")
+    return "\n".join(out + opaque)
 
 
 def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
@@ -393,10 +440,114 @@ def walk_modules(closed, module_paths: dict[str, list[str]] | None = None
     yield w, path, module
 
 
+# Ops that move a stored value to a dot without computing on it: the audit
+# follows them back to find what is stored (AuditRow.lhs_storage).
+FOLLOWED = frozenset({"convert_element_type", "reshape", "transpose",
+                       "squeeze", "expand_dims", "broadcast_in_dim", "copy",
+                       "copy_p"})
+
+
+class Storage:
+  """The stored dtype of each jaxpr variable, one environment per depth.
+
+  Fed every equation in :func:`walker.iter_eqns` order (a parent right before
+  its bodies). A variable made by a :data:`FOLLOWED` op from another has that
+  one's storage; a body's inputs have the storage of the parent's operands;
+  after a body, the parent's outputs have the storage of the body's outputs
+  (for bodies that map one to one: jit, remat, custom_jvp/vjp, scan).
+  """
+
+  def __init__(self) -> None:
+    self._env: dict[int, dict[Any, str]] = {0: {}}
+    self._open: list[tuple[int, Any, list[Any]]] = []
+
+  def of(self, var: Any, depth: int) -> str:
+    """The stored dtype name of ``var``, an operand at ``depth``."""
+    if isinstance(var, compat.Var):
+      found = self._env.get(depth, {}).get(var)
+      if found is not None:
+        return found
+    dtype = var.aval.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+      return str(dtype)  # a typed PRNG key (key<fry>): no NumPy dtype
+    return np.dtype(dtype).name
+
+  def visit(self, eqn: Any, depth: int) -> None:
+    """Records what ``eqn`` (met at ``depth``) tells about storage: call it
+    for every equation, in order, before asking :meth:`of` about its
+    operands."""
+    while self._open and self._open[-1][0] >= depth:
+      self._close(*self._open.pop())
+    env = self._env.setdefault(depth, {})
+    if (eqn.primitive.name in FOLLOWED and eqn.invars
+        and len(eqn.outvars) == 1):
+      env[eqn.outvars[0]] = self.of(eqn.invars[0], depth)
+    subs = body_operands(eqn)
+    if subs:
+      inner: dict[Any, str] = {}
+      for jaxpr, operands in subs:
+        for v, o in zip(jaxpr.invars, operands):
+          inner[v] = self.of(o, depth)
+      self._env[depth + 1] = inner
+      self._open.append((depth, eqn, [j for j, _ in subs]))
+
+  def _close(self, depth: int, eqn: Any, bodies: list[Any]) -> None:
+    if len(bodies) != 1 or len(bodies[0].outvars) != len(eqn.outvars):
+      return
+    inner = self._env.get(depth + 1, {})
+    outer = self._env.setdefault(depth, {})
+    for v, o in zip(bodies[0].outvars, eqn.outvars):
+      if isinstance(v, compat.Var) and v in inner:
+        outer[o] = inner[v]
+
+
+def body_operands(eqn: Any) -> list[tuple[Any, list[Any]]]:
+  """``(body jaxpr, the parent's operands for its inputs)`` for each body."""
+  params = eqn.params
+  bodies = list(compat.jaxprs_in_params(params))
+  if not bodies:
+    return []
+  ins = list(eqn.invars)
+  name = eqn.primitive.name
+  if name == "while":
+    cn, bn = params["cond_nconsts"], params["body_nconsts"]
+    carry = ins[cn + bn:]
+    return [(params["cond_jaxpr"].jaxpr, ins[:cn] + carry),
+            (params["body_jaxpr"].jaxpr, ins[cn:cn + bn] + carry)]
+  if name == "cond":  # the first operand is the branch index
+    return [(j, ins[1:]) for j in bodies]
+  return [(j, ins) for j in bodies if len(j.invars) == len(ins)]
+
+
+def accumulation_risk(accumulation: str) -> str:
+  """Why accumulating in ``accumulation`` is risky (``''`` when it is not):
+  a floating dtype with 11 significand bits or fewer (bfloat16, float16,
+  float8).
+
+  Examples:
+    >>> from jaxprec._src.inspect.audit import accumulation_risk
+    >>> accumulation_risk("float32"), accumulation_risk("int32")
+    ('', '')
+    >>> accumulation_risk("float16")[:51]
+    'accumulates in float16, its result dtype: sums of m'
+  """
+  dtype = jax.numpy.dtype(accumulation)
+  if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+    return ""
+  bits = jax.numpy.finfo(dtype).nmant + 1
+  if bits > 11:
+    return ""
+  # jnp.dot and jnp.einsum record preferred_element_type = the result dtype
+  # when the user asks for none, so the two cases read the same.
+  return (f"accumulates in {accumulation}, its result dtype: sums of many "
+          f"products keep {bits} significand bits, and XLA need not add them "
+          f"in float32. Ask preferred_element_type=float32")
+
+
 def _rows(closed, module_paths: dict[str, list[str]] | None = None,
           opaque: list[OpaqueRow] | None = None) -> Iterator[AuditRow]:
   """The rows of ``closed``; opaque ops are appended to ``opaque``."""
-  storage = audit_dtypes.Storage()
+  storage = Storage()
   for w, path, module in walk_modules(closed, module_paths):
     eqn = w.eqn
     storage.visit(eqn, len(w.scope))
@@ -411,7 +562,7 @@ def _rows(closed, module_paths: dict[str, list[str]] | None = None,
 
 
 def _row(w: walker.WalkedEqn, name_stack: str, module: str,
-         storage: audit_dtypes.Storage) -> AuditRow:
+         storage: Storage) -> AuditRow:
   eqn = w.eqn
   depth = len(w.scope)
   prim = eqn.primitive.name
@@ -423,7 +574,7 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
   accumulation = np.dtype(out.dtype if preferred is None else preferred).name
   tpu, gpu, tpu_n, gpu_n = _effective(prim, precision, lhs_dtype, rhs_dtype)
   risky, reason = _risk(prim, precision, lhs_dtype, rhs_dtype, tpu_n)
-  acc_reason = audit_dtypes.accumulation_risk(accumulation)
+  acc_reason = accumulation_risk(accumulation)
   if acc_reason:
     risky, reason = True, "; ".join(r for r in (reason, acc_reason) if r)
   source, op = _frames(eqn)
@@ -570,3 +721,100 @@ def _qualname(fn) -> str:
       return name
   # A callable object (an NNX module): its class, not a many-line repr.
   return type(fn).__qualname__
+
+
+# ---------------------------------------------------------------------------
+# Text.
+
+_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",
+          "float64": "f64", "int8": "i8", "int32": "i32"}
+# Narrow floats: an op that accumulates in one is risky (accumulation_risk).
+_NARROW = ("bfloat16", "float16")
+
+
+def _short(dtype: str) -> str:
+  return _SHORT.get(dtype, dtype)
+
+
+def _dtype_summary(rows: Any) -> str:
+  """One line on the dtypes of ``rows``, or ``''`` when all are float32."""
+  compute = collections.Counter(d for r in rows
+                                for d in {r.lhs_dtype, r.rhs_dtype})
+  narrow_acc = [r for r in rows if (r.accumulation_dtype or r.out_dtype)
+                in _NARROW]
+  cast = sum(1 for r in rows if (r.lhs_storage and r.lhs_storage != r.lhs_dtype)
+             or (r.rhs_storage and r.rhs_storage != r.rhs_dtype))
+  if set(compute) <= {"float32"} and not narrow_acc:
+    return ""
+  parts = [f"{n} {_verb(n, 'compute')} in {d}" for d, n in sorted(
+      compute.items(), key=lambda kv: (-kv[1], kv[0]))]
+  line = f"dtypes: of {len(rows)} ops, {', '.join(parts)}"
+  if cast:
+    line += f"; {cast} {_verb(cast, 'cast')} an operand from its stored dtype"
+  n = len(narrow_acc)
+  line += (f"; {n} {_verb(n, 'accumulate')} in bfloat16/float16 (risky: ask "
+           f"preferred_element_type=float32)" if narrow_acc
+           else "; none accumulates in bfloat16/float16")
+  return line
+
+
+def _verb(n: int, verb: str) -> str:
+  return verb + "s" if n == 1 else verb
+
+
+def si(n: float, small: str = ".3g") -> str:
+  """``n`` with an SI prefix (``'1.02k'``); below 1000 in format ``small``."""
+  for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.3g}{unit}"
+  return f"{n:{small}}"
+
+
+def table(cols: Sequence[str], body: Sequence[Sequence[str]],
+          right: Collection[int]) -> list[str]:
+  """The header ``cols``, a rule and the ``body`` rows, each column as wide
+  as its widest cell; columns ``right`` right-aligned."""
+  widths = [max(len(c), *(len(b[j]) for b in body)) for j, c in enumerate(cols)]
+
+  def line(cells):
+    return "  ".join(c.rjust(w) if j in right else c.ljust(w)
+                     for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
+  return [line(cols), line(["-" * w for w in widths])] + [line(b) for b in body]
+
+
+def _shape(dtype: str, shape: tuple[int, ...]) -> str:
+  return f"{_short(dtype)}[{','.join(str(d) for d in shape)}]"
+
+
+def _short_path(source: str) -> str:
+  if not source:
+    return "?"
+  path, _, line = source.rpartition(":")
+  try:
+    rel = os.path.relpath(path)
+  except ValueError:  # another drive on Windows
+    rel = path
+  if rel.startswith(".."):
+    rel = os.path.join(*path.split(os.sep)[-2:]) if os.sep in path else path
+  return f"{rel}:{line}"
+
+
+def _share(totals: dict[str, int]) -> str:
+  whole = sum(totals.values())
+  if not whole:
+    return ", ".join(totals) or "-"
+  return ", ".join(f"{k} {100 * v / whole:.0f}%" for k, v in totals.items())
+
+
+def _opaque_lines(report: AuditReport) -> list[str]:
+  rows = report.opaque
+  if not rows:
+    return []
+  out = [f"opaque: {len(rows)} op(s) jaxprec cannot see into (run natively, "
+         f"not emulated; their precision is their own):"]
+  for r in rows:
+    where = f" at {_short_path(r.source)}" if r.source else ""
+    stack = f" [{r.name_stack}]" if r.name_stack else ""
+    times = f" x{r.trip_count}" if r.trip_count != 1 else ""
+    out.append(f"  {r.name}{times}{stack}{where}")
+  return out

@@ -96,6 +96,13 @@ CHIPS: Mapping[str, Chip] = {
         hbm_bytes_per_s=3350 * _G,
         source="https://www.nvidia.com/en-us/data-center/h100/"),
 }
+"""Chips for ``jaxprec.cost(..., chip=...)``: ``'tpu-v4'``, ``'tpu-v5e'``,
+``'tpu-v5p'``, ``'a100'``, ``'h100'``, each a ``Chip`` with ``target``,
+``description``, ``peak`` (dense FLOP/s per pass type: ``'bfloat16'``,
+``'float16'``, ``'tensorfloat32'``, ``'float32'``, ``'int8'``),
+``hbm_bytes_per_s`` and ``source`` (the spec sheet). ``docs/cost.md`` has
+the table."""
+
 
 def check_chip(chip: object) -> Chip:
   """The :class:`Chip` named ``chip`` (case-insensitive, ``_`` read as ``-``).

@@ -43,17 +43,11 @@ from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.inspect import audit as audit_lib
 from jaxprec._src.inspect import chips as chips_lib
-from jaxprec._src.inspect import cost_text
+from jaxprec._src.inspect.audit import si, table
 from jaxprec._src.policy import policy as policy_lib
 from jaxprec._src.policy.policy import Policy, PolicyLike
 
 CHIPS = chips_lib.CHIPS
-"""Chips for ``jaxprec.cost(..., chip=...)``: ``'tpu-v4'``, ``'tpu-v5e'``,
-``'tpu-v5p'``, ``'a100'``, ``'h100'``, each a ``Chip`` with ``target``,
-``description``, ``peak`` (dense FLOP/s per pass type: ``'bfloat16'``,
-``'float16'``, ``'tensorfloat32'``, ``'float32'``, ``'int8'``),
-``hbm_bytes_per_s`` and ``source`` (the spec sheet). ``docs/cost.md`` has
-the table."""
 
 # Cost of one pass in each format, per FLOP, in units of the target's
 # cheapest float32 matmul pass (module docstring; docs/search.md for the
@@ -347,7 +341,58 @@ class CostReport:
     return json.dumps(self.to_dict(), indent=indent)
 
   def __str__(self) -> str:
-    return cost_text.format_report(self)
+    out = [f"jaxprec cost of {self.function or 'function'} on {self.target}, "
+           f"policy {self.policy or '(none)'}: {si(self.cost)} pass-FLOPs = "
+           f"{_rel(self.relative)} of float32 ({si(self.float32_cost)})",
+           f"bytes moved: {si(self.bytes)}B = {self.bytes_relative:.3f} of "
+           f"all-float32 ({si(self.float32_bytes)}B)"]
+    timed = self.seconds is not None
+    if timed:
+      out.append(
+          f"time on {self.chip} ({chips_lib.CHIPS[self.chip].description}), "
+          f"roofline max(passes*FLOPs/peak, bytes/HBM) per op, no overlap or "
+          f"fusion: {_time(self.seconds)} = {_rel(self.time_relative)} of "
+          f"all-float32 ({_time(self.float32_seconds)})")
+    cols = ["module path", "ops", "FLOPs", "runs as", "cost", "vs float32",
+            "bytes", "bytes/f32"]
+    if timed:
+      cols += ["time", "time/f32"]
+
+    def cells(path, ops, flops, algos, x):
+      row = [path, str(ops), si(flops), algos, si(x.cost), _rel(x.relative),
+             si(x.bytes), f"{x.bytes_relative:.3f}"]
+      if timed:
+        row += [_time(x.seconds), _rel(x.time_relative)]
+      return row
+    body = [cells(x.path or "(top)", x.ops, x.flops, "+".join(x.algorithms),
+                  x) for x in self.rows]
+    body.append(cells("total", sum(x.ops for x in self.rows), self.flops, "",
+                      self))
+    out += table(cols, body, set(range(len(cols))) - {0, 3})
+    out.append(f"weights ({self.target}, cost per FLOP): " + ", ".join(
+        f"{a} {self.weights[a]:g}" for a in self.by_algorithm
+        if a in self.weights))
+    if self.unknown_flops:
+      unknown = [a for a in self.by_algorithm if a not in self.weights]
+      out.append(f"not counted: {si(self.unknown_flops)} FLOPs of "
+                 f"{', '.join(unknown)} (no weight; pass weights=)")
+    if timed and self.untimed_flops:
+      out.append(f"not timed: {si(self.untimed_flops)} FLOPs whose pass type "
+                 f"{self.chip} has no peak for")
+    return "\n".join(out)
+
+
+def _time(seconds: float | None) -> str:
+  if seconds is None:
+    return "-"
+  for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    if seconds >= scale:
+      return f"{seconds / scale:.3g} {unit}"
+  return f"{seconds / 1e-9:.3g} ns"
+
+
+def _rel(x: float | None) -> str:
+  return "-" if x is None else f"{x:.3f}"
 
 
 def _costs(rows, policy: Policy | None, target: str,
