@@ -10,44 +10,10 @@ Two parts, so that only scalars leave the device:
 * :func:`finish` turns those numbers into :class:`LayerMetrics` on the host,
   in float64.
 
-Definitions (``c``: candidate, ``r``: reference, ``e = c - r``; all sums and
-maxima are over the elements where both are finite, called *valid*; a float64
-reference is carried as a float32 pair ``r = hi + lo`` and ``e = (c - hi) - lo``):
-
-``max_abs``
-  ``max |e|``.
-``max_rel``
-  ``max |e| / max(|r|, floor)`` with ``floor = REL_FLOOR * rms(r)``
-  (``REL_FLOOR = 1e-3``): elements a thousand times smaller than the layer's
-  typical magnitude are measured against that magnitude, so a near-zero
-  reference element cannot blow the ratio up.
-``rel_rms``
-  ``sqrt(sum e**2 / sum r**2)``: the RMS error over the RMS of the reference.
-``cosine``
-  ``sum c*r / sqrt(sum c**2 * sum r**2)`` (1 for two zero arrays, 0 when only
-  one is zero), computed as ``(R + S) / sqrt(R * (R + 2 S + E))`` from
-  ``R = sum r**2``, ``S = sum e*r`` and ``E = sum e**2`` (no cancellation
-  between two large sums, so it stays accurate when the error is small).
-``sqnr_db``
-  ``10 * log10(sum r**2 / sum e**2)``, signal to quantization-noise ratio in
-  decibels; ``inf`` when ``e`` is zero.
-``ulp_median``, ``ulp_max``
-  distance in float32 units in the last place between ``c`` and ``r`` rounded
-  to float32: the number of float32 values between them (``+0`` and ``-0`` are
-  one value), median and maximum over valid elements. The maximum is exact;
-  the median is read from a per-layer histogram of ``log2(1 + distance)`` with
-  64 buckets per octave (one pass, no sort): exact below 64 ULPs and within
-  1.6% above (the middle of its bucket).
-``frac_outside``
-  the fraction of all elements with ``|e| > atol + rtol * |r|`` (NumPy's
-  ``allclose`` test), counting a non-finite candidate element as outside unless
-  the reference holds the same value there (NaN and NaN, or the same infinity).
-``nan``, ``inf``
-  the number of NaN and infinite elements in the candidate.
-``required_atol``
-  the smallest ``atol`` with which every element passes at the check's
-  ``rtol``: ``max(0, max(|e| - rtol * |r|))``; ``inf`` when non-finite values
-  differ.
+The metrics are defined in ``docs/checker.md`` ("Metrics"), with ``c`` the
+candidate, ``r`` the reference and ``e = c - r``, over the *valid* elements
+(where both are finite); a float64 reference is carried as a float32 pair
+``r = hi + lo`` and ``e = (c - hi) - lo``.
 
 Scale. Every metric is right for layers of any magnitude float32 holds, from
 its smallest normal number (1.2e-38) to its largest (3.4e38): before
@@ -60,8 +26,7 @@ the candidate. An error that itself exceeds the float32 maximum (a candidate
 of the opposite sign near the maximum) gives ``max_abs`` from a halved
 computation and ``required_atol = inf``.
 
-A summary over layers (depth = the order of the layers): :func:`growth_per_layer`
-(a least-squares slope of ``log10`` of a metric against depth).
+:func:`growth_per_layer` summarises a metric over depth (the layers' order).
 """
 
 from __future__ import annotations
@@ -114,11 +79,13 @@ def check_tolerance(name: str, value: Any) -> float:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerMetrics:
-  """The divergence of one layer at one precision (see the module docstring).
+  """The divergence of one layer at one precision.
+
+  The metrics are defined in ``docs/checker.md`` ("Metrics").
 
   Attributes:
-    max_abs, max_rel, rel_rms, cosine, sqnr_db: as defined above (floats;
-      ``nan`` when no element is valid).
+    max_abs, max_rel, rel_rms, cosine, sqnr_db: floats (``nan`` when no
+      element is valid: finite in both).
     ulp_median, ulp_max: float32 ULP distance (``nan`` when nothing is valid).
     frac_outside: fraction of elements outside ``atol + rtol * |ref|``.
     nan, inf: counts of NaN and infinite candidate elements.

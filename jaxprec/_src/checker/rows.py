@@ -57,6 +57,8 @@ class Plan:
     algorithm: what runs for float32 matmuls, e.g. ``'bf16x1'``
       (``'policy'`` for a policy).
     description: for the report, e.g. ``'tf32 (emulated, gpu numerics)'``.
+    dtypes: for the reference of a model with dtype decisions, every module
+      at this policy's dtype (:func:`with_dtypes`); None: ``fn`` as it is.
   """
 
   label: str
@@ -64,8 +66,6 @@ class Plan:
   emulate_target: str | None
   algorithm: str
   description: str
-  # A reference run of a model with dtype decisions to undo: every module at
-  # this policy's dtype (:func:`undo_dtypes`); None: ``fn`` as it is.
   dtypes: Policy | None = None
 
   @property
