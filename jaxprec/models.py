@@ -32,7 +32,7 @@ from jaxprec._src.models.llama import LlamaModel
 from jaxprec._src.models.nnx_bert import BertModel
 from jaxprec._src.models.nnx_wav2vec2 import Wav2Vec2Model
 
-from jaxprec._src.models.registry import MODELS
+from jaxprec._src.models.builders import MODELS
 
 __all__ = (
     "BertConfig",

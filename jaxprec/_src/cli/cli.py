@@ -18,12 +18,11 @@ from collections.abc import Sequence
 
 from jaxprec._src.cli import cli_inputs as inputs
 from jaxprec._src.cli.cli_inputs import PYTORCH, Failure, UsageError
+from jaxprec._src.torch import torch_ports
 
 _PROG = "jaxprec"
-# Built-in models (jaxprec.models) and port checks against PyTorch
-# originals (jaxprec.torch.port).
+# The names of jaxprec.models.MODELS (importing it imports Flax).
 _MODELS = ("wav2vec2", "bert", "llama")
-_TWINS = ("hf-wav2vec2", "hf-bert", "hf-llama")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -107,14 +106,13 @@ def _parser() -> argparse.ArgumentParser:
              "exceeded)")
   check.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
                      help="e.g. mypkg.model:make or path/to/model.py:make")
-  check.add_argument("--model", choices=(*_MODELS, *_TWINS),
+  check.add_argument("--model", choices=(*_MODELS, *torch_ports.PORTS),
                      help="a built-in model (random weights, nothing "
                           "downloaded); hf-wav2vec2, hf-bert and hf-llama "
                           "are jaxprec's NNX ports of tiny transformers "
                           "PyTorch models, with their weights (needs torch "
                           "and transformers), for --reference pytorch")
-  check.add_argument("--size", choices=("tiny", "small", "base"), default=None,
-                     help="size of the built-in model (default tiny)")
+  _add_model_options(check)
   check.add_argument("--precisions", default=None,
                      help="comma-separated precisions to test (default "
                           "bfloat16,bfloat16_3x,tensorfloat32)")
@@ -139,8 +137,6 @@ def _parser() -> argparse.ArgumentParser:
   check.add_argument("--out", default="./jaxprec-report",
                      help="directory for report.json and divergence.png "
                           "(default ./jaxprec-report)")
-  check.add_argument("--seed", type=inputs.seed, default=0,
-                     help="seed of the built-in model (default 0)")
   _add_no_cache(check)
   check.set_defaults(handler=_check)
 
@@ -163,11 +159,7 @@ def _parser() -> argparse.ArgumentParser:
   search.add_argument("--model", choices=("wav2vec2", "bert"),
                       help="a built-in model (random weights, nothing "
                            "downloaded)")
-  search.add_argument("--size", choices=("tiny", "small", "base"),
-                      default=None,
-                      help="size of the built-in model (default tiny)")
-  search.add_argument("--seed", type=inputs.seed, default=0,
-                      help="seed of the built-in model (default 0)")
+  _add_model_options(search)
   search.add_argument("--tolerance", type=float, required=True,
                       help="bound on --metric for every layer (sqnr_db: a "
                            "minimum; cosine: a bound on 1 - cosine)")
@@ -201,6 +193,14 @@ def _parser() -> argparse.ArgumentParser:
   _add_no_cache(search)
   search.set_defaults(handler=_search)
   return parser
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--size", choices=("tiny", "small", "base"),
+                      default=None,
+                      help="size of the built-in model (default tiny)")
+  parser.add_argument("--seed", type=inputs.seed, default=0,
+                      help="seed of the built-in model (default 0)")
 
 
 def _add_no_cache(parser: argparse.ArgumentParser) -> None:
@@ -324,11 +324,11 @@ def _model_or_target(ns: argparse.Namespace):
   """(fn, args, kwargs, description) from --model or MODULE:FUNCTION (check, search)."""
   if ns.model is not None:
     try:
-      from jaxprec._src.models import registry as models
+      from jaxprec._src.models import builders
     except ImportError as e:
       raise Failure(f"--model needs Flax: {e}") from None
     try:
-      fn, args = models.MODELS[ns.model](ns.size or "tiny", ns.seed)
+      fn, args = builders.MODELS[ns.model](ns.size or "tiny", ns.seed)
     except ValueError as e:  # a size the model does not come in
       raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
     kwargs: dict = {}
@@ -355,13 +355,13 @@ def _check(ns: argparse.Namespace) -> int:
                 else inputs.precision_list(ns.precisions))
   reference = ns.reference
   if reference == PYTORCH:
-    if ns.model not in _TWINS:
+    if ns.model not in torch_ports.PORTS:
       what = ns.function if ns.model is None else f"--model {ns.model}"
+      ports = " or ".join(torch_ports.PORTS)
       raise UsageError(f"--reference pytorch needs a model with a PyTorch "
-                       f"twin: --model {' or '.join(_TWINS)} ({what} has "
-                       f"none; for your own model, save the PyTorch hidden "
-                       f"states with jaxprec.torch.capture and pass the "
-                       f".npz file)")
+                       f"twin: --model {ports} ({what} has none; for your "
+                       f"own model, save the PyTorch hidden states with "
+                       f"jaxprec.torch.capture and pass the .npz file)")
   elif inputs.is_reference_file(reference):
     inputs.check_reference_file(reference)
   elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
@@ -377,9 +377,8 @@ def _check(ns: argparse.Namespace) -> int:
 
   inputs.check_out(ns.out)
   ns.cache_on()  # after the arguments: bad usage writes nothing
-  if ns.model in _TWINS:
+  if ns.model in torch_ports.PORTS:
     try:  # without PyTorch or transformers: exit 2 with a hint
-      from jaxprec._src.torch import torch_ports
       twin = torch_ports.port(ns.model, ns.seed)
     except ImportError as e:
       raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
@@ -518,6 +517,7 @@ def _search(ns: argparse.Namespace) -> int:
   if ns.size is not None and ns.model is None:
     raise UsageError("--size applies to --model only")
   from jaxprec._src.search import search as search_lib
+  from jaxprec._src.search import search_dtype
   candidates = None
   if ns.candidates is not None:
     candidates = tuple(c.strip() for c in ns.candidates.split(",") if c.strip())
@@ -525,8 +525,12 @@ def _search(ns: argparse.Namespace) -> int:
       raise UsageError("--candidates is empty; e.g. --candidates "
                        "bfloat16,float32")
   budget = search_lib.DEFAULT_BUDGET if ns.budget is None else ns.budget
-  axes = inputs.search_axes(ns)
+  axes = {"axes": ns.axes, "dtypes": ns.dtypes, "chip": ns.chip}
   try:  # the arguments, before the model is built
+    if "dtype" not in search_dtype.check_axes(ns.axes) and (
+        ns.dtypes is not None or ns.chip is not None):
+      raise UsageError("--dtypes and --chip apply to --axes with dtype, "
+                       "e.g. --axes precision,dtype")
     search_lib.check_arguments(tolerance=ns.tolerance, metric=ns.metric,
                                candidates=candidates, target=ns.target,
                                budget=budget, **axes)

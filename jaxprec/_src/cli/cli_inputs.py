@@ -1,6 +1,6 @@
 """What the ``jaxprec`` command line reads: ``MODULE:FUNCTION`` targets,
-reference files, ``--out``, ``--seed``, ``--precisions`` and the search's
-axes, checked before any model is built.
+reference files, ``--out``, ``--seed`` and ``--precisions``, checked before
+any model is built.
 
 Errors: :class:`UsageError` (one line, exit 2) and :class:`Failure` (the
 user's code failed: one line, exit 1).
@@ -226,19 +226,3 @@ def check_out(out: str) -> None:
     raise UsageError(f"--out {out!r} is not writable: cannot create a "
                      f"directory in {existing!r} ({e.strerror})") from None
 
-
-def search_axes(ns: Any) -> dict[str, Any]:
-  """``search_policy``'s ``axes``, ``dtypes`` and ``chip`` from the options,
-  checked (:class:`UsageError` naming the bad value and the choices)."""
-  from jaxprec._src.inspect import chips
-  from jaxprec._src.search import search_dtype
-  try:
-    axes = search_dtype.check_axes(ns.axes)
-    dtypes = None if ns.dtypes is None else search_dtype.check_dtypes(ns.dtypes)
-    chip = None if ns.chip is None else chips.check_chip(ns.chip).name
-  except ValueError as e:
-    raise UsageError(f"--axes/--dtypes/--chip: {one_line(e)}") from None
-  if "dtype" not in axes and (dtypes is not None or chip is not None):
-    raise UsageError("--dtypes and --chip apply to --axes with dtype, e.g. "
-                     "--axes precision,dtype")
-  return {"axes": axes, "dtypes": dtypes, "chip": chip}

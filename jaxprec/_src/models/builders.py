@@ -168,3 +168,7 @@ def llama(size: str | None = None, seed: int = 0, *, batch: int = 1,
     (1, 16, 64)
   """
   return _build("llama", size, seed, batch, seq_len, from_pytorch)
+
+
+# The built-in models by the names ``jaxprec check --model`` takes.
+MODELS = {"bert": bert, "llama": llama, "wav2vec2": wav2vec2}
