@@ -9,40 +9,17 @@ so it composes with ``jax.jit``, ``jax.vmap`` and differentiation in either
 mode; its tangent and transposed matmuls are emulated at the same algorithm
 (the transposed matmuls of a TPU carry the forward's precision).
 
-The algorithms (the jax.lax.Precision docs and JAX's tests/lax_test.py;
-NVIDIA's TF32 documentation, as XLA rounds it; the passes' order in
-:mod:`jaxprec._src.emulation.passes` and ``docs/emulation.md``), by the name
-:func:`algorithm_for` returns:
-
-``'bf16x1'``
-  Operands rounded to bfloat16 (nearest even), exact products, float32
-  accumulation. TPU ``DEFAULT``; ``BF16_BF16_F32``.
-``'bf16x3'``, ``'bf16x6'``
-  XLA's ``RewriteF32ToBF16X3`` and ``RewriteF32ToBF16X6`` (openxla/xla,
-  ``xla/service/gpu/transforms/dot_algorithm_rewriter.cc``): operands split
-  into bfloat16 parts (:func:`jaxprec._src.emulation.rounding.split_bf16`),
-  one matmul per pair of parts, the small pairs summed first in XLA's order,
-  NaN in that sum replaced by zero (``ReplaceNaNWithZeros``), then
-  ``+ hi*hi``. TPU ``HIGH`` and ``HIGHEST``; ``BF16_BF16_F32_X3``, ``_X6``.
-``'bf16x9'``
-  XLA's Triton emitter (``xla/backends/gpu/codegen/triton/dot_algorithms.cc``,
-  ``EmitBF16x9Matmul``): the eight small products, non-finite values replaced
-  by zero (``ZeroNaNs``), then ``+ hi*hi``. ``BF16_BF16_F32_X9``.
-``'tf32'``
-  Operands rounded to TF32 (``tf32_rounding``), float32 accumulation. GPU
-  ``DEFAULT`` and ``HIGH``; ``TF32_TF32_F32``.
-``'tf32x3'``
-  Triton's ``TF32x3`` (``F32DotTC.cpp``): ``(small*big + big*small)``, NaN ->
-  0, ``+ big*big``. ``TF32_TF32_F32_X3``.
-``'f16'``, ``'f16_f16_f16'``, ``'bf16_bf16_bf16'``
-  Operands rounded to float16 (or bfloat16), float32 accumulation; the
-  ``*_F16``/``*_BF16`` presets round the result to that format as well.
-``'f32'``
-  Exact float32 (GPU ``HIGHEST``, ``F32_F32_F32``).
-``'native'``
-  No emulation: the lax op is called with its arguments unchanged (target
-  ``'cpu'``/``'native'``; non-float32 operands; ``F64_F64_F64`` and the
-  ``ANY_F8_*`` presets, which JAX handles or rejects itself).
+The algorithms, by the name :func:`algorithm_for` returns (``'bf16x1'``,
+``'bf16x3'``, ``'bf16x6'``, ``'bf16x9'``, ``'tf32'``, ``'tf32x3'``, ``'f16'``,
+``'f16_f16_f16'``, ``'bf16_bf16_bf16'``, ``'f32'``, and ``'native'``: the lax
+op unchanged), follow their primary sources: the ``jax.lax.Precision`` docs
+and JAX's ``tests/lax_test.py``; XLA's ``RewriteF32ToBF16X3``/``X6``
+(openxla/xla, ``xla/service/gpu/transforms/dot_algorithm_rewriter.cc``) and
+``EmitBF16x9Matmul`` (``xla/backends/gpu/codegen/triton/dot_algorithms.cc``);
+Triton's ``TF32x3`` (``F32DotTC.cpp``); NVIDIA's TF32 documentation, as XLA
+rounds it. Each pass, its order and its NaN handling are in
+:mod:`jaxprec._src.emulation.passes`; the table of what each target runs is
+``docs/semantics.md``, and how the passes run is ``docs/emulation.md``.
 
 Faithfulness. Every pass is a real matmul whose products are exact (a product
 of two bfloat16 values has at most 16 significant bits; of two TF32 or float16
@@ -78,7 +55,7 @@ from jaxprec._src.emulation import kernels
 from jaxprec._src.emulation import passes
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import walker
-from jaxprec._src.core.numerics import (PASSES, PRIMITIVES, algorithm_for,
+from jaxprec._src.core.numerics import (PASSES, algorithm_for,
                                         check_target, emulatable)
 from jaxprec._src.core import names
 from jaxprec._src.core.precision import PrecisionLike
@@ -324,7 +301,7 @@ def _emulate_again(spec: _Spec) -> walker.Rule:
   """The walker rule that emulates every op at ``spec``'s algorithm."""
   def rule(eqn, invals):
     name = eqn.primitive.name
-    if name not in PRIMITIVES:
+    if name not in walker.PRIMITIVES:
       return None
     l, r = invals
     if not emulatable(l.dtype, r.dtype):
