@@ -432,3 +432,39 @@ def test_models_whose_static_attributes_compare_equal_share_no_program():
   assert same[0] is same[1]  # one structure: one program cache
   other = nnx_policy.stateful(Power(2.0, nnx.Rngs(0)), (x,))[0]
   assert other is not same[0]
+
+
+
+class _Shifted(nnx.Module):
+  """Adds pi or -pi, the angle of ``(-1, s)``: for ``s`` 0.0 or -0.0, which
+  compare equal."""
+
+  def __init__(self, s, rngs):
+    self.lin, self.s = nnx.Linear(F, F, rngs=rngs), s
+
+  def __call__(self, x):
+    return self.lin(x) + jnp.arctan2(self.s, -1.0)
+
+
+def test_no_trace_serves_a_model_whose_static_attribute_differs():
+  # Graph definitions compare static attributes with ==: 0.0 == -0.0, yet
+  # the programs differ. A reused trace would give the first model's numbers.
+  class Apply(nnx.Module):
+    def __call__(self, inner, x):
+      return inner(x)
+  x = jnp.ones((2, F))
+  plus, minus = _Shifted(0.0, nnx.Rngs(0)), _Shifted(-0.0, nnx.Rngs(0))
+  emulated = jaxprec.emulate(Apply(), "float32")
+  assert (np.asarray(emulated(plus, x)) > 0).all()
+  got = emulated(minus, x)
+  assert (np.asarray(got) < 0).all()
+  _eq(got, jaxprec.emulate(Apply(), "float32")(minus, x))
+  swapped = jaxprec.swap(_Shifted(0.0, nnx.Rngs(0)), "float32", emulate=True)
+  assert (np.asarray(swapped(x)) > 0).all()
+  swapped.s = -0.0  # the same swapped model, its attribute changed
+  _eq(swapped(x), jaxprec.emulate(minus, "float32")(x))
+  for model in (plus, minus):  # check_module keeps one program per structure
+    report = jaxprec.check_module(model, x, precisions=["float32"])
+    want = float(np.abs(np.asarray(model(x))).max())
+    assert report.layers[-1].metrics["float32"].ref_max_abs == pytest.approx(
+        want, rel=1e-6)

@@ -5,26 +5,10 @@ Each candidate run is one jitted program that computes ``fn`` at its
 precision and reduces every layer to the scalars of
 :func:`jaxprec._src.checker.metrics.layer_stats`: candidate hidden states
 never leave the device, and memory stays near one reference run (whose layers
-are kept) plus one candidate run, whatever the number of precisions.
-
-What a precision name means when *emulating* (``mode='emulate'``, or
-``'auto'`` on a backend that is not the target): the numerics its name says,
-so that the default trio is informative on any target:
-
-* ``'bfloat16'`` (``'bf16'``): one bfloat16 pass (``BF16_BF16_F32``);
-* ``'bfloat16_3x'`` (``'bf16_3x'``): three bfloat16 passes (``BF16_BF16_F32_X3``);
-* ``'tensorfloat32'`` (``'tf32'``): TF32 operands (``TF32_TF32_F32``), as an
-  Ampere+ GPU computes it, even with ``target='tpu'`` (where JAX's
-  ``tensorfloat32`` level means three bfloat16 passes, like ``bfloat16_3x``);
-* any other name (``'default'``, ``'high'``, ``'highest'``, ``'float32'``,
-  presets, ``lax.Precision`` members): what ``target`` computes for it, e.g.
-  ``'float32'`` is six bfloat16 passes on a TPU and float32 on a GPU.
-
-Ops whose code passed its own ``precision=`` keep it (computed as the row's
-emulation target computes it). In *native* mode (on the target's own
-hardware) every name goes through JAX's flag exactly as JAX reads it, so on a
-TPU ``'bfloat16_3x'`` and ``'tensorfloat32'`` are the same row; the report's
-``numerics`` say what ran.
+are kept) plus one candidate run, whatever the number of precisions. What a
+precision name means in each mode is :mod:`jaxprec._src.checker.rows`'s
+(:func:`~jaxprec._src.checker.rows.plan`), documented in ``docs/checker.md``
+("What a precision name means").
 """
 
 from __future__ import annotations
@@ -77,7 +61,7 @@ def check(fn: Callable[..., Any], *args: Any,
   each run is jitted with the metrics inside, so only scalars leave the device
   and compiled programs are reused by later checks of the same ``fn``.
 
-  Which numerics a row shows (details in :mod:`jaxprec._src.checker.check`): with
+  Which numerics a row shows (details in ``docs/checker.md``): with
   ``mode='auto'`` the check runs natively when the backend is the target (a
   TPU for ``target='tpu'``) and emulates the target otherwise (on CPU, always).
   When emulating, ``'bfloat16'``, ``'bfloat16_3x'`` and ``'tensorfloat32'``
@@ -403,7 +387,7 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
 
 
 def _output_name(path: tuple[str, ...], method: str) -> str:
-  """A module output's name (see the module docstring)."""
+  """A module output's name (see :func:`linen_outputs`)."""
   base = "/".join(path) or "output"
   return base if method == "__call__" else f"{base}.{method}"
 
@@ -555,8 +539,10 @@ def check_module(module: Any, *args: Any, method: str | None = None,
 
     def nnx_fn(state, /, *inputs, **kw):
       return _in_order(captured(state, *inputs, **kw), order)
-    return _check_cached(nnx_fn, ("nnx", graphdef, method, order), state,
-                         *args, **common, **kwargs)
+    # The graph definition's text too: static attributes that compare equal
+    # but trace differently (2 and 2.0) give equal graph definitions.
+    key = ("nnx", graphdef, repr(graphdef), method, order)
+    return _check_cached(nnx_fn, key, state, *args, **common, **kwargs)
   raise TypeError(f"check_module expects a Flax module (flax.linen or "
                   f"flax.nnx); got "
                   f"{type(module).__name__} (use jaxprec.check for functions)")

@@ -208,10 +208,9 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
     return _native(fn, policy or policy_lib.Policy(default=resolve(precision)))
   # An NNX module's state is an argument of each call, not a constant of the
   # cached trace (no stale weights); the policy reaches its copy.
-  fn = nnx_policy.bind_stateful(fn, policy, recorder)
-  lifted = nnx_policy.lift(fn, policy, recorder)
+  fn, stateful = nnx_policy.lift(fn, policy, recorder)
   emulated = _emulator(fn, policy if policy is not None else precision,
-                       target, options, recorder, lifted)
+                       target, options, recorder, stateful)
   if recorder is not None:
     emulated._jaxprec_recorder = recorder  # for jaxprec.policy_report
   return emulated  # type: ignore[return-value]
@@ -229,21 +228,21 @@ def emulate_nnx_call(method: Callable[..., Any], target: str,
   policy applied already), traced as ``emulate(model, policy)`` traces it:
   the same trace, the same numbers.
   """
-  lifted = nnx_policy.Lifted(None, method, policy, recorder, path=path,
-                             apply_policy=policy is None)
-  return _emulator(method, policy, target, {}, recorder, lifted)
+  stateful = nnx_policy.Stateful(None, method, policy, recorder, path=path,
+                                 apply_policy=policy is None)
+  return _emulator(method, policy, target, {}, recorder, stateful)
 
 
 def _emulator(fn: Callable[..., Any],
               precision: PrecisionLike | policy_lib.Policy, target: str,
               options: dict[str, Any], recorder: flax_scope.Recorder | None,
-              lifted: nnx_policy.Lifted | None) -> Callable[..., Any]:
+              stateful: nnx_policy.Stateful | None) -> Callable[..., Any]:
   """The emulated function of :func:`emulate` (``target`` emulates).
 
-  With ``lifted``, the NNX module's state (and that of each graph-node
+  With ``stateful``, the NNX module's state (and that of each graph-node
   argument, an ``nnx.Rngs``) is an argument of the trace and the variables
   the call writes are written back, as the native call writes them; a
-  ``lifted`` without a module takes it as the first argument.
+  ``stateful`` without a module takes it as the first argument.
   """
   policy = precision if isinstance(precision, policy_lib.Policy) else None
   if policy is not None:
@@ -277,12 +276,15 @@ def _emulator(fn: Callable[..., Any],
       # the policy. Key on all of it, as jax.jit would (no stale traces).
       outer = (compat.trace_context(), getattr(active, "outer_flag", None))
       traced, call_args, nodes = fn, args, []
-      if lifted is not None:
-        if lifted.module is None:
+      if stateful is not None:
+        if stateful.module is None:
           module, args = args[0], args[1:]
-        graphdefs, call_args, kwargs, nodes = lifted.split(module, args, kwargs)
-        traced = functools.partial(lifted.call, graphdefs)
-        outer = (*outer, graphdefs)
+        graphdefs, call_args, kwargs, nodes = stateful.split(
+            module, args, kwargs)
+        traced = functools.partial(stateful.call, graphdefs)
+        # Their text too: static attributes that compare equal but trace
+        # differently (2 and 2.0, 0.0 and -0.0) give equal graph definitions.
+        outer = (*outer, graphdefs, repr(graphdefs))
       with jax.default_matmul_precision(None), _closed_over_nnx_writes(what):
         call = walker.trace_call(traced, call_args, kwargs, cache,
                                  extra_key=outer)
@@ -296,9 +298,9 @@ def _emulator(fn: Callable[..., Any],
                           **options)
     out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
     warn_opaque(opaque, warned, what)
-    if lifted is not None:
+    if stateful is not None:
       out, written = out
-      lifted.update(module, nodes, written)
+      stateful.update(module, nodes, written)
     return out
 
   return emulated
@@ -334,8 +336,7 @@ def _native(fn: Callable[..., Any], policy: policy_lib.Policy
   module, as :func:`jaxprec.swap`), its compute dtypes, nothing emulated."""
   recorder = flax_scope.Recorder(policy)
   what = getattr(fn, "__qualname__", type(fn).__name__)
-  fn = nnx_policy.bind_stateful(fn, policy, recorder)
-  lifted = nnx_policy.lift(fn, policy, recorder)
+  fn, stateful = nnx_policy.lift(fn, policy, recorder)
   outside = policy.precision_for("", None, "dot")
 
   @functools.wraps(fn)
@@ -343,11 +344,11 @@ def _native(fn: Callable[..., Any], policy: policy_lib.Policy
     flag = (contextlib.nullcontext() if outside is None
             else jax.default_matmul_precision(numerics.flag_for(outside, "dot")))
     with flag, flax_scope.policy_scope(policy, recorder, what=what):
-      if lifted is None:
+      if stateful is None:
         return fn(*args, **kwargs)
-      graphdefs, args, kwargs, nodes = lifted.split(None, args, kwargs)
-      out, written = lifted.call(graphdefs, *args, **kwargs)
-      lifted.update(None, nodes, written)
+      graphdefs, args, kwargs, nodes = stateful.split(None, args, kwargs)
+      out, written = stateful.call(graphdefs, *args, **kwargs)
+      stateful.update(None, nodes, written)
       return out
 
   native._jaxprec_recorder = recorder  # for jaxprec.policy_report
@@ -387,7 +388,7 @@ def _record_unset(closed, policy: policy_lib.Policy,
   """Records the policy's decision for ops that recorded no precision."""
   seen = set()
   for w in walker.iter_eqns(closed):
-    kind = numerics.PRIMITIVES.get(w.eqn.primitive.name)
+    kind = walker.PRIMITIVES.get(w.eqn.primitive.name)
     if kind and kind not in seen and w.eqn.params.get("precision") is None:
       seen.add(kind)
       p, rule = policy.match("", None, kind)

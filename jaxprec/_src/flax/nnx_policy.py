@@ -118,9 +118,10 @@ class Stateful:
   * ``check`` and ``search_policy`` keep their programs per :func:`stateful`:
     ``fn(state, *args)`` calls ``method`` on ``nnx.merge(graphdef, state)``.
   * :func:`jaxprec.emulate` keys its trace on the graph definitions of
-    :meth:`split`; :meth:`call` returns the variables the method wrote (batch
-    statistics, RNG counters, new ones) with its output, and :meth:`update`
-    writes them into the module, as the native call would have.
+    :meth:`split` and their text; :meth:`call` returns the variables the
+    method wrote (batch statistics, RNG counters, new ones) with its output,
+    and :meth:`update` writes them into the module, as the native call would
+    have.
 
   Attributes:
     module: the module; None when it is the first argument of each call (a
@@ -245,9 +246,6 @@ class Stateful:
             f"jax.jit. Flax said: {e}") from e
 
 
-Lifted = Stateful  # the name jaxprec.emulate constructs it by
-
-
 def _leaves(state: Any) -> dict[Any, list[Any]]:
   """Each variable's leaves, by path."""
   return {p: jax.tree.leaves(v)
@@ -295,13 +293,6 @@ def _stateful(graphdef: Any, method: Callable[..., Any], text: str
   return Stateful(None, method, graphdef=graphdef)
 
 
-def bind_stateful(fn: Callable[..., Any], policy: Policy | None,
-                  recorder: Recorder | None = None) -> Callable[..., Any]:
-  """:func:`bind` of a :class:`Stateful` (its state is an argument already);
-  any other ``fn`` unchanged."""
-  return bind(fn, policy, recorder) if isinstance(fn, Stateful) else fn
-
-
 def bind(fn: Callable[..., Any], policy: Policy | None,
          recorder: Recorder | None = None) -> Callable[..., Any]:
   """``fn`` with ``policy`` reaching its NNX modules through the hook.
@@ -339,13 +330,21 @@ def bind(fn: Callable[..., Any], policy: Policy | None,
 
 
 def lift(fn: Callable[..., Any], policy: Policy | None = None,
-         recorder: Recorder | None = None) -> Stateful | None:
-  """A :class:`Stateful` for an ``nnx.Module`` or a bound method of one, with
-  ``policy`` applied to each traced copy; None for anything else.
+         recorder: Recorder | None = None
+         ) -> tuple[Callable[..., Any], Stateful | None]:
+  """``(fn, stateful)``: how :func:`jaxprec.emulate` calls ``fn`` under
+  ``policy``.
+
+  An ``nnx.Module`` or a bound method of one gives a :class:`Stateful` with
+  ``policy`` applied to each traced copy; a :class:`Stateful` (its state an
+  argument already) is :func:`bind` of it, with ``stateful`` None; any other
+  ``fn`` comes back unchanged, with ``stateful`` None.
 
   Raises:
     ValueError: a dtype rule of ``policy`` matches a module without a
       ``dtype`` attribute (:func:`check_dtypes`).
   """
+  if isinstance(fn, Stateful):
+    return bind(fn, policy, recorder), None
   found = _module_and_method(fn, policy)
-  return None if found is None else Stateful(*found, policy, recorder)
+  return fn, None if found is None else Stateful(*found, policy, recorder)
