@@ -1,40 +1,26 @@
 """Graph inspection: which matmuls and convolutions run at which precision.
 
-:func:`audit` traces a function to a jaxpr (it never runs it), walks every
-nested jaxpr with :func:`jaxprec._src.jaxpr.walker.iter_eqns`, and reports each
-``dot_general`` and ``conv_general_dilated`` with the precision recorded in the
-jaxpr, what that precision computes on TPU and on GPU, its FLOPs, and whether
-it is *risky*.
+:func:`audit` walks every nested jaxpr of a traced function
+(:func:`jaxprec._src.jaxpr.walker.iter_eqns`); what an op computes on TPU and
+GPU is :func:`jaxprec._src.core.numerics.op_numerics`' one decision, as the
+emulation and the cost model compute it. A row is *risky* where the result is
+much less precise than the float32 inputs suggest and nothing in the code says
+so (the jax.lax.Precision docs, JAX's tests/lax_test.py and its
+conv_general_dilated lowering, jax/_src/lax/convolution.py):
 
-Risky means: the result is much less precise than the float32 inputs suggest,
-and nothing in the code says so. Concretely (the jax.lax.Precision docs and JAX's tests/lax_test.py; JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py):
+* float32 operands (or a float32 and a bfloat16 or float16 one) rounded to 11
+  significand bits or fewer on TPU: one bfloat16, float16 or float8 pass. The
+  backend default is included on purpose: it is what users coming from
+  PyTorch or NumPy do not expect; an explicit ``'bfloat16'`` is flagged too,
+  with a reason that says it was requested.
+* a convolution that recorded a ``DotAlgorithmPreset``: JAX lowers it at
+  ``DEFAULT`` (one bfloat16 pass on TPU, TF32 on GPU) whatever the preset says.
+* an algorithm a TPU does not run (``F32_F32_F32``, a TF32 preset): the
+  program does not compile there, and the TPU column shows ``'unsupported'``.
+* accumulation in bfloat16 or float16 (:func:`accumulation_risk`).
 
-* float32 operands rounded to 11 significand bits or fewer on TPU, i.e. one
-  bfloat16 pass (precision unset, ``DEFAULT``, ``'bfloat16'``,
-  ``BF16_BF16_F32``) or one float16/float8 pass (``F16_*``, ``ANY_F8_*``
-  presets). The backend default is included on purpose: it is what users coming
-  from PyTorch or NumPy do not expect. An explicit ``'bfloat16'`` is flagged too,
-  with a reason that says it was requested, so that the report shows every
-  float32 op that loses its low bits.
-* a convolution whose recorded precision is a ``DotAlgorithmPreset``: JAX lowers
-  convolutions under a preset at ``DEFAULT`` (one bfloat16 pass on TPU, TF32 on
-  GPU) whatever the preset says. For float32 operands this is always risky.
-
-A float32 operand with a bfloat16 or float16 one runs at the precision (the
-narrower operand is exact in float32: one bfloat16 pass on a TPU at
-``DEFAULT``), as the emulation and the cost model compute it
-(:func:`jaxprec._src.core.numerics.op_numerics`, the one decision). Other operands
-(bfloat16 or float16 on both sides, float64, integers) are computed
-natively: the precision setting does not apply.
-
-An op whose algorithm a target does not run (``F32_F32_F32`` or a TF32 preset
-on a TPU, as JAX's own tests/lax_test.py says) shows ``'unsupported'`` in that
-column, and is risky on TPU: the program does not compile there.
-
-An op that accumulates in bfloat16 or float16
-(:attr:`AuditRow.accumulation_dtype`) is risky too: its result keeps 8 (11)
-significand bits, and XLA need not sum the products in float32; ask
-``preferred_element_type=jnp.float32``.
+Other operands (bfloat16 or float16 on both sides, float64, integers) are
+computed natively: the precision setting does not apply.
 """
 
 from __future__ import annotations
@@ -544,15 +530,15 @@ def accumulation_risk(accumulation: str) -> str:
           f"in float32. Ask preferred_element_type=float32")
 
 
-def _rows(closed, module_paths: dict[str, list[str]] | None = None,
-          opaque: list[OpaqueRow] | None = None) -> Iterator[AuditRow]:
+def _rows(closed, module_paths: dict[str, list[str]],
+          opaque: list[OpaqueRow]) -> Iterator[AuditRow]:
   """The rows of ``closed``; opaque ops are appended to ``opaque``."""
   storage = Storage()
   for w, path, module in walk_modules(closed, module_paths):
     eqn = w.eqn
     storage.visit(eqn, len(w.scope))
     name = walker.opaque_name(eqn)
-    if name is not None and opaque is not None:
+    if name is not None:
       source, _ = _frames(eqn)
       opaque.append(OpaqueRow(primitive=eqn.primitive.name, name=name,
                               source=source, name_stack=path,
@@ -578,10 +564,19 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
   if acc_reason:
     risky, reason = True, "; ".join(r for r in (reason, acc_reason) if r)
   source, op = _frames(eqn)
+  dims = eqn.params["dimension_numbers"]
   if prim == "dot_general":
-    flops = _dot_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])
+    # 2 * (batch * M * K) * N: every lhs element meets every free rhs column.
+    (_, rhs_contract), (_, rhs_batch) = dims
+    flops = 2 * math.prod(lhs.shape) * math.prod(
+        d for i, d in enumerate(rhs.shape)
+        if i not in rhs_contract and i not in rhs_batch)
   else:
-    flops = _conv_flops(out.shape, rhs.shape, eqn.params["dimension_numbers"])
+    # 2 * output elements * kernel spatial size * input features per group
+    # (the kernel's input-feature dimension holds in_features / groups).
+    spec = dims.rhs_spec  # (out feature, in feature, spatial...)
+    flops = 2 * math.prod(out.shape) * math.prod(
+        rhs.shape[i] for i in spec[2:]) * rhs.shape[spec[1]]
   return AuditRow(
       primitive=prim, source=source, op=op, name_stack=name_stack,
       scope=tuple(w.scope), trip_count=w.trip_count,
@@ -589,9 +584,9 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
       out_shape=tuple(out.shape), lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
       out_dtype=np.dtype(out.dtype).name, precision=precision,
       precision_name=_precision_name(precision), tpu=tpu, gpu=gpu,
-      tpu_numerics=tpu_n, gpu_numerics=gpu_n, flops=flops * w.trip_count,
-      risky=risky, reason=reason, module_path=module,
-      emulated=walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope),
+      tpu_numerics=tpu_n, gpu_numerics=gpu_n,
+      flops=known_int(flops) * w.trip_count, risky=risky, reason=reason,
+      module_path=module, emulated=walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope),
       lhs_storage=storage.of(eqn.invars[0], depth),
       rhs_storage=storage.of(eqn.invars[1], depth),
       accumulation_dtype=accumulation)
@@ -610,12 +605,8 @@ def _precision_name(precision: Any) -> str:
 
 def _effective(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str
                ) -> tuple[str, str, Numerics | None, Numerics | None]:
-  """What runs on TPU and GPU: (tpu, gpu, tpu_numerics, gpu_numerics).
-
-  The one decision the emulation and the cost model make too
-  (:func:`jaxprec._src.core.numerics.op_numerics`): a float32 x bfloat16 dot at
-  ``DEFAULT`` is one bfloat16 pass on a TPU, not a native op.
-  """
+  """What runs on TPU and GPU, (tpu, gpu, tpu_numerics, gpu_numerics), as
+  :func:`jaxprec._src.core.numerics.op_numerics` decides it."""
   recorded = lax.Precision.DEFAULT if precision is None else precision
   meanings = []
   for target in ("tpu", "gpu"):
@@ -683,22 +674,6 @@ def _library_dirs() -> tuple[str, ...]:
     for d in (spec and spec.submodule_search_locations) or ():
       dirs.append(os.path.join(os.path.realpath(d), ""))
   return tuple(dirs)
-
-
-def _dot_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
-  # 2 * (batch * M * K) * N: every lhs element meets every free rhs column.
-  (_, rhs_contract), (_, rhs_batch) = dimension_numbers
-  rhs_free = [d for i, d in enumerate(rhs_shape)
-              if i not in rhs_contract and i not in rhs_batch]
-  return known_int(2 * math.prod(lhs_shape) * math.prod(rhs_free))
-
-
-def _conv_flops(out_shape, rhs_shape, dimension_numbers) -> int:
-  # 2 * output elements * kernel spatial size * input features per group; the
-  # kernel's input-feature dimension already holds in_features / groups.
-  rhs_spec = dimension_numbers.rhs_spec  # (out feature, in feature, spatial...)
-  spatial = math.prod(rhs_shape[i] for i in rhs_spec[2:])
-  return known_int(2 * math.prod(out_shape) * spatial * rhs_shape[rhs_spec[1]])
 
 
 def known_int(x) -> int:

@@ -1,20 +1,11 @@
 """Named chips for :func:`jaxprec.cost`: peak FLOP/s per pass type and HBM bandwidth.
 
 Every figure is the vendor's spec-sheet figure for one chip, dense (no 2:4
-sparsity), with its source next to it; ``docs/cost.md`` repeats the table.
-The cost model is a roofline per op (:func:`op_seconds`)::
-
-    time = max(passes * FLOPs / peak[pass type], bytes / HBM bandwidth)
-
-It ignores overlap between ops, fusion (an elementwise op fused into a matmul
-moves no bytes of its own; a cast that is not fused moves its own), caches,
-and how far real kernels stay below the peaks; it ranks policies, it does not
-predict a step time.
-
-A pass type is the dtype a matrix unit multiplies in (``'float32'``: CUDA
-cores, no tensor cores); :func:`jaxprec._src.core.algorithms.pass_type` gives
-an algorithm's, and its passes: float32 on a TPU is six bfloat16 passes (XLA's
-dot_algorithm_rewriter.cc, openxla/xla).
+sparsity), with its source next to it. The cost model is a roofline per op
+(:func:`op_seconds`); ``docs/cost.md`` repeats the table and says what the
+model leaves out. A pass type is the dtype a matrix unit multiplies in
+(``'float32'``: CUDA cores, no tensor cores): float32 on a TPU is six
+bfloat16 passes (XLA's dot_algorithm_rewriter.cc, openxla/xla).
 """
 
 from __future__ import annotations

@@ -6,17 +6,10 @@ policy, finds for each op the algorithm the target runs
 (:func:`jaxprec._src.core.numerics.algorithm_for`, as the emulation does), and
 weighs its FLOPs by that algorithm's passes times the cost of one pass in its
 format (:data:`PASS_COSTS`), in units of the target's cheapest float32 matmul
-pass (``docs/search.md`` has the table with sources):
-
-* TPU: one bfloat16 MXU pass is 1, so ``bf16x3`` 3, ``bf16x6`` (``float32``) 6.
-* NVIDIA GPU: one TF32 tensor-core pass is 1; ``f32`` (no tensor cores) 8,
-  the A100's dense TF32/FP32 ratio (156 / 19.5 TFLOPS; the H100 SXM's is
-  495 / 67 = 7.4); bfloat16 and float16 tensor-core passes 0.5 (twice TF32's
-  rate on both); 8-bit operands 0.25; float64 8 (A100: 19.5 TFLOPS).
-
-With a chip (:mod:`jaxprec._src.inspect.chips`) each op also takes a roofline
-time; ``docs/cost.md`` has the figures, their sources and what the model
-leaves out.
+pass: one bfloat16 pass on a TPU, one TF32 pass on an NVIDIA GPU
+(``docs/search.md`` has the table with sources). With a chip
+(:mod:`jaxprec._src.inspect.chips`) each op also takes a roofline time;
+``docs/cost.md`` has the figures, their sources and what the model leaves out.
 """
 
 from __future__ import annotations
@@ -50,8 +43,9 @@ from jaxprec._src.policy.policy import Policy, PolicyLike
 CHIPS = chips_lib.CHIPS
 
 # Cost of one pass in each format, per FLOP, in units of the target's
-# cheapest float32 matmul pass (module docstring; docs/search.md for the
-# sources). A pass format a target has no figure for is left unweighted.
+# cheapest float32 matmul pass (docs/search.md has the sources: a GPU's
+# float32 8 is the A100's dense TF32/FP32 ratio, 156 / 19.5 TFLOPS). A pass
+# format a target has no figure for is left unweighted.
 PASS_COSTS: Mapping[str, Mapping[str, float]] = {
     "tpu": {"bfloat16": 1.0},
     "gpu": {"tensorfloat32": 1.0, "float32": 8.0, "bfloat16": 0.5,
@@ -426,19 +420,6 @@ def op_bytes(row: audit_lib.AuditRow) -> tuple[int, int]:
   return moved * row.trip_count, f32 * row.trip_count
 
 
-def _target_and_chip(target: str | None, chip: str | None
-                     ) -> tuple[str, chips_lib.Chip | None]:
-  spec = None if chip is None else chips_lib.check_chip(chip)
-  if target is None:
-    return ("tpu" if spec is None else spec.target), spec
-  target = numerics.check_target(target)
-  if spec is not None and spec.target != target:
-    raise ValueError(
-        f"chip {spec.name!r} is a {spec.target.upper()} but target={target!r}; "
-        f"leave target unset or pass target={spec.target!r}")
-  return target, spec
-
-
 def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
          target: str | None = None, weights: Mapping[str, float] | None = None,
          chip: str | None = None, **kwargs: Any) -> CostReport:
@@ -503,7 +484,14 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
   if not callable(fn):
     raise TypeError(f"jaxprec.cost expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
-  target, spec = _target_and_chip(target, chip)
+  spec = None if chip is None else chips_lib.check_chip(chip)
+  if target is None:
+    target = "tpu" if spec is None else spec.target
+  target = numerics.check_target(target)
+  if spec is not None and spec.target != target:
+    raise ValueError(
+        f"chip {spec.name!r} is a {spec.target.upper()} but target={target!r}; "
+        f"leave target unset or pass target={spec.target!r}")
   table = weights_for(target, weights)
   pol = None if policy is None else policy_lib.as_policy(policy)
   base = Policy(default="float32")
@@ -520,12 +508,13 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
   f32_algo = algorithms.float32_algorithm(target)
   per_path: dict[str, dict[str, Any]] = {}
   by_algo: dict[str, int] = {}
+  time0 = None if spec is None else 0.0  # no times without a chip
   for r, (algo, c), (_, c32) in zip(rows, costs, base_costs):
     by_algo[algo] = by_algo.get(algo, 0) + r.flops
     e = per_path.setdefault(r.module_path, {
         "ops": 0, "flops": 0, "algorithms": (), "cost": 0.0,
         "float32_cost": 0.0, "unknown_flops": 0, "bytes": 0,
-        "float32_bytes": 0, "seconds": 0.0, "float32_seconds": 0.0,
+        "float32_bytes": 0, "seconds": time0, "float32_seconds": time0,
         "untimed_flops": 0})
     e["ops"] += 1
     e["flops"] += r.flops
@@ -547,9 +536,6 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
         e["seconds"] += t
         e["float32_seconds"] += chips_lib.op_seconds(
             spec, f32_algo, r.flops, moved32)
-  if spec is None:
-    for e in per_path.values():
-      e["seconds"] = e["float32_seconds"] = None
   out = tuple(CostRow(path=path, **e) for path, e in per_path.items())
   totals = {k: sum(getattr(r, k) for r in out) for k in (
       "flops", "cost", "float32_cost", "unknown_flops", "bytes",

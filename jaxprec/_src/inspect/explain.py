@@ -16,6 +16,7 @@ import jax
 from jaxprec._src.core import algorithms
 from jaxprec._src.core import context
 from jaxprec._src.core import env as env_lib
+from jaxprec._src.core.version import __version__
 from jaxprec._src.emulation import kernels
 from jaxprec._src.inspect import audit
 
@@ -70,8 +71,6 @@ def explain_dict() -> dict[str, Any]:
     >>> d["numerics"]["tpu"]["algorithm"], d["numerics"]["gpu"]["algorithm"]
     ('bf16x6', 'f32')
   """
-  # Read, not imported: the package imports this module (no import cycle).
-  from jaxprec._src.core.version import __version__
   p = context.current()
   platform = jax.default_backend()
   devices = jax.devices()
