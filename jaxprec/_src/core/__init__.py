@@ -1,7 +1,6 @@
-"""Names and facts: every spelling of a precision (``names``, ``precision``),
-the one table of matmul algorithms (``algorithms``), what a target computes
-for a precision and op (``numerics``), and the flag in force (``env``,
-``context``, ``resumable``: ``@jaxprec.precision`` as decorator and context).
+"""Names and facts: every spelling of a precision, the one table of matmul
+algorithms, what a target computes for a precision and op, and the flag in
+force (``docs/architecture.md`` lists the modules).
 
 Imports only :mod:`jaxprec._src.jaxpr`; never Flax.
 """

@@ -181,22 +181,17 @@ def emulated() -> tuple[str, ...]:
 
 
 def pass_type(key: str, target: str) -> tuple[str, int] | None:
-  """``(pass format, passes)`` of an algorithm or of a ``'native <dtype>'``
-  cost key (an op on operands the precision does not apply to) on
-  ``target``; None when unknown (unsupported, or a custom algorithm).
-
-  A native float32 op runs as the target's float32 algorithm
-  (:func:`float32_algorithm`); a native bfloat16, float16, float8, int8 or
-  float64 op as one pass in its own format.
+  """``(pass format, passes)`` of an algorithm on ``target``, or of a
+  ``'native <dtype>'`` cost key (an op on operands the precision does not
+  apply to): a native float32 op runs as the target's float32 algorithm
+  (:func:`float32_algorithm`), any other as one pass in its own dtype. None
+  where the target does not run the algorithm, or for a custom one.
   """
   if key.startswith("native "):
     dtype = key[len("native "):]
-    if dtype == "float32":
-      key = float32_algorithm(target)
-    elif dtype in ("bfloat16", "float16", "float8", "int8", "float64"):
+    if dtype != "float32":
       return dtype, 1
-    else:
-      return None
+    key = float32_algorithm(target)
   r = RECORDS.get(key)
   if r is None or target not in r.targets:
     return None

@@ -1,10 +1,8 @@
 """Scoping: ``jaxprec.precision(p)`` as a decorator and a context manager.
 
-Both forms set ``jax.default_matmul_precision`` for the dynamic extent of the
-call or block. Under a ``DotAlgorithmPreset`` JAX lowers convolutions at
-``DEFAULT`` (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py):
-the decorator re-binds them at the preset's level, the ``with`` form warns
-(:class:`precision`).
+Under a ``DotAlgorithmPreset`` JAX lowers convolutions at ``DEFAULT`` (JAX's
+conv_general_dilated lowering, jax/_src/lax/convolution.py): the decorator
+re-binds them at the preset's level, the ``with`` form warns.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from jaxprec._src.jaxpr import compat
 
 ENV_VAR = names.ENV_VAR
 """The environment variable JAX reads at import: ``"JAX_DEFAULT_MATMUL_PRECISION"``."""
-_FLAG = "jax_default_matmul_precision"
 
 # The global value jaxprec.set_default last wrote, to tell 'config' from 'env'.
 _set_by_us: list[Any] = []
@@ -60,7 +59,7 @@ def set_default(p: PrecisionLike) -> Precision:
   """
   new = resolve(p)
   previous = compat.matmul_precision_state()[0].get_global()
-  jax.config.update(_FLAG, new.flag)
+  jax.config.update("jax_default_matmul_precision", new.flag)
   _set_by_us.append(new.flag)
   return resolve(previous)
 

@@ -2,13 +2,8 @@
 
 Every feature that decides something about an op's numerics asks here (the
 audit, the cost model, the emulation, the Flax interception and modules, the
-checker and the search): the targets and modes and their one checker
-(:func:`check_target`, :func:`resolve_mode`), the ``precision=`` an op gets
-under a precision (:func:`per_op`, :func:`flag_for`: a convolution understands
-levels only, JAX's conv_general_dilated lowering,
-jax/_src/lax/convolution.py), what a target runs for it (:func:`op_numerics`,
-:func:`algorithm_for`), and the compute dtypes a policy may give a module
-(:func:`canonical_dtype`).
+checker and the search). A convolution understands levels only (JAX's
+conv_general_dilated lowering, jax/_src/lax/convolution.py).
 """
 
 from __future__ import annotations
