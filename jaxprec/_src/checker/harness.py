@@ -11,12 +11,10 @@ One place owns what the checkers share:
   and packs it on the device;
 * **programs**: the jitted reference and candidate programs, cached per
   function (held weakly) and per static description of the call;
-* **placement**: on a batch sharded over several devices (one process, or
-  many under ``jax.distributed``) the layers are stacked in one group per
-  device (:class:`jaxprec._src.checker.metrics.Layout`), so that each
-  device's share of a batch-sharded layer is stacked and reduced where it
-  lies and only the per-layer numbers cross between devices; a reference
-  the host packs (read from a file or a mapping) is placed the same way.
+* **placement**: on arguments over several devices (one process, or many
+  under ``jax.distributed``) the layers are stacked in one group per device
+  (:class:`jaxprec._src.checker.metrics.Layout`), and a reference the host
+  packs is split the same way (:func:`on_devices`).
 
 Cached programs hold no arrays: every array (the arguments, the packed
 reference, the tolerances) is an argument of the compiled program, and the
@@ -360,6 +358,7 @@ def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
     raise ValueError(f"Unknown reference {reference!r}: {e} A reference is "
                      f"{reference_lib.SUPPORTED}.") from None
   x64 = ref_plan is None
+  dtype = "float64" if x64 else "float32"
   undo, note, random = None, "", False
   if x64 or (not isinstance(ref_plan.precision, Policy) and
              ref_plan.precision.name in ("float32", "F32_F32_F32")):
@@ -368,13 +367,10 @@ def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
       note = ("; it computes in bfloat16/float16 outside any module jaxprec "
               "can set (its own casts are kept)")
     if undoable:
-      undo = policy_lib.reference_policy("float64" if x64 else "float32")
-  if x64:
-    desc = "float64 (native, x64)" + (
-        "" if undo is None else ", modules at float64") + note
-  else:
-    desc = ref_plan.description + (
-        "" if undo is None else ", modules at float32") + note
+      undo = policy_lib.reference_policy(dtype)
+  desc = ("float64 (native, x64)" if x64 else ref_plan.description) + (
+      "" if undo is None else f", modules at {dtype}") + note
+  if not x64:
     ref_plan = dataclasses.replace(ref_plan, dtypes=undo, description=desc)
     undo = None
   prog = _reference_program(fn, call, ref_plan, select, cache, dtypes=undo)

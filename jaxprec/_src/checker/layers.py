@@ -83,18 +83,6 @@ def layers(tree: Any) -> list[tuple[str, Any]]:
   return out
 
 
-def _nnx_method(fn: Any) -> tuple[Any, Any]:
-  """``(module, unbound method)`` for an NNX module or a bound method of one."""
-  nnx = sys.modules.get("flax.nnx")  # never imported here
-  if nnx is None:
-    return None, None
-  if isinstance(fn, nnx.Module):
-    return fn, type(fn).__call__
-  if isinstance(fn, types.MethodType) and isinstance(fn.__self__, nnx.Module):
-    return fn.__self__, fn.__func__
-  return None, None
-
-
 def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
                    fn: Callable[..., Any], call: Any,
                    dynamic: Sequence[Any]) -> list[tuple[str, Any]]:
@@ -116,25 +104,23 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
   def note(out):
     order.append([n for n, _ in layers(out)])
     return out
-  module, method = _nnx_method(fn)
+  found = nnx_policy.module_and_method(fn)
   if isinstance(fn, nnx_policy.Stateful):
     # Stays a Stateful, so that a policy's path rules still find the module
     # (jaxprec._src.flax.nnx_policy.bind).
     observed = fn.observing(note)
-  elif module is not None:
+  elif found is not None:
+    module, method = found
     # Stay a method of the NNX module, so that a policy's path rules still
-    # find it (jaxprec._src.flax.nnx_policy.bind).
+    # find it (jaxprec._src.flax.nnx_policy.bind). The method runs on a copy
+    # made inside this trace: NNX transforms inside (nnx.scan, nnx.remat,
+    # nnx.jit) refuse variables of another trace level, and what the call
+    # writes (batch statistics, RNG counts) never reaches the user's module.
     clone = sys.modules["flax.nnx"].clone
-    # A copy made here, inside the program's trace: what the call writes
-    # (batch statistics, RNG counts) goes into it, never into the user's
-    # module, whose variables belong to no trace of ours.
     module = clone(module)
 
     def observed_method(self, *a, **k):
       if self is module:
-        # A copy made in this trace runs: NNX transforms inside (nnx.scan,
-        # nnx.remat, nnx.jit) refuse variables of another trace level, and
-        # the user's module is never written to.
         self = clone(module)
       return note(method(self, *a, **k))
     observed = types.MethodType(observed_method, module)

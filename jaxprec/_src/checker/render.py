@@ -21,8 +21,6 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-PLOTS_HINT = ("needs matplotlib: pip install 'jaxprec[plots]' (or pip "
-              "install matplotlib)")
 FLOOR_MARK = "[floor]"
 
 
@@ -85,7 +83,8 @@ def figure_class(what: str):
   try:
     from matplotlib.figure import Figure
   except ImportError as e:
-    raise ImportError(f"jaxprec {what} {PLOTS_HINT}") from e
+    raise ImportError(f"jaxprec {what} needs matplotlib: pip install "
+                      "'jaxprec[plots]' (or pip install matplotlib)") from e
   return Figure
 
 
