@@ -251,16 +251,9 @@ def _emulator(fn: Callable[..., Any],
   else:
     dot_fixed = conv_fixed = None if precision is None else resolve(precision)
   cache: dict[Any, Any] = {}
-  guarded: dict[int, tuple] = {}  # id(trace) -> (trace, its guarded vars)
-
-  def guards(closed) -> frozenset:
-    # Once per trace: an eager call reuses the cached trace at every call.
-    hit = guarded.get(id(closed))
-    if hit is None or hit[0] is not closed:
-      if len(guarded) >= 64:  # traces the cache does not keep: bounded
-        guarded.clear()
-      hit = guarded[id(closed)] = (closed, transposed(closed))
-    return hit[1]
+  # Once per trace (traces hash by identity): an eager call reuses the
+  # cached trace at every call.
+  guards = functools.lru_cache(maxsize=64)(transposed)
   warned: set[str] = set()
   what = getattr(fn, "__qualname__", type(fn).__name__)
 

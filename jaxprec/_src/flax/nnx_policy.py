@@ -87,8 +87,8 @@ def check_dtypes(model: Any, policy: Policy) -> None:
           f"which leaves such modules as they are.")
 
 
-def _module_and_method(fn: Any, policy: Policy | None
-                       ) -> tuple[Any, Callable[..., Any]] | None:
+def module_and_method(fn: Any, policy: Policy | None = None
+                      ) -> tuple[Any, Callable[..., Any]] | None:
   """``(module, unbound method)`` of an ``nnx.Module`` or a bound method of
   one, its dtypes checked against ``policy`` now (:func:`check_dtypes`); None
   for anything else (or when NNX is not imported)."""
@@ -270,7 +270,7 @@ def stateful(fn: Callable[..., Any], args: tuple
   """``(fn, args)`` of a call, with an ``nnx.Module`` (or a bound method of
   one) as a :class:`Stateful` of its state, which leads ``args``; any other
   ``fn`` unchanged."""
-  found = _module_and_method(fn, None)
+  found = module_and_method(fn)
   if found is None:
     return fn, args
   module, method = found
@@ -313,7 +313,7 @@ def bind(fn: Callable[..., Any], policy: Policy | None,
     def call(state, /, *args, **kwargs):
       return bound.run(nnx.merge(fn.graphdef, state), args, kwargs)
   else:
-    found = _module_and_method(fn, policy)
+    found = module_and_method(fn, policy)
     if found is None:
       return fn
     bound = Stateful(*found, policy, recorder)
@@ -346,5 +346,5 @@ def lift(fn: Callable[..., Any], policy: Policy | None = None,
   """
   if isinstance(fn, Stateful):
     return bind(fn, policy, recorder), None
-  found = _module_and_method(fn, policy)
+  found = module_and_method(fn, policy)
   return fn, None if found is None else Stateful(*found, policy, recorder)
