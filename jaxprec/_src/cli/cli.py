@@ -1,10 +1,7 @@
-"""The ``jaxprec`` command line: ``info``, ``audit``, ``run``, ``check``,
-``search`` (``docs/cli.md`` documents each, and the exit statuses).
+"""The ``jaxprec`` command line, as ``docs/cli.md`` documents it.
 
-Bad usage prints one line, ``jaxprec: error: ...``, to stderr and exits 2;
-arguments are checked before any model runs. ``check`` and ``search`` turn on
-JAX's persistent compilation cache unless ``--no-cache``. JAX is imported by
-the commands, not by ``--help``.
+Arguments are checked before any model runs; JAX is imported by the
+commands, not by ``--help``.
 """
 
 from __future__ import annotations
@@ -112,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
                           "are jaxprec's NNX ports of tiny transformers "
                           "PyTorch models, with their weights (needs torch "
                           "and transformers), for --reference pytorch")
-  _add_model_options(check)
+  _add_shared(check)
   check.add_argument("--precisions", default=None,
                      help="comma-separated precisions to test (default "
                           "bfloat16,bfloat16_3x,tensorfloat32)")
@@ -137,7 +134,6 @@ def _parser() -> argparse.ArgumentParser:
   check.add_argument("--out", default="./jaxprec-report",
                      help="directory for report.json and divergence.png "
                           "(default ./jaxprec-report)")
-  _add_no_cache(check)
   check.set_defaults(handler=_check)
 
   search = sub.add_parser(
@@ -159,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
   search.add_argument("--model", choices=("wav2vec2", "bert"),
                       help="a built-in model (random weights, nothing "
                            "downloaded)")
-  _add_model_options(search)
+  _add_shared(search)
   search.add_argument("--tolerance", type=float, required=True,
                       help="bound on --metric for every layer (sqnr_db: a "
                            "minimum; cosine: a bound on 1 - cosine)")
@@ -190,20 +186,17 @@ def _parser() -> argparse.ArgumentParser:
                       help="with --axes ...dtype: the chip whose roofline "
                            "orders the costs (tpu-v4, tpu-v5e, tpu-v5p, a100, "
                            "h100; default tpu-v5e for tpu, h100 for gpu)")
-  _add_no_cache(search)
   search.set_defaults(handler=_search)
   return parser
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
+def _add_shared(parser: argparse.ArgumentParser) -> None:
+  """The options of check and search that mean the same in both."""
   parser.add_argument("--size", choices=("tiny", "small", "base"),
                       default=None,
                       help="size of the built-in model (default tiny)")
   parser.add_argument("--seed", type=inputs.seed, default=0,
                       help="seed of the built-in model (default 0)")
-
-
-def _add_no_cache(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--no-cache", action="store_true",
                       help="do not use JAX's persistent compilation cache "
                            "(default: compiled programs are kept in "
@@ -213,12 +206,8 @@ def _add_no_cache(parser: argparse.ArgumentParser) -> None:
 
 
 def _cache_on(ns: argparse.Namespace, stack: contextlib.ExitStack) -> None:
-  """JAX's persistent compilation cache on for check and search (not --no-cache).
-
-  Called once the arguments are checked (bad usage writes nothing); ``stack``
-  restores JAX's settings afterwards (main() may run in-process). A cache
-  directory that cannot be created is a warning, not a failure.
-  """
+  """JAX's persistent compilation cache on until ``stack`` closes, unless
+  --no-cache; a directory that cannot be created is a warning."""
   if ns.no_cache:
     return
   from jaxprec._src.emulation import compile_cache
@@ -243,39 +232,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     command's own status for ``run``.
   """
   try:
-    try:
-      ns = _parser().parse_args(argv)
-    except SystemExit as e:  # --help and --version
-      return e.code if isinstance(e.code, int) else 0
+    ns = _parser().parse_args(argv)
     if ns.command is None:
       raise UsageError("missing command: choose one of info, audit, run, "
                        "check, search (see jaxprec --help)")
-    inputs.check_settings()
-    try:
-      with contextlib.ExitStack() as stack:  # ns.cache_on(): check, search
-        ns.cache_on = lambda: _cache_on(ns, stack)
-        return ns.handler(ns)
-    except SystemExit as e:  # the user's module or function called sys.exit
-      return _exit_status(e)
+    from jaxprec._src.emulation import kernels
+    try:  # a bad JAXPREC_KERNEL is bad usage, for every command
+      kernels.check_setting()
+    except ValueError as e:
+      raise UsageError(str(e)) from None
+    with contextlib.ExitStack() as stack:  # ns.cache_on(): check, search
+      ns.cache_on = lambda: _cache_on(ns, stack)
+      return ns.handler(ns)
+  except SystemExit as e:  # --help, --version, or the user's code exits
+    # The status Python gives sys.exit(code): a code that is not an int or
+    # None is printed, and is 1.
+    if e.code is None or isinstance(e.code, int):
+      return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
   except (UsageError, Failure) as e:
     print(f"{_PROG}: error: {inputs.one_line(e)}", file=sys.stderr)
     return 2 if isinstance(e, UsageError) else 1
   except KeyboardInterrupt:  # Ctrl-C: one line, the shells' status for SIGINT
     print(f"{_PROG}: interrupted", file=sys.stderr)
     return 128 + 2
-
-
-def _exit_status(e: SystemExit) -> int:
-  """The status Python gives ``sys.exit(code)``: None 0, an int itself, else 1.
-
-  As Python does, a code that is not an int or None is printed to stderr.
-  """
-  if e.code is None:
-    return 0
-  if isinstance(e.code, int):
-    return e.code
-  print(e.code, file=sys.stderr)
-  return 1
 
 
 # ---------------------------------------------------------------------------
@@ -289,19 +270,8 @@ def _info(ns: argparse.Namespace) -> int:
   return 0
 
 
-def _resolve(text: str, policy: bool = False):
-  """A precision, or with ``policy`` a Policy (a policy string or one
-  precision), from its text; bad usage when it names none."""
-  from jaxprec._src.core.precision import resolve
-  from jaxprec._src.policy.policy import as_policy
-  try:
-    return as_policy(text) if policy else resolve(text)
-  except ValueError as e:
-    raise UsageError(str(e)) from None
-
-
 def _audit(ns: argparse.Namespace) -> int:
-  p = _resolve(ns.precision) if ns.precision is not None else None
+  p = inputs.resolve(ns.precision) if ns.precision is not None else None
   fn, args, kwargs = inputs.call_target(ns.target)
 
   import jax
@@ -365,7 +335,7 @@ def _check(ns: argparse.Namespace) -> int:
   elif inputs.is_reference_file(reference):
     inputs.check_reference_file(reference)
   elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
-    _resolve(reference)
+    inputs.resolve(reference)
   enforce = ns.atol is not None or ns.rtol is not None
   tol = {"atol": check_lib.DEFAULT_ATOL, "rtol": check_lib.DEFAULT_RTOL}
   for name in tol:
@@ -422,12 +392,8 @@ def _check(ns: argparse.Namespace) -> int:
 
 
 def _write_outputs(report, out: str) -> None:
-  """Writes ``report.json`` and ``divergence.png`` into ``out``.
-
-  The previous run's picture is removed first; a plot that fails is a
-  warning line (the report is written), without matplotlib a note. In a
-  multi-process run (``jax.distributed``) process 0 alone writes; the others,
-  which computed the same report, write nothing.
+  """Writes ``report.json`` and ``divergence.png`` into ``out`` (process 0
+  alone in a multi-process run); a plot that fails is a warning.
 
   Raises:
     Failure: ``out`` cannot be written.
@@ -438,7 +404,6 @@ def _write_outputs(report, out: str) -> None:
   json_path, png = (os.path.join(out, name) for name in inputs.OUT_FILES)
   try:
     os.makedirs(out, exist_ok=True)
-    # A previous run's picture never stays beside this run's report.
     if os.path.lexists(png):
       os.remove(png)
     with open(json_path, "w", encoding="utf-8") as f:
@@ -473,28 +438,22 @@ def _print_report(report) -> None:
   print(report)
 
 
-# The variable `jaxprec run --policy` passes a policy in (canonical text).
-POLICY_ENV_VAR = "JAXPREC_POLICY"
-
-
 def _run(ns: argparse.Namespace) -> int:
-  policy = None if ns.policy is None else _resolve(ns.policy, policy=True)
-  cmd = list(ns.cmd)
-  if cmd and cmd[0] == "--":
-    cmd = cmd[1:]
+  policy = None if ns.policy is None else inputs.resolve(ns.policy, policy=True)
+  cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
   if not cmd:
     raise UsageError(
         "run needs a command, e.g. jaxprec run -p float32 -- python train.py")
   from jaxprec._src.core import env as env_lib
   if policy is None:
-    env = env_lib.env_for(_resolve(ns.precision))
+    env = env_lib.env_for(inputs.resolve(ns.precision))
   else:
     # One precision for everything is also JAX's flag; a policy with rules
     # is for the command's code to apply (jaxprec.swap, jaxprec.emulate).
     env = (env_lib.env_for(policy.default)
            if not policy.rules and policy.default is not None
            else dict(os.environ))
-    env[POLICY_ENV_VAR] = str(policy)
+    env["JAXPREC_POLICY"] = str(policy)
   from jaxprec._src.cli import cli_run
   try:
     child = cli_run.start(cmd, env)
@@ -518,12 +477,8 @@ def _search(ns: argparse.Namespace) -> int:
     raise UsageError("--size applies to --model only")
   from jaxprec._src.search import search as search_lib
   from jaxprec._src.search import search_dtype
-  candidates = None
-  if ns.candidates is not None:
-    candidates = tuple(c.strip() for c in ns.candidates.split(",") if c.strip())
-    if not candidates:
-      raise UsageError("--candidates is empty; e.g. --candidates "
-                       "bfloat16,float32")
+  candidates = (None if ns.candidates is None
+                else inputs.comma_list(ns.candidates, "--candidates"))
   budget = search_lib.DEFAULT_BUDGET if ns.budget is None else ns.budget
   axes = {"axes": ns.axes, "dtypes": ns.dtypes, "chip": ns.chip}
   try:  # the arguments, before the model is built

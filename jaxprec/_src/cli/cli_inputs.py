@@ -46,6 +46,25 @@ def seed(text: str) -> int:
   return value
 
 
+def comma_list(text: str, flag: str) -> tuple[str, ...]:
+  """The items of ``flag``'s comma-separated ``text``; none is bad usage."""
+  items = tuple(p.strip() for p in text.split(",") if p.strip())
+  if not items:
+    raise UsageError(f"{flag} is empty; e.g. {flag} bfloat16,float32")
+  return items
+
+
+def resolve(text: str, policy: bool = False):
+  """A precision, or with ``policy`` a Policy (a policy string or one
+  precision), from its text; bad usage when it names none."""
+  from jaxprec._src.core.precision import resolve as resolve_precision
+  from jaxprec._src.policy.policy import as_policy
+  try:
+    return as_policy(text) if policy else resolve_precision(text)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+
+
 def precision_list(text: str) -> tuple[str, ...]:
   """``check --precisions``: comma-separated precisions, each named once.
 
@@ -53,17 +72,10 @@ def precision_list(text: str) -> tuple[str, ...]:
   same row twice. Raises :class:`UsageError` for an empty list, an unknown
   name or a repeat.
   """
-  from jaxprec._src.core.precision import resolve  # noqa: PLC0415
-  precisions = tuple(p.strip() for p in text.split(",") if p.strip())
-  if not precisions:
-    raise UsageError("--precisions is empty; e.g. --precisions bfloat16,float32")
+  precisions = comma_list(text, "--precisions")
   spellings: dict[str, list[str]] = {}
   for p in precisions:
-    try:
-      name = resolve(p).name
-    except ValueError as e:
-      raise UsageError(str(e)) from None
-    spellings.setdefault(name, []).append(p)
+    spellings.setdefault(resolve(p).name, []).append(p)
   repeated = [(name, said) for name, said in spellings.items() if len(said) > 1]
   if repeated:
     what = ", ".join(name if set(said) == {name} else
@@ -77,15 +89,6 @@ def precision_list(text: str) -> tuple[str, ...]:
 
 def one_line(e: BaseException) -> str:
   return " ".join(str(e).split())
-
-
-def check_settings() -> None:
-  """A bad ``JAXPREC_KERNEL`` is a usage error, for every command."""
-  from jaxprec._src.emulation import kernels
-  try:
-    kernels.check_setting()
-  except ValueError as e:
-    raise UsageError(str(e)) from None
 
 
 def call_target(target: str) -> tuple[Any, tuple, dict]:
@@ -198,11 +201,7 @@ OUT_FILES = ("report.json", "divergence.png")
 
 def check_out(out: str) -> None:
   """Fails before the check runs when ``--out`` cannot be a writable directory
-  or holds a directory where one of :data:`OUT_FILES` is to be written.
-
-  Writability is tried (a directory created and removed in ``--out`` or its
-  nearest existing parent), since permissions do not tell for root, ``/proc``
-  or a read-only mount."""
+  or holds a directory where one of :data:`OUT_FILES` is to be written."""
   path = os.path.abspath(out)
   if os.path.exists(path) and not os.path.isdir(path):
     raise UsageError(f"--out {out!r} exists and is not a directory")
@@ -220,7 +219,9 @@ def check_out(out: str) -> None:
       raise UsageError(f"--out {out!r} holds a directory named {name!r}, "
                        f"where the check writes a file: remove it or choose "
                        f"another --out")
-  try:  # permissions do not tell (root, /proc, a read-only mount): try it
+  # Permissions do not tell (root, /proc, a read-only mount): a directory is
+  # created and removed in --out or its nearest existing parent.
+  try:
     os.rmdir(tempfile.mkdtemp(prefix=".jaxprec-out-", dir=existing))
   except OSError as e:
     raise UsageError(f"--out {out!r} is not writable: cannot create a "

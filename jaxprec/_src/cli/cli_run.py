@@ -1,13 +1,7 @@
-"""``jaxprec run``'s child: the signals that stop a job reach the command.
-
-A scheduler (Slurm, Kubernetes, systemd) stops a job by sending SIGTERM (or
-SIGINT, SIGHUP) to the process it started, here ``jaxprec``. :func:`wait`
-forwards each of those to the command, waits for it and returns its status,
-so the command is never left running on its own. A signal the kernel sends
-(Ctrl-C or a hang-up at a terminal: ``si_code > 0``) goes to the terminal's
-whole foreground process group, the command included, so it is not sent a
-second time (a Python command would see a second ``KeyboardInterrupt`` while
-it cleans up after the first).
+"""``jaxprec run``'s child: the signals that stop a job reach the command
+(``docs/cli.md``). A signal the kernel sends (Ctrl-C or a hang-up at a
+terminal: ``si_code > 0``) reached the terminal's whole foreground process
+group, the command included, so it is not sent a second time.
 """
 
 from __future__ import annotations
@@ -65,8 +59,7 @@ def wait(child: Child) -> int:
   exception."""
   try:
     with child.proc:
-      rc = _wait(child.proc, None if child.old is None else child.early,
-                 tuple(child.old or ()))
+      rc = _wait(child)
   finally:
     _restore(child.old)
   return 128 - rc if rc < 0 else rc
@@ -77,9 +70,9 @@ def _restore(old: dict[int, Any] | None) -> None:
     signal.signal(s, handler)
 
 
-def _wait(proc: subprocess.Popen, early: list[int] | None,
-          handled: tuple[int, ...]) -> int:
-  if early is None:  # not the main thread: no handler could be installed
+def _wait(child: Child) -> int:
+  proc, handled = child.proc, tuple(child.old or ())
+  if not handled:  # not the main thread (no handlers), or all ignored
     return proc.wait()
   if not hasattr(signal, "sigtimedwait"):  # macOS: forward by handler
     def forward(n, _):
@@ -87,18 +80,16 @@ def _wait(proc: subprocess.Popen, early: list[int] | None,
         _send(proc, n)
     for s in handled:
       signal.signal(s, forward)
-    for n in early:
+    for n in child.early:
       forward(n, None)
     while True:
       try:
         return proc.wait()
       except KeyboardInterrupt:
         continue
-  if not handled:  # all ignored
-    return proc.wait()
   signal.pthread_sigmask(signal.SIG_BLOCK, handled)
   try:
-    for n in early:  # arrived while the command started: its origin is lost
+    for n in child.early:  # arrived while it started: origin unknown
       _send(proc, n)
     while True:
       rc = proc.poll()
