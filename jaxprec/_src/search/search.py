@@ -89,25 +89,19 @@ def _candidates(candidates: Any, target: str,
           f"Candidate {c!r} runs {algo} on {target}, which costs {w:g} per "
           f"FLOP, more than float32 ({f32:g}); the search returns policies "
           f"that cost no more than float32.")
-    for o in out:
-      if o.algorithm == algo:
-        raise ValueError(
-            f"Candidates {o.label!r} and {c!r} both run {algo} on {target}; "
-            f"keep one.")
+    same = [o.label for o in out if o.algorithm == algo]
+    if same:
+      raise ValueError(f"Candidates {same[0]!r} and {c!r} both run {algo} on "
+                       f"{target}; keep one.")
     label = c if isinstance(c, str) else p.name
     out.append(Candidate(label, p, algo, w))
   out.sort(key=lambda c: (c.weight, c.precision.on(target).operand_bits))
   return out
 
-class _Runner:
-  """Evaluates policies with the shared harness.
 
-  Emulating on the precision axis, every evaluation after the first runs one
-  switched program (:mod:`jaxprec._src.search.switch`), each unit's precision
-  chosen at run time by an index array. The first evaluation, and every one
-  the switch cannot serve, compile one program per policy, as
-  :func:`jaxprec.check` runs a row. The metrics are a second program, so only
-  per-layer scalars reach the host.
+class _Runner:
+  """Evaluates policies with the shared harness: after the first, in one
+  switched program where it can (``compile_once`` of :func:`search_policy`).
   """
 
   def __init__(self, fn, call: harness.Args, ref: harness.Reference,
@@ -192,12 +186,13 @@ def check_arguments(*, tolerance: Any, metric: Any = "rel_rms",
   command line checks them before building a model).
 
   Returns:
-    ``(metric, tolerance, candidates, target, budget)``, normalized; the
-    candidates as internal records, cheapest first (``axes``, ``dtypes``
-    and ``chip`` are checked, not returned).
+    ``(metric, tolerance, candidates, target, budget, axes, dtypes)``,
+    normalized; the candidates as internal records, cheapest first
+    (``dtypes`` None without the dtype axis; ``chip`` is checked, not
+    returned).
   """
   target = numerics.check_target(target)
-  search_dtype.check_arguments(axes, dtypes, chip, target)
+  axes, dtypes = search_dtype.check_arguments(axes, dtypes, chip, target)
   if metric not in METRICS:
     raise unknown("metric", metric, METRICS)
   if isinstance(tolerance, bool) or not isinstance(
@@ -212,7 +207,7 @@ def check_arguments(*, tolerance: Any, metric: Any = "rel_rms",
   if budget < 1:
     raise ValueError(f"budget must be >= 1 (evaluations); got {budget}.")
   cands = _candidates(candidates, target, cost_lib.weights_for(target))
-  return metric, float(tolerance), cands, target, int(budget)
+  return metric, float(tolerance), cands, target, int(budget), axes, dtypes
 
 
 def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
@@ -337,10 +332,9 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                     "did not pay back within a search's evaluations); drop "
                     "the argument.")
   directory = compile_cache.resolve_cache(cache, "jaxprec.search_policy")
-  metric, tolerance, cands, target, budget = check_arguments(
+  metric, tolerance, cands, target, budget, axes, dtypes = check_arguments(
       tolerance=tolerance, metric=metric, candidates=candidates,
       target=target, budget=budget, axes=axes, dtypes=dtypes, chip=chip)
-  axes = search_dtype.check_axes(axes)
   mode = numerics.resolve_mode(mode, target)
   if directory is not None:  # after the checks: a refused call writes nothing
     with compile_cache.compilation_cache(directory):
@@ -361,7 +355,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   if "dtype" in axes:
     table, cands = search_dtype.table(
         fn, args, kwargs, target=target, axes=axes,
-        dtypes=search_dtype.check_dtypes(dtypes), precisions=cands, chip=chip)
+        dtypes=dtypes, precisions=cands, chip=chip)
     chip = chip or search_dtype.DEFAULT_CHIPS[target]
     float32_policy = Policy(default="float32" if "precision" in axes else None,
                             default_dtype="float32")

@@ -1,9 +1,5 @@
-"""The search's algorithm: bisection over module paths, measured by sensitivity.
-
-:mod:`jaxprec._src.search.search` validates the arguments and runs the function;
-this module decides which policies to evaluate (``docs/search.md``, "The
-algorithm").
-"""
+"""Which policies the search evaluates: bisection over module paths, measured
+by sensitivity (``docs/search.md``, "The algorithm")."""
 
 from __future__ import annotations
 
@@ -46,10 +42,6 @@ class Candidate:
   def is_float32(self) -> bool:
     return ((self.precision is None or self.precision.name == "float32")
             and self.dtype in (None, "float32"))
-
-
-# ---------------------------------------------------------------------------
-# The search.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,9 +190,7 @@ class Search:
   def policy(self, levels: Sequence[int] | None) -> Policy:
     if levels is None:
       return self.float32_policy
-    if not levels:
-      return _default(self.cands[0], ())
-    counts = np.bincount(np.asarray(levels), minlength=len(self.cands))
+    counts = np.bincount(np.asarray(levels, int), minlength=len(self.cands))
     default = int(np.argmax(counts))  # most paths; ties: the cheaper
     rules = [self.rule(i, self.cands[l]) for i, l in enumerate(levels)
              if l != default or (self.table.cast and self.table.cast[i])]

@@ -1,12 +1,7 @@
-"""The search's dtype axis: (dtype, precision) candidates, units and costs.
-
-``search_policy(..., axes=("precision", "dtype"))`` gives every *unit* a
-compute dtype and a matmul precision; ``axes=("dtype",)`` a compute dtype
-only. :func:`table` builds what
-:class:`jaxprec._src.search.search_algorithm.Search` needs for that: the
-candidates (cheapest first) and the
-:class:`~jaxprec._src.search.search_algorithm.CostTable`, whose units and
-roofline costs ``docs/search.md`` ("Compute dtypes too") describes.
+"""The search's dtype axis (``docs/search.md``, "Compute dtypes too"):
+:func:`table` builds its (dtype, precision) candidates, cheapest first, and
+the :class:`~jaxprec._src.search.search_algorithm.CostTable` of the units'
+roofline costs.
 """
 
 from __future__ import annotations
@@ -88,9 +83,14 @@ def check_dtypes(dtypes: Any) -> tuple[str, ...]:
                                                  numerics.DTYPES.index(d))))
 
 
-def check_arguments(axes: Any, dtypes: Any, chip: Any, target: str) -> None:
+def check_arguments(axes: Any, dtypes: Any, chip: Any, target: str
+                    ) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
   """Checks ``search_policy``'s ``axes``, ``dtypes`` and ``chip`` (``target``
   is checked).
+
+  Returns:
+    ``(axes, dtypes)`` as :func:`check_axes` and :func:`check_dtypes` give
+    them; ``dtypes`` None without the dtype axis.
 
   Raises:
     ValueError: a bad value (naming it and the choices); ``dtypes`` or
@@ -104,7 +104,7 @@ def check_arguments(axes: Any, dtypes: Any, chip: Any, target: str) -> None:
       raise ValueError(f"dtypes= and chip= apply to the dtype axis; got axes="
                        f"{axes!r}: pass axes=('precision', 'dtype') or "
                        f"('dtype',).")
-    return
+    return axes, None
   spec = chips_lib.check_chip(chip or DEFAULT_CHIPS[target])
   if spec.target != target:
     raise ValueError(f"chip {spec.name!r} is a {spec.target} chip; the "
@@ -116,6 +116,7 @@ def check_arguments(axes: Any, dtypes: Any, chip: Any, target: str) -> None:
           f"dtype {d!r} has no peak figure on {spec.name}, so its matmuls "
           f"cannot be costed; choose dtypes from "
           f"{', '.join(map(repr, ok))}, or a chip that has it (a gpu one).")
+  return axes, names
 
 
 # ---------------------------------------------------------------------------
@@ -123,13 +124,10 @@ def check_arguments(axes: Any, dtypes: Any, chip: Any, target: str) -> None:
 
 
 def _float_bytes(tree: Any) -> int:
-  total = 0
-  for x in jax.tree_util.tree_leaves(tree):
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None and hasattr(x, "shape") and np.issubdtype(
-        np.dtype(dtype), np.floating):
-      total += math.prod(x.shape) * np.dtype(dtype).itemsize
-  return total
+  return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+             for x in jax.tree_util.tree_leaves(tree)
+             if getattr(x, "dtype", None) is not None and hasattr(x, "shape")
+             and np.issubdtype(np.dtype(x.dtype), np.floating))
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from jaxprec._src.checker import render
 from jaxprec._src.checker.report import DivergenceReport
 from jaxprec._src.inspect import cost as cost_lib
 from jaxprec._src.policy.policy import Policy
@@ -54,14 +55,9 @@ class SearchStep:
   def to_dict(self) -> dict[str, Any]:
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     return {**fields, "policy": str(self.policy),
-            "worst_value": _json_float(self.worst_value),
-            "relative_cost": _json_float(self.relative_cost),
+            "worst_value": render.encode(self.worst_value),
+            "relative_cost": render.encode(self.relative_cost),
             "counts": dict(self.counts)}
-
-
-def _json_float(x: float) -> float | str:
-  """``x``, or ``'nan'``, ``'inf'`` or ``'-inf'`` (JSON has no such number)."""
-  return str(x) if isinstance(x, float) and not math.isfinite(x) else x
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,9 +144,9 @@ class SearchResult:
         "meets_tolerance": self.meets_tolerance, "metric": self.metric,
         "tolerance": self.tolerance, "target": self.target, "mode": self.mode,
         "candidates": list(self.candidates),
-        "relative_cost": _json_float(self.relative_cost),
+        "relative_cost": render.encode(self.relative_cost),
         "evaluations": self.evaluations, "budget": self.budget,
-        "values": {k: _json_float(v) for k, v in self.values.items()},
+        "values": render.encode(self.values),
         "precision_by_path": self.precision_by_path(),
         "cost": self.cost.to_dict(),
         "history": [s.to_dict() for s in self.history],
@@ -163,7 +159,6 @@ class SearchResult:
     return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
   def __str__(self) -> str:
-    rel = "{:.3f}".format(self.relative_cost)
     bound = {"cosine": "1 - cosine <=", "sqnr_db": "sqnr_db >="}.get(
         self.metric, f"{self.metric} <=")
     status = "meets" if self.meets_tolerance else "DOES NOT meet"
@@ -175,7 +170,7 @@ class SearchResult:
         f"layers; target {self.target} ({self.mode}); candidates "
         f"{', '.join(self.candidates)}",
         f"policy: {self.policy}",
-        f"cost: {rel} of float32 on {self.target}{unit} "
+        f"cost: {self.relative_cost:.3f} of float32 on {self.target}{unit} "
         f"({status} the tolerance)",
         f"evaluations: {self.evaluations} (budget {self.budget}; plus 1 "
         f"reference run), {self.seconds:.1f} s",

@@ -1,27 +1,18 @@
-"""One compiled program for every precision policy the search tries.
+"""One compiled program for every precision policy the search tries
+(``docs/search.md``, "Limits").
 
-:func:`jaxprec.search_policy` assigns one of a few candidate precisions to
-each *unit* (a Flax module path whose matmuls or convolutions record no
-precision of their own; ``''`` for ops outside modules) and evaluates many
-such assignments, which would otherwise compile one program each.
-
-:func:`switched` traces ``fn`` once and emulates each of those ops as a
+:func:`switched` emulates each unit's matmuls and convolutions as a
 ``lax.switch`` among its candidates' emulations, indexed by an ``int32``
-array argument with one entry per unit. One compiled program then runs every
-assignment: the index array is the policy. Each branch is exactly the op the
-fixed-policy program (``jaxprec.emulate(fn, policy)``) computes for that
-candidate, so the numerics are identical (tested bit for bit:
-``tests/test_switch.py``). That holds for the ops around them too because a
-multi-pass emulated op stores its result through a scatter
-(:func:`jaxprec._src.emulation.passes._last`), which XLA does not fuse into the ops that
-read it: they read it from memory in both programs, as they must across a
-``lax.switch``, and XLA compiles them alike.
+array argument: the index array is the policy. Each branch is exactly the op
+the fixed-policy program (``jaxprec.emulate(fn, policy)``) computes, so the
+numerics are identical (``tests/test_switch.py``). That holds for the ops
+around them too because a multi-pass emulated op stores its result through a
+scatter (:func:`jaxprec._src.emulation.passes._last`), which XLA does not
+fuse into the ops that read it: they read it from memory in both programs,
+as they must across a ``lax.switch``, and XLA compiles them alike.
 
-Which equations are a unit's: :func:`jaxprec._src.inspect.audit.walk_modules`
-over a trace of its own, recorded with :func:`jaxprec._src.flax.paths.record`
-(so the units are those :func:`jaxprec.cost` lists). A unit this trace does
-not find is a :class:`SwitchError`; the search then compiles one program per
-policy and says so.
+A unit the switched trace does not find is a :class:`SwitchError`; the search
+then compiles one program per policy and says so.
 """
 
 from __future__ import annotations
@@ -142,7 +133,8 @@ def switched(fn: Callable[..., Any], units: Sequence[str],
         # evaluated in place: its own trace could not see ``index``. XLA
         # inlines such calls anyway, and the forward pass of a custom
         # derivative is its body, so the program computes the same.
-        return walker.interpret(_body(eqn), rule, *invals)
+        body = eqn.params[_CALLS[eqn.primitive.name]]
+        return walker.interpret(body, rule, *invals)
       hit = unit_of.get(id(eqn))
       if hit is None or hit[0] is not eqn:
         return fixed(eqn, invals)
@@ -163,7 +155,7 @@ def unit_eqns(closed, found: dict[str, list[str]], position: dict[str, int]
   out: dict[int, tuple[Any, int]] = {}
   for w, _, module in audit_lib.walk_modules(closed, found):
     eqn = w.eqn
-    if (eqn.primitive.name in numerics.PRIMITIVES
+    if (eqn.primitive.name in walker.PRIMITIVES
         and eqn.params.get("precision") is None and module in position
         and numerics.emulatable(eqn.invars[0].aval.dtype,
                                 eqn.invars[1].aval.dtype)):
@@ -195,12 +187,9 @@ def _unshared(closed):
   return copy(closed)
 
 
+# The calls that may hold a unit's matmul: the parameter holding their body.
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",
           "custom_vjp_call": "call_jaxpr"}
-
-
-def _body(eqn):
-  return eqn.params[_CALLS[eqn.primitive.name]]
 
 
 def _holders(closed, unit_of: dict[int, tuple[Any, int]]) -> set[int]:
