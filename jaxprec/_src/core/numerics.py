@@ -20,7 +20,7 @@ from jaxprec._src.core.names import check_choice, unknown
 from jaxprec._src.core.precision import BACKEND_TARGETS
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
 from jaxprec._src.jaxpr import compat
-from jaxprec._src.jaxpr.walker import PRIMITIVES
+from jaxprec._src.jaxpr import walker
 
 # What a TPU or an Ampere+ GPU computes; 'cpu'/'native' emulate nothing.
 TARGETS = algorithms.TARGETS
@@ -126,9 +126,9 @@ def op_kind(primitive: Any) -> str:
   """``'dot'`` or ``'conv'`` for a primitive or its name."""
   name = getattr(primitive, "name", primitive)
   try:
-    return PRIMITIVES[name]
+    return walker.PRIMITIVES[name]
   except KeyError:
-    raise unknown("op", name, PRIMITIVES) from None
+    raise unknown("op", name, walker.PRIMITIVES) from None
 
 
 def per_op(p: Precision | None, kind: str) -> Any:
