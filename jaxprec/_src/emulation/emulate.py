@@ -18,9 +18,6 @@ Which precision an op gets:
 * a convolution whose code passed a ``DotAlgorithmPreset`` is emulated at
   DEFAULT, because that is how JAX lowers it (JAX's conv_general_dilated
   lowering, jax/_src/lax/convolution.py).
-
-bfloat16/float16 compute is rounded once per jaxpr op
-(:mod:`jaxprec._src.emulation.dtype_emulation`).
 """
 
 from __future__ import annotations

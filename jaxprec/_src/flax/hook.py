@@ -21,9 +21,8 @@ the policy reaches every matmul of the module's own code: layers, a raw
 ``x @ w``, ``jnp.einsum``, attention scores; nothing is left to do at run
 time.
 
-What a module is to a policy (:func:`classify`: its type and op kind;
-:func:`own_precision`) is decided here too, for both APIs and for the
-precision-aware modules. Imports Flax NNX only when given NNX modules.
+What a module is to a policy (:func:`classify`: its type and op kind) is
+decided here too, for both APIs. Imports Flax NNX only when given NNX modules.
 """
 
 from __future__ import annotations
@@ -59,24 +58,6 @@ def per_op_precision(value: Any, *, conv: bool) -> Any:
       and value[0] != value[1]):
     return tuple(value)
   return numerics.per_op(resolve(value), "conv" if conv else "dot")
-
-
-def own_precision(module: Any, p: Precision | None, kind: str
-                  ) -> tuple[bool, Precision | None]:
-  """``(kept, precision)``: whether a Flax module keeps its own ``precision=``
-  rather than the policy's ``p``, and the precision it runs at.
-
-  A module whose ``precision`` already is what ``p`` would set (a swapped
-  model) is the policy's decision, not the module's.
-  """
-  own = getattr(module, "precision", None)
-  if own is None or (p is not None
-                     and own == per_op_precision(p, conv=kind == "conv")):
-    return False, p
-  try:
-    return True, resolve(own)
-  except (TypeError, ValueError):
-    return True, None
 
 
 def classify(module: Any, table: Sequence[tuple[Any, str]]
@@ -123,17 +104,24 @@ def decide(policy: Policy, path: str, module: Any, module_type: str | None,
   ``flag``, the value of JAX's matmul precision flag the call runs under, is
   that of the policy's precision for the module's path, type and op kind
   (:func:`jaxprec._src.core.numerics.flag_for`); a module that keeps a
-  ``precision`` of its own (``kept``, :func:`own_precision`) runs at that
-  one, so that ops of its call which take no precision argument
-  (``jax.nn.dot_product_attention``) get it too; ``outer_flag`` (the flag
-  outside the policy's scope) when the policy decides nothing. ``precision``
-  is the one the module's ops run at (None: left as it was), ``rule`` the
-  policy's rule that matched (or None).
+  ``precision`` of its own (``kept``: one that is not what the policy's
+  precision sets, as on a swapped model) runs at that one, so that ops of its
+  call which take no precision argument (``jax.nn.dot_product_attention``) get
+  it too; ``outer_flag`` (the flag outside the policy's scope) when the
+  policy decides nothing. ``precision`` is the one the module's ops run at
+  (None: left as it was, or its own that jaxprec cannot resolve), ``rule``
+  the policy's rule that matched (or None).
   """
   p, rule = policy.match(path, module_type, kind)
-  kept, shown = (own_precision(module, p, kind) if module_type is not None
-                 else (False, p))
-  run_at = shown if kept and shown is not None else p
+  own = None if module_type is None else getattr(module, "precision", None)
+  kept = own is not None and (
+      p is None or own != per_op_precision(p, conv=kind == "conv"))
+  shown = run_at = p
+  if kept:
+    try:
+      shown = run_at = resolve(own)
+    except (TypeError, ValueError):
+      shown = None
   flag = outer_flag if run_at is None else numerics.flag_for(run_at, kind)
   return flag, shown, rule, kept
 

@@ -3,14 +3,10 @@
 Imported only when Flax linen is (:func:`jaxprec._src.flax.scope.policy_scope`
 checks ``sys.modules``).
 
-A policy reaches the ops of a linen model whose code the user does not own
-(Hugging Face Flax models, for instance) through
-``flax.linen.intercept_methods``, which calls an interceptor around every
-module method call, with the module: the method runs under the flag the hook
-decides (:mod:`jaxprec._src.flax.hook`), so every op gets the precision of its
-innermost module, including ops that are not modules themselves (the
-attention-score ``jnp.einsum`` calls inside
-``flax.linen.dot_product_attention_weights``).
+Every linen module method call runs under the flag the hook decides
+(:mod:`jaxprec._src.flax.hook`), so every op gets the precision of its
+innermost module, also ops that are not modules (the attention-score
+``jnp.einsum`` calls of ``flax.linen.dot_product_attention_weights``).
 
 The compute dtype (:meth:`jaxprec.Policy.match_dtype`) is applied per module:
 a module with a ``dtype`` dataclass field runs its ``setup`` and each method

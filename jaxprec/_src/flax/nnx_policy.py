@@ -1,14 +1,9 @@
 """A policy's decisions on Flax NNX modules: compute dtypes, records, the hook.
 
 A policy reaches an NNX model through a copy of it (a clone, or the traced
-copy ``nnx.merge`` makes), to which :func:`apply` applies it.
-:func:`jaxprec.swap` does that once, on a clone; :func:`bind` and
-:class:`Stateful` do it each time a function is traced, for
-:func:`jaxprec.emulate`, :func:`jaxprec.audit`, :func:`jaxprec.cost`, the
-checker and the search.
-
-Imports Flax only when called with NNX objects; never imports
-:func:`jaxprec.emulate` (which calls it).
+copy ``nnx.merge`` makes), to which :func:`apply` applies it: once for
+:func:`jaxprec.swap`, at each trace for the others (:func:`bind`,
+:class:`Stateful`). Imports Flax only when called with NNX objects.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ import jax
 from jaxprec._src.flax import hook
 from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.flax import scope as flax_scope
-from jaxprec._src.flax.state import Recorder, active
+from jaxprec._src.flax.state import Recorder
 from jaxprec._src.policy.policy import Policy
 
 
@@ -166,14 +161,9 @@ class Stateful:
   def run(self, copy: Any, args: tuple, kwargs: dict) -> Any:
     """The method on ``copy``, a copy of the module, through the hook, with
     the policy applied to it and in force."""
-    if self.apply_policy:
-      apply(copy, self.policy, self.recorder)
-    else:
-      hook.install(copy)
-    scope = active()
-    in_force = self.policy is None or (scope is not None
-                                       and scope.policy == self.policy)
-    with (contextlib.nullcontext() if in_force
+    apply(copy, self.policy if self.apply_policy else None, self.recorder)
+    # A policy in force already stays (policy_scope reuses its scope).
+    with (contextlib.nullcontext() if self.policy is None
           else flax_scope.policy_scope(self.policy)):
       return hook.run(copy, self.path, self.method, args, kwargs)
 
