@@ -1,10 +1,8 @@
 """Layers: the floating leaves of an output, named by their pytree path.
 
-The checker and the search compare outputs layer by layer. A layer's name is
-its pytree path (``'hidden_states[3]'``, ``'encoder.layer_0'``, ``'output'``
-for a bare array); plain dicts keep their insertion order. Names from other
-frameworks match after :func:`normalize` (``'hidden_states.3'`` and
-``'hidden_states/3'`` are the same layer).
+The checker and the search compare outputs layer by layer, by the names of
+:func:`named_layers`; names from other frameworks match after
+:func:`normalize`.
 """
 
 from __future__ import annotations

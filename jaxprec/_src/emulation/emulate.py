@@ -259,15 +259,15 @@ def _emulator(fn: Callable[..., Any],
     now = current() if dot_fixed is None or conv_fixed is None else None
     scope = (contextlib.nullcontext() if policy is None
              else flax_scope.policy_scope(policy, recorder, what=what))
-    module = None
     with scope as active:
       # The trace depends on the JAX context outside the cleared flag: the
       # precision in force (the policy's unmatched layers record it), x64,
       # the policy. Key on all of it, as jax.jit would (no stale traces).
       outer = (compat.trace_context(), getattr(active, "outer_flag", None))
-      traced, call_args, nodes = fn, args, []
+      traced, call_args = fn, args
       if stateful is not None:
-        if stateful.module is None:
+        module = stateful.module
+        if module is None:
           module, args = args[0], args[1:]
         graphdefs, call_args, kwargs, nodes = stateful.split(
             module, args, kwargs)
@@ -290,7 +290,7 @@ def _emulator(fn: Callable[..., Any],
     warn_opaque(opaque, warned, what)
     if stateful is not None:
       out, written = out
-      stateful.update(module, nodes, written)
+      stateful.update(nodes, written)
     return out
 
   return emulated
@@ -336,9 +336,10 @@ def _native(fn: Callable[..., Any], policy: policy_lib.Policy
     with flag, flax_scope.policy_scope(policy, recorder, what=what):
       if stateful is None:
         return fn(*args, **kwargs)
-      graphdefs, args, kwargs, nodes = stateful.split(None, args, kwargs)
+      graphdefs, args, kwargs, nodes = stateful.split(
+          stateful.module, args, kwargs)
       out, written = stateful.call(graphdefs, *args, **kwargs)
-      stateful.update(None, nodes, written)
+      stateful.update(nodes, written)
       return out
 
   native._jaxprec_recorder = recorder  # for jaxprec.policy_report

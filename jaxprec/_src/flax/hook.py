@@ -159,14 +159,12 @@ def base_class(cls: type) -> type:
 def install(model: Any, entry: Any = None) -> None:
   """Gives every module of ``model`` (a copy: never the user's) the hook, in place.
 
-  Each module, found by :func:`jaxprec._src.flax.paths.nnx_modules` with its
-  path, gets the hooked subclass of its class for that path (and ``entry``).
-  With ``entry`` None, a module hooked already keeps its hook (a swapped
-  model's, with its entry). The classes made for an entry are kept in its
-  ``classes`` dict (so that they live as long as the entry); without an
-  entry a process-wide cache serves. A class that cannot be
-  subclassed so (``__slots__``, arguments to ``__init_subclass__``) or that
-  has no ``__call__`` is left as is: its ops belong to the enclosing module.
+  Each module gets the hooked subclass of its class for its path (and
+  ``entry``, whose ``classes`` dict keeps those made for it); with ``entry``
+  None, a module hooked already (a swapped model's) keeps its hook. A class
+  that cannot be subclassed so (``__slots__``, arguments to
+  ``__init_subclass__``) or has no ``__call__`` is left as is: its ops belong
+  to the enclosing module.
   """
   for path, node in flax_paths.nnx_modules(model):
     if entry is None and "_jaxprec_nnx_base" in vars(type(node)):

@@ -167,22 +167,21 @@ class Stateful:
           else flax_scope.policy_scope(self.policy)):
       return hook.run(copy, self.path, self.method, args, kwargs)
 
-  def split(self, module: Any | None, args: tuple, kwargs: dict
-            ) -> tuple[Any, tuple, dict, list[tuple[Any, Any]]]:
+  def split(self, module: Any, args: tuple, kwargs: dict
+            ) -> tuple[Any, tuple, dict, list[Any]]:
     """``(graphdefs, args, kwargs, nodes)`` of a call, for :meth:`call`.
 
-    The module (``module``, or :attr:`module` when None) and every argument
-    that is an NNX graph node (an ``nnx.Rngs``, another module) are split:
-    ``graphdefs`` holds their graph definitions (part of the trace's key),
-    the returned ``args`` (led by the module's state) and ``kwargs`` hold
-    their states in their places, and ``nodes`` pairs each such argument's
-    place with the argument itself (for :meth:`update`).
+    ``module`` and every argument that is an NNX graph node (an
+    ``nnx.Rngs``, another module) are split: ``graphdefs`` holds their graph
+    definitions (part of the trace's key), the returned ``args`` (led by the
+    module's state) and ``kwargs`` hold their states in their places, and
+    ``nodes`` lists ``module`` and those arguments (for :meth:`update`).
     """
     nnx = sys.modules["flax.nnx"]
-    graphdef, state = nnx.split(self.module if module is None else module)
+    graphdef, state = nnx.split(module)
     args, kwargs = list(args), dict(kwargs)
     places: list[tuple[Any, Any]] = []
-    nodes: list[tuple[Any, Any]] = []
+    nodes = [module]
     for holder, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
       for k in keys:
         node = holder[k]  # a graph node with state of its own, not a variable
@@ -190,7 +189,7 @@ class Stateful:
             and not isinstance(node, nnx.Variable)):
           g, holder[k] = nnx.split(node)
           places.append((k, g))
-          nodes.append((k, node))
+          nodes.append(node)
     return (graphdef, tuple(places)), (state, *args), kwargs, nodes
 
   def call(self, graphdefs: Any, state: Any, /, *args, **kwargs
@@ -213,14 +212,12 @@ class Stateful:
     out = self.run(module, tuple(args), kwargs)
     return out, tuple(_written(node, before) for node, before in copies)
 
-  def update(self, module: Any, nodes: list[tuple[Any, Any]],
-             written: tuple[Any, ...]) -> None:
-    """Writes the variables :meth:`call` returned into the module
-    (``module``, or :attr:`module` when None) and the graph-node arguments,
-    as the native call would have written them."""
+  def update(self, nodes: list[Any], written: tuple[Any, ...]) -> None:
+    """Writes the variables :meth:`call` returned into the module and the
+    graph-node arguments (``nodes`` of :meth:`split`), as the native call
+    would have written them."""
     nnx = sys.modules["flax.nnx"]
-    targets = [self.module if module is None else module] + [n for _, n in nodes]
-    for target, state in zip(targets, written):
+    for target, state in zip(nodes, written):
       if not jax.tree.leaves(state):
         continue
       try:
