@@ -196,13 +196,13 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
   if isinstance(precision, policy_lib.Policy) or (
       isinstance(precision, str) and "=" in precision):
     policy = policy_lib.Policy.parse(precision)
-  recorder = None if policy is None else flax_scope.Recorder(policy)
   if target in ("cpu", "native"):
     if policy is None and precision is None:
       return fn
     # Nothing emulated, but what was asked still applies: precisions as JAX's
     # flags (a TPU or GPU runs them), compute dtypes as the modules' own.
     return _native(fn, policy or policy_lib.Policy(default=resolve(precision)))
+  recorder = None if policy is None else flax_scope.Recorder(policy)
   # An NNX module's state is an argument of each call, not a constant of the
   # cached trace (no stale weights); the policy reaches its copy.
   fn, stateful = nnx_policy.lift(fn, policy, recorder)

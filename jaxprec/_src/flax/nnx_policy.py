@@ -112,11 +112,9 @@ class Stateful:
 
   * ``check`` and ``search_policy`` keep their programs per :func:`stateful`:
     ``fn(state, *args)`` calls ``method`` on ``nnx.merge(graphdef, state)``.
-  * :func:`jaxprec.emulate` keys its trace on the graph definitions of
-    :meth:`split` and their text; :meth:`call` returns the variables the
-    method wrote (batch statistics, RNG counters, new ones) with its output,
-    and :meth:`update` writes them into the module, as the native call would
-    have.
+  * :func:`jaxprec.emulate` traces :meth:`call`, keyed on the graph
+    definitions of :meth:`split` and their text; :meth:`update` writes back
+    what the call wrote, as the native call would have.
 
   Attributes:
     module: the module; None when it is the first argument of each call (a
