@@ -30,8 +30,8 @@ from jaxprec._src.checker.reference import save_layers
 from jaxprec._src.checker.report import DivergenceReport
 from jaxprec._src.checker.report import Finding
 from jaxprec._src.checker.report import LayerResult
+from jaxprec._src.checker.report import TrainingReport
 from jaxprec._src.checker.training import check_training
-from jaxprec._src.checker.training_report import TrainingReport
 from jaxprec._src.core.algorithms import Numerics
 from jaxprec._src.core.context import PresetConvWarning
 from jaxprec._src.core.context import current
@@ -61,7 +61,7 @@ from jaxprec._src.inspect.audit import AuditError
 from jaxprec._src.inspect.audit import AuditReport
 from jaxprec._src.inspect.audit import AuditRow
 from jaxprec._src.inspect.audit import audit
-from jaxprec._src.inspect.cost import CHIPS
+from jaxprec._src.inspect.chips import CHIPS
 from jaxprec._src.inspect.cost import CostReport
 from jaxprec._src.inspect.cost import CostRow
 from jaxprec._src.inspect.cost import cost

@@ -10,8 +10,8 @@ import pytest
 
 import jaxprec
 from jaxprec._src.checker.metrics import LayerMetrics
-from jaxprec._src.checker.report import DivergenceReport, LayerResult
-from jaxprec._src.checker.training_report import TrainingReport
+from jaxprec._src.checker.report import (DivergenceReport, LayerResult,
+                                         TrainingReport)
 
 SCHEMA_METRICS = {"max_abs", "max_rel", "rel_rms", "cosine", "sqnr_db",
                   "ulp_median", "ulp_max", "frac_outside", "nan", "inf"}

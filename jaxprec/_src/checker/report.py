@@ -1,55 +1,12 @@
-"""Check reports: :class:`DivergenceReport`, its layers and findings, and its JSON.
+"""Reports: :class:`DivergenceReport` (with its layers and findings) and
+:class:`TrainingReport`, and their JSON.
 
 :class:`DivergenceReport` is what :func:`jaxprec.check` returns. It is a
 frozen dataclass holding plain Python values (no arrays), so it can be kept,
 compared and serialised. Rendering (tables, Markdown, plots) lives in
-:mod:`jaxprec._src.checker.render`, the training report in
-:mod:`jaxprec._src.checker.training_report`.
-
-JSON schema 1 (``DivergenceReport.to_dict()``; keys beyond these may be added
-in later versions of schema 1, never removed or changed)::
-
-  {"schema": 1, "kind": "check",
-   "reference": "float32",           # or "float64", "file:<path>", "pytree"
-   "target": "tpu", "mode": "emulate", "backend": "cpu",
-   "precisions": ["bfloat16", ...],   # row labels, as the user wrote them
-   "floor": "float32" | null,         # the framework-floor row, if any
-   "numerics": {"bfloat16": "bf16x1 (emulated)", ...},
-   "atol": 1e-3, "rtol": 1e-3,
-   "layers": [{"name": "hidden_states[3]", "shape": [1, 49, 64],
-               "dtype": "float32", "size": 3136,
-               "reference": {"rms": ..., "max_abs": ..., "nan": 0, "inf": 0},
-               "metrics": {"bfloat16": {"max_abs", "max_rel", "rel_rms",
-                                        "cosine", "sqnr_db", "ulp_median",
-                                        "ulp_max", "frac_outside", "nan",
-                                        "inf", "required_atol"}, ...}}, ...],
-   "summary": {"bfloat16": {"first_divergence": "hidden_states[0]" | null,
-                            "first_divergence_index": 0 | null,
-                            "required_atol": ..., "worst_layer": ...,
-                            "worst_rel_rms": ..., "growth_per_layer": ...}},
-   "notes": [...], "seconds": {"reference": ..., "bfloat16": ...},
-   "kernel": {"setting": "auto", "source": "default",
-              "bf16_units": ["avx512_bf16"],   # null off CPU or when set
-              "per_algorithm": {"bf16x3": "bf16", ...}}}
-
-``"floor"`` was added within schema 1: files without it read as ``null``.
-``"kernel"``, the emulation kernel in force when the check ran (its two
-kernels sum long contractions in different orders, so two reports compare
-bit for bit only under the same kernel), was added within schema 1: files
-without it read as ``{}``.
-Non-finite numbers are written as the strings ``"nan"``, ``"inf"`` and
-``"-inf"`` (JSON has no literal for them); :meth:`DivergenceReport.from_dict`
-reads them back. Every other number is a JSON number.
-
-The framework floor. With an external reference (another framework's
-outputs), :func:`jaxprec.check` adds a ``float32`` row: JAX's float32 against
-that reference, the two frameworks' own disagreement, below which no precision
-can go. ``DivergenceReport.floor`` names that row. It is marked in every
-rendering, and it is not a candidate precision: the queries that span all
-precisions (:meth:`~DivergenceReport.first_divergence`,
-:meth:`~DivergenceReport.passes`, :meth:`~DivergenceReport.worst` with
-``precision=None``) and the default ``precision`` of the others skip it; name
-it explicitly (``precision='float32'``) to query it. :meth:`summary` keeps it.
+:mod:`jaxprec._src.checker.render`. The JSON schema (schema 1: keys may be
+added, never removed or changed) is documented in ``docs/checker.md``
+("JSON schema 1"), with the framework floor (``DivergenceReport.floor``).
 """
 
 from __future__ import annotations
@@ -58,6 +15,7 @@ import dataclasses
 import json
 import math
 import numbers
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -130,7 +88,7 @@ class DivergenceReport:
 
   Returned by :func:`jaxprec.check` and :func:`jaxprec.check_module`.
   ``str(report)`` is a table (drawn with ``rich`` when it is installed);
-  :meth:`to_json` follows the versioned schema in this module's docstring.
+  :meth:`to_json` follows the versioned schema of ``docs/checker.md``.
 
   Attributes:
     layers: one :class:`LayerResult` per layer, in depth order.
@@ -147,8 +105,9 @@ class DivergenceReport:
     seconds: wall time of each run, compilation included.
     floor: the label of the framework-floor row (float32 against an external
       reference: the two frameworks' own disagreement), or None. It is marked
-      in every rendering and is not a candidate precision (see the module
-      docstring).
+      in every rendering and is not a candidate precision: the queries over
+      all precisions and the default ``precision`` skip it (name it to query
+      it); :meth:`summary` keeps it.
     kernel: the emulation kernel in force when the check ran
       (:meth:`jaxprec.KernelChoice.to_dict`), or ``{}``.
   """
@@ -364,7 +323,7 @@ class DivergenceReport:
 
   # -- serialisation -----------------------------------------------------------
   def to_dict(self) -> dict[str, Any]:
-    """The report as JSON-safe values (schema in the module docstring)."""
+    """The report as JSON-safe values (schema: ``docs/checker.md``)."""
     from jaxprec._src.core.version import __version__
     layers = []
     for l in self.layers:
@@ -430,3 +389,126 @@ class DivergenceReport:
   __str__ = render.to_str
   to_markdown = render.markdown
   plot = render.plot
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingReport:
+  """The same training loop run at several precisions, against a reference.
+
+  Returned by :func:`jaxprec.check_training`.
+
+  Attributes:
+    precisions: the precision labels.
+    reference: the reference precision name.
+    target, mode, backend: as in :class:`DivergenceReport`.
+    steps: number of training steps.
+    reference_losses: the reference run's loss at each step (before the
+      update of that step).
+    losses: label -> losses at each step.
+    drift: label -> relative L2 distance of the parameters from the
+      reference run's after each step: ``||p - p_ref|| / ||p_ref||`` over all
+      floating parameter leaves together.
+    divergence_step: label -> the first step whose loss differs from the
+      reference's by more than ``threshold`` relatively
+      (``|l - l_ref| > threshold * max(|l_ref|, 1e-12)``) or is not finite;
+      None if none.
+    threshold: the relative loss difference that counts as divergence.
+    numerics: label -> what ran.
+    notes: remarks.
+    seconds: wall time of the whole loop, compilation included.
+  """
+
+  precisions: tuple[str, ...]
+  reference: str
+  target: str
+  mode: str
+  backend: str
+  steps: int
+  reference_losses: tuple[float, ...]
+  losses: Mapping[str, tuple[float, ...]]
+  drift: Mapping[str, tuple[float, ...]]
+  divergence_step: Mapping[str, int | None]
+  threshold: float
+  numerics: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  notes: tuple[str, ...] = ()
+  seconds: float = 0.0
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-safe values: ``{"schema": 1, "kind": "training", ...}``, the
+    attributes by name; non-finite numbers as strings, as in check reports."""
+    return render.encode({
+        "schema": SCHEMA, "kind": "training", "reference": self.reference,
+        "target": self.target, "mode": self.mode, "backend": self.backend,
+        "precisions": list(self.precisions), "steps": self.steps,
+        "threshold": self.threshold, "numerics": dict(self.numerics),
+        "reference_losses": list(self.reference_losses),
+        "losses": {p: list(v) for p, v in self.losses.items()},
+        "drift": {p: list(v) for p, v in self.drift.items()},
+        "divergence_step": dict(self.divergence_step),
+        "notes": list(self.notes), "seconds": self.seconds,
+    })
+
+  to_json = render.to_json
+
+  def __str__(self) -> str:
+    head = (f"jaxprec.check_training: {self.steps} steps vs reference "
+            f"{self.reference}; target {self.target}, mode {self.mode} "
+            f"(backend {self.backend}); divergence: relative loss difference "
+            f"> {self.threshold:g}")
+    cols = ["precision", "numerics", "final loss", "max rel loss diff",
+            "final drift", "diverged at step"]
+    rows = [["(reference) " + self.reference, "",
+             render.fmt(self.reference_losses[-1], 4) if self.reference_losses else "-",
+             "", "", ""]]
+    for p in self.precisions:
+      losses, ref = self.losses[p], self.reference_losses
+      diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref)]
+      step = self.divergence_step[p]
+      rows.append([p, self.numerics.get(p, ""),
+                   render.fmt(losses[-1], 4) if losses else "-",
+                   render.fmt(max(diffs, default=0.0)),
+                   render.fmt(self.drift[p][-1]) if self.drift[p] else "-",
+                   "-" if step is None else str(step)])
+    return "\n".join([head, *render.table(cols, rows, {0, 1}),
+                      *[f"note: {n}" for n in self.notes]])
+
+  def plot(self, path: str | os.PathLike | None = None
+           ) -> "matplotlib.figure.Figure":
+    """Loss curves (left) and parameter drift (right, log scale) per step.
+
+    Args:
+      path: where to save the figure; None only returns it. In a
+        multi-process run (``jax.distributed``) process 0 alone saves it.
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
+
+    Raises:
+      ImportError: matplotlib is not installed (the ``plots`` extra).
+    """
+    Figure = render.figure_class("TrainingReport.plot")
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    ax_loss, ax_drift = fig.subplots(1, 2)
+    steps = list(range(self.steps))
+    ax_loss.plot(steps, self.reference_losses, color="black", lw=2,
+                 label=f"reference {self.reference}")
+    for p in self.precisions:
+      ax_loss.plot(steps, self.losses[p], label=p)
+      ys = [v if math.isfinite(v) and v > 0 else float("nan") for v in self.drift[p]]
+      ax_drift.plot(steps, ys, label=p)
+      if self.divergence_step[p] is not None:
+        ax_loss.axvline(self.divergence_step[p], ls=":", alpha=0.5)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend(fontsize=8)
+    ax_drift.set_yscale("log")
+    ax_drift.set_xlabel("step")
+    ax_drift.set_ylabel("||p - p_ref|| / ||p_ref||")
+    ax_drift.legend(fontsize=8)
+    for ax in (ax_loss, ax_drift):
+      ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(f"training at each precision vs {self.reference} "
+                 f"(target {self.target}, {self.mode})", fontsize=10)
+    if path is not None:
+      render.save(fig, path)
+    return fig

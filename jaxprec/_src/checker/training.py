@@ -28,7 +28,7 @@ import numpy as np
 from jaxprec._src.checker import harness
 from jaxprec._src.checker import render
 from jaxprec._src.checker import rows
-from jaxprec._src.checker.training_report import TrainingReport
+from jaxprec._src.checker.report import TrainingReport
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import PrecisionLike
 from jaxprec._src.jaxpr import compat
