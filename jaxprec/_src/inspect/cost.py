@@ -40,8 +40,6 @@ from jaxprec._src.inspect.audit import si, table
 from jaxprec._src.policy import policy as policy_lib
 from jaxprec._src.policy.policy import Policy, PolicyLike
 
-CHIPS = chips_lib.CHIPS
-
 # Cost of one pass in each format, per FLOP, in units of the target's
 # cheapest float32 matmul pass (docs/search.md has the sources: a GPU's
 # float32 8 is the A100's dense TF32/FP32 ratio, 156 / 19.5 TFLOPS). A pass
