@@ -1,7 +1,3 @@
-"""The divergence checker: layer naming (``layers``), references
-(``reference``), how a row runs (``rows``), the jitted programs
-(``harness``), on-device statistics and host metrics (``metrics``), reports
-and their rendering (``report``, ``render``), and its clients
-:func:`jaxprec.check`, ``check_module`` (which captures submodule outputs),
-``check_training`` and the pytest assertion ``assert_precision_robust``.
+"""The divergence checker: ``check``, ``check_module``, ``check_training`` and
+``assert_precision_robust`` (docs/architecture.md lists the modules).
 """

@@ -1,4 +1,3 @@
-"""The ``jaxprec`` command: its arguments and what it reads (``cli_inputs``),
-``jaxprec run`` (``cli_run``), and the subcommands and what they write
-(``cli``).
+"""The ``jaxprec`` command (docs/cli.md; docs/architecture.md lists the
+modules).
 """

@@ -1,4 +1,3 @@
-"""PyTorch: its hidden states as a reference (``torch_ref``), and the twin
-and port pairs with JAX models (``torch_ports``). Imports torch and
-transformers only when called.
+"""PyTorch hidden states as a reference, and the twin and port pairs (torch
+imported only when called).
 """
