@@ -198,3 +198,21 @@ def test_emulation_and_policies_never_import_flax():
   offenders = {m: sorted(_third_party_imports(m) & {"flax"})
                for m in MODULES if _package(m) in FLAX_FREE}
   assert not {m: v for m, v in offenders.items() if v}
+
+
+# The modules of jaxprec/_src/flax, lowest first (docs/architecture.md): each
+# imports only those before it.
+FLAX_ORDER = ("paths", "state", "hook", "interception", "scope", "nnx_policy")
+
+
+def test_flax_modules_import_only_those_listed_before_them():
+  flax = {m.rpartition(".")[2]: m for m in MODULES
+          if _package(m) == "flax" and not m.endswith("._src.flax")}
+  assert sorted(flax) == sorted(FLAX_ORDER)
+  bad = [(name, other.rpartition(".")[2])
+         for name, module in flax.items()
+         for other in _imports(module) if _package(other) == "flax"
+         and other.rpartition(".")[2] in FLAX_ORDER
+         and FLAX_ORDER.index(other.rpartition(".")[2])
+         >= FLAX_ORDER.index(name)]
+  assert not bad, bad
