@@ -13,6 +13,7 @@ import pytest
 import jaxprec
 from jaxprec._src.checker import harness
 from jaxprec._src.checker import metrics
+from jaxprec._src.flax import nnx_policy
 
 import models
 
@@ -147,11 +148,13 @@ def test_reference_of_a_bfloat16_nnx_model_is_the_float32_model():
 
   x = jax.random.normal(jax.random.key(1), (4, 16))
   m16, m32 = Net(jnp.bfloat16, nnx.Rngs(0)), Net(jnp.float32, nnx.Rngs(0))
-  call = harness.Args((x,), {}, who="test")
-  ref16 = harness.build_reference(m16, call, "float32", target="tpu",
-                                  mode="emulate")
-  ref32 = harness.build_reference(m32, call, "float32", target="tpu",
-                                  mode="emulate")
+  # As check and search_policy call it: the model's state an argument.
+  (fn16, args16), (fn32, args32) = (nnx_policy.stateful(m, (x,))
+                                    for m in (m16, m32))
+  ref16 = harness.build_reference(fn16, harness.Args(args16, {}, who="test"),
+                                  "float32", target="tpu", mode="emulate")
+  ref32 = harness.build_reference(fn32, harness.Args(args32, {}, who="test"),
+                                  "float32", target="tpu", mode="emulate")
   np.testing.assert_array_equal(np.asarray(ref16.hi), np.asarray(ref32.hi))
   assert m16.a.dtype == jnp.bfloat16  # the user's model is untouched
   r = jaxprec.check(m16, x, precisions=["default=dtype:bfloat16"],

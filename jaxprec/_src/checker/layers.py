@@ -10,8 +10,6 @@ from __future__ import annotations
 import collections
 import functools
 import re
-import sys
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,7 +90,8 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
 
   Args:
     wrap: the transformation, e.g. ``Plan.wrap``.
-    fn: the user's function.
+    fn: the user's function (an NNX model comes as
+      :func:`jaxprec._src.flax.nnx_policy.stateful` makes it).
     call: an object whose ``call(f, dynamic)`` calls ``f`` with the arguments
       (:class:`jaxprec._src.checker.harness.Args`).
     dynamic: the array arguments.
@@ -102,26 +101,10 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
   def note(out):
     order.append([n for n, _ in layers(out)])
     return out
-  found = nnx_policy.module_and_method(fn)
   if isinstance(fn, nnx_policy.Stateful):
     # Stays a Stateful, so that a policy's path rules still find the module
     # (jaxprec._src.flax.nnx_policy.bind).
     observed = fn.observing(note)
-  elif found is not None:
-    module, method = found
-    # Stay a method of the NNX module, so that a policy's path rules still
-    # find it (jaxprec._src.flax.nnx_policy.bind). The method runs on a copy
-    # made inside this trace: NNX transforms inside (nnx.scan, nnx.remat,
-    # nnx.jit) refuse variables of another trace level, and what the call
-    # writes (batch statistics, RNG counts) never reaches the user's module.
-    clone = sys.modules["flax.nnx"].clone
-    module = clone(module)
-
-    def observed_method(self, *a, **k):
-      if self is module:
-        self = clone(module)
-      return note(method(self, *a, **k))
-    observed = types.MethodType(observed_method, module)
   else:
     @functools.wraps(fn)
     def observed(*a, **k):
