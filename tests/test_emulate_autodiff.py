@@ -297,3 +297,125 @@ def test_derivatives_of_float16_compute_are_not_zero():
   got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
   assert np.abs(got - want).max() <= 2 * 2.0**-11 * np.abs(want).max()
   assert np.abs(got).min() > 0
+
+
+# ---------------------------------------------------------------------------
+# A custom_vjp rule declared with symbolic_zeros=True (Equinox's
+# filter_custom_vjp, diffrax's adjoints): its bwd is given SymbolicZero
+# cotangents for unused outputs and returns None for inputs it skips.
+
+_SZ = jax.custom_derivatives.SymbolicZero
+
+
+@jax.custom_vjp
+def _mm_and_x(x, w):
+  return x @ w, x
+
+
+def _mm_fwd(x, w):  # symbolic_zeros: CustomVJPPrimal arguments
+  x, w = x.value, w.value
+  return (x @ w, x), (x, w)
+
+
+def _mm_bwd(res, cts):
+  (x, w), (g, gx) = res, cts
+  dx = g @ w.T
+  if type(gx) is not _SZ:  # the second output unused: a symbolic zero
+    dx = dx + gx
+  return dx, x.T @ g
+
+
+_mm_and_x.defvjp(_mm_fwd, _mm_bwd, symbolic_zeros=True)
+
+
+def _sz_loss(mm):
+  return lambda x, w: jnp.sin(mm(x, w)[0]).sum()
+
+
+def _grads_of(mm, how):
+  """The gradient of ``_sz_loss(mm)`` at bfloat16 on TPU, by path ``how``."""
+  emulate = functools.partial(jaxprec.emulate, precision="bfloat16",
+                              target="tpu")
+  loss = _sz_loss(mm)
+  if how == "grad of emulate":
+    return jax.grad(emulate(loss), (0, 1))(X, W)
+  if how == "emulate of grad":
+    return emulate(jax.grad(loss, (0, 1)))(X, W)
+  if how == "jit":
+    return jax.jit(jax.grad(emulate(loss), (0, 1)))(X, W)
+  assert how == "vmap"  # per-example gradients, summed: the batch's gradient
+  per = jax.vmap(jax.grad(lambda r, w: emulate(loss)(r[None], w), (0, 1)),
+                 (0, None))(X, W)
+  return per[0], per[1]
+
+
+@pytest.mark.parametrize("how", ["grad of emulate", "emulate of grad", "jit",
+                                 "vmap"])
+def test_custom_vjp_with_symbolic_zeros_emulates_the_users_backward_rule(how):
+  # The rule's two matmuls are emulated as JAX's own transposes of the same
+  # math written without a custom_vjp are.
+  got = _grads_of(_mm_and_x, how)
+  plain = _grads_of(lambda x, w: (x @ w, x), how)
+  if how == "vmap":  # each example's gradient: sum them
+    got, plain = (got[0], got[1].sum(0)), (plain[0], plain[1].sum(0))
+  _same(got, plain)
+  # Independent reference: ct = cos(y) (y the emulated forward), then
+  # R(ct) @ R(w).T and R(x).T @ R(ct) in float32 sums (R: bfloat16).
+  ct = np.asarray(jnp.cos(jaxprec.emulate(lambda x, w: x @ w, "bfloat16")(
+      X, W)))
+  _within_f32_sums(got[0], _bf16(ct) @ _bf16(W).T, _bf16(ct), _bf16(W).T)
+  if how != "vmap":  # summed per-example weight gradients: float32 adds more
+    _within_f32_sums(got[1], _bf16(X).T @ _bf16(ct), _bf16(X).T, _bf16(ct))
+  native = jax.grad(_sz_loss(_mm_and_x), (0, 1))(X, W)
+  assert np.abs(got[0] - native[0]).max() > 1e-3  # float32 differs
+
+
+def test_custom_vjp_backward_rule_sees_constants_as_jax_gives_them():
+  # A residual that is a constant reaches the rule as a concrete array, also
+  # under jax.jit, and a rule may branch on it (Equinox's adjoints do).
+  # Emulated, it still may, and the rule's matmul is emulated.
+  @jax.custom_vjp
+  def layer(x):
+    return x @ W
+
+  def bwd(res, ct):
+    x, transpose = res
+    if transpose:  # Python control flow on a constant residual
+      return (ct @ W.T,)
+    return (x * 0,)
+
+  layer.defvjp(lambda x: (x @ W, (x, np.bool_(True))), bwd)
+  want = jax.grad(_loss(jaxprec.emulate(lambda x: x @ W, "bfloat16",
+                                        target="tpu")))(X)
+  emulated = jaxprec.emulate(layer, "bfloat16", target="tpu")
+  for grad in (jax.grad(_loss(emulated)), jax.jit(jax.grad(_loss(emulated)))):
+    np.testing.assert_array_equal(grad(X), want)
+  assert np.abs(want - jax.grad(_loss(layer))(X)).max() > 1e-3
+
+
+def test_diffrax_default_adjoint_gradient_is_emulated():
+  # diffrax's default adjoint (RecursiveCheckpointAdjoint) differentiates
+  # through Equinox's custom_vjp with symbolic zeros. The reference: the
+  # same solve with the vector field's matmul written as the emulated op.
+  diffrax = pytest.importorskip("diffrax")
+  a = (_RNG.standard_normal((4, 4)) / 3).astype(np.float32)
+  y0 = _RNG.standard_normal(4).astype(np.float32)
+
+  def solve(mm):
+    def f(a, y0):
+      term = diffrax.ODETerm(lambda t, y, a: jnp.tanh(mm(a, y)))
+      sol = diffrax.diffeqsolve(
+          term, diffrax.Tsit5(), 0.0, 1.0, 0.25, y0, args=a,
+          stepsize_controller=diffrax.ConstantStepSize())
+      return jnp.sum(sol.ys[-1] ** 2)
+    return f
+
+  plain = solve(lambda a, y: a @ y)
+  explicit = solve(lambda a, y: jaxprec.emulated_dot_general(
+      a, y, DN, "bfloat16", target="tpu"))
+  want = jax.grad(explicit, (0, 1))(a, y0)
+  got = jax.jit(jax.grad(jaxprec.emulate(plain, "bfloat16", target="tpu"),
+                         (0, 1)))(a, y0)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)
+  assert np.abs(got[0] - jax.grad(plain)(a, y0)).max() > 1e-3

@@ -199,6 +199,21 @@ def _rewritten_body(params: dict, rule, eval_fn):
   return params, call_jaxpr, params.pop("num_consts"), fun
 
 
+# The zeros a custom_vjp rule is given or returns in place of an array:
+# ``jax.custom_derivatives.SymbolicZero`` (public; the cotangents of a rule
+# declared with ``symbolic_zeros=True``) and JAX's internal ``Zero``
+# (``jax._src.ad_util``, jax 0.10.2 to 0.12), which ``SymbolicZero`` does not
+# subclass.
+def _zero_types() -> tuple[type, ...]:
+  from jax._src import ad_util  # noqa: PLC0415
+  public = jax.custom_derivatives.SymbolicZero
+  return (public, *(t for t in (getattr(ad_util, "Zero", None),)
+                    if isinstance(t, type) and t is not public))
+
+
+_ZEROS = _zero_types()
+
+
 def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
   """Bind params of a custom_jvp_call whose body and JVP are both rewritten.
 
@@ -232,7 +247,6 @@ def custom_jvp_bind_params(params: dict, rule, eval_fn) -> dict:
 def custom_vjp_bind_params(params: dict, rule, eval_fn) -> dict:
   """Bind params of a custom_vjp_call whose body, fwd and bwd are all rewritten."""
   from jax._src import custom_derivatives as cd
-  from jax._src import ad_util
   params, call_jaxpr, num_consts, fun = _rewritten_body(params, rule, eval_fn)
   fwd_jaxpr_thunk = params.pop("fwd_jaxpr_thunk")
   bwd = params.pop("bwd")
@@ -251,25 +265,33 @@ def custom_vjp_bind_params(params: dict, rule, eval_fn) -> dict:
   bwd_c = cd._handle_consts_in_bwd(bwd, const_avals)
 
   # The user's bwd is Python: trace it once per call to a jaxpr, then rewrite.
+  # Zeros are not arrays: the cotangents of unused outputs under
+  # ``defvjp(..., symbolic_zeros=True)`` arrive as ``SymbolicZero`` objects
+  # (Equinox's ``filter_custom_vjp``, diffrax's adjoints), and the rule
+  # returns ``Zero`` objects or Nones for inputs it gives no cotangent. They
+  # stay in place, given to and taken from the traced rule as they are, so
+  # that every matmul of the rule is rewritten whatever reaches it. So do
+  # concrete arrays (an eager jax.grad): the rule sees them as JAX gives them
+  # (Equinox's checks branch on a concrete value), as constants of the trace.
   def new_bwd(*args):
-    flat, tree = jax.tree_util.tree_flatten(args, is_leaf=lambda x: x is None)
+    is_zero = lambda x: x is None or isinstance(x, _ZEROS)  # noqa: E731
+    flat, tree = jax.tree_util.tree_flatten(args, is_leaf=is_zero)
+    arrays = [isinstance(x, _core.Tracer) for x in flat]
     holder = {}
 
     def flat_bwd(*leaves):
-      out = bwd_c.call_wrapped(*jax.tree_util.tree_unflatten(tree, leaves))
-      out_flat, holder["tree"] = jax.tree_util.tree_flatten(
-          out, is_leaf=lambda x: x is None or isinstance(x, ad_util.Zero))
-      holder["mask"] = [o is not None and not isinstance(o, ad_util.Zero)
-                        for o in out_flat]
+      it = iter(leaves)
+      full = [next(it) if a else x for x, a in zip(flat, arrays)]
+      out = bwd_c.call_wrapped(*jax.tree_util.tree_unflatten(tree, full))
+      out_flat, holder["tree"] = jax.tree_util.tree_flatten(out,
+                                                            is_leaf=is_zero)
+      holder["mask"] = [not is_zero(o) for o in out_flat]
       holder["raw"] = out_flat
       return [o for o, m in zip(out_flat, holder["mask"]) if m]
 
-    if any(x is None for x in flat):
-      # Symbolic zeros or Nones among the inputs: keep the user's bwd as is.
-      return bwd_c.call_wrapped(*args)
-    avals = [typeof(x) for x in flat]
-    closed = trace_to_closed_jaxpr(flat_bwd, avals)
-    outs = iter(eval_fn(closed.jaxpr, closed.consts, rule, flat))
+    inputs = [x for x, a in zip(flat, arrays) if a]
+    closed = trace_to_closed_jaxpr(flat_bwd, [typeof(x) for x in inputs])
+    outs = iter(eval_fn(closed.jaxpr, closed.consts, rule, inputs))
     raw = [next(outs) if m else r for r, m in zip(holder["raw"], holder["mask"])]
     return jax.tree_util.tree_unflatten(holder["tree"], raw)
 
