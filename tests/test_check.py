@@ -720,10 +720,12 @@ def test_unsupported_reference_objects(tmp_path):
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"precisions": None}, TypeError, r"precisions must be .* got None"),
     ({"precisions": 3}, TypeError, r"precisions must be .* got 3 of type int"),
-    ({"atol": "a"}, TypeError, r"atol must be a number >= 0.*'a' of type str"),
-    ({"rtol": None}, TypeError, r"rtol must be a number >= 0.*None"),
-    ({"rtol": -1e-3}, ValueError, r"rtol must be a number >= 0.*-0.001"),
-    ({"atol": float("nan")}, ValueError, r"atol must be a number >= 0.*nan"),
+    ({"atol": "a"}, TypeError, r"atol must be a finite number >= 0.*'a' of type str"),
+    ({"rtol": None}, TypeError, r"rtol must be a finite number >= 0.*None"),
+    ({"rtol": -1e-3}, ValueError, r"rtol must be a finite number >= 0.*-0.001"),
+    ({"atol": float("nan")}, ValueError, r"atol must be a finite number >= 0.*nan"),
+    ({"rtol": float("inf")}, ValueError, r"rtol must be a finite number >= 0.*got inf"),
+    ({"atol": 1e39}, ValueError, r"atol must be a finite.*float32's largest.*1e\+39"),
 ])
 def test_bad_precisions_and_tolerances(kwargs, error, match):
   with pytest.raises(error, match=match):

@@ -310,3 +310,52 @@ def test_run_forwards_sigterm_to_the_command(tmp_path):
   finally:
     proc.kill()
   assert (tmp_path / "got").read_text() == "SIGTERM"
+
+
+# The child prints both variables `jaxprec run` sets, and exits with argv[1].
+SHOW_BOTH = ("import os, sys; e = os.environ; "
+             "print(e.get('JAX_DEFAULT_MATMUL_PRECISION'), "
+             "e.get('JAXPREC_POLICY'), sep='|'); sys.exit(int(sys.argv[1]))")
+
+
+def _jaxprec_run(*argv, env, code=0):
+  """``python -m jaxprec run ARGV -- python -c SHOW_BOTH CODE`` in a fresh
+  process with ``env`` on top of this one's: ``(status, (flag, policy))``."""
+  cmd = [sys.executable, "-m", "jaxprec", "run", *argv, "--",
+         sys.executable, "-c", SHOW_BOTH, str(code)]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
+  return proc.returncode, tuple(proc.stdout.strip().split("|"))
+
+
+STALE = {"JAXPREC_POLICY": "default=float32,conv=bfloat16",
+         "JAX_DEFAULT_MATMUL_PRECISION": "float32"}
+
+
+def test_run_precision_clears_an_inherited_policy():
+  """-p bfloat16 under a leftover JAXPREC_POLICY: the command applied the
+  old policy against -p (it was passed through)."""
+  assert _jaxprec_run("-p", "bfloat16", env=STALE, code=5) == (
+      5, ("bfloat16", "None"))
+  # backend-default removes JAX's flag, and the policy too.
+  assert _jaxprec_run("-p", "backend-default", env=STALE) == (0, ("None", "None"))
+
+
+def test_run_policy_clears_an_inherited_flag():
+  """--policy with rules under a leftover JAX_DEFAULT_MATMUL_PRECISION: every
+  op outside the policy's reach kept the old flag."""
+  assert _jaxprec_run("--policy", "default=bf16,conv=tf32", env=STALE,
+                      code=3) == (3, ("None", "default=bfloat16,conv=tensorfloat32"))
+  assert _jaxprec_run("--policy", "default=tf32", env=STALE) == (
+      0, ("tensorfloat32", "default=tensorfloat32"))
+
+
+def test_nested_runs_apply_the_inner_form():
+  inner = [sys.executable, "-m", "jaxprec", "run", "-p", "float32", "--",
+           sys.executable, "-c", SHOW_BOTH, "4"]
+  cmd = [sys.executable, "-m", "jaxprec", "run", "--policy",
+         "default=bf16,conv=tf32", "--", *inner]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 4, proc.stderr
+  assert proc.stdout.strip() == "float32|None"

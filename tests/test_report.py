@@ -60,7 +60,8 @@ def test_to_dict_follows_schema_1():
   assert layer["name"] == "hidden_states[1]" and layer["shape"] == [1, 4, 3]
   assert set(layer["metrics"]) == {"bf16", "bf16_3x"}
   assert SCHEMA_METRICS <= set(layer["metrics"]["bf16"])
-  assert layer["reference"] == {"rms": 0.5, "max_abs": 1.0, "nan": 0, "inf": 0}
+  assert layer["reference"] == {"rms": 0.5, "max_abs": 1.0, "nan": 0, "inf": 0,
+                                "overflow": 0}
 
 
 def test_json_has_no_nan_literals_and_round_trips():
@@ -213,29 +214,33 @@ def test_report_is_exported():
 # -- Argument checks --------------------------------------
 
 
-@pytest.mark.parametrize("bad", [-1, -1e-9, float("nan")])
-def test_first_divergence_refuses_negative_or_nan_tolerances(bad):
+@pytest.mark.parametrize("bad", [-1, -1e-9, float("nan"), float("inf"), 1e39])
+def test_first_divergence_refuses_negative_nan_or_infinite_tolerances(bad):
   r = make_report()
-  with pytest.raises(ValueError, match=rf"atol must be a number >= 0.*got {bad!r}"):
+  with pytest.raises(ValueError, match=rf"atol must be a finite number >= 0.*got {re.escape(repr(bad))}"):
     r.first_divergence(atol=bad)
-  with pytest.raises(ValueError, match=rf"rtol must be a number >= 0.*got {bad!r}"):
+  with pytest.raises(ValueError, match=rf"rtol must be a finite number >= 0.*got {re.escape(repr(bad))}"):
     r.first_divergence(1e-3, bad)
-  with pytest.raises(ValueError, match="atol must be a number >= 0"):
+  with pytest.raises(ValueError, match="atol must be a finite number >= 0"):
     r.passes(atol=bad)
-  with pytest.raises(ValueError, match="rtol must be a number >= 0"):
+  with pytest.raises(ValueError, match="rtol must be a finite number >= 0"):
     r.required_atol("bf16", rtol=bad)
 
 
 @pytest.mark.parametrize("bad", ["1e-3", [1e-3], True])
 def test_first_divergence_refuses_tolerances_that_are_not_numbers(bad):
-  with pytest.raises(TypeError, match=r"atol must be a number >= 0.*got "
+  with pytest.raises(TypeError, match=r"atol must be a finite number >= 0.*got "
                      + re.escape(repr(bad)) + " of type " + type(bad).__name__):
     make_report().first_divergence(atol=bad)
 
 
-def test_first_divergence_accepts_infinite_and_integer_tolerances():
+def test_first_divergence_accepts_large_and_integer_tolerances():
   r = make_report()
-  assert r.first_divergence(math.inf, 0, precision="bf16") is None
+  assert r.first_divergence(3e38, 0, precision="bf16_3x") is None
+  # A layer whose NaN or inf has no counterpart in the reference fails at any
+  # tolerance (atol=inf, refused now, passed it).
+  assert r.first_divergence(3e38, 3e38, precision="bf16").layer == \
+      "hidden_states[3]"
   assert r.first_divergence(0, 0, precision="bf16").layer == "hidden_states[1]"
 
 

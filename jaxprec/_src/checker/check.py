@@ -210,6 +210,7 @@ def check(fn: Callable[..., Any], *args: Any,
         f"in exact arithmetic, they are below float32's smallest normal "
         f"(about 1.2e-38), which XLA flushes to zero on CPU and TPU: "
         f"rescale the inputs")
+  notes += overflow_notes(layers)
   return DivergenceReport(
       layers=layers, precisions=tuple(p.label for p in plans),
       reference=ref.name, target=target, mode=mode, backend=backend,
@@ -218,6 +219,21 @@ def check(fn: Callable[..., Any], *args: Any,
                 "(reference)": ref.description},
       notes=tuple(notes), seconds=seconds, floor=floor,
       kernel=kernels.current_kernel().to_dict())
+
+
+def overflow_notes(layers: Sequence[LayerResult]) -> list[str]:
+  """The note naming layers whose float64 reference float32 cannot hold."""
+  over = [(l.name, max(m.ref_overflow for m in l.metrics.values()))
+          for l in layers]
+  over = [(n, k) for n, k in over if k]
+  if not over:
+    return []
+  shown = ", ".join(f"{n!r} ({k} elements)" for n, k in over[:5]) + (
+      f" and {len(over) - 5} more layers" if len(over) > 5 else "")
+  return [f"the float64 reference of {shown} holds values beyond float32's "
+          f"range (above 3.4e38 in magnitude): a float32 program overflows "
+          f"there, so these layers fail at every precision (rescale the "
+          f"inputs or the model)"]
 
 
 _COLLECTION = "intermediates"

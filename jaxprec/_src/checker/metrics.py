@@ -13,7 +13,11 @@ Two parts, so that only scalars leave the device:
 The metrics are defined in ``docs/checker.md`` ("Metrics"), with ``c`` the
 candidate, ``r`` the reference and ``e = c - r``, over the *valid* elements
 (where both are finite); a float64 reference is carried as a float32 pair
-``r = hi + lo`` and ``e = (c - hi) - lo``.
+``r = hi + lo`` and ``e = (c - hi) - lo``. A float64 reference value beyond
+float32's range (above 3.4e38 in magnitude: its ``hi`` is infinite) is one
+a float32 candidate cannot hold: its ``lo`` is NaN, it never matches (not even
+an infinite candidate of its sign), so its layer fails (``required_atol =
+inf``), and :attr:`LayerMetrics.ref_overflow` counts it.
 
 Scale. Every metric is right for layers of any magnitude float32 holds, from
 its smallest normal number (1.2e-38) to its largest (3.4e38): before
@@ -48,15 +52,21 @@ METRICS = ("max_abs", "max_rel", "rel_rms", "cosine", "sqnr_db", "ulp_median",
            "ulp_max", "frac_outside", "nan", "inf")
 
 
-def check_tolerance(name: str, value: Any) -> float:
-  """``value`` as a float: an ``atol`` or ``rtol`` must be a number >= 0.
+# The largest tolerance: the metrics run in float32, where a larger one is inf.
+MAX_TOLERANCE = float(np.finfo(np.float32).max)
 
-  ``inf`` is allowed (everything passes); NaN, negative values, bools and
-  non-numbers are not.
+
+def check_tolerance(name: str, value: Any) -> float:
+  """``value`` as a float: an ``atol`` or ``rtol`` must be a finite number >= 0.
+
+  At most float32's largest value (about 3.4e38): the metrics compare in
+  float32, where a larger tolerance is infinite and ``rtol * |ref|`` is NaN
+  at zero. NaN, infinities, negative values, bools and non-numbers are
+  refused, with one message.
 
   Raises:
     TypeError: ``value`` is not a real number (or is a bool).
-    ValueError: ``value`` is negative or NaN.
+    ValueError: ``value`` is negative, NaN, infinite or beyond float32.
 
   Examples:
     >>> from jaxprec._src.checker.metrics import check_tolerance
@@ -65,15 +75,19 @@ def check_tolerance(name: str, value: Any) -> float:
     >>> check_tolerance("rtol", None)
     Traceback (most recent call last):
     ...
-    TypeError: rtol must be a number >= 0, e.g. rtol=1e-3; got None of type NoneType.
+    TypeError: rtol must be a finite number >= 0, e.g. rtol=1e-3; got None of type NoneType.
+    >>> check_tolerance("rtol", float("inf"))
+    Traceback (most recent call last):
+    ...
+    ValueError: rtol must be a finite number >= 0, e.g. rtol=1e-3, at most float32's largest (3.4e+38); got inf.
   """
+  what = f"{name} must be a finite number >= 0, e.g. {name}=1e-3"
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{name} must be a number >= 0, e.g. {name}=1e-3; got "
-                    f"{value!r} of type {type(value).__name__}.")
+    raise TypeError(f"{what}; got {value!r} of type {type(value).__name__}.")
   v = float(value)
-  if math.isnan(v) or v < 0:
-    raise ValueError(f"{name} must be a number >= 0, e.g. {name}=1e-3; got "
-                     f"{value!r}.")
+  if not 0 <= v <= MAX_TOLERANCE:  # False for NaN
+    raise ValueError(f"{what}, at most float32's largest "
+                     f"({MAX_TOLERANCE:.2g}); got {value!r}.")
   return v
 
 
@@ -93,6 +107,9 @@ class LayerMetrics:
     size: number of elements.
     ref_rms, ref_max_abs: RMS and max ``|r|`` over valid elements.
     ref_nan, ref_inf: non-finite counts of the reference.
+    ref_overflow: elements of a float64 reference that are finite but beyond
+      float32's range; each is outside any tolerance (no float32 candidate
+      holds it).
   """
 
   max_abs: float
@@ -111,6 +128,7 @@ class LayerMetrics:
   ref_max_abs: float = 0.0
   ref_nan: int = 0
   ref_inf: int = 0
+  ref_overflow: int = 0
 
   def passes(self, atol: float) -> bool:
     """Whether every element is within ``atol + rtol * |ref|`` (check's rtol)."""
@@ -320,28 +338,34 @@ def reference_stats(ref_hi: jax.Array, ref_lo: jax.Array | None,
   Returns:
     Per-layer ``max_abs``, ``r_exp`` (the scaling exponent: the reference's
     magnitudes times ``2**r_exp`` lie below 1), ``sum_r2`` (of the scaled
-    reference), ``nan``, ``inf``, ``floor`` (the ``max_rel`` floor), and
-    ``finite`` (a scalar: no non-finite element).
+    reference), ``nan``, ``inf``, ``overflow`` (finite float64 values beyond
+    float32's range, marked by :func:`split_reference`), ``floor`` (the
+    ``max_rel`` floor), and ``finite`` (a scalar: no non-finite element).
   """
-  del ref_lo  # the low part changes none of these beyond float32 rounding
+  # Beyond the overflow mark, the low part changes none of these beyond
+  # float32 rounding.
   hi = jnp.asarray(ref_hi, jnp.float32)
+  lo = None if ref_lo is None else jnp.asarray(ref_lo, jnp.float32)
   i32 = jnp.int32
   sizes = jnp.asarray(np.array(layout.sizes, np.int32))
+  zeros = jnp.zeros((len(layout.sizes),), i32)
   finite = jnp.all(jnp.isfinite(hi))
 
   def fast(hi):
-    zeros = jnp.zeros((len(layout.sizes),), i32)
-    return hi, zeros, zeros, sizes
+    return hi, zeros, zeros, zeros, sizes
 
   def masked(hi):
     real = _real_mask(layout)
     fin = jnp.isfinite(hi)
+    over = _overflow(hi, lo) & real
     counts = _per_layer([(jnp.isnan(hi) & real).astype(i32),
-                         (jnp.isinf(hi) & real).astype(i32),
-                         (fin & real).astype(i32)], layout, "sum")
-    return jnp.where(fin, hi, np.float32(0)), counts[0], counts[1], counts[2]
+                         (jnp.isinf(hi) & real & ~over).astype(i32),
+                         over.astype(i32), (fin & real).astype(i32)],
+                        layout, "sum")
+    return (jnp.where(fin, hi, np.float32(0)), counts[0], counts[1],
+            counts[2], counts[3])
 
-  r0, nan, inf, n_finite = lax.cond(finite, fast, masked, hi)
+  r0, nan, inf, overflow, n_finite = lax.cond(finite, fast, masked, hi)
   max_abs = _per_layer([jnp.abs(r0)], layout, "max")[0]
   r_exp = _scale_exp(max_abs)
   r_s = r0 * _pow2(r_exp)[jnp.asarray(layout.chunk_layer)][:, None]
@@ -350,7 +374,7 @@ def reference_stats(ref_hi: jax.Array, ref_lo: jax.Array | None,
          * _pow2(-r_exp))
   return {
       "sum_r2": sum_r2, "r_exp": r_exp, "max_abs": max_abs, "nan": nan,
-      "inf": inf,
+      "inf": inf, "overflow": overflow,
       "floor": jnp.maximum(np.float32(REL_FLOOR) * rms,
                            np.float32(np.finfo(np.float32).tiny)),
       "finite": finite,
@@ -361,7 +385,8 @@ def reference_stats(ref_hi: jax.Array, ref_lo: jax.Array | None,
 # Sums are of scaled values: sum_r2 of r * 2**r_exp, sum_e2 of e * 2**e_exp,
 # sum_er of both; max_half is max |e| / 2 (finite when max_abs overflows).
 INT_ROWS = ("n_valid", "nan", "inf", "mismatch", "outside", "ulp_lo",
-             "ulp_hi", "ref_nan", "ref_inf", "r_exp", "e_exp", "u_exp")
+             "ulp_hi", "ref_nan", "ref_inf", "ref_overflow", "r_exp", "e_exp",
+             "u_exp")
 FLOAT_ROWS = ("sum_e2", "sum_er", "max_abs", "max_rel", "required", "sum_r2",
                "ref_max_abs", "max_half")
 # max_abs, required and max_half are of errors computed on values scaled by
@@ -466,8 +491,10 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
     real = _real_mask(layout)
     fin_c, fin_r = jnp.isfinite(c), jnp.isfinite(hi)
     valid = real & fin_c & fin_r
-    same = (jnp.isnan(c) & jnp.isnan(hi)) | (
-        jnp.isinf(c) & jnp.isinf(hi) & (c == hi))
+    # A reference beyond float32's range matches nothing, an infinity
+    # included: the candidate overflowed where the true value is finite.
+    same = ((jnp.isnan(c) & jnp.isnan(hi)) | (
+        jnp.isinf(c) & jnp.isinf(hi) & (c == hi))) & ~_overflow(hi, lo)
     mismatch = real & ~(fin_c & fin_r) & ~same
     zero = f32(0)
     c0 = jnp.where(valid, c, zero)
@@ -511,7 +538,8 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
                              axis=1)
   out["ulp_hi"] = jnp.argmax(cum > (n_valid // 2)[:, None], axis=1)
   out.update(ref_max_abs=ref["max_abs"],
-             ref_nan=ref["nan"], ref_inf=ref["inf"], r_exp=r_exp, u_exp=u_exp)
+             ref_nan=ref["nan"], ref_inf=ref["inf"],
+             ref_overflow=ref["overflow"], r_exp=r_exp, u_exp=u_exp)
   result = {"int": jnp.stack([out[k].astype(i32) for k in INT_ROWS]),
             "float": jnp.stack([out[k].astype(f32) for k in FLOAT_ROWS]),
             "ulp_max": out["ulp_max"]}
@@ -520,17 +548,28 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
   return result
 
 
+def _overflow(hi: jax.Array, lo: jax.Array | None) -> jax.Array:
+  """Where a packed float64 reference is finite beyond float32's range."""
+  if lo is None:
+    return jnp.zeros(hi.shape, bool)
+  return jnp.isinf(hi) & jnp.isnan(lo)
+
+
 def split_reference(ref: Any, xp: Any = np) -> tuple[Any, Any]:
   """A float64 array as a float32 pair ``(hi, lo)`` with ``hi + lo ~ ref``.
 
-  Other dtypes return ``(ref, None)``. ``xp``: ``np``, or ``jnp`` inside a
-  jitted float64 computation.
+  Where ``ref`` is finite but beyond float32's range (``hi`` is infinite),
+  ``lo`` is NaN: the mark :func:`reference_stats` and :func:`layer_stats`
+  read as a value no float32 candidate holds. Elsewhere a non-finite ``hi``
+  has ``lo = 0``. Other dtypes return ``(ref, None)``. ``xp``: ``np``, or
+  ``jnp`` inside a jitted float64 computation.
   """
   if ref.dtype != xp.float64:
     return ref, None
   with np.errstate(over="ignore", invalid="ignore"):
     hi = ref.astype(xp.float32)
-    lo = xp.where(xp.isfinite(hi), ref - hi.astype(xp.float64), 0.0)
+    lo = xp.where(xp.isfinite(hi), ref - hi.astype(xp.float64),
+                  xp.where(xp.isfinite(ref), xp.nan, 0.0))
   return hi, lo.astype(xp.float32)
 
 
@@ -611,7 +650,8 @@ def _finish_one(s: Mapping[str, Any], size: int, ulp_lo: float,
       nan=int(s["nan"]), inf=int(s["inf"]),
       required_atol=math.ldexp(float(s["required"]), -u_exp), size=int(size),
       ref_rms=ref_rms,
-      ref_max_abs=ref_max, ref_nan=int(s["ref_nan"]), ref_inf=int(s["ref_inf"]))
+      ref_max_abs=ref_max, ref_nan=int(s["ref_nan"]), ref_inf=int(s["ref_inf"]),
+      ref_overflow=int(s["ref_overflow"]))
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
@@ -640,6 +680,7 @@ def compare(candidate: jax.typing.ArrayLike, reference: jax.typing.ArrayLike, *,
     >>> m.max_abs, m.frac_outside, m.required_atol
     (0.5, 0.3333333333333333, 0.5)
   """
+  atol, rtol = check_tolerance("atol", atol), check_tolerance("rtol", rtol)
   c, reference = np.asarray(candidate), np.asarray(reference)
   if c.shape != reference.shape:
     raise ValueError(f"candidate shape {c.shape} != reference shape "

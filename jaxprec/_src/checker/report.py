@@ -332,7 +332,8 @@ class DivergenceReport:
           "name": l.name, "shape": list(l.shape), "dtype": l.dtype,
           "size": first.size if first else 0,
           "reference": {"rms": first.ref_rms, "max_abs": first.ref_max_abs,
-                        "nan": first.ref_nan, "inf": first.ref_inf}
+                        "nan": first.ref_nan, "inf": first.ref_inf,
+                        "overflow": first.ref_overflow}
                        if first else {},
           "metrics": {p: l.metrics[p].to_dict() for p in self.precisions},
       })
@@ -367,7 +368,8 @@ class DivergenceReport:
             size=l.get("size", 0),
             ref_rms=render.decode_float(ref.get("rms", 0.0)),
             ref_max_abs=render.decode_float(ref.get("max_abs", 0.0)),
-            ref_nan=ref.get("nan", 0), ref_inf=ref.get("inf", 0))
+            ref_nan=ref.get("nan", 0), ref_inf=ref.get("inf", 0),
+            ref_overflow=ref.get("overflow", 0))
       layers.append(LayerResult(name=l["name"], shape=tuple(l["shape"]),
                                 dtype=l.get("dtype", ""), metrics=ms))
     return cls(layers=tuple(layers), precisions=tuple(d["precisions"]),

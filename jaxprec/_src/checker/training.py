@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import time
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
@@ -132,7 +133,8 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
   Raises:
     TypeError: ``loss_fn`` not callable; ``optimizer`` not an optax
       ``GradientTransformation`` (e.g. the string ``'sgd'``).
-    ValueError: bad precision, target, mode, steps or reference.
+    ValueError: bad precision, target, mode, steps, reference or threshold
+      (a finite number > 0).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxprec
@@ -164,8 +166,10 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
     raise ValueError(f"check_training's reference must be a precision name "
                      f"such as 'float32'; got {reference!r}")
   ref_plan = harness.reference_plan(reference, target, mode)
-  if not threshold > 0:
-    raise ValueError(f"threshold must be > 0; got {threshold}")
+  if isinstance(threshold, bool) or not isinstance(
+      threshold, numbers.Real) or not 0 < threshold < math.inf:
+    raise ValueError(f"threshold must be a finite number > 0, e.g. "
+                     f"threshold=0.1; got {threshold!r}.")
   batch_list = _batches(batches, steps)
   if not batch_list:
     raise ValueError("no training steps: give at least one batch")

@@ -339,9 +339,7 @@ def _check(ns: argparse.Namespace) -> int:
   enforce = ns.atol is not None or ns.rtol is not None
   tol = {"atol": check_lib.DEFAULT_ATOL, "rtol": check_lib.DEFAULT_RTOL}
   for name in tol:
-    v = getattr(ns, name)
-    if v is not None and not v >= 0:
-      raise UsageError(f"--{name} must be >= 0, got {v}")
+    v = inputs.tolerance(getattr(ns, name), f"--{name}")
     if enforce:  # only the given tolerance counts
       tol[name] = 0.0 if v is None else v
 
@@ -444,17 +442,10 @@ def _run(ns: argparse.Namespace) -> int:
   if not cmd:
     raise UsageError(
         "run needs a command, e.g. jaxprec run -p float32 -- python train.py")
-  from jaxprec._src.core import env as env_lib
-  if policy is None:
-    env = env_lib.env_for(inputs.resolve(ns.precision))
-  else:
-    # One precision for everything is also JAX's flag; a policy with rules
-    # is for the command's code to apply (jaxprec.swap, jaxprec.emulate).
-    env = (env_lib.env_for(policy.default)
-           if not policy.rules and policy.default is not None
-           else dict(os.environ))
-    env["JAXPREC_POLICY"] = str(policy)
   from jaxprec._src.cli import cli_run
+  # Each form sets JAX's flag and JAXPREC_POLICY: nothing inherited applies.
+  env = (cli_run.environment(precision=inputs.resolve(ns.precision))
+         if policy is None else cli_run.environment(policy=policy))
   try:
     child = cli_run.start(cmd, env)
   except FileNotFoundError:

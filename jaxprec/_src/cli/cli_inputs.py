@@ -87,6 +87,19 @@ def precision_list(text: str) -> tuple[str, ...]:
   return precisions
 
 
+def tolerance(value: float | None, flag: str) -> float | None:
+  """``--atol``/``--rtol`` (None when not given): a finite number >= 0 and
+  at most float32's largest, as :func:`jaxprec.check` takes them; anything
+  else (``inf``, ``nan``, ``1e39``, a negative number) is bad usage."""
+  if value is None:
+    return None
+  from jaxprec._src.checker.metrics import check_tolerance  # noqa: PLC0415
+  try:
+    return check_tolerance(flag, value)
+  except (TypeError, ValueError) as e:
+    raise UsageError(str(e)) from None
+
+
 def one_line(e: BaseException) -> str:
   return " ".join(str(e).split())
 

@@ -1,21 +1,60 @@
-"""``jaxprec run``'s child: the signals that stop a job reach the command
-(``docs/cli.md``). A signal the kernel sends (Ctrl-C or a hang-up at a
-terminal: ``si_code > 0``) reached the terminal's whole foreground process
-group, the command included, so it is not sent a second time.
+"""``jaxprec run``'s child: its environment, and the signals that stop a job
+reach the command (``docs/cli.md``). A signal the kernel sends (Ctrl-C or a
+hang-up at a terminal: ``si_code > 0``) reached the terminal's whole
+foreground process group, the command included, so it is not sent a second
+time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from jaxprec._src.core import env as env_lib
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _POLL_S = 0.05
+# The variable ``run --policy`` passes the policy's canonical text in.
+POLICY_VAR = "JAXPREC_POLICY"
+
+
+def environment(precision: Any = None, policy: Any = None,
+                base: Mapping[str, str] | None = None) -> dict[str, str]:
+  """The command's environment for ``run -p PRECISION`` or ``run --policy``.
+
+  Each form sets both variables, so nothing inherited (a leftover ``export``,
+  an outer ``jaxprec run``) applies against the one given:
+
+  * ``precision`` (a :class:`jaxprec.Precision`): JAX's flag
+    ``JAX_DEFAULT_MATMUL_PRECISION`` is it (removed for ``backend-default``),
+    and ``JAXPREC_POLICY`` is removed;
+  * ``policy`` (a :class:`jaxprec.Policy`): ``JAXPREC_POLICY`` is its
+    canonical text; JAX's flag is its precision when it is one precision
+    for everything (no rules), and is removed otherwise (the command's code
+    applies the policy: ``jaxprec.swap``, ``jaxprec.emulate``).
+
+  Args:
+    precision, policy: exactly one of them.
+    base: the environment to start from (default ``os.environ``); not
+      modified.
+  """
+  if (precision is None) == (policy is None):
+    raise ValueError("give exactly one of precision and policy")
+  base = os.environ if base is None else base
+  one = precision if policy is None else (
+      policy.default if not policy.rules else None)
+  env = env_lib.env_for(one, base)  # None removes JAX's flag
+  if policy is None:
+    env.pop(POLICY_VAR, None)
+  else:
+    env[POLICY_VAR] = str(policy)
+  return env
 
 
 @dataclasses.dataclass

@@ -1,0 +1,133 @@
+"""The checker's edges: a float64 reference beyond float32's range, tolerances
+that are not finite, and references that the writer or the reader refuses."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxprec
+from jaxprec._src.checker import metrics as metrics_lib
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+# -- A float64 reference beyond float32's range --------------------------------
+
+
+def overflowing(x):
+  """'big' is 4e38 in exact arithmetic (inf in float32); 'later' is finite
+  in float32 but x64 changes nothing there, so only 'big' diverges."""
+  big = x @ x.T  # 2e19 * 2e19 = 4e38
+  later = jnp.tanh(x * 1e-19)
+  return {"big": big, "later": later}
+
+
+X_BIG = jnp.full((2, 1), 2e19, jnp.float32)
+
+
+def test_float64_reference_beyond_float32_fails_that_layer():
+  r = jaxprec.check(overflowing, X_BIG, precisions=["bfloat16_3x"],
+                    reference="float64", mode="emulate")
+  big, later = (l.metrics["bfloat16_3x"] for l in r.layers)
+  # The float32 program overflows to inf where the true value is 4e38.
+  assert big.inf == 4 and big.ref_overflow == 4 and big.ref_inf == 0
+  assert big.required_atol == math.inf and big.frac_outside == 1.0
+  assert not big.passes(1e30)
+  assert later.ref_overflow == 0 and later.required_atol < 1e-6
+  first = r.first_divergence(precision="bfloat16_3x")
+  assert (first.layer, first.index) == ("big", 0)
+  assert not r.passes()
+  note = [n for n in r.notes if "beyond float32's range" in n]
+  assert len(note) == 1 and "'big' (4 elements)" in note[0]
+  assert "'later'" not in note[0]
+  d = r.to_dict()
+  assert d["layers"][0]["reference"]["overflow"] == 4
+  back = jaxprec.DivergenceReport.from_dict(d)
+  assert back.layers[0].metrics["bfloat16_3x"].ref_overflow == 4
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_external_float64_reference_beyond_float32_fails(sign):
+  x = X_BIG * sign
+  exact = np.asarray(x, np.float64) @ np.asarray(x, np.float64).T  # 4e38
+  ref = {"big": exact, "later": np.tanh(np.asarray(x, np.float64) * 1e-19)}
+  r = jaxprec.check(overflowing, x, precisions=["bfloat16_3x"],
+                    reference=ref, mode="emulate")
+  for p in r.precisions:  # the float32 floor too
+    m = r.layers[0].metrics[p]
+    assert m.ref_overflow == 4 and m.required_atol == math.inf, p
+    assert r.first_divergence(precision=p).layer == "big"
+
+
+def test_compare_beyond_float32():
+  # inf against 4e38 (finite) fails; against a true inf it matches.
+  m = metrics_lib.compare(np.float32([np.inf, 1.0]), np.array([4e38, 1.0]))
+  assert (m.ref_overflow, m.ref_inf, m.required_atol) == (1, 0, math.inf)
+  m = metrics_lib.compare(np.float32([np.inf, 1.0]), np.array([np.inf, 1.0]))
+  assert (m.ref_overflow, m.ref_inf, m.required_atol) == (0, 1, 0.0)
+  # float32's largest value is not an overflow; a finite candidate near it
+  # against 4e38 is outside any tolerance too.
+  m = metrics_lib.compare(np.float32([F32_MAX]), np.array([F32_MAX]))
+  assert (m.ref_overflow, m.required_atol) == (0, 0.0)
+  m = metrics_lib.compare(np.float32([F32_MAX]), np.array([-4e38]))
+  assert (m.ref_overflow, m.required_atol) == (1, math.inf)
+
+
+def test_split_reference_marks_overflow_only():
+  ref = np.array([4e38, -4e38, np.inf, np.nan, 1.0 + 2**-30, F32_MAX])
+  hi, lo = metrics_lib.split_reference(ref)
+  assert np.isnan(lo[:2]).all() and np.isinf(hi[:2]).all()
+  np.testing.assert_array_equal(lo[2:4], [0, 0])
+  assert hi[4] == 1 and np.float64(lo[4]) == 2**-30
+  assert lo[5] == 0 and hi[5] == np.float32(F32_MAX)
+
+
+# -- Tolerances: finite numbers within float32, everywhere ---------------------
+
+
+BAD = [math.inf, -math.inf, math.nan, 1e39, -1e-3]
+
+
+def _mlp(x):
+  return {"h": jnp.tanh(x @ x.T)}
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_check_refuses_tolerances_that_are_not_finite(bad):
+  x = jnp.ones((2, 2))
+  for name in ("atol", "rtol"):
+    with pytest.raises(ValueError, match=rf"{name} must be a finite number "
+                       rf">= 0.*got {re.escape(repr(bad))}"):
+      jaxprec.check(_mlp, x, mode="emulate", **{name: bad})
+    with pytest.raises(ValueError, match=rf"{name} must be a finite"):
+      jaxprec.testing.assert_precision_robust(_mlp, x, mode="emulate",
+                                              **{name: bad})
+    with pytest.raises(ValueError, match=rf"{name} must be a finite"):
+      metrics_lib.compare(np.ones(2, np.float32), np.ones(2), **{name: bad})
+
+
+def test_check_module_refuses_infinite_rtol():
+  from flax import nnx
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"rtol must be a finite.*got inf"):
+    jaxprec.check_module(model, jnp.ones((1, 2)), rtol=math.inf,
+                         mode="emulate")
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 0.0, -1.0, "0.1", True])
+def test_check_training_refuses_bad_thresholds(bad):
+  optax = pytest.importorskip("optax")
+  with pytest.raises(ValueError, match=r"threshold must be a finite number "
+                     r"> 0.*got " + re.escape(repr(bad))):
+    jaxprec.check_training(lambda w, b: jnp.sum(w * b), jnp.ones(2),
+                           [jnp.ones(2)], optax.sgd(0.1), threshold=bad)
+
+
+def test_largest_tolerance_is_accepted():
+  m = metrics_lib.compare(np.float32([1, 2]), np.array([1.0, 3.0]),
+                          atol=F32_MAX, rtol=F32_MAX)
+  assert m.frac_outside == 0 and m.max_abs == 1.0
