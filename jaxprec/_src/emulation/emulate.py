@@ -85,7 +85,7 @@ def emulation_rule(default: Precision, *, target: str,
     prim = eqn.primitive
     if emulated_ops.is_emulated_call(eqn):
       return walker.bind_unchanged(eqn, invals)  # emulated already: keep as is
-    opaque = walker.opaque_name(eqn)
+    opaque = walker.opaque_name(eqn, target)
     if opaque is not None:
       if on_opaque is not None:
         on_opaque(opaque)
@@ -94,18 +94,25 @@ def emulation_rule(default: Precision, *, target: str,
     if low is not None:  # bfloat16/float16 compute: one rounding per op
       return low
     p = eqn.params
-    if prim is lax.dot_general_p:
+    if prim is lax.dot_general_p or prim.name == "ragged_dot_general":
       prec = dot_default if p["precision"] is None else p["precision"]
     elif prim is lax.conv_general_dilated_p:
       prec = (conv_default if p["precision"] is None
               else numerics.lowered(p["precision"], "conv"))
     else:
       return None
+    if prim.name == "ragged_dot_general":
+      return emulated_ops.emulated_ragged_dot(eqn, invals, prec, rule)
     out = emulated_ops.emulated_op(
         prim.name, *invals, emulated_ops.op_params(eqn), prec,
         p.get("preferred_element_type"),
         target=target, guard=guard(eqn), **options)
     return [out]
+  # What the walker reads where it rewrites a library's primitive
+  # (walker.bind_traced): the platform whose lowering XLA would compile, and
+  # where the opaque ops inside its implementation are reported.
+  rule.target = target
+  rule.on_opaque = on_opaque
   return rule
 
 

@@ -522,6 +522,26 @@ def emulated_conv_general_dilated(
                      tf32_rounding=tf32_rounding, out_sharding=out_sharding)
 
 
+def emulated_ragged_dot(eqn, invals: Sequence[Any], precision: Any,
+                        rule: walker.Rule) -> list[Any]:
+  """A ``ragged_dot_general`` equation (``lax.ragged_dot``) computed at
+  ``precision`` as ``rule`` computes dots: JAX's dense form of it (its CPU and
+  GPU lowering, ``_ragged_dot_general_impl`` in jax/_src/lax/lax.py: the rows
+  of each group masked to zero outside it, then one ``dot_general``), whose
+  ``dot_general`` ``rule`` emulates. A zero product adds nothing to a float32
+  sum, so each output element is the sum of its own group's products, as a
+  TPU's ragged dot computes it; its derivatives are the dense form's, whose
+  transposed dots are emulated at the same precision."""
+  dense = compat.ragged_dot_dense()
+  if dense is None:  # pragma: no cover -- a JAX without the dense form
+    raise NotImplementedError(
+        "jaxprec cannot emulate ragged_dot_general on this JAX version")
+  params = dict(eqn.params, precision=precision)
+  closed = compat.trace_to_closed_jaxpr(
+      lambda *a: [dense(*a, **params)], [compat.typeof(x) for x in invals])
+  return walker.interpret(closed, rule, *invals)
+
+
 def written_out(closed):
   """``closed`` with every emulated op written out as its passes: the
   float32 and bfloat16 matmuls it runs, as :func:`jaxprec.audit` and

@@ -61,10 +61,12 @@ class AuditError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AuditRow:
-  """One ``dot_general`` or ``conv_general_dilated`` found by :func:`audit`.
+  """One ``dot_general``, ``ragged_dot_general`` or ``conv_general_dilated``
+  found by :func:`audit`.
 
   Attributes:
-    primitive: ``'dot_general'`` or ``'conv_general_dilated'``.
+    primitive: ``'dot_general'``, ``'ragged_dot_general'`` or
+      ``'conv_general_dilated'``.
     source: ``'file:line'`` of the innermost frame outside JAX, Flax, Optax,
       Chex and jaxprec (the user's line), or ``''`` when unknown.
     op: the innermost frame outside JAX as ``'function (file:line)'``, e.g.
@@ -122,6 +124,9 @@ class AuditRow:
     accumulation_dtype: the dtype the products are summed in as far as the
       program says: ``preferred_element_type`` when set, else the result
       dtype. ``'bfloat16'`` or ``'float16'`` makes the row risky.
+    groups: for a ragged dot (``lax.ragged_dot``, primitive
+      ``ragged_dot_general``), how many groups its ``group_sizes`` holds
+      (each group's rows meet their own rhs); 0 for every other op.
   """
 
   primitive: str
@@ -150,6 +155,7 @@ class AuditRow:
   lhs_storage: str = ""
   rhs_storage: str = ""
   accumulation_dtype: str = ""
+  groups: int = 0
 
   @property
   def dtype_story(self) -> str:
@@ -297,6 +303,8 @@ class AuditReport:
       op = numerics.op_kind(r.primitive)
       if r.trip_count != 1:
         op += f" x{r.trip_count}"
+      if r.groups:
+        op += f" ragged, {r.groups} groups"
       if not r.emulated:
         op += " (not emulated)"
       body.append((str(i), op, r.name_stack or "-", r.op.split(" (")[0] or "?",
@@ -564,8 +572,18 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
   if acc_reason:
     risky, reason = True, "; ".join(r for r in (reason, acc_reason) if r)
   source, op = _frames(eqn)
-  dims = eqn.params["dimension_numbers"]
-  if prim == "dot_general":
+  groups = 0
+  if prim == "ragged_dot_general":
+    # Each lhs element meets the free rhs columns of one group only: the
+    # rhs's group dimension is not a product.
+    ragged = eqn.params["ragged_dot_dimension_numbers"]
+    (_, rhs_contract), (_, rhs_batch) = ragged.dot_dimension_numbers
+    skip = {*rhs_contract, *rhs_batch, *ragged.rhs_group_dimensions}
+    flops = 2 * math.prod(lhs.shape) * math.prod(
+        d for i, d in enumerate(rhs.shape) if i not in skip)
+    groups = known_int(eqn.invars[2].aval.shape[-1])
+  elif prim == "dot_general":
+    dims = eqn.params["dimension_numbers"]
     # 2 * (batch * M * K) * N: every lhs element meets every free rhs column.
     (_, rhs_contract), (_, rhs_batch) = dims
     flops = 2 * math.prod(lhs.shape) * math.prod(
@@ -574,7 +592,7 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
   else:
     # 2 * output elements * kernel spatial size * input features per group
     # (the kernel's input-feature dimension holds in_features / groups).
-    spec = dims.rhs_spec  # (out feature, in feature, spatial...)
+    spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
     flops = 2 * math.prod(out.shape) * math.prod(
         rhs.shape[i] for i in spec[2:]) * rhs.shape[spec[1]]
   return AuditRow(
@@ -589,7 +607,7 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
       module_path=module, emulated=walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope),
       lhs_storage=storage.of(eqn.invars[0], depth),
       rhs_storage=storage.of(eqn.invars[1], depth),
-      accumulation_dtype=accumulation)
+      accumulation_dtype=accumulation, groups=groups)
 
 
 def _precision_name(precision: Any) -> str:

@@ -419,3 +419,91 @@ def jit_key_scope(value: str):
   outer = _POLICY_KEY_STATE.value
   return _POLICY_KEY_STATE(value if outer is None else f"{outer} | {value}")
 
+
+
+# ---------------------------------------------------------------------------
+# Primitives: every one JAX registers, and what a primitive computes.
+
+
+def registered_primitives() -> dict[str, Any]:
+  """Every primitive JAX defines, by name: the ``jax.extend.core.Primitive``
+  instances held by JAX's modules (at module level, or in a dict, list or
+  tuple there), after importing every module of ``jax._src`` that imports.
+
+  There is no public registry of primitives (jax 0.10.2 to 0.12): JAX keeps
+  them as module attributes (``dot_general_p`` in ``jax._src.lax.lax``).
+  Modules that need a library that is not installed (a GPU plugin) are
+  skipped, so their primitives are missing where their library is.
+  """
+  import importlib  # noqa: PLC0415
+  import pkgutil  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  import jax._src as src  # noqa: PLC0415
+  for info in pkgutil.walk_packages(src.__path__, "jax._src."):
+    if "test" in info.name.rsplit(".", 1)[-1]:
+      continue  # test utilities define primitives of their own
+    try:
+      importlib.import_module(info.name)
+    except Exception:  # noqa: BLE001 -- a missing optional library
+      continue
+  found: dict[str, Any] = {}
+  for name, module in list(sys.modules.items()):
+    if (not (name == "jax" or name.startswith("jax.")) or module is None
+        or "test" in name):
+      continue
+    for value in list(vars(module).values()):
+      if isinstance(value, dict):  # values only: rule tables key on any
+        values = list(value.values())  # primitive, a library's too
+      elif isinstance(value, (list, tuple)):
+        values = list(value)
+      else:
+        values = [value]
+      for v in values:
+        if isinstance(v, jex.core.Primitive):
+          found.setdefault(v.name, v)
+  return found
+
+
+_PLATFORMS = {"tpu": "tpu", "gpu": "cuda", "cpu": "cpu"}
+
+
+def lowering_function(prim, target: str | None = None
+                      ) -> tuple[Callable[..., Any], bool] | None:
+  """``(fun, multiple_results)`` when ``prim`` lowers as
+  ``mlir.lower_fun(fun, multiple_results)`` does for ``target`` (its
+  platform's rule, else the rule for every platform); None for any other
+  lowering rule, or none.
+
+  ``fun`` is what XLA compiles for the primitive: JAX traces it while
+  lowering (``jax._src.interpreters.mlir.lower_fun``). The rule tables
+  (``mlir._lowerings``, ``mlir._platform_specific_lowerings``) and the
+  closure of ``lower_fun``'s rule are private (jax 0.10.2 to 0.12).
+  """
+  try:
+    from jax._src.interpreters import mlir as _mlir  # noqa: PLC0415
+    tables = [getattr(_mlir, "_platform_specific_lowerings", {}).get(
+        _PLATFORMS.get(target or "", ""), {}), getattr(_mlir, "_lowerings", {})]
+  except ImportError:  # pragma: no cover -- moved
+    return None
+  for table in tables:
+    entry = table.get(prim)
+    if entry is None:
+      continue
+    rule = getattr(entry, "rule", entry)
+    code = getattr(rule, "__code__", None)
+    cells = getattr(rule, "__closure__", None) or ()
+    if code is None or code.co_name != "f_lowered" or "fun" not in code.co_freevars:
+      return None  # a hand-written lowering: not a function of JAX ops
+    free = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+    return free["fun"], bool(free.get("multiple_results", True))
+  return None
+
+
+def ragged_dot_dense() -> Callable[..., Any] | None:
+  """JAX's dense form of ``ragged_dot_general`` (its lowering on CPU and
+  GPU: each group's rows masked, then one ``dot_general``), called with the
+  primitive's operands and parameters; None where JAX has no such
+  function. ``jax._src.lax.lax._ragged_dot_general_impl`` is private
+  (jax 0.10.2 to 0.12)."""
+  from jax._src.lax import lax as _lax  # noqa: PLC0415
+  return getattr(_lax, "_ragged_dot_general_impl", None)

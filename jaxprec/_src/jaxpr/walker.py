@@ -24,12 +24,20 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex_core
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import trees
 
 # A rule sees an equation and its input values and returns the output values
-# that replace it (a list, one per outvar), or None to keep the equation.
+# that replace it (a list, one per outvar), or None to keep the equation. A
+# rule may carry two attributes the walker reads where it rewrites a
+# library's primitive (:func:`bind_traced`): ``target`` (whose platform's
+# lowering is traced) and ``on_opaque`` (called with the name of each
+# opaque op inside the primitive's implementation).
 Rule = Callable[[Any, Sequence[Any]], "Sequence[Any] | None"]
 
 
@@ -51,35 +59,285 @@ class WalkedEqn:
   trip_count: int = 1
 
 
-# The primitives whose precision jaxprec reads and emulates, and their op
-# kinds as policies name them.
-PRIMITIVES = {"dot_general": "dot", "conv_general_dilated": "conv"}
+# ---------------------------------------------------------------------------
+# The one table: each primitive the walker meets is in exactly one class
+# (:func:`classify`). tests/test_unseen_primitives.py checks that every
+# primitive the installed JAX registers is in one, so that a new JAX
+# primitive fails a test instead of passing unseen.
+
+# Matmuls jaxprec emulates and audits, with their op kinds as policies name
+# them. ``ragged_dot_general`` (``lax.ragged_dot``) is a dot: it takes the
+# same precisions, and each group's rows are one dot of the target's passes.
+PRIMITIVES = {"dot_general": "dot", "conv_general_dilated": "conv",
+              "ragged_dot_general": "dot"}
 
 # Primitives whose numerics jaxprec can neither see nor change: compiled
-# kernels (Pallas, Mosaic, Triton), foreign functions (FFI, custom_call) and
-# host callbacks. The walker binds them unchanged; the audit lists them and
-# the emulation warns (jaxprec.OpaqueOpWarning).
+# kernels (Pallas, Mosaic, Triton, cuDNN), foreign functions (FFI,
+# custom_call), host callbacks, and the block-scaled matmuls (``scaled_dot``,
+# an XLA composite a backend may run as its own kernel; cuDNN's
+# ``scaled_matmul``). The walker binds them unchanged; the audit lists them
+# and the emulation warns (jaxprec.OpaqueOpWarning).
 OPAQUE_PRIMITIVES = frozenset({
     "pallas_call", "ffi_call", "custom_call", "pure_callback", "io_callback",
-    "tpu_custom_call", "triton_kernel_call", "mosaic_gpu_call"})
+    "tpu_custom_call", "triton_kernel_call", "mosaic_gpu_call", "mosaic_gpu_p",
+    "buffer_callback", "core_map", "mpmd_map", "custom_fusion", "fusible",
+    "cudnn_fusion", "scaled_dot", "scaled_matmul", "scaled_matmul_wrapper",
+    "dot_product_attention_fwd", "dot_product_attention_bwd",
+    "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper",
+    "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_bwd",
+    "dot_product_attention_fp8_fwd_wrapper",
+    "dot_product_attention_fp8_bwd_wrapper", "elementwise_inline_asm_p",
+    "inline_mgpu_p", "emit_pipeline", "pipeline_body"})
+
+# Higher-order primitives: the walker walks the jaxprs in their params.
+HIGHER_ORDER = frozenset({
+    "jit", "pjit", "closed_call", "core_call", "call", "remat2", "checkpoint",
+    "remat_opt", "scan", "while", "cond", "custom_jvp_call",
+    "custom_jvp_call_jaxpr", "custom_vjp_call", "custom_vjp_call_jaxpr",
+    "custom_lin", "custom_linear_solve", "custom_vmap_call",
+    "custom_transpose_call", "custom_partitioning", "linear_call",
+    "shard_map", "run_state", "composite", "compute_on", "eval_jaxpr",
+    "call_hi_primitive", "call_hi_primitive_linearized", "jaxpr_call",
+    "run_scoped"})
+
+# Primitives that run only inside a Pallas or Mosaic kernel's body, itself
+# opaque: the audit shows a kernel's dots (not emulated), nothing binds them.
+KERNEL_PRIMITIVES = frozenset({
+    # jax._src.pallas.primitives, .core, .einshape, .fuser
+    "delay", "get_global", "masked_load", "masked_swap", "multiple_of",
+    "num_programs", "program_id", "reciprocal", "semaphore_read",
+    "with_memory_space_constraint", "einshape_lo", "pack_dtype",
+    "unpack_dtype", "remove_memory_space",
+    # jax._src.pallas.mosaic (TPU, SparseCore)
+    "add_dependency", "bitcast", "dma_start", "dma_wait",
+    "get_barrier_semaphore", "matmul_acc_lhs", "matmul_pop",
+    "matmul_push_rhs", "matmul_lhs_fifo", "matmul_pop_fifo",
+    "pack_elementwise", "prng_join", "prng_random_bits", "prng_seed",
+    "prng_split", "roll", "stochastic_round", "trace_value",
+    "unpack_elementwise", "all_reduce_ffs", "all_reduce_population_count",
+    "barrier", "load", "masked_cummax", "masked_cummin", "masked_cumsum",
+    "masked_sort", "pack", "parallel_loop", "sc_fetch_and_add", "swap",
+    "unique", "unpack", "scan_count",
+    # jax._src.pallas.mosaic_gpu
+    "layout_cast", "_copysign", "async_copy_scales_to_tmem",
+    "async_copy_smem_to_tmem", "async_copy_sparse_metadata_to_tmem",
+    "async_load", "async_prefetch", "async_store_smem", "async_store_tmem",
+    "barrier_arrive", "barrier_test", "barrier_wait", "commit_group",
+    "commit_smem", "commit_tmem", "copy_gmem_to_smem", "copy_smem_to_gmem",
+    "griddepcontrol_launch_dependents", "griddepcontrol_wait",
+    "mgpu_atomic_store", "multimem_load_reduce", "multimem_store",
+    "print_layout", "query_cluster_cancel", "semaphore_signal",
+    "semaphore_signal_multicast", "semaphore_signal_parallel",
+    "semaphore_wait", "set_max_registers_p", "tcgen05_commit_arrive",
+    "tcgen05_mma", "try_cluster_cancel", "wait_load_tmem",
+    "wait_smem_to_gmem", "wait_gmem_to_smem", "wgmma",
+    "wgmma_accumulator_deref_p", "wgmma_accumulator_store_p", "wgmma_ref",
+    "wgmma_wait", "mma",
+    # jax._src.pallas.triton
+    "atomic_cas", "atomic_rmw", "debug_barrier_p", "max_contiguous"})
+
+# Primitives JAX defines that hold no matmul: elementwise arithmetic,
+# reductions, data movement, control of sharding and memory, collectives,
+# random numbers, state, shape checks, callbacks without results
+# (``debug_callback``, ``debug_print``: they cannot change a value), and the
+# linear-algebra decompositions (``cholesky``, ``triangular_solve``, ``qr``,
+# ``eigh``, ``svd``, ...), which the backend's solver computes with
+# products that no precision setting names (LAPACK on CPU, cuSOLVER on GPU,
+# XLA's own expansion on TPU): jaxprec runs them natively.
+NO_MATMUL = frozenset("""
+    abs acos acosh add add_any after_all all_gather all_gather_done
+    all_gather_invariant all_gather_reduced all_gather_reduced_start
+    all_gather_start all_to_all all_to_all_done all_to_all_start and
+    approx_top_k argmax argmin asin asinh atan atan2 atanh axis_index
+    bessel_i0e bessel_i1e bitcast_convert_type broadcast_in_dim
+    broadcast_to cbrt ceil clamp clz complex concatenate conj
+    convert_element_type copy copy_p cos cosh create_token cumlogsumexp
+    cummax cummin cumprod cumsum dce_sink digamma div dynamic_slice
+    dynamic_update_slice empty empty2 eq eq_to erf erf_inv erfc exp exp2
+    expm1 fft floor from_edtype gather ge gt igamma igamma_grad_a igammac
+    imag integer_pow iota is_finite le le_to lgamma log log1p logistic lt
+    lt_to max min mul mulhi ne neg nextafter not optimization_barrier or
+    pad pmax pmin polygamma population_count pow ppermute ppermute_done
+    ppermute_start precv preduced psend psum psum_done psum_invariant
+    psum_invariant_start psum_start pbroadcast pbroadcast_done
+    pbroadcast_start pvary ragged_all_to_all real reduce reduce_and
+    reduce_max reduce_min reduce_or reduce_precision reduce_prod
+    reduce_scatter reduce_scatter_done reduce_scatter_start reduce_sum
+    reduce_window reduce_window_max reduce_window_min reduce_window_sum
+    reduce_xor reduced_vary_cast_p regularized_incomplete_beta rem reshape
+    rev rng_bit_generator rng_uniform round rsqrt scatter scatter-add
+    scatter-max scatter-min scatter-mul scatter-sub scatter_add scatter_mul
+    scatter_min scatter_max select_and_gather_add select_and_scatter
+    select_and_scatter_add select_n shift_left shift_right_arithmetic
+    shift_right_logical sign sin sinh slice sort split sqrt square squeeze
+    stack stop_gradient sub tan tanh tie tile to_edtype top_k transpose
+    unreduced_psum unreduced_psum_start unreduced_reduce_scatter
+    unreduced_reduce_scatter_start unreduced_pmax unreduced_pmin
+    unstack vary_unreduced_cast_p xor zeros_like zeta
+    cholesky cholesky_update eig eigh geqp3 geqrf hessenberg
+    householder_product lu lu_pivots_to_permutation ormqr qr schur svd
+    symmetric_product triangular_solve tridiagonal tridiagonal_solve
+    random_bits random_clone random_fold_in random_gamma random_seed
+    random_split random_unwrap random_wrap iota_2x32_shape threefry2x32
+    threefry4x32 philox2x32 philox4x32
+    accum_grad_in_ref addupdate get new_ref empty_ref free_ref freeze
+    create_linear pin unpin stage box_get box_set new_box log_extend
+    log_read new_log
+    device_put sharding_constraint layout_constraint reshard shard_alike
+    inspect_sharding xla_metadata_value platform_index check unreachable
+    dim_as_value dimension_size shape_assertion call_exported name
+    debug_callback debug_print
+""".split())
+
+# jaxprec's own primitives: an emulated op (emulation/emulated_ops.py) and a
+# library primitive emulated through its implementation (:func:`_traced_p`).
+JAXPREC_PRIMITIVES = frozenset({"jaxprec_emulated", "jaxprec_traced"})
+
+CLASSES = ("matmul", "higher_order", "opaque", "kernel", "no_matmul",
+           "jaxprec", "traced")
 
 
-def opaque_name(eqn) -> str | None:
+def classify(name: str) -> str:
+  """The class of the primitive ``name`` in the walker's one table.
+
+  ``'matmul'`` (:data:`PRIMITIVES`: emulated and audited),
+  ``'higher_order'`` (its jaxprs are walked), ``'opaque'`` (named in the
+  audit, warned about by the emulation), ``'kernel'`` (only inside an opaque
+  kernel), ``'no_matmul'`` (JAX's own, bound as recorded), ``'jaxprec'``
+  (emulated already) or ``'traced'``: any other primitive (a library's own,
+  such as Equinox's): its implementation is traced and walked
+  (:func:`implementation`), or, where it cannot be, the primitive is
+  opaque (:func:`opaque_name`).
+  """
+  for cls, names in (("matmul", PRIMITIVES), ("higher_order", HIGHER_ORDER),
+                     ("opaque", OPAQUE_PRIMITIVES),
+                     ("kernel", KERNEL_PRIMITIVES), ("no_matmul", NO_MATMUL),
+                     ("jaxprec", JAXPREC_PRIMITIVES)):
+    if name in names:
+      return cls
+  return "traced"
+
+
+# Host callbacks that provably hold no matmul: Equinox's runtime error
+# checks (``eqx.error_if``, and everything that uses it: lineax, diffrax,
+# optimistix), whose callbacks raise the error or, where a TPU cannot raise,
+# return NaNs (equinox/_errors.py). Keyed by module and qualified name.
+MATMUL_FREE_CALLBACKS = frozenset({
+    ("equinox._errors", "_error.<locals>.raises"),
+    ("equinox._errors", "_error.<locals>.tpu_msg")})
+
+
+def _callback_function(eqn):
+  func = eqn.params.get("callback")
+  return getattr(func, "callback_func", func)
+
+
+def opaque_name(eqn, target: str | None = None) -> str | None:
   """``"pallas_call 'kernel'"`` for an opaque equation (its primitive and,
   where JAX records one, the kernel, FFI target or callback name); None for
-  every other equation."""
+  every other equation.
+
+  Opaque: a primitive of :data:`OPAQUE_PRIMITIVES` (a callback of
+  :data:`MATMUL_FREE_CALLBACKS` excepted), and a library's primitive whose
+  implementation cannot be traced (:func:`implementation`), named with
+  ``"(implementation not traceable)"``.
+  """
   prim = eqn.primitive.name
-  if prim not in OPAQUE_PRIMITIVES:
+  cls = classify(prim)
+  if cls == "traced":
+    if implementation(eqn, target) is not None:
+      return None
+    return f"{prim} (implementation not traceable)"
+  if cls != "opaque":
     return None
   params = eqn.params
+  if "callback" in params:
+    func = _callback_function(eqn)
+    if (getattr(func, "__module__", None),
+        getattr(func, "__qualname__", None)) in MATMUL_FREE_CALLBACKS:
+      return None
   name = (params.get("name") or params.get("target_name")
           or params.get("call_target_name"))
   if not name and isinstance(params.get("jaxpr"), compat.Jaxpr):
     name = getattr(params["jaxpr"].debug_info, "func_name", None)
   if not name and "callback" in params:
-    func = getattr(params["callback"], "callback_func", params["callback"])
+    func = _callback_function(eqn)
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
   return f"{prim} {str(name)!r}" if name else prim
+
+
+# ---------------------------------------------------------------------------
+# Any other primitive: its implementation, traced.
+
+_IMPLEMENTATIONS: dict[Any, Any] = {}
+_TRACING: set[Any] = set()
+
+
+def implementation(eqn, target: str | None = None):
+  """The ``ClosedJaxpr`` a library primitive's equation computes, over its
+  inputs, or None where it cannot be traced.
+
+  What XLA compiles for it where JAX can tell: the function its lowering
+  rule traces (``mlir.lower_fun(fun)``, for ``target``'s platform if it has
+  its own rule: :func:`compat.lowering_function`), else its ``impl``
+  (what it runs eagerly). None where the rule is hand-written MLIR, where
+  tracing raises, or where the traced function binds the primitive itself
+  (``dispatch.apply_primitive``: no implementation in JAX ops). Cached per
+  primitive, parameters, input types and target.
+  """
+  return _implementation(eqn.primitive, eqn.params,
+                         tuple(v.aval for v in eqn.invars), target)
+
+
+def _implementation(prim, params, avals, target):
+  key = (prim, tuple(sorted(params.items(), key=lambda kv: kv[0])), avals,
+         target)
+  try:
+    hash(key)
+  except TypeError:
+    key = None
+  if key is not None and key in _IMPLEMENTATIONS:
+    return _IMPLEMENTATIONS[key]
+  closed = _trace_implementation(prim, params, avals, target)
+  if key is not None:
+    if len(_IMPLEMENTATIONS) >= 1024:
+      _IMPLEMENTATIONS.pop(next(iter(_IMPLEMENTATIONS)))
+    _IMPLEMENTATIONS[key] = closed
+  return closed
+
+
+def _trace_implementation(prim, params, avals, target):
+  if prim in _TRACING:  # its implementation binds it again, deeper
+    return None
+  found = []
+  lowered = compat.lowering_function(prim, target)
+  if lowered is not None:
+    found.append(lowered)
+  impl = getattr(prim, "impl", None)
+  if impl is not None and (lowered is None or impl is not lowered[0]):
+    found.append((impl, prim.multiple_results))
+  _TRACING.add(prim)
+  try:
+    for fun, multiple in found:
+      def flat(*args, fun=fun, multiple=multiple):
+        out = fun(*args, **params)
+        return list(out) if multiple else [out]
+      try:
+        closed = compat.trace_to_closed_jaxpr(flat, list(avals))
+      except Exception:  # noqa: BLE001 -- not traceable: the next, or opaque
+        continue
+      if not any(w.eqn.primitive is prim for w in iter_eqns(closed)):
+        return closed
+  finally:
+    _TRACING.discard(prim)
+  return None
+
+
+def holds_matmul(closed, target: str | None = None) -> bool:
+  """Whether ``closed`` holds a matmul at any depth, library primitives'
+  implementations included."""
+  return any(w.eqn.primitive.name in PRIMITIVES
+             for w in iter_eqns(closed, target=target))
 
 
 def _sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
@@ -90,26 +348,36 @@ def _sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
   yield from ((j, mult) for j in compat.jaxprs_in_params(eqn.params))
 
 
-def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1
-              ) -> Iterator[WalkedEqn]:
+def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
+              target: str | None = None) -> Iterator[WalkedEqn]:
   """Walks every equation of ``jaxpr`` and of every jaxpr nested in it.
 
   Args:
     jaxpr: a ``ClosedJaxpr`` or ``Jaxpr`` (e.g. from ``jax.make_jaxpr``).
     scope: prefix for :attr:`WalkedEqn.scope` (used in recursion).
     trip_count: multiplier for :attr:`WalkedEqn.trip_count`.
+    target: the platform whose lowering of a library primitive is walked
+      (:func:`implementation`); None: the lowering every platform shares.
 
   Yields:
     :class:`WalkedEqn` in program order, parents before their bodies.
     ``custom_jvp_call`` and ``custom_vjp_call`` bodies are walked (their
-    derivative rules are not traced until differentiation).
+    derivative rules are not traced until differentiation), and so is the
+    traced implementation of a library's primitive (:func:`classify`:
+    ``'traced'``), scoped by the primitive's name.
   """
   if isinstance(jaxpr, compat.ClosedJaxpr):
     jaxpr = jaxpr.jaxpr
   for eqn in jaxpr.eqns:
     yield WalkedEqn(eqn, scope, trip_count)
-    for sub, mult in _sub_jaxprs(eqn):
-      yield from iter_eqns(sub, scope + (eqn.primitive.name,), trip_count * mult)
+    inner = scope + (eqn.primitive.name,)
+    subs = list(_sub_jaxprs(eqn))
+    for sub, mult in subs:
+      yield from iter_eqns(sub, inner, trip_count * mult, target=target)
+    if not subs and classify(eqn.primitive.name) == "traced":
+      impl = implementation(eqn, target)
+      if impl is not None:
+        yield from iter_eqns(impl, inner, trip_count, target=target)
 
 
 def output_times(jaxpr) -> list[tuple[int, ...]]:
@@ -322,10 +590,14 @@ def _hoisted(rule: Rule, closed):
 def _rebind(eqn, invals, rule: Rule) -> list[Any]:
   name = eqn.primitive.name
   params = dict(eqn.params)
-  if name in OPAQUE_PRIMITIVES:
+  cls = classify(name)
+  if cls in ("opaque", "kernel", "jaxprec"):
     # A kernel's body (Pallas: a jaxpr over refs) is not a function of its
-    # inputs that can be re-traced: bind it as recorded.
+    # inputs that can be re-traced: bind it as recorded. jaxprec's own
+    # primitives are emulated already.
     return bind_unchanged(eqn, invals)
+  if cls == "traced" and not any(True for _ in _sub_jaxprs(eqn)):
+    return bind_traced(eqn, invals, rule)
   handler = _HANDLERS.get(name)
   if handler is not None:
     return handler(eqn, invals, rule, params)
@@ -429,3 +701,149 @@ _HANDLERS: dict[str, Callable[..., list[Any]]] = {
     "custom_jvp_call": _custom,
     "custom_vjp_call": _custom,
 }
+
+
+# ---------------------------------------------------------------------------
+# A library's primitive rewritten through its implementation.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+  """A library primitive's equation as :data:`_traced_p` carries it: the
+  primitive, its parameters, the rule and the target (hashed by identity)."""
+
+  prim: Any
+  params: dict
+  rule: Rule
+  target: str | None
+
+
+def bind_traced(eqn, invals, rule: Rule) -> list[Any]:
+  """``eqn``, a library's primitive (:func:`classify`: ``'traced'``),
+  computed through its implementation rewritten by ``rule``.
+
+  Where its implementation holds a matmul, the equation becomes a
+  ``jaxprec_traced`` primitive that computes the implementation with
+  ``rule`` and whose derivatives and batching are the library primitive's
+  own rules, traced and rewritten by ``rule`` again (so a primitive that
+  batches in its own way, such as Equinox's ``unvmap_any``, keeps it). Bound
+  as recorded where the implementation holds no matmul, where it has
+  effects, or where it cannot be traced (then :func:`opaque_name` names it).
+  """
+  target = getattr(rule, "target", None)
+  impl = implementation(eqn, target)
+  if impl is None or eqn.effects or not holds_matmul(impl, target):
+    return bind_unchanged(eqn, invals)
+  on_opaque = getattr(rule, "on_opaque", None)
+  if on_opaque is not None:
+    for w in iter_eqns(impl, target=target):
+      name = opaque_name(w.eqn, target)
+      if name is not None:
+        on_opaque(name)
+  call = _Call(eqn.primitive, dict(eqn.params), rule, target)
+  return list(_traced_p.bind(*invals, call=call))
+
+
+_traced_p = jex_core.Primitive("jaxprec_traced")
+_traced_p.multiple_results = True
+
+
+def _outs(prim, out) -> list[Any]:
+  return list(out) if prim.multiple_results else [out]
+
+
+def _run(*args, call: _Call) -> list[Any]:
+  closed = _implementation(call.prim, call.params,
+                           tuple(compat.typeof(a) for a in args), call.target)
+  if closed is None:  # traced once already: it cannot fail now
+    raise AssertionError(f"{call.prim.name}: implementation not traceable")
+  return interpret(closed, call.rule, *args)
+
+
+def _abstract_eval(*avals, call: _Call):
+  out, effects = call.prim.abstract_eval(*avals, **call.params)
+  return _outs(call.prim, out), effects
+
+
+def _jvp(primals, tangents, *, call: _Call):
+  """The library primitive's JVP rule, traced and rewritten by the rule."""
+  jvp = ad.primitive_jvps.get(call.prim)
+  if jvp is None:
+    raise NotImplementedError(
+        f"Differentiation rule for '{call.prim.name}' not implemented")
+  nonzero = [type(t) is not ad.Zero for t in tangents]
+  n = len(primals)
+  zero_out: dict[int, Any] = {}
+
+  def flat(*xs):
+    rest = iter(xs[n:])
+    ts = [next(rest) if nz else ad.Zero(compat.typeof(p).to_tangent_aval())
+          for p, nz in zip(xs[:n], nonzero)]
+    out, out_t = jvp(list(xs[:n]), ts, **call.params)
+    out, out_t = _outs(call.prim, out), _outs(call.prim, out_t)
+    zero_out.update((i, t.aval) for i, t in enumerate(out_t)
+                    if type(t) is ad.Zero)
+    return [*out, *(t for t in out_t if type(t) is not ad.Zero)]
+
+  live = [t for t, nz in zip(tangents, nonzero) if nz]
+  closed = compat.trace_to_closed_jaxpr(
+      flat, [compat.typeof(x) for x in (*primals, *live)])
+  outs = interpret(closed, call.rule, *primals, *live)
+  n_out = (len(outs) + len(zero_out)) // 2
+  primal_out, rest = outs[:n_out], iter(outs[n_out:])
+  tangent_out = [ad.Zero(zero_out[i]) if i in zero_out else next(rest)
+                 for i in range(n_out)]
+  return primal_out, tangent_out
+
+
+def _transpose(cts, *args, call: _Call):
+  """The library primitive's transpose rule, traced and rewritten."""
+  transpose = ad.primitive_transposes.get(call.prim)
+  if transpose is None:
+    raise NotImplementedError(
+        f"Transpose rule for '{call.prim.name}' not implemented")
+  linear = [ad.is_undefined_primal(a) for a in args]
+  consts = [a for a, lin in zip(args, linear) if not lin]
+  live = [c for c in cts if type(c) is not ad.Zero]
+  kept: list[bool] = []
+
+  def flat(*xs):
+    given, rest = iter(xs[:len(consts)]), iter(xs[len(consts):])
+    full = [ad.UndefinedPrimal(a.aval) if lin else next(given)
+            for a, lin in zip(args, linear)]
+    ct = [c if type(c) is ad.Zero else next(rest) for c in cts]
+    if not call.prim.multiple_results:
+      ct = ad.instantiate_zeros(ct[0])
+    out = transpose(ct, *full, **call.params)
+    kept[:] = [lin and o is not None and type(o) is not ad.Zero
+               for lin, o in zip(linear, out)]
+    return [o for o, k in zip(out, kept) if k]
+
+  closed = compat.trace_to_closed_jaxpr(
+      flat, [compat.typeof(x) for x in (*consts, *live)])
+  outs = iter(interpret(closed, call.rule, *consts, *live))
+  return [next(outs) if k else (ad.Zero(a.aval) if lin else None)
+          for a, lin, k in zip(args, linear, kept)]
+
+
+def _batch(args, dims, *, call: _Call):
+  """``jax.vmap`` of the library primitive (its own batching rule), traced
+  and rewritten by the rule."""
+  axes = tuple(None if d is None or d is getattr(batching, "not_mapped", None)
+               else int(d) for d in dims)
+
+  def one(*a):
+    return _outs(call.prim, call.prim.bind(*a, **call.params))
+
+  closed = compat.trace_to_closed_jaxpr(
+      jax.vmap(one, in_axes=axes), [compat.typeof(a) for a in args])
+  outs = interpret(closed, call.rule, *args)
+  return outs, [0] * len(outs)
+
+
+_traced_p.def_impl(_run)
+_traced_p.def_effectful_abstract_eval(_abstract_eval)
+mlir.register_lowering(_traced_p, mlir.lower_fun(_run, multiple_results=True))
+ad.primitive_jvps[_traced_p] = _jvp
+ad.primitive_transposes[_traced_p] = _transpose
+batching.primitive_batchers[_traced_p] = _batch
