@@ -283,7 +283,8 @@ def implementation(eqn, target: str | None = None):
   (what it runs eagerly). None where the rule is hand-written MLIR, where
   tracing raises, or where the traced function binds the primitive itself
   (``dispatch.apply_primitive``: no implementation in JAX ops). Cached per
-  primitive, parameters, input types and target.
+  primitive, parameters, input types and target (1024 entries, oldest
+  dropped), unless the trace holds constants.
   """
   return _implementation(eqn.primitive, eqn.params,
                          tuple(v.aval for v in eqn.invars), target)
@@ -299,7 +300,8 @@ def _implementation(prim, params, avals, target):
   if key is not None and key in _IMPLEMENTATIONS:
     return _IMPLEMENTATIONS[key]
   closed = _trace_implementation(prim, params, avals, target)
-  if key is not None:
+  if key is not None and not (closed is not None and closed.consts):
+    # Never a trace with constants: they may be a user's arrays.
     if len(_IMPLEMENTATIONS) >= 1024:
       _IMPLEMENTATIONS.pop(next(iter(_IMPLEMENTATIONS)))
     _IMPLEMENTATIONS[key] = closed
