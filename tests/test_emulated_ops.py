@@ -137,7 +137,7 @@ def k1_operands():
     ("TF32_TF32_F32", "gpu", "tf32"), ("TF32_TF32_F32_X3", "gpu", "tf32x3"),
     ("F16_F16_F32", "gpu", "f16"), ("F16_F16_F16", "gpu", "f16_f16_f16"),
     ("BF16_BF16_BF16", "tpu", "bf16_bf16_bf16"), ("F32_F32_F32", "gpu", "f32"),
-    ("F64_F64_F64", "gpu", "native"), ("ANY_F8_ANY_F8_F32", "gpu", "native"),
+    ("F64_F64_F64", "gpu", "native"), ("ANY_F8_ANY_F8_F32", "gpu", "f8"),
     ("highest", "cpu", "native"), ("default", "native", "native"),
     ("high", "TPU", "bf16x3"),
 ])
@@ -152,6 +152,10 @@ def test_algorithm_for_dtypes():
   assert algorithm_for("high", "tpu", i8, i8) == "native"
   assert algorithm_for("high", "tpu", i8, F32) == "native"
   assert algorithm_for("high", "tpu", F32, bf) == "bf16x3"  # upcast exactly
+  for f8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):  # weight-only fp8 too
+    assert algorithm_for("high", "tpu", F32, f8) == "bf16x3"
+    assert algorithm_for("high", "gpu", f8, F32) == "tf32"
+    assert algorithm_for("high", "tpu", f8, f8) == "native"
 
 
 def test_algorithm_for_conv_takes_levels_only():

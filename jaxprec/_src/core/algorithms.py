@@ -128,10 +128,25 @@ RECORDS: Mapping[str, Numerics] = {n.algorithm: n for n in (
 # What a target answers for an algorithm it does not run.
 UNSUPPORTED = Numerics(algorithm="unsupported", passes=0, operand_bits=0,
                        note="not supported on this backend")
-# CPU ignores every level and preset: all give the same float32 results.
+# CPU ignores every level and the presets it runs: all give the same
+# float32 results (the presets it refuses: CPU_REFUSED).
 CPU = Numerics(algorithm="f32", passes=1, operand_bits=24,
                pass_format="float32",
                note="exact float32: CPU ignores every precision level")
+
+# The presets JAX's dot_general lowering refuses on CPU, "not supported by
+# dot_general on CPU" (jax/_src/lax/lax.py, _handle_dot_precision, which takes
+# DEFAULT, F16_F16_F16, F32_F32_F32, F64_F64_F64 and BF16_BF16_F32 up to X6
+# there); tests/test_fp8_and_algorithms.py checks the set against JAX.
+CPU_REFUSED = frozenset({
+    "ANY_F8_ANY_F8_F32", "ANY_F8_ANY_F8_F32_FAST_ACCUM", "ANY_F8_ANY_F8_ANY",
+    "ANY_F8_ANY_F8_ANY_FAST_ACCUM", "F16_F16_F32", "BF16_BF16_BF16",
+    "BF16_BF16_F32_X9", "TF32_TF32_F32", "TF32_TF32_F32_X3"})
+# What a CPU answers for them.
+CPU_UNSUPPORTED = Numerics(
+    algorithm="unsupported", passes=0, operand_bits=0,
+    note="JAX refuses the preset on CPU (not supported by dot_general on "
+         "CPU); jaxprec.emulate computes it for target 'tpu' or 'gpu'")
 
 # The algorithm each level means on each target, by lax.Precision name.
 LEVELS: Mapping[str, Mapping[str, str]] = {
@@ -151,8 +166,10 @@ PRESETS: Mapping[str, str] = {
     "ANY_F8_ANY_F8_ANY": "f8", "ANY_F8_ANY_F8_ANY_FAST_ACCUM": "f8",
 }
 # Algorithms JAX computes itself (no emulation kernel: the lax op runs as
-# recorded).
-NATIVE = ("f64", "f8")
+# recorded). 'f8' has no kernel either: the emulation widens its float8
+# operands to float32, where their products are exact, and runs one float32
+# dot (jaxprec._src.emulation.emulated_ops.emulated_op).
+NATIVE = ("f64",)
 
 
 def record(algorithm: str) -> Numerics:

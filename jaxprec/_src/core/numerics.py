@@ -34,8 +34,9 @@ OP_KINDS = ("dot", "conv")
 
 # The algorithms the emulation computes (:func:`algorithm_for`): those of
 # the one table (jaxprec._src.core.algorithms) that a kernel runs, exact float32,
-# and 'native' (the lax op as recorded).
-ALGORITHMS = ("native", "f32") + algorithms.emulated()
+# 'f8' (float8 operands widened to float32: their products are exact there, so
+# one float32 dot, float32 accumulation) and 'native' (the lax op as recorded).
+ALGORITHMS = ("native", "f32", "f8") + algorithms.emulated()
 # Matmul passes of each, read from the table's records.
 PASSES = {"native": 1, **{a: algorithms.record(a).passes
                           for a in ALGORITHMS[1:]}}
@@ -170,10 +171,28 @@ def flag_for(p: Precision, kind: str) -> str | None:
   return p.flag
 
 
+def is_float8(dtype: Any) -> bool:
+  """Whether ``dtype`` is one of JAX's 8-bit floats (``float8_e4m3fn``,
+  ``float8_e5m2``, ... every ``float8_*`` type), the operands of the
+  ``ANY_F8_*`` presets."""
+  d = np.dtype(dtype)
+  return d.itemsize == 1 and d.name.startswith("float8")
+
+
+def _narrow_float(d: np.dtype) -> bool:
+  """bfloat16, float16, or a float of one byte (every float8 type, and
+  float4_e2m1fn): each of their values is a float32 value, and those of one
+  byte (at most 5 significand bits, exponents within bfloat16's) also a
+  bfloat16 value."""
+  return d in _EMULATED_DTYPES or (
+      d.itemsize == 1 and jax.numpy.issubdtype(d, jax.numpy.floating))
+
+
 def emulatable(lhs_dtype: Any, rhs_dtype: Any) -> bool:
-  """float32 x float32, or float32 x a narrower float (upcast exactly)."""
+  """float32 x float32, or float32 x a narrower float (bfloat16, float16, a
+  float8 or float4 type: upcast exactly), the operands a level applies to."""
   dts = (np.dtype(lhs_dtype), np.dtype(rhs_dtype))
-  return all(d in _EMULATED_DTYPES for d in dts) and np.dtype(np.float32) in dts
+  return all(map(_narrow_float, dts)) and np.dtype(np.float32) in dts
 
 
 class UnsupportedAlgorithmError(ValueError):
@@ -232,9 +251,12 @@ def op_numerics(precision: PrecisionLike, target: str, lhs_dtype: Any,
     target: one of :data:`EMULATION_TARGETS` (``'cpu'``/``'native'`` emulate
       nothing).
     lhs_dtype, rhs_dtype: the operand dtypes. The precision applies where one
-      operand is float32 and the other float32, bfloat16 or float16 (the
-      narrower one is exact in float32): a float32 x bfloat16 dot at
-      ``DEFAULT`` is one bfloat16 pass on a TPU.
+      operand is float32 and the other float32, bfloat16, float16 or a
+      float8 (or float4) type (the narrower one is exact in float32): a
+      float32 x bfloat16 or float32 x float8_e4m3fn dot at ``DEFAULT`` is one
+      bfloat16 pass on a TPU. An ``ANY_F8_*`` preset is its record whatever
+      the operands (JAX lowers it for two float8 operands only; the emulation
+      refuses others).
     op: ``'dot_general'`` or ``'conv_general_dilated'``. Convolutions
       understand levels only: under a ``DotAlgorithmPreset`` JAX lowers them at
       ``DEFAULT`` (JAX's conv_general_dilated lowering,
@@ -255,10 +277,14 @@ def op_numerics(precision: PrecisionLike, target: str, lhs_dtype: Any,
   if precision is None:
     precision = jax.config.jax_default_matmul_precision
   p = resolve(precision)  # validates even when nothing is emulated
-  if target in ("cpu", "native") or not emulatable(lhs_dtype, rhs_dtype):
+  if target in ("cpu", "native"):
     return None
   if p.preset is not None and kind == "conv":
     p = resolve(_P.DEFAULT)  # a convolution under a preset (per_op's rule)
+  if p.preset is not None and algorithms.PRESETS[p.preset.name] == "f8":
+    return p.on(target)  # for two float8 operands (the emulation checks)
+  if not emulatable(lhs_dtype, rhs_dtype):
+    return None
   return p.on(target)
 
 
@@ -271,8 +297,8 @@ def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
 
   Returns:
     One of :data:`ALGORITHMS` (:func:`op_numerics`' record; ``'native'``
-    where nothing is emulated, ``F64_F64_F64`` and the ``ANY_F8_*`` presets
-    included).
+    where nothing is emulated, ``F64_F64_F64`` included; ``'f8'`` for an
+    ``ANY_F8_*`` preset on float8 operands).
 
   Raises:
     UnsupportedAlgorithmError: ``target`` does not run the algorithm (e.g.

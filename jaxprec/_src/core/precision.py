@@ -15,6 +15,8 @@ import dataclasses
 import enum
 from typing import Any, Union
 
+import jax
+import numpy as np
 from jax import lax
 
 from jaxprec._src.core import algorithms
@@ -42,10 +44,12 @@ class Precision:
     level: the ``lax.Precision`` to use for convolutions, which understand levels
       only (a preset maps to the level that is at least as precise on TPU).
     preset: the ``lax.DotAlgorithmPreset`` where the precision is one, else None.
-    tpu, gpu, cpu: what the precision computes for float32 operands there:
-      the :class:`~jaxprec.Numerics` record of the one table of algorithms
+    tpu, gpu, cpu: what the precision computes for float32 operands there
+      (for float8 operands, the ``ANY_F8_*`` presets): the
+      :class:`~jaxprec.Numerics` record of the one table of algorithms
       (:mod:`jaxprec._src.core.algorithms`), its ``'unsupported'`` record where
-      the target does not run the algorithm (``F32_F32_F32`` on a TPU).
+      the target does not run the algorithm (``F32_F32_F32`` on a TPU; on
+      CPU the presets JAX refuses there, ``ANY_F8_ANY_F8_F32`` among them).
     source: where the value came from when returned by :func:`jaxprec.current`
       (``'context'``, ``'config'``, ``'env'``, ``'backend-default'``); empty
       for values made by :func:`resolve`. Not part of equality.
@@ -111,9 +115,10 @@ def _precision(name: str, level: P, preset: D | None = None) -> Precision:
     if preset is None:
       return algorithms.meaning(algorithms.LEVELS[target][level.name], target)
     return algorithms.meaning(algorithms.PRESETS[preset.name], target)
+  cpu = (algorithms.CPU_UNSUPPORTED if preset is not None
+         and preset.name in algorithms.CPU_REFUSED else algorithms.CPU)
   return Precision(name=name, flag=names.FLAGS[name], level=level,
-                   preset=preset, tpu=on("tpu"), gpu=on("gpu"),
-                   cpu=algorithms.CPU)
+                   preset=preset, tpu=on("tpu"), gpu=on("gpu"), cpu=cpu)
 
 
 # ``level`` is what a convolution runs under the precision (convolutions
@@ -139,8 +144,67 @@ _CANONICAL: dict[str, Precision] = {
 
 _LEVEL_NAMES = {P.DEFAULT: "bfloat16", P.HIGH: "tensorfloat32", P.HIGHEST: "float32"}
 
-PrecisionLike = Union[str, lax.Precision, lax.DotAlgorithmPreset, Precision,
-                      tuple, None]
+PrecisionLike = Union[str, lax.Precision, lax.DotAlgorithmPreset,
+                      lax.DotAlgorithm, Precision, tuple, None]
+
+# The preset each lax.DotAlgorithm spells, by its fields (lhs, rhs and
+# accumulation types, component counts, primitive operations): the fields
+# JAX's DotAlgorithmPreset._convert_to_hlo_attr gives each preset
+# (jax/_src/lax/lax.py). TF32 has no NumPy type, so no DotAlgorithm spells the
+# TF32 presets; the ANY_F8 ones take any two float8 types and say whether
+# accumulation may be imprecise (_FAST_ACCUM).
+_ALGORITHM_PRESETS = {
+    ("float16", "float16", "float16", 1): D.F16_F16_F16,
+    ("float16", "float16", "float32", 1): D.F16_F16_F32,
+    ("bfloat16", "bfloat16", "bfloat16", 1): D.BF16_BF16_BF16,
+    ("bfloat16", "bfloat16", "float32", 1): D.BF16_BF16_F32,
+    ("bfloat16", "bfloat16", "float32", 3): D.BF16_BF16_F32_X3,
+    ("bfloat16", "bfloat16", "float32", 6): D.BF16_BF16_F32_X6,
+    ("bfloat16", "bfloat16", "float32", 9): D.BF16_BF16_F32_X9,
+    ("float32", "float32", "float32", 1): D.F32_F32_F32,
+    ("float64", "float64", "float64", 1): D.F64_F64_F64,
+    ("float8", "float8", "float32", 1): D.ANY_F8_ANY_F8_F32,
+}
+
+
+def _type_name(t: Any) -> str | None:
+  """A DotAlgorithm field's dtype name as JAX lowers it (canonical: float64
+  is float32 unless x64 is on; any float8 type: 'float8'); None for None or
+  what is not a dtype (np.dtype(None) would be float64)."""
+  if t is None:
+    return None
+  try:
+    name = jax.dtypes.canonicalize_dtype(np.dtype(t)).name
+  except TypeError:
+    return None
+  return "float8" if name.startswith("float8") else name
+
+
+def _algorithm_preset(value: lax.DotAlgorithm) -> lax.DotAlgorithmPreset:
+  """The preset ``value`` spells field for field; ValueError naming the
+  algorithm and the ones that are presets otherwise."""
+  key = (*map(_type_name, (value.lhs_precision_type, value.rhs_precision_type,
+                           value.accumulation_type)),
+         value.num_primitive_operations)
+  preset = None
+  if (value.lhs_component_count, value.rhs_component_count) == (1, 1):
+    preset = _ALGORITHM_PRESETS.get(key)
+  if preset is D.ANY_F8_ANY_F8_F32 and value.allow_imprecise_accumulation:
+    preset = D.ANY_F8_ANY_F8_F32_FAST_ACCUM
+  elif value.allow_imprecise_accumulation:
+    preset = None
+  if preset is None:
+    spelled = "; ".join(
+        f"{p.name} = ({', '.join(k[:3])}, num_primitive_operations={k[3]})"
+        for k, p in _ALGORITHM_PRESETS.items())
+    raise _invalid(value, (
+        "a lax.DotAlgorithm that no lax.DotAlgorithmPreset spells, so jaxprec "
+        "cannot say what a TPU or GPU computes for it. DotAlgorithms it "
+        "reads, as (lhs_precision_type, rhs_precision_type, accumulation_type"
+        "), component counts 1, allow_imprecise_accumulation False (True: "
+        f"ANY_F8_ANY_F8_F32_FAST_ACCUM): {spelled}; float8 is any float8 "
+        "type. Or pass a lax.DotAlgorithmPreset or a name"))
+  return preset
 
 
 def valid_names() -> list[str]:
@@ -157,7 +221,8 @@ def resolve(value: PrecisionLike) -> Precision:
 
   Accepts every value of JAX's ``jax_default_matmul_precision`` flag, every
   per-op spelling (``lax.Precision`` members and names, ``'fastest'``,
-  ``'bfloat16_3x'``, ``lax.DotAlgorithmPreset`` members and names), any letter
+  ``'bfloat16_3x'``, ``lax.DotAlgorithmPreset`` members and names, and a
+  ``lax.DotAlgorithm`` whose fields spell a preset: the preset), any letter
   case, the short aliases ``bf16``, ``tf32``, ``fp32``, ``f32``, ``bf16_3x``,
   ``bf16_6x``, PyTorch's ``'highest'``/``'high'``/``'medium'``, a
   ``(lhs, rhs)`` pair of equal levels, a :class:`Precision`, and ``None`` (the
@@ -170,8 +235,9 @@ def resolve(value: PrecisionLike) -> Precision:
     The canonical :class:`Precision`.
 
   Raises:
-    ValueError: for an unknown name or a value of the wrong type; the message
-      lists the valid names and suggests the closest one.
+    ValueError: for an unknown name or a value of the wrong type (a
+      ``lax.DotAlgorithm`` no preset spells); the message lists the valid
+      names and suggests the closest one.
 
   Examples:
     >>> import jaxprec
@@ -192,6 +258,8 @@ def resolve(value: PrecisionLike) -> Precision:
     return _CANONICAL[value.name] if not value.source else value
   if isinstance(value, lax.Precision):
     return _CANONICAL[_LEVEL_NAMES[value]]
+  if isinstance(value, lax.DotAlgorithm):  # a NamedTuple: before pairs
+    value = _algorithm_preset(value)
   if isinstance(value, lax.DotAlgorithmPreset):
     if value is lax.DotAlgorithmPreset.DEFAULT:
       return _CANONICAL["backend-default"]

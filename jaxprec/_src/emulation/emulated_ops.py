@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,9 +57,9 @@ from jaxprec._src.emulation import passes
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import walker
 from jaxprec._src.core.numerics import (PASSES, algorithm_for,
-                                        check_target, emulatable)
+                                        check_target, emulatable, is_float8)
 from jaxprec._src.core import names
-from jaxprec._src.core.precision import PrecisionLike
+from jaxprec._src.core.precision import PrecisionLike, resolve
 
 TF32_ROUNDINGS = ("nearest", "nearest_away", "truncate")
 # The name of jaxprec's own emulated op, a JAX primitive (see
@@ -464,12 +465,55 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
     return native(precision)
   if algorithm == "f32":  # stored as a multi-pass result is: passes.stored
     return passes.stored(native(_EXACT))
+  if algorithm == "f8":
+    return _float8_dot(l, r, params, precision, preferred_element_type, target)
   spec = _make_spec(op, params, l, r, preferred_element_type, algorithm,
                     tf32_rounding, kernels.kernel_for(algorithm, op), guard)
   out = _marked(spec, l, r)
   if out_sharding is not None:
     out = lax.with_sharding_constraint(out, out_sharding)
   return out
+
+
+class NotModelledWarning(UserWarning):
+  """What the target computes differs from the emulation in a way jaxprec
+  does not model (``docs/fidelity.md``, "What is not modelled")."""
+
+
+def _float8_dot(lhs, rhs, params: dict, precision, preferred_element_type,
+                target: str) -> jax.Array:
+  """An ``ANY_F8_*`` preset on float8 operands: a product of two float8
+  values has at most 10 significand bits and lies within float32's range, so
+  it is exact in float32; the op is one float32 dot of the widened operands
+  (float32 accumulation, as the presets name it), converted to the op's
+  result type."""
+  name = resolve(jax.config.jax_default_matmul_precision if precision is None
+                 else precision).name
+  if not (is_float8(lhs.dtype) and is_float8(rhs.dtype)):
+    raise ValueError(
+        f"{name} takes two float8 operands (JAX lowers it for those only, on "
+        f"every backend); got {lhs.dtype} x {rhs.dtype}. Cast them to a float8 "
+        f"type, or pass another precision.")
+  if target == "gpu" and name.endswith("_FAST_ACCUM"):
+    exact = name.removesuffix("_FAST_ACCUM")
+    warnings.warn(
+        f"{name} on a GPU may accumulate in a register narrower than float32 "
+        f"(FP8 tensor cores' fast accumulation); jaxprec does not model "
+        f"that: it emulates float32 accumulation, as {exact} computes "
+        f"(docs/fidelity.md, 'What is not modelled').", NotModelledWarning,
+        stacklevel=3)
+  if isinstance(precision, lax.DotAlgorithm):  # JAX converts to its types
+    lhs = lhs.astype(precision.lhs_precision_type)
+    rhs = rhs.astype(precision.rhs_precision_type)
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  out = jax.eval_shape(
+      lambda a, b: lax.dot_general(a, b, **params, precision=precision,
+                                   preferred_element_type=preferred_element_type),
+      shape(lhs), shape(rhs))
+  wide = lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
+                         **params, precision=_EXACT,
+                         preferred_element_type=jnp.float32)
+  return passes.stored(wide).astype(out.dtype)
 
 
 def emulated_conv_general_dilated(
