@@ -483,10 +483,12 @@ class NotModelledWarning(UserWarning):
 def _float8_dot(lhs, rhs, params: dict, precision, preferred_element_type,
                 target: str) -> jax.Array:
   """An ``ANY_F8_*`` preset on float8 operands: a product of two float8
-  values has at most 10 significand bits and lies within float32's range, so
-  it is exact in float32; the op is one float32 dot of the widened operands
-  (float32 accumulation, as the presets name it), converted to the op's
-  result type."""
+  values has at most 10 significand bits and, but for ``float8_e8m0fnu``
+  (exponents only, to 2**127), lies within float32's range, so it is exact in
+  float32; the op is one float32 dot of the widened operands (float32
+  accumulation, as the presets name it; an e8m0 product out of float32's
+  range overflows or flushes as in a float32 accumulator), converted to the
+  op's result type."""
   name = resolve(jax.config.jax_default_matmul_precision if precision is None
                  else precision).name
   if not (is_float8(lhs.dtype) and is_float8(rhs.dtype)):
