@@ -22,7 +22,12 @@ the policy reaches every matmul of the module's own code: layers, a raw
 time.
 
 What a module is to a policy (:func:`classify`: its type and op kind) is
-decided here too, for both APIs. Imports Flax NNX only when given NNX modules.
+decided here too, for both APIs. Across Flax's bridges the paths are the full
+paths from the model called (:mod:`jaxprec._src.flax.paths`): a
+``flax.nnx.bridge.ToNNX`` call is a bridge frame for the linen module inside
+it, and the NNX module a ``flax.nnx.bridge.ToLinen`` makes in its linen call
+gets the hook for that call, at paths under the ToLinen's
+(:func:`linen_bridge`). Imports Flax NNX only when given NNX modules.
 """
 
 from __future__ import annotations
@@ -145,10 +150,66 @@ def run(module: Any, path: str, call: Callable[..., Any], args: tuple,
   if scope is not None:
     module_type, kind = classify_nnx(module)
     flag = jax.default_matmul_precision(
-        decide(scope.policy, path, module, module_type, kind,
-               scope.outer_flag)[0])
-  with flax_paths.nnx_call(path), flag:
+        decide(scope.policy, scope.relative(flax_paths.split(path)), module,
+               module_type, kind, scope.outer_flag)[0])
+  bridge = isinstance(module, sys.modules["flax.nnx"].bridge.ToNNX)
+  with flax_paths.nnx_call(path, bridge=bridge), flag:
     return call(module, *args, **kwargs)
+
+
+def linen_bridge(module: Any, path: tuple[str, ...], method_name: str,
+                 kwargs: dict) -> dict:
+  """The kwargs of a linen module's method call, for the NNX module inside.
+
+  A ``flax.nnx.bridge.ToLinen`` makes its NNX module anew in each call and
+  calls ``nnx_method`` on it: for its ``__call__``, ``nnx_method`` becomes a
+  function that gives that module and its submodules the hook at paths under
+  ``path`` (the ToLinen's: its NNX module has its path, as a linen module has
+  its ToNNX's) for the call, records the policy's decisions for them, and
+  calls the method asked for. Any other call's kwargs come back as they are.
+  Set as :data:`jaxprec._src.flax.paths.linen_bridge`.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  method = kwargs.get("nnx_method")
+  if (nnx is None or method_name != "__call__"
+      or not isinstance(module, nnx.bridge.ToLinen)
+      or getattr(method, "_jaxprec_bridge", False)):  # the other interceptor's
+    return kwargs
+  prefix = flax_paths.join(path)
+
+  def bridged(node, *args, **kw):
+    nodes = [(n, type(n)) for _, n in flax_paths.nnx_modules(node)]
+    install(node, prefix=prefix)
+    _record(node, prefix)
+    try:
+      if method is None:
+        return node(*args, **kw)
+      if isinstance(method, str):
+        return getattr(node, method)(*args, **kw)
+      return method(node, *args, **kw)
+    finally:  # the module may be one the user holds (nnx_class a function)
+      for n, cls in nodes:
+        object.__setattr__(n, "__class__", cls)
+
+  bridged._jaxprec_bridge = True  # noqa: SLF001
+  return {**kwargs, "nnx_method": bridged}
+
+
+flax_paths.linen_bridge = linen_bridge
+
+
+def _record(model: Any, prefix: str) -> None:
+  """Records the decisions of the policy in force for the modules of
+  ``model`` (at ``prefix``), as the NNX policy records those of a model."""
+  scope = active()
+  if scope is None or scope.recorder is None:
+    return
+  for path, node in flax_paths.nnx_modules(model, prefix):
+    if callable_class(type(node)):
+      module_type, kind = classify_nnx(node)
+      path = scope.relative(flax_paths.split(path))
+      _, shown, rule, kept = decide(scope.policy, path, node, module_type, kind)
+      scope.recorder.record(path, module_type, kind, shown, rule, kept=kept)
 
 
 def base_class(cls: type) -> type:
@@ -156,17 +217,17 @@ def base_class(cls: type) -> type:
   return getattr(cls, "_jaxprec_nnx_base", cls)
 
 
-def install(model: Any, entry: Any = None) -> None:
+def install(model: Any, entry: Any = None, *, prefix: str = "") -> None:
   """Gives every module of ``model`` (a copy: never the user's) the hook, in place.
 
-  Each module gets the hooked subclass of its class for its path (and
-  ``entry``, whose ``classes`` dict keeps those made for it); with ``entry``
-  None, a module hooked already (a swapped model's) keeps its hook. A class
-  that cannot be subclassed so (``__slots__``, arguments to
-  ``__init_subclass__``) or has no ``__call__`` is left as is: its ops belong
-  to the enclosing module.
+  Each module gets the hooked subclass of its class for its path (under
+  ``prefix``, ``model``'s own path; and ``entry``, whose ``classes`` dict
+  keeps those made for it); with ``entry`` None, a module hooked already (a
+  swapped model's) keeps its hook. A class that cannot be subclassed so
+  (``__slots__``, arguments to ``__init_subclass__``) or has no ``__call__``
+  is left as is: its ops belong to the enclosing module.
   """
-  for path, node in flax_paths.nnx_modules(model):
+  for path, node in flax_paths.nnx_modules(model, prefix):
     if entry is None and "_jaxprec_nnx_base" in vars(type(node)):
       continue
     key = (base_class(type(node)), path)

@@ -99,7 +99,9 @@ def intercept(scope: ActiveScope) -> Iterator[None]:
     if recorder is not None and not setup:
       recorder.record(path_str, module_type, kind, precision, rule, kept=kept,
                       dtype=dt, dtype_how=how, dtype_rule=drule)
-    with scope.paths.entered(path), jax.default_matmul_precision(flag):
+    kwargs = hook.linen_bridge(module, path, context.method_name, kwargs)
+    with scope.paths.entered(path, module), \
+         jax.default_matmul_precision(flag):
       if how == "field" and module.scope is not None:  # bound: not the user's
         old = module.dtype
         object.__setattr__(module, "dtype", getattr(jnp, dt))

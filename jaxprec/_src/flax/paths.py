@@ -10,6 +10,13 @@ interceptor sees. For an NNX module, it is the attribute names of
 :func:`flax.nnx.iter_graph` (:func:`nnx_modules`); the NNX hook runs each
 module call inside :func:`nnx_call`, which records it for the audit.
 
+A path is always the full path from the model the user called, across
+Flax's bridges: the linen module inside ``flax.nnx.bridge.ToNNX`` at ``blk``
+is at ``blk`` (its submodule ``dense`` at ``blk/dense``), and the NNX modules
+that ``flax.nnx.bridge.ToLinen`` named ``blk`` makes continue its path the
+same way (:data:`linen_bridge`). Every module call of a thread, linen or NNX,
+is a frame of one stack, so a module finds the module whose call it runs in.
+
 Imports Flax only inside :func:`record` (and only when Flax linen is
 imported already) and :func:`flax_named_call_enabled`.
 """
@@ -48,6 +55,11 @@ def join(path: tuple[str, ...]) -> str:
   return "/".join(path)
 
 
+def split(path: str) -> tuple[str, ...]:
+  """The names of a path's text form (``()`` for ``''``)."""
+  return tuple(path.split("/")) if path else ()
+
+
 class ModulePaths:
   """Full module paths, including modules applied inside another's method.
 
@@ -56,7 +68,9 @@ class ModulePaths:
   the full path. A module applied with its own ``.apply`` inside another
   module's method (Hugging Face's ``FlaxConvWithWeightNorm`` does
   ``self.conv.apply(...)``) has a new root with an empty path: its path
-  continues the caller's, with its name, as JAX's name stack does.
+  continues the caller's, with its name, as JAX's name stack does; inside
+  the call of a ``flax.nnx.bridge.ToNNX`` (:func:`nnx_call` with
+  ``bridge``), it is the bridge's path itself.
 
   Use :meth:`of` for a module about to run and :meth:`entered` around its
   call, so that modules applied inside it find their caller.
@@ -64,7 +78,6 @@ class ModulePaths:
 
   def __init__(self):
     self._bases: dict[int, tuple[Any, tuple[str, ...]]] = {}
-    self._frames: list[tuple[str, ...]] = []
 
   def of(self, module: Any) -> tuple[str, ...]:
     """The path of a linen module (``()`` for an unbound one)."""
@@ -74,20 +87,38 @@ class ModulePaths:
     root = scope.root
     hit = self._bases.get(id(root))
     if hit is None or hit[0] is not root:
-      nested_apply = self._frames and not tuple(root.path)
-      base = ((*self._frames[-1], module.name or type(module).__name__)
-              if nested_apply else ())
+      # The caller: the innermost call of a module outside this root's tree
+      # (calls of its own modules, which another interceptor entered, are
+      # not).
+      caller = next((c for c in reversed(_LOCAL.calls) if c[2] is not root),
+                    None)
+      base: tuple[str, ...] = ()
+      if caller is not None and not tuple(root.path):  # applied in a call
+        outer, bridge, _ = caller
+        base = outer if bridge else (
+            *outer, module.name or type(module).__name__)
       self._bases[id(root)] = hit = (root, base)
     return (*hit[1], *(str(p) for p in scope.path))
 
   @contextlib.contextmanager
-  def entered(self, path: tuple[str, ...]) -> Iterator[None]:
-    """The block runs inside the call of the module at ``path``."""
-    self._frames.append(path)
-    try:
+  def entered(self, path: tuple[str, ...],
+              module: Any = None) -> Iterator[None]:
+    """The block runs inside the call of the (linen) ``module`` at ``path``."""
+    scope = getattr(module, "scope", None)
+    with _called(path, root=None if scope is None else scope.root):
       yield
-    finally:
-      self._frames.pop()
+
+
+@contextlib.contextmanager
+def _called(path: tuple[str, ...], bridge: bool = False,
+            root: Any = None) -> Iterator[None]:
+  """The block is the call of the module at ``path`` (a frame of
+  ``_LOCAL.calls``; ``root``: a linen module's root scope)."""
+  _LOCAL.calls.append((path, bridge, root))
+  try:
+    yield
+  finally:
+    _LOCAL.calls.pop()
 
 
 @contextlib.contextmanager
@@ -131,7 +162,9 @@ def _record_linen(found: dict[str, list[str]]) -> Iterator[None]:
     seen = found.setdefault(compat.current_name_stack(), [])
     if join(path) not in seen:
       seen.append(join(path))
-    with paths.entered(path):
+    if linen_bridge is not None:
+      kwargs = linen_bridge(context.module, path, context.method_name, kwargs)
+    with paths.entered(path, context.module):
       return next_fun(*args, **kwargs)
 
   # Flax names its calls' scopes unless profiling names are off (flax_profile).
@@ -142,54 +175,66 @@ def _record_linen(found: dict[str, list[str]]) -> Iterator[None]:
 
 
 class _Local(threading.local):
-  """This thread's :func:`record` dicts and NNX module calls, innermost last."""
+  """This thread's :func:`record` dicts and module calls, innermost last.
+
+  ``calls`` holds ``(path, bridge, root)`` per linen or NNX module call
+  (:meth:`ModulePaths.entered`, :func:`nnx_call`).
+  """
 
   def __init__(self):
     self.found: list[dict[str, list[str]]] = []
-    self.nnx_frames: list[str] = []
+    self.calls: list[tuple[tuple[str, ...], bool, Any]] = []
 
 
 _LOCAL = _Local()
 
+# ``flax.nnx.bridge.ToLinen`` makes its NNX module inside its linen call, so
+# no hook is on it: ``linen_bridge(module, path, method_name, kwargs)`` gives
+# the keyword arguments of a linen module's method call with which the NNX
+# module it makes (a ToLinen's) gets the per-module hook at paths under
+# ``path``; the other kwargs unchanged. The hook (flax/hook.py, above this
+# module, which every caller of :func:`record` imports) sets it; the policy's
+# linen interceptor calls it too.
+linen_bridge: Any = None
 
-def nnx_modules(model: Any) -> Iterator[tuple[str, Any]]:
+
+def nnx_modules(model: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
   """``(path, module)`` for each NNX module of ``model``, in graph order.
 
-  The path is :func:`join` of the attribute names (list indices as text) of
-  :func:`flax.nnx.iter_graph` (``''`` for ``model``); a module reachable by
-  several paths is listed once, under its first.
+  The path is :func:`join` of ``prefix`` (``model``'s own path, ``''`` for
+  the top) and the attribute names (list indices as text) of
+  :func:`flax.nnx.iter_graph`; a module reachable by several paths is listed
+  once, under its first.
   """
   nnx = sys.modules["flax.nnx"]
   for path, node in list(nnx.iter_graph(model)):
     if isinstance(node, nnx.Module):
-      yield join(tuple(str(k) for k in path)), node
+      yield join((*split(prefix), *(str(k) for k in path))), node
 
 
 @contextlib.contextmanager
-def nnx_call(path: str) -> Iterator[None]:
+def nnx_call(path: str, *, bridge: bool = False) -> Iterator[None]:
   """The block is the call of the NNX module at ``path`` (:func:`nnx_modules`).
 
-  Inside a :func:`record` block, the block runs in a ``jax.named_scope`` named
-  after the path (relative to the NNX module call that encloses it, as linen
-  names a submodule's scope) and its name stack is recorded as the path's,
-  so that :func:`lookup` finds the module of the block's equations. Outside
-  one, it does nothing.
+  ``bridge``: the module is a ``flax.nnx.bridge.ToNNX``, whose linen module
+  has the bridge's path (:meth:`ModulePaths.of`). Inside a :func:`record`
+  block, the block runs in a ``jax.named_scope`` named after the path
+  (relative to the module call that encloses it, as linen names a
+  submodule's scope) and its name stack is recorded as the path's, so that
+  :func:`lookup` finds the module of the block's equations.
   """
-  if not _LOCAL.found or not path:  # the top module's ops are ''s anyway
-    yield
-    return
-  frames = _LOCAL.nnx_frames
-  outer = frames[-1] if frames else ""
-  name = path[len(outer) + 1:] if outer and path.startswith(outer + "/") else path
-  frames.append(path)
-  try:
+  outer = join(_LOCAL.calls[-1][0]) if _LOCAL.calls else ""
+  with _called(split(path), bridge):
+    if not _LOCAL.found or not path:  # the top module's ops are ''s anyway
+      yield
+      return
+    name = (path[len(outer) + 1:] if outer and path.startswith(outer + "/")
+            else path)
     with jax.named_scope(name):
       seen = _LOCAL.found[-1].setdefault(compat.current_name_stack(), [])
       if path not in seen:
         seen.append(path)
       yield
-  finally:
-    frames.pop()
 
 
 def lookup(name_stack: str, found: dict[str, list[str]],

@@ -23,6 +23,7 @@ from typing import Any
 
 from jaxprec._src.core import numerics
 from jaxprec._src.flax import hook, nnx_policy
+from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.flax import state as flax_state
 from jaxprec._src.flax.scope import policy_scope
@@ -123,8 +124,9 @@ def swap(model: Any, policy: PolicyLike, *, emulate: bool = False,
   Returns:
     The swapped model, of the same kind. :func:`jaxprec.policy_report` tells
     what the policy decided; rules that decide nothing raise a
-    :class:`jaxprec.UnusedRuleWarning` once the model has run (linen) or at
-    once (NNX).
+    :class:`jaxprec.UnusedRuleWarning` once the model has run (linen, and
+    NNX models holding linen modules through ``flax.nnx.bridge.ToNNX``) or
+    at once (NNX).
 
   Raises:
     TypeError: ``model`` is not a Flax model.
@@ -277,5 +279,9 @@ def _swap_nnx(model, policy, emulate: bool, target: str):
   nnx_policy.apply(new, policy, entry.recorder, hooks=False)
   hook.install(new, entry)
   _NNX_RECORDERS[new] = entry.recorder
-  entry.recorder.warn_unused(entry.what, stacklevel=3)
+  # The linen modules inside an nnx.bridge.ToNNX are decided when it runs:
+  # then, after the first call, its policy scope warns.
+  if not any(isinstance(node, nnx.bridge.ToNNX)
+             for _, node in flax_paths.nnx_modules(new)):
+    entry.recorder.warn_unused(entry.what, stacklevel=3)
   return new
