@@ -178,16 +178,19 @@ __all__ = (
 )
 
 
-def __getattr__(name: str) -> _typing.Any:
-  module = _WHERE.get(name)
-  if module is not None:
-    value = getattr(_importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup is an ordinary one
-    return value
-  if name in _SUBMODULES:
-    return _importlib.import_module(f"jaxprec.{name}")
-  raise AttributeError(f"module 'jaxprec' has no attribute {name!r}")
+# Hidden from type checkers: to them every name is imported above, and an
+# unknown one is an error rather than Any.
+if not _typing.TYPE_CHECKING:
 
+  def __getattr__(name: str) -> _typing.Any:
+    module = _WHERE.get(name)
+    if module is not None:
+      value = getattr(_importlib.import_module(module), name)
+      globals()[name] = value  # the next lookup is an ordinary one
+      return value
+    if name in _SUBMODULES:
+      return _importlib.import_module(f"jaxprec.{name}")
+    raise AttributeError(f"module 'jaxprec' has no attribute {name!r}")
 
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
+  def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

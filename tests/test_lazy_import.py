@@ -102,6 +102,13 @@ def test_type_checkers_see_every_lazy_name_where_it_is_loaded_from():
   names = [n for _, n in eager | guarded if n != "__version__"]
   assert sorted(names) == sorted(jaxprec.__all__)
   assert all(m.startswith("jaxprec._src.core.") for m, _ in eager)
+  # A module __getattr__ that type checkers saw would make every misspelt
+  # name Any: it is defined under `if not _typing.TYPE_CHECKING:` only.
+  tree = ast.parse(INIT.read_text())
+  assert not [f for f in tree.body if isinstance(f, ast.FunctionDef)]
+  hidden = [n for n in tree.body if isinstance(n, ast.If)
+            and ast.unparse(n.test) == "not _typing.TYPE_CHECKING"]
+  assert [f.name for f in hidden[0].body] == ["__getattr__", "__dir__"]
 
 
 def test_the_check_on_the_init_finds_a_name_missing_from_the_guarded_block(tmp_path,
