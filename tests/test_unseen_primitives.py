@@ -399,3 +399,137 @@ def test_check_sees_ragged_dot_divergence():
   report = jaxprec.check(lambda l, r: {"out": _ragged(l, r)}, lhs, rhs,
                          precisions=["bfloat16"])
   assert report.metric("rel_rms", "bfloat16")[0] > 1e-4
+
+
+# A TPU's grouped matmul: each row meets its own group's weights only.
+
+
+def _grouped_reference(lhs, rhs, groups, round_operands=True):
+  """Per-group NumPy dots (bfloat16-rounded operands, float64 sums rounded
+  once to float32; exact for :func:`_values`), each row with its own
+  group's rhs only; inf and NaN propagate as IEEE says; rows past the
+  groups are zero."""
+  lo, hi = lhs.astype(np.float64), rhs.astype(np.float64)
+  if round_operands:
+    lo, hi = (ref.round_bf16(v).astype(np.float64) for v in (lhs, rhs))
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  start = 0
+  with np.errstate(invalid="ignore", over="ignore"):
+    for g, size in enumerate(groups):
+      out[start:start + size] = lo[start:start + size] @ hi[g]
+      start += size
+  return out.astype(np.float32)
+
+
+def test_ragged_dot_other_groups_inf_and_nan_stay_out_of_a_row():
+  lhs, rhs, _ = _ragged_operands()
+  rhs = rhs.copy()
+  rhs[1] = np.inf  # the empty group
+  rhs[3, :, 0] = np.nan  # group 3 (row 5) only
+  want = _grouped_reference(lhs, rhs, GROUPS)
+  assert np.isnan(want).sum() == 1 and np.isfinite(want[6]).all()
+  for precision in ("bfloat16", "float32"):
+    got = np.asarray(jaxprec.emulate(_ragged, precision, target="tpu")(
+        lhs, rhs))
+    if precision == "bfloat16":
+      np.testing.assert_array_equal(got, want)
+    else:
+      assert np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got[6], np.zeros(5, np.float32))
+  # XLA:GPU computes JAX's dense form: a masked zero times inf is NaN.
+  gpu = np.asarray(jaxprec.emulate(_ragged, "bfloat16", target="gpu")(
+      lhs, rhs))
+  assert np.isnan(gpu).all()
+
+
+def test_ragged_dot_rows_are_bit_for_bit_one_emulated_dot_each():
+  rng = np.random.default_rng(3)
+  lhs = rng.standard_normal((7, 33)).astype(np.float32)
+  rhs = rng.standard_normal((4, 33, 6)).astype(np.float32)
+  for precision in ("bfloat16", "bfloat16_3x", "tensorfloat32"):
+    got = np.asarray(jaxprec.emulate(_ragged, precision, target="tpu")(
+        lhs, rhs))
+    start = 0
+    for g, size in enumerate(GROUPS):
+      one = np.asarray(jaxprec.emulate(jnp.dot, precision, target="tpu")(
+          lhs, rhs[g]))
+      np.testing.assert_array_equal(got[start:start + size],
+                                    one[start:start + size])
+      start += size
+    np.testing.assert_array_equal(got[start:], 0.0)
+
+
+def test_ragged_dot_keeps_a_rows_negative_zero():
+  # k = 1: one product per element, -1 x +0 = -0, as one emulated dot of
+  # the row against its group's matrix gives it.
+  lhs = -np.ones((7, 1), np.float32)
+  rhs = np.zeros((4, 1, 5), np.float32)
+  got = np.asarray(jaxprec.emulate(_ragged, "bfloat16", target="tpu")(
+      lhs, rhs))
+  one = np.asarray(jaxprec.emulate(jnp.dot, "bfloat16", target="tpu")(
+      lhs, rhs[0]))
+  assert np.signbit(one).all()  # the per-row reference
+  np.testing.assert_array_equal(np.signbit(got[:6]), True)
+  np.testing.assert_array_equal(np.signbit(got[6]), False)  # past the groups
+
+
+def test_ragged_dot_gradients_keep_other_groups_inf_out_in_either_order():
+  lhs, rhs, c = _ragged_operands()
+  rhs = rhs.copy()
+  rhs[1] = np.inf  # the empty group's weights
+
+  def loss(lhs, rhs):
+    return jnp.sum(_ragged(lhs, rhs) * c)
+
+  grad = jax.grad(loss, argnums=(0, 1))
+  outer = jax.grad(jaxprec.emulate(loss, "bfloat16", target="tpu"),
+                   argnums=(0, 1))(lhs, rhs)
+  inner = jaxprec.emulate(grad, "bfloat16", target="tpu")(lhs, rhs)
+  lo, hi, co = (ref.round_bf16(v).astype(np.float64) for v in (lhs, rhs, c))
+  dlhs, drhs = np.zeros(lhs.shape), np.zeros(rhs.shape)
+  start = 0
+  for g, size in enumerate(GROUPS):
+    rows = slice(start, start + size)
+    dlhs[rows] = co[rows] @ hi[g].T
+    drhs[g] = lo[rows].T @ co[rows]
+    start += size
+  for got in (outer, inner):
+    np.testing.assert_array_equal(np.asarray(got[0]), dlhs.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(got[1]), drhs.astype(np.float32))
+
+
+def test_ragged_dot_general_forms_match_per_group_references():
+  rng = np.random.default_rng(5)
+  gs = np.array([1, 3, 0], np.int32)  # 4 of 5
+  # The rhs's group dimension in the middle: [k, g, n].
+  lhs, rhs = _values((5, 4), rng), _values((4, 3, 2), rng)
+  rhs[:, 2] = np.nan  # the empty group
+  dims = jax.lax.RaggedDotDimensionNumbers((([1], [0]), ([], [])), [0], [1])
+  f = lambda l, r: jax.lax.ragged_dot_general(l, r, jnp.asarray(gs), dims)
+  got = jaxprec.emulate(f, "bfloat16", target="tpu")(lhs, rhs)
+  np.testing.assert_array_equal(
+      np.asarray(got), _grouped_reference(lhs, np.moveaxis(rhs, 1, 0), gs))
+  # vmap: batch dimensions and a group_sizes per batch element.
+  lb, rb = _values((2, 7, 4), rng), _values((2, 4, 4, 5), rng)
+  gb = np.array([[2, 0, 3, 1], [0, 7, 0, 0]], np.int32)
+  rb[0, 1] = np.inf
+  rb[1, 0] = np.nan
+  got = jax.vmap(jaxprec.emulate(
+      lambda l, r, g: jax.lax.ragged_dot(l, r, g), "bfloat16",
+      target="tpu"))(lb, rb, gb)
+  for i in range(2):
+    np.testing.assert_array_equal(np.asarray(got[i]),
+                                  _grouped_reference(lb[i], rb[i], gb[i]))
+  # The ragged dimension contracted (the weights' gradient): [g, m, n], each
+  # group the dot of its own k range; both operands masked, so a NaN in
+  # another group's columns stays out.
+  lc, rcn = _values((3, 6), rng), _values((6, 2), rng)
+  lc[:, 0] = np.nan  # group 0's column only
+  cdims = jax.lax.RaggedDotDimensionNumbers((([1], [0]), ([], [])), [1], [])
+  gc = np.array([1, 2, 3], np.int32)
+  got = jaxprec.emulate(
+      lambda l, r: jax.lax.ragged_dot_general(l, r, jnp.asarray(gc), cdims),
+      "bfloat16", target="tpu")(lc, rcn)
+  lo, hi = (ref.round_bf16(v).astype(np.float64) for v in (lc, rcn))
+  want = np.stack([lo[:, s:e] @ hi[s:e] for s, e in ((0, 1), (1, 3), (3, 6))])
+  np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32))

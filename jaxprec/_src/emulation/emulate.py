@@ -93,16 +93,16 @@ def emulation_rule(default: Precision, *, target: str,
     low = dtype_emulation.rewrite(eqn, invals, target=target, **options)
     if low is not None:  # bfloat16/float16 compute: one rounding per op
       return low
+    if prim.name == "ragged_dot_general":  # dots at its precision
+      return emulated_ops.emulated_ragged_dot(eqn, invals, rule)
     p = eqn.params
-    if prim is lax.dot_general_p or prim.name == "ragged_dot_general":
+    if prim is lax.dot_general_p:
       prec = dot_default if p["precision"] is None else p["precision"]
     elif prim is lax.conv_general_dilated_p:
       prec = (conv_default if p["precision"] is None
               else numerics.lowered(p["precision"], "conv"))
     else:
       return None
-    if prim.name == "ragged_dot_general":
-      return emulated_ops.emulated_ragged_dot(eqn, invals, prec, rule)
     out = emulated_ops.emulated_op(
         prim.name, *invals, emulated_ops.op_params(eqn), prec,
         p.get("preferred_element_type"),

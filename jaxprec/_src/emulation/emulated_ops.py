@@ -568,24 +568,80 @@ def emulated_conv_general_dilated(
                      tf32_rounding=tf32_rounding, out_sharding=out_sharding)
 
 
-def emulated_ragged_dot(eqn, invals: Sequence[Any], precision: Any,
+def emulated_ragged_dot(eqn, invals: Sequence[Any],
                         rule: walker.Rule) -> list[Any]:
-  """A ``ragged_dot_general`` equation (``lax.ragged_dot``) computed at
-  ``precision`` as ``rule`` computes dots: JAX's dense form of it (its CPU and
-  GPU lowering, ``_ragged_dot_general_impl`` in jax/_src/lax/lax.py: the rows
-  of each group masked to zero outside it, then one ``dot_general``), whose
-  ``dot_general`` ``rule`` emulates. A zero product adds nothing to a float32
-  sum, so each output element is the sum of its own group's products, as a
-  TPU's ragged dot computes it; its derivatives are the dense form's, whose
-  transposed dots are emulated at the same precision."""
+  """A ``ragged_dot_general`` equation (``lax.ragged_dot``) computed as
+  ``rule`` computes dots, in the form the target runs it.
+
+  * A TPU's grouped matmul, where the lhs ragged dimension is not contracted
+    (``lax.ragged_dot``, a mixture of experts' forward pass): each row meets
+    its own group's rhs only (:func:`_grouped`: one dot per group, its rows
+    picked by ``select``, as the megablox kernel stores them,
+    jax/experimental/pallas/ops/tpu/megablox/gmm.py), so an inf or NaN in
+    another group's weights stays out of the row, and rows past the groups
+    are zero.
+  * Every other case: JAX's dense form (``_ragged_dot_general_impl``,
+    jax/_src/lax/lax.py; XLA:GPU's ``RaggedDotRewriter``,
+    xla/hlo/transforms/expanders/ragged_dot_rewriter.cc, computes the same):
+    the operands' ragged dimension masked by ``select``, then one
+    ``dot_general``. A GPU multiplies a masked zero by the other groups'
+    weights, so their inf or NaN reach the row there, as here.
+
+  The equation stays one op to differentiate and batch: its derivatives are
+  ``ragged_dot_general``'s own (ragged dots again, emulated the same way),
+  never the transposes of the form it is computed in (:func:`walker.bind_as`).
+  """
   dense = compat.ragged_dot_dense()
   if dense is None:  # pragma: no cover -- a JAX without the dense form
     raise NotImplementedError(
         "jaxprec cannot emulate ragged_dot_general on this JAX version")
-  params = dict(eqn.params, precision=precision)
-  closed = compat.trace_to_closed_jaxpr(
-      lambda *a: [dense(*a, **params)], [compat.typeof(x) for x in invals])
-  return walker.interpret(closed, rule, *invals)
+  dims = eqn.params["ragged_dot_dimension_numbers"]
+  (lhs_contract, _), (lhs_batch, _) = dims.dot_dimension_numbers
+  ragged = tuple(dims.lhs_ragged_dimensions)
+  grouped = (getattr(rule, "target", None) == "tpu" and len(ragged) == 1
+             and ragged[0] not in (*lhs_contract, *lhs_batch))
+  return walker.bind_as(eqn, invals, rule, _grouped if grouped else dense)
+
+
+def _grouped(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers,
+             precision, preferred_element_type, group_offset=None,
+             out_sharding=None):
+  """``ragged_dot_general`` with a non-contracted lhs ragged dimension as
+  one ``dot_general`` of ``lhs`` with each group's rhs, whose rows of that
+  group are picked by ``select`` (never a product or a sum of masked
+  terms); rows past the groups are zero. The groups' bounds are JAX's dense
+  form's (a cumulative sum of ``group_sizes``)."""
+  del out_sharding  # the result is laid out as a dot_general's
+  if group_offset is not None:  # as JAX's lowerings and rules
+    raise NotImplementedError("Unimplemented group_offset support.")
+  dims = ragged_dot_dimension_numbers
+  (lc, rc), (lb, rb) = dims.dot_dimension_numbers
+  (ragged,), (gdim,) = dims.lhs_ragged_dimensions, dims.rhs_group_dimensions
+  drop = lambda ds: tuple(d - (d > gdim) for d in ds)  # noqa: E731
+  free = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+  row = len(lb) + free.index(ragged)  # the ragged dimension in the result
+  prefix = group_sizes.ndim - 1  # group_sizes: [result dims before row..., g]
+  ends = lax.cumsum(group_sizes, axis=prefix)
+  starts = ends - group_sizes
+  out = None
+  for g in range(rhs.shape[gdim]):
+    y = lax.dot_general(lhs, lax.index_in_dim(rhs, g, gdim, keepdims=False),
+                        ((lc, drop(rc)), (lb, drop(rb))), precision=precision,
+                        preferred_element_type=preferred_element_type)
+    if out is None:
+      out = jnp.zeros(y.shape, y.dtype)
+    iota = lax.broadcasted_iota(group_sizes.dtype, y.shape, row)
+    bound = lambda b: lax.broadcast_in_dim(  # noqa: E731
+        lax.index_in_dim(b, g, prefix, keepdims=False), y.shape,
+        tuple(range(prefix)))
+    out = lax.select((bound(starts) <= iota) & (iota < bound(ends)), y, out)
+  if out is None:  # no groups: every row is past them
+    out = jax.eval_shape(functools.partial(
+        compat.ragged_dot_dense(), ragged_dot_dimension_numbers=dims,
+        precision=precision, preferred_element_type=preferred_element_type),
+        lhs, rhs, group_sizes)
+    out = jnp.zeros(out.shape, out.dtype)
+  return out
 
 
 def written_out(closed):

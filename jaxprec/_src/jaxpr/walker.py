@@ -712,12 +712,15 @@ _HANDLERS: dict[str, Callable[..., list[Any]]] = {
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Call:
   """A library primitive's equation as :data:`_traced_p` carries it: the
-  primitive, its parameters, the rule and the target (hashed by identity)."""
+  primitive, its parameters, the rule, the target and, where the caller
+  gives one (:func:`bind_as`), the function that computes it (hashed by
+  identity)."""
 
   prim: Any
   params: dict
   rule: Rule
   target: str | None
+  impl: Callable[..., Any] | None = None
 
 
 def bind_traced(eqn, invals, rule: Rule) -> list[Any]:
@@ -746,6 +749,17 @@ def bind_traced(eqn, invals, rule: Rule) -> list[Any]:
   return list(_traced_p.bind(*invals, call=call))
 
 
+def bind_as(eqn, invals, rule: Rule, impl: Callable[..., Any]) -> list[Any]:
+  """``eqn`` computed as ``impl(*invals, **eqn.params)`` rewritten by
+  ``rule``, whose derivatives and batching are ``eqn``'s primitive's own
+  rules, traced and rewritten by ``rule`` again (as :func:`bind_traced`
+  does for a library's primitive): the derivative of an op computed in
+  another form is the op's own derivative, not that form's."""
+  call = _Call(eqn.primitive, dict(eqn.params), rule,
+               getattr(rule, "target", None), impl)
+  return list(_traced_p.bind(*invals, call=call))
+
+
 _traced_p = jex_core.Primitive("jaxprec_traced")
 _traced_p.multiple_results = True
 
@@ -755,8 +769,12 @@ def _outs(prim, out) -> list[Any]:
 
 
 def _run(*args, call: _Call) -> list[Any]:
-  closed = _implementation(call.prim, call.params,
-                           tuple(compat.typeof(a) for a in args), call.target)
+  avals = [compat.typeof(a) for a in args]
+  if call.impl is not None:
+    closed = compat.trace_to_closed_jaxpr(
+        lambda *a: _outs(call.prim, call.impl(*a, **call.params)), avals)
+    return interpret(closed, call.rule, *args)
+  closed = _implementation(call.prim, call.params, tuple(avals), call.target)
   if closed is None:  # traced once already: it cannot fail now
     raise AssertionError(f"{call.prim.name}: implementation not traceable")
   return interpret(closed, call.rule, *args)
