@@ -533,3 +533,86 @@ def test_ragged_dot_general_forms_match_per_group_references():
   lo, hi = (ref.round_bf16(v).astype(np.float64) for v in (lc, rcn))
   want = np.stack([lo[:, s:e] @ hi[s:e] for s, e in ((0, 1), (1, 3), (3, 6))])
   np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32))
+
+
+# The emulated program, read back: audit and cost see inside.
+
+
+def test_audit_of_an_emulated_function_sees_inside_traced_ops():
+  # A library primitive and a ragged dot become jaxprec's own traced op
+  # under emulate; the audit and the cost of the emulated function count
+  # the passes inside it, as for the inlined program (they found none).
+  a, x = _operands()
+  lhs, rhs, _ = _ragged_operands()
+  for f, g, args in ((_with_primitive, _inlined, (a, x)),
+                     (_ragged, None, (lhs, rhs))):
+    rows = jaxprec.audit(jaxprec.emulate(f, "bfloat16", target="tpu"),
+                         *args).rows
+    assert rows and all(r.emulated for r in rows)
+    if g is not None:
+      want = jaxprec.audit(jaxprec.emulate(g, "bfloat16", target="tpu"),
+                           *args).rows
+      assert [(r.lhs_shape, r.rhs_shape) for r in rows] == [
+          (r.lhs_shape, r.rhs_shape) for r in want]
+  one = jaxprec.audit(jaxprec.emulate(jnp.dot, "float32", target="tpu"),
+                      lhs, rhs[0]).rows  # one emulated dot per group
+  assert len(jaxprec.audit(jaxprec.emulate(_ragged, "float32", target="tpu"),
+                           lhs, rhs).rows) == len(one) * len(GROUPS)
+
+
+def test_an_implementation_that_raised_is_traced_again():
+  state = {"raise": True}
+
+  def fn(a, x):
+    if state["raise"]:
+      raise RuntimeError("not yet")
+    return jnp.dot(a, x)
+
+  p = Primitive("test_flaky_matvec")
+  p.def_impl(fn)
+  p.def_abstract_eval(
+      lambda a, x: jax.core.ShapedArray(a.shape[:1], a.dtype))
+  mlir.register_lowering(p, mlir.lower_fun(fn, multiple_results=False))
+  a, x = _operands()
+  first = jaxprec.audit(lambda a, x: p.bind(a, x), a, x)
+  assert [o.name for o in first.opaque] == [
+      "test_flaky_matvec (implementation not traceable)"]
+  state["raise"] = False
+  second = jaxprec.audit(lambda a, x: p.bind(a, x), a, x)
+  assert [r.primitive for r in second.rows] == ["dot_general"]
+  assert not second.opaque and not walker._TRACING
+
+
+def test_nested_multi_result_and_looping_library_primitives():
+  def prim(name, fn, multiple=False):
+    p = Primitive(name)
+    p.multiple_results = multiple
+    p.def_impl(fn)
+
+    def aval(*avals, **params):
+      out = jax.eval_shape(functools.partial(fn, **params), *avals)
+      return jax.tree.map(lambda o: jax.core.ShapedArray(o.shape, o.dtype),
+                          out)
+    p.def_abstract_eval(aval)
+    mlir.register_lowering(p, mlir.lower_fun(fn, multiple_results=multiple))
+    return p
+
+  def looping(a, x, *, n):
+    c, _ = jax.lax.scan(lambda c, _: (jnp.tanh(a @ c), None), x, None,
+                        length=n)
+    return jax.lax.cond(c[0] > 0, lambda c: a @ c, lambda c: -c, c)
+
+  outer_fn = lambda a, x: jnp.sin(MATVEC_P.bind(a, x))  # noqa: E731
+  nested = prim("test_nested_matvec", outer_fn)
+  multi = prim("test_two_matvecs", lambda a, x: [a @ x, x @ a], True)
+  loop = prim("test_looping_matvec", looping)
+  a, x = _operands()
+  for f, g, dots in (
+      (lambda a, x: nested.bind(a, x), outer_fn, 1),
+      (lambda a, x: multi.bind(a, x), lambda a, x: [a @ x, x @ a], 2),
+      (lambda a, x: loop.bind(a, x, n=3), functools.partial(looping, n=3),
+       2)):
+    assert len(jaxprec.audit(f, a, x).rows) == dots
+    got = jax.jit(jaxprec.emulate(f, "bfloat16", target="tpu"))(a, x)
+    want = jaxprec.emulate(g, "bfloat16", target="tpu")(a, x)
+    jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -649,6 +649,8 @@ def written_out(closed):
   float32 and bfloat16 matmuls it runs, as :func:`jaxprec.audit` and
   :func:`jaxprec.cost` count them."""
   def rule(eqn, invals):
+    if eqn.primitive.name == "jaxprec_traced":  # a library primitive's body
+      return walker.interpret(walker.traced_body(eqn), rule, *invals)
     if eqn.primitive is not _emulated_p:
       return None
     return [_forward(eqn.params["spec"], *invals)]

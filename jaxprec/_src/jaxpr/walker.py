@@ -283,8 +283,9 @@ def implementation(eqn, target: str | None = None):
   (what it runs eagerly). None where the rule is hand-written MLIR, where
   tracing raises, or where the traced function binds the primitive itself
   (``dispatch.apply_primitive``: no implementation in JAX ops). Cached per
-  primitive, parameters, input types and target (1024 entries, oldest
-  dropped), unless the trace holds constants.
+  primitive, parameters, input types, target and JAX trace context
+  (1024 entries, oldest dropped), unless the trace holds constants or
+  raised.
   """
   return _implementation(eqn.primitive, eqn.params,
                          tuple(v.aval for v in eqn.invars), target)
@@ -292,16 +293,18 @@ def implementation(eqn, target: str | None = None):
 
 def _implementation(prim, params, avals, target):
   key = (prim, tuple(sorted(params.items(), key=lambda kv: kv[0])), avals,
-         target)
+         target, compat.trace_context())
   try:
     hash(key)
   except TypeError:
     key = None
   if key is not None and key in _IMPLEMENTATIONS:
     return _IMPLEMENTATIONS[key]
-  closed = _trace_implementation(prim, params, avals, target)
-  if key is not None and not (closed is not None and closed.consts):
-    # Never a trace with constants: they may be a user's arrays.
+  closed, failed = _trace_implementation(prim, params, avals, target)
+  if key is not None and not failed and not (
+      closed is not None and closed.consts):
+    # Never a trace with constants (they may be a user's arrays), nor a
+    # trace that raised (it may not, called again).
     if len(_IMPLEMENTATIONS) >= 1024:
       _IMPLEMENTATIONS.pop(next(iter(_IMPLEMENTATIONS)))
     _IMPLEMENTATIONS[key] = closed
@@ -310,8 +313,8 @@ def _implementation(prim, params, avals, target):
 
 def _trace_implementation(prim, params, avals, target):
   if prim in _TRACING:  # its implementation binds it again, deeper
-    return None
-  found = []
+    return None, False
+  found, failed = [], False
   lowered = compat.lowering_function(prim, target)
   if lowered is not None:
     found.append(lowered)
@@ -327,12 +330,13 @@ def _trace_implementation(prim, params, avals, target):
       try:
         closed = compat.trace_to_closed_jaxpr(flat, list(avals))
       except Exception:  # noqa: BLE001 -- not traceable: the next, or opaque
+        failed = True
         continue
       if not any(w.eqn.primitive is prim for w in iter_eqns(closed)):
-        return closed
+        return closed, False
   finally:
     _TRACING.discard(prim)
-  return None
+  return None, failed
 
 
 def holds_matmul(closed, target: str | None = None) -> bool:
@@ -380,6 +384,8 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
       impl = implementation(eqn, target)
       if impl is not None:
         yield from iter_eqns(impl, inner, trip_count, target=target)
+    elif eqn.primitive is _traced_p:  # emulated already: what it runs
+      yield from iter_eqns(traced_body(eqn), inner, trip_count, target=target)
 
 
 def output_times(jaxpr) -> list[tuple[int, ...]]:
@@ -758,6 +764,14 @@ def bind_as(eqn, invals, rule: Rule, impl: Callable[..., Any]) -> list[Any]:
   call = _Call(eqn.primitive, dict(eqn.params), rule,
                getattr(rule, "target", None), impl)
   return list(_traced_p.bind(*invals, call=call))
+
+
+def traced_body(eqn):
+  """The ``ClosedJaxpr`` a ``jaxprec_traced`` equation (:func:`bind_traced`,
+  :func:`bind_as`) computes: its implementation rewritten by its rule."""
+  call = eqn.params["call"]
+  return compat.trace_to_closed_jaxpr(
+      lambda *a: _run(*a, call=call), [v.aval for v in eqn.invars])
 
 
 _traced_p = jex_core.Primitive("jaxprec_traced")
