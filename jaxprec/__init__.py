@@ -54,7 +54,9 @@ if _typing.TYPE_CHECKING:
   from jaxprec._src.checker.training import check_training
   from jaxprec._src.emulation.compile_cache import enable_compilation_cache
   from jaxprec._src.emulation.emulate import OpaqueOpWarning
+  from jaxprec._src.emulation.emulate import PolicyUnreachedWarning
   from jaxprec._src.emulation.emulate import emulate
+  from jaxprec._src.emulation.emulated_ops import NotModelledWarning
   from jaxprec._src.emulation.emulated_ops import emulated_conv_general_dilated
   from jaxprec._src.emulation.emulated_ops import emulated_dot_general
   from jaxprec._src.emulation.kernels import KernelChoice
@@ -97,9 +99,10 @@ _LAZY_NAMES = {
     ),
     "jaxprec._src.checker.training": ("check_training",),
     "jaxprec._src.emulation.compile_cache": ("enable_compilation_cache",),
-    "jaxprec._src.emulation.emulate": ("OpaqueOpWarning", "emulate"),
+    "jaxprec._src.emulation.emulate": (
+        "OpaqueOpWarning", "PolicyUnreachedWarning", "emulate"),
     "jaxprec._src.emulation.emulated_ops": (
-        "emulated_conv_general_dilated", "emulated_dot_general",
+        "NotModelledWarning", "emulated_conv_general_dilated", "emulated_dot_general",
     ),
     "jaxprec._src.emulation.kernels": (
         "KernelChoice", "bf16_dot_units", "current_kernel", "set_kernel", "use_kernel",
@@ -134,11 +137,13 @@ __all__ = (
     "KernelChoice",
     "LayerMetrics",
     "LayerResult",
+    "NotModelledWarning",
     "Numerics",
     "OpaqueOpWarning",
     "Policy",
     "PolicyMatch",
     "PolicyReport",
+    "PolicyUnreachedWarning",
     "Precision",
     "PrecisionLike",
     "PresetConvWarning",

@@ -15,6 +15,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.extend.core import Primitive
@@ -616,3 +617,69 @@ def test_nested_multi_result_and_looping_library_primitives():
     got = jax.jit(jaxprec.emulate(f, "bfloat16", target="tpu"))(a, x)
     want = jaxprec.emulate(g, "bfloat16", target="tpu")(a, x)
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+# ---------------------------------------------------------------------------
+# A policy's module precision and a library primitive's matmuls.
+
+
+def test_jax_lowers_a_library_primitives_matmul_at_the_call_sites_flag():
+  # The fact the emulation follows: lower_fun traces the implementation when
+  # the program is lowered, under the flag in force at the call, not under
+  # the flag in force where the primitive was bound.
+  a, x = _operands()
+
+  def f(a, x):
+    with jax.default_matmul_precision("float32"):
+      return MATVEC_P.bind(a, x), jnp.dot(a, x)
+
+  with jax.default_matmul_precision("tensorfloat32"):
+    text = jax.jit(f).lower(a, x).as_text()
+  precisions = [line.split("precision = ")[1].split("]")[0] + "]"
+                for line in text.splitlines() if "dot_general" in line]
+  assert sorted(precisions) == ["[HIGH, HIGH]", "[HIGHEST, HIGHEST]"]
+
+
+def test_a_policy_rule_cannot_reach_a_library_primitives_matmul_and_says_so():
+  from flax import nnx
+
+  class Block(nnx.Module):
+
+    def __init__(self, a):
+      self.a = nnx.Param(a)
+
+    def __call__(self, x):
+      return MATVEC_P.bind(self.a[...], x)
+
+  class Model(nnx.Module):
+
+    def __init__(self, a):
+      self.blk = Block(a)
+      self.out = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.out(jnp.sin(self.blk(x)))
+
+  a, x = _operands()
+  model = Model(a)
+  policy = "default=bfloat16,blk(/.*)?=float32"
+  with pytest.warns(jaxprec.PolicyUnreachedWarning,
+                    match=r"inside test_matvec .* \('bfloat16', the policy"):
+    got = jaxprec.emulate(model, policy, target="tpu")(x)
+  # As the TPU computes it: the block's matmul at the call's bfloat16, the
+  # rest as the policy says (the head is not in blk: bfloat16 too).
+  want = jaxprec.emulate(model, "bfloat16", target="tpu")(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # Independently: every matmul one bfloat16 pass (operands rounded to
+  # bfloat16, products summed in float64 here).
+  bf16 = lambda v: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float64)
+  h = np.sin(bf16(a) @ bf16(x)).astype(np.float32)
+  expected = bf16(h) @ bf16(model.out.kernel[...]) + np.asarray(
+      model.out.bias[...])
+  np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-6)
+  assert np.max(np.abs(np.asarray(got) - np.asarray(model(x)))) > 1e-4
+  # Nothing to say where no rule could decide it, or the matmul has its own.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxprec.PolicyUnreachedWarning)
+    jaxprec.emulate(model, "default=bfloat16", target="tpu")(x)
+    jaxprec.emulate(_with_primitive, "bfloat16", target="tpu")(a, x)

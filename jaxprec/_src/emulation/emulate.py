@@ -51,6 +51,15 @@ class OpaqueOpWarning(UserWarning):
   host callback): they run natively, not as the emulated target would."""
 
 
+class PolicyUnreachedWarning(UserWarning):
+  """A policy's per-module precision cannot reach the matmuls inside a
+  library's primitive (one lowered with ``mlir.lower_fun``, such as lineax's
+  ``linear_solve``): JAX traces its implementation when the program is
+  lowered, at the precision in force at the call, not the module's. jaxprec
+  emulates them at that precision, as the target computes them; give the
+  library's own ``precision=`` option, or scope the whole call."""
+
+
 def emulation_rule(default: Precision, *, target: str,
                    conv_default: Precision | None = None,
                    on_opaque: Callable[[str], None] | None = None,
@@ -287,6 +296,8 @@ def _emulator(fn: Callable[..., Any],
                                  extra_key=outer)
       if policy is not None:
         _record_unset(call.jaxpr, policy, recorder)
+        if policy.rules:
+          _warn_unreached(call.jaxpr, target, dot_fixed, warned, what)
     opaque: list[str] = []
     rule = emulation_rule(dot_fixed or now, target=target,
                           conv_default=conv_fixed or now,
@@ -379,6 +390,37 @@ def warn_opaque(found: list[str], warned: set[str], what: str) -> None:
       f"{'its' if len(new) == 1 else 'their'} matmuls and convolutions run "
       f"natively here, not emulated as the target computes them. "
       f"jaxprec.audit lists them.", OpaqueOpWarning, stacklevel=3)
+
+
+def _warn_unreached(closed, target: str, outside: Precision | None,
+                    warned: set[str], what: str) -> None:
+  """Warns once per library primitive whose implementation holds a matmul
+  with no precision of its own: the policy's module rules cannot decide it
+  (:class:`PolicyUnreachedWarning`)."""
+  found = []
+  for w in walker.iter_eqns(closed, target=target):
+    eqn = w.eqn
+    name = eqn.primitive.name
+    if (walker.classify(name) != "traced" or walker.opaque_name(eqn, target)
+        or f"unreached {name}" in warned):
+      continue
+    impl = walker.implementation(eqn, target)
+    if any(v.eqn.primitive.name in walker.PRIMITIVES
+           and v.eqn.params.get("precision") is None
+           for v in walker.iter_eqns(impl, target=target)):
+      warned.add(f"unreached {name}")
+      found.append(name)
+  if found:
+    at = "the backend default" if outside is None else repr(outside.name)
+    warnings.warn(
+        f"jaxprec.emulate({what}): the matmuls inside {', '.join(found)} "
+        f"(a library's primitive) are lowered by JAX at the precision in "
+        f"force at the call ({at}, the policy's default), not at the "
+        f"precision the policy gives the module that calls "
+        f"{'it' if len(found) == 1 else 'them'}: emulated so, as the target "
+        f"computes them. Pass the library's own precision option, or run the "
+        f"whole call under jaxprec.precision(...).",
+        PolicyUnreachedWarning, stacklevel=3)
 
 
 def _record_unset(closed, policy: policy_lib.Policy,
