@@ -131,3 +131,145 @@ def test_largest_tolerance_is_accepted():
   m = metrics_lib.compare(np.float32([1, 2]), np.array([1.0, 3.0]),
                           atol=F32_MAX, rtol=F32_MAX)
   assert m.frac_outside == 0 and m.max_abs == 1.0
+
+
+# -- check_module with a partial reference --------------------------------------
+
+
+def _nnx_mlp():
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+      return jnp.tanh(self.fc(x))
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([Block(rngs), Block(rngs)])
+      self.head = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+      for layer in self.layers:
+        x = layer(x)
+      return {"logits": self.head(x)}
+  return Net(nnx.Rngs(0))
+
+
+def _exact(model, x):
+  """Each module's output in float64 NumPy, named as PyTorch names a module
+  tree (dots), the root's output as capture(modules=) names it."""
+  def dense(m, h):
+    return h @ np.asarray(m.kernel[...], np.float64) + np.asarray(
+        m.bias[...], np.float64)
+  h, out = np.asarray(x, np.float64), {}
+  for i, block in enumerate(model.layers):
+    out[f"layers.{i}.fc"] = dense(block.fc, h)
+    h = out[f"layers.{i}"] = np.tanh(out[f"layers.{i}.fc"])
+  out["head"] = out["output.logits"] = dense(model.head, h)
+  return out
+
+
+X8 = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+
+
+def test_check_module_compares_the_layers_a_partial_reference_holds():
+  model = _nnx_mlp()
+  exact = _exact(model, X8)
+  full = jaxprec.check_module(model, X8, reference=exact,
+                              precisions=["bfloat16"], mode="emulate")
+  assert full.unchecked == ()
+  names = [l.name for l in full.layers]
+  assert names == ["layers/0/fc", "layers/0", "layers/1/fc", "layers/1",
+                   "head", "output.logits"]
+  part = {k: exact[k] for k in ("layers.1", "output.logits")}
+  r = jaxprec.check_module(model, X8, reference=part, precisions=["bfloat16"],
+                           mode="emulate")
+  assert [l.name for l in r.layers] == ["layers/1", "output.logits"]
+  assert r.unchecked == ("layers/0/fc", "layers/0", "layers/1/fc", "head")
+  # The same figures as the full check, against the same float64 values.
+  for l in r.layers:
+    assert l.metrics["bfloat16"] == full.layer(l.name).metrics["bfloat16"]
+    assert 1e-4 < l.metrics["bfloat16"].rel_rms < 3e-2
+  line = ("unchecked: 4 layers have no reference and were not compared: "
+          "layers/0/fc, layers/0, layers/1/fc, head")
+  assert line in r.to_text() and line in str(r) and line in r.to_markdown()
+  d = r.to_dict()
+  assert d["unchecked"] == list(r.unchecked)
+  assert jaxprec.DivergenceReport.from_dict(d).unchecked == r.unchecked
+
+
+def test_check_module_partial_reference_from_a_file(tmp_path):
+  model = _nnx_mlp()
+  exact = _exact(model, X8)
+  path = tmp_path / "ref.npz"
+  jaxprec.save_layers(path, {"layers": [exact["layers.0"]]})  # 'layers[0]'
+  r = jaxprec.check_module(model, X8, reference=path, precisions=["bfloat16"],
+                           mode="emulate")
+  assert [l.name for l in r.layers] == ["layers/0"]
+  assert len(r.unchecked) == 5 and r.reference == f"file:{path}"
+
+
+def test_check_module_refuses_a_reference_layer_it_does_not_have():
+  model = _nnx_mlp()
+  exact = _exact(model, X8)
+  bad = {"layers.0.fcc": exact["layers.0.fc"]}
+  with pytest.raises(ValueError, match=r"Unknown reference layer "
+                     r"'layers.0.fcc'; valid choices: 'layers/0/fc', "
+                     r".*Did you mean 'layers/0/fc'\?"):
+    jaxprec.check_module(model, X8, reference=bad, mode="emulate")
+  with pytest.raises(ValueError, match=r"reference does not match the "
+                     r"output: first mismatch at 'layers/0/fc'.*\(4, 8\).*"
+                     r"\(4, 3\)"):
+    jaxprec.check_module(model, X8, reference={"layers.0.fc": np.zeros((4, 3))},
+                         mode="emulate")
+
+
+def test_check_module_partial_reference_on_linen():
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = jnp.tanh(nn.Dense(8, name="fc")(x))
+      return nn.Dense(4, name="head")(h)
+
+  params = Net().init(jax.random.key(0), X8)
+  k = np.asarray(params["params"]["fc"]["kernel"], np.float64)
+  b = np.asarray(params["params"]["fc"]["bias"], np.float64)
+  ref = {"fc": X8.astype(np.float64) @ k + b}
+  r = jaxprec.check_module(Net(), params, X8, reference=ref,
+                           precisions=["float32", "bfloat16"], mode="emulate")
+  assert [l.name for l in r.layers] == ["fc"]
+  assert r.unchecked == ("head", "output")
+  assert r.layers[0].metrics["float32"].rel_rms < 1e-6
+  assert r.layers[0].metrics["bfloat16"].rel_rms > 1e-4
+
+
+def test_check_of_a_function_still_wants_every_layer():
+  with pytest.raises(ValueError, match="first mismatch at 'b'"):
+    jaxprec.check(lambda x: {"a": x * 2, "b": x * 3}, X8,
+                  reference={"a": X8 * 2.0}, mode="emulate")
+
+
+# -- save_layers refuses what a check would refuse -------------------------------
+
+
+@pytest.mark.parametrize("tree", [
+    {"a.0": np.ones(2), "a/0": np.ones(2)},
+    {"a": [np.ones(2)], "a.0": np.ones(2)},
+])
+def test_save_layers_refuses_names_a_check_reads_as_one(tmp_path, tree):
+  path = tmp_path / "ref.npz"
+  with pytest.raises(ValueError, match=r"would be read back as one layer.*"
+                     r"Nothing was written"):
+    jaxprec.save_layers(path, tree)
+  assert not path.exists()
+
+
+def test_save_layers_refuses_a_tree_without_floating_arrays(tmp_path):
+  with pytest.raises(ValueError, match="holds no floating arrays"):
+    jaxprec.save_layers(tmp_path / "ref.npz", {"ids": np.ones(2, int)})
+  assert not (tmp_path / "ref.npz").exists()

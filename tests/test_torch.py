@@ -75,10 +75,13 @@ def test_capture_names_eval_mode_and_no_grad():
   m.fc2.eval()  # a submodule with its own flag
   x = torch.randn(2, 8)
   out = jt.capture(m, x, modules=r"fc\d")
-  assert list(out) == ["hidden", "logits", "fc1", "fc2"]  # ints dropped
+  # With modules=, the root's output is named as check_module names it.
+  assert list(out) == ["output.hidden", "output.logits", "fc1", "fc2"]
+  assert list(jt.capture(m, x)) == ["hidden", "logits"]  # ints dropped
   # Eval mode: dropout off, so "hidden" is tanh(fc1(x)) exactly.
   w1, b1 = m.fc1.weight.detach().numpy(), m.fc1.bias.detach().numpy()
-  np.testing.assert_allclose(out["hidden"], np.tanh(x.numpy() @ w1.T + b1),
+  np.testing.assert_allclose(out["output.hidden"],
+                             np.tanh(x.numpy() @ w1.T + b1),
                              rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(out["fc1"], x.numpy() @ w1.T + b1, rtol=1e-6,
                              atol=1e-6)
@@ -289,7 +292,7 @@ def test_captured_submodule_outputs_survive_in_place_ops_later():
   torch.manual_seed(0)
   x = torch.randn(4, 6)
   got = jt.capture(Net(), x, modules="fc")
-  want = got["before"]
+  want = got["output.before"]
   assert (want < 0).any()  # the ReLU had something to rewrite
   np.testing.assert_array_equal(got["fc"], want)
 
@@ -551,3 +554,57 @@ def test_real_transformers_without_flax_models_gives_the_hint():
   with pytest.raises(ImportError, match=r"jaxprec\[hf-flax\]") as e:
     jt.twin("hf-bert")
   assert f"transformers {transformers.__version__}" in str(e.value)
+
+
+# ---------------------------------------------------------------------------
+# capture(modules=) + check_module: jaxprec's Llama port against the original.
+
+
+def test_llama_port_against_pytorch_through_capture_and_check_module():
+  """capture's names never lined up with check_module's ('output.*', tuple
+  outputs of attention), and check_module wanted every submodule: "first
+  mismatch at 'embed_tokens'"."""
+  transformers = pytest.importorskip("transformers")
+  import jaxprec.models  # noqa: PLC0415
+  config = transformers.LlamaConfig(
+      vocab_size=128, hidden_size=64, intermediate_size=128,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      initializer_range=0.2)
+  torch.manual_seed(0)
+  pt = transformers.LlamaModel(config).eval()
+  model = jaxprec.models.LlamaModel.from_pytorch(pt)
+  ids = np.arange(16, dtype=np.int32)[None] % 128
+  ref = jt.capture(pt, ids.astype(np.int64),
+                   modules=r"embed_tokens|norm|layers\.\d+(\.(self_attn|mlp))?")
+  # LlamaAttention returns (attn_output, None): named by its path alone.
+  assert list(ref) == [
+      "output.last_hidden_state", "embed_tokens", "layers.0.self_attn",
+      "layers.0.mlp", "layers.0", "layers.1.self_attn", "layers.1.mlp",
+      "layers.1", "norm"]
+  r = jaxprec.check_module(model, ids, reference=ref,
+                           precisions=["float32", "bfloat16"])
+  assert [l.name for l in r.layers] == [
+      "embed_tokens", "layers/0/self_attn", "layers/0/mlp", "layers/0",
+      "layers/1/self_attn", "layers/1/mlp", "layers/1", "norm",
+      "output.last_hidden_state"]
+  assert "layers/0/self_attn/q_proj" in r.unchecked
+  assert "output.hidden_states[1]" in r.unchecked and len(r.unchecked) == 21
+  for l in r.layers:  # the framework floor: the port computes the original
+    assert l.metrics["float32"].rel_rms < 1e-5, (l.name, l.metrics["float32"])
+  for l in r.layers[1:]:  # a TPU's default: one bfloat16 pass
+    assert 1e-3 < l.metrics["bfloat16"].rel_rms < 5e-2, l.name
+  # Every submodule PyTorch has and the port has too, through one pattern.
+  everything = jt.capture(pt, ids.astype(np.int64), modules=r".+",
+                          names=lambda n: None if n.startswith(
+                              ("rotary_emb", "layers.0.mlp.act_fn",
+                               "layers.1.mlp.act_fn")) else n)
+  r = jaxprec.check_module(model, ids, reference=everything,
+                           precisions=["float32"])
+  assert len(r.layers) == 27 and "layers/1/mlp/up_proj" in {
+      l.name for l in r.layers}
+  assert all(l.metrics["float32"].rel_rms < 1e-5 for l in r.layers)
+  # A layer PyTorch has and the port does not: named, with the valid names.
+  with pytest.raises(ValueError, match=r"Unknown reference layer "
+                     r"'rotary_emb\[0\]'; valid choices: 'embed_tokens'"):
+    jaxprec.check_module(model, ids, reference=jt.capture(
+        pt, ids.astype(np.int64), modules="rotary_emb"))

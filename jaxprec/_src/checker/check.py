@@ -13,6 +13,7 @@ precision name means in each mode is :mod:`jaxprec._src.checker.rows`'s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -25,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxprec._src.checker import harness
 from jaxprec._src.checker import layers as layers_lib
 from jaxprec._src.checker import metrics as metrics_lib
+from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
@@ -508,7 +510,11 @@ def check_module(module: Any, *args: Any, method: str | None = None,
       filter ``(module, method_name) -> bool`` as ``capture_intermediates``
       takes.
     precisions, reference, target, mode, atol, rtol, progress, cache: as
-      :func:`check`.
+      :func:`check`. An external reference (e.g.
+      ``jaxprec.torch.capture(pt_model, ..., modules=...)``, which names a
+      PyTorch module tree as this function names a Flax one) may hold some
+      of the layers: those are compared, and the others are listed in the
+      report's ``unchecked`` (and in its table, markdown and JSON).
     **kwargs: keyword arguments for the module call (e.g.
       ``deterministic=True``).
 
@@ -517,6 +523,9 @@ def check_module(module: Any, *args: Any, method: str | None = None,
 
   Raises:
     TypeError: ``module`` is not a Flax module, or linen variables are missing.
+    ValueError: as :func:`check`; an external reference layer that names no
+      layer of the module (a ``ReferenceMismatchError`` naming it, the
+      module's layers and the closest one).
   """
   common = dict(precisions=precisions, reference=reference, target=target,
                 mode=mode, atol=atol, rtol=rtol, progress=progress,
@@ -537,8 +546,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
 
     def linen_fn(variables, /, *inputs, **kw):
       return _in_order(captured(variables, *inputs, lost=[], **kw), order)
-    return _check_cached(linen_fn, ("linen", module, method, capture, order),
-                         variables, *args[1:], **common, **kwargs)
+    return _check_module_fn(linen_fn, ("linen", module, method, capture, order),
+                            (variables, *args[1:]), kwargs, common)
   if isinstance(module, nnx.Module):
     graphdef, state = nnx.split(module)
 
@@ -558,10 +567,35 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     # The graph definition's text too: static attributes that compare equal
     # but trace differently (2 and 2.0) give equal graph definitions.
     key = ("nnx", graphdef, repr(graphdef), method, order)
-    return _check_cached(nnx_fn, key, state, *args, **common, **kwargs)
+    return _check_module_fn(nnx_fn, key, (state, *args), kwargs, common)
   raise TypeError(f"check_module expects a Flax module (flax.linen or "
                   f"flax.nnx); got "
                   f"{type(module).__name__} (use jaxprec.check for functions)")
+
+
+def _check_module_fn(fn: Callable[..., dict], key: Any, args: tuple,
+                     kwargs: dict, common: dict) -> DivergenceReport:
+  """:func:`check` of ``fn`` (a module's outputs by name); an external
+  reference may hold some of its layers: only those are compared, and the
+  report names the rest (``unchecked``)."""
+  reference = common["reference"]
+  if harness.is_computed(reference):
+    return _check_cached(fn, key, *args, **common, **kwargs)
+  found = reference_lib.load(reference)
+  names = [n for n, _, _ in harness.output_info(
+      fn, harness.Args(args, kwargs, who="jaxprec.check_module"))]
+  checked, unchecked = reference_lib.select(found, names)
+  if unchecked:
+    keep = frozenset(checked)
+
+    def partial(*a, all_layers=fn, **kw):
+      return {n: v for n, v in layers_lib.layers(all_layers(*a, **kw))
+              if n in keep}
+    fn, key = partial, (key, tuple(checked))
+  report = _check_cached(fn, key, *args, **dict(common, reference=found),
+                         **kwargs)
+  return dataclasses.replace(report, unchecked=tuple(unchecked),
+                             reference=reference_lib.describe(reference))
 
 
 # The wrapper functions check_module builds, by module identity, so that a

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxprec._src.checker import layers as layers_lib
+from jaxprec._src.core import names as names_lib
 
 FILE_TYPES = (".npz", ".npy", ".safetensors")
 SUPPORTED = ("a precision name (e.g. 'float32', 'float64'), a .npz, .npy or "
@@ -195,6 +196,36 @@ def match(found: Mapping[str, np.ndarray],
   return out
 
 
+def select(found: Mapping[str, Any], names: list[str]
+           ) -> tuple[list[str], list[str]]:
+  """``(checked, unchecked)``: the output layers ``names`` a partial
+  reference ``found`` has values for, and those it has none for, in order.
+
+  Names match after :func:`jaxprec._src.checker.layers.normalize`; a
+  reference with the one layer ``'output'`` matches an output with one
+  layer of any name (as :func:`match`).
+
+  Raises:
+    ReferenceMismatchError: a reference layer that names no output layer,
+      naming it and the output's layers (with the closest one).
+  """
+  if list(found) == ["output"] and len(names) == 1:
+    return list(names), []
+  by_norm = {layers_lib.normalize(n): n for n in names}
+  for k in found:
+    if layers_lib.normalize(k) not in by_norm:
+      raise names_lib.unknown(
+          "reference layer", k, names, error=ReferenceMismatchError,
+          hint=" (the module's output layers, any of which a reference may "
+               "hold; '.', '/' and '[i]' match alike; capture(..., names=) "
+               "renames or drops a layer)",
+          near={**{layers_lib.normalize(n): n for n in names},
+                **{n: n for n in names}})
+  given = {layers_lib.normalize(k) for k in found}
+  checked = [n for n in names if layers_lib.normalize(n) in given]
+  return checked, [n for n in names if layers_lib.normalize(n) not in given]
+
+
 def _storable(v: np.ndarray) -> np.ndarray:
   """``v``, or float32 where its dtype is one of ml_dtypes' (bfloat16, the
   float8 types), which NumPy's ``savez`` writes as raw bytes (``|V2``) and
@@ -223,11 +254,25 @@ def save_layers(path: str | os.PathLike, tree: Any) -> None:
     tree: the hidden states (a pytree of arrays).
 
   Raises:
-    ValueError: another extension.
+    ValueError: another extension; a tree without floating arrays; two
+      names a check would read as one layer (``'a.0'`` and ``'a/0'``:
+      names match after :func:`jaxprec._src.checker.layers.normalize`).
+      Nothing is written then.
   """
   path = os.fspath(path)
   arrays = {k: _storable(np.asarray(v))
             for k, v in layers_lib.named_layers(tree).items()}
+  if not arrays:
+    raise ValueError(f"save_layers: {type(tree).__name__} holds no floating "
+                     f"arrays; nothing to save to {path!r}.")
+  seen: dict[str, str] = {}
+  for k in arrays:
+    first = seen.setdefault(layers_lib.normalize(k), k)
+    if first != k:
+      raise ValueError(
+          f"save_layers: the layers {first!r} and {k!r} would be read back "
+          f"as one layer (a check matches names with '.', '/' and '[i]' "
+          f"alike); rename one. Nothing was written to {path!r}.")
   kind = _suffix(path)
   if kind == ".npz":
     with open(path, "wb") as f:  # np.savez would append '.npz' to '.NPZ'

@@ -174,7 +174,18 @@ def _summary_lines(report: Any) -> list[str]:
                  f"{fmt(s['required_atol'])}; worst {worst} (rel_rms "
                  f"{fmt(s['worst_rel_rms'])}); rel_rms growth {g}")
   lines += [f"note: {_cell(n)}" for n in report.notes]
+  unchecked = getattr(report, "unchecked", ())
+  if unchecked:
+    shown = ", ".join(_cell(n) for n in unchecked[:_SHOWN])
+    more = (f" and {len(unchecked) - _SHOWN} more (report.unchecked lists "
+            f"them all)" if len(unchecked) > _SHOWN else "")
+    lines.append(f"unchecked: {len(unchecked)} layers have no reference and "
+                 f"were not compared: {shown}{more}")
   return lines
+
+
+# Unchecked layers a rendering names (report.unchecked holds them all).
+_SHOWN = 8
 
 
 def text(report: Any) -> str:

@@ -110,6 +110,10 @@ class DivergenceReport:
       it); :meth:`summary` keeps it.
     kernel: the emulation kernel in force when the check ran
       (:meth:`jaxprec.KernelChoice.to_dict`), or ``{}``.
+    unchecked: the output layers an external reference has no values for
+      (:func:`jaxprec.check_module` takes a partial reference), in depth
+      order: not compared, so no query says anything about them; every
+      rendering names them.
   """
 
   layers: tuple[LayerResult, ...]
@@ -125,6 +129,7 @@ class DivergenceReport:
   seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
   floor: str | None = None
   kernel: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  unchecked: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.floor is not None and self.floor not in self.precisions:
@@ -346,6 +351,7 @@ class DivergenceReport:
         "rtol": float(self.rtol),
         "layers": layers, "summary": self.summary(), "notes": list(self.notes),
         "seconds": dict(self.seconds), "kernel": dict(self.kernel),
+        "unchecked": list(self.unchecked),
     })
 
   to_json = render.to_json
@@ -379,7 +385,8 @@ class DivergenceReport:
                numerics=_mapping(d, "numerics"),
                notes=tuple(d.get("notes", ())),
                seconds=_mapping(d, "seconds"), floor=d.get("floor"),
-               kernel=_mapping(d, "kernel"))
+               kernel=_mapping(d, "kernel"),
+               unchecked=tuple(d.get("unchecked", ())))
 
   @classmethod
   def from_json(cls, text: str) -> DivergenceReport:

@@ -186,19 +186,26 @@ def capture(module: Any, *args: Any, modules: str | None = None,
     modules: a regular expression, matched in full against the names of
       ``module.named_modules()`` (``'encoder.layers.0.attention'``): each
       matching submodule's output is added, named by its path, through
-      forward hooks that are always removed.
+      forward hooks that are always removed; the names are then those
+      :func:`jaxprec.check_module` gives a Flax module tree of the same
+      shape, the root's output included (``'output'``,
+      ``'output.last_hidden_state'``).
     names: maps PyTorch names to the JAX side's names: a dict (unlisted
       names are kept) or a callable; a mapped value of None drops the layer.
     **kwargs: its keyword arguments (e.g. ``output_hidden_states=True``).
 
   Returns:
     An insertion-ordered ``{name: np.ndarray}``: the output's floating
-    tensors (``'last_hidden_state'``, ``'hidden_states[3]'``), then the hooked
-    submodules' (``'encoder.layers.0'``, ``'encoder.layers.0[0]'`` when a
-    submodule returns a tuple; ``'encoder.layers.0#0'``,
-    ``'encoder.layers.0#1'`` for each call of a submodule called more than
-    once, as :func:`jaxprec.check_module` names them). bfloat16 and float16
-    are widened exactly to float32.
+    tensors (``'last_hidden_state'``, ``'hidden_states[3]'``, as
+    :func:`jaxprec.check` names a function's output; with ``modules=``
+    under ``'output'``: ``'output.last_hidden_state'``), then the hooked
+    submodules' (``'encoder.layers.0'``; a submodule's tuple output is
+    named by item, ``'encoder.layers.0[1]'``, unless its one floating tensor
+    is its first item, as in transformers' ``(hidden_states,)`` and
+    ``(attn_output, None)``: then it is ``'encoder.layers.0'``;
+    ``'encoder.layers.0#0'``, ``'encoder.layers.0#1'`` for each call of a
+    submodule called more than once, as :func:`jaxprec.check_module` names
+    them). bfloat16 and float16 are widened exactly to float32.
 
   Raises:
     ImportError: PyTorch is not installed (with the install hint).
@@ -225,7 +232,7 @@ def capture(module: Any, *args: Any, modules: str | None = None,
       for name, sub in module.named_modules():
         if name and pattern.fullmatch(name):
           def hook(_mod, _inputs, output, name=name):
-            _named(output, name, one := {})
+            _named(_main_output(output), name, one := {})
             calls.setdefault(name, []).append(one)
           handles.append(sub.register_forward_hook(hook))
       if not handles:
@@ -244,13 +251,31 @@ def capture(module: Any, *args: Any, modules: str | None = None,
     for m, training in flags.items():
       m.training = training
   found: dict[str, np.ndarray] = {}
-  _named(output, "", found)
+  # With modules=, named as check_module names the root module's output.
+  _named(output, "" if pattern is None else "output", found)
   for k, v in _numbered(calls).items():
     if k in found:
       raise ValueError(f"submodule {k!r} has the name of an output layer; "
                        f"rename one with names=")
     found[k] = v
   return _rename(found, names)
+
+
+def _floats(x: Any) -> bool:
+  """Whether ``x`` holds a floating tensor (or array)."""
+  _named(x, "x", found := {})
+  return bool(found)
+
+
+def _main_output(output: Any) -> Any:
+  """A hooked submodule's output as a JAX module would return it: a tuple
+  or list whose one floating tensor is its first item (PyTorch's
+  ``(hidden_states,)`` or ``(attn_output, None)``, as transformers' layers
+  return) is that tensor; anything else is itself."""
+  if (isinstance(output, (tuple, list)) and output and _floats(output[0])
+      and _is_tensor(output[0]) and not any(map(_floats, output[1:]))):
+    return output[0]
+  return output
 
 
 def _numbered(calls: dict[str, list[dict[str, np.ndarray]]]
