@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from jaxprec._src.core import names
 
@@ -82,6 +83,13 @@ class Numerics:
   def supported(self) -> bool:
     """False for the :data:`UNSUPPORTED` meaning."""
     return self.passes > 0
+
+
+def numerics_dict(n: Numerics) -> dict[str, Any]:
+  """A :class:`~jaxprec.Numerics` record's figures as JSON-able values."""
+  return {"algorithm": n.algorithm, "passes": n.passes,
+          "operand_bits": n.operand_bits, "rel_error": n.rel_error,
+          "note": n.note}
 
 
 _BOTH = ("tpu", "gpu")

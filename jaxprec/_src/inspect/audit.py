@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from jaxprec._src.core import algorithms
 from jaxprec._src.core import context
 from jaxprec._src.core import numerics
 from jaxprec._src.core.algorithms import Numerics
@@ -178,15 +179,8 @@ class AuditRow:
     for k in ("lhs_shape", "rhs_shape", "out_shape"):
       d[k] = list(d[k])
     for k in ("tpu_numerics", "gpu_numerics"):
-      d[k] = None if d[k] is None else numerics_dict(d[k])
+      d[k] = None if d[k] is None else algorithms.numerics_dict(d[k])
     return d
-
-
-def numerics_dict(n: Numerics) -> dict[str, Any]:
-  """A :class:`~jaxprec.Numerics` record's figures as JSON-able values."""
-  return {"algorithm": n.algorithm, "passes": n.passes,
-          "operand_bits": n.operand_bits, "rel_error": n.rel_error,
-          "note": n.note}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

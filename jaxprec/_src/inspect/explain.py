@@ -18,7 +18,6 @@ from jaxprec._src.core import context
 from jaxprec._src.core import env as env_lib
 from jaxprec._src.core.version import __version__
 from jaxprec._src.emulation import kernels
-from jaxprec._src.inspect import audit
 
 HOW_TO_CHANGE: dict[str, str] = {
     "function": ("@jaxprec.precision('float32') on a function, or "
@@ -94,10 +93,10 @@ def explain_dict() -> dict[str, Any]:
       },
       "env": {"name": env_lib.ENV_VAR, "value": os.environ.get(env_lib.ENV_VAR)},
       "numerics": {
-          "here": None if here is None else audit.numerics_dict(here),
-          "tpu": audit.numerics_dict(p.tpu),
-          "gpu": audit.numerics_dict(p.gpu),
-          "cpu": audit.numerics_dict(p.cpu),
+          "here": None if here is None else algorithms.numerics_dict(here),
+          "tpu": algorithms.numerics_dict(p.tpu),
+          "gpu": algorithms.numerics_dict(p.gpu),
+          "cpu": algorithms.numerics_dict(p.cpu),
       },
       "kernel": {
           "setting": kernel.setting,
