@@ -87,7 +87,16 @@ OPAQUE_PRIMITIVES = frozenset({
     "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_bwd",
     "dot_product_attention_fp8_fwd_wrapper",
     "dot_product_attention_fp8_bwd_wrapper", "elementwise_inline_asm_p",
-    "inline_mgpu_p", "emit_pipeline", "pipeline_body"})
+    "inline_mgpu_p", "emit_pipeline", "pipeline_body",
+    # jax.experimental.thunky (jax 0.12): GPU runtime thunks, PTX kernels
+    # and custom calls run as their own programs.
+    "thunky.all_gather", "thunky.all_reduce", "thunky.all_to_all",
+    "thunky.async_done", "thunky.async_start", "thunky.call_jax",
+    "thunky.call_thunky_nested", "thunky.collective_group",
+    "thunky.collective_permute", "thunky.cond", "thunky.copy",
+    "thunky.custom_call", "thunky.inline_constant", "thunky.memset",
+    "thunky.memzero", "thunky.ptx_kernel", "thunky.reduce_scatter",
+    "thunky.while"})
 
 # Higher-order primitives: the walker walks the jaxprs in their params.
 HIGHER_ORDER = frozenset({
@@ -98,7 +107,7 @@ HIGHER_ORDER = frozenset({
     "custom_transpose_call", "custom_partitioning", "linear_call",
     "shard_map", "run_state", "composite", "compute_on", "eval_jaxpr",
     "call_hi_primitive", "call_hi_primitive_linearized", "jaxpr_call",
-    "run_scoped"})
+    "run_scoped", "xla_metadata_call"})
 
 # Primitives that run only inside a Pallas or Mosaic kernel's body, itself
 # opaque: the audit shows a kernel's dots (not emulated), nothing binds them.
@@ -134,7 +143,13 @@ KERNEL_PRIMITIVES = frozenset({
     "wgmma_accumulator_deref_p", "wgmma_accumulator_store_p", "wgmma_ref",
     "wgmma_wait", "mma",
     # jax._src.pallas.triton
-    "atomic_cas", "atomic_rmw", "debug_barrier_p", "max_contiguous"})
+    "atomic_cas", "atomic_rmw", "debug_barrier_p", "max_contiguous",
+    # the same packages in jax 0.12
+    "conv", "has_memory_space", "store", "barrier_arrive_and_wait",
+    "debug_barrier", "elementwise_inline_asm", "inline_mgpu",
+    "set_max_registers", "mosaic_gpu_reduce_max", "mosaic_gpu_reduce_min",
+    "mosaic_gpu_reduce_prod", "mosaic_gpu_reduce_sum",
+    "wgmma_accumulator_deref", "wgmma_accumulator_store"})
 
 # Primitives JAX defines that hold no matmul: elementwise arithmetic,
 # reductions, data movement, control of sharding and memory, collectives,
@@ -187,6 +202,8 @@ NO_MATMUL = frozenset("""
     inspect_sharding xla_metadata_value platform_index check unreachable
     dim_as_value dimension_size shape_assertion call_exported name
     debug_callback debug_print
+    log2 one_minus_square polynomial program_order relayout
+    pbroadcast_dynamic reduced_vary_cast vary_unreduced_cast
 """.split())
 
 # jaxprec's own primitives: an emulated op (emulation/emulated_ops.py) and a
