@@ -8,7 +8,10 @@ run, for each emulation kernel (``bf16``, ``f32``; ``docs/emulation.md``):
   native one (limit 1.5x): both jitted and compiled first, then timed
   alternately so machine noise hits both, ratio of medians;
 * the compile time (trace, lower and compile) of the emulated forward at 1, 3
-  and 6 passes over the native one (limits 1.35x, 2.0x, 2.8x).
+  and 6 passes over the native one (limits 1.35x, 2.0x, 2.8x), each a median
+  of fresh compiles next to a native one, the import of jaxprec not included;
+  the last line gives them together with the CPU model and whether it has
+  AVX512-BF16 (the kernel ``auto`` picks depends on it).
 
   python benchmarks/bench_emulate_bert.py [--batch 1] [--repeats 15] [--layers 12]
       [--compile-repeats 5]
@@ -24,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxprec
+from jaxprec._src.emulation import kernels as _kernels
 
 from _args import positive as _positive
 
@@ -41,6 +45,13 @@ def compile_seconds(fn, *args) -> tuple[float, float]:
   t1 = time.perf_counter()
   lowered.compile()
   return t1 - t, time.perf_counter() - t1
+
+
+def cpu_line() -> str:
+  """The CPU model and whether it has AVX512-BF16 (``/proc/cpuinfo``)."""
+  has = "avx512_bf16" in _kernels.bf16_dot_units()
+  return (f"{_kernels._cpu_model()}, "  # pylint: disable=protected-access
+          f"avx512_bf16: {'yes' if has else 'no'}")
 
 
 def main() -> None:
@@ -103,6 +114,7 @@ def main() -> None:
   # moves by +-30% here from run to run).
   print(f"compile times: medians of {args.compile_repeats} fresh compiles, each "
         "next to a native one")
+  ratios = {k: [] for k in KERNELS}
   for precision, limit in COMPILE_LIMITS.items():
     for k in KERNELS:
       pairs = []
@@ -116,12 +128,17 @@ def main() -> None:
       c = statistics.median(sum(p[0]) for p in pairs)
       native_c = statistics.median(sum(p[1]) for p in pairs)
       r = c / native_c
+      ratios[k].append(f"{r:.2f}x")
       print(f"compile time, emulated {precision:7s} ({k:4s}): {c:6.2f} s vs "
             f"native {native_c:6.2f} s, ratio "
             f"{r:.2f}x (limit {limit}x: {'ok' if r <= limit else 'MISSED'})")
       if args.split:
         print(f"  trace+lower {med2(0, 0):5.2f} s vs native {med2(1, 0):5.2f} s; "
               f"XLA compile {med2(0, 1):5.2f} s vs native {med2(1, 1):5.2f} s")
+  print("compile ratios at 1 / 3 / 6 passes (limits "
+        f"{' / '.join(f'{v}x' for v in COMPILE_LIMITS.values())}; import not "
+        "included): " + "; ".join(f"{k} {' / '.join(v)}" for k, v in ratios.items())
+        + f"; {cpu_line()}")
 
 
 if __name__ == "__main__":
