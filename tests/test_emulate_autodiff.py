@@ -419,3 +419,32 @@ def test_diffrax_default_adjoint_gradient_is_emulated():
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)
   assert np.abs(got[0] - jax.grad(plain)(a, y0)).max() > 1e-3
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_gradient_of_a_vmapped_linear_layer_runs_on_the_bf16_kernel(jit):
+  # vmap moves the batch axis with a transpose, whose transpose reaches the
+  # weight gradient's dot as a transposed cotangent. XLA folded it into the
+  # bfloat16 dot, a lhs contracted on its first axis that XLA:CPU's library
+  # calls refuse, and DotThunk raised "Unsupported element type for
+  # DotThunk::Execute: BF16 x BF16 = F32" when the gradient was read.
+  def loss(p, x):
+    h = jnp.tanh(jax.vmap(lambda v: p["w1"] @ v)(x))
+    return jnp.sum(jax.vmap(lambda v: p["w2"] @ v)(h) ** 2)
+
+  rng = np.random.default_rng(0)
+  p = {"w1": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32),
+       "w2": jnp.asarray(rng.standard_normal((10, 32)), jnp.float32)}
+  x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+  grads = {}
+  for kernel in ("bf16", "f32"):
+    with jaxprec.use_kernel(kernel):
+      g = jax.grad(jaxprec.emulate(loss, "bfloat16", target="tpu"))
+      grads[kernel] = jax.tree.map(np.asarray, (jax.jit(g) if jit else g)(p, x))
+  native = jax.grad(loss)(p, x)
+  for name in p:
+    got, f32 = grads["bf16"][name], grads["f32"][name]
+    scale = np.max(np.abs(f32))
+    # The kernels differ only in the order each pass sums its products.
+    np.testing.assert_allclose(got, f32, rtol=0, atol=1e-6 * scale)
+    assert np.max(np.abs(got - np.asarray(native[name]))) > 1e-4 * scale

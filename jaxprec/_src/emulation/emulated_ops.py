@@ -330,6 +330,15 @@ def _transpose_rule(side: int):
       return g
 
     ct = ct.astype(jnp.float32) if ct.dtype != spec.out_dtype else ct
+    if spec.kernel == "bf16" and spec.op == "dot_general":
+      # The cotangent often arrives transposed (JAX's transpose of the
+      # user's transpose or of vmap's moved axis), and XLA folds that
+      # transpose into the bfloat16 dot: a lhs contracted on its first axis,
+      # which XLA:CPU's library calls refuse (``IsDotSupportedByYnn``,
+      # openxla/xla xla/backends/cpu/ynn_support.cc) and DotThunk cannot run
+      # ("Unsupported element type for DotThunk::Execute: BF16 x BF16 =
+      # F32"). Behind a barrier it reaches the dot as an array.
+      ct = lax.optimization_barrier(ct)
     closed = jax.make_jaxpr(pullback)(other, ct)
     (g,) = walker.interpret(closed, _emulate_again(spec), other, ct)
     return g.astype(aval.dtype)
