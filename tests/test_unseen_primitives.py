@@ -35,6 +35,7 @@ TABLE = {
     "kernel": walker.KERNEL_PRIMITIVES,
     "no_matmul": walker.NO_MATMUL,
     "jaxprec": walker.JAXPREC_PRIMITIVES,
+    "traced": walker.JAX_TRACED,
 }
 
 
@@ -47,7 +48,8 @@ def test_every_registered_jax_primitive_is_in_exactly_one_class():
   assert {"dot_general", "conv_general_dilated", "ragged_dot_general",
           "scan", "pallas_call", "cholesky"} <= set(registered)
   unclassified = sorted(n for n in registered
-                        if walker.classify(n) == "traced")
+                        if walker.classify(n) == "traced"
+                        and n not in walker.JAX_TRACED)
   assert not unclassified, (
       f"JAX {jax.__version__} registers primitives the walker's table "
       f"(jaxprec/_src/jaxpr/walker.py) does not name: {unclassified}")
@@ -66,7 +68,8 @@ def test_classes_are_disjoint_and_classify_names_them():
   assert walker.classify("while") == "higher_order"
   assert walker.classify("scaled_dot") == "opaque"
   assert walker.classify("a_library_primitive") == "traced"
-  assert set(walker.CLASSES) == {*TABLE, "traced"}
+  assert set(walker.CLASSES) == set(TABLE)
+  assert walker.classify("bcoo_dot_general") == "traced"
 
 
 # ---------------------------------------------------------------------------
@@ -683,3 +686,25 @@ def test_a_policy_rule_cannot_reach_a_library_primitives_matmul_and_says_so():
     warnings.simplefilter("error", jaxprec.PolicyUnreachedWarning)
     jaxprec.emulate(model, "default=bfloat16", target="tpu")(x)
     jaxprec.emulate(_with_primitive, "bfloat16", target="tpu")(a, x)
+
+
+def test_a_sparse_matmul_of_jax_experimental_sparse_is_audited_and_emulated():
+  # bcoo_dot_general lowers through mlir.lower_fun on CPU and TPU: its
+  # implementation's matmul is what the TPU runs, at the precision in force.
+  from jax.experimental import sparse
+
+  a, x = _operands()
+  m = sparse.BCOO.fromdense(a)
+
+  def f(m, x):
+    return m @ x
+
+  assert [r.primitive for r in jaxprec.audit(f, m, x).rows] == ["dot_general"]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxprec.OpaqueOpWarning)
+    got = jaxprec.emulate(f, "bfloat16", target="tpu")(m, x)
+  # Independently: every product of bfloat16-rounded operands, summed.
+  bf16 = lambda v: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float64)
+  np.testing.assert_allclose(np.asarray(got), bf16(a) @ bf16(x), rtol=1e-5,
+                             atol=1e-5)
+  assert np.max(np.abs(np.asarray(got) - np.asarray(f(m, x)))) > 1e-3

@@ -439,13 +439,19 @@ def registered_primitives() -> dict[str, Any]:
   import pkgutil  # noqa: PLC0415
   import sys  # noqa: PLC0415
   import jax._src as src  # noqa: PLC0415
-  for info in pkgutil.walk_packages(src.__path__, "jax._src."):
-    if "test" in info.name.rsplit(".", 1)[-1]:
-      continue  # test utilities define primitives of their own
-    try:
-      importlib.import_module(info.name)
-    except Exception:  # noqa: BLE001 -- a missing optional library
-      continue
+  import jax.experimental as experimental  # noqa: PLC0415
+  # jax.experimental too: jax.experimental.sparse defines its primitives
+  # there, not in jax._src, so a test that imported it would see more.
+  for package, prefix in ((src, "jax._src."),
+                          (experimental, "jax.experimental.")):
+    for info in pkgutil.walk_packages(package.__path__, prefix,
+                                      onerror=lambda name: None):
+      if "test" in info.name.rsplit(".", 1)[-1]:
+        continue  # test utilities define primitives of their own
+      try:
+        importlib.import_module(info.name)
+      except Exception:  # noqa: BLE001 -- a missing optional library
+        continue
   found: dict[str, Any] = {}
   for name, module in list(sys.modules.items()):
     if (not (name == "jax" or name.startswith("jax.")) or module is None

@@ -96,7 +96,9 @@ OPAQUE_PRIMITIVES = frozenset({
     "thunky.collective_permute", "thunky.cond", "thunky.copy",
     "thunky.custom_call", "thunky.inline_constant", "thunky.memset",
     "thunky.memzero", "thunky.ptx_kernel", "thunky.reduce_scatter",
-    "thunky.while"})
+    "thunky.while",
+    # jax.experimental.rnn: cuDNN's RNN kernels (an LSTM's matmuls inside).
+    "rnn_fwd", "rnn_bwd"})
 
 # Higher-order primitives: the walker walks the jaxprs in their params.
 HIGHER_ORDER = frozenset({
@@ -107,7 +109,7 @@ HIGHER_ORDER = frozenset({
     "custom_transpose_call", "custom_partitioning", "linear_call",
     "shard_map", "run_state", "composite", "compute_on", "eval_jaxpr",
     "call_hi_primitive", "call_hi_primitive_linearized", "jaxpr_call",
-    "run_scoped", "xla_metadata_call"})
+    "run_scoped", "xla_metadata_call", "fused_call"})
 
 # Primitives that run only inside a Pallas or Mosaic kernel's body, itself
 # opaque: the audit shows a kernel's dots (not emulated), nothing binds them.
@@ -204,6 +206,22 @@ NO_MATMUL = frozenset("""
     debug_callback debug_print
     log2 one_minus_square polynomial program_order relayout
     pbroadcast_dynamic reduced_vary_cast vary_unreduced_cast
+    consume assert_consumed_value global_array_to_host_local_array
+    host_local_array_to_global_array
+""".split())
+
+# JAX's own primitives whose implementation the walker traces and walks, as
+# it does a library's (:func:`implementation`): jax.experimental.sparse,
+# whose products lower through ``mlir.lower_fun`` to dense ops on CPU and
+# TPU (their matmuls are then audited and emulated), and to cuSPARSE on a
+# GPU (hand-written: named as opaque there).
+JAX_TRACED = frozenset("""
+    bcoo_dot_general bcoo_dot_general_sampled bcoo_extract bcoo_fromdense
+    bcoo_sort_indices bcoo_spdot_general bcoo_sum_duplicates bcoo_todense
+    bcoo_transpose bcsr_dot_general bcsr_extract bcsr_fromdense bcsr_todense
+    coo_fromdense coo_matmat coo_matvec coo_spmm coo_spmv coo_todense
+    csr_fromdense csr_matmat csr_matvec csr_spmm csr_spmv csr_todense
+    spsolve todense
 """.split())
 
 # jaxprec's own primitives: an emulated op (emulation/emulated_ops.py) and a
