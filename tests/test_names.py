@@ -83,12 +83,31 @@ def test_check_choice_returns_the_choice_any_case():
 
 
 def test_precision_names_share_the_suggestion():
-  assert names.invalid_message("F32_F32_F3", "unknown name").endswith(
-      "Did you mean 'F32_F32_F32'?")
+  msg = names.invalid_message("F32_F32_F3", "unknown name")
+  assert msg.startswith("Invalid precision 'F32_F32_F3': unknown name. "
+                        "Did you mean 'F32_F32_F32'? Valid names: ")
   assert "Did you mean" not in names.invalid_message("nonsense", "unknown name")
-  with pytest.raises(ValueError, match=r"Invalid precision 'flaot32': unknown "
-                                       r"name\. Valid names: .*Did you mean 'float32'\?$"):
+  with pytest.raises(ValueError, match=r"^Invalid precision 'flaot32': unknown "
+                                       r"name\. Did you mean 'float32'\? Valid names: "):
     jaxprec.resolve("flaot32")
+
+
+def test_invalid_precision_message_is_short_and_grouped():
+  """The suggestion within the first line's reach, the names grouped: every
+  level and alias, the presets by count; valid_names() for the rest."""
+  msg = names.invalid_message("bfloat61", "unknown name")
+  assert msg.index("Did you mean 'bfloat16'?") < 60
+  assert len(msg) < 500
+  for level in ("bfloat16", "bfloat16_3x", "tensorfloat32", "float32",
+                "backend-default"):
+    assert level in msg
+  for alias in ("bf16", "tf32", "fp32", "f32", "bf16_3x", "bf16_6x", "default",
+                "fastest", "high", "highest", "medium"):
+    assert re.search(rf"[(, ]{alias}[,); ]", msg), alias
+  assert f"{len(names.PRESETS)} lax.DotAlgorithmPreset names" in msg
+  assert "jaxprec.valid_names()" in msg
+  # Not every preset is spelled out: the count stands for them.
+  assert "ANY_F8_ANY_F8_ANY_FAST_ACCUM" not in msg
 
 
 def _report():

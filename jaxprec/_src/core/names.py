@@ -52,10 +52,6 @@ ALIASES: dict[str, str] = {
 }
 ALIASES.update({p.lower(): p for p in PRESETS})
 
-ALIAS_HELP = ("any letter case; aliases: bf16, tf32, fp32, f32, bf16_3x, bf16_6x, "
-              "default, fastest, high, highest, medium; also lax.Precision and "
-              "lax.DotAlgorithmPreset members, or None for the backend default")
-
 
 def canonical(name: str) -> str | None:
   """The canonical name for a spelling, or None if unknown."""
@@ -165,13 +161,44 @@ def check_choice(value: object, choices: Sequence[str], kind: str, *,
   raise unknown(kind, value, choices, error=error)
 
 
+def _aliases(name: str) -> list[str]:
+  """The spellings of ``name`` other than its own, in :data:`ALIASES` order."""
+  return [a for a, c in ALIASES.items() if c == name and a != name.lower()]
+
+
+def _grouped_names() -> str:
+  """The valid precision names in groups, for :func:`invalid_message`: the
+  levels with their aliases, the backend default, the presets by count."""
+  levels = ", ".join(
+      n + (f" ({', '.join(_aliases(n))})" if _aliases(n) else "")
+      for n in FLAGS if n not in PRESETS and n != "backend-default")
+  preset_aliases = [f"{a} for {c}" for a, c in ALIASES.items()
+                    if c in PRESETS and a != c.lower()]
+  also = f"; {', '.join(preset_aliases)}" if preset_aliases else ""
+  return (f"the levels {levels}; backend-default (or None); {len(PRESETS)} "
+          f"lax.DotAlgorithmPreset names such as BF16_BF16_F32_X3 and "
+          f"F32_F32_F32{also}. Any letter case, lax.Precision and "
+          f"lax.DotAlgorithmPreset members too; every spelling: "
+          f"jaxprec.valid_names()")
+
+
 def invalid_message(value: object, why: str) -> str:
-  msg = (f"Invalid precision {value!r}: {why}. Valid names: "
-         f"{', '.join(sorted(FLAGS))} ({ALIAS_HELP}).")
+  """The one message for a precision :func:`jaxprec.resolve` refuses.
+
+  The suggestion comes first, then the valid names in groups: the levels with
+  their aliases, the backend default, and the ``lax.DotAlgorithmPreset``
+  names by count with examples (every spelling: ``jaxprec.valid_names()``).
+
+  Examples:
+    >>> from jaxprec._src.core.names import invalid_message
+    >>> print(invalid_message("bfloat61", "unknown name"))  # doctest: +ELLIPSIS
+    Invalid precision 'bfloat61': unknown name. Did you mean 'bfloat16'? Valid names: ...
+  """
+  msg = f"Invalid precision {value!r}: {why}."
   s = close_name(value, set(ALIASES) | set(FLAGS))
   if s is not None:
     msg += f" Did you mean {s!r}?"
-  return msg
+  return f"{msg} Valid names: {_grouped_names()}."
 
 
 def check_env_before_jax(environ) -> None:
