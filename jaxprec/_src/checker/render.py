@@ -83,8 +83,10 @@ def figure_class(what: str):
   try:
     from matplotlib.figure import Figure
   except ImportError as e:
-    raise ImportError(f"jaxprec {what} needs matplotlib: pip install "
-                      "'jaxprec[plots]' (or pip install matplotlib)") from e
+    from jaxprec._src.core.version import install_hint  # noqa: PLC0415
+    raise ImportError(f"jaxprec {what} needs matplotlib: "
+                      f"{install_hint('plots')} (or pip install matplotlib)"
+                      ) from e
   return Figure
 
 

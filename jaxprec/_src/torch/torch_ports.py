@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxprec._src.core import names
+from jaxprec._src.core.version import install_hint
 from jaxprec._src.torch import torch_ref
 
 
@@ -286,8 +287,8 @@ def port(name: str, seed: int = 0, *, layers: int | None = None) -> Port:
   try:
     import transformers  # noqa: PLC0415 -- optional, imported when used
   except ImportError as e:
-    raise ImportError("port checks need transformers' PyTorch models: pip "
-                      "install 'jaxprec[torch]' transformers") from e
+    raise ImportError("port checks need transformers' PyTorch models: "
+                      f"{install_hint('torch', 'transformers')}") from e
   make, inputs = PORTS[name]
   config, torch_name = make(transformers, layers)
   from jaxprec._src.models.llama import LlamaModel  # noqa: PLC0415

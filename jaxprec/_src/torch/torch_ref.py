@@ -16,10 +16,14 @@ from typing import Any
 
 import numpy as np
 
-INSTALL_HINT = "pip install 'jaxprec[torch]'"
-# transformers 5 removed every Flax model class and modeling_flax_* module.
-HF_FLAX_HINT = ("pip install 'jaxprec[hf-flax]' (transformers 4.x: "
-                "transformers 5 has no Flax models)")
+from jaxprec._src.core.version import install_hint
+
+
+def hf_flax_hint() -> str:
+  """The install line for transformers' Flax models (transformers 5 removed
+  every Flax model class and modeling_flax_* module)."""
+  return (f"{install_hint('hf-flax')} (transformers 4.x: transformers 5 has "
+          f"no Flax models)")
 
 
 def import_torch():
@@ -27,7 +31,8 @@ def import_torch():
   try:
     import torch  # noqa: PLC0415 -- optional, imported when used
   except ImportError as e:
-    raise ImportError(f"jaxprec.torch needs PyTorch: {INSTALL_HINT}") from e
+    raise ImportError(f"jaxprec.torch needs PyTorch: "
+                      f"{install_hint('torch')}") from e
   return torch
 
 
@@ -40,12 +45,13 @@ def import_transformers_flax(what: str, *names: str) -> Any:
     import transformers  # noqa: PLC0415 -- optional, imported when used
   except ImportError as e:
     raise ImportError(f"{what} transformers' Flax models: "
-                      f"{HF_FLAX_HINT}") from e
+                      f"{hf_flax_hint()}") from e
   for name in names:
     if not hasattr(transformers, name):
       version = getattr(transformers, "__version__", "?")
       raise ImportError(f"{what} transformers' Flax models, and "
-                        f"transformers {version} has no {name}: {HF_FLAX_HINT}")
+                        f"transformers {version} has no {name}: "
+                        f"{hf_flax_hint()}")
   return transformers
 
 
