@@ -27,7 +27,7 @@ from jaxprec._src.checker import harness
 from jaxprec._src.checker import layers as layers_lib
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import reference as reference_lib
-from jaxprec._src.checker import render
+from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
 from jaxprec._src.checker.rows import DEFAULT_PRECISIONS
@@ -105,7 +105,8 @@ def check(fn: Callable[..., Any], *args: Any,
       ``required_atol``); defaults 1e-3 and 1e-3, loose enough that
       multi-pass precisions pass on typical models and one-pass formats
       (bfloat16, TF32) do not: pass your own.
-    progress: show a progress bar on stderr (when it is a terminal).
+    progress: show the progress on stderr: a bar on a terminal, else one
+      line per phase (the reference, each row, the time taken).
     cache: JAX's persistent compilation cache for this call (JAX's settings
       are restored afterwards): ``False`` (default: as JAX is configured),
       ``True`` (``$JAXPREC_CACHE_DIR/jax-compilation``, else under the
@@ -174,8 +175,8 @@ def check(fn: Callable[..., Any], *args: Any,
   backend = compat.backend_platform()
   notes = []
   seconds: dict[str, float] = {}
-  with render.Progress(len(plans) + 1, "jaxprec check", progress) as bar:
-    bar.update("reference")
+  with progress_lib.Phases(len(plans) + 1, "jaxprec check", progress) as bar:
+    bar.update(_reference_phase(reference))
     t0 = time.perf_counter()
     ref = harness.build_reference(fn, call, reference, target=target, mode=mode)
     seconds["reference"] = time.perf_counter() - t0
@@ -183,12 +184,12 @@ def check(fn: Callable[..., Any], *args: Any,
       raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
                        f"floating arrays to compare")
     results: dict[str, list[metrics_lib.LayerMetrics]] = {}
-    for p in plans:
-      bar.update(p.label, advance=1)
+    for i, p in enumerate(plans, 1):
+      bar.update(f"compiling+running {p.label} ({i}/{len(plans)})", advance=1)
       t0 = time.perf_counter()
       results[p.label] = harness.run_candidate(fn, call, p, ref, atol, rtol)
       seconds[p.label] = time.perf_counter() - t0
-    bar.update("done", advance=1)
+    bar.finish()
   del call  # holds the arguments
   if mode == "native" and backend == "cpu":
     notes.append("native mode on CPU: the CPU ignores matmul precision, so "
@@ -221,6 +222,15 @@ def check(fn: Callable[..., Any], *args: Any,
                 "(reference)": ref.description},
       notes=tuple(notes), seconds=seconds, floor=floor,
       kernel=kernels.current_kernel().to_dict())
+
+
+def _reference_phase(reference: Any) -> str:
+  """The progress line of the reference: ``'reference at float32'``."""
+  if isinstance(reference, str) and harness.is_computed(reference):
+    return f"reference at {reference}"
+  if isinstance(reference, (str, os.PathLike)):
+    return f"reference from {os.fspath(reference)}"
+  return "reference (given)"
 
 
 def overflow_notes(layers: Sequence[LayerResult]) -> list[str]:
