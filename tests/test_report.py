@@ -277,7 +277,7 @@ def test_markdown_escapes_newlines_and_pipes_in_layer_names():
   md = renamed_report(names).to_markdown()
   table = [l for l in md.splitlines() if l.startswith("|")]
   assert len(table) == 2 + 4  # each layer one row
-  n_cols = 3 + 2 * 2
+  n_cols = 3 + 2  # #, layer, shape, one req_atol column per precision
   for row in table:
     # cells split on unescaped pipes only
     assert len(re.split(r"(?<!\\)\|", row)) == n_cols + 2, row
@@ -343,7 +343,10 @@ def test_floor_is_marked_in_the_text_table_and_markdown():
     assert "bf16 [floor]" not in text
   md = r.to_markdown()
   header = [l for l in md.splitlines() if l.startswith("|")][0]
-  assert "float32 [floor] max_abs" in header and "bf16 max_abs" in header
+  assert "float32 [floor] req_atol" in header and "bf16 req_atol" in header
+  full = [l for l in r.to_markdown(full=True).splitlines()
+          if l.startswith("|")][0]
+  assert "float32 [floor] max_abs" in full and "bf16 rel_rms" in full
   assert "framework floor" in md
   plain = make_report()
   assert "[floor]" not in plain.to_text() and "floor" not in plain.to_markdown()

@@ -67,15 +67,20 @@ def decode_float(x: Any) -> Any:
 
 
 def table(cols: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
-  """A plain-text table's lines: the header, a rule, the rows; the columns in
+  """A plain-text table's lines: the header (a header with a line break is
+  two lines, the last lines aligned), a rule, the rows; the columns in
   ``left`` aligned left, the others right."""
-  widths = [max(len(c), *(len(r[j]) for r in rows)) if rows else len(c)
-            for j, c in enumerate(cols)]
+  heads = [c.split("\n") for c in cols]
+  depth = max(map(len, heads), default=1)
+  heads = [[""] * (depth - len(h)) + h for h in heads]
+  widths = [max([*map(len, h), *(len(r[j]) for r in rows)])
+            for j, h in enumerate(heads)]
 
   def line(cells):
     return "  ".join(c.ljust(w) if j in left else c.rjust(w)
                      for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-  return [line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
+  return ([line([h[k] for h in heads]) for k in range(depth)]
+          + [line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 def figure_class(what: str):
@@ -119,18 +124,77 @@ def _cell(s: str) -> str:
 
 # ---------------------------------------------------------------------------
 # DivergenceReport tables.
+#
+# One table for every rendering: a compact default with one column per row
+# of the check (the metric the verdict reads, `req_atol`, and the '!' mark),
+# and with `full=True` the max_abs and rel_rms of each row as well. A policy
+# row is labelled P1, P2, ... with its string on a legend line; a container
+# whose output is its child's is drawn once. Where the table is wider than
+# the terminal, one table per row of the check is drawn instead; a layer
+# name is never cut (at worst it folds onto a second line of its cell).
+
+# The column of the verdict: the smallest atol with which the layer passes at
+# the check's rtol (what '!' compares with atol).
+VERDICT = "req_atol"
+
+
+def plural(n: int, word: str) -> str:
+  """``'1 layer'``, ``'2 layers'``."""
+  return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def labels(report: Any) -> dict[str, str]:
+  """Precision label -> its name in the tables: a policy (a label with
+  ``=``) is ``P1``, ``P2``, ... in order, the framework floor is marked."""
+  out, k = {}, 0
+  for p in report.precisions:
+    if "=" in p:
+      k += 1
+      short = f"P{k}"
+    else:
+      short = _cell(p)
+    out[p] = f"{short} {FLOOR_MARK}" if p == report.floor else short
+  return out
 
 
 def _label(report: Any, p: str) -> str:
-  return f"{p} {FLOOR_MARK}" if p == report.floor else p
+  return labels(report)[p]
+
+
+def _contains(outer: str, inner: str) -> bool:
+  """Whether the layer ``outer`` is a module that holds ``inner`` (a module
+  path below it, or any layer for the root's ``'output'``)."""
+  if outer == "output":
+    return inner != "output"
+  return inner.startswith(outer) and inner[len(outer):len(outer) + 1] in "/["
+
+
+def folded(report: Any) -> dict[int, int]:
+  """Rows a table leaves out -> the row drawn for them.
+
+  A layer right after a layer it contains (``encoder`` after
+  ``encoder/layers_1``, ``encoder[0]`` after ``encoder[0][0]``, the root's
+  ``output`` after the last layer) with the same shape and the same figures
+  at every precision is the same output, a container returning its child's:
+  it is one row of the table, named under it. The report keeps every layer.
+  """
+  out: dict[int, int] = {}
+  ls = report.layers
+  for i in range(1, len(ls)):
+    a, b = ls[i - 1], ls[i]
+    if (_contains(b.name, a.name) and a.shape == b.shape
+        and dict(a.metrics) == dict(b.metrics)):
+      out[i] = out.get(i - 1, i - 1)
+  return out
 
 
 def _heading(report: Any) -> str:
   ref = report.numerics.get("(reference)")
   ref = f" ({ref})" if ref else ""
-  what = "; ".join(f"{_label(report, p)}: {report.numerics.get(p, '?')}"
+  short = labels(report)
+  what = "; ".join(f"{short[p]}: {report.numerics.get(p, '?')}"
                    for p in report.precisions)
-  out = (f"jaxprec.check: {len(report.layers)} layers vs reference "
+  out = (f"jaxprec.check: {plural(len(report.layers), 'layer')} vs reference "
          f"{report.reference}{ref}; target {report.target}, mode {report.mode} "
          f"(backend {report.backend or '?'})\nnumerics: {what}")
   if report.floor is not None:
@@ -140,30 +204,67 @@ def _heading(report: Any) -> str:
   return out
 
 
-def _columns(report: Any) -> list[str]:
-  cols = ["#", "layer", "shape"]
-  for p in report.precisions:
-    label = _label(report, p)
-    cols += [f"{label} max_abs", f"{label} rel_rms"]
+def _metric_names(full: bool) -> tuple[str, ...]:
+  return ("max_abs", "rel_rms", VERDICT) if full else (VERDICT,)
+
+
+def _header(report: Any, full: bool, precisions) -> list[tuple[str, str]]:
+  """The columns' headers, each (top line, bottom line)."""
+  short = labels(report)
+  cols = [("", "#"), ("", "layer"), ("", "shape")]
+  for p in precisions:
+    cols += [(short[p], m) for m in _metric_names(full)]
   return cols
 
 
-def _rows(report: Any) -> list[list[str]]:
+def _verdict(report: Any, m: Any) -> str:
+  flag = "" if m.required_atol <= report.atol else " !"
+  bad = ", ".join(f"{n} {what}" for n, what in ((m.nan, "nan"), (m.inf, "inf"))
+                 if n)
+  return fmt(m.required_atol) + flag + (f" ({bad})" if bad else "")
+
+
+def _rows(report: Any, full: bool, precisions) -> list[list[str]]:
   rows = []
+  skip = folded(report)
   for i, l in enumerate(report.layers):
+    if i in skip:
+      continue
     row = [str(i), _cell(l.name), "x".join(map(str, l.shape)) or "()"]
-    for p in report.precisions:
+    for p in precisions:
       m = l.metrics[p]
-      flag = "" if m.required_atol <= report.atol else " !"
-      bad = f" ({m.nan} nan, {m.inf} inf)" if m.nan or m.inf else ""
-      row += [fmt(m.max_abs) + flag + bad, fmt(m.rel_rms)]
+      row += [fmt(m.max_abs), fmt(m.rel_rms)] if full else []
+      row.append(_verdict(report, m))
     rows.append(row)
   return rows
 
 
+def tolerance_line(report: Any) -> str:
+  """The one tolerance of a check, as every rendering states it."""
+  return (f"gate: a layer fails ('!') where an element has |err| > atol + "
+          f"rtol*|ref| (atol={report.atol:g}, rtol={report.rtol:g}) or a nan/"
+          f"inf the reference has not; {VERDICT}: the smallest atol with which "
+          f"it passes at rtol={report.rtol:g}")
+
+
+def _legend_lines(report: Any) -> list[str]:
+  """What the table's short names stand for: policies, folded rows."""
+  short = labels(report)
+  lines = [f"{short[p]}: {p}" for p in report.precisions if "=" in p]
+  skip = folded(report)
+  if skip:
+    names = [f"{_cell(report.layers[i].name)} (#{i}, as #{j})"
+             for i, j in skip.items()]
+    more = (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN
+            else "")
+    lines.append(f"same output as a layer it contains, one row: "
+                 f"{', '.join(names[:_SHOWN])}{more}")
+  return lines
+
+
 def _summary_lines(report: Any) -> list[str]:
-  lines = [f"'!': outside atol={report.atol:g} + rtol={report.rtol:g}*|ref| "
-           f"somewhere in the layer"]
+  lines = [tolerance_line(report), *_legend_lines(report)]
+  short = labels(report)
   for p, s in report.summary().items():
     first = (f"first divergence {_cell(s['first_divergence'])} "
              f"(#{s['first_divergence_index']})"
@@ -172,7 +273,7 @@ def _summary_lines(report: Any) -> list[str]:
     g = f"x{growth:.2f} per layer" if math.isfinite(growth) else "n/a"
     worst = s["worst_layer"]
     worst = _cell(worst) if worst is not None else None
-    lines.append(f"{_label(report, p)}: {first}; required atol "
+    lines.append(f"{short[p]}: {first}; required atol "
                  f"{fmt(s['required_atol'])}; worst {worst} (rel_rms "
                  f"{fmt(s['worst_rel_rms'])}); rel_rms growth {g}")
   lines += [f"note: {_cell(n)}" for n in report.notes]
@@ -181,69 +282,178 @@ def _summary_lines(report: Any) -> list[str]:
     shown = ", ".join(_cell(n) for n in unchecked[:_SHOWN])
     more = (f" and {len(unchecked) - _SHOWN} more (report.unchecked lists "
             f"them all)" if len(unchecked) > _SHOWN else "")
-    lines.append(f"unchecked: {len(unchecked)} layers have no reference and "
-                 f"were not compared: {shown}{more}")
+    lines.append(f"unchecked: {plural(len(unchecked), 'layer')} "
+                 f"{'has' if len(unchecked) == 1 else 'have'} no reference "
+                 f"and {'was' if len(unchecked) == 1 else 'were'} not "
+                 f"compared: {shown}{more}")
   return lines
 
 
-# Unchecked layers a rendering names (report.unchecked holds them all).
+# Names a line under the table lists (the report holds them all).
 _SHOWN = 8
 
-
-def text(report: Any) -> str:
-  """The table as plain text (what ``str`` gives without ``rich``)."""
-  return "\n".join([_heading(report),
-                    *table(_columns(report), _rows(report), {1, 2}),
-                    *_summary_lines(report)])
+# A width no table reaches: measuring with it gives the table's own width.
+_UNBOUNDED = 1 << 20
 
 
-def _rich_table(report: Any):
+def _vertical(report: Any, full: bool, width: int) -> list[str]:
+  """The table for a narrow terminal: per layer a line with its number, name
+  and shape, then its cells, ``label value`` (with ``full``, ``label max_abs
+  v rel_rms v req_atol v``), as many to a line as ``width`` holds, aligned
+  from layer to layer."""
+  short = labels(report)
+  names = _metric_names(full)
+  rows = _rows(report, full, report.precisions)
+  k = len(names)
+  cols = [[r[3 + j * k + q] for r in rows] for j in range(len(report.precisions))
+          for q in range(k)]
+  cw = [max(map(len, c), default=1) for c in cols]
+  lw = max(map(len, short.values()), default=1)
+  chunks = []  # per precision: its cells, on one line
+  for j, p in enumerate(report.precisions):
+    def chunk(r, j=j, p=p):
+      cells = [r[3 + j * k + q].ljust(cw[j * k + q]) for q in range(k)]
+      body = "  ".join(f"{n} {c}" if full else c for n, c in zip(names, cells))
+      return f"{short[p]:<{lw}}  {body}"
+    chunks.append(chunk)
+  indent = len(str(len(report.layers) - 1)) + 2
+  room = max(width - indent, 1)
+  sample = [len(chunks[j](rows[0])) for j in range(len(chunks))] if rows else []
+  cw_chunk = max(sample, default=0)
+  per_line = max(1, (room + 3) // (cw_chunk + 3)) if cw_chunk else 1
+  head = f"{'#':>{indent - 2}}  layer  shape  ({VERDICT}" + (
+      ", with max_abs and rel_rms" if full else "") + " per precision)"
+  lines = [head, "-" * min(width, max(len(head), indent + cw_chunk))]
+  for r in rows:
+    lines.append(f"{r[0]:>{indent - 2}}  {r[1]}  {r[2]}")
+    cells = [chunks[j](r).ljust(cw_chunk) for j in range(len(chunks))]
+    for s in range(0, len(cells), per_line):
+      lines.append((" " * indent + "   ".join(cells[s:s + per_line])).rstrip())
+  return lines
+
+
+def text(report: Any, full: bool = False, width: int | None = None) -> str:
+  """The heading, table and summary as plain text (``str`` without ``rich``).
+
+  Args:
+    report: the :class:`jaxprec.DivergenceReport` (``self``).
+    full: every metric of the table (max_abs, rel_rms, req_atol), not only
+      the verdict's.
+    width: the columns to fit in; where the table is wider, a layer's name
+      and its cells go on lines of their own. None (default): as wide as it
+      needs, nothing cut.
+  """
+  lines = table([f"{a}\n{b}" if a else b
+                 for a, b in _header(report, full, report.precisions)],
+                _rows(report, full, report.precisions), {1, 2})
+  if width is not None and max(map(len, lines)) > width:
+    lines = _vertical(report, full, width)
+  return "\n".join([_heading(report), *lines, *_summary_lines(report)])
+
+
+def _rich_table(report: Any, full: bool, precisions):
   from rich.table import Table
   from rich.text import Text
-  table = Table()
-  for j, c in enumerate(_columns(report)):
-    if j >= 3:
-      p, _, m = c.rpartition(" ")
-      c = f"{p}\n{m}"
-    # Text, not a string: "[floor]" and names are not rich markup.
-    table.add_column(Text(c), justify="left" if j in (1, 2) else "right",
-                     no_wrap=True)
-  for r in _rows(report):
-    table.add_row(*[Text(c, style="bold red") if c.endswith(" !") or " ! " in c
-                    else Text(c) for c in r])
-  return table
+  out = Table()
+  for j, (top, bottom) in enumerate(_header(report, full, precisions)):
+    # Text, not a string: "[floor]" and names are not rich markup. A layer
+    # name folds onto more lines where the terminal is narrow, never cut.
+    out.add_column(Text(f"{top}\n{bottom}" if top else bottom),
+                   justify="left" if j in (1, 2) else "right",
+                   no_wrap=j != 1, overflow="fold")
+  for r in _rows(report, full, precisions):
+    out.add_row(*[Text(c, style="bold red") if c.endswith(" !") or " ! " in c
+                  else Text(c) for c in r])
+  return out
 
 
-def rich_group(report: Any):
-  """The heading, table and summary as a ``rich`` renderable."""
-  from rich.console import Group
-  from rich.text import Text
-  return Group(Text(_heading(report)), _rich_table(report),
-               *[Text(s) for s in _summary_lines(report)])
+class Fitted:
+  """A report's heading, table and summary as a ``rich`` renderable that
+  fits the console it is printed on (what ``rich.print(report)`` draws).
+
+  The table is one table when it fits the console's width, else one table
+  per row of the check; nothing is cut or ends in an ellipsis.
+  """
+
+  def __init__(self, report: Any, full: bool = False):
+    self.report = report
+    self.full = full
+
+  def __rich_console__(self, console, options):
+    from rich.measure import Measurement
+    from rich.text import Text
+    report = self.report
+    yield Text(_heading(report))
+    wide = _rich_table(report, self.full, report.precisions)
+    # Measured without the console's bound (Measurement.get clamps to it).
+    need = Measurement.get(console, options.update_width(_UNBOUNDED), wide)
+    if need.maximum <= options.max_width:
+      yield wide
+    else:
+      for line in _vertical(report, self.full, options.max_width):
+        t = Text(line)
+        t.highlight_regex(r"\S+ !( \([^)]*\))?", "bold red")
+        yield t
+    for s in _summary_lines(report):
+      yield Text(s)
+
+  def __rich_measure__(self, console, options):
+    from rich.measure import Measurement
+    return Measurement.get(console, options, _rich_table(
+        self.report, self.full, self.report.precisions))
 
 
-def to_str(report: Any) -> str:
-  """The heading, table and summary (``str``): the table drawn with ``rich``
-  when installed, else :func:`text`."""
+def rich_group(report: Any, full: bool = False) -> Fitted:
+  """The heading, table and summary as a ``rich`` renderable that fits the
+  console (:class:`Fitted`)."""
+  return Fitted(report, full)
+
+
+def to_str(report: Any, full: bool = False, width: int | None = None) -> str:
+  """The heading, table and summary (``str``): drawn with ``rich`` when
+  installed, else :func:`text`.
+
+  Args:
+    report: the :class:`jaxprec.DivergenceReport` (``self``).
+    full: every metric (max_abs, rel_rms, req_atol), not only the verdict's.
+    width: the columns to fit in (where one table is wider: one table per
+      row of the check, long names folded in their cell). None (default): as
+      wide as the table needs, so that nothing is ever cut, e.g. in a log.
+  """
   try:
     from rich.console import Console
+    from rich.measure import Measurement
   except ImportError:
-    return text(report)
-  buf = io.StringIO()
-  Console(file=buf, width=1000, color_system=None, force_terminal=False,
-          legacy_windows=False).print(_rich_table(report))
-  table = "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
-  return "\n".join([_heading(report), table, *_summary_lines(report)])
+    return text(report, full, width)
+
+  def console(w):
+    return Console(file=io.StringIO(), width=w, color_system=None,
+                   force_terminal=False, legacy_windows=False)
+  if width is None:
+    probe = console(_UNBOUNDED)
+    width = max(Measurement.get(probe, probe.options, _rich_table(
+        report, full, report.precisions)).maximum, 1)
+    lines = [_heading(report), *_summary_lines(report)]
+    width = max(width, *(len(l) for s in lines for l in s.splitlines()))
+  out = console(width)
+  out.print(Fitted(report, full))
+  return "\n".join(line.rstrip() for line in out.file.getvalue().splitlines())
 
 
-def markdown(report: Any) -> str:
+def markdown(report: Any, full: bool = False) -> str:
   """The table and summary as GitHub-flavoured Markdown (``to_markdown``).
 
   Layer names are escaped: ``|`` as ``\\|``, a backslash doubled, and line
   breaks, tabs and carriage returns shown as ``\\n``, ``\\t``, ``\\r``, so
   that every layer stays one row of the table.
+
+  Args:
+    report: the :class:`jaxprec.DivergenceReport` (``self``).
+    full: every metric (max_abs, rel_rms, req_atol), not only the verdict's.
   """
-  cols, rows = _columns(report), _rows(report)
+  cols = [f"{a} {b}" if a else b
+          for a, b in _header(report, full, report.precisions)]
+  rows = _rows(report, full, report.precisions)
 
   def esc(s: str) -> str:  # cells of _rows/_summary_lines are one line already
     return s.replace("\\", "\\\\").replace("|", "\\|")

@@ -393,9 +393,57 @@ class DivergenceReport:
     return cls.from_dict(json.loads(text))
 
   # -- rendering: the functions of jaxprec._src.checker.render ---------------
+  def table(self, full: bool = False, width: int | None = None) -> str:
+    """The heading, table and summary as text (``str(report)`` is
+    ``report.table()``).
+
+    The table has a row per layer and, by default, one column per precision:
+    ``req_atol``, the smallest ``atol`` with which the layer passes at the
+    check's ``rtol``, marked ``!`` where it is above the check's ``atol``
+    (the layer fails; :meth:`first_divergence` names the first). A policy is
+    labelled ``P1``, ``P2``, ... with its string on a line under the table;
+    a container module whose output is its child's is one row (a line under
+    the table names it; the report keeps both). Drawn with ``rich`` when it
+    is installed.
+
+    Args:
+      full: every metric: ``max_abs``, ``rel_rms`` and ``req_atol`` per
+        precision.
+      width: the columns to fit in: where one table is wider, one table per
+        precision is drawn (a long layer name folds in its cell, never cut).
+        None (default): as wide as the table needs, so that a log or a pipe
+        gets every character. ``rich.print(report)`` fits the terminal.
+
+    Returns:
+      The text, without colour.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxprec
+      >>> x = jnp.linspace(-1, 1, 64, dtype=jnp.float32).reshape(8, 8)
+      >>> r = jaxprec.check(lambda x: {"y": x @ x}, x, precisions=["bf16"],
+      ...                   mode="emulate")
+      >>> for line in r.table().splitlines()[3:7]:
+      ...   print(line)
+      ┃   ┃       ┃       ┃       bf16 ┃
+      ┃ # ┃ layer ┃ shape ┃   req_atol ┃
+      ┡━━━╇━━━━━━━╇━━━━━━━╇━━━━━━━━━━━━┩
+      │ 0 │ y     │ 8x8   │ 7.26e-03 ! │
+    """
+    return render.to_str(self, full, width)
+
+  def rich(self, full: bool = False) -> render.Fitted:
+    """The heading, table and summary as a ``rich`` renderable that fits the
+    console it is printed on: ``rich.print(report.rich(full=True))``
+    (``rich.print(report)`` is ``report.rich()``). See :meth:`table`."""
+    return render.Fitted(self, full)
+
+  def __rich__(self) -> render.Fitted:
+    return render.Fitted(self)
+
+  def __str__(self) -> str:
+    return render.to_str(self)
+
   to_text = render.text
-  __rich__ = render.rich_group
-  __str__ = render.to_str
   to_markdown = render.markdown
   plot = render.plot
 
