@@ -152,16 +152,7 @@ def test_markdown():
   assert lines[1].startswith("**numerics: bf16: bf16x1")
 
 
-def test_plot_writes_png_and_names_the_extra_when_missing(tmp_path, monkeypatch):
-  path = tmp_path / "d.png"
-  fig = make_report().plot(path)
-  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  assert fig.axes[0].get_yscale() == "log"
-  assert len(fig.axes[0].get_lines()) == 2
-  monkeypatch.setitem(sys.modules, "matplotlib", None)
-  monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-  with pytest.raises(ImportError, match=r"jaxprec\[plots\]"):
-    make_report().plot(tmp_path / "e.png")
+# The plot's lines, legend, tolerance and exact layers: tests/test_plots.py.
 
 
 def test_plot_draws_dollar_signs_as_written(tmp_path):
@@ -363,19 +354,6 @@ def test_floor_json_round_trip_and_old_files():
   old = make_report().to_dict()
   del old["floor"]  # a schema-1 file written before the floor existed
   assert DivergenceReport.from_dict(old).floor is None
-
-
-def test_floor_is_a_dashed_grey_line_in_the_plot(tmp_path):
-  fig = floor_report().plot(tmp_path / "f.png")
-  lines = {l.get_label(): l for l in fig.axes[0].get_lines()}
-  floor = lines["float32 (framework floor)"]
-  assert floor.get_linestyle() == "--"
-  assert floor.get_color() == "grey"
-  assert len(lines) == 3
-  others = [l for k, l in lines.items() if k != "float32 (framework floor)"]
-  assert all(l.get_linestyle() == "-" for l in others)
-  legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-  assert "float32 (framework floor)" in legend
 
 
 # -- Rendering helpers ---------------------------------------------------------

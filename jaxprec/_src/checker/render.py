@@ -468,12 +468,85 @@ def markdown(report: Any, full: bool = False) -> str:
   return "\n".join(out) + "\n"
 
 
+# The metrics whose 0 means "no error at all" (an exact layer), and the
+# tolerance of the check each is drawn against: the absolute ones against
+# atol, the relative ones against rtol.
+_ERROR_METRICS = {"max_abs": "atol", "required_atol": "atol", "max_rel": "rtol",
+                  "rel_rms": "rtol", "ulp_median": None, "ulp_max": None,
+                  "frac_outside": None}
+# How a target's levels read in a legend.
+_LEVEL_WORDS = {"DEFAULT": "default", "HIGH": "HIGH", "HIGHEST": "HIGHEST"}
+
+
+def _row_target(report: Any, what: str) -> str:
+  """The target whose numerics a row's ``numerics`` text describes:
+  ``'tf32 (emulated, gpu numerics)'`` is the GPU's, ``'f32 (native cpu)'``
+  the CPU's, any other the report's target."""
+  from jaxprec._src.core import precision  # noqa: PLC0415
+  inside = what.partition("(")[2].rstrip(")")
+  for part in (s.strip() for s in inside.split(",")):
+    words = part.split()
+    if len(words) == 2 and words[1] == "numerics":
+      return words[0]
+    if len(words) == 2 and words[0] == "native":
+      return precision.BACKEND_TARGETS.get(words[1], words[1])
+  return report.target
+
+
+def plot_label(report: Any, p: str) -> str:
+  """A row's name in the plot's legend: the label, then what the target
+  computes for it in words from the one table of algorithms
+  (:mod:`jaxprec._src.core.algorithms`): ``'bfloat16: bfloat16, 1 pass (TPU
+  default), emulated'``; a policy or an unknown algorithm keeps its
+  ``numerics`` text; the framework floor is ``'<label> (framework floor)'``."""
+  from jaxprec._src.core import algorithms  # noqa: PLC0415
+  what = report.numerics.get(p, "")
+  if p == report.floor:
+    return f"{_cell(p)} (framework floor)"
+  record = algorithms.RECORDS.get(what.split(" ", 1)[0]) if what else None
+  if record is None:
+    return f"{_cell(p)} ({what or '?'})"
+  target = _row_target(report, what)
+  if record.pass_format in ("float32", "float64"):
+    words = f"exact {record.pass_format}"
+  else:
+    n = record.passes
+    words = f"{record.pass_format}, {n} pass{'' if n == 1 else 'es'}"
+  level = next((_LEVEL_WORDS.get(name, name) for name, algo
+                in algorithms.LEVELS.get(target, {}).items()
+                if algo == record.algorithm), None)
+  if level is not None:
+    words += f" ({target.upper()} {level})"
+  how = "emulated" if "emulated" in what else (
+      f"native {target}" if "native" in what else "")
+  return f"{_cell(p)}: {words}" + (f", {how}" if how else "")
+
+
+def _exact_floor(values: list[float], tolerance: float | None) -> float:
+  """Where an exact layer (error 0) is drawn on the log axis: a power of ten
+  below every positive value plotted and the tolerance (1e-8 when there is
+  none)."""
+  low = min((v for v in values if math.isfinite(v) and v > 0), default=None)
+  if tolerance:
+    low = tolerance if low is None else min(low, tolerance)
+  if low is None:
+    return 1e-8
+  return 10.0 ** (math.floor(math.log10(low)) - 1)
+
+
 def plot(report: Any, path: str | os.PathLike | None = None, *,
-         metric: str = "rel_rms") -> "matplotlib.figure.Figure":
+         metric: str = "rel_rms",
+         tolerance: float | None = None) -> "matplotlib.figure.Figure":
   """Plots ``metric`` against depth, one line per precision, log scale.
 
-  The framework floor (``report.floor``), when there is one, is a dashed grey
-  line labelled ``'<label> (framework floor)'``.
+  Each precision is named in the legend with what the target computes for it
+  (``'bfloat16: bfloat16, 1 pass (TPU default), emulated'``). The framework
+  floor (``report.floor``), when there is one, is a dashed grey line. The
+  tolerance is a dotted red line. A layer where the metric is exactly 0 (no
+  error), which a log axis cannot show, is drawn as a hollow downward
+  triangle on a floor value below everything else, and the legend says so
+  (``'exact (0), drawn at 1e-09'``). The legend sits beside the axes, never
+  over a line.
 
   Args:
     report: the :class:`jaxprec.DivergenceReport` (``self``).
@@ -490,19 +563,46 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
     ImportError: matplotlib is not installed (the ``plots`` extra).
   """
   Figure = figure_class("DivergenceReport.plot")
-  fig = Figure(figsize=(max(6.0, 0.35 * len(report.layers) + 3), 4.5),
+  series = {p: report.metric(metric, p) for p in report.precisions}
+  if tolerance is None:
+    which = _ERROR_METRICS.get(metric)
+    tol = getattr(report, which) if which else 0.0
+    tol_label = f"tolerance: {which} = {tol:g} (the check's)"
+  else:
+    tol = metrics_tolerance(tolerance)
+    tol_label = f"tolerance: {metric} = {tol:g}"
+  exact_metric = metric in _ERROR_METRICS
+  floor_value = _exact_floor([v for ys in series.values() for v in ys
+                              if isinstance(v, (int, float))], tol)
+  fig = Figure(figsize=(max(6.0, 0.35 * len(report.layers) + 3) + 3.5, 4.5),
                layout="constrained")
   ax = fig.add_subplot()
   xs = list(range(len(report.layers)))
-  for p in report.precisions:
+  any_exact = False
+  # Exact markers of the rows side by side, not on top of each other.
+  shift = {p: 0.08 * (k - (len(series) - 1) / 2) for k, p in enumerate(series)}
+  for p, values in series.items():
     ys = [v if isinstance(v, (int, float)) and math.isfinite(v) and v > 0
-          else float("nan") for v in report.metric(metric, p)]
+          else float("nan") for v in values]
     if p == report.floor:
-      ax.plot(xs, ys, ls="--", color="grey", marker=None,
-              label=f"{p} (framework floor)")
+      (line,) = ax.plot(xs, ys, ls="--", color="grey", marker=None, lw=1.5,
+                        zorder=3, label=plot_label(report, p))
     else:
-      ax.plot(xs, ys, marker="o",
-              label=f"{p} ({report.numerics.get(p, '?')})")
+      (line,) = ax.plot(xs, ys, marker="o", label=plot_label(report, p))
+    exact = [x for x, v in zip(xs, values) if exact_metric and v == 0]
+    if exact:
+      any_exact = True
+      ax.plot([x + shift[p] for x in exact], [floor_value] * len(exact),
+              ls="none", marker="v",
+              markersize=8, markerfacecolor="none",
+              markeredgecolor=line.get_color(), zorder=4,
+              label="_exact")  # '_': not in the legend; one entry below
+  if tol > 0:
+    ax.axhline(tol, color="tab:red", ls=":", lw=1.5, label=tol_label)
+  if any_exact:
+    ax.plot([], [], ls="none", marker="v", markerfacecolor="none",
+            markeredgecolor="black", label=f"exact (0), drawn at "
+                                           f"{floor_value:.0e}")
   ax.set_yscale("log")
   ax.set_xticks(xs)
   ax.set_xticklabels([_cell(l.name) for l in report.layers], rotation=60,
@@ -513,10 +613,18 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
                f"(target {report.target}, {report.mode})", fontsize=9)
   ax.grid(True, which="both", alpha=0.3)
   if report.precisions:
-    ax.legend(fontsize=8)
+    # Beside the axes (constrained layout makes room): never over a line.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              borderaxespad=0.0)
   if path is not None:
     save(fig, path)
   return fig
+
+
+def metrics_tolerance(value: Any) -> float:
+  """A plot's ``tolerance``: a finite number >= 0 (the checker's rule)."""
+  from jaxprec._src.checker import metrics  # noqa: PLC0415
+  return metrics.check_tolerance("tolerance", value)
 
 
 # ---------------------------------------------------------------------------
