@@ -114,15 +114,20 @@ def test_tolerances_set_the_exit_status_for_ci(project, capsys):
   assert rc == 0, err
   rc, out, err = run(capsys, "check", "clicheck_model:make", "--atol", "1e-6",
                      "--precisions", "bfloat16,bfloat16_3x", "--out", "r4")
-  one_line_error(rc, err, 1, "outside atol=1e-06 rtol=0", "bfloat16: h1 needs atol")
+  # A tolerance not given keeps its default (1e-3), as in jaxprec.check: the
+  # exit status, the table's '!' and its gate line say the same.
+  one_line_error(rc, err, 1, "outside atol=1e-06 rtol=0.001",
+                 "bfloat16: h1 needs atol")
   assert "h2" in out  # the table is printed first
+  assert "(atol=1e-06, rtol=0.001)" in out
   rc, out, err = run(capsys, "check", "clicheck_model:make", "--rtol", "1e-2",
                      "--atol", "1e-4", "--precisions", "bf16_3x", "--out", "r5")
   assert rc == 0, err
-  # --rtol alone means atol=0: elements near zero must match exactly.
+  # --atol 0 gates on --rtol alone: elements near zero must match exactly.
   rc, out, err = run(capsys, "check", "clicheck_model:make", "--rtol", "1e-2",
-                     "--precisions", "bf16_3x", "--out", "r5")
+                     "--atol", "0", "--precisions", "bf16_3x", "--out", "r5")
   one_line_error(rc, err, 1, "outside atol=0 rtol=0.01")
+  assert "(atol=0, rtol=0.01)" in out
 
 
 def test_reference_file(project, capsys):

@@ -125,10 +125,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="auto (default): native on the target, emulated "
                           "elsewhere")
   check.add_argument("--atol", type=float, default=None,
-                     help="absolute tolerance; with --atol or --rtol, exit 1 "
-                          "when a layer exceeds it")
+                     help="absolute tolerance (default 1e-3); with --atol or "
+                          "--rtol, exit 1 when a layer fails |err| <= atol + "
+                          "rtol*|ref| (the table's '!'); one not given keeps "
+                          "its default, as in jaxprec.check")
   check.add_argument("--rtol", type=float, default=None,
-                     help="relative tolerance (see --atol)")
+                     help="relative tolerance (default 1e-3; see --atol; "
+                          "--rtol 0 gates on --atol alone)")
+  check.add_argument("--full", action="store_true",
+                     help="every metric in the table: max_abs, rel_rms and "
+                          "req_atol per precision (default: req_atol, the "
+                          "one the '!' reads)")
   check.add_argument("--json", action="store_true",
                      help="print the JSON report instead of the table")
   check.add_argument("--out", default="./jaxprec-report",
@@ -340,8 +347,8 @@ def _check(ns: argparse.Namespace) -> int:
   tol = {"atol": check_lib.DEFAULT_ATOL, "rtol": check_lib.DEFAULT_RTOL}
   for name in tol:
     v = inputs.tolerance(getattr(ns, name), f"--{name}")
-    if enforce:  # only the given tolerance counts
-      tol[name] = 0.0 if v is None else v
+    if v is not None:  # one not given keeps its default, as in check()
+      tol[name] = v
 
   inputs.check_out(ns.out)
   ns.cache_on()  # after the arguments: bad usage writes nothing
@@ -378,7 +385,7 @@ def _check(ns: argparse.Namespace) -> int:
     print(report.to_json())
   else:
     print(f"model: {what}")
-    _print_report(report)
+    _print_report(report, ns.full)
   _write_outputs(report, ns.out)
   failed = [] if not enforce else [
       f"{p}: {f.layer} needs atol >= {f.value:.3g}"
@@ -424,16 +431,17 @@ def _write_outputs(report, out: str) -> None:
   print(f"wrote {json_path} and {png}", file=sys.stderr)
 
 
-def _print_report(report) -> None:
+def _print_report(report, full: bool = False) -> None:
+  """The table: fitted to the terminal, or as wide as it needs in a pipe."""
   if sys.stdout.isatty():
     try:
       from rich.console import Console
     except ImportError:
       pass
     else:
-      Console().print(report)
+      Console().print(report.rich(full))
       return
-  print(report)
+  print(report.table(full))
 
 
 def _run(ns: argparse.Namespace) -> int:

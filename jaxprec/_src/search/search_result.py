@@ -137,6 +137,24 @@ class SearchResult:
     return {path: self.policy.dtype_for(path, None, "dot") or "-"
             for path in self.units}
 
+  def best_uniform(self) -> SearchStep | None:
+    """The cheapest evaluation that gave every module path one candidate
+    and met the tolerance (the search tries them cheapest first), or None
+    when none was evaluated or none met it."""
+    uniform = [s for s in self.history
+               if s.passed and len(s.counts) == 1 and s.phase.startswith("all ")]
+    return min(uniform, key=lambda s: s.relative_cost, default=None)
+
+  def check_atol(self) -> float | None:
+    """The smallest ``atol`` with which :func:`jaxprec.check` at ``rtol=0``
+    passes :attr:`policy` on the checked layers (the largest ``max_abs`` of
+    :attr:`report`), or None without a report: the check's gate
+    (elementwise ``|err| <= atol + rtol * |ref|``) is another measure than
+    the search's (``metric`` per layer)."""
+    if self.report is None or not self.report.precisions:
+      return None
+    return self.report.required_atol(rtol=0.0)
+
   def to_dict(self) -> dict[str, Any]:
     """JSON-able values (non-finite numbers as strings, as in check reports)."""
     return {
@@ -151,6 +169,10 @@ class SearchResult:
         "cost": self.cost.to_dict(),
         "history": [s.to_dict() for s in self.history],
         "seconds": self.seconds,
+        "best_uniform": None if (u := self.best_uniform()) is None else {
+            "candidate": next(iter(u.counts)),
+            "relative_cost": render.encode(u.relative_cost)},
+        "check_atol": render.encode(self.check_atol()),
         **({} if self.axes == ("precision",) else {
             "axes": list(self.axes), "dtype_by_path": self.dtype_by_path()}),
     }
@@ -166,12 +188,13 @@ class SearchResult:
     unit = "" if self.axes == ("precision",) or not chip else (
         f" (roofline time on {chip})")
     lines = [
-        f"jaxprec search: {bound} {self.tolerance:g} on {len(self.values)} "
-        f"layers; target {self.target} ({self.mode}); candidates "
-        f"{', '.join(self.candidates)}",
+        f"jaxprec search: tolerance {bound} {self.tolerance:g} in each of "
+        f"{render.plural(len(self.values), 'layer')} ({self.metric} per "
+        f"layer, not jaxprec.check's elementwise atol/rtol); target "
+        f"{self.target} ({self.mode}); candidates {', '.join(self.candidates)}",
         f"policy: {self.policy}",
         f"cost: {self.relative_cost:.3f} of float32 on {self.target}{unit} "
-        f"({status} the tolerance)",
+        f"({status} the tolerance){self._against_uniform()}",
         f"evaluations: {self.evaluations} (budget {self.budget}; plus 1 "
         f"reference run), {self.seconds:.1f} s",
     ]
@@ -183,6 +206,10 @@ class SearchResult:
           self.values[k]) else sign * self.values[k])
       lines.append(f"worst layer: {worst} ({self.metric} "
                    f"{shown(self.metric, self.values[worst])})")
+    atol = self.check_atol()
+    if atol is not None and math.isfinite(atol):
+      lines.append(f"in jaxprec.check's terms (|err| <= atol + rtol*|ref| "
+                   f"elementwise): this policy passes atol={atol:.3g}, rtol=0")
     by_path = self.precision_by_path()
     if self.axes != ("precision",):
       dtypes = self.dtype_by_path()
@@ -192,3 +219,16 @@ class SearchResult:
     lines.append("module paths: " + ", ".join(
         f"{n} at {p}" for p, n in counts.items()))
     return "\n".join(lines)
+
+  def _against_uniform(self) -> str:
+    """``', against 0.500 for uniform bfloat16_3x'``: the saving against the
+    cheapest one-candidate policy that met the tolerance."""
+    u = self.best_uniform()
+    if u is None:
+      return ""
+    name = next(iter(u.counts))
+    if u.policy == self.policy:
+      return (f"; the policy is uniform {name}, the cheapest uniform "
+              f"policy that meets it")
+    return (f", against {u.relative_cost:.3f} for uniform {name}, the "
+            f"cheapest uniform policy that meets it")
