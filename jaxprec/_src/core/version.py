@@ -51,8 +51,8 @@ def install_command(extras: str, *more: str,
   """The ``pip install`` line for jaxprec's ``extras`` that works for how
   jaxprec was installed (:func:`install_hint` with the facts given).
 
-  An editable install, or the package in a source checkout: ``pip install -e
-  '<checkout>[extras]'``; installed from a local folder: ``pip install
+  The package in a source checkout (the one running, whatever is installed),
+  or an editable install: ``pip install -e '<checkout>[extras]'``; installed from a local folder: ``pip install
   '<folder>[extras]'``; from a Git URL: ``pip install 'jaxprec[extras] @
   git+<url>'``; otherwise from the package index: ``pip install
   'jaxprec[extras]'``. ``more`` names other packages to install with it.
@@ -80,11 +80,13 @@ def install_command(extras: str, *more: str,
   url = str(info.get("url", ""))
   local = _local_path(url) if url else None
   dir_info = info.get("dir_info")
-  if isinstance(dir_info, Mapping) and local and dir_info.get("editable"):
-    return f"pip install -e {shlex.quote(f'{local}[{extras}]')}{tail}"
+  # The checkout the running code is in first: another copy may be the one
+  # installed.
   checkout = _checkout(package_dir) if package_dir is not None else None
   if checkout is not None:
     return f"pip install -e {shlex.quote(f'{checkout}[{extras}]')}{tail}"
+  if isinstance(dir_info, Mapping) and local and dir_info.get("editable"):
+    return f"pip install -e {shlex.quote(f'{local}[{extras}]')}{tail}"
   if isinstance(dir_info, Mapping) and local and pathlib.Path(local).is_dir():
     return f"pip install {shlex.quote(f'{local}[{extras}]')}{tail}"
   vcs = info.get("vcs_info")
