@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from jaxprec._src.cli import cli_inputs as inputs
@@ -20,6 +22,9 @@ from jaxprec._src.torch import torch_ports
 _PROG = "jaxprec"
 # The names of jaxprec.models.MODELS (importing it imports Flax).
 _MODELS = ("wav2vec2", "bert", "llama")
+# What FUNCTION() returns, said where a model is missing.
+_FUNCTION_FORM = ("MODULE:FUNCTION for your own model (FUNCTION() returns "
+                  "(fn, args) or (fn, args, kwargs), e.g. model.py:make)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -103,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
              "exceeded)")
   check.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
                      help="e.g. mypkg.model:make or path/to/model.py:make")
+  check.add_argument("--modules", action="store_true",
+                     help="check the output of every submodule of the Flax "
+                          "model that FUNCTION returns as fn "
+                          "(jaxprec.check_module): an nnx.Module (args: its "
+                          "inputs), a linen Module or its .apply (args: the "
+                          "variables, then the inputs)")
   check.add_argument("--model", choices=(*_MODELS, *torch_ports.PORTS),
                      help="a built-in model (random weights, nothing "
                           "downloaded); hf-wav2vec2, hf-bert and hf-llama "
@@ -159,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
   search.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
                       help="e.g. mypkg.model:make or path/to/model.py:make "
                            "(as for check)")
-  search.add_argument("--model", choices=("wav2vec2", "bert"),
+  search.add_argument("--model", choices=_MODELS,
                       help="a built-in model (random weights, nothing "
                            "downloaded)")
   _add_shared(search)
@@ -250,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise UsageError(str(e)) from None
     with contextlib.ExitStack() as stack:  # ns.cache_on(): check, search
       ns.cache_on = lambda: _cache_on(ns, stack)
+      # Cleared before anything else is printed, errors included.
+      ns.status = stack.enter_context(_Status(f"{_PROG} {ns.command}"))
       return ns.handler(ns)
   except SystemExit as e:  # --help, --version, or the user's code exits
     # The status Python gives sys.exit(code): a code that is not an int or
@@ -264,6 +277,49 @@ def main(argv: Sequence[str] | None = None) -> int:
   except KeyboardInterrupt:  # Ctrl-C: one line, the shells' status for SIGINT
     print(f"{_PROG}: interrupted", file=sys.stderr)
     return 128 + 2
+
+
+class _Status:
+  """A command's own phases on stderr (building the model), before those of
+  the check or search: one line each when stderr is not a terminal (a CI
+  log), else one status line rewritten in place and cleared before anything
+  else is printed, so a terminal shows something from the start."""
+
+  def __init__(self, command: str):
+    self.command = command
+    try:
+      self.tty = bool(sys.stderr.isatty())
+    except (AttributeError, ValueError):  # replaced or closed
+      self.tty = False
+    self._shown = False
+    self.t0 = time.perf_counter()
+
+  def __enter__(self) -> _Status:
+    return self
+
+  def say(self, what: str, piped: bool = True) -> None:
+    """Shows the phase ``what``; with ``piped=False`` only on a terminal."""
+    if self.tty:
+      sys.stderr.write(f"\r{self.command}: {what}...\033[K")
+      sys.stderr.flush()
+      self._shown = True
+    elif piped:
+      print(f"{self.command}: {what}", file=sys.stderr, flush=True)
+
+  def line(self, what: str) -> None:
+    """``what`` as a line of its own, on a terminal too."""
+    self.clear()
+    print(f"{self.command}: {what}", file=sys.stderr, flush=True)
+
+  def clear(self) -> None:
+    """Removes the status line of a terminal."""
+    if self._shown:
+      sys.stderr.write("\r\033[K")
+      sys.stderr.flush()
+      self._shown = False
+
+  def __exit__(self, *exc) -> None:
+    self.clear()
 
 
 # ---------------------------------------------------------------------------
@@ -294,11 +350,26 @@ def _audit(ns: argparse.Namespace) -> int:
   except audit_lib.AuditError as e:
     raise Failure(str(e)) from None
   print(report.to_json() if ns.json else str(report))
+  hidden = audit_lib.unseen_modules(report)
+  if hidden:
+    print(f"{_PROG}: warning: {hidden}", file=sys.stderr)
   return 0
+
+
+def _one_model(ns: argparse.Namespace, models: Sequence[str]) -> None:
+  """Exactly one of --model and MODULE:FUNCTION (check, search)."""
+  if ns.model is not None and ns.function is not None:
+    raise UsageError(f"{ns.command} takes one model: --model {ns.model} or "
+                     f"{ns.function}, not both")
+  if ns.model is None and ns.function is None:
+    raise UsageError(f"{ns.command} needs a model: --model NAME (one of "
+                     f"{', '.join(models)}) or {_FUNCTION_FORM}")
 
 
 def _model_or_target(ns: argparse.Namespace):
   """(fn, args, kwargs, description) from --model or MODULE:FUNCTION (check, search)."""
+  ns.status.say(f"building model {ns.model} ({ns.size or 'tiny'})"
+                if ns.model is not None else f"importing {ns.function}")
   if ns.model is not None:
     try:
       from jaxprec._src.models import builders
@@ -319,10 +390,53 @@ def _model_or_target(ns: argparse.Namespace):
   return fn, args, kwargs, what
 
 
+def _flax_module(fn, args: tuple, target: str):
+  """``check --modules``: ``(module, args, method)`` for
+  :func:`jaxprec.check_module` from FUNCTION()'s fn: an ``nnx.Module`` or
+  a bound method of one, a linen ``Module`` or its ``apply`` (looked
+  through ``jax.jit`` and ``functools.wraps``)."""
+  try:
+    import flax.linen as nn  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+  except ImportError as e:
+    raise UsageError(f"--modules needs Flax: {e}") from None
+  kinds = (nn.Module, nnx.Module)
+  inner = fn
+  while not isinstance(inner, kinds) and not isinstance(
+      getattr(inner, "__self__", None), kinds) and hasattr(inner, "__wrapped__"):
+    inner = inner.__wrapped__
+  owner = getattr(inner, "__self__", None)
+  module, method = inner, None
+  if isinstance(owner, nnx.Module):  # model.encode
+    module = owner
+    method = None if inner.__name__ == "__call__" else inner.__name__
+  elif isinstance(owner, nn.Module) and inner.__name__ == "apply":
+    module = owner
+  if isinstance(module, nn.Module):
+    if not args or not isinstance(args[0], dict):
+      raise UsageError(
+          f"--modules: {target}() returned a linen {type(module).__name__}: "
+          f"its args are the variables (a dict with 'params') and then the "
+          f"inputs, e.g. return model, (variables, x)")
+    return module, args, method
+  if isinstance(module, nnx.Module):
+    return module, args, method
+  what = getattr(fn, "__qualname__", None) or type(fn).__name__
+  raise UsageError(
+      f"--modules: {target}() returned {what!r} as fn, not a Flax module, so "
+      f"jaxprec cannot see its submodules; return the model itself: "
+      f"(model, (x,)) for NNX (not a function that calls "
+      f"nnx.merge(graphdef, state)), (model, (variables, x)) or "
+      f"(model.apply, (variables, x)) for linen")
+
+
 def _check(ns: argparse.Namespace) -> int:
-  if (ns.function is None) == (ns.model is None):
-    raise UsageError("check needs either --model wav2vec2|bert or "
-                     "MODULE:FUNCTION (not both)")
+  ns.status.say("checking the arguments", piped=False)
+  _one_model(ns, (*_MODELS, *torch_ports.PORTS))
+  if ns.modules and ns.model is not None:
+    raise UsageError(f"--modules applies to MODULE:FUNCTION (your own Flax "
+                     f"model); --model {ns.model} is checked at its hidden "
+                     f"states")
   if ns.size is not None and ns.model not in _MODELS:
     raise UsageError(f"--size applies to --model {' or '.join(_MODELS)} only")
   from jaxprec._src.checker import check as check_lib
@@ -353,6 +467,7 @@ def _check(ns: argparse.Namespace) -> int:
   inputs.check_out(ns.out)
   ns.cache_on()  # after the arguments: bad usage writes nothing
   if ns.model in torch_ports.PORTS:
+    ns.status.say(f"building model {ns.model}")
     try:  # without PyTorch or transformers: exit 2 with a hint
       twin = torch_ports.port(ns.model, ns.seed)
     except ImportError as e:
@@ -369,10 +484,16 @@ def _check(ns: argparse.Namespace) -> int:
               f"original, seed {ns.seed}")
   else:
     fn, args, kwargs, what = _model_or_target(ns)
+  run = functools.partial(check_lib.check, fn)
+  if ns.modules:
+    module, args, method = _flax_module(fn, args, ns.function)
+    run = functools.partial(check_lib.check_module, module, method=method)
+    what = f"{what} (every submodule)"
+  ns.status.clear()  # the check's own progress follows
   try:
-    report = check_lib.check(fn, *args, precisions=precisions,
-                             reference=reference, target=ns.target,
-                             mode=ns.mode, progress=True, **tol, **kwargs)
+    report = run(*args, precisions=precisions, reference=reference,
+                 target=ns.target, mode=ns.mode, progress=True, **tol,
+                 **kwargs)
   except reference_lib.ReferenceMismatchError as e:
     raise UsageError(str(e)) from None
   except Exception as e:  # noqa: BLE001 -- the user's code failed
@@ -469,9 +590,7 @@ def _search(ns: argparse.Namespace) -> int:
   if ns.prepare_weights:
     raise UsageError("--prepare-weights was removed (it did not pay back "
                      "within a search's evaluations); drop the flag")
-  if (ns.function is None) == (ns.model is None):
-    raise UsageError("search needs either --model wav2vec2|bert or "
-                     "MODULE:FUNCTION (not both)")
+  _one_model(ns, _MODELS)
   if ns.size is not None and ns.model is None:
     raise UsageError("--size applies to --model only")
   from jaxprec._src.search import search as search_lib
@@ -492,6 +611,8 @@ def _search(ns: argparse.Namespace) -> int:
     raise UsageError(str(e)) from None
   ns.cache_on()
   fn, args, kwargs, what = _model_or_target(ns)
+  ns.status.line("tracing, the reference at float32, then a line per "
+                 "evaluation")
   import warnings
   try:
     with warnings.catch_warnings(record=True) as caught:

@@ -136,15 +136,15 @@ class precision:  # noqa: N801 -- reads as a function, like jax.default_matmul_p
       # their convolutions: warn as the ``with`` form does.
       if p.is_preset:
         _warn_preset_once(p)
-      return resumable.wrap(  # type: ignore[return-value]
-          fn, lambda: jax.default_matmul_precision(p.flag))
+      return _marked(resumable.wrap(  # type: ignore[return-value]
+          fn, lambda: jax.default_matmul_precision(p.flag)), p)
 
     if not p.is_preset:
       @functools.wraps(fn)
       def wrapper(*args, **kwargs):
         with jax.default_matmul_precision(p.flag):
           return fn(*args, **kwargs)
-      return wrapper  # type: ignore[return-value]
+      return _marked(wrapper, p)  # type: ignore[return-value]
 
     rule = _conv_rule(p)
     cache: dict[Any, Any] = {}
@@ -154,7 +154,30 @@ class precision:  # noqa: N801 -- reads as a function, like jax.default_matmul_p
       with jax.default_matmul_precision(p.flag):
         call = walker.trace_call(fn, args, kwargs, cache)
         return call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
-    return preset_wrapper  # type: ignore[return-value]
+    return _marked(preset_wrapper, p)  # type: ignore[return-value]
+
+
+# The attribute a decorated function carries: the precision its decorator sets.
+_DECORATED = "__jaxprec_precision__"
+
+
+def _marked(wrapper: F, p: Precision) -> F:
+  setattr(wrapper, _DECORATED, p)
+  return wrapper
+
+
+def decorated_precision(fn: Any) -> Precision | None:
+  """The precision a :class:`precision` decorator sets for ``fn``'s body
+  (looked up through wrappers that keep ``__wrapped__``, e.g. ``jax.jit``;
+  of two decorators the inner one, whose scope is entered last), else None."""
+  found, seen = None, set()
+  while fn is not None and id(fn) not in seen:
+    seen.add(id(fn))
+    p = getattr(fn, _DECORATED, None)
+    if isinstance(p, Precision):
+      found = p
+    fn = getattr(fn, "__wrapped__", None)
+  return found
 
 
 def current() -> Precision:

@@ -373,6 +373,9 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
         f"of type {type(fn).__name__}")
   name = _qualname(fn)
   in_force = context.current()
+  decorated = context.decorated_precision(fn)  # its scope wins inside fn
+  in_force_text = (f"{in_force.name} ({in_force.source})" if decorated is None
+                   else f"{decorated.name} (@jaxprec.precision on {name})")
   fn = nnx_policy.bind(fn, None)  # a traced copy of an NNX module, with paths
 
   statics, dynamic = trees.split_call(args, kwargs)
@@ -387,8 +390,39 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
   closed = emulated_ops.written_out(closed)  # emulated already: its passes
   rows = tuple(_rows(closed, module_paths, opaque))
   return AuditReport(rows=rows, function=name,
-                     precision_in_force=f"{in_force.name} ({in_force.source})",
+                     precision_in_force=in_force_text,
                      opaque=tuple(opaque))
+
+
+def unseen_modules(report: AuditReport) -> str:
+  """Why a policy cannot tell apart the Flax modules of an audited function,
+  or ``''``.
+
+  Said when Flax modules (their methods, in Flax's own files) issue some of
+  the function's matmuls or convolutions and no op has a module path: the
+  function builds or merges its model inside (an NNX model merged with
+  ``nnx.merge(graphdef, state)(x)``), so a policy, a search and
+  ``jaxprec check --modules`` see one unit where the model has many.
+  """
+  if any(r.module_path for r in report.rows):
+    return ""
+  flax_dirs = _package_dirs("flax")
+  classes = []
+  for r in report.rows:  # r.op: 'Linear.__call__ (.../flax/nnx/nn/linear.py:9)'
+    func, _, where = r.op.partition(" (")
+    file = where.rstrip(")").rpartition(":")[0]
+    if "." in func and os.path.realpath(file).startswith(flax_dirs):
+      classes.append(func.split(".")[0])
+  if not classes:
+    return ""
+  kinds = ", ".join(dict.fromkeys(classes))
+  return (f"{len(classes)} of the {len(report.rows)} matmuls and convolutions "
+          f"of {report.function or 'the function'} run in Flax modules "
+          f"({kinds}) that have no module path here, so a policy can set only "
+          f"one precision for them all. An NNX model merged inside the "
+          f"function (nnx.merge(graphdef, state)(x)) hides its submodules: "
+          f"return or pass the module itself (fn = model, args = (x,)) so "
+          f"that jaxprec sees its submodules")
 
 
 # ---------------------------------------------------------------------------
@@ -677,15 +711,18 @@ def _frames(eqn) -> tuple[str, str]:
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
   """The folders of :data:`_LIBRARY_PACKAGES`, each ending in a separator."""
-  dirs = []
-  for pkg in _LIBRARY_PACKAGES:
-    try:
-      spec = importlib.util.find_spec(pkg)
-    except (ImportError, ValueError):
-      continue
-    for d in (spec and spec.submodule_search_locations) or ():
-      dirs.append(os.path.join(os.path.realpath(d), ""))
-  return tuple(dirs)
+  return tuple(d for pkg in _LIBRARY_PACKAGES for d in _package_dirs(pkg))
+
+
+@functools.cache
+def _package_dirs(pkg: str) -> tuple[str, ...]:
+  """The folders of the package ``pkg``, each ending in a separator."""
+  try:
+    spec = importlib.util.find_spec(pkg)
+  except (ImportError, ValueError):
+    return ()
+  return tuple(os.path.join(os.path.realpath(d), "")
+               for d in (spec and spec.submodule_search_locations) or ())
 
 
 def known_int(x) -> int:

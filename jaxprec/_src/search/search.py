@@ -30,6 +30,7 @@ from jaxprec._src.core import numerics
 from jaxprec._src.core.names import unknown
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
 from jaxprec._src.emulation import compile_cache
+from jaxprec._src.inspect import audit as audit_lib
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.inspect import cost as cost_lib
 from jaxprec._src.jaxpr import compat
@@ -362,6 +363,12 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   else:
     table = CostTable.of(fn, args, kwargs, target, cands,
                          cost_lib.weights_for(target))
+  if len(table.units) <= 1:  # one unit: say so when the model hides its modules
+    hidden = audit_lib.unseen_modules(
+        cost_lib.trace_rows(fn, args, kwargs, None))
+    if hidden:
+      warnings.warn(f"jaxprec.search_policy: {hidden}", UserWarning,
+                    stacklevel=2)
 
   # Output layers and the reference (read or computed as check does).
   info = harness.output_info(fn, call)
