@@ -52,6 +52,7 @@ if _typing.TYPE_CHECKING:
   from jaxprec._src.checker.report import LayerResult
   from jaxprec._src.checker.report import TrainingReport
   from jaxprec._src.checker.training import check_training
+  from jaxprec._src.cli.cli_run import policy_from_env
   from jaxprec._src.emulation.compile_cache import enable_compilation_cache
   from jaxprec._src.emulation.emulate import OpaqueOpWarning
   from jaxprec._src.emulation.emulate import PolicyUnreachedWarning
@@ -98,6 +99,7 @@ _LAZY_NAMES = {
         "DivergenceReport", "Finding", "LayerResult", "TrainingReport",
     ),
     "jaxprec._src.checker.training": ("check_training",),
+    "jaxprec._src.cli.cli_run": ("policy_from_env",),
     "jaxprec._src.emulation.compile_cache": ("enable_compilation_cache",),
     "jaxprec._src.emulation.emulate": (
         "OpaqueOpWarning", "PolicyUnreachedWarning", "emulate"),
@@ -168,6 +170,7 @@ __all__ = (
     "env_for",
     "explain",
     "named_layers",
+    "policy_from_env",
     "policy_report",
     "precision",
     "resolve",

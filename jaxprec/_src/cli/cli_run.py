@@ -57,6 +57,44 @@ def environment(precision: Any = None, policy: Any = None,
   return env
 
 
+def policy_from_env(environ: Mapping[str, str] | None = None) -> Any:
+  """The policy ``jaxprec run --policy POLICY -- CMD`` gave ``CMD``, or None.
+
+  ``jaxprec run --policy`` passes the policy's text in ``JAXPREC_POLICY``;
+  this reads it back as a :class:`jaxprec.Policy` for ``jaxprec.swap`` or
+  ``jaxprec.emulate`` in ``CMD``'s code. A variable that is unset or empty
+  gives None (the program runs as written).
+
+  Args:
+    environ: the environment to read (default ``os.environ``).
+
+  Returns:
+    A :class:`jaxprec.Policy`, or None.
+
+  Raises:
+    ValueError: ``JAXPREC_POLICY`` holds no policy; the message names the
+      variable, its value and what is wrong with it.
+
+  Examples:
+    >>> import jaxprec
+    >>> env = {"JAXPREC_POLICY": "default=bf16,dense_2=float32"}
+    >>> print(jaxprec.policy_from_env(env))
+    default=bfloat16,dense_2=float32
+    >>> jaxprec.policy_from_env({}) is None
+    True
+  """
+  from jaxprec._src.policy.policy import Policy  # noqa: PLC0415
+  text = (os.environ if environ is None else environ).get(POLICY_VAR, "")
+  if not text.strip():
+    return None
+  try:
+    return Policy.parse(text)
+  except ValueError as e:
+    raise ValueError(f"{POLICY_VAR}={text!r} is not a jaxprec policy: {e} "
+                     f"(jaxprec run --policy sets it, e.g. "
+                     f"'default=bfloat16,dense_2=float32')") from None
+
+
 @dataclasses.dataclass
 class Child:
   """A started command: the signals received while it started, and the
