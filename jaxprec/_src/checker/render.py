@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from collections.abc import Mapping
 from typing import Any
 
@@ -253,11 +254,11 @@ def _legend_lines(report: Any) -> list[str]:
   lines = [f"{short[p]}: {p}" for p in report.precisions if "=" in p]
   skip = folded(report)
   if skip:
-    names = [f"{_cell(report.layers[i].name)} (#{i}, as #{j})"
+    names = [f"{_cell(report.layers[i].name)} (#{i} = #{j})"
              for i, j in skip.items()]
     more = (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN
             else "")
-    lines.append(f"same output as a layer it contains, one row: "
+    lines.append(f"not drawn, the same output as a layer they contain: "
                  f"{', '.join(names[:_SHOWN])}{more}")
   return lines
 
@@ -346,9 +347,15 @@ def text(report: Any, full: bool = False, width: int | None = None) -> str:
   lines = table([f"{a}\n{b}" if a else b
                  for a, b in _header(report, full, report.precisions)],
                 _rows(report, full, report.precisions), {1, 2})
-  if width is not None and max(map(len, lines)) > width:
-    lines = _vertical(report, full, width)
-  return "\n".join([_heading(report), *lines, *_summary_lines(report)])
+  head, tail = _heading(report).splitlines(), _summary_lines(report)
+  if width is not None:
+    if max(map(len, lines)) > width:
+      lines = _vertical(report, full, width)
+    # Folded, never cut: a long word (a policy) is broken across lines.
+    head, lines, tail = ([part for line in group for part in textwrap.wrap(
+        line, width, subsequent_indent="  ", break_on_hyphens=False) or [""]]
+        for group in (head, lines, tail))
+  return "\n".join([*head, *lines, *tail])
 
 
 def _rich_table(report: Any, full: bool, precisions):
