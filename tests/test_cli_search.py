@@ -74,7 +74,10 @@ def test_search_builtin_model(capsys):
   assert field(out, "policy") == "default=bfloat16"
   assert field(out, "cost").startswith("0.167 of float32 on tpu")
   assert field(out, "evaluations").startswith("1 (budget 24")
-  assert err.startswith("jaxprec search [1/24] all bfloat16 (bfloat16 23): pass")
+  lines = err.splitlines()  # the phases, then a line per evaluation
+  assert lines[0] == "jaxprec search: building model wav2vec2 (tiny)"
+  steps = [l for l in lines if l.startswith("jaxprec search [")]
+  assert steps[0].startswith("jaxprec search [1/24] all bfloat16 (bfloat16 23): pass")
 
 
 def test_search_module_function_finds_the_layer_and_run_takes_it(project, capfd):
@@ -85,7 +88,8 @@ def test_search_module_function_finds_the_layer_and_run_takes_it(project, capfd)
   assert policy == "default=bfloat16,dense_2=bfloat16_3x"
   assert jaxprec.Policy.parse(policy) == jaxprec.Policy.parse(
       "default=bf16,dense_2=bf16_3x")
-  assert len(err.splitlines()) == int(field(out, "evaluations").split()[0])
+  steps = [l for l in err.splitlines() if l.startswith("jaxprec search [")]
+  assert len(steps) == int(field(out, "evaluations").split()[0])
   # The printed policy is what `jaxprec run --policy` takes.
   rc = main(["run", "--policy", policy, "--", sys.executable, "-c", CHECK_ENV])
   assert rc == 0
@@ -122,9 +126,11 @@ def test_search_nothing_meets_the_tolerance_exits_1(project, capsys):
 
 @pytest.mark.parametrize("argv,fragment", [
     (["--model", "wav2vec2"], "the following arguments are required: --tolerance"),
-    (["--tolerance", "1e-3"], "search needs either --model"),
+    (["--tolerance", "1e-3"],
+     "search needs a model: --model NAME (one of wav2vec2, bert, llama) or "
+     "MODULE:FUNCTION"),
     (["clisearch_model:make", "--model", "bert", "--tolerance", "1"],
-     "search needs either --model"),
+     "search takes one model: --model bert or clisearch_model:make, not both"),
     (["clisearch_model:make", "--size", "tiny", "--tolerance", "1"],
      "--size applies to --model only"),
     (["--model", "wav2vec2", "--tolerance", "-1"],

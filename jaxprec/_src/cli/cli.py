@@ -277,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   except KeyboardInterrupt:  # Ctrl-C: one line, the shells' status for SIGINT
     print(f"{_PROG}: interrupted", file=sys.stderr)
     return 128 + 2
+  except BrokenPipeError:  # `jaxprec info --json | head`: the reader left
+    # Python would print a traceback flushing stdout at exit: point it at
+    # /dev/null, and exit as a shell says a process ended by SIGPIPE did.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + 13
 
 
 class _Status:
