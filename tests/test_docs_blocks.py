@@ -30,7 +30,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 DOCS = ROOT / "docs"
 SKIP_MARKER = "# docs-test: skip"
-# Per block; all of README's blocks together take about 40 s on a laptop CPU.
+# Per block. The README's two blocks take about 15 s and 60 s on a busy 2-core
+# machine (check_module of the tiny Wav2Vec2 is the longer).
 TIMEOUT_S = 120
 
 
