@@ -562,6 +562,11 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
       run (``jax.distributed``) process 0 alone saves it; every process
       returns the figure.
     metric: which metric to plot (default ``rel_rms``).
+    tolerance: where to draw the tolerance line, in ``metric``'s units (for
+      example a search's ``rel_rms`` tolerance); default: the check's, in
+      the metric's terms: ``atol`` for ``max_abs`` and ``required_atol``,
+      ``rtol`` for ``rel_rms`` and ``max_rel`` (none for other metrics, or
+      where it is 0). 0 draws none.
 
   Returns:
     The ``matplotlib.figure.Figure``.
