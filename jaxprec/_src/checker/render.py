@@ -131,8 +131,8 @@ def _cell(s: str) -> str:
 # and with `full=True` the max_abs and rel_rms of each row as well. A policy
 # row is labelled P1, P2, ... with its string on a legend line; a container
 # whose output is its child's is drawn once. Where the table is wider than
-# the terminal, one table per row of the check is drawn instead; a layer
-# name is never cut (at worst it folds onto a second line of its cell).
+# the terminal, each layer gets a line of its own with its cells below
+# (`_vertical`); nothing is cut, a name longer than the terminal folds.
 
 # The column of the verdict: the smallest atol with which the layer passes at
 # the check's rtol (what '!' compares with atol).
@@ -158,16 +158,13 @@ def labels(report: Any) -> dict[str, str]:
   return out
 
 
-def _label(report: Any, p: str) -> str:
-  return labels(report)[p]
-
-
 def _contains(outer: str, inner: str) -> bool:
   """Whether the layer ``outer`` is a module that holds ``inner`` (a module
   path below it, or any layer for the root's ``'output'``)."""
   if outer == "output":
     return inner != "output"
-  return inner.startswith(outer) and inner[len(outer):len(outer) + 1] in "/["
+  return (len(inner) > len(outer) and inner.startswith(outer)
+          and inner[len(outer)] in "/[")
 
 
 def folded(report: Any) -> dict[int, int]:
