@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 import warnings
 
 import jax
@@ -358,10 +359,17 @@ def test_kwargs_and_static_arguments_reach_fn():
   assert r.layers[0].name == "n"
 
 
-def test_progress_bar_is_silent_without_a_terminal(capsys):
+def test_progress_without_a_terminal_is_a_line_per_phase(capsys):
   jaxprec.check(mlp, W, X, precisions=["bf16"], mode="emulate", progress=True)
   out, err = capsys.readouterr()
-  assert out == "" and err == ""
+  lines = err.splitlines()
+  assert out == "" and "\r" not in err and "\x1b" not in err
+  assert lines[:2] == ["jaxprec check: reference at float32",
+                       "jaxprec check: compiling+running bf16 (1/1)"]
+  assert re.fullmatch(r"jaxprec check: done in \d+\.\d s", lines[2])
+  assert len(lines) == 3
+  jaxprec.check(mlp, W, X, precisions=["bf16"], mode="emulate")
+  assert capsys.readouterr() == ("", "")  # progress=False: nothing
 
 
 def test_global_precision_state_is_untouched():
