@@ -303,8 +303,8 @@ def _vertical(report: Any, full: bool, width: int) -> list[str]:
   names = _metric_names(full)
   rows = _rows(report, full, report.precisions)
   k = len(names)
-  cols = [[r[3 + j * k + q] for r in rows] for j in range(len(report.precisions))
-          for q in range(k)]
+  cols = [[r[3 + j * k + q] for r in rows]
+          for j in range(len(report.precisions)) for q in range(k)]
   cw = [max(map(len, c), default=1) for c in cols]
   lw = max(map(len, short.values()), default=1)
   chunks = []  # per precision: its cells, on one line

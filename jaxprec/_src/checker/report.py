@@ -203,13 +203,14 @@ class DivergenceReport:
 
     A layer diverges when some element has ``|err| > atol + rtol * |ref|``
     (NumPy's ``allclose`` test) or a non-finite value the reference does not
-    have: the check's one gate, which the table marks ``!`` and states on
-    its ``gate:`` line, and ``jaxprec check --atol/--rtol`` exits 1 on; with
-    the defaults this names the first layer the table marks. The answer is exact for any ``atol`` when ``rtol`` is the check's
-    or 0. For another ``rtol`` it is decided from bounds on the atol each
-    layer needs: a layer that may or may not pass is reported (so the answer
-    can be early, never late), with ``Finding.exact = False``; run the check
-    at that ``rtol`` for an exact answer.
+    have: the check's one gate, which the table marks ``!`` and states on its
+    ``gate:`` line, and ``jaxprec check --atol/--rtol`` exits 1 on; with the
+    defaults this names the first layer the table marks. The answer is exact
+    for any ``atol`` when ``rtol`` is the check's or 0. For another ``rtol``
+    it is decided from bounds on the atol each layer needs: a layer that may
+    or may not pass is reported (so the answer can be early, never late), with
+    ``Finding.exact = False``; run the check at that ``rtol`` for an exact
+    answer.
 
     Args:
       atol, rtol: the tolerance (default: the check's); non-negative numbers.

@@ -141,8 +141,8 @@ class SearchResult:
     """The cheapest evaluation that gave every module path one candidate
     and met the tolerance (the search tries them cheapest first), or None
     when none was evaluated or none met it."""
-    uniform = [s for s in self.history
-               if s.passed and len(s.counts) == 1 and s.phase.startswith("all ")]
+    uniform = [s for s in self.history if s.passed and len(s.counts) == 1
+               and s.phase.startswith("all ")]
     return min(uniform, key=lambda s: s.relative_cost, default=None)
 
   def check_atol(self) -> float | None:
