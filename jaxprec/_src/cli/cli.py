@@ -74,8 +74,10 @@ def _parser() -> argparse.ArgumentParser:
                   "(any spelling jaxprec.resolve accepts, written in JAX's "
                   "spelling) and exits with CMD's exit status. With --policy "
                   "POLICY instead, CMD gets the policy's canonical text in "
-                  "JAXPREC_POLICY (for jaxprec.swap or jaxprec.emulate in "
-                  "its code), and JAX_DEFAULT_MATMUL_PRECISION too when the "
+                  "JAXPREC_POLICY (its code reads it with "
+                  "jaxprec.policy_from_env() for jaxprec.swap or "
+                  "jaxprec.emulate), and JAX_DEFAULT_MATMUL_PRECISION too "
+                  "when the "
                   "policy is one precision for everything.",
       epilog="examples: jaxprec run -p float32 -- python train.py --steps 10; "
              "jaxprec run --policy 'default=bf16,conv=float32' -- python "
@@ -101,11 +103,14 @@ def _parser() -> argparse.ArgumentParser:
                   "to --out. Give --model NAME for a built-in model, or "
                   "MODULE:FUNCTION, where FUNCTION() returns (fn, args) or "
                   "(fn, args, kwargs) and fn returns the hidden states (any "
-                  "pytree of arrays).",
+                  "pytree of arrays); with --modules, fn is a Flax model "
+                  "and every submodule's output is a layer. Progress goes "
+                  "to stderr: a line per phase when it is not a terminal.",
       epilog="examples: jaxprec check --model wav2vec2; jaxprec check "
              "--model hf-llama --reference pytorch; jaxprec check "
              "mymodel:make --precisions bfloat16_3x --atol 1e-3 (exit 1 if "
-             "exceeded)")
+             "exceeded); jaxprec check mymodel.py:model --modules "
+             "--reference torch_ref.npz")
   check.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
                      help="e.g. mypkg.model:make or path/to/model.py:make")
   check.add_argument("--modules", action="store_true",
