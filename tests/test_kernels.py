@@ -3,7 +3,6 @@
 import inspect
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+import hlo_passes
 import jaxprec
 from jaxprec._src.emulation import kernels
 
@@ -19,7 +19,11 @@ MATMUL = (((1,), (0,)), ((), ()))
 
 
 def _dots(fn, x):
-  return re.findall(r"stablehlo.dot_general.*", jax.jit(fn).lower(x, x).as_text())
+  return hlo_passes.dot_lines(jax.jit(fn).lower(x, x).as_text())
+
+
+def _passes(fn, x) -> int:
+  return hlo_passes.passes(jax.jit(fn).lower(x, x).as_text())
 
 
 def test_precedence_scope_global_env(monkeypatch):
@@ -64,9 +68,9 @@ def test_kernel_is_part_of_the_jit_key():
   x = np.ones((8, 8), np.float32)
   fn = jax.jit(lambda a, b: jaxprec.emulated_dot_general(a, b, MATMUL, "high"))
   with jaxprec.use_kernel("bf16"):
-    assert len(_dots(fn, x)) == 3
+    assert _passes(fn, x) == 3
   with jaxprec.use_kernel("f32"):
-    assert len(_dots(fn, x)) == 2
+    assert _passes(fn, x) == 2
   # The same jitted function gives each kernel's numbers, not a stale trace.
   rng = np.random.default_rng(0)
   a = rng.standard_normal((16, 64)).astype(np.float32)
@@ -219,12 +223,13 @@ def test_cache_dir(monkeypatch, tmp_path):
 @pytest.mark.parametrize("flags,dots", [("fpu avx2", 2), ("avx512_bf16", 3)])
 def test_auto_decides_from_the_features_inside_jit(monkeypatch, flags, dots):
   # The first emulated op traced under jit asks for the kernel: 3 bfloat16
-  # dots with bfloat16 dot units, or 2 float32 dots without, for X3.
+  # dots with bfloat16 dot units, or 2 float32 passes without (one batched
+  # dot), for X3.
   _cpu(monkeypatch, flags)
   x = np.ones((8, 8), np.float32)
   fn = lambda a, b: jaxprec.emulated_dot_general(a, b, MATMUL, "high")  # noqa: E731
   found = _dots(fn, x)
-  assert len(found) == dots
+  assert _passes(fn, x) == dots and len(found) == {2: 1, 3: 3}[dots]
   assert all(("bf16>" in d) == (dots == 3) for d in found)
 
 

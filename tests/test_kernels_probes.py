@@ -7,7 +7,6 @@ are fixed (CHANGELOG, "Fixed"); each test here failed before its fix.
 """
 
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+import hlo_passes
 import jaxprec
 from jaxprec._src.core import algorithms, numerics
 from jaxprec._src.emulation import kernels
@@ -41,7 +41,8 @@ WITH_UNITS, WITHOUT_UNITS = "avx512f avx512_bf16", "avx2 fma"
 
 
 def _dots(fn, x) -> int:
-  return len(re.findall(r"stablehlo.dot_general", fn.lower(x, x).as_text()))
+  """The passes of ``fn``'s emulated dots (tests/hlo_passes.py)."""
+  return hlo_passes.passes(fn.lower(x, x).as_text())
 
 
 def _operands():

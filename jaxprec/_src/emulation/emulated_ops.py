@@ -178,6 +178,29 @@ def _canonical_dot(lhs_shape, rhs_shape, dimension_numbers):
           out_shape)
 
 
+# On the f32 kernel the passes of one emulated dot run as one batched dot:
+# each pass is one batch element, the same float32 dot on the same parts
+# (the same bits, tested), and XLA compiles one library call and one fusion
+# per operand that writes every part, where separate passes compile one each
+# (BERT-base at 6 passes: 95 fusions where it had 189; compile time,
+# benchmarks/bench_emulate_bert.py). The bf16 kernel keeps its passes apart:
+# batched, its bfloat16 dots compiled no faster, and their gradients took
+# another XLA:CPU dot whose sums differ in the last bits.
+BATCH_PASSES = True
+
+
+def _batched_passes(pairs, dimension_numbers) -> list[jax.Array]:
+  """The float32 dots of ``pairs`` (float32 parts) as one batched
+  ``dot_general`` over a new leading axis, one result per pair."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  up = lambda dims: tuple(d + 1 for d in dims)  # noqa: E731
+  out = lax.dot_general(jnp.stack([l for l, _ in pairs]),
+                        jnp.stack([r for _, r in pairs]),
+                        ((up(lc), up(rc)), ((0, *up(lb)), (0, *up(rb)))),
+                        precision=_EXACT, preferred_element_type=jnp.float32)
+  return list(out)
+
+
 def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """The emulated op."""
   lhs_move = rhs_move = dn = out_shape = None  # moved only on the bf16 kernel
@@ -204,11 +227,7 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
     base = spec.lax_op()
     parts = jnp.float32
 
-  def one_pass(l, r):
-    # bfloat16 operands at DEFAULT; float32 operands holding bfloat16, TF32
-    # or float16 values at HIGHEST, so that no backend rounds them again.
-    p = _LOW if l.dtype == jnp.bfloat16 else _EXACT
-    out = base(l, r, precision=p, preferred_element_type=jnp.float32)
+  def finish(out, low: bool):
     if (PASSES[spec.algorithm] > 1 and spec.contraction == 1 and
         spec.kernel == "bf16"):
       # XLA:CPU turns a length-1 contraction into a multiply and, in the
@@ -219,7 +238,7 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
       # bits, so rounding it to 23 is an identity that XLA cannot drop and
       # LLVM cannot see through: the passes are then summed as XLA sums them.
       out = lax.reduce_precision(out, exponent_bits=8, mantissa_bits=22)
-    elif l.dtype == jnp.bfloat16:
+    elif low:
       # An identity on float32 that keeps XLA's simplifier from folding a
       # later transpose (e.g. of a gradient, or the user's `.T`) into this
       # bfloat16 dot: XLA:CPU cannot run the folded form ("Unsupported element
@@ -227,7 +246,20 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
       out = lax.reduce_precision(out, exponent_bits=8, mantissa_bits=23)
     return out
 
-  out = fns[spec.algorithm](one_pass, lhs, rhs, spec.tf32_rounding, parts)
+  def one_pass(l, r):
+    # bfloat16 operands at DEFAULT; float32 operands holding bfloat16, TF32
+    # or float16 values at HIGHEST, so that no backend rounds them again.
+    low = l.dtype == jnp.bfloat16
+    return finish(base(l, r, precision=_LOW if low else _EXACT,
+                       preferred_element_type=jnp.float32), low)
+
+  def ops(pairs):
+    if (len(pairs) == 1 or spec.op != "dot_general" or spec.kernel != "f32"
+        or not BATCH_PASSES):
+      return [one_pass(l, r) for l, r in pairs]
+    return _batched_passes(pairs, dict(spec.params)["dimension_numbers"])
+
+  out = fns[spec.algorithm](ops, lhs, rhs, spec.tf32_rounding, parts)
   if out_shape is not None:
     out = out.reshape(out_shape)
   # A fusion boundary: XLA:CPU (jax 0.12.0.1) fuses the user's next op into

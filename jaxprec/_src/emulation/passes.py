@@ -1,8 +1,13 @@
 """The emulated algorithms as passes of a matmul or convolution, per kernel.
 
-Each function takes ``op(lhs, rhs)``, one pass (the lax op with its other
-arguments bound, a float32 result, precision picked from the operand dtype),
-the float32 operands, the TF32 rounding mode and the dtype of bfloat16 parts.
+Each function takes ``ops(pairs)``, which runs one pass per ``(lhs, rhs)``
+pair of parts (the lax op with its other arguments bound, a float32 result,
+precision picked from the operand dtype) and returns the results in the order
+of the pairs, the float32 operands, the TF32 rounding mode and the dtype of
+bfloat16 parts. Each function asks for all its passes in one call, so that
+the caller may run them as one batched matmul (one compiled kernel where
+separate passes compile one each); the results are combined here, in XLA's
+order, whatever ran them.
 
 :data:`BF16` (the ``bf16`` kernel) runs one pass per pair of parts, combined as
 XLA combines them: bit for bit XLA at contraction length 1.
@@ -25,7 +30,7 @@ of each merged pass and the few differences: ``docs/emulation.md``, "The
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +39,7 @@ from jax import lax
 
 from jaxprec._src.emulation.rounding import round_to, split_bf16, split_tf32
 
-_Op = Callable[[jax.Array, jax.Array], jax.Array]
+_Ops = Callable[[Sequence[tuple[jax.Array, jax.Array]]], list[jax.Array]]
 _ZERO = np.float32(0)
 _INF = np.float32(np.inf)
 _MAX = np.finfo(np.float32).max
@@ -98,49 +103,50 @@ def _split(lhs: jax.Array, rhs: jax.Array, n: int, parts):
   return split_bf16(lhs, n, dtype=parts), split_bf16(rhs, n, dtype=parts)
 
 
-def _bf16x1(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+def _bf16x1(ops: _Ops, lhs, rhs, _, parts) -> jax.Array:
   (l,), (r,) = _split(lhs, rhs, 1, parts)
-  return op(l, r)
+  return ops([(l, r)])[0]
 
 
-def _bf16x3(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+def _bf16x3(ops: _Ops, lhs, rhs, _, parts) -> jax.Array:
   (lh, ll), (rh, rl) = _split(lhs, rhs, 2, parts)
-  low_sum = _zero_nan(op(ll, rh) + op(lh, rl))
-  return _last(low_sum, op(lh, rh))
+  lr, hl, hh = ops([(ll, rh), (lh, rl), (lh, rh)])
+  return _last(_zero_nan(lr + hl), hh)
 
 
-def _bf16x6(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+def _bf16x6(ops: _Ops, lhs, rhs, _, parts) -> jax.Array:
   (lh, lm, ll), (rh, rm, rl) = _split(lhs, rhs, 3, parts)
-  s = op(lm, rm) + op(lh, rl)
-  s = s + op(ll, rh)
-  s = s + op(lh, rm)
-  s = s + op(lm, rh)
-  return _last(_zero_nan(s), op(lh, rh))
+  first, *rest, hh = ops([(lm, rm), (lh, rl), (ll, rh), (lh, rm), (lm, rh),
+                          (lh, rh)])
+  s = first + rest[0]
+  for d in rest[1:]:
+    s = s + d
+  return _last(_zero_nan(s), hh)
 
 
-def _bf16x9(op: _Op, lhs, rhs, _, parts) -> jax.Array:
+def _bf16x9(ops: _Ops, lhs, rhs, _, parts) -> jax.Array:
   (lh, lm, ll), (rh, rm, rl) = _split(lhs, rhs, 3, parts)
-  s = op(ll, rl)
-  for a, b in ((lm, rl), (ll, rm), (lm, rm), (ll, rh), (lh, rl), (lm, rh),
-               (lh, rm)):
-    s = s + op(a, b)
-  return _last(_zero_nonfinite(s), op(lh, rh))
+  s, *rest, hh = ops([(ll, rl), (lm, rl), (ll, rm), (lm, rm), (ll, rh),
+                      (lh, rl), (lm, rh), (lh, rm), (lh, rh)])
+  for d in rest:
+    s = s + d
+  return _last(_zero_nonfinite(s), hh)
 
 
-def _tf32(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
-  return op(round_to(lhs, "tensorfloat32", rounding),
-            round_to(rhs, "tensorfloat32", rounding))
+def _tf32(ops: _Ops, lhs, rhs, rounding, _) -> jax.Array:
+  return ops([(round_to(lhs, "tensorfloat32", rounding),
+               round_to(rhs, "tensorfloat32", rounding))])[0]
 
 
-def _tf32x3(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
+def _tf32x3(ops: _Ops, lhs, rhs, rounding, _) -> jax.Array:
   lb, ls = split_tf32(lhs, rounding)
   rb, rs = split_tf32(rhs, rounding)
-  small = _zero_nan(op(ls, rb) + op(lb, rs))
-  return _last(small, op(lb, rb))
+  sb, bs, bb = ops([(ls, rb), (lb, rs), (lb, rb)])
+  return _last(_zero_nan(sb + bs), bb)
 
 
-def _f16(op: _Op, lhs, rhs, _, __) -> jax.Array:
-  return op(round_to(lhs, "float16"), round_to(rhs, "float16"))
+def _f16(ops: _Ops, lhs, rhs, _, __) -> jax.Array:
+  return ops([(round_to(lhs, "float16"), round_to(rhs, "float16"))])[0]
 
 
 def _result_rounded(one_pass, fmt: str):
@@ -168,32 +174,33 @@ def _clean(x: jax.Array, n: int):
   return (fin, hi, *(jnp.where(fin, p, _ZERO) for p in rest))
 
 
-def _f32x3(op: _Op, lhs, rhs, _, __) -> jax.Array:
+def _f32x3(ops: _Ops, lhs, rhs, _, __) -> jax.Array:
   ah, al = _clean(lhs, 2)[1:]
   fin, h, l = _clean(rhs, 2)
   # h + l is x rounded to 16 bits: 2**128 for the top 128 float32 values,
   # which float32 cannot hold; its maximum is within 2**-24 (one rounding).
   b_all = jnp.where(fin, jnp.clip(h + l, -_MAX, _MAX), h)
   bh0 = jnp.where(fin, h, _ZERO)
-  return _last(op(al, bh0), op(ah, b_all))
+  small, big = ops([(al, bh0), (ah, b_all)])
+  return _last(small, big)
 
 
-def _f32x6(op: _Op, lhs, rhs, _, __) -> jax.Array:
+def _f32x6(ops: _Ops, lhs, rhs, _, __) -> jax.Array:
   ah, am, al = _clean(lhs, 3)[1:]
   fin, h, m, l = _clean(rhs, 3)
   bh0 = jnp.where(fin, h, _ZERO)
   bhm, b_all = bh0 + m, (h + m) + l
-  s = op(al, bh0) + op(am, bhm)
-  return _last(s, op(ah, b_all))
+  lo, mid, big = ops([(al, bh0), (am, bhm), (ah, b_all)])
+  return _last(lo + mid, big)
 
 
-def _f32x9(op: _Op, lhs, rhs, _, __) -> jax.Array:
+def _f32x9(ops: _Ops, lhs, rhs, _, __) -> jax.Array:
   ah, am, al = _clean(lhs, 3)[1:]
   fin, h, m, l = _clean(rhs, 3)
   b_all = (h + m) + l
   b_all0 = jnp.where(fin, b_all, _ZERO)
-  s = op(al, b_all0) + op(am, b_all0)
-  return _last(s, op(ah, b_all))
+  lo, mid, big = ops([(al, b_all0), (am, b_all0), (ah, b_all)])
+  return _last(lo + mid, big)
 
 
 def _f32_tf32x3(x: jax.Array, mode: str):
@@ -202,11 +209,11 @@ def _f32_tf32x3(x: jax.Array, mode: str):
   return big, jnp.where(fin, small, _ZERO), jnp.where(fin, big, _ZERO)
 
 
-def _f32_tf32x3_pass(op: _Op, lhs, rhs, rounding, _) -> jax.Array:
+def _f32_tf32x3_pass(ops: _Ops, lhs, rhs, rounding, _) -> jax.Array:
   lb, ls0, _ = _f32_tf32x3(lhs, rounding)
   rb, rs0, rb0 = _f32_tf32x3(rhs, rounding)
-  small = op(ls0, rb0)
-  return _last(small, op(lb, rb + rs0))
+  small, big = ops([(ls0, rb0), (lb, rb + rs0)])
+  return _last(small, big)
 
 
 F32 = dict(BF16, bf16x3=_f32x3, bf16x6=_f32x6, bf16x9=_f32x9,
