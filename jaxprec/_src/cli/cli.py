@@ -412,8 +412,9 @@ def _flax_module(fn, args: tuple, target: str):
     raise UsageError(f"--modules needs Flax: {e}") from None
   kinds = (nn.Module, nnx.Module)
   inner = fn
-  while not isinstance(inner, kinds) and not isinstance(
-      getattr(inner, "__self__", None), kinds) and hasattr(inner, "__wrapped__"):
+  while (not isinstance(inner, kinds)
+         and not isinstance(getattr(inner, "__self__", None), kinds)
+         and hasattr(inner, "__wrapped__")):
     inner = inner.__wrapped__
   owner = getattr(inner, "__self__", None)
   module, method = inner, None
