@@ -39,7 +39,7 @@ class Phases:
     return self
 
   def update(self, what: str, advance: int = 0) -> None:
-    """Shows ``what``, the phase now running; advances the bar by ``advance``."""
+    """Shows the phase ``what``; advances the bar by ``advance``."""
     self.bar.update(what, advance)
     if self.lines:
       self._line(what)
