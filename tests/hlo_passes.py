@@ -1,8 +1,9 @@
 """Counting the passes of emulated dots in lowered StableHLO text.
 
 The ``bf16`` kernel lowers one ``dot_general`` per pass; the ``f32`` kernel
-runs the passes of one dot as one batched ``dot_general`` over a new leading
-axis (``emulated_ops.BATCH_PASSES``), one batch element per pass. For
+runs the passes of one dot of at most ``emulated_ops.BATCH_MACS``
+multiply-adds as one batched ``dot_general`` over a new leading axis, one
+batch element per pass. For
 operands without batch axes of their own, the passes are the dots' count,
 each batched dot counted by its leading batch size.
 """

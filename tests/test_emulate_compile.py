@@ -218,8 +218,8 @@ def test_each_emulated_op_adds_a_bounded_compiled_program(kernel, precision):
     assert "stablehlo.dynamic_update_slice" in lowered
 
 
-# The f32 kernel runs the passes of one dot as one batched dot
-# (emulated_ops.BATCH_PASSES): the same bits as one dot per pass, in every
+# The f32 kernel runs the passes of one small dot as one batched dot
+# (emulated_ops.BATCH_MACS): the same bits as one dot per pass, in every
 # form of dot_general, its derivatives and under vmap, special values included.
 _DOT_FORMS = [
     ("ij,jk->ik", (16, 24), (24, 20)),       # a plain matmul
@@ -259,9 +259,9 @@ def test_f32_kernel_batched_passes_are_bit_identical_to_one_dot_per_pass(
         jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)))
 
   with jaxprec.use_kernel("f32"):
-    assert emulated_ops.BATCH_PASSES
+    assert emulated_ops.BATCH_MACS >= 20 * 24 * 24
     batched = run()
-    monkeypatch.setattr(emulated_ops, "BATCH_PASSES", False)
+    monkeypatch.setattr(emulated_ops, "BATCH_MACS", -1)
     apart = run()
   assert len(batched) == len(apart) == 5
   for x, y in zip(batched, apart):
@@ -281,3 +281,14 @@ def test_f32_kernel_runs_a_multi_pass_dot_as_one_batched_dot(precision, passes):
   (one,) = _dot_lines("f32", precision)
   assert "batching_dims = [0] x [0]" in one, one
   assert len(_dot_lines("bf16", precision)) == passes
+
+
+def test_f32_kernel_runs_the_passes_of_a_large_dot_apart(monkeypatch):
+  # Above BATCH_MACS run time counts more than compile time: one dot per
+  # pass, the same bits.
+  assert 16 * 32 * 32 <= emulated_ops.BATCH_MACS < 1024**3
+  (one,) = _dot_lines("f32", "highest")
+  monkeypatch.setattr(emulated_ops, "BATCH_MACS", 16 * 32 * 32 - 1)
+  apart = _dot_lines("f32", "highest")
+  assert len(apart) == 3 and not any("batching_dims" in d for d in apart)
+  assert "batching_dims = [0] x [0]" in one

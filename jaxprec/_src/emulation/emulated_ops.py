@@ -178,15 +178,27 @@ def _canonical_dot(lhs_shape, rhs_shape, dimension_numbers):
           out_shape)
 
 
-# On the f32 kernel the passes of one emulated dot run as one batched dot:
-# each pass is one batch element, the same float32 dot on the same parts
-# (the same bits, tested), and XLA compiles one library call and one fusion
-# per operand that writes every part, where separate passes compile one each
-# (BERT-base at 6 passes: 95 fusions where it had 189; compile time,
-# benchmarks/bench_emulate_bert.py). The bf16 kernel keeps its passes apart:
-# batched, its bfloat16 dots compiled no faster, and their gradients took
-# another XLA:CPU dot whose sums differ in the last bits.
-BATCH_PASSES = True
+# On the f32 kernel the passes of one emulated dot of at most BATCH_MACS
+# multiply-adds run as one batched dot: each pass is one batch element, the
+# same float32 dot on the same parts (the same bits, tested), and XLA
+# compiles one library call and one fusion per operand that writes every
+# part, where separate passes compile one each. Compile time is what a small
+# dot costs: BERT-base at batch 1 x 128 tokens (dots of up to 3.0e8
+# multiply-adds) compiles 95 fusions at 6 passes where it had 189
+# (benchmarks/bench_emulate_bert.py). A larger dot keeps its passes apart:
+# there run time is what counts, and XLA:CPU ran three separate 1024^3 passes
+# in 0.8x the time of the stacked parts and one batched dot
+# (benchmarks/bench_emulated_matmul.py). The bf16 kernel keeps its passes
+# apart at every size: batched, its bfloat16 dots compiled no faster, and
+# their gradients took another XLA:CPU dot whose sums differ in the last bits.
+BATCH_MACS = 2**29
+
+
+def _macs(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> int:
+  """The multiply-adds of one pass of the dot ``spec`` on ``lhs``, ``rhs``."""
+  out_shape = _canonical_dot(lhs.shape, rhs.shape,
+                             dict(spec.params)["dimension_numbers"])[3]
+  return int(np.prod(out_shape, dtype=np.int64)) * spec.contraction
 
 
 def _batched_passes(pairs, dimension_numbers) -> list[jax.Array]:
@@ -255,7 +267,7 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
 
   def ops(pairs):
     if (len(pairs) == 1 or spec.op != "dot_general" or spec.kernel != "f32"
-        or not BATCH_PASSES):
+        or _macs(spec, lhs, rhs) > BATCH_MACS):
       return [one_pass(l, r) for l, r in pairs]
     return _batched_passes(pairs, dict(spec.params)["dimension_numbers"])
 
