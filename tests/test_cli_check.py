@@ -210,3 +210,22 @@ def test_wav2vec2_end_to_end(tmp_path):
     assert 1e-3 < m["bfloat16"] < 3e-2
   assert d["summary"]["bfloat16"]["first_divergence"] == "conv_features[0]"
   assert d["summary"]["bfloat16_3x"]["first_divergence"] is None
+
+
+def test_out_without_matplotlib_says_how_to_install_it_here(project, capsys,
+                                                           monkeypatch):
+  # The note names the install line that works for this copy of jaxprec (a
+  # checkout: pip install -e), not an index name that a clone cannot install.
+  from jaxprec._src.checker import report as report_lib
+  from jaxprec._src.core.version import install_hint
+
+  def no_matplotlib(self, path=None, **kwargs):
+    raise ImportError("No module named 'matplotlib'")
+
+  monkeypatch.setattr(report_lib.DivergenceReport, "plot", no_matplotlib)
+  rc, _, err = run(capsys, "check", "clicheck_model:make", "--out", "rep")
+  assert rc == 0, err
+  assert "divergence.png not written" in err
+  assert install_hint("plots") in err
+  assert json.loads((project / "rep" / "report.json").read_text())
+  assert not (project / "rep" / "divergence.png").exists()

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from jaxprec._src.cli import cli_inputs as inputs
 from jaxprec._src.cli.cli_inputs import PYTORCH, Failure, UsageError
+from jaxprec._src.core.version import install_hint
 from jaxprec._src.torch import torch_ports
 
 _PROG = "jaxprec"
@@ -378,13 +379,18 @@ def _one_model(ns: argparse.Namespace, models: Sequence[str]) -> None:
 
 def _model_or_target(ns: argparse.Namespace):
   """(fn, args, kwargs, description) from --model or MODULE:FUNCTION (check, search)."""
-  ns.status.say(f"building model {ns.model} ({ns.size or 'tiny'})"
-                if ns.model is not None else f"importing {ns.function}")
   if ns.model is not None:
     try:
       from jaxprec._src.models import builders
     except ImportError as e:
       raise Failure(f"--model needs Flax: {e}") from None
+    try:  # a size the model does not come in: one line, before any phase
+      builders.check_size(ns.model, ns.size)
+    except ValueError as e:
+      raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
+  ns.status.say(f"building model {ns.model} ({ns.size or 'tiny'})"
+                if ns.model is not None else f"importing {ns.function}")
+  if ns.model is not None:
     try:
       fn, args = builders.MODELS[ns.model](ns.size or "tiny", ns.seed)
     except ValueError as e:  # a size the model does not come in
@@ -551,7 +557,7 @@ def _write_outputs(report, out: str) -> None:
     report.plot(png)
   except ImportError:
     print(f"{_PROG}: note: divergence.png not written: matplotlib is not "
-          f"installed (pip install 'jaxprec[plots]')", file=sys.stderr)
+          f"installed ({install_hint('plots')})", file=sys.stderr)
     return
   except Exception as e:  # noqa: BLE001 -- the report is written: say so
     with contextlib.suppress(OSError):

@@ -172,3 +172,12 @@ def llama(size: str | None = None, seed: int = 0, *, batch: int = 1,
 
 # The built-in models by the names ``jaxprec check --model`` takes.
 MODELS = {"bert": bert, "llama": llama, "wav2vec2": wav2vec2}
+
+
+def check_size(name: str, size: str | None) -> None:
+  """Raises the ``ValueError`` that building model ``name`` at ``size``
+  (None: ``'tiny'``) would raise for a size it does not come in, without
+  building it."""
+  configs = {"bert": BertConfig, "llama": LlamaConfig,
+             "wav2vec2": Wav2Vec2Config}
+  configs[name].of_size(size or "tiny")
