@@ -1,0 +1,94 @@
+"""The ``jaxprec`` command's entry point (``_jaxprec_main``): on a terminal
+its name is on screen before JAX starts importing, and the line is gone
+before the command prints anything; elsewhere it prints nothing of its own."""
+
+import os
+import pathlib
+import select
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Marks on stderr the moment Python starts importing JAX.
+HOOK = """\
+import importlib.abc, sys
+class _Mark(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name == "jax":
+      sys.stderr.write("<jax import starts>")
+      sys.stderr.flush()
+      sys.meta_path.remove(self)
+    return None
+sys.meta_path.insert(0, _Mark())
+"""
+LAUNCH = "import sys, _jaxprec_main; sys.exit(_jaxprec_main.main())"
+
+
+def _env(tmp_path):
+  (tmp_path / "sitecustomize.py").write_text(HOOK)
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_DEFAULT_MATMUL_PRECISION", "JAXPREC_POLICY")}
+  env.update(JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+  return env
+
+
+def _in_terminal(argv, env, cwd):
+  pty = pytest.importorskip("pty")
+  leader, follower = pty.openpty()
+  proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=follower,
+                          stderr=follower)
+  os.close(follower)
+  screen = b""
+  while select.select([leader], [], [], 300)[0]:
+    try:
+      chunk = os.read(leader, 4096)
+    except OSError:  # the command closed the terminal
+      break
+    if not chunk:
+      break
+    screen += chunk
+  os.close(leader)
+  proc.wait(timeout=300)
+  return proc.returncode, screen.decode(errors="replace")
+
+
+def test_the_command_is_named_before_jax_imports_on_a_terminal(tmp_path):
+  rc, text = _in_terminal([sys.executable, "-c", LAUNCH, "info"],
+                          _env(tmp_path), tmp_path)
+  assert rc == 0, text
+  start = text.index("jaxprec info: starting...")
+  assert start < text.index("<jax import starts>"), text[:300]
+  # Cleared before the command's own output.
+  cleared = text.index("\r\x1b[K", start)
+  assert cleared < text.index("jaxprec 0.") < text.index("precision in force")
+  assert "starting..." not in text[cleared:]
+
+
+def test_usage_errors_stay_one_line_on_a_terminal(tmp_path):
+  rc, text = _in_terminal([sys.executable, "-c", LAUNCH, "check",
+                           "--precisions", "bfloat61", "--model", "bert"],
+                          _env(tmp_path), tmp_path)
+  assert rc == 2, text
+  visible = text.split("\r\x1b[K")[-1]  # what is left on screen
+  assert "starting..." not in visible
+  assert visible.strip().startswith("jaxprec: error:"), text
+
+
+def test_nothing_of_its_own_when_stderr_is_not_a_terminal(tmp_path):
+  proc = subprocess.run([sys.executable, "-c", LAUNCH, "info"], cwd=tmp_path,
+                        env=_env(tmp_path), capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert "starting" not in proc.stderr and "\x1b" not in proc.stderr
+  assert proc.stderr.startswith("<jax import starts>")
+
+
+def test_the_console_script_is_the_launcher():
+  meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  assert meta["project"]["scripts"]["jaxprec"] == "_jaxprec_main:main"
+  assert "_jaxprec_main" in meta["tool"]["setuptools"]["py-modules"]
+  assert (ROOT / "_jaxprec_main.py").is_file()
