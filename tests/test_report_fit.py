@@ -27,6 +27,7 @@ from rich.cells import cell_len
 from rich.console import Console
 
 import jaxprec
+from jaxprec._src.checker import render
 from jaxprec._src.checker.metrics import LayerMetrics
 from jaxprec._src.checker.render import fmt as jaxprec_fmt
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
@@ -186,7 +187,7 @@ def test_a_container_with_its_childs_output_is_one_row():
   names = [l.split("│")[2].strip() for l in text.splitlines()
            if l.startswith("│")]
   assert names == [l.name for l in r.layers[:4]]
-  assert ("not drawn, the same output as a layer they contain: encoder "
+  assert ("not in the table, the same output as a layer they contain: encoder "
           "(#4 = #3), output (#5 = #3)") in text
   # The report keeps both; a container with other figures is drawn.
   assert [l.name for l in r.layers][-2:] == ["encoder", "output"]
@@ -288,10 +289,12 @@ def test_search_states_its_tolerance_and_the_uniform_saving(searched):
                                "relative_cost": 0.5}
   # What the policy passes in the check's terms holds in the check.
   atol = r.check_atol()
-  assert f"this policy passes atol={atol:.3g}, rtol=0" in text
+  # Printed rounded up: the figure a user pastes passes too.
+  printed = re.search(r"this policy passes atol=(\S+), rtol=0", text).group(1)
+  assert float(printed) >= atol and printed == render.at_least(atol)
   c = jaxprec.check(fn, *args, precisions=[str(r.policy)], mode="emulate",
                     atol=atol, rtol=0.0)
-  assert c.passes()
+  assert c.passes() and c.passes(float(printed), 0.0)
   assert not c.passes(atol * 0.99, 0.0)
   assert "1 layers" not in text
 

@@ -42,6 +42,23 @@ def fmt(x: float, digits: int = 2) -> str:
   return f"{x:.{digits}e}"
 
 
+def at_least(x: float) -> str:
+  """``x`` (finite, >= 0) rounded up to 3 significant digits: a tolerance
+  printed for the user to paste, which must pass where ``x`` does.
+
+  Examples:
+    >>> at_least(0.0034421682), at_least(0.00345), at_least(0.0)
+    ('0.00345', '0.00345', '0')
+  """
+  if x <= 0:
+    return f"{x:g}"
+  text = f"{x:.3g}"
+  if float(text) < x:  # rounded down: the next 3-digit value up
+    step = 10.0 ** (math.floor(math.log10(x)) - 2)
+    text = f"{(math.floor(x / step) + 1) * step:.3g}"
+  return text
+
+
 def encode(obj: Any) -> Any:
   """``obj`` as JSON allows it: non-finite floats become strings, through
   dicts, lists and tuples."""
@@ -255,7 +272,8 @@ def _legend_lines(report: Any) -> list[str]:
              for i, j in skip.items()]
     more = (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN
             else "")
-    lines.append(f"not drawn, the same output as a layer they contain: "
+    lines.append(f"not in the table, the same output as a layer they "
+                 f"contain: "
                  f"{', '.join(names[:_SHOWN])}{more}")
   return lines
 

@@ -130,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
   check.add_argument("--precisions", default=None,
                      help="comma-separated precisions to test (default "
                           "bfloat16,bfloat16_3x,tensorfloat32)")
+  check.add_argument("--policy", action="append", default=None,
+                     metavar="POLICY",
+                     help="a policy row ('default=bfloat16_3x,encoder/.*="
+                          "float32', as jaxprec search prints it), after the "
+                          "--precisions rows (only the policies when "
+                          "--precisions is not given); repeatable")
   check.add_argument("--reference", default="float32",
                      help="float32 (default), float64, another precision, "
                           "a .npz/.npy/.safetensors file of hidden states, or "
@@ -458,9 +464,13 @@ def _check(ns: argparse.Namespace) -> int:
     raise UsageError(f"--size applies to --model {' or '.join(_MODELS)} only")
   from jaxprec._src.checker import check as check_lib
   from jaxprec._src.checker import reference as reference_lib
+  from jaxprec._src.checker import render
   # check's own default: with an external reference it adds the float32 floor.
-  precisions = (check_lib.DEFAULT_PRECISIONS if ns.precisions is None
-                else inputs.precision_list(ns.precisions))
+  policies = tuple(inputs.resolve(p, policy=True) for p in ns.policy or ())
+  if ns.precisions is not None:
+    precisions = inputs.precision_list(ns.precisions) + policies
+  else:  # the policies alone, else check's default rows
+    precisions = policies or check_lib.DEFAULT_PRECISIONS
   reference = ns.reference
   if reference == PYTORCH:
     if ns.model not in torch_ports.PORTS:
@@ -526,7 +536,7 @@ def _check(ns: argparse.Namespace) -> int:
     _print_report(report, ns.full)
   _write_outputs(report, ns.out)
   failed = [] if not enforce else [
-      f"{p}: {f.layer} needs atol >= {f.value:.3g}"
+      f"{p}: {f.layer} needs atol >= {render.at_least(f.value)}"
       for p, f in report.first_divergence().items() if f is not None]
   if failed:
     raise Failure(f"outside atol={tol['atol']:g} rtol={tol['rtol']:g}: "

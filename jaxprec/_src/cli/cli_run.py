@@ -83,12 +83,12 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> Any:
     >>> jaxprec.policy_from_env({}) is None
     True
   """
-  from jaxprec._src.policy.policy import Policy  # noqa: PLC0415
+  from jaxprec._src.policy.policy import as_policy  # noqa: PLC0415
   text = (os.environ if environ is None else environ).get(POLICY_VAR, "")
   if not text.strip():
     return None
   try:
-    return Policy.parse(text)
+    return as_policy(text)  # what run --policy takes: a policy or a precision
   except ValueError as e:
     raise ValueError(f"{POLICY_VAR}={text!r} is not a jaxprec policy: {e} "
                      f"(jaxprec run --policy sets it, e.g. "

@@ -419,10 +419,11 @@ def unseen_modules(report: AuditReport) -> str:
   return (f"{len(classes)} of the {len(report.rows)} matmuls and convolutions "
           f"of {report.function or 'the function'} run in Flax modules "
           f"({kinds}) that have no module path here, so a policy can set only "
-          f"one precision for them all. An NNX model merged inside the "
-          f"function (nnx.merge(graphdef, state)(x)) hides its submodules: "
-          f"return or pass the module itself (fn = model, args = (x,)) so "
-          f"that jaxprec sees its submodules")
+          f"one precision for them all. A function that calls the model (an "
+          f"NNX model merged inside it with nnx.merge(graphdef, state)(x), or "
+          f"passed to it as an argument) hides its submodules: return the "
+          f"module itself as the function (fn = model, args = (x,)) so that "
+          f"jaxprec sees its submodules")
 
 
 # ---------------------------------------------------------------------------

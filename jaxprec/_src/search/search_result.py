@@ -209,7 +209,8 @@ class SearchResult:
     atol = self.check_atol()
     if atol is not None and math.isfinite(atol):
       lines.append(f"in jaxprec.check's terms (|err| <= atol + rtol*|ref| "
-                   f"elementwise): this policy passes atol={atol:.3g}, rtol=0")
+                   f"elementwise): this policy passes "
+                   f"atol={render.at_least(atol)}, rtol=0")
     by_path = self.precision_by_path()
     if self.axes != ("precision",):
       dtypes = self.dtype_by_path()

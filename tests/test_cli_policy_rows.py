@@ -1,0 +1,92 @@
+"""`jaxprec check --policy`, the re-check a search's summary promises, and
+the messages around a model the audit cannot see into."""
+
+import textwrap
+import warnings
+
+import pytest
+
+import jaxprec
+from conftest import run_cli as run
+
+MODEL = textwrap.dedent("""\
+    import jax
+    from flax import nnx
+
+    class Net(nnx.Module):
+      def __init__(self, rngs):
+        self.up = nnx.Linear(16, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 16, rngs=rngs)
+      def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+    X = jax.random.normal(jax.random.key(1), (4, 16))
+
+    def model():
+      return Net(nnx.Rngs(0)), (X,)
+
+    def as_argument():
+      return (lambda m, x: m(x)), (Net(nnx.Rngs(0)), X)
+    """)
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("JAXPREC_CACHE_DIR", str(tmp_path / "cache"))
+  (tmp_path / "policyrows_model.py").write_text(MODEL)
+  return tmp_path
+
+
+def test_policy_rows_alone_and_after_precisions(project, capsys):
+  policy = "default=bfloat16,down=float32"
+  rc, out, err = run(capsys, "check", "policyrows_model.py:model", "--modules",
+                     "--policy", policy, "--out", "r1")
+  assert rc == 0, err
+  assert f"P1: {policy}" in out and "bfloat16_3x" not in out
+  rc, out, err = run(capsys, "check", "policyrows_model.py:model", "--modules",
+                     "--precisions", "bfloat16", "--policy", policy,
+                     "--policy", "default=float32", "--out", "r2")
+  assert rc == 0, err
+  assert "P1: " + policy in out and "P2: default=float32" in out
+  header = next(l for l in out.splitlines() if "bfloat16" in l and "P1" in l)
+  assert header.index("bfloat16") < header.index("P1") < header.index("P2")
+
+
+def test_a_policy_row_gates_the_exit_status(project, capsys):
+  # All float32 stays within 1e-4 of the float32 reference; a bfloat16 module
+  # does not.
+  rc, _, err = run(capsys, "check", "policyrows_model.py:model", "--modules",
+                   "--policy", "default=float32", "--atol", "1e-4", "--rtol",
+                   "0", "--out", "r3")
+  assert rc == 0, err
+  rc, _, err = run(capsys, "check", "policyrows_model.py:model", "--modules",
+                   "--policy", "default=float32,up=bfloat16", "--atol", "1e-4",
+                   "--rtol", "0", "--out", "r4")
+  assert rc == 1, err
+  assert "default=float32,up=bfloat16: up needs atol >= " in err, err
+
+
+def test_a_bad_policy_is_one_line_exit_2(project, capsys):
+  rc, out, err = run(capsys, "check", "policyrows_model.py:model",
+                     "--policy", "default=bfloat61")
+  assert rc == 2 and not out
+  (line,) = err.splitlines()
+  assert line.startswith("jaxprec: error: ") and "bfloat61" in line
+  assert "Did you mean 'bfloat16'" in line
+
+
+def test_the_warning_names_a_model_passed_as_an_argument(project, capsys):
+  rc, _, err = run(capsys, "audit", "policyrows_model.py:as_argument")
+  assert rc == 0, err
+  assert "passed to it as an argument" in err and "fn = model" in err
+
+
+def test_policy_from_env_takes_what_run_policy_takes():
+  # run --policy accepts one precision as a policy; so does the reader.
+  assert str(jaxprec.policy_from_env({"JAXPREC_POLICY": "bf16"})) == \
+      str(jaxprec.Policy.parse("default=bfloat16"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with pytest.raises(ValueError, match="JAXPREC_POLICY='bfloat61'"):
+      jaxprec.policy_from_env({"JAXPREC_POLICY": "bfloat61"})
