@@ -90,3 +90,31 @@ def test_policy_from_env_takes_what_run_policy_takes():
     warnings.simplefilter("error")
     with pytest.raises(ValueError, match="JAXPREC_POLICY='bfloat61'"):
       jaxprec.policy_from_env({"JAXPREC_POLICY": "bfloat61"})
+
+
+def test_check_module_says_when_flax_cannot_capture_a_model_that_runs():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+
+  class Heads(nnx.Module):
+    def __init__(self, rngs):
+      self.heads = nnx.Dict({"left": nnx.Linear(8, 4, rngs=rngs),
+                             "right": nnx.Linear(8, 4, rngs=rngs)})
+
+    def __call__(self, x):
+      return {k: m(x) for k, m in self.heads.items()}
+
+  model, x = Heads(nnx.Rngs(0)), jax.numpy.ones((2, 8))
+  try:  # on a copy: a capture that fails leaves its module unusable
+    nnx.capture(Heads(nnx.Rngs(0)), nnx.Intermediate,
+                method_outputs=nnx.Intermediate)(x)
+  except TypeError:  # Flax 0.12.8 fails on nnx.Dict.items()
+    with pytest.raises(TypeError, match=r"nnx\.capture.*runs alone.*"
+                       r"jaxprec\.check\(model"):
+      jaxprec.check_module(model, x, precisions=["bfloat16"])
+  else:  # a Flax that captures it: every submodule is checked
+    report = jaxprec.check_module(model, x, precisions=["bfloat16"])
+    assert {"heads/left", "heads/right"} <= {l.name for l in report.layers}
+  # The model's own errors stay its own.
+  with pytest.raises(TypeError, match="dot_general requires contracting"):
+    jaxprec.check_module(model, jax.numpy.ones((2, 5)), precisions=["bfloat16"])

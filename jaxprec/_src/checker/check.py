@@ -567,8 +567,12 @@ def check_module(module: Any, *args: Any, method: str | None = None,
       if scope is not None:  # a policy row: its path rules reach NNX modules
         nnx_policy.apply(m, scope.policy, scope.recorder)
       target_fn = m if method is None else getattr(m, method)
-      _, inter = nnx.capture(target_fn, nnx.Intermediate,
-                             method_outputs=nnx.Intermediate)(*inputs, **kw)
+      try:
+        _, inter = nnx.capture(target_fn, nnx.Intermediate,
+                               method_outputs=nnx.Intermediate)(*inputs, **kw)
+      except Exception as e:  # noqa: BLE001 -- whose failure: the model's?
+        _capture_failed(e, graphdef, state, method, inputs, kw)
+        raise
       return _nnx_intermediates(m, inter)
     order = _execution_order(captured, (state, *args), kwargs)
 
@@ -581,6 +585,26 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   raise TypeError(f"check_module expects a Flax module (flax.linen or "
                   f"flax.nnx); got "
                   f"{type(module).__name__} (use jaxprec.check for functions)")
+
+
+def _capture_failed(error: Exception, graphdef, state, method, inputs,
+                    kw) -> None:
+  """Raises a ``TypeError`` that says so when Flax's ``nnx.capture`` failed
+  with ``error`` on a model that runs alone (Flax 0.12's capture of every
+  method's output fails on ``nnx.Dict.items()``, for one); returns when the
+  model fails alone too (its own error is the one to show)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  m = nnx.merge(graphdef, state)
+  try:
+    (m if method is None else getattr(m, method))(*inputs, **kw)
+  except Exception:  # noqa: BLE001 -- the model's own failure
+    return
+  raise TypeError(
+      f"check_module names each submodule's output with Flax's "
+      f"nnx.capture(..., method_outputs=nnx.Intermediate), which fails on "
+      f"this model although the model runs alone ({type(error).__name__}: "
+      f"{error}); check its outputs with jaxprec.check(model, *inputs) "
+      f"instead") from error
 
 
 def _check_module_fn(fn: Callable[..., dict], key: Any, args: tuple,
