@@ -211,7 +211,7 @@ def test_audit_warns_when_flax_modules_have_no_paths(project, capsys):
   assert len(warned) == 1, err
   for fragment in ("6 of the 6 matmuls", "Flax modules (Linear)",
                    "nnx.merge(graphdef, state)(x)",
-                   "return or pass the module itself"):
+                   "return the module itself as the function"):
     assert fragment in warned[0]
   for target in ("ownmodel:model", "ownmodel:plain", "ownmodel:linen_apply"):
     rc, out, err = run(capsys, "audit", target)
@@ -224,7 +224,7 @@ def test_search_warns_when_it_sees_one_unit_of_many_modules(project, capsys):
   assert "module paths: 1 at" in out
   warned = [l for l in err.splitlines() if l.startswith("jaxprec: warning:")]
   assert len(warned) == 1 and "jaxprec.search_policy: 6 of the 6" in warned[0]
-  assert "return or pass the module itself" in warned[0]
+  assert "return the module itself as the function" in warned[0]
   rc, out, err = run(capsys, "search", "ownmodel:model", "--tolerance", "1")
   assert rc == 0, err
   assert "module paths: 6 at" in out and "warning" not in err

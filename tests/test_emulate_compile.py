@@ -242,8 +242,15 @@ def _special(shape, seed):
   return a
 
 
-@pytest.mark.parametrize("target,precision", _MULTI_PASS)
-@pytest.mark.parametrize("form", _DOT_FORMS, ids=lambda f: f[0])
+# Every form at 6 passes (three parts of each operand), every other
+# multi-pass algorithm on a plain matmul and on a batch axis.
+_BATCHED_CASES = ([(f, "tpu", "highest") for f in _DOT_FORMS] +
+                  [(f, t, p) for f in _DOT_FORMS[:2] for t, p in _MULTI_PASS
+                   if p != "highest"])
+
+
+@pytest.mark.parametrize("form,target,precision", _BATCHED_CASES,
+                         ids=lambda v: v[0] if isinstance(v, tuple) else str(v))
 def test_f32_kernel_batched_passes_are_bit_identical_to_one_dot_per_pass(
     monkeypatch, form, target, precision):
   spec, ls, rs = form

@@ -27,7 +27,7 @@ from rich.cells import cell_len
 from rich.console import Console
 
 import jaxprec
-from jaxprec._src.checker import render
+from jaxprec._src.checker import render as render_lib
 from jaxprec._src.checker.metrics import LayerMetrics
 from jaxprec._src.checker.render import fmt as jaxprec_fmt
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
@@ -291,7 +291,7 @@ def test_search_states_its_tolerance_and_the_uniform_saving(searched):
   atol = r.check_atol()
   # Printed rounded up: the figure a user pastes passes too.
   printed = re.search(r"this policy passes atol=(\S+), rtol=0", text).group(1)
-  assert float(printed) >= atol and printed == render.at_least(atol)
+  assert float(printed) >= atol and printed == render_lib.at_least(atol)
   c = jaxprec.check(fn, *args, precisions=[str(r.policy)], mode="emulate",
                     atol=atol, rtol=0.0)
   assert c.passes() and c.passes(float(printed), 0.0)

@@ -544,17 +544,19 @@ def test_flax_params_without_flax_models_gives_the_hint(monkeypatch):
 
 def test_import_transformers_flax_without_transformers(monkeypatch):
   monkeypatch.setitem(sys.modules, "transformers", None)
-  with pytest.raises(ImportError, match=r"twin models need transformers' "
-                     r"Flax models: pip install 'jaxprec\[hf-flax\]'"):
+  with pytest.raises(ImportError) as e:
     torch_ref.import_transformers_flax("twin models need", "FlaxBertModel")
+  assert str(e.value).startswith(
+      f"twin models need transformers' Flax models: {install_hint('hf-flax')}")
 
 
 @pytest.mark.skipif(HF_FLAX, reason="runs where transformers has no Flax "
                     "models (CI's torch-stack stage: transformers 5)")
 def test_real_transformers_without_flax_models_gives_the_hint():
   import transformers  # noqa: PLC0415
-  with pytest.raises(ImportError, match=r"jaxprec\[hf-flax\]") as e:
+  with pytest.raises(ImportError) as e:
     jt.twin("hf-bert")
+  assert install_hint("hf-flax") in str(e.value)
   assert f"transformers {transformers.__version__}" in str(e.value)
 
 

@@ -250,7 +250,7 @@ def resolve(value: PrecisionLike) -> Precision:
     >>> jaxprec.resolve("bfloat61")
     Traceback (most recent call last):
     ...
-    ValueError: Invalid precision 'bfloat61': unknown name. ... Did you mean 'bfloat16'?
+    ValueError: Invalid precision 'bfloat61': unknown name. Did you mean 'bfloat16'? ...
   """
   if value is None:
     return _CANONICAL["backend-default"]

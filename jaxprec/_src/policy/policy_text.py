@@ -236,7 +236,8 @@ def _item_precision(item: str, where: str) -> Precision:
     close = names.close_name(head + ":", _ITEM_PREFIXES)
     if close is None:
       raise
-    msg = re.sub(r" Did you mean '[^']*'\?$", "", str(e))
+    # The precision's own suggestion gives way to the prefix's.
+    msg = re.sub(r" Did you mean '[^']*'\?", "", str(e), count=1)
     raise ValueError(
         f"{msg} Items are a precision, 'dtype:NAME' or 'precision:NAME'. "
         f"Did you mean '{close}{rest.strip()}'?") from None

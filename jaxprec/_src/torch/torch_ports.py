@@ -256,6 +256,18 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
               params=params, inputs=inputs(np.random.default_rng(seed)))
 
 
+def require() -> tuple[Any, Any]:
+  """``(torch, transformers)``, what a port check needs, or a one-line
+  ImportError with the install hint."""
+  torch = torch_ref.import_torch()
+  try:
+    import transformers  # noqa: PLC0415 -- optional, imported when used
+  except ImportError as e:
+    raise ImportError("port checks need transformers' PyTorch models: "
+                      f"{install_hint('torch', 'transformers')}") from e
+  return torch, transformers
+
+
 def port(name: str, seed: int = 0, *, layers: int | None = None) -> Port:
   """A built-in port check: a tiny random transformers model in PyTorch and
   jaxprec's NNX model with its weights.
@@ -283,12 +295,7 @@ def port(name: str, seed: int = 0, *, layers: int | None = None) -> Port:
   if name not in PORTS:
     raise names.unknown("port", name, PORTS)
   layers = _layer_count("port", layers, _LAYERS)
-  torch = torch_ref.import_torch()
-  try:
-    import transformers  # noqa: PLC0415 -- optional, imported when used
-  except ImportError as e:
-    raise ImportError("port checks need transformers' PyTorch models: "
-                      f"{install_hint('torch', 'transformers')}") from e
+  torch, transformers = require()
   make, inputs = PORTS[name]
   config, torch_name = make(transformers, layers)
   from jaxprec._src.models.llama import LlamaModel  # noqa: PLC0415
