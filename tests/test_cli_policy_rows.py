@@ -118,3 +118,36 @@ def test_check_module_says_when_flax_cannot_capture_a_model_that_runs():
   # The model's own errors stay its own.
   with pytest.raises(TypeError, match="dot_general requires contracting"):
     jaxprec.check_module(model, jax.numpy.ones((2, 5)), precisions=["bfloat16"])
+
+
+def test_a_reference_of_submodules_without_modules_names_the_flag(project,
+                                                                 capsys):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  np.savez(project / "ref.npz", up=np.zeros((4, 32), np.float32),
+           down=np.zeros((4, 16), np.float32))
+  rc, _, err = run(capsys, "check", "policyrows_model.py:model",
+                   "--reference", "ref.npz", "--out", "r5")
+  assert rc == 2, err
+  (line,) = [l for l in err.splitlines() if l.startswith("jaxprec: error:")]
+  assert "is checked with --modules" in line
+
+
+def test_a_reader_of_stderr_that_leaves_ends_the_command_as_sigpipe(project):
+  # The first phase line is read, then the pipe closes: a later line finds
+  # no reader. The command ends as a shell says SIGPIPE ended it, not as a
+  # failure of the checked code (exit 1).
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  read, write = os.pipe()
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_DEFAULT_MATMUL_PRECISION", "JAXPREC_POLICY")}
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxprec", "check", "policyrows_model.py:model",
+       "--precisions", "bfloat16", "--out", "r6"],
+      cwd=project, env=env, stdout=subprocess.DEVNULL, stderr=write)
+  os.close(write)
+  with os.fdopen(read) as stderr:
+    first = stderr.readline()
+  assert proc.wait(timeout=300) == 128 + 13, first
+  assert first.startswith("jaxprec check: importing policyrows_model.py")

@@ -526,7 +526,12 @@ def _check(ns: argparse.Namespace) -> int:
                  target=ns.target, mode=ns.mode, progress=True, **tol,
                  **kwargs)
   except reference_lib.ReferenceMismatchError as e:
-    raise UsageError(str(e)) from None
+    hint = ("" if ns.modules or ns.function is None else
+            "; a reference of every submodule (jaxprec.torch.capture(..., "
+            "modules=...) and jaxprec.save_layers) is checked with --modules")
+    raise UsageError(f"{e}{hint}") from None
+  except BrokenPipeError:  # a reader of stdout or stderr left: main says so
+    raise
   except Exception as e:  # noqa: BLE001 -- the user's code failed
     raise Failure(f"checking {what} failed: {type(e).__name__}: {e}") from None
   if ns.reference == PYTORCH:  # not "pytree": say which reference it was
@@ -652,6 +657,8 @@ def _search(ns: argparse.Namespace) -> int:
           fn, *args, tolerance=ns.tolerance, metric=ns.metric,
           candidates=candidates, target=ns.target, budget=budget, **axes,
           compile_once=not ns.program_per_policy, **kwargs)
+  except BrokenPipeError:  # a reader of stdout or stderr left: main says so
+    raise
   except Exception as e:  # noqa: BLE001 -- the user's code failed
     raise Failure(f"searching {what} failed: {type(e).__name__}: "
                   f"{e}") from None
