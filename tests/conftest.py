@@ -106,6 +106,31 @@ def lowered(fn, *args) -> str:
   return jax.jit(fn).lower(*args).as_text()
 
 
+def read_terminal(leader: int, timeout: float = 600, on_chunk=None) -> bytes:
+  """Everything a command wrote to the pseudo-terminal whose leader end is
+  ``leader``, until it closes the terminal; ``on_chunk(screen)`` sees the
+  screen so far after each read. Raises AssertionError after ``timeout``
+  seconds without output. Closes ``leader``."""
+  import select  # pylint: disable=import-outside-toplevel
+  screen = b""
+  try:
+    while True:
+      if not select.select([leader], [], [], timeout)[0]:
+        raise AssertionError(f"the command printed nothing for {timeout} s")
+      try:
+        chunk = os.read(leader, 65536)
+      except OSError:  # the command closed the terminal
+        break
+      if not chunk:
+        break
+      screen += chunk
+      if on_chunk is not None:
+        on_chunk(screen)
+  finally:
+    os.close(leader)
+  return screen
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
   """``(exit status, stdout, stderr)`` of ``jaxprec ARGV`` run in this process."""
   from jaxprec._src.cli.cli import main  # pylint: disable=import-outside-toplevel

@@ -4,12 +4,12 @@ before the command prints anything; elsewhere it prints nothing of its own."""
 
 import os
 import pathlib
-import select
 import subprocess
 import sys
 import tomllib
 
 import pytest
+from conftest import read_terminal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Marks on stderr the moment Python starts importing JAX.
@@ -42,17 +42,10 @@ def _in_terminal(argv, env, cwd):
   proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=follower,
                           stderr=follower)
   os.close(follower)
-  screen = b""
-  while select.select([leader], [], [], 300)[0]:
-    try:
-      chunk = os.read(leader, 4096)
-    except OSError:  # the command closed the terminal
-      break
-    if not chunk:
-      break
-    screen += chunk
-  os.close(leader)
-  proc.wait(timeout=300)
+  try:
+    screen = read_terminal(leader, timeout=300)
+  finally:
+    proc.wait(timeout=300)
   return proc.returncode, screen.decode(errors="replace")
 
 

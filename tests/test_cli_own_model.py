@@ -5,7 +5,6 @@ no-model message, the phase lines on stderr (piped and on a terminal),
 
 import json
 import os
-import select
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxprec
-from conftest import one_line_error, run_cli as run
+from conftest import one_line_error, read_terminal, run_cli as run
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp
@@ -287,21 +286,13 @@ def test_terminal_shows_a_status_line_before_the_model_is_imported(project):
        "--precisions", "bfloat16", "--out", "r7"],
       cwd=project, env=env, stdout=subprocess.DEVNULL, stderr=follower)
   os.close(follower)
-  screen, first = b"", None
-  while True:
-    ready, _, _ = select.select([leader], [], [], 600)
-    if not ready:
-      break
-    try:
-      chunk = os.read(leader, 4096)
-    except OSError:  # the command closed the terminal
-      break
-    if not chunk:
-      break
-    if first is None and b"importing slowmodel.py:model" in screen + chunk:
-      first = time.monotonic()
-    screen += chunk
-  os.close(leader)
+  seen = []
+
+  def on_chunk(screen):
+    if not seen and b"importing slowmodel.py:model" in screen:
+      seen.append(time.monotonic())
+  screen = read_terminal(leader, on_chunk=on_chunk)
+  first = seen[0] if seen else None
   proc.wait(timeout=600)
   end = time.monotonic()
   text = screen.decode(errors="replace")

@@ -13,7 +13,6 @@ import math
 import os
 import pty
 import re
-import select
 import struct
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import jax.numpy as jnp
 import pytest
 from rich.cells import cell_len
 from rich.console import Console
+
+from conftest import read_terminal
 
 import jaxprec
 from jaxprec._src.checker import render as render_lib
@@ -352,23 +353,13 @@ def run_in_pty(project, columns, *extra):
                            stdin=subprocess.DEVNULL,
                            env=cli_env(project, columns))
   os.close(follower)
-  chunks = []
-  while True:
-    ready, _, _ = select.select([leader], [], [], 600)
-    if not ready:
-      child.kill()
-      raise AssertionError("the CLI printed nothing for 600 s")
-    try:
-      data = os.read(leader, 65536)
-    except OSError:  # the child closed the terminal
-      break
-    if not data:
-      break
-    chunks.append(data)
-  os.close(leader)
+  try:
+    text = read_terminal(leader).decode()
+  except AssertionError:
+    child.kill()
+    raise
   err = child.stderr.read().decode()
   assert child.wait() == 0, err
-  text = b"".join(chunks).decode()
   return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r\n", "\n")
 
 
