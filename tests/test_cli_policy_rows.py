@@ -151,3 +151,28 @@ def test_a_reader_of_stderr_that_leaves_ends_the_command_as_sigpipe(project):
     first = stderr.readline()
   assert proc.wait(timeout=300) == 128 + 13, first
   assert first.startswith("jaxprec check: importing policyrows_model.py")
+
+
+def test_a_negative_zero_tolerance_is_zero(project, capsys):
+  import math  # pylint: disable=import-outside-toplevel
+  from jaxprec._src.checker.metrics import check_tolerance  # pylint: disable=import-outside-toplevel
+  assert math.copysign(1, check_tolerance("rtol", -0.0)) == 1
+  rc, out, err = run(capsys, "check", "policyrows_model.py:model", "--modules",
+                     "--precisions", "float32", "--atol", "1e-4", "--rtol",
+                     "-0.0", "--out", "r7")
+  assert rc == 0, err
+  assert "rtol=0)" in out and "rtol=-0" not in out + err
+
+
+def test_an_unknown_search_candidate_is_named_once():
+  with pytest.raises(ValueError) as e:
+    jaxprec.search_policy(lambda x: x @ x, jaxprec_ones(), tolerance=1e-3,
+                          candidates=("bf17",))
+  assert str(e.value).count("bf17") == 1, str(e.value)
+  assert str(e.value).startswith("Unknown candidate 'bf17': unknown name. "
+                                 "Did you mean")
+
+
+def jaxprec_ones():
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  return jnp.ones((4, 4))

@@ -88,7 +88,7 @@ def check_tolerance(name: str, value: Any) -> float:
   if not 0 <= v <= MAX_TOLERANCE:  # False for NaN
     raise ValueError(f"{what}, at most float32's largest "
                      f"({MAX_TOLERANCE:.2g}); got {value!r}.")
-  return v
+  return abs(v)  # -0.0 is 0, and is said so
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -72,7 +72,9 @@ def _candidates(candidates: Any, target: str,
     try:
       p = resolve(c)
     except ValueError as e:
-      raise ValueError(f"Unknown candidate {c!r}: {e}") from None
+      # One name, said once: "Unknown candidate 'bf17': unknown name. ..."
+      why = str(e).removeprefix(f"Invalid precision {c!r}: ")
+      raise ValueError(f"Unknown candidate {c!r}: {why}") from None
     if p.flag is None:
       raise ValueError(f"Candidate {c!r} is the backend default, which means "
                        f"different things on different hardware; name a "
