@@ -30,17 +30,19 @@ def _inputs(name: str, config: Any, seed: int, batch: int,
                                       vocab_size=config.vocab_size))
 
 
+_CONFIGS = {"bert": BertConfig, "llama": LlamaConfig, "wav2vec2": Wav2Vec2Config}
+
+
 @functools.lru_cache(maxsize=24)
 def _random(name: str, size: str, seed: int, batch: int, length: float
             ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
   """The model ``name`` at ``size``, randomly initialised from ``seed``;
   cached, so that repeated checks reuse compiled programs."""
+  config = _CONFIGS[name].of_size(size)
   if name == "llama":
-    config = LlamaConfig.of_size(size)
     fn, state = loading.split_fn(LlamaModel(config, rngs=nnx.Rngs(seed)),
                                  f"llama_{size}")
     return fn, (state, _inputs(name, config, seed, batch, length))
-  config = (BertConfig if name == "bert" else Wav2Vec2Config).of_size(size)
   model = (BertEncoder if name == "bert" else Wav2Vec2Encoder)(config)
   inputs = _inputs(name, config, seed, batch, length)
   variables = jax.jit(model.init)(jax.random.key(seed), inputs)
@@ -178,6 +180,4 @@ def check_size(name: str, size: str | None) -> None:
   """Raises the ``ValueError`` that building model ``name`` at ``size``
   (None: ``'tiny'``) would raise for a size it does not come in, without
   building it."""
-  configs = {"bert": BertConfig, "llama": LlamaConfig,
-             "wav2vec2": Wav2Vec2Config}
-  configs[name].of_size(size or "tiny")
+  _CONFIGS[name].of_size(size or "tiny")
