@@ -116,10 +116,9 @@ def _bf16x3(ops: _Ops, lhs, rhs, _, parts) -> jax.Array:
 
 def _bf16x6(ops: _Ops, lhs, rhs, _, parts) -> jax.Array:
   (lh, lm, ll), (rh, rm, rl) = _split(lhs, rhs, 3, parts)
-  first, *rest, hh = ops([(lm, rm), (lh, rl), (ll, rh), (lh, rm), (lm, rh),
-                          (lh, rh)])
-  s = first + rest[0]
-  for d in rest[1:]:
+  s, *rest, hh = ops([(lm, rm), (lh, rl), (ll, rh), (lh, rm), (lm, rh),
+                      (lh, rh)])
+  for d in rest:
     s = s + d
   return _last(_zero_nan(s), hh)
 
