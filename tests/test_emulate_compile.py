@@ -304,3 +304,32 @@ def test_f32_kernel_runs_the_passes_of_a_large_dot_apart(monkeypatch):
   apart = _dot_lines("f32", "highest")
   assert len(apart) == 3 and not any("batching_dims" in d for d in apart)
   assert "batching_dims = [0] x [0]" in one
+
+
+@pytest.mark.parametrize("target,precision", _MULTI_PASS,
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("approximate", [False, True], ids=["erf", "tanh"])
+def test_f32_kernel_batched_dot_keeps_its_operands_producer_apart(
+    target, precision, approximate):
+  # The user's op that makes an operand (a GELU) is computed to the bits it
+  # has in a program of its own, as across the search's lax.switch: XLA:CPU
+  # (jax 0.12.0.1) fused an exact GELU into the fusion that stacks the
+  # parts and computed it to other bits (TF32_TF32_F32_X3 on a (1, 32, 128)
+  # x (128, 64) dot), unless the operands are behind an optimization barrier.
+  rng = np.random.default_rng(0)
+  h = rng.standard_normal((1, 32, 128)).astype(np.float32) + 0.5
+  w = (rng.standard_normal((128, 64)) * 0.1).astype(np.float32)
+  b = rng.standard_normal((128,)).astype(np.float32)
+  gelu = lambda h, b: jax.nn.gelu(h + b, approximate=approximate)  # noqa: E731
+  with jaxprec.use_kernel("f32"):
+    assert 32 * 128 * 64 <= emulated_ops.BATCH_MACS
+    (dot,) = [l for l in jax.jit(jaxprec.emulate(
+        lambda h, w, b: gelu(h, b) @ w, precision, target=target)).lower(
+            h, w, b).as_text().splitlines() if "stablehlo.dot_general" in l]
+    assert "batching_dims = [0] x [0]" in dot
+    fused = jax.jit(jaxprec.emulate(lambda h, w, b: gelu(h, b) @ w, precision,
+                                    target=target))(h, w, b)
+    apart = jax.jit(jaxprec.emulate(jnp.matmul, precision, target=target))(
+        jax.jit(gelu)(h, b), w)
+  np.testing.assert_array_equal(np.asarray(fused).view(np.uint32),
+                                np.asarray(apart).view(np.uint32))
