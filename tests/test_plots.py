@@ -144,6 +144,49 @@ def test_the_legend_hides_no_line_the_floor_included():
   assert box.x1 <= fig.bbox.x1 + 1  # and inside the figure
 
 
+def test_long_layer_names_and_policies_fit_the_figure_without_a_warning(
+    tmp_path):
+  """Layer names of 120 characters collapsed the constrained layout (a
+  UserWarning, the legend and the axis cut off): the ticks show each name's
+  tail, long legend entries fold, and everything drawn lies in the figure."""
+  import dataclasses
+  import warnings
+  policy = ",".join(f"encoder/layers_{i}/attention/.*=float32"
+                    for i in range(4)) + ",default=bfloat16"
+  r = report({"bfloat16": [1e-2, 2e-2, 3e-2], policy: [1e-3, 1e-3, 2e-3]},
+             numerics={"bfloat16": "bf16x1 (emulated)",
+                       policy: "policy (emulated)"})
+  stem = ("encoder/" + "a_rather_long_submodule_name/" * 4)[:116]
+  names = [f"{stem}{i}/out"[-120:] for i in range(3)]
+  assert all(len(n) == 120 for n in names)
+  r = dataclasses.replace(r, layers=tuple(
+      dataclasses.replace(l, name=n) for l, n in zip(r.layers, names)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fig = r.plot(tmp_path / "long.png")
+    fig.draw_without_rendering()
+  ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+  assert len(set(ticks)) == 3 and all(len(t) <= render.TICK_CHARS
+                                      for t in ticks)
+  assert all(t.startswith("…") and n.endswith(t[1:])
+             for t, n in zip(ticks, names))  # the tail: what tells them apart
+  assert all(len(line) <= render.LEGEND_CHARS
+             for t in legend(fig) for line in t.split("\n"))
+  assert policy in "".join(legend(fig)).replace("\n", "")
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  box = fig.get_tightbbox(FigureCanvasAgg(fig).get_renderer())
+  page = fig.bbox_inches
+  assert (box.x0 >= page.x0 and box.y0 >= page.y0 and box.x1 <= page.x1
+          and box.y1 <= page.y1), (box, page)
+
+
+def test_shortened_tick_labels_stay_apart():
+  same_tail = ["a" * 40 + "/out", "b" * 40 + "/out"]
+  assert render.tick_labels(same_tail, chars=8) == ["…aaa/out", "…bbb/out"]
+  assert render.tick_labels(same_tail, chars=5) == ["#0 …/out", "#1 …/out"]
+  assert render.tick_labels(["short", "x/y"]) == ["short", "x/y"]
+
+
 def test_plot_saves_a_png_and_names_the_extra_when_missing(tmp_path, monkeypatch):
   path = tmp_path / "d.png"
   r = report({"bfloat16": [0.0, 1e-2]})

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Mapping
@@ -556,6 +557,54 @@ def _exact_floor(values: list[float], tolerance: float | None) -> float:
   return 10.0 ** (math.floor(math.log10(low)) - 1)
 
 
+# The most characters of a layer name under the plot's x axis: a longer name
+# is shown by its tail (the part that tells layers apart), after an ellipsis.
+TICK_CHARS = 32
+# The most characters of a line of the plot's legend; a longer entry (a
+# policy) folds at spaces and commas.
+LEGEND_CHARS = 60
+
+
+def tick_labels(names: list[str], chars: int = TICK_CHARS) -> list[str]:
+  """The plot's x tick labels: each layer name on one line, a name longer
+  than ``chars`` shortened to its tail (``'…/layers_3/attention/out'``).
+  Where two shortened names would read the same, each of them starts with
+  its layer number (``'#3 …'``, the table's ``#``), so no two labels are
+  alike unless the names are.
+
+  Examples:
+    >>> tick_labels(["a", "x" * 40 + "/dense"], chars=12)
+    ['a', '…xxxxx/dense']
+  """
+  cells = [_cell(n) for n in names]
+  short = [c if len(c) <= chars else "…" + c[len(c) - chars + 1:]
+           for c in cells]
+  seen: dict[str, set[str]] = {}
+  for c, s in zip(cells, short):
+    seen.setdefault(s, set()).add(c)
+  return [f"#{i} {s}" if s != c and len(seen[s]) > 1 else s
+          for i, (c, s) in enumerate(zip(cells, short))]
+
+
+def _wrapped(text: str, chars: int = LEGEND_CHARS) -> str:
+  """``text`` folded onto lines of at most ``chars`` characters, at spaces
+  and after commas (a policy string has no spaces), a longer word cut; one
+  line when it is short."""
+  if len(text) <= chars:
+    return text
+  lines = [""]
+  for word in re.split(r"(?<=[ ,])", text):
+    if lines[-1] and len(lines[-1] + word.rstrip()) > chars:
+      lines.append("")
+    while len(lines[-1] + word.rstrip()) > chars:  # a word longer than a line
+      room = chars - len(lines[-1])
+      lines[-1] += word[:room]
+      word = word[room:]
+      lines.append("")
+    lines[-1] += word
+  return "\n".join(l.rstrip() for l in lines if l.strip())
+
+
 def plot(report: Any, path: str | os.PathLike | None = None, *,
          metric: str = "rel_rms",
          tolerance: float | None = None) -> "matplotlib.figure.Figure":
@@ -632,17 +681,19 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
                                            f"{floor_value:.0e}")
   ax.set_yscale("log")
   ax.set_xticks(xs)
-  ax.set_xticklabels([_cell(l.name) for l in report.layers], rotation=60,
-                     ha="right", fontsize=7)
+  ax.set_xticklabels(tick_labels([l.name for l in report.layers]),
+                     rotation=60, ha="right", fontsize=7)
   ax.set_xlabel("layer (depth)")
   ax.set_ylabel(metric)
-  ax.set_title(f"{metric} vs reference {report.reference} "
-               f"(target {report.target}, {report.mode})", fontsize=9)
+  ax.set_title(_wrapped(f"{metric} vs reference {report.reference} "
+                        f"(target {report.target}, {report.mode})", 90),
+               fontsize=9)
   ax.grid(True, which="both", alpha=0.3)
   if report.precisions:
     # Beside the axes (constrained layout makes room): never over a line.
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-              borderaxespad=0.0)
+    handles, names = ax.get_legend_handles_labels()
+    ax.legend(handles, [_wrapped(n) for n in names], fontsize=8,
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
   if path is not None:
     save(fig, path)
   return fig
