@@ -21,6 +21,12 @@ conv_general_dilated lowering, jax/_src/lax/convolution.py):
 
 Other operands (bfloat16 or float16 on both sides, float64, integers) are
 computed natively: the precision setting does not apply.
+
+Apart from the matmuls, the report lists every op that *adds* values into a
+result in bfloat16 or float16 (:class:`ReductionRow`, :data:`ACCUMULATING`):
+sums and their windowed, cumulative and scattered forms, collectives that sum
+across devices, a loop carry that a ``scan`` or ``while`` body adds to, and the
+dots and convolutions that accumulate in a 16-bit type.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import importlib.util
 import json
 import math
 import os
-from collections.abc import Callable, Collection, Iterator, Sequence
+import textwrap
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -212,6 +219,79 @@ class OpaqueRow:
     return d
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReductionRow:
+  """An op that adds values into a result in bfloat16 or float16 (or
+  float8: a floating dtype of 11 significand bits or fewer), found by
+  :func:`audit`.
+
+  Each addition rounds the partial result to the narrow dtype: once a
+  bfloat16 partial sum is 256 times larger than a term, adding the term
+  changes nothing. Which ops count is :data:`ACCUMULATING`; maxima, minima,
+  products and ``reduce_precision`` do not (see there).
+
+  Attributes:
+    primitive: the op, e.g. ``'reduce_sum'``, ``'cumsum'``, ``'psum'``,
+      ``'scatter-add'``, ``'add_any'`` (a loop carry), ``'dot_general'``.
+    kind: ``'sum'``, ``'window'``, ``'cumulative'``, ``'scatter'``,
+      ``'collective'``, ``'loop'``, ``'dot'`` or ``'conv'``
+      (:data:`ACCUMULATING`).
+    dtype: the dtype the op adds in, e.g. ``'bfloat16'``.
+    operand_shape, out_shape: the shapes of its first narrow operand and of
+      the matching result.
+    operands: how many narrow operands the op adds (a ``psum`` of a pytree
+      of gradients binds all of them at once); 1 for every other op.
+    terms: how many values are added into one result element at most: the
+      reduced size of a sum, the window of a windowed sum, the axis of a
+      cumulative sum, the number of updates of a scatter, the devices of a
+      collective (the product of its mesh axes' sizes), the length of a
+      ``scan``, the contracted size of a dot; 0 where the program does not
+      say (a ``while`` loop, a collective outside a known mesh).
+    direction: ``'forward'``; ``'jvp'`` for an op under JAX's ``jvp(...)``
+      name marker that is not transposed: the forward sweep of a
+      differentiated function, its primal ops and what derivative rules
+      compute from them (``jnp.max``'s count of ties, jax issue 38885);
+      ``'backward'`` for a transposed op (``transpose(...)`` in the name
+      stack: the backward pass of ``jax.grad`` and ``jax.vjp``).
+    axes: the mesh axis names a collective sums over; ``()`` otherwise.
+    rejected_by_flag: True for a ``reduce_sum`` of bfloat16 or float16 over
+      an axis longer than 1: with ``jax_allow_f16_reductions=False`` JAX
+      raises ``ValueError`` when it traces this op (:data:`FLAG_NOTE`). The
+      flag checks no other op and changes nothing XLA computes.
+    matmul_row: for a dot or convolution, its 1-based number in
+      :attr:`AuditReport.rows` (``#3`` in the table); 0 otherwise.
+    reason: what the op adds and how to add in float32 instead.
+    source, op, name_stack, scope, trip_count, module_path: as
+      :class:`AuditRow`.
+  """
+
+  primitive: str
+  kind: str
+  dtype: str
+  operand_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]
+  operands: int
+  terms: int
+  direction: str
+  axes: tuple[str, ...]
+  rejected_by_flag: bool
+  matmul_row: int
+  reason: str
+  source: str
+  op: str
+  name_stack: str
+  scope: tuple[str, ...]
+  trip_count: int
+  module_path: str = ""
+
+  def to_dict(self) -> dict[str, Any]:
+    """The row as JSON-able values."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    for k in ("operand_shape", "out_shape", "axes", "scope"):
+      d[k] = list(d[k])
+    return d
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
   """The matmuls and convolutions of one traced function.
@@ -224,12 +304,17 @@ class AuditReport:
       (``jaxprec.current()``), e.g. ``'float32 (context)'``.
     opaque: the ops jaxprec cannot see into (:class:`OpaqueRow`), in
       program order.
+    reductions: every op that adds in bfloat16 or float16
+      (:class:`ReductionRow`), in program order: sums, collectives, loop
+      carries, and the dots and convolutions of :attr:`rows` that
+      accumulate in a 16-bit type.
   """
 
   rows: tuple[AuditRow, ...]
   function: str = ""
   precision_in_force: str = ""
   opaque: tuple[OpaqueRow, ...] = ()
+  reductions: tuple[ReductionRow, ...] = ()
 
   def __len__(self) -> int:
     return len(self.rows)
@@ -275,6 +360,8 @@ class AuditReport:
         "flops_by_precision": self.flops_by_precision(),
         "rows": [r.to_dict() for r in self.rows],
         "opaque": [r.to_dict() for r in self.opaque],
+        "num_reductions": len(self.reductions),
+        "reductions": [r.to_dict() for r in self.reductions],
     }
 
   def to_json(self, indent: int | None = 2) -> str:
@@ -286,7 +373,7 @@ class AuditReport:
     head = f"jaxprec audit of {name}"
     if self.precision_in_force:
       head += f", traced at precision {self.precision_in_force}"
-    opaque = _opaque_lines(self)
+    opaque = _opaque_lines(self) + _reduction_lines(self)
     if not self.rows:
       return "\n".join([head, "no matmuls or convolutions (dot_general, "
                          "conv_general_dilated) found", *opaque])
@@ -387,11 +474,12 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
     raise AuditError(
         f"jaxprec.audit: tracing {name} failed: {type(e).__name__}: {e}") from e
   opaque: list[OpaqueRow] = []
+  reductions: list[ReductionRow] = []
   closed = emulated_ops.written_out(closed)  # emulated already: its passes
-  rows = tuple(_rows(closed, module_paths, opaque))
+  rows = tuple(_rows(closed, module_paths, opaque, reductions))
   return AuditReport(rows=rows, function=name,
                      precision_in_force=in_force_text,
-                     opaque=tuple(opaque))
+                     opaque=tuple(opaque), reductions=tuple(reductions))
 
 
 def unseen_modules(report: AuditReport) -> str:
@@ -542,6 +630,24 @@ def body_operands(eqn: Any) -> list[tuple[Any, list[Any]]]:
   return [(j, ins) for j in bodies if len(j.invars) == len(ins)]
 
 
+def narrow_float(dtype: Any) -> bool:
+  """Whether ``dtype`` is a floating dtype of 11 significand bits or fewer
+  (bfloat16, float16, float8): one an op should not add many values in.
+
+  Examples:
+    >>> from jaxprec._src.inspect.audit import narrow_float
+    >>> narrow_float("bfloat16"), narrow_float("float32"), narrow_float("int8")
+    (True, False, False)
+  """
+  try:
+    dtype = jax.numpy.dtype(dtype)
+  except TypeError:  # an extended dtype (a typed PRNG key)
+    return False
+  if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+    return False
+  return jax.numpy.finfo(dtype).nmant + 1 <= 11
+
+
 def accumulation_risk(accumulation: str) -> str:
   """Why accumulating in ``accumulation`` is risky (``''`` when it is not):
   a floating dtype with 11 significand bits or fewer (bfloat16, float16,
@@ -554,12 +660,9 @@ def accumulation_risk(accumulation: str) -> str:
     >>> accumulation_risk("float16")[:51]
     'accumulates in float16, its result dtype: sums of m'
   """
-  dtype = jax.numpy.dtype(accumulation)
-  if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+  if not narrow_float(accumulation):
     return ""
-  bits = jax.numpy.finfo(dtype).nmant + 1
-  if bits > 11:
-    return ""
+  bits = jax.numpy.finfo(jax.numpy.dtype(accumulation)).nmant + 1
   # jnp.dot and jnp.einsum record preferred_element_type = the result dtype
   # when the user asks for none, so the two cases read the same.
   return (f"accumulates in {accumulation}, its result dtype: sums of many "
@@ -568,20 +671,267 @@ def accumulation_risk(accumulation: str) -> str:
 
 
 def _rows(closed, module_paths: dict[str, list[str]],
-          opaque: list[OpaqueRow]) -> Iterator[AuditRow]:
-  """The rows of ``closed``; opaque ops are appended to ``opaque``."""
+          opaque: list[OpaqueRow],
+          reductions: list[ReductionRow]) -> Iterator[AuditRow]:
+  """The rows of ``closed``; opaque ops are appended to ``opaque``, ops that
+  add in a narrow dtype to ``reductions``."""
   storage = Storage()
+  loops = _LoopCarries()
+  meshes: dict[int, dict[str, int]] = {0: {}}  # mesh axis sizes per depth
+  n = 0
   for w, path, module in walk_modules(closed, module_paths):
     eqn = w.eqn
-    storage.visit(eqn, len(w.scope))
+    depth = len(w.scope)
+    storage.visit(eqn, depth)
+    sizes = meshes.get(depth, {})
+    meshes[depth + 1] = {**sizes, **_mesh_sizes(eqn)}
     name = walker.opaque_name(eqn)
     if name is not None:
       source, _ = _frames(eqn)
       opaque.append(OpaqueRow(primitive=eqn.primitive.name, name=name,
                               source=source, name_stack=path,
                               scope=tuple(w.scope), trip_count=w.trip_count))
+    row = None
     if eqn.primitive.name in walker.PRIMITIVES:
-      yield _row(w, path, module, storage)
+      row = _row(w, path, module, storage)
+      n += 1
+      yield row
+    found = _reduction(w, path, module, row, n, sizes, loops)
+    if found is not None:
+      reductions.append(found)
+    loops.visit(eqn)
+
+
+# ---------------------------------------------------------------------------
+# Low-precision accumulation.
+
+# The ops that add values into a result, by kind: the audit lists each one
+# that adds in a narrow float (narrow_float: bfloat16, float16, float8) as a
+# ReductionRow. Not listed, by decision: maxima and minima (reduce_max,
+# cummax, argmax, pmax, reduce_window_max, ...: they select a value, exactly);
+# products (reduce_prod, cumprod, scatter-mul: each product rounds relative to
+# itself, no term vanishes against a larger partial result as it does in a
+# sum); reduce_precision (it rounds one value, adds nothing); an elementwise
+# add of two arrays (one rounding per element); and data movement
+# (all_gather, all_to_all, ppermute). ``reduce`` and ``reduce_window`` with
+# a computation of their own count where that computation adds (``lax.reduce``
+# with a lambda JAX does not recognise as a monoid). The names are those of
+# jax 0.10.2 to 0.12 (``psum_invariant`` is shard_map's psum when it checks
+# varying axes; pmap binds ``psum`` inside a shard_map); each is in the
+# walker's table (tests/test_audit_reductions.py checks it).
+ACCUMULATING: dict[str, str] = {
+    "reduce_sum": "sum", "reduce": "sum",
+    "reduce_window_sum": "window", "reduce_window": "window",
+    "cumsum": "cumulative", "cumlogsumexp": "cumulative",
+    "scatter-add": "scatter", "scatter_add": "scatter",
+    "scatter-sub": "scatter", "scatter_sub": "scatter",
+    # max pooling's gradient: every window adds its cotangent to its maximum
+    "select_and_scatter_add": "scatter",
+    "psum": "collective", "psum_start": "collective",
+    "psum_invariant": "collective", "psum_invariant_start": "collective",
+    "reduce_scatter": "collective", "reduce_scatter_start": "collective",
+    "unreduced_psum": "collective", "unreduced_psum_start": "collective",
+    "unreduced_reduce_scatter": "collective",
+    "unreduced_reduce_scatter_start": "collective",
+}
+
+# The adds a loop body applies to its carry (kind "loop"): a gradient
+# accumulated over the steps of a scan, JAX's transpose of a scan over shared
+# weights, a running sum in a fori_loop.
+_CARRY_ADDS = frozenset({"add", "add_any", "sub"})
+
+# What jax_allow_f16_reductions does, in jax 0.10.2 to 0.12 alike: the
+# option is defined in jax/_src/config.py ("If False, `reduce_sum` on `f16`
+# or `bf16` inputs will raise an error", default True, part of the jit key
+# and trace context); its one use is reduce_sum's dtype rule,
+# _reduce_sum_dtype_rule in jax/_src/lax/lax.py, which raises ValueError for
+# a float16 or bfloat16 operand unless every reduced axis has size 1. No
+# lowering reads it: it never changes what XLA compiles.
+FLAG_NOTE = (
+    "jax_allow_f16_reductions=False (JAX's default is True) makes JAX raise "
+    "ValueError when it traces a reduce_sum of bfloat16 or float16 over an "
+    "axis longer than 1 (_reduce_sum_dtype_rule, jax/_src/lax/lax.py); it "
+    "checks no other op and does not change what XLA computes")
+
+# How to add in float32 instead, by kind.
+_FIXES = {
+    "sum": "cast the operand to float32 first (jnp.sum(x) does that for "
+           "bfloat16 and float16 unless dtype= is given)",
+    "window": "cast the operand to float32 first",
+    "cumulative": "cast the operand to float32 first",
+    "scatter": "scatter a float32 copy and cast the result",
+    "collective": "sum a float32 copy across devices (jax issue 27496)",
+    "loop": "carry the sum in float32",
+    "dot": "ask preferred_element_type=float32",
+    "conv": "ask preferred_element_type=float32",
+}
+
+
+def direction(name_stack: str) -> str:
+  """``'backward'``, ``'jvp'`` or ``'forward'`` for an op with the name
+  stack ``name_stack``, from the markers JAX's autodiff puts into names:
+  ``transpose(...)`` around a transposed op (the backward pass of
+  ``jax.grad`` and ``jax.vjp``), ``jvp(...)`` around an op of a
+  differentiated function's forward sweep (see :class:`ReductionRow`).
+
+  Examples:
+    >>> from jaxprec._src.inspect.audit import direction
+    >>> direction("transpose(jvp(MLP))/dense"), direction("jvp(MLP)/dense")
+    ('backward', 'jvp')
+    >>> direction("jit(f)/MLP/dense")
+    'forward'
+  """
+  if "transpose(" in name_stack:
+    return "backward"
+  if "jvp(" in name_stack:
+    return "jvp"
+  return "forward"
+
+
+def _mesh_sizes(eqn: Any) -> dict[str, int]:
+  """The axis sizes of the mesh a ``shard_map`` (or a pmap) binds."""
+  params = eqn.params
+  if eqn.primitive.name == "shard_map":
+    shape = getattr(params.get("mesh"), "shape", None)
+    if isinstance(shape, Mapping):
+      return {str(k): known_int(v) for k, v in shape.items()}
+  elif eqn.primitive.name == "xla_pmap":  # older JAX's pmap primitive
+    return {str(params.get("axis_name")): known_int(params.get("axis_size"))}
+  return {}
+
+
+class _LoopCarries:
+  """The adds that a ``scan`` or ``while`` body applies to a narrow carry:
+  ``carry_out = add(carry_in, x)``. Fed each equation after its row, before
+  its body is walked."""
+
+  def __init__(self) -> None:
+    self._terms: dict[int, int] = {}
+
+  def terms(self, eqn: Any) -> int | None:
+    """The loop's trip count (0: unknown) if ``eqn`` adds to a carry."""
+    return self._terms.get(id(eqn))
+
+  def visit(self, eqn: Any) -> None:
+    params = eqn.params
+    name = eqn.primitive.name
+    if name == "scan":
+      body, first = params["jaxpr"].jaxpr, params["num_consts"]
+      count, trips = params["num_carry"], known_int(params.get("length", 0))
+    elif name == "while":
+      body, first = params["body_jaxpr"].jaxpr, params["body_nconsts"]
+      count, trips = len(body.outvars), 0
+    else:
+      return
+    made = {v: e for e in body.eqns for v in e.outvars}
+    for i in range(count):
+      out, carry = body.outvars[i], body.invars[first + i]
+      add = made.get(out) if isinstance(out, compat.Var) else None
+      if (add is not None and add.primitive.name in _CARRY_ADDS
+          and any(v is carry for v in add.invars)
+          and narrow_float(out.aval.dtype)):
+        self._terms[id(add)] = trips
+
+
+def _reduction(w: walker.WalkedEqn, name_stack: str, module: str,
+               row: AuditRow | None, number: int, mesh: dict[str, int],
+               loops: _LoopCarries) -> ReductionRow | None:
+  """The :class:`ReductionRow` of ``w``, or None where it adds nothing in a
+  narrow float. ``row`` is its :class:`AuditRow` (number ``number``) for a
+  dot or convolution, ``mesh`` the axis sizes of the enclosing meshes."""
+  eqn = w.eqn
+  prim = eqn.primitive.name
+  params = eqn.params
+  ins = [v.aval for v in eqn.invars]
+  outs = [v.aval for v in eqn.outvars]
+  kind = ACCUMULATING.get(prim)
+  axes: tuple[str, ...] = ()
+  operands, index = 1, 0
+  if row is not None:
+    if not narrow_float(row.accumulation_dtype):
+      return None
+    kind = numerics.op_kind(prim)
+    dtype = row.accumulation_dtype
+    if prim == "conv_general_dilated":
+      spec = params["dimension_numbers"].rhs_spec
+      terms = math.prod(ins[1].shape[i] for i in spec[2:]) * ins[1].shape[spec[1]]
+    else:
+      dims = (params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+              if prim == "ragged_dot_general" else params["dimension_numbers"])
+      terms = math.prod(ins[0].shape[i] for i in dims[0][0])
+  elif loops.terms(eqn) is not None:
+    kind, terms = "loop", loops.terms(eqn) or 0
+    dtype = np.dtype(outs[0].dtype).name
+  elif kind is None:
+    return None
+  else:
+    if kind in ("sum", "window") and prim in ("reduce", "reduce_window"):
+      if not any(e.primitive.name in ("add", "add_any")
+                 for j in compat.jaxprs_in_params(params) for e in j.eqns):
+        return None
+    narrow = [i for i, a in enumerate(ins)
+              if hasattr(a, "dtype") and narrow_float(a.dtype)]
+    if prim.startswith(("scatter", "select_and_scatter")):
+      # (operand, indices, updates) or (source, operand): the values added
+      narrow = [i for i in narrow if i != 1] if prim.startswith("scatter") else narrow
+    if not narrow:
+      return None
+    index = narrow[0]
+    operands = len(narrow) if kind == "collective" else 1
+    dtype = np.dtype(ins[index].dtype).name
+    terms = _terms(prim, params, ins, index, mesh)
+    if kind == "collective":
+      names = params.get("axes", params.get("axis_name", ()))
+      axes = tuple(str(a) for a in (names if isinstance(names, tuple)
+                                    else (names,)))
+  shape = tuple(ins[index].shape) if row is None else tuple(row.lhs_shape)
+  out_i = min(index, len(outs) - 1) if kind in ("collective", "sum") else 0
+  terms = known_int(terms)
+  if terms == 1 and kind != "collective":
+    return None  # one value: nothing is added (a sum over an axis of size 1)
+  rejected = (prim == "reduce_sum" and dtype in ("bfloat16", "float16")
+              and any(known_int(ins[0].shape[a]) != 1 for a in params["axes"]))
+  if kind == "collective":
+    what = f"the {dtype} values of {terms or 'all the'} devices"
+  else:
+    what = f"{terms} {dtype} values" if terms else f"{dtype} values"
+  reason = (f"adds {what} into each result, rounding every partial sum to "
+            f"{dtype}; {_FIXES[kind]}")
+  source, op = _frames(eqn)
+  return ReductionRow(
+      primitive=prim, kind=kind, dtype=dtype, operand_shape=shape,
+      out_shape=tuple(outs[out_i].shape), operands=operands,
+      terms=terms, direction=direction(name_stack), axes=axes,
+      rejected_by_flag=rejected, matmul_row=number if row is not None else 0,
+      reason=reason, source=source, op=op, name_stack=name_stack,
+      scope=tuple(w.scope), trip_count=w.trip_count, module_path=module)
+
+
+def _terms(prim: str, params: dict, ins: list[Any], index: int,
+           mesh: dict[str, int]) -> int:
+  """How many values a reduction adds into one result element at most."""
+  shape = ins[index].shape
+  if prim in ("reduce_sum", "reduce"):
+    return math.prod(shape[a] for a in params.get("axes",
+                                                  params.get("dimensions", ())))
+  if prim in ("reduce_window_sum", "reduce_window"):
+    return math.prod(params["window_dimensions"])
+  if prim in ("cumsum", "cumlogsumexp"):
+    return shape[params["axis"]]
+  if prim == "select_and_scatter_add":
+    return math.prod(-(-w // s) for w, s in zip(params["window_dimensions"],
+                                                params["window_strides"]))
+  if prim.startswith("scatter"):
+    window = params["dimension_numbers"].update_window_dims
+    updates = ins[2].shape
+    return 1 + math.prod(d for i, d in enumerate(updates) if i not in window)
+  # A collective: the devices along its axes.
+  if "axis_size" in params:
+    return known_int(params["axis_size"])
+  names = params.get("axes", params.get("axis_name", ()))
+  sizes = [mesh.get(str(a), 0) for a in (names if isinstance(names, tuple)
+                                         else (names,))]
+  return math.prod(sizes) if all(sizes) else 0
 
 
 def _row(w: walker.WalkedEqn, name_stack: str, module: str,
@@ -842,4 +1192,60 @@ def _opaque_lines(report: AuditReport) -> list[str]:
     stack = f" [{r.name_stack}]" if r.name_stack else ""
     times = f" x{r.trip_count}" if r.trip_count != 1 else ""
     out.append(f"  {r.name}{times}{stack}{where}")
+  return out
+
+
+# Reductions are printed as wrapped lines, not as a table: every line fits
+# in this many columns.
+_WIDTH = 100
+
+
+def _count(r: ReductionRow) -> str:
+  noun = "device" if r.kind == "collective" else "term"
+  if not r.terms:
+    return f"{noun}s unknown"
+  return f"{r.terms} {noun}" + ("" if r.terms == 1 else "s")
+
+
+def _reduction_lines(report: AuditReport) -> list[str]:
+  """The report's :class:`ReductionRow` as lines of at most :data:`_WIDTH`."""
+  rows = report.reductions
+  if not rows:
+    return []
+  dtypes = "/".join(dict.fromkeys(r.dtype for r in rows))
+  n = len(rows)
+  out = textwrap.wrap(
+      f"low-precision accumulation: {n} {'op adds' if n == 1 else 'ops add'} "
+      f"in {dtypes}, each partial sum rounded to it:", _WIDTH,
+      subsequent_indent="  ")
+  for i, r in enumerate(rows, 1):
+    what = (f"{r.primitive} #{r.matmul_row}" if r.matmul_row else r.primitive)
+    shape = _shape(r.dtype, r.operand_shape)
+    if r.operands > 1:
+      shape += f" and {r.operands - 1} more"
+    parts = [f"R{i}", what, f"{shape} -> [{','.join(map(str, r.out_shape))}]",
+             _count(r), r.direction]
+    if r.trip_count != 1:
+      parts.append(f"x{r.trip_count}")
+    if r.axes:
+      parts.append(f"over {','.join(r.axes)}")
+    if r.module_path:
+      parts.append(f"module {r.module_path}")
+    if r.name_stack:
+      parts.append(f"[{r.name_stack}]")
+    if r.source:
+      parts.append(f"at {_short_path(r.source)}")
+    out += textwrap.wrap("  " + "  ".join(parts), _WIDTH,
+                         subsequent_indent="      ", break_on_hyphens=False)
+  by_reason: dict[str, list[int]] = {}
+  for i, r in enumerate(rows, 1):
+    by_reason.setdefault(r.reason, []).append(i)
+  for reason, nums in by_reason.items():
+    out += textwrap.wrap(f"  {', '.join(f'R{i}' for i in nums)}: {reason}",
+                         _WIDTH, subsequent_indent="      ")
+  flagged = [i for i, r in enumerate(rows, 1) if r.rejected_by_flag]
+  if flagged:
+    out += textwrap.wrap(
+        f"  {', '.join(f'R{i}' for i in flagged)}: {FLAG_NOTE}", _WIDTH,
+        subsequent_indent="      ")
   return out
