@@ -1,0 +1,966 @@
+"""Port checks: is a JAX port of a PyTorch model wrong, or is it precision?
+
+:func:`port_check` runs a JAX model (an NNX module, a linen module with its
+variables, or a function) and its PyTorch original on the same inputs, pairs
+their layers without hand-written names, and for every pair and row
+(precision) measures:
+
+* the **local** error: the JAX layer run on the PyTorch layer's own input,
+  against the PyTorch layer's output (shadow mode, as PyTorch's Numeric
+  Suite's shadow loggers separate local from propagated error);
+* the **propagated** error: the JAX layer's output in a full JAX run against
+  the PyTorch layer's output (what ``jaxprec.check`` shows);
+* the **floor**: the local error of float32 JAX against float32 PyTorch, and
+  the **noise**: float32 JAX against float64 JAX on the same input, what
+  float32 rounding alone makes in that layer;
+* the **envelope**: the row's precision against float32 JAX on the same input
+  (emulated on the target), what the precision alone makes in that layer.
+
+A layer's local error is *explained* when it is within ``factor * (noise +
+envelope) + SLACK`` (``rel_rms``); a layer that is not, while every paired
+layer inside it is, is a **suspect**: the bug is in its own code.
+All arithmetic on results is float64 NumPy on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import math
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxprec._src.checker import layers as layers_lib
+from jaxprec._src.checker import render
+from jaxprec._src.checker import rows as rows_lib
+from jaxprec._src.core import numerics
+from jaxprec._src.torch import torch_ref
+
+# A layer's local error is explained when it is at most
+# PORT_FACTOR * (noise + envelope) + SLACK (rel_rms). Two float32
+# implementations that differ only in the order of their roundings are each
+# about one noise away from the exact result, so a correct layer's floor is
+# within about 2x its noise (measured on the test models: at most 3x); a
+# wrong formula (GELU's tanh approximation for the exact GELU, a lost
+# LayerNorm bias) is 100x to 1e6x above it.
+PORT_FACTOR = 10.0
+# The rel_rms that is always explained: 2**-20, 16 float32 units in the last
+# place, for layers whose float32 noise is zero (a gather, a copy).
+SLACK = 2.0 ** -20
+# Pairing: a candidate whose score is within this of the best is a tie.
+_TIE = 0.02
+
+AlignmentLike = (Mapping[str, "str | None"]
+                 | Sequence[tuple[str, "str | None"]] | None)
+
+
+# ---------------------------------------------------------------------------
+# Layers as both frameworks run them.
+
+
+@dataclasses.dataclass
+class _Layer:
+  """One call of a module: its float inputs and outputs as float32 NumPy."""
+
+  name: str
+  inputs: list[np.ndarray]
+  outputs: list[np.ndarray]
+  shadow: Callable[[Any, list[Any]], list[Any]] | None = None  # (plan wrap, inputs) -> outputs
+
+  @property
+  def in_shapes(self) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(x.shape) for x in self.inputs)
+
+  @property
+  def out_shapes(self) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(x.shape) for x in self.outputs)
+
+
+def _float_leaves(tree: Any) -> list[Any]:
+  return [x for x in jax.tree_util.tree_leaves(tree) if layers_lib.is_float(x)]
+
+
+def _numbered(names: list[str]) -> list[str]:
+  """``name#0``, ``name#1`` for a name met more than once (a module called
+  twice), as :func:`jaxprec.check_module` and :func:`capture` name them."""
+  counts: dict[str, int] = {}
+  for n in names:
+    counts[n] = counts.get(n, 0) + 1
+  seen: dict[str, int] = {}
+  out = []
+  for n in names:
+    if counts[n] == 1:
+      out.append(n)
+    else:
+      out.append(f"{n}#{seen.get(n, 0)}")
+      seen[n] = seen.get(n, 0) + 1
+  return out
+
+
+def _torch_layers(model: Any, args: tuple, kwargs: dict) -> list[_Layer]:
+  """Every submodule call of a PyTorch model, in the order the calls end
+  (forward-hook order: children before their parent, the root last, named
+  ``'output'``)."""
+  torch = torch_ref.import_torch()
+  if not isinstance(model, torch.nn.Module):
+    raise TypeError(f"port_check: torch_model must be a torch.nn.Module; got "
+                    f"{type(model).__name__}")
+  paths = {id(m): n for n, m in model.named_modules()}
+  found: list[tuple[str, list, list]] = []
+
+  def floats(x: Any) -> list[np.ndarray]:
+    torch_ref._named(x, "x", d := {})  # noqa: SLF001 -- one naming of tensors
+    return [np.asarray(v, np.float32) for v in d.values()]
+
+  def hook(mod, a, k, out):
+    ins = [v for x in (*a, *k.values()) for v in floats(x)]
+    found.append((paths[id(mod)] or "output", ins,
+                  floats(torch_ref._main_output(out))))  # noqa: SLF001
+
+  flags = {m: m.training for m in model.modules()}
+  handles = []
+  try:
+    for m in model.modules():
+      handles.append(m.register_forward_hook(hook, with_kwargs=True))
+    model.eval()
+    args = tuple(torch_ref._as_torch(a, torch) for a in args)  # noqa: SLF001
+    kwargs = {k: torch_ref._as_torch(v, torch) for k, v in kwargs.items()}  # noqa: SLF001
+    with torch.no_grad():
+      model(*args, **kwargs)
+  finally:
+    for h in handles:
+      h.remove()
+    for m, training in flags.items():
+      m.training = training
+  names = _numbered([n for n, _, _ in found])
+  return [_Layer(n, i, o) for n, (_, i, o) in zip(names, found) if o]
+
+
+_ACTIVE = threading.local()  # the list the recording classes append calls to
+
+
+@functools.lru_cache(maxsize=1024)
+def _recording(cls: type) -> type | None:
+  """``cls`` whose ``__call__`` appends ``(self, args, kwargs, output)`` to
+  the active list (none: it is ``cls``)."""
+  from jaxprec._src.flax import hook  # noqa: PLC0415 -- Flax when in use
+  if not hook.callable_class(cls):
+    return None
+  call = cls.__call__
+
+  def __call__(self, *args, **kwargs):
+    out = call(self, *args, **kwargs)
+    calls = getattr(_ACTIVE, "calls", None)
+    if calls is not None:
+      calls.append((self, args, kwargs, out))
+    return out
+  extra = ({"pytree": cls._pytree__is_pytree}  # noqa: SLF001 -- as hook.py
+           if hasattr(cls, "_pytree__is_pytree") else {})
+  try:
+    return type(cls.__name__, (cls,), {
+        "__call__": functools.wraps(call)(__call__),
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "_jaxprec_port_base": cls}, **extra)
+  except TypeError:
+    return None
+
+
+def _nnx_calls(graphdef: Any, state: Any, inputs: tuple, kwargs: dict
+               ) -> list[tuple[str, Any, tuple, dict, Any]]:
+  """``(path, module, args, kwargs, output)`` of every submodule call of the
+  NNX model ``merge(graphdef, state)`` (a new object), in the order the
+  calls end."""
+  from flax import nnx  # noqa: PLC0415
+  m = nnx.merge(graphdef, state)
+  paths: dict[int, str] = {}
+  for path, mod in nnx.iter_modules(m):
+    paths.setdefault(id(mod), "/".join(map(str, path)) or "output")
+    base = getattr(type(mod), "_jaxprec_port_base", type(mod))
+    cls = _recording(base)
+    if cls is not None and type(mod) is not cls:
+      object.__setattr__(mod, "__class__", cls)
+  calls: list = []
+  previous = getattr(_ACTIVE, "calls", None)
+  _ACTIVE.calls = calls
+  try:
+    m(*inputs, **kwargs)
+  finally:
+    _ACTIVE.calls = previous
+  return [(paths[id(mod)], mod, a, k, out) for mod, a, k, out in calls
+          if id(mod) in paths]
+
+
+def _linen_calls(module: Any, variables: Any, inputs: tuple, kwargs: dict,
+                 keep: bool) -> list[tuple[str, Any, tuple, dict, Any]]:
+  """As :func:`_nnx_calls` for a linen module: ``module`` is ``(unbound
+  module, its variables)`` when ``keep``, else None."""
+  from flax import linen as nn  # noqa: PLC0415
+  calls: list = []
+
+  def interceptor(next_fun, args, kw, context):
+    out = next_fun(*args, **kw)
+    mod = context.module
+    if context.method_name == "__call__" and mod.scope is not None:
+      name = "/".join(map(str, mod.scope.path)) or "output"
+      calls.append((name, mod.unbind() if keep else None, args, kw, out))
+    return out
+  with nn.intercept_methods(interceptor):
+    module.apply(variables, *inputs, **kwargs)
+  return calls
+
+
+def _f64(tree: Any) -> Any:
+  return jax.tree_util.tree_map(
+      lambda x: np.asarray(x, np.float64) if layers_lib.is_float(x) else x,
+      tree)
+
+
+def _substituted(args: tuple, kwargs: dict, new: list[Any]) -> tuple[tuple, dict]:
+  """``(args, kwargs)`` with their floating array leaves replaced, in order,
+  by ``new``."""
+  leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+  it = iter(new)
+  leaves = [next(it) if layers_lib.is_float(x) else x for x in leaves]
+  return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+class _JaxModel:
+  """The JAX side: its layers at float32 (with a way to run each alone),
+  and its layers' outputs at any row."""
+
+  def __init__(self, jax_model: Any, inputs: tuple, kwargs: dict):
+    self.kind, self._run = self._kind(jax_model)
+    self.inputs, self.kwargs = inputs, kwargs
+    self.model = jax_model
+
+  @staticmethod
+  def _kind(jax_model: Any) -> tuple[str, Any]:
+    try:
+      from flax import nnx  # noqa: PLC0415
+      from flax import linen as nn  # noqa: PLC0415
+    except ImportError:  # a function needs no Flax
+      nnx = nn = None
+    if nnx is not None and isinstance(jax_model, nnx.Module):
+      return "nnx", nnx.split(jax_model)
+    if nn is not None and isinstance(jax_model, nn.Module):
+      raise TypeError("port_check: give a linen module with its variables, "
+                      "as (module, variables)")
+    if (nn is not None and isinstance(jax_model, tuple) and len(jax_model) == 2
+        and isinstance(jax_model[0], nn.Module)):
+      module, variables = jax_model
+      if not isinstance(variables, Mapping):
+        raise TypeError(f"port_check: (linen module, variables): the "
+                        f"variables must be a dict with 'params'; got "
+                        f"{type(variables).__name__}")
+      return "linen", (module, variables)
+    if callable(jax_model):
+      return "function", jax_model
+    raise TypeError(f"port_check: jax_model must be an NNX module, a (linen "
+                    f"module, variables) pair or a function; got "
+                    f"{type(jax_model).__name__}")
+
+  def _calls(self, inputs: tuple, kwargs: dict, keep: bool, state: Any = None):
+    if self.kind == "nnx":
+      graphdef, own = self._run
+      return _nnx_calls(graphdef, own if state is None else state, inputs,
+                        kwargs)
+    module, own = self._run
+    return _linen_calls(module, own if state is None else state, inputs,
+                        kwargs, keep)
+
+  def _state(self) -> Any:
+    return self._run[1] if self.kind in ("nnx", "linen") else None
+
+  def outputs_fn(self) -> Callable[..., dict[str, list[Any]]]:
+    """``f(state, *inputs, **kwargs) -> {layer: [float outputs]}``."""
+    if self.kind == "function":
+      fn = self._run
+
+      def from_function(_state, *inputs, **kwargs):
+        return {n: [v] for n, v in layers_lib.layers(fn(*inputs, **kwargs))}
+      return from_function
+
+    def from_modules(state, *inputs, **kwargs):
+      calls = self._calls(inputs, kwargs, keep=False, state=state)
+      names = _numbered([c[0] for c in calls])
+      return {n: _float_leaves(c[4]) for n, c in zip(names, calls)}
+    return from_modules
+
+  def outputs(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+              x64: bool = False) -> dict[str, list[np.ndarray]]:
+    """Every layer's outputs of a full run, computed as ``wrap`` computes."""
+    state, inputs, kwargs = self._state(), self.inputs, self.kwargs
+    with jax.enable_x64(x64):
+      if x64:
+        state, inputs, kwargs = _f64((state, inputs, kwargs))
+      out = wrap(self.outputs_fn())(state, *inputs, **kwargs)
+      return {k: [np.asarray(v, np.float64) for v in vs]
+              for k, vs in out.items()}
+
+  def layers(self, f32: Callable[[Callable[..., Any]], Callable[..., Any]]
+             ) -> list[_Layer]:
+    """The layers of a float32 run, each with its shadow (the layer alone on
+    other inputs), in the order the calls end."""
+    if self.kind == "function":
+      out = self.outputs(f32)
+      return [_Layer(n, [], [np.asarray(v, np.float32) for v in vs])
+              for n, vs in out.items()]
+    with jax.default_matmul_precision("float32"):
+      calls = self._calls(self.inputs, self.kwargs, keep=True)
+    names = _numbered([c[0] for c in calls])
+    found = []
+    for name, (_, mod, args, kwargs, out) in zip(names, calls):
+      outs = _float_leaves(out)
+      if not outs:
+        continue
+      ins = [np.asarray(x, np.float32) for x in
+             _float_leaves((args, kwargs))]
+      found.append(_Layer(name, ins, [np.asarray(x, np.float32) for x in outs],
+                          self._shadow(mod, args, kwargs)))
+    return found
+
+  def _shadow(self, mod: Any, args: tuple, kwargs: dict):
+    """``run(wrap, new_inputs, x64) -> [outputs]``: the module alone on
+    ``new_inputs`` (its floating inputs, in order; the rest as recorded)."""
+    if self.kind == "nnx":
+      from flax import nnx  # noqa: PLC0415
+      graphdef, state = nnx.split(mod)
+
+      def alone(state, *a, **k):
+        return _float_leaves(nnx.merge(graphdef, state)(*a, **k))
+    else:
+      unbound, state = mod
+
+      def alone(state, *a, **k):
+        return _float_leaves(unbound.apply(state, *a, **k))
+
+    def run(wrap, new, x64=False):
+      a, k = _substituted(args, kwargs, list(new))
+      s = state
+      with jax.enable_x64(x64):
+        if x64:
+          s, a, k = _f64((s, a, k))
+        return [np.asarray(v, np.float64) for v in wrap(alone)(s, *a, **k)]
+    return run
+
+
+# ---------------------------------------------------------------------------
+# Errors.
+
+
+def rel_rms(candidate: Sequence[Any], reference: Sequence[Any]) -> float:
+  """``||c - r|| / ||r||`` over all elements of the lists, in float64 (0 when
+  both are zero; inf when only ``r`` is; inf on a non-finite mismatch)."""
+  c = np.concatenate([np.asarray(x, np.float64).ravel() for x in candidate])
+  r = np.concatenate([np.asarray(x, np.float64).ravel() for x in reference])
+  bad = ~(np.isfinite(c) & np.isfinite(r))
+  if bad.any():
+    if not np.array_equal(c[bad], r[bad], equal_nan=True):
+      return math.inf
+    c, r = c[~bad], r[~bad]
+  num, den = float(np.sum((c - r) ** 2)), float(np.sum(r ** 2))
+  if den == 0:
+    return 0.0 if num == 0 else math.inf
+  return math.sqrt(num / den)
+
+
+def _max_abs(candidate: Sequence[Any], reference: Sequence[Any]) -> float:
+  d = [np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+       for a, b in zip(candidate, reference)]
+  return float(max((x.max() for x in d if x.size), default=0.0))
+
+
+# ---------------------------------------------------------------------------
+# Alignment.
+
+
+def _closeness(err: float) -> float:
+  """An error as a score in [0, 1]: 1e-12 -> 1, 1 -> 0."""
+  if not math.isfinite(err):
+    return 0.0
+  return min(1.0, max(0.0, -math.log10(max(err, 1e-12)) / 12))
+
+
+def _name_similarity(a: str, b: str) -> float:
+  return difflib.SequenceMatcher(
+      None, layers_lib.normalize(a).lower(),
+      layers_lib.normalize(b).lower()).ratio()
+
+
+def _fits(j: _Layer, t: _Layer, inputs: bool) -> bool:
+  return j.out_shapes == t.out_shapes and (not inputs or
+                                           j.in_shapes == t.in_shapes)
+
+
+def _pins(alignment: AlignmentLike, jax_names: list[str],
+          torch_names: list[str]) -> dict[str, str | None]:
+  """The user's pairs, JAX name -> PyTorch name (None: leave unpaired)."""
+  if alignment is None:
+    return {}
+  pins: dict[str, str | None] = {}
+  if isinstance(alignment, Mapping):
+    for j, t in alignment.items():
+      if j not in jax_names:
+        raise ValueError(f"alignment names {j!r}, which is no layer of the "
+                         f"JAX model{_closest(j, jax_names)}")
+      pins[j] = t
+  elif isinstance(alignment, Sequence) and not isinstance(alignment, str):
+    for pair in alignment:
+      if not (isinstance(pair, tuple) and len(pair) == 2):
+        raise TypeError(f"alignment: each pair is (JAX regex, PyTorch name "
+                        f"template or None); got {pair!r}")
+      pattern, template = pair
+      try:
+        rx = re.compile(pattern)
+      except re.error as e:
+        raise ValueError(f"alignment: {pattern!r} is not a regular "
+                         f"expression: {e}") from None
+      hits = [(j, m) for j in jax_names if (m := rx.fullmatch(j))]
+      if not hits:
+        raise ValueError(f"alignment: {pattern!r} matches no layer of the "
+                         f"JAX model (some: {', '.join(jax_names[:6])})")
+      for j, m in hits:
+        pins.setdefault(j, None if template is None else m.expand(template))
+  else:
+    raise TypeError(f"alignment must be a dict (JAX name -> PyTorch name), a "
+                    f"list of (JAX regex, PyTorch template) pairs, or None; "
+                    f"got {type(alignment).__name__}")
+  for j, t in pins.items():
+    if t is not None and t not in torch_names:
+      raise ValueError(f"alignment pairs {j!r} with {t!r}, which is no "
+                       f"layer of the PyTorch model"
+                       f"{_closest(t, torch_names)}")
+  taken = [t for t in pins.values() if t is not None]
+  twice = sorted({t for t in taken if taken.count(t) > 1})
+  if twice:
+    raise ValueError(f"alignment pairs {twice[0]!r} with two JAX layers")
+  return pins
+
+
+def _closest(name: str, names: list[str]) -> str:
+  near = difflib.get_close_matches(name, names, n=3, cutoff=0.4)
+  return (f"; closest: {', '.join(map(repr, near))}" if near else
+          f"; layers: {', '.join(map(repr, names[:8]))}")
+
+
+def _dp(js: list[int], ts: list[int], score: Callable[[int, int], float | None]
+        ) -> list[tuple[int, int]]:
+  """The order-preserving pairing of ``js`` with ``ts`` of the largest total
+  score (None: not a pair)."""
+  n, m = len(js), len(ts)
+  best = np.zeros((n + 1, m + 1))
+  for a in range(1, n + 1):
+    for b in range(1, m + 1):
+      s = score(js[a - 1], ts[b - 1])
+      best[a, b] = max(best[a - 1, b], best[a, b - 1],
+                       -1.0 if s is None else best[a - 1, b - 1] + s)
+  pairs = []
+  a, b = n, m
+  while a and b:
+    s = score(js[a - 1], ts[b - 1])
+    if s is not None and best[a, b] == best[a - 1, b - 1] + s:
+      pairs.append((js[a - 1], ts[b - 1]))
+      a, b = a - 1, b - 1
+    elif best[a, b] == best[a - 1, b]:
+      a -= 1
+    else:
+      b -= 1
+  return pairs[::-1]
+
+
+def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
+          alignment: AlignmentLike, local: Callable[[int, int], float]
+          ) -> dict[int, int]:
+  """JAX layer index -> PyTorch layer index (see :func:`port_check`).
+
+  Pairs keep the order both frameworks ran the layers in; a pair needs equal
+  output shapes (and input shapes, when the JAX layers have inputs); among
+  those, the pairing with the most pairs wins, then the closest float32
+  outputs, then the most similar names. A JAX layer with two candidates that
+  tie is decided by its local error (``local(j, t)``: it run on each
+  candidate's input); a tie that remains is an error naming them.
+  """
+  jn = [l.name for l in jax_layers]
+  tn = [l.name for l in torch_layers]
+  pins = _pins(alignment, jn, tn)
+  inputs = any(l.inputs for l in jax_layers)
+  fixed: dict[int, int] = {}
+  for j, t in pins.items():
+    if t is None:
+      continue
+    a, b = jn.index(j), tn.index(t)
+    if jax_layers[a].out_shapes != torch_layers[b].out_shapes:
+      raise ValueError(
+          f"alignment pairs {j!r} (outputs {list(jax_layers[a].out_shapes)}) "
+          f"with {t!r} (outputs {list(torch_layers[b].out_shapes)}): their "
+          f"shapes differ")
+    fixed[a] = b
+  free_j = [i for i, n in enumerate(jn) if n not in pins]
+  free_t = [i for i in range(len(tn)) if i not in fixed.values()]
+  close: dict[tuple[int, int], float] = {}
+
+  def score(a: int, b: int) -> float | None:
+    j, t = jax_layers[a], torch_layers[b]
+    if not _fits(j, t, inputs):
+      return None
+    if (a, b) not in close:
+      close[a, b] = _closeness(rel_rms(j.outputs, t.outputs))
+    return 1.0 + 0.5 * close[a, b] + 0.25 * _name_similarity(j.name, t.name)
+
+  for attempt in range(2):
+    pairs = _dp(free_j, free_t, score)
+    tied = _ties(pairs, free_t, score)
+    if not tied:
+      break
+    if attempt == 0:  # decide by the local error, where it can be measured
+      for a, cands in tied.items():
+        for b in cands:
+          err = local(a, b)
+          if math.isfinite(err):
+            close[a, b] = _closeness(err)
+      continue
+    a, cands = next(iter(tied.items()))
+    names = ", ".join(repr(tn[b]) for b in cands)
+    raise ValueError(
+        f"port_check cannot pair the JAX layer {jn[a]!r}: the PyTorch layers "
+        f"{names} fit it equally (same shapes, equally close at float32, "
+        f"equally named); pin one with alignment={{{jn[a]!r}: "
+        f"{tn[cands[0]]!r}}}")
+  return {**dict(pairs), **fixed}
+
+
+def _ties(pairs: list[tuple[int, int]], free_t: list[int],
+          score: Callable[[int, int], float | None]) -> dict[int, list[int]]:
+  """JAX layers whose partner has a rival as good in its order window:
+  JAX index -> [partner, rivals...]."""
+  used = {b for _, b in pairs}
+  out: dict[int, list[int]] = {}
+  for k, (a, b) in enumerate(pairs):
+    lo = pairs[k - 1][1] if k else -1
+    hi = pairs[k + 1][1] if k + 1 < len(pairs) else math.inf
+    s = score(a, b)
+    rivals = [c for c in free_t if lo < c < hi and c != b and c not in used
+              and (r := score(a, c)) is not None and r >= s - _TIE]
+    if rivals:
+      out[a] = [b, *rivals]
+  return out
+
+
+# ---------------------------------------------------------------------------
+# The report.
+
+
+@dataclasses.dataclass(frozen=True)
+class PortLayer:
+  """One paired layer of a :class:`PortReport`; errors are ``rel_rms``
+  (``||jax - ref|| / ||ref||`` over the layer's floating outputs).
+
+  Attributes:
+    name: the JAX layer (module path, as :func:`jaxprec.check_module` names
+      it; a function's output by its pytree path).
+    torch_name: the PyTorch module it is paired with (``'output'``: the
+      root).
+    shape: the shape of its (first) output.
+    floor: float32 JAX against float32 PyTorch, local (the layer on
+      PyTorch's input); NaN where the layer cannot run alone (a function's
+      output).
+    noise: float32 JAX against float64 JAX on the same input: what float32
+      rounding alone makes in the layer (propagated for a function's output).
+    envelope: per row, the row against float32 JAX on the same input.
+    local: per row, the layer at the row on PyTorch's input against
+      PyTorch's output (NaN where it cannot run alone).
+    local_max_abs: per row, the largest absolute local error.
+    propagated: per row, the full JAX run at the row against PyTorch.
+    bound: per row, what explains the error: ``factor * (noise +
+      envelope) + SLACK``.
+    verdict: per row, ``'ok'`` (explained), ``'SUSPECT'``, ``'inside'``
+      (not explained, but a suspect inside the module explains it) or
+      ``'after'`` (a function's output after an unexplained one).
+    unpaired_inside: JAX layers inside this module that have no PyTorch
+      partner (a suspect's bug may be in one of them).
+  """
+
+  name: str
+  torch_name: str
+  shape: tuple[int, ...]
+  floor: float
+  noise: float
+  envelope: dict[str, float]
+  local: dict[str, float]
+  local_max_abs: dict[str, float]
+  propagated: dict[str, float]
+  bound: dict[str, float]
+  verdict: dict[str, str]
+  unpaired_inside: tuple[str, ...] = ()
+
+  def error(self, precision: str) -> float:
+    """The error the verdict judges: local, else propagated."""
+    x = self.local[precision]
+    return self.propagated[precision] if math.isnan(x) else x
+
+  def to_dict(self) -> dict[str, Any]:
+    return render.encode(dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class PortReport:
+  """What :func:`jaxprec.torch.port_check` found.
+
+  Attributes:
+    layers: one :class:`PortLayer` per paired layer, in the order the JAX
+      layers ran (children before their parent).
+    alignment: JAX layer -> PyTorch layer, the pairing used.
+    unpaired_jax, unpaired_torch: the layers without a partner, in order.
+    precisions: the rows; the floor is float32 whatever they are.
+    target: whose numerics the rows show (``'tpu'`` or ``'gpu'``).
+    numerics: row -> what it computes (``'bf16x1 (emulated)'``).
+    factor: the factor of the suspect rule.
+    kind: ``'nnx'``, ``'linen'`` or ``'function'``.
+    notes: what the user should know (layers that could not run alone).
+  """
+
+  layers: tuple[PortLayer, ...]
+  alignment: dict[str, str]
+  unpaired_jax: tuple[str, ...]
+  unpaired_torch: tuple[str, ...]
+  precisions: tuple[str, ...]
+  target: str
+  numerics: dict[str, str]
+  factor: float
+  kind: str
+  notes: tuple[str, ...] = ()
+
+  def layer(self, name: str) -> PortLayer:
+    """The paired layer named ``name`` (its JAX name)."""
+    for l in self.layers:
+      if l.name == name:
+        return l
+    raise KeyError(f"no paired layer {name!r}{_closest(name, [l.name for l in self.layers])}")
+
+  def _row(self, precision: str) -> str:
+    if precision not in self.precisions:
+      raise ValueError(f"{precision!r} is not a row of this report; rows: "
+                       f"{', '.join(self.precisions)}")
+    return precision
+
+  def suspects(self, precision: str | None = None) -> list[str]:
+    """The suspect layers at a row (None: at any row), in execution order,
+    innermost first: layers whose local error the floor noise and the
+    precision's envelope do not explain while every paired layer inside them
+    is explained.
+
+    Examples:
+      A report built by hand (``port_check`` builds them):
+
+      >>> from jaxprec._src.checker.port_check import PortReport
+      >>> r = PortReport(layers=(), alignment={}, unpaired_jax=(),
+      ...                unpaired_torch=(), precisions=("float32",),
+      ...                target="tpu", numerics={}, factor=10.0, kind="nnx")
+      >>> r.suspects("float32")
+      []
+    """
+    rows = self.precisions if precision is None else (self._row(precision),)
+    return [l.name for l in self.layers
+            if any(l.verdict[p] == "SUSPECT" for p in rows)]
+
+  def to_dict(self) -> dict[str, Any]:
+    """Everything, as JSON allows (non-finite floats as strings)."""
+    return render.encode({
+        "kind": self.kind, "target": self.target,
+        "precisions": list(self.precisions), "numerics": self.numerics,
+        "factor": self.factor, "slack": SLACK,
+        "suspects": {p: self.suspects(p) for p in self.precisions},
+        "alignment": self.alignment,
+        "unpaired_jax": list(self.unpaired_jax),
+        "unpaired_torch": list(self.unpaired_torch),
+        "layers": [dataclasses.asdict(l) for l in self.layers],
+        "notes": list(self.notes)})
+
+  def to_json(self, indent: int | None = 2) -> str:
+    """:meth:`to_dict` as strict JSON."""
+    return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+  def table(self, width: int = 100) -> str:
+    """The table: a line per layer and row with the floor, the noise, the
+    envelope, the local and propagated errors (``rel_rms``) and the verdict;
+    then the suspects and the unpaired layers. Names are shortened from the
+    left to fit ``width`` columns (at least 72)."""
+    width = max(72, int(width))
+    heads = ["layer", "pytorch", "row", "floor", "noise", "envelope",
+             "local", "propag.", "verdict"]
+    fixed = sum(len(h) for h in heads[2:])
+    body = []
+    rw = max([len(p) for p in self.precisions] + [3])
+    nums = [8] * 5
+    fixed = rw + sum(nums) + 7 + 2 * (len(heads) - 1)
+    room = max(16, width - fixed)
+    lw = max(6, min(max([len(l.name) for l in self.layers] + [5]),
+                    room * 3 // 5))
+    tw = max(6, min(max([len(l.torch_name) for l in self.layers] + [7]),
+                    room - lw))
+
+    def cut(s: str, w: int) -> str:
+      return s if len(s) <= w else "…" + s[len(s) - w + 1:]
+
+    def line(cells):
+      c = [cut(cells[0], lw).ljust(lw), cut(cells[1], tw).ljust(tw),
+           cells[2].ljust(rw), *(x.rjust(8) for x in cells[3:8]), cells[8]]
+      return "  ".join(c).rstrip()
+    body.append(line(heads))
+    body.append(line(["-" * lw, "-" * tw, "-" * rw, *["-" * 8] * 5, "-" * 7]))
+    for l in self.layers:
+      for i, p in enumerate(self.precisions):
+        first = i == 0
+        body.append(line([
+            l.name if first else "", l.torch_name if first else "", p,
+            render.fmt(l.floor) if first else "",
+            render.fmt(l.noise) if first else "",
+            render.fmt(l.envelope[p]), render.fmt(l.local[p]),
+            render.fmt(l.propagated[p]), l.verdict[p]]))
+    head = (f"port check ({self.kind}), target {self.target}: "
+            + "; ".join(f"{p} = {self.numerics.get(p, p)}"
+                        for p in self.precisions))
+    out = [*_wrap(head, width), *body]
+    for p in self.precisions:
+      s = self.suspects(p)
+      out += _wrap(f"suspects at {p}: {', '.join(s) if s else 'none'}", width)
+    out += _wrap(f"suspect: local error > {self.factor:g} x (noise + "
+                 f"envelope) + 2^-20 while every paired layer inside is "
+                 f"within it (errors are rel_rms)", width)
+    if self.unpaired_jax:
+      out += _wrap("JAX layers without a PyTorch partner: "
+                   + ", ".join(self.unpaired_jax), width)
+    if self.unpaired_torch:
+      out += _wrap("PyTorch layers without a JAX partner: "
+                   + ", ".join(self.unpaired_torch), width)
+    for n in self.notes:
+      out += _wrap(f"note: {n}", width)
+    return "\n".join(out)
+
+  def __str__(self) -> str:
+    return self.table()
+
+
+def _wrap(text: str, width: int) -> list[str]:
+  import textwrap  # noqa: PLC0415
+  return textwrap.wrap(text, width, break_long_words=True,
+                       subsequent_indent="  ") or [""]
+
+
+# ---------------------------------------------------------------------------
+# The check.
+
+
+def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
+               precisions: Sequence[str] | str = ("float32", "bfloat16"),
+               target: str = "tpu", alignment: AlignmentLike = None,
+               torch_inputs: Sequence[Any] | None = None,
+               kwargs: Mapping[str, Any] | None = None,
+               torch_kwargs: Mapping[str, Any] | None = None,
+               factor: float = PORT_FACTOR) -> PortReport:
+  """Is a JAX port of a PyTorch model wrong, or is it precision? Which layer?
+
+  Runs both models on the same inputs, pairs their layers, and measures for
+  every pair and row the local error (the JAX layer on the PyTorch layer's
+  own input, against the PyTorch layer's output), the propagated error (the
+  full JAX run against PyTorch), the floor (float32 JAX against float32
+  PyTorch, local), the noise (float32 against float64 JAX on the same input)
+  and the envelope (the row against float32 JAX on the same input, emulated
+  on ``target``). A layer whose local error exceeds ``factor * (noise +
+  envelope) + SLACK`` (``rel_rms``, ``SLACK = 2**-20``) while every paired
+  layer inside it is within that bound is a *suspect*: the bug is in its
+  own code, between its children. Neither model nor the inputs are changed.
+
+  Pairing, without hand-written names: the JAX layers (every module call, in
+  the order the calls end, named as :func:`jaxprec.check_module` names
+  them) and the PyTorch ones (every ``forward`` call, in forward-hook
+  order) are paired in that order, a pair needing equal output and input
+  shapes; among pairings with the most pairs, the one whose float32 outputs
+  are closest, then whose names are most alike, wins. Two candidates that
+  tie are decided by the local error; if they still tie, the call is
+  refused naming them. ``report.alignment`` shows the pairing,
+  ``unpaired_jax`` and ``unpaired_torch`` the layers left out.
+
+  Args:
+    jax_model: an ``nnx.Module``, a ``(linen module, variables)`` pair, or a
+      function returning its hidden states as a pytree (then only
+      propagated errors are measured, and the suspect is the first output
+      not explained after one that is).
+    torch_model: the ``torch.nn.Module`` it ports (run in eval mode under
+      ``no_grad``; every submodule's training flag is restored).
+    *inputs: NumPy arrays, given to both models (as tensors to PyTorch).
+    precisions: the rows (any name :func:`jaxprec.check` accepts;
+      ``'float32'`` is the floor).
+    target: ``'tpu'`` or ``'gpu'``: whose numerics the rows show.
+    alignment: pins: a dict JAX name -> PyTorch name (None: leave the JAX
+      layer unpaired), or a list of ``(JAX regex, PyTorch template)`` pairs
+      (the template expanded with the match: ``(r"blocks/(\\d+)",
+      r"layers.\\1")``). The other layers are paired automatically.
+    torch_inputs: PyTorch's positional arguments when their layout differs
+      from the JAX model's (``inputs`` then go to JAX only).
+    kwargs, torch_kwargs: keyword arguments for the JAX model and for
+      PyTorch (``torch_kwargs`` default: ``kwargs``).
+    factor: the factor of the suspect rule (default :data:`PORT_FACTOR`).
+
+  Returns:
+    A :class:`PortReport`.
+
+  Raises:
+    TypeError: a model of the wrong kind; a bad ``alignment``.
+    ValueError: an unknown precision or target; a pin naming no layer; two
+      PyTorch layers that fit a JAX layer equally (naming them); no pair.
+    ImportError: PyTorch is not installed.
+  """
+  target = numerics.check_target(target)
+  mode = numerics.resolve_mode("auto", target)
+  if not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
+          and math.isfinite(factor) and factor >= 1):
+    raise ValueError(f"factor must be a finite number >= 1; got {factor!r}")
+  plans = rows_lib.plans(precisions, target, mode)
+  plans = [rows_lib.native_float32(p.label) if p.label == rows_lib.FLOOR
+           else p for p in plans]
+  f32 = rows_lib.native_float32().wrap
+  kwargs = dict(kwargs or {})
+  torch_kwargs = dict(kwargs if torch_kwargs is None else torch_kwargs)
+  jax_side = _JaxModel(jax_model, inputs, kwargs)
+  torch_layers = _torch_layers(
+      torch_model, tuple(inputs if torch_inputs is None else torch_inputs),
+      torch_kwargs)
+  if jax_side.kind == "function":  # the root's outputs by name, last
+    root = next((l for l in reversed(torch_layers) if l.name == "output"), None)
+    torch_layers = [l for l in torch_layers if l.name != "output"]
+    if root is not None:
+      torch_layers += _root_layers(torch_model, inputs, torch_inputs,
+                                   torch_kwargs)
+  jax_layers = jax_side.layers(f32)
+  notes: list[str] = []
+  shadows: dict[tuple[int, int, str], list[np.ndarray] | None] = {}
+
+  def shadow(a: int, b: int, key: str, wrap, x64: bool = False):
+    if (a, b, key) not in shadows:
+      run = jax_layers[a].shadow
+      try:
+        shadows[a, b, key] = (None if run is None else
+                              run(wrap, torch_layers[b].inputs, x64))
+      except Exception as e:  # noqa: BLE001 -- said in the report
+        shadows[a, b, key] = None
+        notes.append(f"{jax_layers[a].name} could not run alone on the "
+                     f"input of {torch_layers[b].name} ({key}): "
+                     f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    return shadows[a, b, key]
+
+  def local(a: int, b: int) -> float:
+    y = shadow(a, b, "float32", f32)
+    return math.nan if y is None else rel_rms(y, torch_layers[b].outputs)
+
+  pairs = align(jax_layers, torch_layers, alignment, local)
+  if not pairs:
+    raise ValueError(
+        f"port_check paired no layer: the JAX layers "
+        f"({', '.join(l.name for l in jax_layers[:6])}) and the PyTorch "
+        f"layers ({', '.join(l.name for l in torch_layers[:6])}) have no "
+        f"output and input shapes in common; pin pairs with alignment=")
+  full = {p.label: jax_side.outputs(p.wrap) for p in plans}
+  full_f32 = jax_side.outputs(f32)
+  full_f64 = (jax_side.outputs(lambda f: f, x64=True)
+              if jax_side.kind == "function" else None)
+  results = []
+  for a in sorted(pairs):
+    b = pairs[a]
+    j, t = jax_layers[a], torch_layers[b]
+    y32 = shadow(a, b, "float32", f32)
+    y64 = shadow(a, b, "float64", lambda f: f, x64=True) if y32 else None
+    floor = math.nan if y32 is None else rel_rms(y32, t.outputs)
+    if y32 is not None:
+      noise = math.nan if y64 is None else rel_rms(y32, y64)
+    else:
+      noise = rel_rms(full_f32[j.name], full_f64[j.name]) if full_f64 else math.nan
+    env, loc, loc_abs, prop, bound = {}, {}, {}, {}, {}
+    for p in plans:
+      prop[p.label] = rel_rms(full[p.label][j.name], t.outputs)
+      if y32 is not None:
+        y = y32 if p.emulate_target is None and p.label == rows_lib.FLOOR else (
+            shadow(a, b, p.label, p.wrap))
+        if y is None:
+          y = y32
+        env[p.label] = rel_rms(y, y32)
+        loc[p.label] = rel_rms(y, t.outputs)
+        loc_abs[p.label] = _max_abs(y, t.outputs)
+      else:
+        env[p.label] = rel_rms(full[p.label][j.name], full_f32[j.name])
+        loc[p.label] = loc_abs[p.label] = math.nan
+      bound[p.label] = factor * ((0.0 if math.isnan(noise) else noise)
+                                 + env[p.label]) + SLACK
+    results.append(dict(
+        name=j.name, torch_name=t.name, shape=j.out_shapes[0], floor=floor,
+        noise=noise, envelope=env, local=loc, local_max_abs=loc_abs,
+        propagated=prop, bound=bound))
+  paired_names = {jax_layers[a].name for a in pairs}
+  layers = _verdicts(results, [p.label for p in plans], jax_side.kind,
+                     [l.name for l in jax_layers if l.name not in paired_names])
+  return PortReport(
+      layers=tuple(layers),
+      alignment={jax_layers[a].name: torch_layers[pairs[a]].name
+                 for a in sorted(pairs)},
+      unpaired_jax=tuple(l.name for l in jax_layers
+                         if l.name not in paired_names),
+      unpaired_torch=tuple(torch_layers[b].name
+                           for b in range(len(torch_layers))
+                           if b not in set(pairs.values())),
+      precisions=tuple(p.label for p in plans), target=target,
+      numerics={p.label: p.description for p in plans}, factor=float(factor),
+      kind=jax_side.kind, notes=tuple(dict.fromkeys(notes)))
+
+
+def _root_layers(torch_model, inputs, torch_inputs, torch_kwargs
+                 ) -> list[_Layer]:
+  """The PyTorch root's outputs, one layer each, named as
+  :func:`jaxprec.torch.capture` names them."""
+  found = torch_ref.capture(
+      torch_model, *(inputs if torch_inputs is None else torch_inputs),
+      **torch_kwargs)
+  return [_Layer(n, [], [np.asarray(v, np.float32)]) for n, v in found.items()]
+
+
+def _base(name: str) -> str:
+  return name.split("#")[0]
+
+
+def _inside(outer: str, inner: str) -> bool:
+  """Whether the JAX layer ``inner`` is a module inside ``outer``."""
+  o, i = _base(outer), _base(inner)
+  return inner != outer and (o == "output" or i.startswith(o + "/"))
+
+
+def _verdicts(results: list[dict], rows: list[str], kind: str,
+              unpaired: list[str]) -> list[PortLayer]:
+  """The :class:`PortLayer` of each result with its verdicts."""
+  def error(r, p):
+    x = r["local"][p]
+    return r["propagated"][p] if math.isnan(x) else x
+
+  out = []
+  for k, r in enumerate(results):
+    verdict = {}
+    for p in rows:
+      if not error(r, p) > r["bound"][p]:
+        verdict[p] = "ok"
+      elif kind == "function":
+        before = results[k - 1] if k else None
+        verdict[p] = ("after" if before is not None
+                      and error(before, p) > before["bound"][p] else "SUSPECT")
+      else:
+        inner = [q for q in results if _inside(r["name"], q["name"])
+                 and error(q, p) > q["bound"][p]]
+        verdict[p] = "inside" if inner else "SUSPECT"
+    out.append(PortLayer(
+        **r, verdict=verdict,
+        unpaired_inside=tuple(u for u in unpaired if _inside(r["name"], u))))
+  return out
