@@ -153,10 +153,10 @@ def test_reference_file(project, capsys):
     (["clicheck_model:make", "--precisions", ","], ["empty"]),
     (["clicheck_model:make", "--reference", "missing.npz"], ["no such reference"]),
     (["clicheck_model:make", "--reference", "float65"], ["float65"]),
-    (["clicheck_model:make", "--atol", "-1"], ["--atol must be a finite number >= 0"]),
-    (["clicheck_model:make", "--rtol", "inf"], ["--rtol must be a finite", "got inf"]),
-    (["clicheck_model:make", "--rtol", "1e39"], ["float32's largest", "1e+39"]),
-    (["clicheck_model:make", "--atol", "nan"], ["--atol must be a finite", "nan"]),
+    (["clicheck_model:make", "--atol", "-1"], ["--atol -1 is negative"]),
+    (["clicheck_model:make", "--rtol", "inf"], ["--rtol inf is infinite"]),
+    (["clicheck_model:make", "--rtol", "1e39"], ["--rtol 1e39", "float32's largest"]),
+    (["clicheck_model:make", "--atol", "nan"], ["--atol nan is not a number"]),
     (["clicheck_model:make", "--mode", "fast"], ["invalid choice"]),
     (["clicheck_model:nope"], ["has no attribute"]),
     (["clicheck_model:not_fn"], ["not a callable"]),
@@ -164,6 +164,37 @@ def test_reference_file(project, capsys):
 def test_usage_errors_are_one_line_exit_2(project, capsys, argv, fragments):
   rc, out, err = run(capsys, "check", *argv)
   one_line_error(rc, err, 2, *fragments)
+
+
+@pytest.mark.parametrize("argv, said", [
+    # Python reads 1e400 as inf: the value is named as typed, not as "inf".
+    (["--atol", "1e400"], "--atol 1e400 overflows to inf; a tolerance is a "
+                          "finite number from 0 to 3.4e+38, e.g. --atol 1e-3"),
+    (["--rtol", "-1e999"], "--rtol -1e999 is negative"),
+    # argparse reads `--atol -inf` (and -1e-3) as two options: it is the value.
+    (["--atol", "-inf"], "--atol -inf is negative (a tolerance bounds the "
+                         "size of an error)"),
+    (["--atol", "-1e-3"], "--atol -1e-3 is negative"),
+    (["--atol=-inf"], "--atol -inf is negative"),
+    (["--rtol", "x"], "--rtol 'x' is not a number"),
+])
+def test_a_tolerance_is_refused_naming_it_as_typed(project, capsys, argv,
+                                                   said):
+  rc, out, err = run(capsys, "check", "clicheck_model:make", *argv,
+                     "--out", "never")
+  one_line_error(rc, err, 2, said)
+  assert "got inf" not in err and not os.path.exists("never")
+
+
+def test_a_negative_number_after_dash_dash_is_left_alone():
+  from jaxprec._src.cli import cli_inputs
+  assert cli_inputs.join_negative_numbers(
+      ["check", "m:f", "--atol", "-1", "--", "--rtol", "-2"]) == [
+          "check", "m:f", "--atol=-1", "--", "--rtol", "-2"]
+  run_cmd = ["run", "-p", "f32", "python", "t.py", "--atol", "-1"]
+  assert cli_inputs.join_negative_numbers(run_cmd) == run_cmd
+  assert cli_inputs.join_negative_numbers(
+      ["search", "--tolerance", "-inf"]) == ["search", "--tolerance=-inf"]
 
 
 def test_failures_in_user_code_exit_1(project, capsys):

@@ -147,12 +147,12 @@ def _parser() -> argparse.ArgumentParser:
                      choices=("auto", "emulate", "native"),
                      help="auto (default): native on the target, emulated "
                           "elsewhere")
-  check.add_argument("--atol", type=float, default=None,
+  check.add_argument("--atol", default=None,
                      help="absolute tolerance (default 1e-3); with --atol or "
                           "--rtol, exit 1 when a layer fails |err| <= atol + "
                           "rtol*|ref| (the table's '!'); one not given keeps "
                           "its default, as in jaxprec.check")
-  check.add_argument("--rtol", type=float, default=None,
+  check.add_argument("--rtol", default=None,
                      help="relative tolerance (default 1e-3; see --atol; "
                           "--rtol 0 gates on --atol alone)")
   check.add_argument("--full", action="store_true",
@@ -186,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="a built-in model (random weights, nothing "
                            "downloaded)")
   _add_shared(search)
-  search.add_argument("--tolerance", type=float, required=True,
+  search.add_argument("--tolerance", required=True,
                       help="bound on --metric for every layer (sqnr_db: a "
                            "minimum; cosine: a bound on 1 - cosine)")
   search.add_argument("--metric", default="rel_rms",
@@ -262,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command's own status for ``run``.
   """
   try:
-    ns = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = _parser().parse_args(inputs.join_negative_numbers(argv))
     if ns.command is None:
       raise UsageError("missing command: choose one of info, audit, run, "
                        "check, search (see jaxprec --help)")
@@ -463,6 +464,7 @@ def _check(ns: argparse.Namespace) -> int:
   if ns.size is not None and ns.model not in _MODELS:
     raise UsageError(f"--size applies to --model {' or '.join(_MODELS)} only")
   from jaxprec._src.checker import check as check_lib
+  from jaxprec._src.checker import metrics
   from jaxprec._src.checker import reference as reference_lib
   from jaxprec._src.checker import render
   # check's own default: with an external reference it adds the float32 floor.
@@ -487,7 +489,8 @@ def _check(ns: argparse.Namespace) -> int:
   enforce = ns.atol is not None or ns.rtol is not None
   tol = {"atol": check_lib.DEFAULT_ATOL, "rtol": check_lib.DEFAULT_RTOL}
   for name in tol:
-    v = inputs.tolerance(getattr(ns, name), f"--{name}")
+    v = inputs.tolerance(getattr(ns, name), f"--{name}",
+                         metrics.MAX_TOLERANCE)
     if v is not None:  # one not given keeps its default, as in check()
       tol[name] = v
 
@@ -627,6 +630,7 @@ def _search(ns: argparse.Namespace) -> int:
     raise UsageError("--prepare-weights was removed (it did not pay back "
                      "within a search's evaluations); drop the flag")
   _one_model(ns, _MODELS)
+  ns.tolerance = inputs.number(ns.tolerance, "--tolerance")
   if ns.size is not None and ns.model is None:
     raise UsageError("--size applies to --model only")
   from jaxprec._src.search import search as search_lib

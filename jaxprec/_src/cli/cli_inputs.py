@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import sys
 import tempfile
@@ -87,17 +88,88 @@ def precision_list(text: str) -> tuple[str, ...]:
   return precisions
 
 
-def tolerance(value: float | None, flag: str) -> float | None:
-  """``--atol``/``--rtol`` (None when not given): a finite number >= 0 and
-  at most float32's largest, as :func:`jaxprec.check` takes them; anything
-  else (``inf``, ``nan``, ``1e39``, a negative number) is bad usage."""
-  if value is None:
+def tolerance(text: str | None, flag: str,
+              largest: float | None = None) -> float | None:
+  """``--atol``/``--rtol`` from its text (None when not given): a finite
+  number >= 0, at most ``largest`` (float32's largest, as
+  :func:`jaxprec.check` takes them).
+
+  Anything else is bad usage, named as typed: ``1e400`` overflows (Python
+  reads it as inf), ``nan`` and ``inf`` are not finite, a negative value is
+  not a tolerance.
+  """
+  if text is None:
     return None
-  from jaxprec._src.checker.metrics import check_tolerance  # noqa: PLC0415
+  if _is_float(text) and float(text) < 0:  # -inf too: said negative
+    raise UsageError(
+        f"{flag} {text} is negative (a tolerance bounds the size of an "
+        f"error); {_tolerance_range(flag, largest)}")
+  return abs(number(text, flag, largest))  # -0.0 is 0
+
+
+def number(text: str, flag: str, largest: float | None = None) -> float:
+  """A finite number from the text of ``flag`` (``search --tolerance``,
+  whose sign the search checks), at most ``largest`` in size; bad usage
+  naming the text as typed otherwise (``1e400`` overflows to inf)."""
   try:
-    return check_tolerance(flag, value)
-  except (TypeError, ValueError) as e:
-    raise UsageError(str(e)) from None
+    value = float(text)
+  except ValueError:
+    raise UsageError(f"{flag} {text!r} is not a number; "
+                     f"{_tolerance_range(flag, largest)}") from None
+  literal = text.strip().lower().lstrip("+-")
+  if math.isnan(value):
+    problem = "is not a number"
+  elif math.isinf(value):
+    problem = ("is infinite" if literal in ("inf", "infinity")
+               else "overflows to inf")
+  elif largest is not None and abs(value) > largest:
+    problem = "is beyond float32's largest, where the metrics compare"
+  else:
+    return value
+  raise UsageError(f"{flag} {text} {problem}; "
+                   f"{_tolerance_range(flag, largest)}")
+
+
+def _tolerance_range(flag: str, largest: float | None) -> str:
+  bound = ">= 0" if largest is None else f"from 0 to {largest:.2g}"
+  return f"a tolerance is a finite number {bound}, e.g. {flag} 1e-3"
+
+
+# The options whose value is a number that may be typed negative: argparse
+# reads `--atol -inf` or `--atol -1e-3` as two options (it takes only
+# `-1` or `-.5` for a negative number), so they are joined as `--atol=-inf`
+# and the value is refused with its reason.
+NUMBER_OPTIONS = ("--atol", "--rtol", "--tolerance")
+
+
+def join_negative_numbers(argv: list[str]) -> list[str]:
+  """``argv`` with ``--atol -inf`` written ``--atol=-inf`` (see
+  :data:`NUMBER_OPTIONS`) for ``check`` and ``search``; the rest as given,
+  and nothing after ``--``."""
+  if not any(a in ("check", "search") for a in argv[:1]):
+    return list(argv)
+  out: list[str] = []
+  k = 0
+  while k < len(argv):
+    a = argv[k]
+    if a == "--":
+      return out + list(argv[k:])
+    if (a in NUMBER_OPTIONS and k + 1 < len(argv)
+        and argv[k + 1].startswith("-") and _is_float(argv[k + 1])):
+      out.append(f"{a}={argv[k + 1]}")
+      k += 2
+      continue
+    out.append(a)
+    k += 1
+  return out
+
+
+def _is_float(text: str) -> bool:
+  try:
+    float(text)
+  except ValueError:
+    return False
+  return True
 
 
 def one_line(e: BaseException) -> str:
