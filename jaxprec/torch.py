@@ -14,8 +14,15 @@ PyTorch and transformers are imported only when these are used.
 * :func:`port`: the built-in port checks ``'hf-wav2vec2'``, ``'hf-bert'`` and
   ``'hf-llama'``: a transformers PyTorch model and jaxprec's NNX model with
   its weights (transformers 4 and 5).
+* :func:`port_check`: your own JAX port (an NNX module, a linen module with
+  its variables, or a function) against its PyTorch original, layer by
+  layer: is a difference a bug of the port, or precision? (a
+  :class:`PortReport`).
 """
 
+from jaxprec._src.checker.port_check import PortLayer
+from jaxprec._src.checker.port_check import PortReport
+from jaxprec._src.checker.port_check import port_check
 from jaxprec._src.torch.torch_ports import PORTS
 from jaxprec._src.torch.torch_ports import TWINS
 from jaxprec._src.torch.torch_ports import Port
@@ -26,5 +33,5 @@ from jaxprec._src.torch.torch_ref import capture
 from jaxprec._src.torch.torch_ref import flax_params
 from jaxprec._src.torch.torch_ref import from_torch
 
-__all__ = ("PORTS", "Port", "TWINS", "Twin", "capture", "flax_params",
-           "from_torch", "port", "twin")
+__all__ = ("PORTS", "Port", "PortLayer", "PortReport", "TWINS", "Twin",
+           "capture", "flax_params", "from_torch", "port", "port_check", "twin")
