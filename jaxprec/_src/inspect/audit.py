@@ -239,8 +239,9 @@ class ReductionRow:
     dtype: the dtype the op adds in, e.g. ``'bfloat16'``.
     operand_shape, out_shape: the shapes of its first narrow operand and of
       the matching result.
-    operands: how many narrow operands the op adds (a ``psum`` of a pytree
-      of gradients binds all of them at once); 1 for every other op.
+    operands: how many narrow operands the one equation adds (a collective
+      may bind several); 1 for every other op. jax 0.10 to 0.12 bind a
+      ``psum`` of a pytree once per leaf: one row each.
     terms: how many values are added into one result element at most: the
       reduced size of a sum, the window of a windowed sum, the axis of a
       cumulative sum, the number of updates of a scatter, the devices of a
@@ -724,7 +725,7 @@ ACCUMULATING: dict[str, str] = {
     "reduce_window_sum": "window", "reduce_window": "window",
     "cumsum": "cumulative", "cumlogsumexp": "cumulative",
     "scatter-add": "scatter", "scatter_add": "scatter",
-    "scatter-sub": "scatter", "scatter_sub": "scatter",
+    "scatter-sub": "scatter",
     # max pooling's gradient: every window adds its cotangent to its maximum
     "select_and_scatter_add": "scatter",
     "psum": "collective", "psum_start": "collective",
@@ -816,8 +817,9 @@ class _LoopCarries:
     params = eqn.params
     name = eqn.primitive.name
     if name == "scan":
-      body, first = params["jaxpr"].jaxpr, params["num_consts"]
-      count, trips = params["num_carry"], known_int(params.get("length", 0))
+      body = params["jaxpr"].jaxpr
+      first, count = compat.scan_counts(params)
+      trips = known_int(params.get("length", 0))
     elif name == "while":
       body, first = params["body_jaxpr"].jaxpr, params["body_nconsts"]
       count, trips = len(body.outvars), 0
