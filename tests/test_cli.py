@@ -153,6 +153,29 @@ def test_run_unknown_precision(capsys):
   assert_usage_error(rc, err, "Invalid precision 'flaot32'", "Did you mean 'float32'?")
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["check", "--model", "bert", "--reference", "bfloat61"], "--reference"),
+    (["check", "--model", "bert", "--precisions", "bf16,bfloat61"],
+     "--precisions"),
+    (["check", "--model", "bert", "--policy", "default=bfloat61"], "--policy"),
+    (["run", "-p", "bfloat61", "--", "true"], "--precision"),
+    (["audit", "m:f", "-p", "bfloat61"], "--precision"),
+])
+def test_an_invalid_precision_names_its_option_and_fits(capsys, argv, flag):
+  """The library's message lists every name (~480 characters on one line):
+  the command line names the option, says "Did you mean" first, lists the
+  common names and says where the rest are."""
+  rc, _, err = run(capsys, *argv)
+  assert_usage_error(rc, err, f"jaxprec: error: {flag}: Invalid ",
+                     "'bfloat61'", "Did you mean 'bfloat16'?",
+                     "Common names: bfloat16 (bf16), bfloat16_3x (bf16_3x), "
+                     "tensorfloat32 (tf32), float32 (f32), backend-default",
+                     "docs/precision.md ('Spellings') or "
+                     "jaxprec.valid_names()")
+  assert err.index("Did you mean") < 120 and len(err) < 360, err
+  assert "the levels" not in err and "BF16_BF16_F32_X3" not in err
+
+
 @pytest.mark.parametrize("name", ["nonsense", "xyz"])
 def test_an_unknown_precision_suggests_only_a_close_name(capsys, name):
   """'nonsense' was offered 'none' as "did you mean"."""

@@ -352,7 +352,8 @@ def _info(ns: argparse.Namespace) -> int:
 
 
 def _audit(ns: argparse.Namespace) -> int:
-  p = inputs.resolve(ns.precision) if ns.precision is not None else None
+  p = (inputs.resolve(ns.precision, "--precision")
+       if ns.precision is not None else None)
   fn, args, kwargs = inputs.call_target(ns.target)
 
   import jax
@@ -468,7 +469,8 @@ def _check(ns: argparse.Namespace) -> int:
   from jaxprec._src.checker import reference as reference_lib
   from jaxprec._src.checker import render
   # check's own default: with an external reference it adds the float32 floor.
-  policies = tuple(inputs.resolve(p, policy=True) for p in ns.policy or ())
+  policies = tuple(inputs.resolve(p, "--policy", policy=True)
+                   for p in ns.policy or ())
   if ns.precisions is not None:
     precisions = inputs.precision_list(ns.precisions) + policies
   else:  # the policies alone, else check's default rows
@@ -485,7 +487,7 @@ def _check(ns: argparse.Namespace) -> int:
   elif inputs.is_reference_file(reference):
     inputs.check_reference_file(reference)
   elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
-    inputs.resolve(reference)
+    inputs.resolve(reference, "--reference")
   enforce = ns.atol is not None or ns.rtol is not None
   tol = {"atol": check_lib.DEFAULT_ATOL, "rtol": check_lib.DEFAULT_RTOL}
   for name in tol:
@@ -605,14 +607,16 @@ def _print_report(report, full: bool = False) -> None:
 
 
 def _run(ns: argparse.Namespace) -> int:
-  policy = None if ns.policy is None else inputs.resolve(ns.policy, policy=True)
+  policy = (None if ns.policy is None
+            else inputs.resolve(ns.policy, "--policy", policy=True))
   cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
   if not cmd:
     raise UsageError(
         "run needs a command, e.g. jaxprec run -p float32 -- python train.py")
   from jaxprec._src.cli import cli_run
   # Each form sets JAX's flag and JAXPREC_POLICY: nothing inherited applies.
-  env = (cli_run.environment(precision=inputs.resolve(ns.precision))
+  env = (cli_run.environment(
+             precision=inputs.resolve(ns.precision, "--precision"))
          if policy is None else cli_run.environment(policy=policy))
   try:
     child = cli_run.start(cmd, env)

@@ -55,15 +55,19 @@ def comma_list(text: str, flag: str) -> tuple[str, ...]:
   return items
 
 
-def resolve(text: str, policy: bool = False):
+def resolve(text: str, flag: str, policy: bool = False):
   """A precision, or with ``policy`` a Policy (a policy string or one
-  precision), from its text; bad usage when it names none."""
+  precision), from the text of option ``flag``; bad usage naming ``flag``
+  when it names none, its list of valid names cut short
+  (:func:`jaxprec._src.core.names.short_invalid_message`)."""
+  from jaxprec._src.core import names
   from jaxprec._src.core.precision import resolve as resolve_precision
   from jaxprec._src.policy.policy import as_policy
   try:
     return as_policy(text) if policy else resolve_precision(text)
   except ValueError as e:
-    raise UsageError(str(e)) from None
+    raise UsageError(f"{flag}: {names.short_invalid_message(str(e))}"
+                     ) from None
 
 
 def precision_list(text: str) -> tuple[str, ...]:
@@ -76,7 +80,7 @@ def precision_list(text: str) -> tuple[str, ...]:
   precisions = comma_list(text, "--precisions")
   spellings: dict[str, list[str]] = {}
   for p in precisions:
-    spellings.setdefault(resolve(p).name, []).append(p)
+    spellings.setdefault(resolve(p, "--precisions").name, []).append(p)
   repeated = [(name, said) for name, said in spellings.items() if len(said) > 1]
   if repeated:
     what = ", ".join(name if set(said) == {name} else

@@ -201,6 +201,40 @@ def invalid_message(value: object, why: str) -> str:
   return f"{msg} Valid names: {_grouped_names()}."
 
 
+# Where every precision spelling is listed, for a message too short to list
+# them (the command line's).
+SPELLINGS_PAGE = "docs/precision.md ('Spellings')"
+
+
+def short_invalid_message(message: str) -> str:
+  """:func:`invalid_message`'s text (alone or inside another message, e.g.
+  a policy entry's) with the list of valid names cut to the common ones and
+  where the rest are: what a command line prints. Any other message is
+  returned as it is.
+
+  Examples:
+    >>> from jaxprec._src.core.names import invalid_message
+    >>> print(short_invalid_message(invalid_message("bf61", "unknown name")))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    Invalid precision 'bf61': unknown name. Did you mean 'bf16'? Common names:
+    bfloat16 (bf16), bfloat16_3x (bf16_3x), tensorfloat32 (tf32), float32
+    (f32), backend-default; every spelling and the 15 lax.DotAlgorithmPreset
+    names: docs/precision.md ('Spellings') or jaxprec.valid_names().
+  """
+  tail = f" Valid names: {_grouped_names()}."
+  if not message.endswith(tail):
+    return message
+  # A level's shortest spelling with digits (bf16, not 'default').
+  short = {c: min(_aliases(c), default=None, key=lambda a: (
+      not any(ch.isdigit() for ch in a), len(a))) for c in FLAGS
+           if c not in PRESETS}
+  common = ", ".join(f"{c} ({a})" if a and len(a) < len(c) else c
+                     for c, a in short.items() if c != "backend-default")
+  return (f"{message[:-len(tail)]} Common names: {common}, backend-default; "
+          f"every spelling and the {len(PRESETS)} lax.DotAlgorithmPreset "
+          f"names: {SPELLINGS_PAGE} or jaxprec.valid_names().")
+
+
 def check_env_before_jax(environ) -> None:
   """Validates (and, for jaxprec-only aliases, normalises) the env var.
 
