@@ -288,6 +288,47 @@ def op_numerics(precision: PrecisionLike, target: str, lhs_dtype: Any,
   return p.on(target)
 
 
+# The rule a dot's shape brings in (:func:`strength_reduced`), as the audit
+# shows it.
+VECTOR_DOT_RULE = "f32: vector·vector, strength-reduced"
+
+
+def strength_reduced(precision: PrecisionLike, target: str, lhs_shape,
+                     rhs_shape, dimension_numbers) -> str | None:
+  """Whether XLA turns a dot into multiply + reduce on ``target``, and so
+  computes it in float32: the rule's label, else None.
+
+  XLA:GPU's algebraic simplifier strength-reduces every dot whose operands
+  have only batch and contracting dimensions (vector·vector: "not
+  supported by GemmFusion"; openxla/xla,
+  ``xla/service/gpu/transforms/algebraic_simplifier.cc``,
+  ``ShouldStrengthReduceDotToReduce``), and the multiply it writes for a
+  dot without an explicit algorithm (``MakeMultiplyForPrecisionAlgorithm``,
+  ``ALG_UNSET``) is a float32 multiply: at a precision level such a dot is
+  exact float32, not TF32. An explicit algorithm (a preset) rounds the
+  multiply's operands as the algorithm says, which the algorithm's own
+  model computes.
+
+  Args:
+    precision: as :func:`op_numerics` (None: the flag in force).
+    target: the target.
+    lhs_shape, rhs_shape: the operands' shapes.
+    dimension_numbers: the dot's ``((lhs_contract, rhs_contract),
+      (lhs_batch, rhs_batch))``.
+  """
+  if target != "gpu":
+    return None
+  (lc, rc), (lb, rb) = dimension_numbers
+  if (len(lc) + len(lb) != len(lhs_shape)
+      or len(rc) + len(rb) != len(rhs_shape)):
+    return None
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  if resolve(precision).preset is not None:
+    return None
+  return VECTOR_DOT_RULE
+
+
 def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
                   rhs_dtype: Any, *, op: str = "dot_general") -> str:
   """Names the algorithm ``target`` runs for a matmul or conv at ``precision``.

@@ -185,14 +185,18 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
       precisions and compute dtypes) applied as :func:`jaxprec.swap` applies
       them, so on a TPU or GPU it computes what was asked.
     **options: passed to the emulated ops: ``tf32_rounding`` (``'nearest'``,
-      ``'nearest_away'`` or ``'truncate'``).
+      ``'nearest_away'`` or ``'truncate'``); with ``target='gpu'``,
+      ``chip`` (``'a100'``, ``'h100'`` or ``'b200'``: every dot computed as
+      that chip's tensor cores compute it, gradients included) and
+      ``fp8_promotion_interval`` (:func:`jaxprec.emulated_dot_general`).
 
   Returns:
     The emulated function.
 
   Raises:
     TypeError: ``fn`` is not callable, or an unknown option.
-    ValueError: unknown precision, target or ``tf32_rounding``.
+    ValueError: unknown precision, target, ``tf32_rounding`` or chip, or a
+      chip with a target other than ``'gpu'``.
 
   Examples:
     >>> import jax.numpy as jnp, jaxprec
@@ -207,7 +211,7 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
     raise TypeError(f"jaxprec.emulate expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
   target = numerics.check_target(target, emulation=True)
-  options = _check_options(options)
+  options = _check_options(options, target)
   policy = None
   if isinstance(precision, policy_lib.Policy) or (
       isinstance(precision, str) and "=" in precision):
@@ -364,15 +368,17 @@ def _native(fn: Callable[..., Any], policy: policy_lib.Policy
   return native
 
 
-_OPTIONS = ("tf32_rounding",)
+_OPTIONS = ("tf32_rounding", "chip", "fp8_promotion_interval")
 
 
-def _check_options(options: dict[str, Any]) -> dict[str, Any]:
+def _check_options(options: dict[str, Any], target: str) -> dict[str, Any]:
   """``options`` checked now, not at the first call: names and values."""
   for name in options:
     if name not in _OPTIONS:
       raise names.unknown("jaxprec.emulate option", name, _OPTIONS,
                           error=TypeError)
+  emulated_ops.check_chip(options.get("chip"), target)
+  emulated_ops.check_interval(options.get("fp8_promotion_interval"))
   if "tf32_rounding" in options:
     options = dict(options, tf32_rounding=names.check_choice(
         options["tf32_rounding"], emulated_ops.TF32_ROUNDINGS, "tf32_rounding"))

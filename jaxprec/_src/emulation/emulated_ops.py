@@ -54,10 +54,12 @@ from jax.interpreters import mlir
 
 from jaxprec._src.emulation import kernels
 from jaxprec._src.emulation import passes
+from jaxprec._src.emulation import tensor_cores
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import walker
 from jaxprec._src.core.numerics import (PASSES, algorithm_for,
-                                        check_target, emulatable, is_float8)
+                                        check_target, emulatable, is_float8,
+                                        strength_reduced)
 from jaxprec._src.core import names
 from jaxprec._src.core.precision import PrecisionLike, resolve
 
@@ -110,6 +112,12 @@ class _Spec:
   kernel: str = "bf16"  # 'bf16' or 'f32' (jaxprec._src.emulation.kernels)
   # (lhs, rhs): read behind an optimization barrier (a transpose made it).
   guard: tuple[bool, bool] = (False, False)
+  # The GPU chip whose tensor cores compute each pass (None: the
+  # algorithm's definition, float32 sums rounded to nearest;
+  # jaxprec._src.emulation.tensor_cores), and for float8 operands the
+  # contraction elements between promotions to float32 (0: none).
+  chip: str | None = None
+  fp8_interval: int = 0
 
   def lax_op(self) -> Callable[..., jax.Array]:
     fn = lax.dot_general if self.op == "dot_general" else lax.conv_general_dilated
@@ -119,11 +127,15 @@ class _Spec:
 def _make_spec(op: str, params: Mapping[str, Any], lhs, rhs,
                preferred_element_type, algorithm: str,
                tf32_rounding: str, kernel: str,
-               guard: tuple[bool, bool] = (False, False)) -> _Spec:
+               guard: tuple[bool, bool] = (False, False),
+               chip: str | None = None, fp8_interval: int = 0) -> _Spec:
   params = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
+  if chip is not None:
+    kernel = "bf16"  # the chip's passes run on neither kernel
   spec = _Spec(op, params, preferred_element_type, np.dtype(np.float32),
                algorithm, tf32_rounding, kernel=kernel,
-               guard=(bool(guard[0]), bool(guard[1])))
+               guard=(bool(guard[0]), bool(guard[1])), chip=chip,
+               fp8_interval=int(fp8_interval))
   complete = _complete if _hashable(spec) else _complete.__wrapped__
   return complete(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
                   tuple(rhs.shape), np.dtype(rhs.dtype))
@@ -213,8 +225,44 @@ def _batched_passes(pairs, dimension_numbers) -> list[jax.Array]:
   return list(out)
 
 
+def _chip_forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  """The emulated dot on ``spec.chip``'s tensor cores: each pass of the
+  algorithm one chip dot (:func:`tensor_cores.chip_dot`) in the canonical
+  form, the passes combined as :mod:`passes` combines them (XLA's
+  ``dot_algorithm_rewriter.cc``: separate dots, then float32 additions)."""
+  lhs_move, rhs_move, dn, out_shape = _canonical_dot(
+      lhs.shape, rhs.shape, dict(spec.params)["dimension_numbers"])
+  fmts = tensor_cores.operand_formats(spec.algorithm, lhs.dtype, rhs.dtype)
+  lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+  if spec.guard[0]:
+    lhs = lax.optimization_barrier(lhs)
+  if spec.guard[1]:
+    rhs = lax.optimization_barrier(rhs)
+  lhs, rhs = passes.move(lhs, lhs_move), passes.move(rhs, rhs_move)
+  if fmts is None:
+    # A float8 preset's transposed dot (a float32 cotangent times a float8
+    # operand): no float8 instruction reads it; exact float32, as without a
+    # chip (_float8_dot).
+    out = passes.stored(lax.dot_general(lhs, rhs, dn, precision=_EXACT,
+                                        preferred_element_type=jnp.float32))
+  else:
+    def ops(pairs):
+      return [tensor_cores.chip_dot(l, r, spec.chip, fmts,
+                                    interval=spec.fp8_interval)
+              for l, r in pairs]
+    if spec.algorithm == "f8":
+      out = ops([(lhs, rhs)])[0]
+    else:
+      out = passes.BF16[spec.algorithm](ops, lhs, rhs, spec.tf32_rounding,
+                                        jnp.float32)
+  out = out.reshape(out_shape)
+  return lax.optimization_barrier(out.astype(spec.out_dtype))
+
+
 def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """The emulated op."""
+  if spec.chip is not None and spec.op == "dot_general":
+    return _chip_forward(spec, lhs, rhs)
   lhs_move = rhs_move = dn = out_shape = None  # moved only on the bf16 kernel
   if spec.op == "dot_general" and spec.kernel == "bf16":
     lhs_move, rhs_move, dn, out_shape = _canonical_dot(
@@ -358,7 +406,8 @@ def _emulate_again(spec: _Spec) -> walker.Rule:
       return None
     s = _make_spec(name, op_params(eqn), l, r,
                    eqn.params.get("preferred_element_type"),
-                   spec.algorithm, spec.tf32_rounding, spec.kernel)
+                   spec.algorithm, spec.tf32_rounding, spec.kernel,
+                   chip=spec.chip, fp8_interval=spec.fp8_interval)
     return [_marked(s, l, r)]
   return rule
 
@@ -438,7 +487,9 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
                          dimension_numbers: Any, precision: PrecisionLike = None,
                          preferred_element_type: Any = None, *,
                          target: str = "tpu", tf32_rounding: str = "nearest",
-                         out_sharding: Any = None) -> jax.Array:
+                         out_sharding: Any = None, chip: str | None = None,
+                         fp8_promotion_interval: int | None = None
+                         ) -> jax.Array:
   """``lax.dot_general`` computed as ``target`` computes it.
 
   Same arguments as ``lax.dot_general``, so it can be passed as Flax's
@@ -469,12 +520,32 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
       (tensor cores reading unrounded float32).
     out_sharding: passed to ``lax.dot_general`` when nothing is emulated;
       otherwise applied to the result with ``lax.with_sharding_constraint``.
+    chip: with ``target='gpu'``, the NVIDIA chip whose tensor cores compute
+      each pass: ``'a100'``, ``'h100'`` or ``'b200'``
+      (:mod:`jaxprec._src.emulation.tensor_cores`, after MMA-Sim, arXiv
+      2511.10909: groups of exact products and the accumulator aligned to
+      the largest exponent, truncated, rounded toward zero; float8 on an
+      H100 into a 14-bit accumulator). None (default): the algorithm's
+      definition, float32 sums rounded to nearest. Exact float32
+      (``HIGHEST``) runs on CUDA cores and is the same either way; bfloat16
+      or float16 operands (which run natively without a chip) are computed
+      on the chip's tensor cores too.
+    fp8_promotion_interval: with ``chip``, for float8 operands under
+      ``ANY_F8_ANY_F8_F32`` or ``ANY_F8_ANY_F8_ANY`` on a chip whose float8
+      accumulator is narrow (``'h100'``): the contraction elements summed in
+      the tensor core before each partial sum is added to a float32 sum (a
+      multiple of 32; default 128, four ``wgmma`` instructions, as
+      CUTLASS's and DeepSeek-V3's promotion). The ``_FAST_ACCUM`` presets
+      never promote.
 
   Returns:
     The result, with ``lax.dot_general``'s shape and dtype.
 
   Raises:
-    ValueError: unknown target, precision or ``tf32_rounding``.
+    ValueError: unknown target, precision, ``tf32_rounding`` or chip, or a
+      chip with a target other than ``'gpu'``.
+    NotImplementedError: the chip has no tensor-core instruction for the
+      operands (float8 on an A100).
 
   Examples:
     >>> import jax.numpy as jnp, jaxprec
@@ -486,21 +557,69 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
     1.00390625
     >>> float(jaxprec.emulated_dot_general(x, x, dn, "highest")[0, 0])
     1.0039100646972656
+
+    A tensor core rounds toward zero where the default model rounds to
+    nearest (1 + 3 * 2**-25 lies between 1 and the next float32 value):
+
+    >>> a = jnp.array([[1.0, 2.0**-12]])
+    >>> b = jnp.array([[1.0], [3 * 2.0**-13]])
+    >>> gpu = dict(precision="TF32_TF32_F32", target="gpu")
+    >>> float(jaxprec.emulated_dot_general(a, b, dn, **gpu)[0, 0]) - 1
+    1.1920928955078125e-07
+    >>> float(jaxprec.emulated_dot_general(a, b, dn, **gpu, chip="a100")[0, 0]) - 1
+    0.0
   """
   return emulated_op("dot_general", lhs, rhs,
                      {"dimension_numbers": dimension_numbers}, precision,
                      preferred_element_type, target=target,
-                     tf32_rounding=tf32_rounding, out_sharding=out_sharding)
+                     tf32_rounding=tf32_rounding, out_sharding=out_sharding,
+                     chip=chip, fp8_promotion_interval=fp8_promotion_interval)
+
+
+def check_chip(chip: Any, target: str) -> str | None:
+  """``chip`` checked against ``target`` (None: no chip model)."""
+  if chip is None:
+    return None
+  chip = tensor_cores.check_chip(chip)
+  if target != "gpu":
+    raise ValueError(f"chip={chip!r} names an NVIDIA GPU: it needs "
+                     f"target='gpu', not target={target!r}.")
+  return chip
+
+
+def check_interval(interval: Any) -> int | None:
+  """``fp8_promotion_interval`` checked: None or a positive multiple of 32."""
+  if interval is None:
+    return None
+  if (isinstance(interval, bool) or not isinstance(interval, (int, np.integer))
+      or interval <= 0 or interval % 32):
+    raise ValueError(f"fp8_promotion_interval must be a positive multiple of "
+                     f"32 (contraction elements; 128 is four wgmma "
+                     f"instructions); got {interval!r}.")
+  return int(interval)
+
+
+def _narrow_pair(lhs_dtype, rhs_dtype) -> str | None:
+  """The one-pass algorithm of two bfloat16 or two float16 operands."""
+  d = {np.dtype(lhs_dtype), np.dtype(rhs_dtype)}
+  if d == {np.dtype(jnp.bfloat16)}:
+    return "bf16x1"
+  if d == {np.dtype(np.float16)}:
+    return "f16"
+  return None
 
 
 def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
                 preferred_element_type=None, *, target: str = "tpu",
                 tf32_rounding: str = "nearest", out_sharding: Any = None,
-                guard: tuple[bool, bool] = (False, False)) -> jax.Array:
+                guard: tuple[bool, bool] = (False, False),
+                chip: str | None = None,
+                fp8_promotion_interval: int | None = None) -> jax.Array:
   """The emulated ``op`` (``'dot_general'`` or ``'conv_general_dilated'``),
   ``params`` the lax op's other arguments, for the emulation rule, with the
   operands ``guard`` marks behind an optimization barrier
-  (:func:`jaxprec._src.emulation.emulate.transposed`)."""
+  (:func:`jaxprec._src.emulation.emulate.transposed`), on ``chip``'s tensor
+  cores where one is given (:func:`emulated_dot_general`)."""
   def native(p):
     fn = lax.dot_general if op == "dot_general" else lax.conv_general_dilated
     return fn(lhs, rhs, **params, precision=p,
@@ -510,10 +629,34 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
   target = check_target(target, emulation=True)
   if tf32_rounding not in TF32_ROUNDINGS:
     raise names.unknown("tf32_rounding", tf32_rounding, TF32_ROUNDINGS)
+  chip = check_chip(chip, target)
+  interval = check_interval(fp8_promotion_interval)
   if target in ("cpu", "native"):
     return native(precision)
   l, r = jnp.asarray(lhs), jnp.asarray(rhs)
+  if chip is not None and op != "dot_general":
+    warnings.warn(
+        f"chip={chip!r}: jaxprec models tensor cores for dots only; this "
+        f"convolution is emulated at the algorithm's definition (float32 "
+        f"sums rounded to nearest): the order in which a library's "
+        f"implicit GEMM walks the filter is not public.",
+        NotModelledWarning, stacklevel=3)
+    chip = None
   algorithm = algorithm_for(precision, target, l.dtype, r.dtype, op=op)
+  if (algorithm == "native" and chip is not None
+      and _narrow_pair(l.dtype, r.dtype) is not None):
+    # bfloat16 or float16 operands: one tensor-core pass of their format,
+    # on the operands widened exactly, the native op's result type.
+    algorithm = _narrow_pair(l.dtype, r.dtype)
+    preferred_element_type = jax.eval_shape(
+        functools.partial(lax.dot_general, **params,
+                          preferred_element_type=preferred_element_type),
+        l, r).dtype
+    l, r = l.astype(jnp.float32), r.astype(jnp.float32)
+  if (op == "dot_general" and algorithm == "tf32"
+      and strength_reduced(precision, target, l.shape, r.shape,
+                           params["dimension_numbers"])):
+    algorithm = "f32"
   if algorithm == "native":
     if not (jnp.issubdtype(l.dtype, jnp.inexact)
             and jnp.issubdtype(r.dtype, jnp.inexact)):
@@ -524,9 +667,13 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
   if algorithm == "f32":  # stored as a multi-pass result is: passes.stored
     return passes.stored(native(_EXACT))
   if algorithm == "f8":
+    if chip is not None:
+      return _float8_chip(l, r, params, precision, preferred_element_type,
+                          chip, interval, guard)
     return _float8_dot(l, r, params, precision, preferred_element_type, target)
   spec = _make_spec(op, params, l, r, preferred_element_type, algorithm,
-                    tf32_rounding, kernels.kernel_for(algorithm, op), guard)
+                    tf32_rounding, kernels.kernel_for(algorithm, op), guard,
+                    chip=chip)
   out = _marked(spec, l, r)
   if out_sharding is not None:
     out = lax.with_sharding_constraint(out, out_sharding)
@@ -554,14 +701,15 @@ def _float8_dot(lhs, rhs, params: dict, precision, preferred_element_type,
         f"{name} takes two float8 operands (JAX lowers it for those only, on "
         f"every backend); got {lhs.dtype} x {rhs.dtype}. Cast them to a float8 "
         f"type, or pass another precision.")
-  if target == "gpu" and name.endswith("_FAST_ACCUM"):
+  if target == "gpu":
     exact = name.removesuffix("_FAST_ACCUM")
     warnings.warn(
-        f"{name} on a GPU may accumulate in a register narrower than float32 "
-        f"(FP8 tensor cores' fast accumulation); jaxprec does not model "
-        f"that: it emulates float32 accumulation, as {exact} computes "
-        f"(docs/fidelity.md, 'What is not modelled').", NotModelledWarning,
-        stacklevel=3)
+        f"{name} on a GPU accumulates in the tensor cores' float8 "
+        f"accumulator (an H100's keeps about 14 bits), which the default "
+        f"model does not compute: it emulates exact products summed in "
+        f"float32, as {exact} computes by definition. Pass chip='h100' (or "
+        f"'b200') to compute it as that chip's tensor cores do.",
+        NotModelledWarning, stacklevel=3)
   if isinstance(precision, lax.DotAlgorithm):  # JAX converts to its types
     lhs = lhs.astype(precision.lhs_precision_type)
     rhs = rhs.astype(precision.rhs_precision_type)
@@ -574,6 +722,42 @@ def _float8_dot(lhs, rhs, params: dict, precision, preferred_element_type,
                          **params, precision=_EXACT,
                          preferred_element_type=jnp.float32)
   return passes.stored(wide).astype(out.dtype)
+
+
+def _float8_chip(lhs, rhs, params: dict, precision, preferred_element_type,
+                 chip: str, interval: int | None,
+                 guard: tuple[bool, bool]) -> jax.Array:
+  """An ``ANY_F8_*`` preset on float8 operands on ``chip``'s tensor cores
+  (:func:`tensor_cores.chip_dot`): ``_FAST_ACCUM`` chains the whole
+  contraction in the chip's float8 accumulator (an H100's ``RZ-E8M13``);
+  the others, where that accumulator is narrower than float32, add it to a
+  float32 sum every ``interval`` elements (default
+  :data:`tensor_cores.FP8_PROMOTION_INTERVAL`), as the StableHLO RFC of the
+  presets (openxla/stablehlo, rfcs/20240808-dot-algorithm.md: fast
+  accumulation "does not periodically promote the intermediate results")
+  and CUTLASS's promotion compute it."""
+  name = resolve(jax.config.jax_default_matmul_precision if precision is None
+                 else precision).name
+  if not (is_float8(lhs.dtype) and is_float8(rhs.dtype)):
+    raise ValueError(
+        f"{name} takes two float8 operands (JAX lowers it for those only, on "
+        f"every backend); got {lhs.dtype} x {rhs.dtype}. Cast them to a float8 "
+        f"type, or pass another precision.")
+  fmts = tensor_cores.operand_formats("f8", lhs.dtype, rhs.dtype)
+  acc = tensor_cores.accumulation(chip, fmts[0])
+  if isinstance(precision, lax.DotAlgorithm):  # JAX converts to its types
+    lhs = lhs.astype(precision.lhs_precision_type)
+    rhs = rhs.astype(precision.rhs_precision_type)
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  out = jax.eval_shape(
+      lambda a, b: lax.dot_general(a, b, **params, precision=precision,
+                                   preferred_element_type=preferred_element_type),
+      shape(lhs), shape(rhs))
+  fast = name.endswith("_FAST_ACCUM") or not acc.narrow
+  every = 0 if fast else (interval or tensor_cores.FP8_PROMOTION_INTERVAL)
+  spec = _make_spec("dot_general", params, lhs, rhs, out.dtype, "f8",
+                    "nearest", "bf16", guard, chip=chip, fp8_interval=every)
+  return _marked(spec, lhs, rhs)
 
 
 def emulated_conv_general_dilated(

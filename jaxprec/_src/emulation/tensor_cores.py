@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxprec._src.core import algorithms
 from jaxprec._src.core import names
 
 # The chips jaxprec models, and the architecture MMA-Sim names for each.
@@ -352,3 +353,45 @@ def chip_dot(lhs: jax.Array, rhs: jax.Array, chip: str,
   if interval:
     return total
   return lax.bitcast_convert_type(c, jnp.float32)
+
+
+# The tensor-core format of each pass format of jaxprec's algorithm table
+# (jaxprec._src.core.algorithms, Numerics.pass_format).
+_PASS_FORMATS = {"tensorfloat32": "tf32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def operand_formats(algorithm: str, lhs_dtype, rhs_dtype
+                    ) -> tuple[str, str] | None:
+  """The tensor-core operand formats of one pass of ``algorithm`` on
+  operands of these dtypes: the algorithm's pass format, or for ``'f8'``
+  each float8 operand's own (None where an operand is not float8: a float8
+  preset's transposed dot, which no float8 instruction reads).
+
+  Raises:
+    NotImplementedError: an algorithm or float8 type no tensor core runs
+      (``'f32'`` runs on CUDA cores; the float8 types other than
+      ``float8_e4m3fn`` and ``float8_e5m2``).
+  """
+  if algorithm == "f8":
+    got = [np.dtype(d).name for d in (lhs_dtype, rhs_dtype)]
+    if not all(g.startswith("float8") for g in got):
+      return None
+    bad = [g for g in got if g not in FLOAT8_FORMATS]
+    if bad:
+      raise NotImplementedError(
+          f"No tensor-core model for {bad[0]} operands: the chip models take "
+          f"{' and '.join(FLOAT8_FORMATS)} (MMA-Sim's e4m3 and e5m2).")
+    return FLOAT8_FORMATS[got[0]], FLOAT8_FORMATS[got[1]]
+  fmt = _PASS_FORMATS.get(algorithms.record(algorithm).pass_format)
+  if fmt is None:
+    raise NotImplementedError(
+        f"Algorithm {algorithm!r} does not run on tensor cores; the chip "
+        f"models take the algorithms whose passes multiply TF32, bfloat16, "
+        f"float16 or float8 values ({', '.join(chip_algorithms())}).")
+  return fmt, fmt
+
+
+def chip_algorithms() -> tuple[str, ...]:
+  """The algorithms whose passes a chip model computes."""
+  return tuple(a for a, r in algorithms.RECORDS.items()
+               if r.pass_format in _PASS_FORMATS or a == "f8")
