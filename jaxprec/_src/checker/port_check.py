@@ -41,6 +41,7 @@ from jaxprec._src.checker import layers as layers_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker import rows as rows_lib
 from jaxprec._src.core import numerics
+from jaxprec._src.jaxpr import trees
 from jaxprec._src.torch import torch_ref
 
 # A layer's local error is explained when it is at most
@@ -65,6 +66,61 @@ AlignmentLike = (Mapping[str, "str | None"]
 # Layers as both frameworks run them.
 
 
+@dataclasses.dataclass(frozen=True)
+class _Alone:
+  """A layer as a function of its own: ``fn(state, *args, **kwargs)``, with
+  the arguments of its call in the float32 run."""
+
+  fn: Callable[..., list[Any]]
+  state: Any
+  args: tuple
+  kwargs: dict
+
+  def on(self, inputs: list[Any]) -> tuple[Any, tuple, dict]:
+    """``(state, args, kwargs)`` with the floating array inputs, in order,
+    replaced by ``inputs``."""
+    args, kwargs = _substituted(self.args, self.kwargs, list(inputs))
+    return self.state, args, kwargs
+
+
+def run_alone(calls: Sequence[tuple[_Alone, list[Any]]],
+              wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+              x64: bool = False) -> list[list[np.ndarray]]:
+  """Each layer alone on the given inputs, all in one compiled program
+  computed as ``wrap`` computes (float64 when ``x64``: state and inputs
+  widened, in a scope that is restored)."""
+  fns = [alone.fn for alone, _ in calls]
+
+  def every(*items):
+    return [f(s, *a, **k) for f, (s, a, k) in zip(fns, items)]
+  items = tuple(alone.on(new) for alone, new in calls)
+  with jax.enable_x64(x64):
+    if x64:
+      items = _f64(items)
+    statics, dynamic = trees.split_call(items, {})
+    wrapped = wrap(every)
+    out = _run_once(lambda dyn: statics.call(wrapped, dyn), dynamic)
+    return [[np.asarray(v, np.float64) for v in o] for o in out]
+
+
+# Each program of a port check runs once: compiled with LLVM's cheapest
+# optimisations, which halves XLA:CPU's compile time for the small models a
+# port check runs, without changing a result: LLVM keeps IEEE arithmetic at
+# every level (XLA:CPU's fast-math is off by default).
+_COMPILE_ONCE = {"xla_backend_optimization_level": 0,
+                 "xla_llvm_disable_expensive_passes": True}
+
+
+def _run_once(fn: Callable[[Any], Any], dynamic: Any) -> Any:
+  """``jax.jit(fn)(dynamic)``, compiled for one run."""
+  lowered = jax.jit(fn).lower(dynamic)
+  try:
+    compiled = lowered.compile(_COMPILE_ONCE)
+  except Exception:  # noqa: BLE001 -- a backend without these options
+    compiled = lowered.compile()
+  return compiled(dynamic)
+
+
 @dataclasses.dataclass
 class _Layer:
   """One call of a module: its float inputs and outputs as float32 NumPy."""
@@ -72,7 +128,7 @@ class _Layer:
   name: str
   inputs: list[np.ndarray]
   outputs: list[np.ndarray]
-  shadow: Callable[[Any, list[Any]], list[Any]] | None = None  # (plan wrap, inputs) -> outputs
+  alone: _Alone | None = None  # the layer alone, to run on other inputs
 
   @property
   def in_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -300,7 +356,11 @@ class _JaxModel:
     with jax.enable_x64(x64):
       if x64:
         state, inputs, kwargs = _f64((state, inputs, kwargs))
-      out = wrap(self.outputs_fn())(state, *inputs, **kwargs)
+      # One compiled program: run eagerly, an emulated model would compile
+      # each of its operations on its own.
+      statics, dynamic = trees.split_call((state, *inputs), kwargs)
+      fn = wrap(self.outputs_fn())
+      out = _run_once(lambda dyn: statics.call(fn, dyn), dynamic)
       return {k: [np.asarray(v, np.float64) for v in vs]
               for k, vs in out.items()}
 
@@ -323,12 +383,11 @@ class _JaxModel:
       ins = [np.asarray(x, np.float32) for x in
              _float_leaves((args, kwargs))]
       found.append(_Layer(name, ins, [np.asarray(x, np.float32) for x in outs],
-                          self._shadow(mod, args, kwargs)))
+                          self._alone(mod, args, kwargs)))
     return found
 
-  def _shadow(self, mod: Any, args: tuple, kwargs: dict):
-    """``run(wrap, new_inputs, x64) -> [outputs]``: the module alone on
-    ``new_inputs`` (its floating inputs, in order; the rest as recorded)."""
+  def _alone(self, mod: Any, args: tuple, kwargs: dict) -> _Alone:
+    """The module ``mod`` of the float32 run as a function of its own."""
     if self.kind == "nnx":
       from flax import nnx  # noqa: PLC0415
       graphdef, state = nnx.split(mod)
@@ -340,15 +399,7 @@ class _JaxModel:
 
       def alone(state, *a, **k):
         return _float_leaves(unbound.apply(state, *a, **k))
-
-    def run(wrap, new, x64=False):
-      a, k = _substituted(args, kwargs, list(new))
-      s = state
-      with jax.enable_x64(x64):
-        if x64:
-          s, a, k = _f64((s, a, k))
-        return [np.asarray(v, np.float64) for v in wrap(alone)(s, *a, **k)]
-    return run
+    return _Alone(alone, state, args, kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -514,9 +565,18 @@ def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
       close[a, b] = _closeness(rel_rms(j.outputs, t.outputs))
     return 1.0 + 0.5 * close[a, b] + 0.25 * _name_similarity(j.name, t.name)
 
+  def same(b: int, c: int) -> bool:  # no figure could tell them apart
+    x, y = torch_layers[b], torch_layers[c]
+    if not inputs:  # a function's outputs: only the values count
+      return x.out_shapes == y.out_shapes and all(
+          np.array_equal(u, v) for u, v in zip(x.outputs, y.outputs))
+    return (x.out_shapes == y.out_shapes and x.in_shapes == y.in_shapes
+            and all(np.array_equal(u, v) for u, v in
+                    zip(x.outputs + x.inputs, y.outputs + y.inputs)))
+
   for attempt in range(2):
     pairs = _dp(free_j, free_t, score)
-    tied = _ties(pairs, free_t, score)
+    tied = _ties(pairs, free_t, score, same)
     if not tied:
       break
     if attempt == 0:  # decide by the local error, where it can be measured
@@ -537,9 +597,12 @@ def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
 
 
 def _ties(pairs: list[tuple[int, int]], free_t: list[int],
-          score: Callable[[int, int], float | None]) -> dict[int, list[int]]:
+          score: Callable[[int, int], float | None],
+          same: Callable[[int, int], bool]) -> dict[int, list[int]]:
   """JAX layers whose partner has a rival as good in its order window:
-  JAX index -> [partner, rivals...]."""
+  JAX index -> [partner and rivals, in PyTorch's order]. A rival with the
+  partner's very inputs and outputs (an identity, a container returning its
+  child's output) is none: every figure would be the same."""
   used = {b for _, b in pairs}
   out: dict[int, list[int]] = {}
   for k, (a, b) in enumerate(pairs):
@@ -547,9 +610,10 @@ def _ties(pairs: list[tuple[int, int]], free_t: list[int],
     hi = pairs[k + 1][1] if k + 1 < len(pairs) else math.inf
     s = score(a, b)
     rivals = [c for c in free_t if lo < c < hi and c != b and c not in used
-              and (r := score(a, c)) is not None and r >= s - _TIE]
+              and (r := score(a, c)) is not None and r >= s - _TIE
+              and not same(b, c)]
     if rivals:
-      out[a] = [b, *rivals]
+      out[a] = sorted([b, *rivals])
   return out
 
 
@@ -690,31 +754,40 @@ class PortReport:
   def table(self, width: int = 100) -> str:
     """The table: a line per layer and row with the floor, the noise, the
     envelope, the local and propagated errors (``rel_rms``) and the verdict;
-    then the suspects and the unpaired layers. Names are shortened from the
-    left to fit ``width`` columns (at least 72)."""
+    then the suspects and the unpaired layers.
+
+    Args:
+      width: the columns to fit in (at least 72). Below 100 the PyTorch
+        names are left out (``alignment`` holds them); names longer than
+        their column are shortened from the left (``…layers/3/mlp``).
+
+    Returns:
+      The text, every line at most ``width`` characters.
+    """
     width = max(72, int(width))
-    heads = ["layer", "pytorch", "row", "floor", "noise", "envelope",
-             "local", "propag.", "verdict"]
-    fixed = sum(len(h) for h in heads[2:])
-    body = []
     rw = max([len(p) for p in self.precisions] + [3])
-    nums = [8] * 5
-    fixed = rw + sum(nums) + 7 + 2 * (len(heads) - 1)
-    room = max(16, width - fixed)
-    lw = max(6, min(max([len(l.name) for l in self.layers] + [5]),
-                    room * 3 // 5))
-    tw = max(6, min(max([len(l.torch_name) for l in self.layers] + [7]),
-                    room - lw))
+    # row, five numbers of 8 characters, the verdict (7), two-space gaps.
+    fixed = rw + 5 * 8 + 7 + 2 * 7
+    both = width >= 100
+    room = width - fixed - (4 if both else 2)
+    names = [l.name for l in self.layers] + ["layer"]
+    tnames = [l.torch_name for l in self.layers] + ["pytorch"]
+    lw = min(max(map(len, names)), room // 2 if both else room)
+    tw = min(max(map(len, tnames)), room - lw) if both else 0
 
     def cut(s: str, w: int) -> str:
       return s if len(s) <= w else "…" + s[len(s) - w + 1:]
 
     def line(cells):
-      c = [cut(cells[0], lw).ljust(lw), cut(cells[1], tw).ljust(tw),
-           cells[2].ljust(rw), *(x.rjust(8) for x in cells[3:8]), cells[8]]
+      c = [cut(cells[0], lw).ljust(lw)]
+      if both:
+        c.append(cut(cells[1], tw).ljust(tw))
+      c += [cells[2].ljust(rw), *(x.rjust(8) for x in cells[3:8]), cells[8]]
       return "  ".join(c).rstrip()
-    body.append(line(heads))
-    body.append(line(["-" * lw, "-" * tw, "-" * rw, *["-" * 8] * 5, "-" * 7]))
+    heads = ["layer", "pytorch", "row", "floor", "noise", "envelope",
+             "local", "propag.", "verdict"]
+    body = [line(heads), line(["-" * lw, "-" * tw, "-" * rw, *["-" * 8] * 5,
+                               "-" * 7])]
     for l in self.layers:
       for i, p in enumerate(self.precisions):
         first = i == 0
@@ -841,24 +914,16 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
                                    torch_kwargs)
   jax_layers = jax_side.layers(f32)
   notes: list[str] = []
-  shadows: dict[tuple[int, int, str], list[np.ndarray] | None] = {}
 
-  def shadow(a: int, b: int, key: str, wrap, x64: bool = False):
-    if (a, b, key) not in shadows:
-      run = jax_layers[a].shadow
-      try:
-        shadows[a, b, key] = (None if run is None else
-                              run(wrap, torch_layers[b].inputs, x64))
-      except Exception as e:  # noqa: BLE001 -- said in the report
-        shadows[a, b, key] = None
-        notes.append(f"{jax_layers[a].name} could not run alone on the "
-                     f"input of {torch_layers[b].name} ({key}): "
-                     f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-    return shadows[a, b, key]
-
-  def local(a: int, b: int) -> float:
-    y = shadow(a, b, "float32", f32)
-    return math.nan if y is None else rel_rms(y, torch_layers[b].outputs)
+  def local(a: int, b: int) -> float:  # to decide a tie
+    alone = jax_layers[a].alone
+    if alone is None:
+      return math.nan
+    try:
+      y, = run_alone([(alone, torch_layers[b].inputs)], f32)
+    except Exception:  # noqa: BLE001 -- the layer cannot take that input
+      return math.nan
+    return rel_rms(y, torch_layers[b].outputs)
 
   pairs = align(jax_layers, torch_layers, alignment, local)
   if not pairs:
@@ -867,16 +932,25 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
         f"({', '.join(l.name for l in jax_layers[:6])}) and the PyTorch "
         f"layers ({', '.join(l.name for l in torch_layers[:6])}) have no "
         f"output and input shapes in common; pin pairs with alignment=")
-  full = {p.label: jax_side.outputs(p.wrap) for p in plans}
   full_f32 = jax_side.outputs(f32)
+  full = {p.label: full_f32 if p.label == rows_lib.FLOOR and
+          p.emulate_target is None else jax_side.outputs(p.wrap)
+          for p in plans}
   full_f64 = (jax_side.outputs(lambda f: f, x64=True)
               if jax_side.kind == "function" else None)
+  shadowed = [a for a in sorted(pairs) if jax_layers[a].alone is not None]
+  runs = {"float32": (f32, False), "float64": (lambda f: f, True),
+          **{p.label: (p.wrap, False) for p in plans
+             if not (p.label == rows_lib.FLOOR and p.emulate_target is None)}}
+  alone = {key: _alone_all(shadowed, jax_layers, torch_layers, pairs, wrap,
+                           x64, key, notes)
+           for key, (wrap, x64) in runs.items()}
   results = []
   for a in sorted(pairs):
     b = pairs[a]
     j, t = jax_layers[a], torch_layers[b]
-    y32 = shadow(a, b, "float32", f32)
-    y64 = shadow(a, b, "float64", lambda f: f, x64=True) if y32 else None
+    y32 = alone["float32"].get(a)
+    y64 = alone["float64"].get(a)
     floor = math.nan if y32 is None else rel_rms(y32, t.outputs)
     if y32 is not None:
       noise = math.nan if y64 is None else rel_rms(y32, y64)
@@ -886,10 +960,7 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
     for p in plans:
       prop[p.label] = rel_rms(full[p.label][j.name], t.outputs)
       if y32 is not None:
-        y = y32 if p.emulate_target is None and p.label == rows_lib.FLOOR else (
-            shadow(a, b, p.label, p.wrap))
-        if y is None:
-          y = y32
+        y = alone.get(p.label, alone["float32"]).get(a, y32)
         env[p.label] = rel_rms(y, y32)
         loc[p.label] = rel_rms(y, t.outputs)
         loc_abs[p.label] = _max_abs(y, t.outputs)
@@ -917,6 +988,29 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       precisions=tuple(p.label for p in plans), target=target,
       numerics={p.label: p.description for p in plans}, factor=float(factor),
       kind=jax_side.kind, notes=tuple(dict.fromkeys(notes)))
+
+
+def _alone_all(which: list[int], jax_layers: list[_Layer],
+               torch_layers: list[_Layer], pairs: dict[int, int], wrap,
+               x64: bool, key: str, notes: list[str]
+               ) -> dict[int, list[np.ndarray]]:
+  """JAX layer index -> its outputs alone on its partner's input, computed
+  as ``wrap`` computes: all in one program, else one by one (a layer that
+  fails is left out, and named in ``notes``)."""
+  calls = [(jax_layers[a].alone, torch_layers[pairs[a]].inputs) for a in which]
+  try:
+    return dict(zip(which, run_alone(calls, wrap, x64)))
+  except Exception:  # noqa: BLE001 -- find the layer, below
+    pass
+  out = {}
+  for a, call in zip(which, calls):
+    try:
+      out[a], = run_alone([call], wrap, x64)
+    except Exception as e:  # noqa: BLE001 -- said in the report
+      notes.append(f"{jax_layers[a].name} could not run alone on the input "
+                   f"of {torch_layers[pairs[a]].name} ({key}): "
+                   f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+  return out
 
 
 def _root_layers(torch_model, inputs, torch_inputs, torch_kwargs
