@@ -873,9 +873,6 @@ def _reduction(w: walker.WalkedEqn, name_stack: str, module: str,
         return None
     narrow = [i for i, a in enumerate(ins)
               if hasattr(a, "dtype") and narrow_float(a.dtype)]
-    if prim.startswith(("scatter", "select_and_scatter")):
-      # (operand, indices, updates) or (source, operand): the values added
-      narrow = [i for i in narrow if i != 1] if prim.startswith("scatter") else narrow
     if not narrow:
       return None
     index = narrow[0]
@@ -893,12 +890,18 @@ def _reduction(w: walker.WalkedEqn, name_stack: str, module: str,
     return None  # one value: nothing is added (a sum over an axis of size 1)
   rejected = (prim == "reduce_sum" and dtype in ("bfloat16", "float16")
               and any(known_int(ins[0].shape[a]) != 1 for a in params["axes"]))
-  if kind == "collective":
-    what = f"the {dtype} values of {terms or 'all the'} devices"
+  if kind == "collective":  # the mesh traced may be smaller than the one run
+    what = f"the {dtype} values of every device ({terms or 'unknown'} here)"
   else:
     what = f"{terms} {dtype} values" if terms else f"{dtype} values"
+  fix = _FIXES[kind]
+  if kind == "sum" and direction(name_stack) == "backward":
+    # JAX's transpose of a broadcast (jax/_src/lax/lax.py) is a reduce_sum
+    # in the cotangent's dtype, the broadcast value's.
+    fix = ("in the backward pass it sums the gradient of a value the forward "
+           "pass broadcast: cast that value to float32 before it is broadcast")
   reason = (f"adds {what} into each result, rounding every partial sum to "
-            f"{dtype}; {_FIXES[kind]}")
+            f"{dtype}; {fix}")
   source, op = _frames(eqn)
   return ReductionRow(
       primitive=prim, kind=kind, dtype=dtype, operand_shape=shape,
