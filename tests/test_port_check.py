@@ -534,3 +534,15 @@ def test_bad_arguments_are_refused():
     jt.port_check(JOne(t, JOne.Same), "not a model", x)
   with pytest.raises(TypeError, match=r"\(module, variables\)"):
     jt.port_check(LNet(), t, x)
+
+
+def test_the_docs_worked_example_runs_and_prints_what_the_page_says(capsys):
+  import pathlib  # noqa: PLC0415
+  import re  # noqa: PLC0415
+  page = (pathlib.Path(__file__).resolve().parents[1] / "docs" /
+          "port-check.md").read_text(encoding="utf-8")
+  blocks = re.findall(r"^```python\n(.*?)^```", page, re.M | re.S)
+  example = next(b for b in blocks if "tanh_block=2" in b)
+  exec(compile(example, "port-check.md", "exec"), {"__name__": "example"})  # noqa: S102
+  assert capsys.readouterr().out.splitlines()[-1] == "['blocks/2'] []"
+  assert "# ['blocks/2'] []" in example
