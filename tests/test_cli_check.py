@@ -35,6 +35,12 @@ MODEL = textwrap.dedent("""\
 
     def not_fn():
       return 3, (X,)
+
+    def overflows():  # the float32 reference itself is inf in "big"
+      return (lambda x: {"h": x @ x.T, "big": jnp.exp((x @ x.T) * 100)}), (X,)
+
+    def no_matmul():
+      return (lambda x: {"h": jnp.tanh(x), "g": x * 2 + 1}), (X,)
     """)
 
 
@@ -195,6 +201,34 @@ def test_a_negative_number_after_dash_dash_is_left_alone():
   assert cli_inputs.join_negative_numbers(run_cmd) == run_cmd
   assert cli_inputs.join_negative_numbers(
       ["search", "--tolerance", "-inf"]) == ["search", "--tolerance=-inf"]
+
+
+def test_a_reference_that_overflows_is_said(project, capsys):
+  rc, out, err = run(capsys, "check", "clicheck_model:overflows",
+                     "--precisions", "bf16", "--out", "ov")
+  assert rc == 0, err
+  (note,) = [l for l in out.splitlines() if "itself holds inf" in l]
+  assert note.startswith("note: the reference (float32) itself holds inf or "
+                         "NaN in 'big' (")
+  assert "it overflowed" in note and "check against float64" in note
+  assert not any("itself holds" in l for l in run(
+      capsys, "check", "clicheck_model:make", "--precisions", "bf16",
+      "--out", "fine")[1].splitlines())
+
+
+@pytest.mark.parametrize("precisions", ["bf16", "bf16,tf32,float32"])
+def test_a_model_without_a_matmul_is_said(project, capsys, precisions):
+  """Every precision gives the same numbers: said, not a silent table of 0."""
+  rc, out, err = run(capsys, "check", "clicheck_model:no_matmul",
+                     "--precisions", precisions, "--out", "nm")
+  assert rc == 0, err
+  (note,) = [l for l in out.splitlines() if "no matmul" in l]
+  assert "has no matmul or convolution" in note
+  assert "the precision changes nothing" in note
+  assert ("every row is the same" in note) == ("," in precisions)
+  rc, out, err = run(capsys, "check", "clicheck_model:make", "--precisions",
+                     precisions, "--out", "mm")
+  assert "no matmul" not in out
 
 
 def test_failures_in_user_code_exit_1(project, capsys):

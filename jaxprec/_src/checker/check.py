@@ -191,6 +191,7 @@ def check(fn: Callable[..., Any], *args: Any,
       seconds[p.label] = time.perf_counter() - t0
     bar.finish()
   del call  # holds the arguments
+  labels = [p.label for p in plans if p.label != floor]
   if mode == "native" and backend == "cpu":
     notes.append("native mode on CPU: the CPU ignores matmul precision, so "
                  "every row computes exact float32")
@@ -214,6 +215,14 @@ def check(fn: Callable[..., Any], *args: Any,
         f"(about 1.2e-38), which XLA flushes to zero on CPU and TPU: "
         f"rescale the inputs")
   notes += overflow_notes(layers)
+  notes += nonfinite_reference_notes(layers, ref.name)
+  if (not (mode == "native" and backend == "cpu")  # said above
+      and rows_agree(layers, labels) and not _holds_matmul(fn, args, kwargs)):
+    same = "" if len(labels) < 2 else "every row is the same: "
+    notes.append(
+        f"{same}the function has no matmul or convolution (no dot_general "
+        f"or conv_general_dilated in its program), so the precision changes "
+        f"nothing in it")
   return DivergenceReport(
       layers=layers, precisions=tuple(p.label for p in plans),
       reference=ref.name, target=target, mode=mode, backend=backend,
@@ -246,6 +255,48 @@ def overflow_notes(layers: Sequence[LayerResult]) -> list[str]:
           f"range (above 3.4e38 in magnitude): a float32 program overflows "
           f"there, so these layers fail at every precision (rescale the "
           f"inputs or the model)"]
+
+
+def nonfinite_reference_notes(layers: Sequence[LayerResult],
+                              reference: str) -> list[str]:
+  """The note naming layers whose reference itself holds inf or NaN (it
+  overflowed, or computed NaN): their metrics compare the finite elements
+  only."""
+  bad = []
+  for l in layers:
+    m = next(iter(l.metrics.values()), None)
+    if m is not None and (m.ref_nan or m.ref_inf):
+      what = " and ".join(f"{k} {w}" for k, w in ((m.ref_inf, "inf"),
+                                                   (m.ref_nan, "nan")) if k)
+      bad.append(f"{l.name!r} ({what} of {m.size})")
+  if not bad:
+    return []
+  shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more layers"
+                                if len(bad) > 5 else "")
+  redo = "" if reference == "float64" else " or check against float64"
+  return [f"the reference ({reference}) itself holds inf or NaN in {shown}: "
+          f"it overflowed (or computed NaN) there, so those elements compare "
+          f"with nothing and the metrics read the finite ones only; rescale "
+          f"the inputs or the model{redo}"]
+
+
+def rows_agree(layers: Sequence[LayerResult], labels: Sequence[str]) -> bool:
+  """Whether the rows ``labels`` have the same figures at every layer (what
+  a function without a matmul or convolution gives: the precision changes
+  nothing)."""
+  def figures(m):
+    return (m.max_abs, m.rel_rms, m.required_atol, m.nan, m.inf)
+  return bool(labels) and all(
+      len({repr(figures(l.metrics[p])) for p in labels}) == 1 for l in layers)
+
+
+def _holds_matmul(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
+  """Whether ``fn(*args, **kwargs)`` runs a matmul or a convolution (traced,
+  not run); True when it cannot be traced here."""
+  try:
+    return walker.holds_matmul(walker.trace_call(fn, args, kwargs).jaxpr)
+  except Exception:  # noqa: BLE001 -- the check ran: say nothing
+    return True
 
 
 _COLLECTION = "intermediates"
