@@ -167,6 +167,13 @@ def test_psum_scatter_and_pmean():
   assert rows[0].primitive == "reduce_scatter" and rows[0].terms == 1
 
 
+def test_psum_under_pmap_knows_its_axis_size():
+  f = jax.pmap(lambda g: lax.psum(g, "devices"), axis_name="devices")
+  (row,) = reductions(f, sds(1, 8))
+  assert (row.kind, row.axes, row.terms, row.operand_shape) == (
+      "collective", ("devices",), 1, (8,))
+
+
 # ---------------------------------------------------------------------------
 # Forward and backward.
 
