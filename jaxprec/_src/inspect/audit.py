@@ -250,8 +250,9 @@ class ReductionRow:
       say (a ``while`` loop, a collective outside a known mesh).
     direction: ``'forward'``; ``'jvp'`` for an op under JAX's ``jvp(...)``
       name marker that is not transposed: the forward sweep of a
-      differentiated function, its primal ops and what derivative rules
-      compute from them (``jnp.max``'s count of ties, jax issue 38885);
+      differentiated function (or a ``jax.jvp``), its primal ops and what
+      derivative rules compute from them (``jnp.max``'s count of ties, jax
+      issue 38885);
       ``'backward'`` for a transposed op (``transpose(...)`` in the name
       stack: the backward pass of ``jax.grad`` and ``jax.vjp``).
     axes: the mesh axis names a collective sums over; ``()`` otherwise.
@@ -790,15 +791,14 @@ def direction(name_stack: str) -> str:
 
 
 def _mesh_sizes(eqn: Any) -> dict[str, int]:
-  """The axis sizes of the mesh a ``shard_map`` (or a pmap) binds."""
-  params = eqn.params
-  if eqn.primitive.name == "shard_map":
-    shape = getattr(params.get("mesh"), "shape", None)
-    if isinstance(shape, Mapping):
-      return {str(k): known_int(v) for k, v in shape.items()}
-  elif eqn.primitive.name == "xla_pmap":  # older JAX's pmap primitive
-    return {str(params.get("axis_name")): known_int(params.get("axis_size"))}
-  return {}
+  """The axis sizes of the mesh a ``shard_map`` binds (``jax.pmap`` binds
+  one too, in jax 0.10.2 to 0.12); ``{}`` for every other equation."""
+  if eqn.primitive.name != "shard_map":
+    return {}
+  shape = getattr(eqn.params.get("mesh"), "shape", None)
+  if not isinstance(shape, Mapping):
+    return {}
+  return {str(k): known_int(v) for k, v in shape.items()}
 
 
 class _LoopCarries:
