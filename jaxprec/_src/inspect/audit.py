@@ -296,7 +296,8 @@ class ReductionRow:
 
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
-  """The matmuls and convolutions of one traced function.
+  """The matmuls and convolutions of one traced function, and every op of
+  it that adds in bfloat16 or float16.
 
   Attributes:
     rows: one :class:`AuditRow` per op, in program order, nested bodies
@@ -437,6 +438,9 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
 
   Returns:
     An :class:`AuditReport`; empty (not an error) when ``fn`` has no matmuls.
+    Its ``reductions`` list every op that adds in bfloat16 or float16
+    (sums, collectives, loop carries, 16-bit dots), forward or backward
+    (:class:`ReductionRow`).
 
   Raises:
     TypeError: if ``fn`` is not callable.
