@@ -22,6 +22,17 @@ contractions. Runs in a few minutes on one GPU; the shapes are small.
     python benchmarks/gpu_fidelity.py --quick   # dry run: builds every case and
                                                 # runs the CPU side only; no GPU
 
+A second table compares the real GPU with the two GPU models side by side
+(``docs/gpu.md``): for each dot case that runs on tensor cores, float8
+operands under ``ANY_F8_ANY_F8_F32_FAST_ACCUM`` and ``ANY_F8_ANY_F8_F32``, and
+batched vector·vector dots (which XLA strength-reduces to float32), the ULP
+distance of the GPU's result to the default model (``chip=None``) and to the
+chip model of the GPU at hand (``--chip``; by default read from the device
+name: A100 -> ``a100``, H100/H200 -> ``h100``, B200 -> ``b200``), so that one
+run says which model is closer.
+
+    python benchmarks/gpu_fidelity.py --chip h100
+
 Without a GPU (and without ``--quick``) it says so and exits with status 2.
 It exits with status 1 when a row is outside XLA's tolerance (``NO`` in the
 table; the count is printed last), else 0, so that CI can run it.
@@ -35,6 +46,7 @@ import functools
 import os
 import sys
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -161,11 +173,113 @@ def stats(got: np.ndarray, want: np.ndarray, exact: np.ndarray) -> dict:
           "rel_diff": float(np.abs(got.astype(np.float64) - want).max() / scale)}
 
 
+CHIPS = ("a100", "h100", "b200")
+# The chip model of a GPU, by a word of its device name (jax's device_kind).
+_CHIP_OF = {"A100": "a100", "H100": "h100", "H200": "h100", "H800": "h100",
+            "B200": "b200", "B100": "b200", "GB200": "b200"}
+# The algorithms a chip model computes (tensor-core passes).
+CHIP_ALGORITHMS = ("tf32", "tf32x3", "bf16x1", "bf16x3", "bf16x6", "bf16x9",
+                   "f16")
+FP8_PRESETS = ("ANY_F8_ANY_F8_F32_FAST_ACCUM", "ANY_F8_ANY_F8_F32")
+
+
+def chip_of(kind: str) -> str | None:
+  """The chip model of a device name, None where jaxprec has none."""
+  for word, chip in _CHIP_OF.items():
+    if word in kind.upper().replace("-", " ").split():
+      return chip
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipCase:
+  """One dot of the chip table: float32 or float8 operands, any dims."""
+  precision: str
+  shape: str
+  lhs: np.ndarray
+  rhs: np.ndarray
+  dims: tuple = MATMUL
+
+
+def build_chip_cases(cases: list[Case], quick: bool) -> list[ChipCase]:
+  out = [ChipCase(c.precision, c.shape, c.lhs, c.rhs) for c in cases
+         if c.op == "dot" and c.algorithm in CHIP_ALGORITHMS]
+  rng = np.random.default_rng(1)
+  e4m3 = getattr(jax.numpy, "float8_e4m3fn")
+  k = 256 if quick else 4096
+  l8 = np.asarray(rng.standard_normal((16, k)), F32).astype(e4m3)
+  r8 = np.asarray(rng.standard_normal((k, 16)), F32).astype(e4m3)
+  out += [ChipCase(p, f"16x{k} @ {k}x16 e4m3", l8, r8) for p in FP8_PRESETS]
+  v = _operands(rng, (64, 96))
+  out.append(ChipCase("default", "64 vector·vector (strength-reduced)", v,
+                      _operands(rng, (64, 96)), (((1,), (1,)), ((0,), (0,)))))
+  return out
+
+
+def _chip_dot(case: ChipCase, device, chip: str | None, native: bool):
+  lhs, rhs = (jax.device_put(x, device) for x in (case.lhs, case.rhs))
+  pref = np.float32
+  if native:
+    fn = functools.partial(lax.dot_general, dimension_numbers=case.dims,
+                           precision=case.precision,
+                           preferred_element_type=pref)
+  else:
+    fn = functools.partial(jaxprec.emulated_dot_general,
+                           dimension_numbers=case.dims,
+                           precision=case.precision,
+                           preferred_element_type=pref, target="gpu",
+                           chip=chip)
+  # The default model on the bf16 kernel: its bits (the f32 kernel merges
+  # passes, within the same bound but not bit for bit).
+  with warnings.catch_warnings(), jaxprec.use_kernel("bf16"):
+    warnings.simplefilter("ignore")  # the default model's float8 warning
+    return np.asarray(jax.jit(fn)(lhs, rhs), F32)
+
+
+def chip_table(gpu, chip: str, quick: bool, cases: list[Case]) -> list[str]:
+  """The chip table's lines: the GPU's result against both models."""
+  cpu = jax.devices("cpu")[0]
+  lines = ["", f"Chip model: {chip} (docs/gpu.md). ULP distance of the "
+           f"{'GPU' if gpu else 'default model (dry run: no GPU)'} to each "
+           "model: bit-equal share, median / p99 / max.", "",
+           "| precision | shape | default model | chip model | closer |",
+           "|---|---|---|---|---|"]
+  for case in build_chip_cases(cases, quick):
+    try:
+      default = _chip_dot(case, cpu, None, native=False)
+      model = _chip_dot(case, cpu, chip, native=False)
+    except NotImplementedError as e:
+      lines.append(f"| {case.precision} | {case.shape} | - | {e} | |")
+      continue
+    if gpu is not None:
+      try:
+        real = _chip_dot(case, gpu, None, native=True)
+      except Exception as e:  # pylint: disable=broad-except
+        lines.append(f"| {case.precision} | {case.shape} | not accepted by "
+                     f"the GPU: {type(e).__name__} | | |")
+        continue
+    else:
+      real = default
+    cells = []
+    for want in (default, model):
+      u = ulps(real, want)
+      cells.append(f"{np.mean(u == 0):.3f}, {np.median(u):g} / "
+                   f"{np.percentile(u, 99):g} / {int(u.max())}")
+    d, m = (float(np.mean(ulps(real, w))) for w in (default, model))
+    closer = "chip" if m < d else ("default" if d < m else "same")
+    lines.append(f"| {case.precision} | {case.shape} | {cells[0]} | "
+                 f"{cells[1]} | {closer} |")
+  return lines
+
+
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true",
                   help="dry run without a GPU: build every case, run the CPU side")
   ap.add_argument("--markdown", help="also write the table to this file")
+  ap.add_argument("--chip", choices=CHIPS,
+                  help="the chip model to compare with (default: from the "
+                       "GPU's name; a dry run: h100)")
   args = ap.parse_args(argv)
   if args.markdown is not None and (
       os.path.isdir(args.markdown) or not os.path.isdir(
@@ -226,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
   lines += ["", f"{outside} of {sum(not isinstance(r[2], str) for r in rows)} rows "
             "outside XLA's tolerance" if outside else
             "every row with a tolerance is within it"]
+  chip = args.chip or (chip_of(kind) if gpus else "h100")
+  if chip is None:
+    lines += ["", f"No chip model for {kind}: pass --chip."]
+  else:
+    lines += chip_table(gpus[0] if gpus else None, chip, args.quick, cases)
   text = "\n".join(lines)
   print(text)
   if args.markdown:
