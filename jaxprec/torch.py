@@ -17,9 +17,13 @@ PyTorch and transformers are imported only when these are used.
 * :func:`port_check`: your own JAX port (an NNX module, a linen module with
   its variables, or a function) against its PyTorch original, layer by
   layer: is a difference a bug of the port, or precision? (a
-  :class:`PortReport`).
+  :class:`PortReport`); :func:`logits_gates`: KL divergence, top-k
+  agreement and the largest log-probability difference of two sets of
+  logits.
 """
 
+from jaxprec._src.checker.logits import LogitsGates
+from jaxprec._src.checker.logits import logits_gates
 from jaxprec._src.checker.port_check import PortLayer
 from jaxprec._src.checker.port_check import PortReport
 from jaxprec._src.checker.port_check import port_check
@@ -33,5 +37,6 @@ from jaxprec._src.torch.torch_ref import capture
 from jaxprec._src.torch.torch_ref import flax_params
 from jaxprec._src.torch.torch_ref import from_torch
 
-__all__ = ("PORTS", "Port", "PortLayer", "PortReport", "TWINS", "Twin",
-           "capture", "flax_params", "from_torch", "port", "port_check", "twin")
+__all__ = ("LogitsGates", "PORTS", "Port", "PortLayer", "PortReport", "TWINS",
+           "Twin", "capture", "flax_params", "from_torch", "logits_gates",
+           "port", "port_check", "twin")

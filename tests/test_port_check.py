@@ -442,25 +442,39 @@ def test_a_function_port_names_the_first_unexplained_output(tnet):
   assert r.suspects("bfloat16") == []
 
 
-def test_the_llama_port_has_no_suspect():
+def test_the_llama_port_has_no_suspect_and_its_logits_gates():
   transformers = pytest.importorskip("transformers")
   import jaxprec.models  # noqa: PLC0415
   cfg = transformers.LlamaConfig(
       vocab_size=64, hidden_size=32, intermediate_size=64,
       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-      initializer_range=0.2)
+      initializer_range=0.2, tie_word_embeddings=False)
   torch.manual_seed(0)
-  pt = transformers.LlamaModel(cfg).eval()
-  model = jaxprec.models.LlamaModel.from_pytorch(pt)
+  pt = transformers.LlamaForCausalLM(cfg).eval()
+  model = jaxprec.models.LlamaForCausalLM.from_pytorch(pt)
   ids = (np.arange(8, dtype=np.int32)[None] * 7) % 64
-  r = jt.port_check(model, pt, ids, torch_inputs=(ids.astype(np.int64),))
+  r = jt.port_check(model, pt, ids, torch_inputs=(ids.astype(np.int64),),
+                    logits="lm_head", top_k=3)
   assert r.suspects() == []
-  for name in ("layers/0/self_attn", "layers/1/mlp", "layers/1"):
+  for name in ("model/layers/0/self_attn", "model/layers/1/mlp",
+               "model/layers/1"):
     assert r.alignment[name] == name.replace("/", ".")
     layer = r.layer(name)
     assert layer.floor < 1e-5
     assert layer.local["bfloat16"] > 1e-3  # one bfloat16 pass, explained
-  assert r.layer("layers/1").propagated["bfloat16"] > 1e-3
+  assert r.layer("model/layers/1").propagated["bfloat16"] > 1e-3
+  # The gates: the full JAX run's distributions against PyTorch's.
+  with torch.no_grad():
+    ref = pt(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
+  want = jt.logits_gates(np.asarray(model(ids)["logits"]), ref, k=3)
+  f32, bf16 = r.logits["float32"], r.logits["bfloat16"]
+  assert f32.max_logprob_diff == pytest.approx(want.max_logprob_diff,
+                                               abs=1e-6)
+  assert f32.kl_max < 1e-10 and f32.top1_agreement == 1.0
+  assert bf16.kl_mean > 100 * f32.kl_mean
+  assert bf16.max_logprob_diff > 1e-3
+  assert "logits (lm_head) at bfloat16: KL mean" in r.table()
+  assert json.loads(r.to_json())["logits"]["bfloat16"]["k"] == 3
 
 
 def test_the_wav2vec2_port_has_no_suspect():

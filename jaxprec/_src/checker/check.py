@@ -544,6 +544,7 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                  mode: str = "auto", atol: float = DEFAULT_ATOL,
                  rtol: float = DEFAULT_RTOL, progress: bool = False,
                  cache: bool | str | os.PathLike = False,
+                 shadow: bool = False,
                  **kwargs: Any) -> DivergenceReport:
   """:func:`check` over every submodule's output of a Flax module.
 
@@ -576,6 +577,14 @@ def check_module(module: Any, *args: Any, method: str | None = None,
       PyTorch module tree as this function names a Flax one) may hold some
       of the layers: those are compared, and the others are listed in the
       report's ``unchecked`` (and in its table, markdown and JSON).
+    shadow: each submodule's *local* error instead of the propagated one:
+      it runs alone, at each precision, on the input it received in a
+      float32 run of the model, against its float32 output on that input
+      (layers in the order their calls end; a module called twice gets
+      ``#0``, ``#1``). An error is then the layer's own, never inherited
+      from the layers before it. Needs ``reference='float32'``; ``method``
+      and ``capture`` are not supported with it. For the same against a
+      PyTorch original, see :func:`jaxprec.torch.port_check`.
     **kwargs: keyword arguments for the module call (e.g.
       ``deterministic=True``).
 
@@ -588,6 +597,12 @@ def check_module(module: Any, *args: Any, method: str | None = None,
       layer of the module (a ``ReferenceMismatchError`` naming it, the
       module's layers and the closest one).
   """
+  if shadow:
+    from jaxprec._src.checker import shadow as shadow_lib  # noqa: PLC0415
+    return shadow_lib.check_module_shadow(
+        module, args, kwargs, method=method, capture=capture,
+        precisions=precisions, reference=reference, target=target, mode=mode,
+        atol=atol, rtol=rtol)
   common = dict(precisions=precisions, reference=reference, target=target,
                 mode=mode, atol=atol, rtol=rtol, progress=progress,
                 cache=cache)

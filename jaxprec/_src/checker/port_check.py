@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from jaxprec._src.checker import layers as layers_lib
+from jaxprec._src.checker import logits as logits_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker import rows as rows_lib
 from jaxprec._src.core import numerics
@@ -287,7 +288,7 @@ def _substituted(args: tuple, kwargs: dict, new: list[Any]) -> tuple[tuple, dict
   return jax.tree_util.tree_unflatten(tree, leaves)
 
 
-class _JaxModel:
+class JaxModel:
   """The JAX side: its layers at float32 (with a way to run each alone),
   and its layers' outputs at any row."""
 
@@ -688,6 +689,10 @@ class PortReport:
     factor: the factor of the suspect rule.
     kind: ``'nnx'``, ``'linen'`` or ``'function'``.
     notes: what the user should know (layers that could not run alone).
+    logits: per row, the :class:`jaxprec.torch.LogitsGates` of the layer
+      ``logits_layer`` (the full JAX run at the row against PyTorch), when
+      ``port_check`` was given ``logits=``; else empty.
+    logits_layer: the JAX layer holding the logits, or None.
   """
 
   layers: tuple[PortLayer, ...]
@@ -700,6 +705,9 @@ class PortReport:
   factor: float
   kind: str
   notes: tuple[str, ...] = ()
+  logits: dict[str, logits_lib.LogitsGates] = dataclasses.field(
+      default_factory=dict)
+  logits_layer: str | None = None
 
   def layer(self, name: str) -> PortLayer:
     """The paired layer named ``name`` (its JAX name)."""
@@ -745,6 +753,8 @@ class PortReport:
         "unpaired_jax": list(self.unpaired_jax),
         "unpaired_torch": list(self.unpaired_torch),
         "layers": [dataclasses.asdict(l) for l in self.layers],
+        "logits_layer": self.logits_layer,
+        "logits": {p: g.to_dict() for p, g in self.logits.items()},
         "notes": list(self.notes)})
 
   def to_json(self, indent: int | None = 2) -> str:
@@ -807,6 +817,12 @@ class PortReport:
     out += _wrap(f"suspect: local error > {self.factor:g} x (noise + "
                  f"envelope) + 2^-20 while every paired layer inside is "
                  f"within it (errors are rel_rms)", width)
+    for p, g in self.logits.items():
+      out += _wrap(f"logits ({self.logits_layer}) at {p}: KL mean "
+                   f"{render.fmt(g.kl_mean)}, max {render.fmt(g.kl_max)}; "
+                   f"top-1 agreement {g.top1_agreement:.1%}, top-{g.k} "
+                   f"overlap {g.topk_overlap:.1%}; max |logprob diff| "
+                   f"{render.fmt(g.max_logprob_diff)}", width)
     if self.unpaired_jax:
       out += _wrap("JAX layers without a PyTorch partner: "
                    + ", ".join(self.unpaired_jax), width)
@@ -837,7 +853,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
                torch_inputs: Sequence[Any] | None = None,
                kwargs: Mapping[str, Any] | None = None,
                torch_kwargs: Mapping[str, Any] | None = None,
-               factor: float = PORT_FACTOR) -> PortReport:
+               factor: float = PORT_FACTOR, logits: str | None = None,
+               top_k: int = 5) -> PortReport:
   """Is a JAX port of a PyTorch model wrong, or is it precision? Which layer?
 
   Runs both models on the same inputs, pairs their layers, and measures for
@@ -881,6 +898,13 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
     kwargs, torch_kwargs: keyword arguments for the JAX model and for
       PyTorch (``torch_kwargs`` default: ``kwargs``).
     factor: the factor of the suspect rule (default :data:`PORT_FACTOR`).
+    logits: for a language model, the JAX layer whose output is the logits
+      (``'lm_head'``; it must be paired): the report's ``logits`` then
+      holds, per row, the KL divergence of the output distributions, the
+      top-1 agreement, the top-``top_k`` overlap and the largest
+      log-probability difference of the full JAX run against PyTorch
+      (:func:`jaxprec.torch.logits_gates`).
+    top_k: the k of the top-k overlap.
 
   Returns:
     A :class:`PortReport`.
@@ -902,7 +926,7 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
   f32 = rows_lib.native_float32().wrap
   kwargs = dict(kwargs or {})
   torch_kwargs = dict(kwargs if torch_kwargs is None else torch_kwargs)
-  jax_side = _JaxModel(jax_model, inputs, kwargs)
+  jax_side = JaxModel(jax_model, inputs, kwargs)
   torch_layers = _torch_layers(
       torch_model, tuple(inputs if torch_inputs is None else torch_inputs),
       torch_kwargs)
@@ -973,6 +997,15 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
         name=j.name, torch_name=t.name, shape=j.out_shapes[0], floor=floor,
         noise=noise, envelope=env, local=loc, local_max_abs=loc_abs,
         propagated=prop, bound=bound))
+  gates: dict[str, logits_lib.LogitsGates] = {}
+  if logits is not None:
+    where = {jax_layers[a].name: b for a, b in pairs.items()}
+    if logits not in where:
+      raise ValueError(f"logits={logits!r} is no paired JAX layer"
+                       f"{_closest(logits, sorted(where))}")
+    ref = torch_layers[where[logits]].outputs[0]
+    gates = {p.label: logits_lib.logits_gates(full[p.label][logits][0], ref,
+                                              k=top_k) for p in plans}
   paired_names = {jax_layers[a].name for a in pairs}
   layers = _verdicts(results, [p.label for p in plans], jax_side.kind,
                      [l.name for l in jax_layers if l.name not in paired_names])
@@ -987,7 +1020,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
                            if b not in set(pairs.values())),
       precisions=tuple(p.label for p in plans), target=target,
       numerics={p.label: p.description for p in plans}, factor=float(factor),
-      kind=jax_side.kind, notes=tuple(dict.fromkeys(notes)))
+      kind=jax_side.kind, notes=tuple(dict.fromkeys(notes)),
+      logits=gates, logits_layer=logits)
 
 
 def _alone_all(which: list[int], jax_layers: list[_Layer],

@@ -1,0 +1,105 @@
+"""Logits gates: how far a language model's output distributions drift.
+
+Hidden-state errors do not say whether a model still predicts the same
+tokens. The gates compare the distributions themselves, position by position
+(the last axis holds the vocabulary), in float64 on the host:
+
+* KL divergence ``KL(reference || candidate)`` of the softmax distributions
+  (mean and largest over positions);
+* top-1 agreement (the fraction of positions whose most likely token is the
+  same) and top-k overlap (the mean fraction of the reference's k most
+  likely tokens among the candidate's k most likely);
+* the largest absolute difference of log-probabilities, over every position
+  and token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsGates:
+  """The logits gates of a candidate against a reference.
+
+  Attributes:
+    kl_mean, kl_max: ``KL(reference || candidate)`` in nats, mean and
+      largest over positions.
+    top1_agreement: fraction of positions whose argmax is the same.
+    topk_overlap: mean over positions of ``|topk(c) & topk(r)| / k``.
+    max_logprob_diff: largest ``|log p_c - log p_r|`` over all positions and
+      tokens.
+    k: the k of ``topk_overlap``.
+    positions: the number of positions compared.
+  """
+
+  kl_mean: float
+  kl_max: float
+  top1_agreement: float
+  topk_overlap: float
+  max_logprob_diff: float
+  k: int
+  positions: int
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+  z = z - z.max(axis=-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def logits_gates(candidate: Any, reference: Any, k: int = 5) -> LogitsGates:
+  """The logits gates of ``candidate`` against ``reference``.
+
+  Args:
+    candidate, reference: logits of the same shape ``(..., vocab)``
+      (arrays, JAX or NumPy); compared in float64.
+    k: the k of the top-k overlap (at most the vocabulary size).
+
+  Returns:
+    A :class:`LogitsGates`.
+
+  Raises:
+    ValueError: shapes that differ, a vocabulary axis of fewer than 2
+      entries, a ``k`` outside ``1..vocab``, or non-finite logits.
+
+  Examples:
+    >>> import numpy as np
+    >>> from jaxprec._src.checker.logits import logits_gates
+    >>> r = np.array([[2.0, 1.0, 0.0], [0.0, 0.5, 3.0]])
+    >>> g = logits_gates(r + 1.0, r, k=2)   # a constant shift: same softmax
+    >>> g.kl_max < 1e-15, g.top1_agreement, g.topk_overlap
+    (True, 1.0, 1.0)
+  """
+  c = np.asarray(candidate, np.float64)
+  r = np.asarray(reference, np.float64)
+  if c.shape != r.shape:
+    raise ValueError(f"logits_gates: candidate shape {c.shape} != reference "
+                     f"shape {r.shape}")
+  if c.ndim < 1 or c.shape[-1] < 2:
+    raise ValueError(f"logits_gates: the last axis holds the vocabulary and "
+                     f"needs at least 2 entries; got shape {c.shape}")
+  vocab = c.shape[-1]
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not (
+      1 <= k <= vocab):
+    raise ValueError(f"logits_gates: k must be an integer in 1..{vocab} (the "
+                     f"vocabulary size); got {k!r}")
+  if not (np.isfinite(c).all() and np.isfinite(r).all()):
+    raise ValueError("logits_gates: the logits hold NaN or infinity")
+  c, r = c.reshape(-1, vocab), r.reshape(-1, vocab)
+  lc, lr = _log_softmax(c), _log_softmax(r)
+  kl = np.sum(np.exp(lr) * (lr - lc), axis=-1)
+  top_c = np.argsort(-c, axis=-1, kind="stable")[:, :k]
+  top_r = np.argsort(-r, axis=-1, kind="stable")[:, :k]
+  overlap = [len(set(a) & set(b)) / k for a, b in zip(top_c, top_r)]
+  return LogitsGates(
+      kl_mean=float(kl.mean()), kl_max=float(kl.max()),
+      top1_agreement=float(np.mean(top_c[:, 0] == top_r[:, 0])),
+      topk_overlap=float(np.mean(overlap)),
+      max_logprob_diff=float(np.abs(lc - lr).max()), k=int(k),
+      positions=int(c.shape[0]))
