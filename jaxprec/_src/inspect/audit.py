@@ -135,6 +135,11 @@ class AuditRow:
     groups: for a ragged dot (``lax.ragged_dot``, primitive
       ``ragged_dot_general``), how many groups its ``group_sizes`` holds
       (each group's rows meet their own rhs); 0 for every other op.
+    shape_rule: the rule a dot's shape brings in on a target, else ``''``:
+      ``'f32: vector·vector, strength-reduced'`` where XLA:GPU turns a
+      vector·vector dot at a precision level into a float32 multiply and
+      reduce (``gpu`` is then ``'f32'``;
+      :func:`jaxprec._src.core.numerics.strength_reduced`).
   """
 
   primitive: str
@@ -164,6 +169,7 @@ class AuditRow:
   rhs_storage: str = ""
   accumulation_dtype: str = ""
   groups: int = 0
+  shape_rule: str = ""
 
   @property
   def dtype_story(self) -> str:
@@ -395,8 +401,8 @@ class AuditReport:
                    _short_path(r.source),
                    f"{_shape(r.lhs_dtype, r.lhs_shape)} x "
                    f"{_shape(r.rhs_dtype, r.rhs_shape)}",
-                   r.dtype_story, r.precision_name, r.tpu, r.gpu,
-                   si(r.flops, ".0f"),
+                   r.dtype_story, r.precision_name, r.tpu,
+                   r.shape_rule or r.gpu, si(r.flops, ".0f"),
                    "RISKY" if r.risky else ""))
     out = [head, *table(cols, body, {0, 10})]
     by = self.flops_by_precision()
@@ -955,6 +961,14 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
   preferred = eqn.params.get("preferred_element_type")
   accumulation = np.dtype(out.dtype if preferred is None else preferred).name
   tpu, gpu, tpu_n, gpu_n = _effective(prim, precision, lhs_dtype, rhs_dtype)
+  shape_rule = ""
+  if prim == "dot_general" and gpu == "tf32":
+    # XLA:GPU's strength reduction of a vector·vector dot (numerics).
+    shape_rule = numerics.strength_reduced(
+        lax.Precision.DEFAULT if precision is None else precision, "gpu",
+        lhs.shape, rhs.shape, eqn.params["dimension_numbers"]) or ""
+    if shape_rule:
+      gpu, gpu_n = "f32", algorithms.record("f32")
   risky, reason = _risk(prim, precision, lhs_dtype, rhs_dtype, tpu_n)
   acc_reason = accumulation_risk(accumulation)
   if acc_reason:
@@ -995,7 +1009,7 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
       module_path=module, emulated=walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope),
       lhs_storage=storage.of(eqn.invars[0], depth),
       rhs_storage=storage.of(eqn.invars[1], depth),
-      accumulation_dtype=accumulation, groups=groups)
+      accumulation_dtype=accumulation, groups=groups, shape_rule=shape_rule)
 
 
 def _precision_name(precision: Any) -> str:
