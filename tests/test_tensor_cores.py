@@ -329,3 +329,13 @@ def test_bfloat16_operands_run_on_the_chip():
       a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), DN, target="gpu",
       chip="h100")
   assert plain.dtype == jnp.bfloat16
+
+
+def test_audit_shows_the_vector_dot_rule():
+  r = jaxprec.audit(lambda v, w, m: (v @ w, m @ w), jnp.ones(8), jnp.ones(8),
+                    jnp.ones((4, 8)))
+  vv, mv = r.rows
+  assert (vv.gpu, vv.shape_rule) == ("f32",
+                                     "f32: vector·vector, strength-reduced")
+  assert (mv.gpu, mv.shape_rule) == ("tf32", "")
+  assert "f32: vector·vector, strength-reduced" in str(r)
