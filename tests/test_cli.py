@@ -297,7 +297,8 @@ def test_python_m_jaxprec(tmp_path):
                          "--", "true"], capture_output=True, text=True, env=env,
                         cwd=tmp_path, timeout=120)
   assert proc.returncode == 2
-  assert proc.stderr.startswith("jaxprec: error: Invalid precision 'bogus'")
+  assert proc.stderr.startswith("jaxprec: error: --precision: Invalid "
+                                "precision 'bogus'")
   assert proc.stderr.count("\n") == 1 and proc.stdout == ""
 
 

@@ -36,9 +36,15 @@ def _env(tmp_path):
   return env
 
 
-def _in_terminal(argv, env, cwd):
+def _in_terminal(argv, env, cwd, columns=None):
+  """``(exit status, screen)`` of ``argv`` run with stdout and stderr on a
+  pseudo-terminal: of ``columns`` columns, or of no known size."""
   pty = pytest.importorskip("pty")
   leader, follower = pty.openpty()
+  if columns is not None:
+    import fcntl, struct, termios  # noqa: E401, PLC0415
+    fcntl.ioctl(follower, termios.TIOCSWINSZ,
+                struct.pack("HHHH", 40, columns, 0, 0))
   proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=follower,
                           stderr=follower)
   os.close(follower)
@@ -69,6 +75,31 @@ def test_usage_errors_stay_one_line_on_a_terminal(tmp_path):
   visible = text.split("\r\x1b[K")[-1]  # what is left on screen
   assert "starting..." not in visible
   assert visible.strip().startswith("jaxprec: error:"), text
+
+
+@pytest.mark.parametrize("columns, width", [(100, 100), (None, 80)])
+def test_an_error_is_folded_at_spaces_to_the_terminal(tmp_path, columns,
+                                                      width):
+  """A long error is folded at the terminal's width (80 where the terminal
+  has no size), at spaces; a pipe keeps it on one line."""
+  env = {k: v for k, v in _env(tmp_path).items() if k != "COLUMNS"}
+  argv = ["check", "--model", "bert", "--reference", "bfloat61"]
+  rc, text = _in_terminal([sys.executable, "-c", LAUNCH, *argv], env,
+                          tmp_path, columns)
+  assert rc == 2, text
+  visible = text.split("\r\x1b[K")[-1].replace("\r\n", "\n").strip()
+  lines = visible.splitlines()
+  assert lines[0].startswith("jaxprec: error: --reference: Invalid "
+                             "precision 'bfloat61'"), text
+  assert len(lines) > 1 and max(map(len, lines)) <= width, lines
+  assert max(map(len, lines)) > width - 20, lines  # the width is used
+  assert all(l.startswith("  ") for l in lines[1:]), lines
+  piped = subprocess.run([sys.executable, "-c", LAUNCH, *argv], cwd=tmp_path,
+                         env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+  (line,) = [l for l in piped.stderr.splitlines() if "error" in l]
+  # (after the import mark of HOOK)
+  assert " ".join(l.strip() for l in lines) == line.split(">", 1)[-1]
 
 
 def test_nothing_of_its_own_when_stderr_is_not_a_terminal(tmp_path):

@@ -164,6 +164,28 @@ def test_piped_output_is_never_cut():
   assert_fits(r.to_text(width=80), r, 80)
 
 
+@pytest.mark.parametrize("how", ["table", "to_text"])
+def test_a_narrow_table_folds_its_legend_at_spaces_never_inside_a_word(how):
+  """report.table(width=40) broke 'attent|ion' and 'lay|ers' in the legend
+  and summary lines: a word (or a policy entry) that fits a line is whole on
+  one; a longer one is split after a ',' or '/' in it."""
+  r = wide_report(1)
+  text = getattr(r, how)(width=40)
+  lines = text.splitlines()
+  assert max(map(len, lines)) <= 40, text
+  words = {w for line in (*render_lib._heading(r).splitlines(),
+                          *render_lib._summary_lines(r))
+           for word in line.split() for w in (word, *word.split(","))}
+  room = 40 - 2  # a continuation line is indented by two spaces
+  for w in sorted(w for w in words if w and len(w) <= room):
+    assert any(w in line for line in lines), (w, text)
+  assert "  encoder/layers/1/feed_forward=float32" in lines, text
+  for long in ("encoder/layers/0/attention/output_dense",):
+    split = [l for l in lines if l.rstrip().endswith("encoder/layers/0/")
+             or l.rstrip().endswith("attention/")]
+    assert split, (long, text)  # at a '/', not inside a segment
+
+
 def test_policy_rows_are_labelled_P1_P2_with_a_legend():
   r = wide_report()
   pol2 = "default=bfloat16_3x"

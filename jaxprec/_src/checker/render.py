@@ -19,7 +19,6 @@ import math
 import os
 import re
 import sys
-import textwrap
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,6 +138,45 @@ def _cell(s: str) -> str:
   """A name on one line: control characters written as escapes."""
   return s.replace("\\", "\\\\").replace("\n", "\\n").replace(
       "\r", "\\r").replace("\t", "\\t")
+
+
+def fold(line: str, width: int, indent: str = "") -> list[str]:
+  """``line`` folded onto lines of at most ``width`` characters, the later
+  ones starting with ``indent``: at spaces, and a word longer than a line (a
+  policy string, a module path) after a ``,`` or ``/`` in it, so that a
+  token (a word, a policy entry, a path segment) is split only where it is
+  longer than a line by itself.
+
+  Examples:
+    >>> fold("P1: default=bfloat16,encoder/layers/0=float32", 30, "  ")
+    ['P1: default=bfloat16,', '  encoder/layers/0=float32']
+    >>> fold("worst encoder/layers/0/attention/output_dense (#0)", 30)
+    ['worst encoder/layers/0/', 'attention/output_dense (#0)']
+  """
+  room = max(width - len(indent), 1)
+  pieces = []
+  for word in re.split(r"(?<= )", line):
+    if len(word.rstrip()) <= room:
+      pieces.append(word)
+      continue
+    for entry in re.split(r"(?<=,)", word):  # policy entries first
+      parts = ([entry] if len(entry.rstrip()) <= room
+               else re.split(r"(?<=/)", entry))  # then path segments
+      for part in parts:
+        while len(part.rstrip()) > room:  # longer than a line by itself
+          pieces.append(part[:room])
+          part = part[room:]
+        pieces.append(part)
+  out = [""]
+  for piece in pieces:
+    if not piece:
+      continue
+    if out[-1].strip() and len(out[-1] + piece.rstrip()) > width:
+      out[-1] = out[-1].rstrip()
+      out.append(indent)
+      piece = piece.lstrip(" ")
+    out[-1] += piece
+  return [l.rstrip() for l in out]
 
 
 # ---------------------------------------------------------------------------
@@ -367,10 +405,11 @@ def text(report: Any, full: bool = False, width: int | None = None) -> str:
   if width is not None:
     if max(map(len, lines)) > width:
       lines = _vertical(report, full, width)
-    # Folded, never cut: a long word (a policy) is broken across lines.
-    head, lines, tail = ([part for line in group for part in textwrap.wrap(
-        line, width, subsequent_indent="  ", break_on_hyphens=False) or [""]]
-        for group in (head, lines, tail))
+    # Folded, never cut: at spaces, a long word (a policy, a module path)
+    # after a ',' or '/' in it.
+    head, lines, tail = ([part for line in group
+                          for part in fold(line, width, "  ")]
+                         for group in (head, lines, tail))
   return "\n".join([*head, *lines, *tail])
 
 
@@ -406,19 +445,21 @@ class Fitted:
     from rich.measure import Measurement
     from rich.text import Text
     report = self.report
-    yield Text(_heading(report))
+    width = options.max_width
+
+    def folded(lines):  # at spaces, never inside a word that fits a line
+      return [Text(part) for line in lines for part in fold(line, width, "  ")]
+    yield from folded(_heading(report).splitlines())
     wide = _rich_table(report, self.full, report.precisions)
     # Measured without the console's bound (Measurement.get clamps to it).
     need = Measurement.get(console, options.update_width(_UNBOUNDED), wide)
-    if need.maximum <= options.max_width:
+    if need.maximum <= width:
       yield wide
     else:
-      for line in _vertical(report, self.full, options.max_width):
-        t = Text(line)
+      for t in folded(_vertical(report, self.full, width)):
         t.highlight_regex(r"\S+ !( \([^)]*\))?", "bold red")
         yield t
-    for s in _summary_lines(report):
-      yield Text(s)
+    yield from folded(_summary_lines(report))
 
   def __rich_measure__(self, console, options):
     from rich.measure import Measurement
@@ -586,25 +627,6 @@ def tick_labels(names: list[str], chars: int = TICK_CHARS) -> list[str]:
           for i, (c, s) in enumerate(zip(cells, short))]
 
 
-def _wrapped(text: str, chars: int = LEGEND_CHARS) -> str:
-  """``text`` folded onto lines of at most ``chars`` characters, at spaces
-  and after commas (a policy string has no spaces), a longer word cut; one
-  line when it is short."""
-  if len(text) <= chars:
-    return text
-  lines = [""]
-  for word in re.split(r"(?<=[ ,])", text):
-    if lines[-1] and len(lines[-1] + word.rstrip()) > chars:
-      lines.append("")
-    while len(lines[-1] + word.rstrip()) > chars:  # a word longer than a line
-      room = chars - len(lines[-1])
-      lines[-1] += word[:room]
-      word = word[room:]
-      lines.append("")
-    lines[-1] += word
-  return "\n".join(l.rstrip() for l in lines if l.strip())
-
-
 def plot(report: Any, path: str | os.PathLike | None = None, *,
          metric: str = "rel_rms",
          tolerance: float | None = None) -> "matplotlib.figure.Figure":
@@ -685,14 +707,15 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
                      rotation=60, ha="right", fontsize=7)
   ax.set_xlabel("layer (depth)")
   ax.set_ylabel(metric)
-  ax.set_title(_wrapped(f"{metric} vs reference {report.reference} "
-                        f"(target {report.target}, {report.mode})", 90),
+  ax.set_title("\n".join(fold(f"{metric} vs reference {report.reference} "
+                             f"(target {report.target}, {report.mode})", 90)),
                fontsize=9)
   ax.grid(True, which="both", alpha=0.3)
   if report.precisions:
     # Beside the axes (constrained layout makes room): never over a line.
     handles, names = ax.get_legend_handles_labels()
-    ax.legend(handles, [_wrapped(n) for n in names], fontsize=8,
+    ax.legend(handles, ["\n".join(fold(n, LEGEND_CHARS)) for n in names],
+              fontsize=8,
               loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
   if path is not None:
     save(fig, path)

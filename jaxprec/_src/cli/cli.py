@@ -244,8 +244,7 @@ def _cache_on(ns: argparse.Namespace, stack: contextlib.ExitStack) -> None:
   try:
     path = compile_cache.checked_dir(None)
   except ValueError as e:
-    print(f"{_PROG}: warning: compilation cache off: {inputs.one_line(e)}",
-          file=sys.stderr)
+    say("warning", f"compilation cache off: {inputs.one_line(e)}")
     return
   stack.enter_context(compile_cache.compilation_cache(path))
 
@@ -285,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(e.code, file=sys.stderr)
     return 1
   except (UsageError, Failure) as e:
-    print(f"{_PROG}: error: {inputs.one_line(e)}", file=sys.stderr)
+    say("error", e)
     return 2 if isinstance(e, UsageError) else 1
   except KeyboardInterrupt:  # Ctrl-C: one line, the shells' status for SIGINT
     print(f"{_PROG}: interrupted", file=sys.stderr)
@@ -295,6 +294,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     # /dev/null, and exit as a shell says a process ended by SIGPIPE did.
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 128 + 13
+
+
+def say(kind: str, text: object) -> None:
+  """Prints ``jaxprec: KIND: TEXT`` on stderr as one line, folded at spaces
+  to the terminal's width (80 columns when it is not known) when stderr is a
+  terminal; a pipe or a log gets one line, for grep."""
+  line = f"{_PROG}: {kind}: {inputs.one_line(text)}"
+  width = terminal_columns(sys.stderr)
+  if width is not None and len(line) > width:
+    import textwrap  # noqa: PLC0415
+    line = "\n".join(textwrap.wrap(
+        line, width, subsequent_indent="  ", break_long_words=False,
+        break_on_hyphens=False))
+  print(line, file=sys.stderr, flush=True)
+
+
+def terminal_columns(stream) -> int | None:
+  """The width of the terminal ``stream`` writes to: ``$COLUMNS`` when set,
+  else the terminal's own, else 80; None when ``stream`` is not a
+  terminal."""
+  try:
+    if not stream.isatty():
+      return None
+  except (AttributeError, ValueError):  # replaced or closed
+    return None
+  columns = os.environ.get("COLUMNS", "")
+  if columns.isdigit() and int(columns) > 0:
+    return int(columns)
+  try:
+    size = os.get_terminal_size(stream.fileno()).columns
+  except (AttributeError, OSError, ValueError):
+    size = 0
+  return size if size > 0 else 80
 
 
 class _Status:
@@ -371,7 +403,7 @@ def _audit(ns: argparse.Namespace) -> int:
   print(report.to_json() if ns.json else str(report))
   hidden = audit_lib.unseen_modules(report)
   if hidden:
-    print(f"{_PROG}: warning: {hidden}", file=sys.stderr)
+    say("warning", hidden)
   return 0
 
 
@@ -580,15 +612,14 @@ def _write_outputs(report, out: str) -> None:
   try:
     report.plot(png)
   except ImportError:
-    print(f"{_PROG}: note: divergence.png not written: matplotlib is not "
-          f"installed ({install_hint('plots')})", file=sys.stderr)
+    say("note", f"divergence.png not written: matplotlib is not installed "
+                f"({install_hint('plots')})")
     return
   except Exception as e:  # noqa: BLE001 -- the report is written: say so
     with contextlib.suppress(OSError):
       os.remove(png)
-    print(f"{_PROG}: warning: divergence.png not written "
-          f"({type(e).__name__}: {inputs.one_line(e)}); report.json is "
-          f"written", file=sys.stderr)
+    say("warning", f"divergence.png not written ({type(e).__name__}: "
+                   f"{inputs.one_line(e)}); report.json is written")
     return
   print(f"wrote {json_path} and {png}", file=sys.stderr)
 
@@ -621,10 +652,10 @@ def _run(ns: argparse.Namespace) -> int:
   try:
     child = cli_run.start(cmd, env)
   except FileNotFoundError:
-    print(f"{_PROG}: error: command not found: {cmd[0]}", file=sys.stderr)
+    say("error", f"command not found: {cmd[0]}")
     return 127
   except PermissionError:
-    print(f"{_PROG}: error: permission denied: {cmd[0]}", file=sys.stderr)
+    say("error", f"permission denied: {cmd[0]}")
     return 126
   return cli_run.wait(child)  # SIGTERM, SIGINT, SIGHUP forwarded
 
@@ -671,7 +702,7 @@ def _search(ns: argparse.Namespace) -> int:
     raise Failure(f"searching {what} failed: {type(e).__name__}: "
                   f"{e}") from None
   for w in caught:
-    print(f"{_PROG}: warning: {inputs.one_line(w.message)}", file=sys.stderr)
+    say("warning", w.message)
   if ns.json:
     print(result.to_json())
   else:
