@@ -560,3 +560,18 @@ def test_the_docs_worked_example_runs_and_prints_what_the_page_says(capsys):
   exec(compile(example, "port-check.md", "exec"), {"__name__": "example"})  # noqa: S102
   assert capsys.readouterr().out.splitlines()[-1] == "['blocks/2'] []"
   assert "# ['blocks/2'] []" in example
+
+
+def test_the_plot_draws_the_bands_and_the_suspect(tanh2, tmp_path):
+  pytest.importorskip("matplotlib")
+  fig = tanh2.plot(tmp_path / "port.png")
+  assert (tmp_path / "port.png").stat().st_size > 1000
+  top = fig.axes[0]
+  assert top.get_title().startswith("float32")
+  labels = [t.get_text() for t in top.get_legend().get_texts()]
+  assert labels == ["explained by float32 noise",
+                    "explained by float32's envelope", "propagated", "local",
+                    "suspect"]
+  bottom = fig.axes[1]
+  assert "suspect" not in [t.get_text() for t in
+                           bottom.get_legend().get_texts()]

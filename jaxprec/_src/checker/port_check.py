@@ -836,6 +836,63 @@ class PortReport:
   def __str__(self) -> str:
     return self.table()
 
+  def plot(self, path: Any = None) -> Any:
+    """One panel per row: each paired layer's local error (dots, ``x`` for a
+    suspect) and propagated error (a line), over two bands: the noise band
+    (up to ``factor x noise``, what float32 explains) and the precision band
+    (up to the bound, what float32 and the row's envelope explain); log
+    scale, layers in execution order.
+
+    Args:
+      path: where to save the figure; None only returns it.
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
+
+    Raises:
+      ImportError: matplotlib is not installed (the ``plots`` extra).
+    """
+    Figure = render.figure_class("PortReport.plot")
+    n = len(self.precisions)
+    fig = Figure(figsize=(max(6.0, 0.35 * len(self.layers) + 2), 3.2 * n),
+                 layout="constrained")
+    axes = fig.subplots(n, 1, squeeze=False)[:, 0]
+    xs = list(range(len(self.layers)))
+    tiny = SLACK / 10
+
+    def pos(v: float) -> float:
+      return v if math.isfinite(v) and v > 0 else tiny
+
+    for ax, p in zip(axes, self.precisions):
+      noise = [pos(self.factor * (0 if math.isnan(l.noise) else l.noise)
+                   + SLACK) for l in self.layers]
+      bound = [pos(l.bound[p]) for l in self.layers]
+      ax.fill_between(xs, tiny, noise, step="mid", alpha=0.25,
+                      color="tab:green", label="explained by float32 noise")
+      ax.fill_between(xs, noise, bound, step="mid", alpha=0.2,
+                      color="tab:blue", label=f"explained by {p}'s envelope")
+      ax.plot(xs, [pos(l.propagated[p]) for l in self.layers], color="gray",
+              lw=1, label="propagated")
+      local = [pos(l.error(p)) for l in self.layers]
+      bad = [l.verdict[p] == "SUSPECT" for l in self.layers]
+      ax.scatter([x for x, b in zip(xs, bad) if not b],
+                 [y for y, b in zip(local, bad) if not b], s=14,
+                 color="black", label="local", zorder=3)
+      if any(bad):
+        ax.scatter([x for x, b in zip(xs, bad) if b],
+                   [y for y, b in zip(local, bad) if b], s=60, marker="x",
+                   color="tab:red", label="suspect", zorder=4)
+      ax.set_yscale("log")
+      ax.set_ylabel("rel_rms")
+      ax.set_title(f"{p}: {self.numerics.get(p, p)}", fontsize=9)
+      ax.set_xticks(xs)
+      ax.set_xticklabels(render.tick_labels([l.name for l in self.layers]),
+                         rotation=90, fontsize=7)
+      ax.legend(fontsize=7, loc="upper left")
+    if path is not None:
+      render.save(fig, path)
+    return fig
+
 
 def _wrap(text: str, width: int) -> list[str]:
   import textwrap  # noqa: PLC0415
