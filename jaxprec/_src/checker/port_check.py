@@ -888,7 +888,7 @@ class PortReport:
       ax.set_xticks(xs)
       ax.set_xticklabels(render.tick_labels([l.name for l in self.layers]),
                          rotation=90, fontsize=7)
-      ax.legend(fontsize=7, loc="upper left")
+      ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if path is not None:
       render.save(fig, path)
     return fig
