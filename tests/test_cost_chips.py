@@ -48,14 +48,14 @@ def _number(cell: str) -> float | None:
 
 
 def test_every_chip_has_its_figures_and_a_source():
-  assert tuple(chips_lib.CHIPS) == ("tpu-v4", "tpu-v5e", "tpu-v5p", "a100",
-                                    "h100")
+  assert tuple(chips_lib.CHIPS) == ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e",
+                                    "tpu7x", "a100", "h100")
   for name, chip in chips_lib.CHIPS.items():
     assert chip.name == name and chip.target in numerics.TARGETS
     assert chip.peak["bfloat16"] > 0 and chip.hbm_bytes_per_s > 0
     assert chip.source.startswith("https://")
     assert set(chip.peak) <= {"bfloat16", "float16", "tensorfloat32",
-                              "float32", "int8"}
+                              "float32", "int8", "float8"}
   for name in ("a100", "h100"):  # GPUs: float32 cores and TF32 tensor cores
     peak = chips_lib.CHIPS[name].peak
     # Half the 16-bit rate (the H100 sheet rounds: 989 and 1,979 TFLOPS).
@@ -67,10 +67,10 @@ def test_docs_table_repeats_the_figures_and_sources():
   table = _docs_table()
   assert set(table) == set(chips_lib.CHIPS)
   for name, chip in chips_lib.CHIPS.items():
-    _, _, bf16, f16, tf32, f32, int8, hbm, source = table[name]
+    _, _, bf16, f16, tf32, f32, int8, f8, hbm, source = table[name]
     for cell, key in ((bf16, "bfloat16"), (f16, "float16"),
                       (tf32, "tensorfloat32"), (f32, "float32"),
-                      (int8, "int8")):
+                      (int8, "int8"), (f8, "float8")):
       want = chip.peak.get(key)
       assert _number(cell) == (None if want is None else want / 1e12), (
           name, key, cell)
@@ -85,7 +85,7 @@ def test_unknown_chip_names_choices_and_the_closest(bad, close):
     jaxprec.cost(matmul, sds(8, 16), sds(16, 4), chip=bad)
   assert str(e.value) == (
       f"Unknown chip {bad!r}; valid choices: 'tpu-v4', 'tpu-v5e', 'tpu-v5p', "
-      f"'a100', 'h100'. Did you mean {close!r}?")
+      f"'tpu-v6e', 'tpu7x', 'a100', 'h100'. Did you mean {close!r}?")
 
 
 def test_chip_spellings_and_a_chip_of_another_target():

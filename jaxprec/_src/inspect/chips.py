@@ -63,6 +63,22 @@ CHIPS: Mapping[str, Chip] = {
         peak={"bfloat16": 459 * _T},
         hbm_bytes_per_s=2765 * _G,
         source="https://cloud.google.com/tpu/docs/v5p"),
+    # docs.cloud.google.com/tpu/docs/v6e (Trillium): "Peak compute per chip
+    # (bf16) 918 TFLOPs", "Peak compute per chip (Int8) 1836 TOPs", "HBM
+    # bandwidth per chip 1638 GBps".
+    "tpu-v6e": Chip(
+        name="tpu-v6e", target="tpu", description="Google Cloud TPU v6e (Trillium)",
+        peak={"bfloat16": 918 * _T, "int8": 1836 * _T},
+        hbm_bytes_per_s=1638 * _G,
+        source="https://docs.cloud.google.com/tpu/docs/v6e"),
+    # docs.cloud.google.com/tpu/docs/tpu7x (Ironwood): "Peak compute per chip
+    # (BF16) (TFLOPs) 2307", "Peak compute per chip (FP8) (TFLOPs) 4614",
+    # "HBM bandwidth per chip (GBps) 7380".
+    "tpu7x": Chip(
+        name="tpu7x", target="tpu", description="Google Cloud TPU7x (Ironwood)",
+        peak={"bfloat16": 2307 * _T, "float8": 4614 * _T},
+        hbm_bytes_per_s=7380 * _G,
+        source="https://docs.cloud.google.com/tpu/docs/tpu7x"),
     # NVIDIA A100 datasheet: FP32 19.5 TFLOPS; Tensor Float 32 156 TFLOPS;
     # BFLOAT16 and FP16 Tensor Core 312 TFLOPS; INT8 624 TOPS (dense; the
     # sheet's starred figures are with sparsity, twice these); GPU memory
@@ -88,9 +104,10 @@ CHIPS: Mapping[str, Chip] = {
         source="https://www.nvidia.com/en-us/data-center/h100/"),
 }
 """Chips for ``jaxprec.cost(..., chip=...)``: ``'tpu-v4'``, ``'tpu-v5e'``,
-``'tpu-v5p'``, ``'a100'``, ``'h100'``, each a ``Chip`` with ``target``,
-``description``, ``peak`` (dense FLOP/s per pass type: ``'bfloat16'``,
-``'float16'``, ``'tensorfloat32'``, ``'float32'``, ``'int8'``),
+``'tpu-v5p'``, ``'tpu-v6e'``, ``'tpu7x'``, ``'a100'``, ``'h100'``, each a
+``Chip`` with ``target``, ``description``, ``peak`` (dense FLOP/s per pass
+type: ``'bfloat16'``, ``'float16'``, ``'tensorfloat32'``, ``'float32'``,
+``'int8'``, ``'float8'``),
 ``hbm_bytes_per_s`` and ``source`` (the spec sheet). ``docs/cost.md`` has
 the table."""
 
@@ -111,7 +128,7 @@ def check_chip(chip: object) -> Chip:
     >>> check_chip("tpu-v5ee")
     Traceback (most recent call last):
     ...
-    ValueError: Unknown chip 'tpu-v5ee'; valid choices: 'tpu-v4', 'tpu-v5e', 'tpu-v5p', 'a100', 'h100'. Did you mean 'tpu-v5e'?
+    ValueError: Unknown chip 'tpu-v5ee'; valid choices: 'tpu-v4', 'tpu-v5e', 'tpu-v5p', 'tpu-v6e', 'tpu7x', 'a100', 'h100'. Did you mean 'tpu-v5e'?
   """
   name = chip.strip().lower().replace("_", "-") if isinstance(chip, str) else None
   if name in CHIPS:

@@ -447,8 +447,9 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
     target: ``'tpu'`` or ``'gpu'``; None: the chip's, else ``'tpu'``.
     weights: cost per FLOP by algorithm name, updating :data:`WEIGHTS` (e.g.
       ``{'f32': 7.4}`` for an H100 SXM).
-    chip: ``'tpu-v4'``, ``'tpu-v5e'``, ``'tpu-v5p'``, ``'a100'`` or
-      ``'h100'`` (:data:`CHIPS`) for times; None: no times.
+    chip: ``'tpu-v4'``, ``'tpu-v5e'``, ``'tpu-v5p'``, ``'tpu-v6e'``,
+      ``'tpu7x'``, ``'a100'`` or ``'h100'`` (:data:`CHIPS`) for times; None:
+      no times.
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
