@@ -45,10 +45,19 @@ MODEL = textwrap.dedent("""\
       def encode(self, x):
         return self.embed(x)
 
+      def own_matmul(self, x):  # calls no submodule
+        return jnp.tanh(x @ self.embed.kernel[...])
+
+      def nothing(self, x):
+        return None
+
     class Mlp(nn.Module):
       @nn.compact
       def __call__(self, x):
         return nn.Dense(4, name="dense2")(jnp.tanh(nn.Dense(16, name="dense1")(x)))
+
+      def squashed(self, x):
+        return jnp.tanh(self(x) * 3)
 
     X = jax.random.normal(jax.random.key(1), (4, 8))
 
@@ -78,6 +87,18 @@ MODEL = textwrap.dedent("""\
 
     def linen_no_variables():
       return Mlp(), (X,)
+
+    def linen_bound():
+      return Mlp().bind(Mlp().init(jax.random.key(0), X)), (X,)
+
+    def linen_bound_method():
+      return Mlp().bind(Mlp().init(jax.random.key(0), X)).squashed, (X,)
+
+    def own_matmul():
+      return Net(nnx.Rngs(0)).own_matmul, (X,)
+
+    def nothing():
+      return Net(nnx.Rngs(0)).nothing, (X,)
     """)
 
 # Imported by the model file when it should be slow to import (the terminal test).
@@ -148,6 +169,40 @@ def test_check_modules_method_and_linen_forms(project, capsys):
     assert rc == 0, err
     names = [l["name"] for l in json.loads(out)["layers"]]
     assert names[:2] == ["dense1", "dense2"], (target, names)
+
+
+def test_check_modules_takes_a_bound_linen_module(project, capsys):
+  """model.bind(variables) was refused: its variables are used."""
+  for target, last in (("ownmodel:linen_bound", "output"),
+                       ("ownmodel:linen_bound_method", "output.squashed")):
+    for modules in ((), ("--modules",)):
+      rc, out, err = run(capsys, "check", target, *modules, "--precisions",
+                         "bf16", "--json", "--out", "r6")
+      assert rc == 0, (target, modules, err)
+      names = [l["name"] for l in json.loads(out)["layers"]]
+      if modules:
+        assert names[:2] == ["dense1", "dense2"] and names[-1] == last, names
+  import ownmodel  # noqa: PLC0415
+  bound, (x,) = ownmodel.linen_bound()
+  r = jaxprec.check_module(bound, x, precisions="bf16")
+  _, variables = bound.unbind()
+  same = jaxprec.check_module(bound.clone(parent=None), variables, x,
+                              precisions="bf16")
+  assert r.metric("rel_rms") == same.metric("rel_rms")
+  assert [l.name for l in r.layers] == [l.name for l in same.layers]
+
+
+def test_check_modules_of_a_method_checks_its_own_output(project, capsys):
+  """A method that calls no submodule gave no row (and an unclear error):
+  its own output is a row; a method with no output at all is named."""
+  rc, out, err = run(capsys, "check", "ownmodel:own_matmul", "--modules",
+                     "--precisions", "bf16", "--json", "--out", "r7")
+  assert rc == 0, err
+  assert [l["name"] for l in json.loads(out)["layers"]] == ["output.own_matmul"]
+  rc, out, err = run(capsys, "check", "ownmodel:nothing", "--modules",
+                     "--precisions", "bf16", "--out", "r8")
+  one_line_error(rc, err, 1, "Net.nothing gave no output to check",
+                 "calls no submodule and returns no array")
 
 
 def test_check_modules_exit_1_past_the_tolerance(project, capsys):

@@ -365,7 +365,8 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
   :func:`linen_outputs` runs ``module.apply`` with Flax's
   ``capture_intermediates`` and names every captured output by module path
   (``'encoder/layers_0/attention'``; the root's own output is ``'output'``; a
-  method other than ``__call__`` adds ``'.method'``; a module called twice gets
+  method other than ``__call__`` adds ``'.method'``, and with ``capture=True``
+  the root's method is one of the outputs; a module called twice gets
   ``'#0'``, ``'#1'``).
 
   Flax's ``nn.scan`` carries only the collections its ``variable_axes``,
@@ -419,11 +420,14 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
 
   def run(variables, *inputs):
     with nn.intercept_methods(interceptor):
-      _, state = module.apply(variables, *inputs, method=method,
-                              capture_intermediates=capture,
-                              mutable=[_COLLECTION], **kwargs)
+      own, state = module.apply(variables, *inputs, method=method,
+                                capture_intermediates=capture,
+                                mutable=[_COLLECTION], **kwargs)
     out: dict[str, Any] = {}
     _collect(state.get(_COLLECTION, {}), (), out)
+    root = _output_name((), method or "__call__")
+    if method is not None and capture is True and root not in out:
+      out[root] = own  # the method's own output, as __call__'s is 'output'
     return out
 
   statics, dynamic = trees.split_call((variables, *inputs), {})
@@ -565,8 +569,10 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   (:func:`linen_outputs`).
 
   Args:
-    module: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
-    *args: for linen, the variables then the inputs; for nnx, the inputs.
+    module: a ``flax.linen.Module`` (or one bound to its variables,
+      ``module.bind(variables)``) or a ``flax.nnx.Module``.
+    *args: for linen, the variables then the inputs (a bound module: the
+      inputs alone); for nnx, the inputs.
     method: the method to call instead of ``__call__`` (linen: its name).
     capture: linen only: ``True`` (every submodule's ``__call__``) or a
       filter ``(module, method_name) -> bool`` as ``capture_intermediates``
@@ -608,10 +614,16 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                 cache=cache)
   import flax.linen as nn
   from flax import nnx
+  if isinstance(module, nn.Module) and module.scope is not None:
+    # Bound (module.bind(variables)): its variables, then the inputs.
+    module, variables = module.unbind()
+    args = (variables, *args)
   if isinstance(module, nn.Module):
     if not args or not isinstance(args[0], Mapping):
       raise TypeError("check_module(linen_module, variables, *inputs): the "
-                      "variables (a dict with 'params') come first")
+                      "variables (a dict with 'params') come first, or pass "
+                      "the module bound to them: "
+                      "check_module(linen_module.bind(variables), *inputs)")
     variables = {k: v for k, v in args[0].items() if k != "intermediates"}
 
     def captured(variables, /, *inputs, lost=None, **kw):
@@ -619,6 +631,7 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                            capture=capture, lost=lost)
     # This trace warns of outputs that cannot be checked; the rows' do not.
     order = _execution_order(captured, (variables, *args[1:]), kwargs)
+    _some_output(order, module, method)
 
     def linen_fn(variables, /, *inputs, **kw):
       return _in_order(captured(variables, *inputs, lost=[], **kw), order)
@@ -634,13 +647,18 @@ def check_module(module: Any, *args: Any, method: str | None = None,
         nnx_policy.apply(m, scope.policy, scope.recorder)
       target_fn = m if method is None else getattr(m, method)
       try:
-        _, inter = nnx.capture(target_fn, nnx.Intermediate,
-                               method_outputs=nnx.Intermediate)(*inputs, **kw)
+        own, inter = nnx.capture(target_fn, nnx.Intermediate,
+                                 method_outputs=nnx.Intermediate)(*inputs, **kw)
       except Exception as e:  # noqa: BLE001 -- whose failure: the model's?
         _capture_failed(e, graphdef, state, method, inputs, kw)
         raise
-      return _nnx_intermediates(m, inter)
+      out = _nnx_intermediates(m, inter)
+      root = _output_name((), method or "__call__")
+      if method is not None and root not in out:  # a method of the model's
+        out[root] = own  # own: its output, as __call__'s is 'output'
+      return out
     order = _execution_order(captured, (state, *args), kwargs)
+    _some_output(order, module, method)
 
     def nnx_fn(state, /, *inputs, **kw):
       return _in_order(captured(state, *inputs, **kw), order)
@@ -651,6 +669,17 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   raise TypeError(f"check_module expects a Flax module (flax.linen or "
                   f"flax.nnx); got "
                   f"{type(module).__name__} (use jaxprec.check for functions)")
+
+
+def _some_output(order: Sequence[str], module: Any, method: str | None
+                 ) -> None:
+  """Raises a ValueError naming the method when it gave no output to check
+  (it calls no submodule and returns nothing)."""
+  if not order:
+    raise ValueError(
+        f"check_module: {type(module).__name__}.{method or '__call__'} gave "
+        f"no output to check: it calls no submodule and returns no array; "
+        f"check a method that does, or its function with jaxprec.check")
 
 
 def _capture_failed(error: Exception, graphdef, state, method, inputs,

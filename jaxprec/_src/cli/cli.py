@@ -464,17 +464,21 @@ def _flax_module(fn, args: tuple, target: str):
     inner = inner.__wrapped__
   owner = getattr(inner, "__self__", None)
   module, method = inner, None
-  if isinstance(owner, nnx.Module):  # model.encode
+  bound = isinstance(owner, nn.Module) and owner.scope is not None
+  if isinstance(owner, nnx.Module) or bound:  # model.encode, bound linen
     module = owner
     method = None if inner.__name__ == "__call__" else inner.__name__
   elif isinstance(owner, nn.Module) and inner.__name__ == "apply":
     module = owner
+  if isinstance(module, nn.Module) and module.scope is not None:
+    return module, args, method  # bound: check_module takes its variables
   if isinstance(module, nn.Module):
     if not args or not isinstance(args[0], dict):
       raise UsageError(
           f"--modules: {target}() returned a linen {type(module).__name__}: "
           f"its args are the variables (a dict with 'params') and then the "
-          f"inputs, e.g. return model, (variables, x)")
+          f"inputs, e.g. return model, (variables, x); or return the model "
+          f"bound to them: model.bind(variables), (x,)")
     return module, args, method
   if isinstance(module, nnx.Module):
     return module, args, method
@@ -483,8 +487,9 @@ def _flax_module(fn, args: tuple, target: str):
       f"--modules: {target}() returned {what!r} as fn, not a Flax module, so "
       f"jaxprec cannot see its submodules; return the model itself: "
       f"(model, (x,)) for NNX (not a function that calls "
-      f"nnx.merge(graphdef, state)), (model, (variables, x)) or "
-      f"(model.apply, (variables, x)) for linen")
+      f"nnx.merge(graphdef, state)), (model, (variables, x)), "
+      f"(model.apply, (variables, x)) or (model.bind(variables), (x,)) for "
+      f"linen")
 
 
 def _check(ns: argparse.Namespace) -> int:
