@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from jaxprec._src.cli import cli_inputs as inputs
+from jaxprec._src.cli import cli_port
 from jaxprec._src.cli.cli_inputs import PYTORCH, Failure, UsageError
 from jaxprec._src.core.version import install_hint
 from jaxprec._src.torch import torch_ports
@@ -138,9 +139,13 @@ def _parser() -> argparse.ArgumentParser:
                           "--precisions is not given); repeatable")
   check.add_argument("--reference", default="float32",
                      help="float32 (default), float64, another precision, "
-                          "a .npz/.npy/.safetensors file of hidden states, or "
+                          "a .npz/.npy/.safetensors file of hidden states, "
                           "pytorch: the PyTorch original of --model "
-                          "hf-wav2vec2, hf-bert or hf-llama")
+                          "hf-wav2vec2, hf-bert or hf-llama, or "
+                          "pytorch:MODULE:FUNCTION: FUNCTION() returns "
+                          "(torch_model, args) and MODULE:FUNCTION's model "
+                          "is port-checked against it layer by layer (exit 1 "
+                          "when a layer is a suspect)")
   check.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
                      help="whose numerics to show (default tpu)")
   check.add_argument("--mode", default="auto",
@@ -495,6 +500,10 @@ def _flax_module(fn, args: tuple, target: str):
 def _check(ns: argparse.Namespace) -> int:
   ns.status.say("checking the arguments", piped=False)
   _one_model(ns, (*_MODELS, *torch_ports.PORTS))
+  if cli_port.is_port_reference(ns.reference):  # your port against PyTorch
+    return cli_port.run(
+        ns, lambda r: print(r.table(width=max(
+            100, terminal_columns(sys.stdout) or 100))), _write_outputs)
   if ns.modules and ns.model is not None:
     raise UsageError(f"--modules applies to MODULE:FUNCTION (your own Flax "
                      f"model); --model {ns.model} is checked at its hidden "

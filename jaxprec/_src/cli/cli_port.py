@@ -1,0 +1,116 @@
+"""``jaxprec check MODULE:FUNCTION --reference pytorch:MODULE:FUNCTION``.
+
+The port check of the command line (:func:`jaxprec.torch.port_check`): the
+first FUNCTION returns the JAX model and its inputs, the second the PyTorch
+model and its inputs; the table of suspects is printed, ``report.json`` and
+``divergence.png`` are written to ``--out``, and the exit status is 1 when a
+layer is a suspect at any row.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxprec._src.cli import cli_inputs as inputs
+from jaxprec._src.cli.cli_inputs import Failure, UsageError
+
+PREFIX = "pytorch:"
+DEFAULT_ROWS = ("float32", "bfloat16")
+
+
+def is_port_reference(reference: str) -> bool:
+  """Whether ``--reference`` names a PyTorch model factory
+  (``pytorch:MODULE:FUNCTION``)."""
+  return reference.startswith(PREFIX) and len(reference) > len(PREFIX)
+
+
+def _refuse_other_options(ns: argparse.Namespace) -> None:
+  given = [flag for flag, on in (
+      ("--model", ns.model is not None), ("--modules", ns.modules),
+      ("--policy", bool(ns.policy)), ("--atol", ns.atol is not None),
+      ("--rtol", ns.rtol is not None), ("--mode", ns.mode != "auto"),
+      ("--size", getattr(ns, "size", None) is not None)) if on]
+  if given:
+    raise UsageError(
+        f"--reference {PREFIX}MODULE:FUNCTION checks MODULE:FUNCTION's model "
+        f"against its PyTorch original layer by layer (jaxprec.torch."
+        f"port_check); {', '.join(given)} do not apply to it (its verdict is "
+        f"the suspect rule, its rows are emulated on --target)")
+  if ns.function is None:
+    raise UsageError(f"--reference {PREFIX}MODULE:FUNCTION needs the JAX "
+                     f"model: jaxprec check MODULE:FUNCTION --reference "
+                     f"{PREFIX}MODULE:FUNCTION")
+
+
+def _jax_model(fn, args: tuple):
+  """``(jax_model, inputs)`` for port_check from FUNCTION()'s ``(fn,
+  args)``: an NNX module and its inputs; a linen module (or its ``apply``)
+  with the variables first; any other callable and its inputs."""
+  try:
+    import flax.linen as nn  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+  except ImportError:
+    return fn, args
+  owner = getattr(fn, "__self__", None)
+  if isinstance(owner, nn.Module) and fn.__name__ == "apply":
+    fn = owner
+  if isinstance(fn, nn.Module):
+    if not args or not isinstance(args[0], dict):
+      raise UsageError(
+          f"a linen {type(fn).__name__}: its args are the variables (a dict "
+          f"with 'params') and then the inputs, e.g. return model, "
+          f"(variables, x)")
+    return (fn, args[0]), args[1:]
+  if isinstance(fn, nnx.Module) or callable(fn):
+    return fn, args
+  raise UsageError(f"the JAX FUNCTION returned a {type(fn).__name__} as fn, "
+                   f"not a model or a callable")
+
+
+def run(ns: argparse.Namespace, print_table, write_outputs) -> int:
+  """The port check of ``jaxprec check``; 1 when a layer is a suspect."""
+  _refuse_other_options(ns)
+  torch_target = ns.reference[len(PREFIX):]
+  precisions = (inputs.precision_list(ns.precisions)
+                if ns.precisions is not None else DEFAULT_ROWS)
+  inputs.check_out(ns.out)
+  ns.cache_on()
+  from jaxprec._src.checker import port_check  # noqa: PLC0415
+  from jaxprec._src.torch import torch_ref  # noqa: PLC0415
+  try:
+    torch_ref.import_torch()
+  except ImportError as e:
+    raise UsageError(f"--reference {ns.reference}: {inputs.one_line(e)}"
+                     ) from None
+  ns.status.say(f"importing {ns.function}")
+  fn, args, kwargs = inputs.call_target(ns.function)
+  jax_model, jax_inputs = _jax_model(fn, args)
+  ns.status.say(f"importing {torch_target}")
+  torch_model, torch_args, torch_kwargs = inputs.call_target(torch_target)
+  ns.status.say("running both models, pairing their layers, then each layer "
+                "alone at each row")
+  try:
+    report = port_check.port_check(
+        jax_model, torch_model, *jax_inputs, torch_inputs=torch_args,
+        kwargs=kwargs, torch_kwargs=torch_kwargs, precisions=precisions,
+        target=ns.target)
+  except (TypeError, ValueError) as e:  # bad models, pins, pairing
+    raise UsageError(inputs.one_line(e)) from None
+  except BrokenPipeError:
+    raise
+  except Exception as e:  # noqa: BLE001 -- the user's code failed
+    raise Failure(f"checking {ns.function} against {torch_target} failed: "
+                  f"{type(e).__name__}: {e}") from None
+  ns.status.clear()
+  if ns.json:
+    print(report.to_json())
+  else:
+    print(f"model: {ns.function} against the PyTorch {torch_target}")
+    print_table(report)
+  write_outputs(report, ns.out)
+  suspects = {p: report.suspects(p) for p in report.precisions}
+  found = [f"{p}: {', '.join(s)}" for p, s in suspects.items() if s]
+  if found:
+    raise Failure("suspects (the port differs from PyTorch beyond what "
+                  "float32 and the precision explain) at " + "; ".join(found))
+  return 0

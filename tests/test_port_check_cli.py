@@ -1,0 +1,87 @@
+"""jaxprec check MODULE:FUNCTION --reference pytorch:MODULE:FUNCTION.
+
+Two small files make the models: an NNX port (with GELU's tanh
+approximation, or right) and its PyTorch original with the same weights.
+"""
+
+import json
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+
+from conftest import one_line_error, run_cli  # noqa: E402
+
+MODELS = textwrap.dedent('''
+    import jax
+    import numpy as np
+    import torch
+    from flax import nnx
+
+    torch.manual_seed(0)
+    PT = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                             torch.nn.Linear(16, 8)).eval()
+    X = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
+
+
+    class Port(nnx.Module):
+      def __init__(self, approximate):
+        self.fc1 = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+        self.fc2 = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+        for j, t in ((self.fc1, PT[0]), (self.fc2, PT[2])):
+          j.kernel[...] = t.weight.detach().numpy().T
+          j.bias[...] = t.bias.detach().numpy()
+        self.approximate = approximate
+
+      def __call__(self, x):
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=self.approximate))
+
+
+    def right():
+      return Port(False), (X,)
+
+
+    def tanh():
+      return Port(True), (X,)
+
+
+    def original():
+      return PT, (X,)
+''')
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+  (tmp_path / "ports.py").write_text(MODELS)
+  monkeypatch.chdir(tmp_path)
+  return tmp_path
+
+
+def test_a_suspect_exits_1_and_names_it(models, capsys):
+  rc, out, err = run_cli(capsys, "check", "ports.py:tanh", "--reference",
+                         "pytorch:ports.py:original", "--out", "rep")
+  one_line_error(rc, err, 1, "suspects", "float32: output")
+  assert "suspects at float32: output" in out
+  report = json.loads((models / "rep" / "report.json").read_text())
+  assert report["suspects"]["float32"] == ["output"]
+  assert report["alignment"] == {"fc1": "0", "fc2": "2", "output": "output"}
+
+
+def test_a_correct_port_exits_0(models, capsys):
+  rc, out, err = run_cli(capsys, "check", "ports.py:right", "--reference",
+                         "pytorch:ports.py:original", "--out", "rep",
+                         "--precisions", "float32,bfloat16", "--json")
+  assert rc == 0, err
+  report = json.loads(out)
+  assert report["suspects"] == {"float32": [], "bfloat16": []}
+  assert report["unpaired_torch"] == ["1"]  # the GELU module
+
+
+def test_options_that_do_not_apply_are_refused(models, capsys):
+  rc, _, err = run_cli(capsys, "check", "ports.py:right", "--reference",
+                       "pytorch:ports.py:original", "--atol", "1e-3")
+  one_line_error(rc, err, 2, "--atol", "do not apply")
+  rc, _, err = run_cli(capsys, "check", "ports.py:right", "--reference",
+                       "pytorch:ports.py:nothing")
+  one_line_error(rc, err, 2, "'ports.py' has no attribute 'nothing'")
