@@ -23,6 +23,14 @@ if "jax" not in _sys.modules:
       # The command line promises one clear line and exit code 2, no traceback.
       print(f"jaxprec: error: {_e}", file=_sys.stderr)
       raise SystemExit(2) from None
+  if _names.running_as_cli(_sys.argv):
+    # `python -m jaxprec` on a terminal: the command's name on screen before
+    # JAX imports, as the `jaxprec` launcher shows it (once: the launcher's
+    # line stays); jaxprec/__main__.py clears it.
+    try:
+      _importlib.import_module("_jaxprec_main").show(_sys.argv[1:])
+    except ImportError:  # an install without the launcher module
+      pass
 
 from jaxprec._src.core.algorithms import Numerics
 from jaxprec._src.core.context import PresetConvWarning

@@ -77,6 +77,30 @@ def test_usage_errors_stay_one_line_on_a_terminal(tmp_path):
   assert visible.strip().startswith("jaxprec: error:"), text
 
 
+def test_python_m_jaxprec_names_the_command_before_jax_imports(tmp_path):
+  """`python -m jaxprec` imports the package (and JAX) before its __main__:
+  the package shows the launcher's line first, and __main__ clears it."""
+  argv = [sys.executable, "-m", "jaxprec", "check", "--model", "bert",
+          "--precisions", "bfloat61"]
+  rc, text = _in_terminal(argv, _env(tmp_path), tmp_path)
+  assert rc == 2, text
+  start = text.index("jaxprec check: starting...")
+  assert start < text.index("<jax import starts>"), text[:300]
+  assert text.count("starting...") == 1, text
+  cleared = text.index("\r\x1b[K", start)
+  assert cleared < text.index("jaxprec: error:"), text
+  visible = text.split("\r\x1b[K")[-1]
+  assert "starting" not in visible
+  # Piped, and a program that imports jaxprec on a terminal: no such line.
+  piped = subprocess.run(argv, cwd=tmp_path, env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=300,
+                         check=False)
+  assert "starting" not in piped.stderr and "\x1b" not in piped.stderr
+  rc, text = _in_terminal([sys.executable, "-c", "import jaxprec"],
+                          _env(tmp_path), tmp_path)
+  assert rc == 0 and "starting" not in text, text
+
+
 @pytest.mark.parametrize("columns, width", [(100, 100), (None, 80)])
 def test_an_error_is_folded_at_spaces_to_the_terminal(tmp_path, columns,
                                                       width):
