@@ -120,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                           "model that FUNCTION returns as fn "
                           "(jaxprec.check_module): an nnx.Module (args: its "
                           "inputs), a linen Module or its .apply (args: the "
-                          "variables, then the inputs)")
+                          "variables, then the inputs) or a linen Module "
+                          "bound to its variables (args: its inputs)")
   check.add_argument("--model", choices=(*_MODELS, *torch_ports.PORTS),
                      help="a built-in model (random weights, nothing "
                           "downloaded); hf-wav2vec2, hf-bert and hf-llama "
@@ -454,7 +455,8 @@ def _model_or_target(ns: argparse.Namespace):
 def _flax_module(fn, args: tuple, target: str):
   """``check --modules``: ``(module, args, method)`` for
   :func:`jaxprec.check_module` from FUNCTION()'s fn: an ``nnx.Module`` or
-  a bound method of one, a linen ``Module`` or its ``apply`` (looked
+  a bound method of one, a linen ``Module`` (bound to its variables or
+  not), a bound method of a bound one, or its ``apply`` (looked
   through ``jax.jit`` and ``functools.wraps``)."""
   try:
     import flax.linen as nn  # noqa: PLC0415
