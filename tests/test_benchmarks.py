@@ -83,6 +83,12 @@ def test_gpu_fidelity_dry_run_and_no_gpu_message(tmp_path):
   assert "no GPU here" in proc.stderr
 
 
+def test_bench_chip_model_quick(tmp_path):
+  out = run("bench_chip_model.py", "--quick", tmp_path=tmp_path).stdout
+  assert "default model:" in out and "chip='h100'" in out, out
+  assert "ratio to the default model" in out and "CPU: " in out, out
+
+
 def test_every_benchmark_accepts_quick_and_a_test_runs_it_so():
   """Item: benchmarks cannot rot. A new script in benchmarks/ fails this test
   until it takes ``--quick`` and some test runs it that way."""
