@@ -28,6 +28,15 @@ values at most 22) and whose sums are float32, combined as XLA combines them
 float32 mode: XLA:CPU flushes subnormal inputs and results to zero (as TPUs
 do).
 
+Two GPU models. Without a chip (the default), ``target='gpu'`` computes the
+algorithm's definition: exact products of the rounded operands summed in
+float32 with round to nearest, the same on every chip. With ``chip='a100'``,
+``'h100'`` or ``'b200'`` each pass is computed as that chip's tensor cores
+compute it (:mod:`jaxprec._src.emulation.tensor_cores`, after MMA-Sim, arXiv
+2511.10909): truncated fused dot-products in instruction order, rounded
+toward zero; the chip is part of the op's static spec, so every cache keys
+on it (``docs/gpu.md``).
+
 Kernels. All the above holds on the ``bf16`` kernel; the ``f32`` kernel
 merges passes into float32 dots, within the same bound at every contraction
 length but not bit-exact (:mod:`jaxprec._src.emulation.kernels`,
