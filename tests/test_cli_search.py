@@ -202,5 +202,6 @@ def test_python_m_jaxprec_run_bad_policy(tmp_path):
                          "default=bogus", "--", "true"], capture_output=True,
                         text=True, env=env, cwd=tmp_path, timeout=120)
   assert proc.returncode == 2 and proc.stdout == ""
-  assert proc.stderr.startswith("jaxprec: error: Invalid policy entry 'default=bogus'")
+  assert proc.stderr.startswith(
+      "jaxprec: error: --policy: Invalid policy entry 'default=bogus'")
   assert proc.stderr.count("\n") == 1
