@@ -71,6 +71,10 @@ _INSTRUCTIONS = [
      "BF16_BF16_F32", 16, 64),
     ("WGMMA", "Hopper", "m64n8k32.f32.e4m3.e4m3", "h100", "e4m3",
      "ANY_F8_ANY_F8_F32_FAST_ACCUM", 32, 64),
+    ("TCGen05MMA", "Blackwell", "m64n8k16.kind::f16.f32.bf16.bf16", "b200",
+     "bf16", "BF16_BF16_F32", 16, 64),
+    ("TCGen05MMA", "Blackwell", "m64n8k32.kind::f8f6f4.f32.e4m3.e4m3", "b200",
+     "e4m3", "ANY_F8_ANY_F8_F32_FAST_ACCUM", 32, 64),
 ]
 
 
@@ -103,8 +107,9 @@ def test_chip_model_is_mmasim_bit_for_bit(instr, steps, specials):
       x, y, DN, precision=precision, preferred_element_type=jnp.float32,
       target="gpu", chip=chip)
   np.testing.assert_array_equal(_bits(got), want)
-  # The default model rounds to nearest: it differs in the last bits.
-  if specials == 0.0 and steps > 1:
+  # The default model rounds to nearest: it differs in the last bits (but
+  # for a B200's float8, whose short products its 25 bits sum exactly here).
+  if specials == 0.0 and steps > 1 and (chip, fmt) != ("b200", "e4m3"):
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", NotModelledWarning)  # said below
       default = jaxprec.emulated_dot_general(

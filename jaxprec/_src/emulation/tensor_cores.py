@@ -111,8 +111,7 @@ class Accumulation:
     return self.result_bits < 23
 
 
-_PTX = {"tf32": "tf32", "bf16": "bf16", "f16": "f16", "e4m3": "e4m3",
-        "e5m2": "e5m2"}
+# The instruction's k per format (the PTX ISA's mma and wgmma shapes).
 _K = {"tf32": 8, "bf16": 16, "f16": 16, "e4m3": 32, "e5m2": 32}
 
 
@@ -154,9 +153,8 @@ def accumulation(chip: str, fmt: str) -> Accumulation:
                         result_bits=23, e_zero=-132)
   group = 32 // _BYTES[fmt]
   if chip == "h100":
-    ab = f"{_PTX[fmt]}.{_PTX[fmt]}"
     return Accumulation(chip=chip, fmt=fmt,
-                        instruction=f"wgmma m64nNk{k}.f32.{ab}", k=k,
+                        instruction=f"wgmma m64nNk{k}.f32.{fmt}.{fmt}", k=k,
                         group=group, fraction_bits=13 if fp8 else 25,
                         result_bits=13 if fp8 else 23, e_zero=-133)
   kind = "tf32" if fmt == "tf32" else ("f8f6f4" if fp8 else "f16")
