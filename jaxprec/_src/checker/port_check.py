@@ -24,6 +24,7 @@ All arithmetic on results is float64 NumPy on the host.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -95,7 +96,7 @@ def run_alone(calls: Sequence[tuple[_Alone, list[Any]]],
   def every(*items):
     return [f(s, *a, **k) for f, (s, a, k) in zip(fns, items)]
   items = tuple(alone.on(new) for alone, new in calls)
-  with jax.enable_x64(x64):
+  with _x64(x64):
     if x64:
       items = _f64(items)
     statics, dynamic = trees.split_call(items, {})
@@ -273,6 +274,12 @@ def _linen_calls(module: Any, variables: Any, inputs: tuple, kwargs: dict,
   return calls
 
 
+def _x64(on: bool) -> Any:
+  """64-bit types in a scope that is restored when ``on``; else nothing (a
+  user's own x64 setting is left alone)."""
+  return jax.enable_x64(True) if on else contextlib.nullcontext()
+
+
 def _f64(tree: Any) -> Any:
   return jax.tree_util.tree_map(
       lambda x: np.asarray(x, np.float64) if layers_lib.is_float(x) else x,
@@ -354,7 +361,7 @@ class JaxModel:
               x64: bool = False) -> dict[str, list[np.ndarray]]:
     """Every layer's outputs of a full run, computed as ``wrap`` computes."""
     state, inputs, kwargs = self._state(), self.inputs, self.kwargs
-    with jax.enable_x64(x64):
+    with _x64(x64):
       if x64:
         state, inputs, kwargs = _f64((state, inputs, kwargs))
       # One compiled program: run eagerly, an emulated model would compile
@@ -440,6 +447,7 @@ def _closeness(err: float) -> float:
   return min(1.0, max(0.0, -math.log10(max(err, 1e-12)) / 12))
 
 
+@functools.lru_cache(maxsize=65536)
 def _name_similarity(a: str, b: str) -> float:
   return difflib.SequenceMatcher(
       None, layers_lib.normalize(a).lower(),
