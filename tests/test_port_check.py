@@ -463,6 +463,8 @@ def test_the_llama_port_has_no_suspect_and_its_logits_gates():
     assert layer.floor < 1e-5
     assert layer.local["bfloat16"] > 1e-3  # one bfloat16 pass, explained
   assert r.layer("model/layers/1").propagated["bfloat16"] > 1e-3
+  # PyTorch's modules without a JAX twin are listed, not dropped.
+  assert "model.rotary_emb" in r.unpaired_torch
   # The gates: the full JAX run's distributions against PyTorch's.
   with torch.no_grad():
     ref = pt(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
