@@ -352,7 +352,10 @@ def test_terminal_shows_a_status_line_before_the_model_is_imported(project):
   end = time.monotonic()
   text = screen.decode(errors="replace")
   assert proc.returncode == 0, text
-  assert text.startswith("\rjaxprec check: checking the arguments..."), text[:200]
+  # The launcher's line, before JAX imports (python -m jaxprec too), then
+  # the command's own.
+  assert text.startswith("\rjaxprec check: starting...\x1b[K\r\x1b[K\r"
+                         "jaxprec check: checking the arguments..."), text[:200]
   assert first is not None, text[:300]
   assert end - first > 4  # shown while the import sleeps, not after it
   print(f"status line after {first - start:.2f} s; command ran {end - start:.1f} s")
