@@ -295,6 +295,9 @@ def test_pairing_needs_no_names_and_pins_override_it(tnet):
   assert r.alignment["stack/3"] == "blocks.3"
   assert r.alignment["stack/0/fc2"] == "blocks.0.fc2"
   assert r.suspects("float32") == []
+  lines = r.table().splitlines()  # the PyTorch name under a JAX name unlike it
+  assert lines[lines.index(next(l for l in lines if l.startswith("stack/3 ")))
+               + 1] == "↳ blocks.3"
   # A regex pin (with a template) and a mapping: both obeyed; None unpairs.
   pinned = jt.port_check(
       JNamedOtherwise(tnet), tnet, X, precisions="float32",

@@ -60,8 +60,9 @@ SLACK = 2.0 ** -20
 # Pairing: a candidate whose score is within this of the best is a tie.
 _TIE = 0.02
 
-AlignmentLike = (Mapping[str, "str | None"]
-                 | Sequence[tuple[str, "str | None"]] | None)
+# Pins: JAX name -> PyTorch name, or (JAX regex, PyTorch template) pairs.
+AlignmentLike = (Mapping[str, str | None]
+                 | Sequence[tuple[str, str | None]] | None)
 
 
 # ---------------------------------------------------------------------------
@@ -774,47 +775,59 @@ class PortReport:
     envelope, the local and propagated errors (``rel_rms``) and the verdict;
     then the suspects and the unpaired layers.
 
+    Each layer is named by its JAX name, with the PyTorch layer it is paired
+    with on the line under it (``↳ blocks.1.fc1``) where the two names
+    differ by more than their separators.
+
     Args:
-      width: the columns to fit in (at least 72). Below 100 the PyTorch
-        names are left out (``alignment`` holds them); names longer than
-        their column are shortened from the left (``…layers/3/mlp``).
+      width: the columns to fit in (at least 80; below 100 the noise column
+        is left out: :meth:`to_json` has it); a name longer than its column
+        is shortened in its middle (``model/la…self_attn/q_proj``).
 
     Returns:
       The text, every line at most ``width`` characters.
     """
-    width = max(72, int(width))
+    width = max(80, int(width))
     rw = max([len(p) for p in self.precisions] + [3])
-    # row, five numbers of 8 characters, the verdict (7), two-space gaps.
-    fixed = rw + 5 * 8 + 7 + 2 * 7
-    both = width >= 100
-    room = width - fixed - (4 if both else 2)
-    names = [l.name for l in self.layers] + ["layer"]
-    tnames = [l.torch_name for l in self.layers] + ["pytorch"]
-    lw = min(max(map(len, names)), room // 2 if both else room)
-    tw = min(max(map(len, tnames)), room - lw) if both else 0
+    keys = ["floor", "noise", "envelope", "local", "propag."]
+    if width < 100:  # narrow: the noise is in the JSON
+      keys.remove("noise")
+    # row, numbers of 8 characters, the verdict (7), two-space gaps.
+    room = width - (rw + 8 * len(keys) + 7 + 2 * (len(keys) + 2))
+
+    def names_of(l: PortLayer) -> list[str]:
+      same = layers_lib.normalize(l.name) == layers_lib.normalize(
+          l.torch_name)
+      return [l.name] if same else [l.name, f"↳ {l.torch_name}"]
+    lw = min(room, max([len("layer")] + [len(n) for l in self.layers
+                                         for n in names_of(l)]))
 
     def cut(s: str, w: int) -> str:
-      return s if len(s) <= w else "…" + s[len(s) - w + 1:]
+      if len(s) <= w:
+        return s
+      tail = (w - 1) * 2 // 3
+      return s[:w - 1 - tail] + "…" + s[len(s) - tail:]
 
-    def line(cells):
-      c = [cut(cells[0], lw).ljust(lw)]
-      if both:
-        c.append(cut(cells[1], tw).ljust(tw))
-      c += [cells[2].ljust(rw), *(x.rjust(8) for x in cells[3:8]), cells[8]]
+    def line(name: str, row: str, values: dict[str, str], verdict: str):
+      c = [cut(name, lw).ljust(lw), row.ljust(rw),
+           *(values.get(k, "").rjust(8) for k in keys), verdict]
       return "  ".join(c).rstrip()
-    heads = ["layer", "pytorch", "row", "floor", "noise", "envelope",
-             "local", "propag.", "verdict"]
-    body = [line(heads), line(["-" * lw, "-" * tw, "-" * rw, *["-" * 8] * 5,
-                               "-" * 7])]
+    body = [line("layer", "row", {k: k for k in keys}, "verdict"),
+            line("-" * lw, "-" * rw, {k: "-" * 8 for k in keys}, "-" * 7)]
     for l in self.layers:
-      for i, p in enumerate(self.precisions):
-        first = i == 0
-        body.append(line([
-            l.name if first else "", l.torch_name if first else "", p,
-            render.fmt(l.floor) if first else "",
-            render.fmt(l.noise) if first else "",
-            render.fmt(l.envelope[p]), render.fmt(l.local[p]),
-            render.fmt(l.propagated[p]), l.verdict[p]]))
+      names = names_of(l)
+      for i in range(max(len(names), len(self.precisions))):
+        name = names[i] if i < len(names) else ""
+        if i >= len(self.precisions):
+          body.append(line(name, "", {}, ""))
+          continue
+        p = self.precisions[i]
+        values = {"envelope": render.fmt(l.envelope[p]),
+                  "local": render.fmt(l.local[p]),
+                  "propag.": render.fmt(l.propagated[p])}
+        if i == 0:
+          values.update(floor=render.fmt(l.floor), noise=render.fmt(l.noise))
+        body.append(line(name, p, values, l.verdict[p]))
     head = (f"port check ({self.kind}), target {self.target}: "
             + "; ".join(f"{p} = {self.numerics.get(p, p)}"
                         for p in self.precisions))
