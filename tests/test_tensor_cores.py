@@ -79,7 +79,7 @@ _INSTRUCTIONS = [
 
 
 @pytest.mark.parametrize("instr", _INSTRUCTIONS, ids=lambda i: i[2])
-@pytest.mark.parametrize("steps,specials", [(1, 0.0), (16, 0.0), (4, 0.15)])
+@pytest.mark.parametrize("steps,specials", [(1, 0.0), (8, 0.0), (4, 0.15)])
 def test_chip_model_is_mmasim_bit_for_bit(instr, steps, specials):
   pytest.importorskip("mmasim")
   torch = pytest.importorskip("torch")
@@ -177,7 +177,7 @@ def test_round_toward_zero_never_rounds_away_from_zero(chip, fmt):
 @pytest.mark.parametrize("precision,chip,derived", [
     ("TF32_TF32_F32", "a100", True), ("BF16_BF16_F32", "h100", False),
     ("F16_F16_F32", "b200", False), ("BF16_BF16_F32_X3", "a100", False),
-    ("TF32_TF32_F32_X3", "h100", True), ("BF16_BF16_F32_X6", "b200", False)])
+    ("TF32_TF32_F32_X3", "h100", False), ("BF16_BF16_F32_X6", "b200", False)])
 def test_chip_equals_the_default_model_where_every_sum_is_exact(
     precision, chip, derived):
   """Small integers: exact products and exact sums, so every model gives
