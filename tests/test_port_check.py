@@ -373,6 +373,41 @@ def test_an_ambiguous_pairing_is_refused_naming_the_candidates():
   assert r.alignment["c"] in ("a", "b") and r.suspects() == []
 
 
+class TTwiceFc(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.fc = torch.nn.Linear(4, 4)
+
+  def forward(self, x):
+    return self.fc(torch.tanh(self.fc(x)))
+
+
+class JScanned(nnx.Module):
+  """The same, its two steps in a ``jax.lax.scan``: ``fc`` runs inside the
+  scan's trace, where a port check cannot take its values out."""
+
+  def __init__(self, t):
+    self.fc = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    _copy_linear(self.fc, t.fc)
+
+  def __call__(self, x):
+    def step(h, i):
+      h = self.fc(h)
+      return jnp.where(i == 0, jnp.tanh(h), h), None
+    return jax.lax.scan(step, x, jnp.arange(2))[0]
+
+
+def test_a_module_called_inside_a_scan_is_named_not_checked():
+  torch.manual_seed(0)
+  t = TTwiceFc().eval()
+  x = np.random.default_rng(0).normal(size=(2, 4)).astype(np.float32)
+  r = jt.port_check(JScanned(t), t, x)
+  assert r.alignment == {"output": "output"}
+  assert r.suspects() == []
+  assert any("not checked: fc" in n for n in r.notes)
+  assert r.unpaired_torch == ("fc#0", "fc#1")
+
+
 # ---------------------------------------------------------------------------
 # Linen, a function, the built-in Llama and Wav2Vec2 ports.
 

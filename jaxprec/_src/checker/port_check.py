@@ -304,6 +304,10 @@ class JaxModel:
     self.kind, self._run = self._kind(jax_model)
     self.inputs, self.kwargs = inputs, kwargs
     self.model = jax_model
+    # Set by layers(): the layers a float32 run gives concretely, and those
+    # called inside a JAX transform (a scan, a jit), which cannot be taken out.
+    self.kept: frozenset[str] | None = None
+    self.inside_transforms: tuple[str, ...] = ()
 
   @staticmethod
   def _kind(jax_model: Any) -> tuple[str, Any]:
@@ -355,7 +359,8 @@ class JaxModel:
     def from_modules(state, *inputs, **kwargs):
       calls = self._calls(inputs, kwargs, keep=False, state=state)
       names = _numbered([c[0] for c in calls])
-      return {n: _float_leaves(c[4]) for n, c in zip(names, calls)}
+      return {n: _float_leaves(c[4]) for n, c in zip(names, calls)
+              if self.kept is None or n in self.kept}
     return from_modules
 
   def outputs(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
@@ -384,15 +389,21 @@ class JaxModel:
     with jax.default_matmul_precision("float32"):
       calls = self._calls(self.inputs, self.kwargs, keep=True)
     names = _numbered([c[0] for c in calls])
-    found = []
+    found, inside = [], []
     for name, (_, mod, args, kwargs, out) in zip(names, calls):
       outs = _float_leaves(out)
       if not outs:
+        continue
+      if any(isinstance(x, jax.core.Tracer)
+             for x in [*outs, *_float_leaves((args, kwargs))]):
+        inside.append(name)  # called in a transform's trace: no values
         continue
       ins = [np.asarray(x, np.float32) for x in
              _float_leaves((args, kwargs))]
       found.append(_Layer(name, ins, [np.asarray(x, np.float32) for x in outs],
                           self._alone(mod, args, kwargs)))
+    self.kept = frozenset(l.name for l in found)
+    self.inside_transforms = tuple(inside)
     return found
 
   def _alone(self, mod: Any, args: tuple, kwargs: dict) -> _Alone:
@@ -1016,6 +1027,11 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
                                    torch_kwargs)
   jax_layers = jax_side.layers(f32)
   notes: list[str] = []
+  if jax_side.inside_transforms:
+    notes.append(
+        f"not checked: {', '.join(jax_side.inside_transforms)}, called inside "
+        f"a JAX transform (a scan, a jit, a remat), whose values a port check "
+        f"cannot take out; the module that calls the transform is checked")
 
   def local(a: int, b: int) -> float:  # to decide a tie
     alone = jax_layers[a].alone
