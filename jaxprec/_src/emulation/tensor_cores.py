@@ -17,7 +17,8 @@ instruction as a *truncated fused dot-product-add*:
    accumulator ``c`` (float32) is one more term. A zero term has exponent
    :attr:`Accumulation.e_zero`.
 2. Every term is aligned to the largest exponent ``e_max`` of the group and
-   truncated to ``F`` fraction bits below it (:attr:`Accumulation.fraction_bits`:
+   truncated to ``F`` fraction bits below it
+   (:attr:`Accumulation.fraction_bits`:
    24 on Ampere, 25 on Hopper and Blackwell, 13 for Hopper's float8), then
    the terms are summed exactly.
 3. The sum is rounded toward zero into float32 (``RZ-FP32``), or, for
@@ -116,7 +117,7 @@ _K = {"tf32": 8, "bf16": 16, "f16": 16, "e4m3": 32, "e5m2": 32}
 
 
 def check_chip(chip: object) -> str:
-  """``chip`` if it is one of :data:`CHIPS`; ValueError naming them otherwise."""
+  """``chip`` if it is one of :data:`CHIPS`; a ValueError naming them else."""
   if not isinstance(chip, str) or chip not in CHIPS:
     raise names.unknown("chip", chip, CHIPS)
   return chip
