@@ -62,6 +62,10 @@ def check_module_shadow(module: Any, args: tuple, kwargs: dict, *,
   notes = ["shadow: each layer ran alone on the input it received in a "
            "float32 run, against its float32 output on that input (local "
            "error; not inherited from earlier layers)"]
+  if jax_side.inside_transforms:
+    notes.append(f"not checked: {', '.join(jax_side.inside_transforms)}, "
+                 f"called inside a JAX transform (a scan, a jit, a remat), "
+                 f"whose values cannot be taken out of its trace")
   ref = _alone(found, f32.wrap, "float32", notes)
   found = [l for l in found if l.name in ref]
   results = {p.label: _alone(found, p.wrap, p.label, notes) for p in plans}
