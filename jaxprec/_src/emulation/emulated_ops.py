@@ -694,6 +694,33 @@ class NotModelledWarning(UserWarning):
   does not model (``docs/fidelity.md``, "What is not modelled")."""
 
 
+def _float8_operands(lhs, rhs, params: dict, precision,
+                     preferred_element_type):
+  """An ``ANY_F8_*`` preset's name, its operands as JAX converts them, and
+  the shape and type of the op's result.
+
+  Raises:
+    ValueError: an operand that is not float8 (JAX lowers the presets for
+      float8 operands only, on every backend).
+  """
+  name = resolve(jax.config.jax_default_matmul_precision if precision is None
+                 else precision).name
+  if not (is_float8(lhs.dtype) and is_float8(rhs.dtype)):
+    raise ValueError(
+        f"{name} takes two float8 operands (JAX lowers it for those only, on "
+        f"every backend); got {lhs.dtype} x {rhs.dtype}. Cast them to a float8 "
+        f"type, or pass another precision.")
+  if isinstance(precision, lax.DotAlgorithm):  # JAX converts to its types
+    lhs = lhs.astype(precision.lhs_precision_type)
+    rhs = rhs.astype(precision.rhs_precision_type)
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  out = jax.eval_shape(
+      lambda a, b: lax.dot_general(a, b, **params, precision=precision,
+                                   preferred_element_type=preferred_element_type),
+      shape(lhs), shape(rhs))
+  return name, lhs, rhs, out
+
+
 def _float8_dot(lhs, rhs, params: dict, precision, preferred_element_type,
                 target: str) -> jax.Array:
   """An ``ANY_F8_*`` preset on float8 operands: a product of two float8
@@ -703,13 +730,8 @@ def _float8_dot(lhs, rhs, params: dict, precision, preferred_element_type,
   accumulation, as the presets name it; an e8m0 product out of float32's
   range overflows or flushes as in a float32 accumulator), converted to the
   op's result type."""
-  name = resolve(jax.config.jax_default_matmul_precision if precision is None
-                 else precision).name
-  if not (is_float8(lhs.dtype) and is_float8(rhs.dtype)):
-    raise ValueError(
-        f"{name} takes two float8 operands (JAX lowers it for those only, on "
-        f"every backend); got {lhs.dtype} x {rhs.dtype}. Cast them to a float8 "
-        f"type, or pass another precision.")
+  name, lhs, rhs, out = _float8_operands(lhs, rhs, params, precision,
+                                         preferred_element_type)
   if target == "gpu":
     exact = name.removesuffix("_FAST_ACCUM")
     warnings.warn(
@@ -719,14 +741,6 @@ def _float8_dot(lhs, rhs, params: dict, precision, preferred_element_type,
         f"float32, as {exact} computes by definition. Pass chip='h100' (or "
         f"'b200') to compute it as that chip's tensor cores do.",
         NotModelledWarning, stacklevel=3)
-  if isinstance(precision, lax.DotAlgorithm):  # JAX converts to its types
-    lhs = lhs.astype(precision.lhs_precision_type)
-    rhs = rhs.astype(precision.rhs_precision_type)
-  shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-  out = jax.eval_shape(
-      lambda a, b: lax.dot_general(a, b, **params, precision=precision,
-                                   preferred_element_type=preferred_element_type),
-      shape(lhs), shape(rhs))
   wide = lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
                          **params, precision=_EXACT,
                          preferred_element_type=jnp.float32)
@@ -745,23 +759,11 @@ def _float8_chip(lhs, rhs, params: dict, precision, preferred_element_type,
   presets (openxla/stablehlo, rfcs/20240808-dot-algorithm.md: fast
   accumulation "does not periodically promote the intermediate results")
   and CUTLASS's promotion compute it."""
-  name = resolve(jax.config.jax_default_matmul_precision if precision is None
-                 else precision).name
-  if not (is_float8(lhs.dtype) and is_float8(rhs.dtype)):
-    raise ValueError(
-        f"{name} takes two float8 operands (JAX lowers it for those only, on "
-        f"every backend); got {lhs.dtype} x {rhs.dtype}. Cast them to a float8 "
-        f"type, or pass another precision.")
-  fmts = tensor_cores.operand_formats("f8", lhs.dtype, rhs.dtype)
+  dtypes = lhs.dtype, rhs.dtype  # the instruction's, before JAX converts
+  name, lhs, rhs, out = _float8_operands(lhs, rhs, params, precision,
+                                         preferred_element_type)
+  fmts = tensor_cores.operand_formats("f8", *dtypes)
   acc = tensor_cores.accumulation(chip, fmts[0])
-  if isinstance(precision, lax.DotAlgorithm):  # JAX converts to its types
-    lhs = lhs.astype(precision.lhs_precision_type)
-    rhs = rhs.astype(precision.rhs_precision_type)
-  shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-  out = jax.eval_shape(
-      lambda a, b: lax.dot_general(a, b, **params, precision=precision,
-                                   preferred_element_type=preferred_element_type),
-      shape(lhs), shape(rhs))
   fast = name.endswith("_FAST_ACCUM") or not acc.narrow
   every = 0 if fast else (interval or tensor_cores.FP8_PROMOTION_INTERVAL)
   spec = _make_spec("dot_general", params, lhs, rhs, out.dtype, "f8",
