@@ -975,7 +975,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       not explained after one that is).
     torch_model: the ``torch.nn.Module`` it ports (run in eval mode under
       ``no_grad``; every submodule's training flag is restored).
-    *inputs: NumPy arrays, given to both models (as tensors to PyTorch).
+    *inputs: arrays (NumPy, JAX or PyTorch), given to both models (as
+      NumPy to JAX, as tensors to PyTorch); float64 ones as float32.
     precisions: the rows (any name :func:`jaxprec.check` accepts;
       ``'float32'`` is the floor).
     target: ``'tpu'`` or ``'gpu'``: whose numerics the rows show.
@@ -1014,6 +1015,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
   plans = [rows_lib.native_float32(p.label) if p.label == rows_lib.FLOOR
            else p for p in plans]
   f32 = rows_lib.native_float32().wrap
+  inputs, torch_inputs, kwargs, torch_kwargs = _host_inputs(
+      (inputs, torch_inputs, kwargs, torch_kwargs))
   kwargs = dict(kwargs or {})
   torch_kwargs = dict(kwargs if torch_kwargs is None else torch_kwargs)
   jax_side = JaxModel(jax_model, inputs, kwargs)
@@ -1117,6 +1120,23 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       numerics={p.label: p.description for p in plans}, factor=float(factor),
       kind=jax_side.kind, notes=tuple(dict.fromkeys(notes)),
       logits=gates, logits_layer=logits)
+
+
+def _host_inputs(tree: Any) -> Any:
+  """The array leaves of the inputs as NumPy, for both models: a tensor or a
+  JAX array as a NumPy copy, float64 as float32 (the floor's precision; JAX
+  runs float32 without x64, and PyTorch's float32 weights refuse float64)."""
+  torch = torch_ref.import_torch()
+
+  def one(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+      x = torch_ref._to_numpy(x)  # noqa: SLF001 -- one conversion of tensors
+    elif isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      x = np.asarray(x)
+    if isinstance(x, np.ndarray) and x.dtype == np.float64:
+      x = x.astype(np.float32)
+    return x
+  return jax.tree_util.tree_map(one, tree)
 
 
 def _alone_all(which: list[int], jax_layers: list[_Layer],

@@ -1,0 +1,80 @@
+"""jaxprec.torch.port_check on inputs a user may hand it as they come.
+
+A small PyTorch model and its NNX port with copied weights, given inputs as
+NumPy float64, PyTorch tensors and JAX arrays: each gives the report of the
+same inputs as NumPy float32, and the caller's arrays are left as they were.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxprec.torch as jt  # noqa: E402
+
+D_IN, D = 4, 8
+
+
+class TNet(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.fc = torch.nn.Linear(D_IN, D)
+    self.norm = torch.nn.LayerNorm(D)
+
+  def forward(self, x):
+    return self.norm(self.fc(x))
+
+
+class JNet(nnx.Module):
+  def __init__(self, t):
+    self.fc = nnx.Linear(D_IN, D, rngs=nnx.Rngs(0))
+    self.norm = nnx.LayerNorm(D, epsilon=1e-5, use_fast_variance=False,
+                              rngs=nnx.Rngs(0))
+    self.fc.kernel[...] = jnp.asarray(t.fc.weight.detach().numpy().T)
+    self.fc.bias[...] = jnp.asarray(t.fc.bias.detach().numpy())
+    self.norm.scale[...] = jnp.asarray(t.norm.weight.detach().numpy())
+    self.norm.bias[...] = jnp.asarray(t.norm.bias.detach().numpy())
+
+  def __call__(self, x):
+    return self.norm(self.fc(x))
+
+
+X = np.random.default_rng(0).normal(size=(3, D_IN)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def models():
+  torch.manual_seed(0)
+  t = TNet().eval()
+  return JNet(t), t
+
+
+@pytest.fixture(scope="module")
+def baseline(models):
+  return jt.port_check(*models, X, precisions=("float32",))
+
+
+@pytest.mark.parametrize("kind", ["float64", "torch", "torch_kwargs", "jax"])
+def test_inputs_of_any_array_kind_give_the_float32_report(models, baseline,
+                                                          kind):
+  j, t = models
+  if kind == "float64":
+    x = X.astype(np.float64)
+    r = jt.port_check(j, t, x, precisions=("float32",))
+    assert x.dtype == np.float64
+  elif kind == "torch":
+    x = torch.from_numpy(X.copy())
+    r = jt.port_check(j, t, x, precisions=("float32",))
+    np.testing.assert_array_equal(x.numpy(), X)
+  elif kind == "torch_kwargs":  # a tensor among the keyword arguments
+    r = jt.port_check(j, t, precisions=("float32",),
+                      kwargs={"x": torch.from_numpy(X.copy())})
+  else:
+    r = jt.port_check(j, t, jnp.asarray(X), precisions=("float32",))
+  assert r.alignment == baseline.alignment
+  assert r.suspects() == []
+  for a, b in zip(r.layers, baseline.layers):
+    assert a.floor == b.floor and a.local == b.local, a.name
