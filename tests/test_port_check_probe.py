@@ -78,3 +78,87 @@ def test_inputs_of_any_array_kind_give_the_float32_report(models, baseline,
   assert r.suspects() == []
   for a, b in zip(r.layers, baseline.layers):
     assert a.floor == b.floor and a.local == b.local, a.name
+
+
+class TDict(torch.nn.Module):
+  """A model returning a dict whose keys are not in sorted order."""
+
+  def __init__(self):
+    super().__init__()
+    self.fc = torch.nn.Linear(D_IN, D)
+    self.head = torch.nn.Linear(D, D)
+
+  def forward(self, x):
+    h = self.fc(x)
+    return {"out": self.head(h), "hidden": h}
+
+
+class TMix(torch.nn.Module):
+  def forward(self, x, y):
+    return x - 2 * y
+
+
+class TKw(torch.nn.Module):
+  """A submodule called with keyword arguments out of sorted order."""
+
+  def __init__(self):
+    super().__init__()
+    self.fc = torch.nn.Linear(D_IN, D)
+    self.mix = TMix()
+
+  def forward(self, x):
+    h = self.fc(x)
+    return self.mix(y=torch.tanh(h), x=h)
+
+
+class JMix(nnx.Module):
+  def __call__(self, x, y):
+    return x - 2 * y
+
+
+def _linear(t, bug=1.0):
+  j = nnx.Linear(D_IN, D, rngs=nnx.Rngs(0))
+  j.kernel[...] = jnp.asarray(t.weight.detach().numpy().T) * bug
+  j.bias[...] = jnp.asarray(t.bias.detach().numpy())
+  return j
+
+
+class JDict(nnx.Module):
+  def __init__(self, t, bug=1.0):
+    self.fc = _linear(t.fc)
+    self.head = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+    self.head.kernel[...] = jnp.asarray(t.head.weight.detach().numpy().T) * bug
+    self.head.bias[...] = jnp.asarray(t.head.bias.detach().numpy())
+
+  def __call__(self, x):
+    h = self.fc(x)
+    return {"out": self.head(h), "hidden": h}
+
+
+class JKw(nnx.Module):
+  def __init__(self, t):
+    self.fc = _linear(t.fc)
+    self.mix = JMix()
+
+  def __call__(self, x):
+    h = self.fc(x)
+    return self.mix(y=jnp.tanh(h), x=h)
+
+
+def test_a_dict_output_pairs_its_values_by_key():
+  torch.manual_seed(0)
+  t = TDict().eval()
+  r = jt.port_check(JDict(t), t, X, precisions=("float32",))
+  assert r.alignment["output"] == "output"
+  assert r.suspects() == []  # was: 'output' ('out' against 'hidden')
+  bad = jt.port_check(JDict(t, bug=1.01), t, X, precisions=("float32",))
+  assert bad.suspects() == ["head"]
+
+
+def test_keyword_inputs_pair_by_name():
+  torch.manual_seed(0)
+  t = TKw().eval()
+  r = jt.port_check(JKw(t), t, X, precisions=("float32",))
+  assert r.alignment["mix"] == "mix"
+  assert r.layer("mix").floor < 1e-6  # was: 0.67 (x and y swapped)
+  assert r.suspects() == []

@@ -24,6 +24,7 @@ All arithmetic on results is float64 NumPy on the host.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import difflib
@@ -176,12 +177,10 @@ def _torch_layers(model: Any, args: tuple, kwargs: dict) -> list[_Layer]:
   found: list[tuple[str, list, list]] = []
 
   def floats(x: Any) -> list[np.ndarray]:
-    torch_ref._named(x, "x", d := {})  # noqa: SLF001 -- one naming of tensors
-    return [np.asarray(v, np.float32) for v in d.values()]
+    return [np.asarray(v, np.float32) for v in _torch_floats(x)]
 
   def hook(mod, a, k, out):
-    ins = [v for x in (*a, *k.values()) for v in floats(x)]
-    found.append((paths[id(mod)] or "output", ins,
+    found.append((paths[id(mod)] or "output", floats((a, dict(k))),
                   floats(torch_ref._main_output(out))))  # noqa: SLF001
 
   flags = {m: m.training for m in model.modules()}
@@ -201,6 +200,25 @@ def _torch_layers(model: Any, args: tuple, kwargs: dict) -> list[_Layer]:
       m.training = training
   names = _numbered([n for n, _, _ in found])
   return [_Layer(n, i, o) for n, (_, i, o) in zip(names, found) if o]
+
+
+def _torch_floats(x: Any) -> list[np.ndarray]:
+  """The floating tensors (and arrays) of a PyTorch value in the order
+  ``jax.tree_util`` gives the same structure's leaves: a dict's by its sorted
+  keys, an ``OrderedDict``'s (a ``ModelOutput``'s) in its order, None left
+  out; so that the outputs and inputs of paired layers pair in order."""
+  if torch_ref._is_tensor(x):  # noqa: SLF001
+    return ([torch_ref._to_numpy(x)]  # noqa: SLF001
+            if x.is_floating_point() else [])
+  if isinstance(x, Mapping):
+    items = list(x.items())
+    if not isinstance(x, collections.OrderedDict):
+      with contextlib.suppress(TypeError):  # keys that do not sort: as given
+        items.sort(key=lambda kv: kv[0])
+    return [f for _, v in items if v is not None for f in _torch_floats(v)]
+  if isinstance(x, (tuple, list)):
+    return [f for v in x for f in _torch_floats(v)]
+  return [np.asarray(x)] if torch_ref._is_float_array(x) else []  # noqa: SLF001
 
 
 _ACTIVE = threading.local()  # the list the recording classes append calls to
