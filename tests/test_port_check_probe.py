@@ -162,3 +162,38 @@ def test_keyword_inputs_pair_by_name():
   assert r.alignment["mix"] == "mix"
   assert r.layer("mix").floor < 1e-6  # was: 0.67 (x and y swapped)
   assert r.suspects() == []
+
+
+def test_a_torch_model_as_the_jax_model_is_named(models):
+  j, t = models
+  with pytest.raises(TypeError, match="jax_model is a torch.nn.Module"):
+    jt.port_check(t, j, X, precisions=("float32",))
+  with pytest.raises(TypeError, match="jax_model is a torch.nn.Module"):
+    jt.port_check(t, t, X, precisions=("float32",))
+
+
+CLI_MODELS = '''
+import numpy as np
+import torch
+
+torch.manual_seed(0)
+PT = torch.nn.Sequential(torch.nn.Linear(4, 8)).eval()
+X = np.zeros((2, 4), np.float32)
+
+
+def original():
+  return PT, (X,)
+'''
+
+
+def test_cli_a_torch_model_as_the_jax_model_or_no_reference_is_usage(
+    tmp_path, monkeypatch, capsys):
+  from conftest import one_line_error, run_cli  # noqa: PLC0415
+  (tmp_path / "ports.py").write_text(CLI_MODELS)
+  monkeypatch.chdir(tmp_path)
+  rc, _, err = run_cli(capsys, "check", "ports.py:original", "--reference",
+                       "pytorch:ports.py:original", "--out", "rep")
+  one_line_error(rc, err, 2, "jax_model is a torch.nn.Module")
+  rc, _, err = run_cli(capsys, "check", "ports.py:original", "--reference",
+                       "pytorch:", "--out", "rep")
+  one_line_error(rc, err, 2, "names no PyTorch model factory")

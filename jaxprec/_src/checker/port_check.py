@@ -337,6 +337,11 @@ class JaxModel:
       nnx = nn = None
     if nnx is not None and isinstance(jax_model, nnx.Module):
       return "nnx", nnx.split(jax_model)
+    torch = torch_ref.import_torch()
+    if isinstance(jax_model, torch.nn.Module):
+      raise TypeError(f"port_check: jax_model is a torch.nn.Module "
+                      f"({type(jax_model).__name__}); the JAX model comes "
+                      f"first: port_check(jax_model, torch_model, *inputs)")
     if nn is not None and isinstance(jax_model, nn.Module):
       raise TypeError("port_check: give a linen module with its variables, "
                       "as (module, variables)")

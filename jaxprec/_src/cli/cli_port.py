@@ -21,7 +21,7 @@ DEFAULT_ROWS = ("float32", "bfloat16")
 def is_port_reference(reference: str) -> bool:
   """Whether ``--reference`` names a PyTorch model factory
   (``pytorch:MODULE:FUNCTION``)."""
-  return reference.startswith(PREFIX) and len(reference) > len(PREFIX)
+  return reference.startswith(PREFIX)
 
 
 def _refuse_other_options(ns: argparse.Namespace) -> None:
@@ -71,6 +71,9 @@ def run(ns: argparse.Namespace, print_table, write_outputs) -> int:
   """The port check of ``jaxprec check``; 1 when a layer is a suspect."""
   _refuse_other_options(ns)
   torch_target = ns.reference[len(PREFIX):]
+  if not torch_target.strip():
+    raise UsageError(f"--reference {PREFIX} names no PyTorch model factory: "
+                     f"--reference {PREFIX}MODULE:FUNCTION")
   precisions = (inputs.precision_list(ns.precisions)
                 if ns.precisions is not None else DEFAULT_ROWS)
   inputs.check_out(ns.out)
