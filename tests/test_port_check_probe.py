@@ -197,3 +197,13 @@ def test_cli_a_torch_model_as_the_jax_model_or_no_reference_is_usage(
   rc, _, err = run_cli(capsys, "check", "ports.py:original", "--reference",
                        "pytorch:", "--out", "rep")
   one_line_error(rc, err, 2, "names no PyTorch model factory")
+
+
+def test_an_overflow_in_float32_is_said(models):
+  j, t = models
+  r = jt.port_check(j, t, X * 1e30, precisions=("float32",))
+  assert any("PyTorch's float32 output of norm is not finite" in n
+             for n in r.notes), r.notes
+  assert "not finite" in r.table(80)
+  ok = jt.port_check(j, t, X * 1e-30, precisions=("float32",))
+  assert not any("not finite" in n for n in ok.notes)

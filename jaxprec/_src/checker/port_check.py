@@ -1118,6 +1118,9 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
         name=j.name, torch_name=t.name, shape=j.out_shapes[0], floor=floor,
         noise=noise, envelope=env, local=loc, local_max_abs=loc_abs,
         propagated=prop, bound=bound))
+  notes += _non_finite_notes(
+      [(jax_layers[a].name, torch_layers[pairs[a]].name) for a in sorted(pairs)],
+      full_f32, {l.name: l.outputs for l in torch_layers})
   gates: dict[str, logits_lib.LogitsGates] = {}
   if logits is not None:
     where = {jax_layers[a].name: b for a, b in pairs.items()}
@@ -1143,6 +1146,25 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       numerics={p.label: p.description for p in plans}, factor=float(factor),
       kind=jax_side.kind, notes=tuple(dict.fromkeys(notes)),
       logits=gates, logits_layer=logits)
+
+
+def _non_finite_notes(pairs: list[tuple[str, str]],
+                      jax_f32: dict[str, list[np.ndarray]],
+                      torch_f32: dict[str, list[np.ndarray]]) -> list[str]:
+  """Notes naming the first paired layer whose float32 outputs are not
+  finite, on each side: an overflow (or a NaN) there makes the errors of the
+  layers at and after it say more about float32's range than the port."""
+  def first(side: dict[str, list[np.ndarray]], key: int) -> str | None:
+    return next((p[key] for p in pairs if p[key] in side and not all(
+        np.isfinite(v).all() for v in side[p[key]])), None)
+  out = []
+  for who, at in (("JAX", first(jax_f32, 0)), ("PyTorch", first(torch_f32, 1))):
+    if at is not None:
+      out.append(f"{who}'s float32 output of {at} is not finite (inf or NaN: "
+                 f"a float32 overflow?): the errors there and after it "
+                 f"compare non-finite values, and their verdicts say more "
+                 f"about float32's range than about the port")
+  return out
 
 
 def _host_inputs(tree: Any) -> Any:
