@@ -117,10 +117,9 @@ _K = {"tf32": 8, "bf16": 16, "f16": 16, "e4m3": 32, "e5m2": 32}
 
 
 def check_chip(chip: object) -> str:
-  """``chip`` if it is one of :data:`CHIPS`; a ValueError naming them else."""
-  if not isinstance(chip, str) or chip not in CHIPS:
-    raise names.unknown("chip", chip, CHIPS)
-  return chip
+  """The one of :data:`CHIPS` that ``chip`` names (any letter case, spaces
+  stripped, as a target); a ValueError naming them else."""
+  return names.check_choice(chip, tuple(CHIPS), "chip")
 
 
 def accumulation(chip: str, fmt: str) -> Accumulation:
