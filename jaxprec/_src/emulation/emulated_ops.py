@@ -411,7 +411,9 @@ def _emulate_again(spec: _Spec) -> walker.Rule:
     if name not in walker.PRIMITIVES:
       return None
     l, r = invals
-    if not emulatable(l.dtype, r.dtype):
+    # A float8 preset on a chip: its batched dot reads float8 operands too.
+    if not (emulatable(l.dtype, r.dtype)
+            or (spec.algorithm == "f8" and spec.chip is not None)):
       return None
     s = _make_spec(name, op_params(eqn), l, r,
                    eqn.params.get("preferred_element_type"),
