@@ -257,8 +257,8 @@ class ReductionRow:
     direction: ``'forward'``; ``'jvp'`` for an op under JAX's ``jvp(...)``
       name marker that is not transposed: the forward sweep of a
       differentiated function (or a ``jax.jvp``), its primal ops and what
-      derivative rules compute from them (``jnp.max``'s count of ties, jax
-      issue 38885);
+      derivative rules compute from them (``jnp.max``'s count of ties,
+      https://github.com/jax-ml/jax/issues/38885);
       ``'backward'`` for a transposed op (``transpose(...)`` in the name
       stack: the backward pass of ``jax.grad`` and ``jax.vjp``).
     axes: the mesh axis names a collective sums over; ``()`` otherwise.
