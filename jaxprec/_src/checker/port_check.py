@@ -62,9 +62,15 @@ SLACK = 2.0 ** -20
 # Pairing: a candidate whose score is within this of the best is a tie.
 _TIE = 0.02
 
-# Pins: JAX name -> PyTorch name, or (JAX regex, PyTorch template) pairs.
+# Pins: JAX name -> PyTorch name, (JAX regex, PyTorch template) pairs, or a
+# function of the two models' layer names returning the first.
 AlignmentLike = (Mapping[str, str | None]
-                 | Sequence[tuple[str, str | None]] | None)
+                 | Sequence[tuple[str, str | None]]
+                 | Callable[[list[str], list[str]], Mapping[str, str | None]]
+                 | None)
+# Layouts: PyTorch layer regex -> the axes permutation taking its arrays to
+# the JAX layer's layout ((0, 2, 1): NCW to NWC).
+LayoutsLike = Mapping[str, Sequence[int]] | None
 
 
 # ---------------------------------------------------------------------------
@@ -500,6 +506,12 @@ def _pins(alignment: AlignmentLike, jax_names: list[str],
   """The user's pairs, JAX name -> PyTorch name (None: leave unpaired)."""
   if alignment is None:
     return {}
+  if callable(alignment) and not isinstance(alignment, Mapping):
+    alignment = alignment(list(jax_names), list(torch_names))
+    if not isinstance(alignment, Mapping):
+      raise TypeError(f"alignment: the function must return a dict (JAX "
+                      f"name -> PyTorch name); it returned "
+                      f"{type(alignment).__name__}")
   pins: dict[str, str | None] = {}
   if isinstance(alignment, Mapping):
     for j, t in alignment.items():
@@ -526,8 +538,9 @@ def _pins(alignment: AlignmentLike, jax_names: list[str],
         pins.setdefault(j, None if template is None else m.expand(template))
   else:
     raise TypeError(f"alignment must be a dict (JAX name -> PyTorch name), a "
-                    f"list of (JAX regex, PyTorch template) pairs, or None; "
-                    f"got {type(alignment).__name__}")
+                    f"list of (JAX regex, PyTorch template) pairs, a "
+                    f"function returning such a dict, or None; got "
+                    f"{type(alignment).__name__}")
   for j, t in pins.items():
     if t is not None and t not in torch_names:
       raise ValueError(f"alignment pairs {j!r} with {t!r}, which is no "
@@ -967,7 +980,7 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
                kwargs: Mapping[str, Any] | None = None,
                torch_kwargs: Mapping[str, Any] | None = None,
                factor: float = PORT_FACTOR, logits: str | None = None,
-               top_k: int = 5) -> PortReport:
+               top_k: int = 5, layouts: LayoutsLike = None) -> PortReport:
   """Is a JAX port of a PyTorch model wrong, or is it precision? Which layer?
 
   Runs both models on the same inputs, pairs their layers, and measures for
@@ -1006,7 +1019,9 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
     alignment: pins: a dict JAX name -> PyTorch name (None: leave the JAX
       layer unpaired), or a list of ``(JAX regex, PyTorch template)`` pairs
       (the template expanded with the match: ``(r"blocks/(\\d+)",
-      r"layers.\\1")``). The other layers are paired automatically.
+      r"layers.\\1")``), or a function taking the JAX and the PyTorch
+      layer names (lists, in the order the calls end) and returning such a
+      dict. The other layers are paired automatically.
     torch_inputs: PyTorch's positional arguments when their layout differs
       from the JAX model's (``inputs`` then go to JAX only).
     kwargs, torch_kwargs: keyword arguments for the JAX model and for
@@ -1019,14 +1034,22 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       log-probability difference of the full JAX run against PyTorch
       (:func:`jaxprec.torch.logits_gates`).
     top_k: the k of the top-k overlap.
+    layouts: PyTorch layer name (a regular expression, matched in full) ->
+      the axes permutation taking that layer's arrays to the JAX layer's
+      layout, e.g. ``{r"features\\.\\d+": (0, 2, 1)}`` for a convolution
+      that runs NCW in PyTorch and NWC in JAX. It permutes the layer's
+      floating inputs and outputs with as many axes as it has (others are
+      left as they are) before the layers are paired and compared.
 
   Returns:
     A :class:`PortReport`.
 
   Raises:
-    TypeError: a model of the wrong kind; a bad ``alignment``.
+    TypeError: a model of the wrong kind; a bad ``alignment`` or
+      ``layouts``.
     ValueError: an unknown precision or target; a pin naming no layer; two
-      PyTorch layers that fit a JAX layer equally (naming them); no pair.
+      PyTorch layers that fit a JAX layer equally (naming them); no pair; a
+      ``layouts`` pattern matching no PyTorch layer, or no permutation.
     ImportError: PyTorch is not installed.
   """
   target = numerics.check_target(target)
@@ -1043,9 +1066,9 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
   kwargs = dict(kwargs or {})
   torch_kwargs = dict(kwargs if torch_kwargs is None else torch_kwargs)
   jax_side = JaxModel(jax_model, inputs, kwargs)
-  torch_layers = _torch_layers(
+  torch_layers = _laid_out(_torch_layers(
       torch_model, tuple(inputs if torch_inputs is None else torch_inputs),
-      torch_kwargs)
+      torch_kwargs), layouts)
   if jax_side.kind == "function":  # the root's outputs by name, last
     root = next((l for l in reversed(torch_layers) if l.name == "output"), None)
     torch_layers = [l for l in torch_layers if l.name != "output"]
@@ -1204,6 +1227,42 @@ def _alone_all(which: list[int], jax_layers: list[_Layer],
       notes.append(f"{jax_layers[a].name} could not run alone on the input "
                    f"of {torch_layers[pairs[a]].name} ({key}): "
                    f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+  return out
+
+
+def _laid_out(torch_layers: list[_Layer], layouts: LayoutsLike
+              ) -> list[_Layer]:
+  """``torch_layers`` with each array of a layer ``layouts`` names
+  permuted (those with as many axes as the permutation)."""
+  if layouts is None:
+    return torch_layers
+  if not isinstance(layouts, Mapping):
+    raise TypeError(f"layouts must be a dict (PyTorch layer regex -> axes "
+                    f"permutation) or None; got {type(layouts).__name__}")
+  rules = []
+  for pattern, perm in layouts.items():
+    try:
+      rx = re.compile(pattern)
+    except (re.error, TypeError) as e:
+      raise ValueError(f"layouts: {pattern!r} is not a regular expression: "
+                       f"{e}") from None
+    if (isinstance(perm, (str, bytes)) or not isinstance(perm, Sequence)
+        or sorted(perm) != list(range(len(perm)))):
+      raise ValueError(f"layouts[{pattern!r}] = {perm!r} is no axes "
+                       f"permutation (e.g. (0, 2, 1): NCW to NWC)")
+    if not any(rx.fullmatch(l.name) for l in torch_layers):
+      names = [l.name for l in torch_layers]
+      raise ValueError(f"layouts: {pattern!r} matches no layer of the "
+                       f"PyTorch model{_closest(pattern, names)}")
+    rules.append((rx, tuple(int(a) for a in perm)))
+
+  def permuted(xs: list[np.ndarray], perm: tuple[int, ...]):
+    return [np.transpose(x, perm) if x.ndim == len(perm) else x for x in xs]
+  out = []
+  for l in torch_layers:
+    perm = next((p for rx, p in rules if rx.fullmatch(l.name)), None)
+    out.append(l if perm is None else _Layer(
+        l.name, permuted(l.inputs, perm), permuted(l.outputs, perm)))
   return out
 
 

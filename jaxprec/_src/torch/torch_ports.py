@@ -123,6 +123,55 @@ class Port:
     from flax import nnx  # noqa: PLC0415
     return (nnx.state(self.model), *self.inputs.values())
 
+  def torch_inputs(self) -> tuple:
+    """The inputs as PyTorch takes them, in call order: token ids as
+    int64, as PyTorch's embedding layers take them."""
+    return tuple(v.astype(np.int64) if np.issubdtype(v.dtype, np.integer)
+                 else v for v in self.inputs.values())
+
+  def alignment(self, jax_names: list[str], torch_names: list[str]
+                ) -> dict[str, str | None]:
+    """The known pairing of the NNX model's layers with PyTorch's, for
+    :func:`jaxprec.torch.port_check`'s ``alignment=``: the NNX layer
+    ``a/b/0`` is the PyTorch module ``a.b.0`` (jaxprec's ports keep
+    PyTorch's module names); a layer in :meth:`unpaired`, or without a
+    PyTorch module of its name, is left unpaired (None)."""
+    torch_set = set(torch_names)
+    unpaired = self.unpaired()
+    return {j: None if j in unpaired or j.replace("/", ".") not in torch_set
+            else j.replace("/", ".") for j in jax_names}
+
+  def unpaired(self) -> dict[str, str]:
+    """NNX layer -> why it has no PyTorch partner, though a PyTorch module
+    has its name."""
+    return dict(_UNPAIRED[self.name])
+
+  def layouts(self) -> dict[str, tuple[int, ...]]:
+    """PyTorch layer regex -> the axes permutation taking its arrays to the
+    NNX layer's layout, for :func:`jaxprec.torch.port_check`'s
+    ``layouts=``: Wav2Vec2's convolutions run NCW in PyTorch, NWC in JAX."""
+    return dict(_LAYOUTS.get(self.name, {}))
+
+
+# The layers of jaxprec's ports whose PyTorch module of the same name returns
+# other outputs.
+_ROOT = ("jaxprec's model returns every layer's hidden state, PyTorch's "
+         "(without output_hidden_states) the last one's; its layers are "
+         "paired one by one")
+_ENCODER = ("jaxprec's encoder returns every layer's hidden state, PyTorch's "
+            "(a ModelOutput) the last one's; its layers are paired one by one")
+_UNPAIRED = {
+    "hf-llama": {"output": _ROOT},
+    "hf-bert": {"output": _ROOT, "encoder": _ENCODER},
+    "hf-wav2vec2": {"output": _ROOT, "encoder": _ENCODER},
+}
+# PyTorch's Conv1d runs NCW (batch, channels, time), flax.nnx.Conv NWC.
+_LAYOUTS = {
+    "hf-wav2vec2": {
+        r"feature_extractor(\.conv_layers\.\d+(\.conv)?)?": (0, 2, 1),
+        r"encoder\.pos_conv_embed\.conv": (0, 2, 1)},
+}
+
 
 def _wav2vec2(transformers, layers: int) -> tuple[Any, str]:
   config = transformers.Wav2Vec2Config(
