@@ -17,15 +17,17 @@ PyTorch and transformers are imported only when these are used.
 * :func:`port_check`: your own JAX port (an NNX module, a linen module with
   its variables, or a function) against its PyTorch original, layer by
   layer: is a difference a bug of the port, or precision? (a
-  :class:`PortReport`); :func:`logits_gates`: KL divergence, top-k
-  agreement and the largest log-probability difference of two sets of
-  logits.
+  :class:`PortReport`); :func:`port_check_builtin`: the same for a built-in
+  port, its layers paired by their names; :func:`logits_gates`: KL
+  divergence, top-k agreement and the largest log-probability difference of
+  two sets of logits.
 """
 
 from jaxprec._src.checker.logits import LogitsGates
 from jaxprec._src.checker.logits import logits_gates
 from jaxprec._src.checker.port_check import PortLayer
 from jaxprec._src.checker.port_check import PortReport
+from jaxprec._src.checker.port_builtin import port_check_builtin
 from jaxprec._src.checker.port_check import port_check
 from jaxprec._src.torch.torch_ports import PORTS
 from jaxprec._src.torch.torch_ports import TWINS
@@ -39,4 +41,4 @@ from jaxprec._src.torch.torch_ref import from_torch
 
 __all__ = ("LogitsGates", "PORTS", "Port", "PortLayer", "PortReport", "TWINS",
            "Twin", "capture", "flax_params", "from_torch", "logits_gates",
-           "port", "port_check", "twin")
+           "port", "port_check", "port_check_builtin", "twin")
