@@ -144,9 +144,9 @@ def _parser() -> argparse.ArgumentParser:
                           "pytorch: the PyTorch original of --model "
                           "hf-wav2vec2, hf-bert or hf-llama, or "
                           "pytorch:MODULE:FUNCTION: FUNCTION() returns "
-                          "(torch_model, args) and MODULE:FUNCTION's model "
-                          "is port-checked against it layer by layer (exit 1 "
-                          "when a layer is a suspect)")
+                          "(torch_model, args); with either pytorch form "
+                          "the model is port-checked against it layer by "
+                          "layer (exit 1 when a layer is a suspect)")
   check.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
                      help="whose numerics to show (default tpu)")
   check.add_argument("--mode", default="auto",
@@ -502,16 +502,19 @@ def _flax_module(fn, args: tuple, target: str):
 def _check(ns: argparse.Namespace) -> int:
   ns.status.say("checking the arguments", piped=False)
   _one_model(ns, (*_MODELS, *torch_ports.PORTS))
+
+  def port_table(report) -> None:  # a port check's: at least 100 columns
+    print(report.table(width=max(100, terminal_columns(sys.stdout) or 100)))
   if cli_port.is_port_reference(ns.reference):  # your port against PyTorch
-    return cli_port.run(
-        ns, lambda r: print(r.table(width=max(
-            100, terminal_columns(sys.stdout) or 100))), _write_outputs)
+    return cli_port.run(ns, port_table, _write_outputs)
   if ns.modules and ns.model is not None:
     raise UsageError(f"--modules applies to MODULE:FUNCTION (your own Flax "
                      f"model); --model {ns.model} is checked at its hidden "
                      f"states")
   if ns.size is not None and ns.model not in _MODELS:
     raise UsageError(f"--size applies to --model {' or '.join(_MODELS)} only")
+  if ns.model in torch_ports.PORTS and ns.reference == PYTORCH:
+    return cli_port.run_builtin(ns, port_table, _write_outputs)
   from jaxprec._src.checker import check as check_lib
   from jaxprec._src.checker import metrics
   from jaxprec._src.checker import reference as reference_lib
@@ -558,14 +561,6 @@ def _check(ns: argparse.Namespace) -> int:
       raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
     fn, args, kwargs = twin.fn, twin.args(), {}
     what = f"{ns.model} (jaxprec's NNX port, seed {ns.seed})"
-    if reference == PYTORCH:
-      try:
-        reference = twin.reference()
-      except Exception as e:  # noqa: BLE001 -- the PyTorch model failed
-        raise Failure(f"running the PyTorch {ns.model} failed: "
-                      f"{type(e).__name__}: {e}") from None
-      what = (f"{ns.model} (jaxprec's NNX port) against the PyTorch "
-              f"original, seed {ns.seed}")
   else:
     fn, args, kwargs, what = _model_or_target(ns)
   run = functools.partial(check_lib.check, fn)
@@ -587,10 +582,6 @@ def _check(ns: argparse.Namespace) -> int:
     raise
   except Exception as e:  # noqa: BLE001 -- the user's code failed
     raise Failure(f"checking {what} failed: {type(e).__name__}: {e}") from None
-  if ns.reference == PYTORCH:  # not "pytree": say which reference it was
-    import dataclasses
-    report = dataclasses.replace(
-        report, reference=f"pytorch:{type(twin.torch_model).__name__}")
   if ns.json:
     print(report.to_json())
   else:

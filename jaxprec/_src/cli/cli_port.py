@@ -4,7 +4,9 @@ The port check of the command line (:func:`jaxprec.torch.port_check`): the
 first FUNCTION returns the JAX model and its inputs, the second the PyTorch
 model and its inputs; the table of suspects is printed, ``report.json`` and
 ``divergence.png`` are written to ``--out``, and the exit status is 1 when a
-layer is a suspect at any row.
+layer is a suspect at any row. ``jaxprec check --model hf-llama --reference
+pytorch`` (and ``hf-bert``, ``hf-wav2vec2``) is the same check of a built-in
+port (:func:`jaxprec.torch.port_check_builtin`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ def is_port_reference(reference: str) -> bool:
   return reference.startswith(PREFIX)
 
 
-def _refuse_other_options(ns: argparse.Namespace) -> None:
-  given = [flag for flag, on in (
-      ("--model", ns.model is not None), ("--modules", ns.modules),
+def _other_options(ns: argparse.Namespace, model: bool) -> list[str]:
+  """The flags given that a port check has no use for."""
+  return [flag for flag, on in (
+      ("--model", model and ns.model is not None), ("--modules", ns.modules),
       ("--policy", bool(ns.policy)), ("--atol", ns.atol is not None),
       ("--rtol", ns.rtol is not None), ("--mode", ns.mode != "auto"),
       ("--size", getattr(ns, "size", None) is not None)) if on]
+
+
+def _refuse_other_options(ns: argparse.Namespace) -> None:
+  given = _other_options(ns, model=True)
   if given:
     raise UsageError(
         f"--reference {PREFIX}MODULE:FUNCTION checks MODULE:FUNCTION's model "
@@ -104,11 +111,60 @@ def run(ns: argparse.Namespace, print_table, write_outputs) -> int:
   except Exception as e:  # noqa: BLE001 -- the user's code failed
     raise Failure(f"checking {ns.function} against {torch_target} failed: "
                   f"{type(e).__name__}: {e}") from None
+  return _finish(ns, report,
+                 f"{ns.function} against the PyTorch {torch_target}",
+                 print_table, write_outputs)
+
+
+def run_builtin(ns: argparse.Namespace, print_table, write_outputs) -> int:
+  """``jaxprec check --model hf-... --reference pytorch``: the port check
+  of a built-in port; 1 when a layer is a suspect."""
+  given = _other_options(ns, model=False)
+  if given:
+    raise UsageError(
+        f"--model {ns.model} --reference pytorch checks jaxprec's port "
+        f"against its PyTorch original layer by layer (jaxprec.torch."
+        f"port_check_builtin); {', '.join(given)} do not apply to it (its "
+        f"verdict is the suspect rule, its rows are emulated on --target)")
+  precisions = (inputs.precision_list(ns.precisions)
+                if ns.precisions is not None else DEFAULT_ROWS)
+  inputs.check_out(ns.out)
+  ns.cache_on()
+  from jaxprec._src.checker import port_builtin  # noqa: PLC0415
+  from jaxprec._src.torch import torch_ports  # noqa: PLC0415
+  try:  # without PyTorch or transformers: exit 2, one line, a hint
+    torch_ports.require()
+  except ImportError as e:
+    raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
+  ns.status.say(f"building model {ns.model}")
+  try:
+    port = torch_ports.port(ns.model, ns.seed)
+  except ImportError as e:
+    raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
+  ns.status.say("running both models, then each layer alone at each row")
+  try:
+    report = port_builtin.port_check_builtin(
+        port, precisions=precisions, target=ns.target)
+  except BrokenPipeError:
+    raise
+  except Exception as e:  # noqa: BLE001 -- the port or PyTorch failed
+    raise Failure(f"checking {ns.model} against PyTorch failed: "
+                  f"{type(e).__name__}: {e}") from None
+  return _finish(ns, report,
+                 f"{ns.model} (jaxprec's NNX port, seed {ns.seed}) against "
+                 f"the PyTorch {type(port.torch_model).__name__}",
+                 print_table, write_outputs)
+
+
+def _finish(ns: argparse.Namespace, report, what: str, print_table,
+            write_outputs) -> int:
+  """Prints the report (JSON with --json), writes --out, and raises a
+  Failure naming the suspects, if any."""
   ns.status.clear()
   if ns.json:
     print(report.to_json())
   else:
-    print(f"model: {ns.function} against the PyTorch {torch_target}")
+    print(f"model: {what}")
     print_table(report)
   write_outputs(report, ns.out)
   suspects = {p: report.suspects(p) for p in report.precisions}
