@@ -194,13 +194,12 @@ def test_cli_llama_port_against_pytorch(tmp_path, capsys, monkeypatch):
   out, err = capsys.readouterr()
   assert rc == 0, err
   report = json.loads(out)
-  assert report["reference"] == "pytorch:LlamaModel"
-  # The float32 floor, then each TPU and GPU precision, layer by layer.
-  assert report["floor"] == "float32"
-  assert report["precisions"] == ["float32", "bfloat16", "bfloat16_3x",
-                                  "tensorfloat32"], report["precisions"]
-  assert [l["name"] for l in report["layers"]] == [
-      "hidden_states[0]", "hidden_states[1]", "last_hidden_state"]
+  # The port check: the float32 floor and TPU bfloat16, layer by layer, the
+  # layers paired with PyTorch's by their names.
+  assert report["precisions"] == ["float32", "bfloat16"], report["precisions"]
+  assert report["suspects"] == {"float32": [], "bfloat16": []}
+  assert report["alignment"]["layers/0/self_attn"] == "layers.0.self_attn"
+  assert report["alignment"]["norm"] == "norm"
   assert (tmp_path / "r" / "report.json").is_file()
 
 
@@ -217,7 +216,8 @@ def test_cli_port_checks_need_no_flax_model_class(tmp_path, capsys,
              "--precisions", "bfloat16", "--out", str(tmp_path / "r")])
   out, err = capsys.readouterr()
   assert rc == 0, err
-  assert "against the PyTorch original" in out and "extract_features" in out
+  assert "against the PyTorch Wav2Vec2Model" in out
+  assert "feature_extractor/conv_layers/0" in out
 
 
 def test_port_argument_errors():

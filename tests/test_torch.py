@@ -418,8 +418,9 @@ def test_cli_reference_pytorch_writes_report_and_plot(tmp_path, capsys):
   stdout, err = capsys.readouterr()
   assert rc == 0, err
   import json
-  report = json.loads(stdout)
-  assert report["reference"] == "pytorch:BertModel"
+  report = json.loads(stdout)  # the port check, paired with BertModel's
+  assert report["alignment"]["pooler"] == "pooler"
+  assert report["precisions"] == ["bfloat16"]
   assert (out / "report.json").is_file()
   assert (out / "divergence.png").is_file() or "matplotlib" in err
 
