@@ -85,3 +85,68 @@ def test_options_that_do_not_apply_are_refused(models, capsys):
   rc, _, err = run_cli(capsys, "check", "ports.py:right", "--reference",
                        "pytorch:ports.py:nothing")
   one_line_error(rc, err, 2, "'ports.py' has no attribute 'nothing'")
+
+
+# ---------------------------------------------------------------------------
+# The built-in ports: jaxprec check --model hf-... --reference pytorch.
+
+
+@pytest.fixture
+def one_layer(monkeypatch, tmp_path):
+  """Built-in ports of one transformer layer by default, run in
+  ``tmp_path``."""
+  pytest.importorskip("transformers")
+  from jaxprec._src.torch import torch_ports  # noqa: PLC0415
+  monkeypatch.setattr(torch_ports, "_LAYERS", 1)
+  monkeypatch.chdir(tmp_path)
+  return tmp_path
+
+
+def test_a_builtin_port_prints_the_port_check_table_and_exits_0(one_layer,
+                                                                 capsys):
+  rc, out, err = run_cli(capsys, "check", "--model", "hf-llama",
+                         "--reference", "pytorch", "--out", "rep")
+  assert rc == 0, err
+  lines = out.splitlines()
+  assert lines[0] == ("model: hf-llama (jaxprec's NNX port, seed 0) against "
+                      "the PyTorch LlamaModel")
+  assert lines[2].split() == ["layer", "row", "floor", "noise", "envelope",
+                              "local", "propag.", "verdict"]
+  assert "suspects at float32: none" in lines
+  assert "suspects at bfloat16: none" in lines
+  assert any(l.startswith("layers/0/mlp ") and l.endswith("ok")
+             for l in lines), out
+  assert max(map(len, lines)) <= 100
+  report = json.loads((one_layer / "rep" / "report.json").read_text())
+  assert report["alignment"]["layers/0/mlp"] == "layers.0.mlp"
+
+
+def test_a_bug_planted_in_a_builtin_port_exits_1_and_names_it(
+    one_layer, capsys, monkeypatch):
+  from jaxprec._src.torch import torch_ports  # noqa: PLC0415
+  build = torch_ports.port
+
+  def with_a_wrong_bias(name, seed=0, **kwargs):
+    port = build(name, seed, layers=2)
+    ln = port.model.encoder.layer[1].output.LayerNorm
+    ln.bias[...] = ln.bias[...] + 0.5
+    return port
+  monkeypatch.setattr(torch_ports, "port", with_a_wrong_bias)
+  rc, out, err = run_cli(capsys, "check", "--model", "hf-bert",
+                         "--reference", "pytorch", "--precisions", "bfloat16",
+                         "--out", "rep")
+  one_line_error(rc, err, 1, "suspects",
+                 "bfloat16: encoder/layer/1/output/LayerNorm")
+  assert any(l.startswith("encoder/la") and l.endswith("SUSPECT")
+             for l in out.splitlines()), out
+  assert max(map(len, out.splitlines())) <= 100
+
+
+@pytest.mark.parametrize("flag", [["--atol", "1e-3"], ["--rtol", "0"],
+                                  ["--policy", "default=bfloat16"],
+                                  ["--mode", "emulate"]])
+def test_options_a_builtin_port_check_has_no_use_for_are_refused(
+    one_layer, capsys, flag):
+  rc, _, err = run_cli(capsys, "check", "--model", "hf-bert", "--reference",
+                       "pytorch", *flag)
+  one_line_error(rc, err, 2, flag[0], "do not apply", "port_check_builtin")
