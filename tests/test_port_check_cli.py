@@ -144,7 +144,7 @@ def test_a_bug_planted_in_a_builtin_port_exits_1_and_names_it(
 
 @pytest.mark.parametrize("flag", [["--atol", "1e-3"], ["--rtol", "0"],
                                   ["--policy", "default=bfloat16"],
-                                  ["--mode", "emulate"]])
+                                  ["--mode", "emulate"], ["--full"]])
 def test_options_a_builtin_port_check_has_no_use_for_are_refused(
     one_layer, capsys, flag):
   rc, _, err = run_cli(capsys, "check", "--model", "hf-bert", "--reference",

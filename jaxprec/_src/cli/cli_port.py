@@ -32,7 +32,8 @@ def _other_options(ns: argparse.Namespace, model: bool) -> list[str]:
       ("--model", model and ns.model is not None), ("--modules", ns.modules),
       ("--policy", bool(ns.policy)), ("--atol", ns.atol is not None),
       ("--rtol", ns.rtol is not None), ("--mode", ns.mode != "auto"),
-      ("--size", getattr(ns, "size", None) is not None)) if on]
+      ("--size", getattr(ns, "size", None) is not None),
+      ("--full", ns.full)) if on]
 
 
 def _refuse_other_options(ns: argparse.Namespace) -> None:
