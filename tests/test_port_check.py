@@ -320,6 +320,61 @@ def test_a_bad_pin_is_refused_naming_the_closest_layer(tnet):
     jt.port_check(_jnet(tnet), tnet, X, alignment=3)
 
 
+class TConv(torch.nn.Module):
+  """A convolution over (batch, channels, time), then a Linear."""
+
+  def __init__(self):
+    super().__init__()
+    self.conv = torch.nn.Conv1d(3, 5, 3)
+    self.fc = torch.nn.Linear(5, 4)
+
+  def forward(self, x):
+    return self.fc(self.conv(x).transpose(1, 2))
+
+
+class JConv(nnx.Module):
+  """TConv over (batch, time, channels), as flax.nnx.Conv takes it."""
+
+  def __init__(self, t: TConv):
+    self.conv = nnx.Conv(3, 5, (3,), padding="VALID", rngs=nnx.Rngs(0))
+    self.fc = nnx.Linear(5, 4, rngs=nnx.Rngs(0))
+    self.conv.kernel[...] = _np(t.conv.weight).transpose(2, 1, 0)
+    self.conv.bias[...] = _np(t.conv.bias)
+    _copy_linear(self.fc, t.fc)
+
+  def __call__(self, x):
+    return self.fc(self.conv(x))
+
+
+def test_layouts_pair_a_convolution_across_ncw_and_nwc():
+  torch.manual_seed(0)
+  t = TConv().eval()
+  x = np.random.default_rng(0).normal(size=(2, 10, 3)).astype(np.float32)
+  ncw = (x.transpose(0, 2, 1),)
+  plain = jt.port_check(JConv(t), t, x, torch_inputs=ncw)
+  assert "conv" in plain.unpaired_jax  # (2, 8, 5) against (2, 5, 8)
+  r = jt.port_check(JConv(t), t, x, torch_inputs=ncw,
+                    layouts={"con.": (0, 2, 1)})
+  assert r.alignment["conv"] == "conv" and r.suspects() == []
+  assert r.layer("conv").floor < 1e-6 < r.layer("conv").local["bfloat16"]
+  # A bug in the convolution is found there; a function pins the pairs.
+  wrong = JConv(t)
+  wrong.conv.bias[...] = wrong.conv.bias[...] + 0.1
+  r = jt.port_check(wrong, t, x, torch_inputs=ncw, layouts={"conv": [0, 2, 1]},
+                    alignment=lambda j, t: {n: n for n in j if n in t})
+  assert r.suspects("float32") == ["conv"]
+  assert r.alignment == {"conv": "conv", "fc": "fc", "output": "output"}
+  with pytest.raises(ValueError, match=r"'conx' matches no layer.*'conv'"):
+    jt.port_check(JConv(t), t, x, torch_inputs=ncw, layouts={"conx": (0, 2, 1)})
+  with pytest.raises(ValueError, match="no axes permutation"):
+    jt.port_check(JConv(t), t, x, torch_inputs=ncw, layouts={"conv": (0, 2)})
+  with pytest.raises(TypeError, match="layouts must be a dict"):
+    jt.port_check(JConv(t), t, x, torch_inputs=ncw,
+                  layouts=[("conv", (0, 2, 1))])
+  with pytest.raises(TypeError, match="the function must return a dict"):
+    jt.port_check(JConv(t), t, x, torch_inputs=ncw, alignment=lambda j, t: 3)
+
+
 class TTwo(torch.nn.Module):
   def __init__(self, inner=torch.nn.Linear):
     super().__init__()
