@@ -11,16 +11,22 @@ run, for each emulation kernel (``bf16``, ``f32``; ``docs/emulation.md``):
   and 6 passes over the native one (limits 1.35x, 2.0x, 2.8x), each a median
   of fresh compiles next to a native one, the import of jaxprec not included;
   the last line gives them together with the CPU model and whether it has
-  AVX512-BF16 (the kernel ``auto`` picks depends on it).
+  AVX512-BF16 (the kernel ``auto`` picks depends on it);
+* beside them, what ``import jaxprec`` costs after ``import jax, flax.linen,
+  flax.nnx`` on the same CPU (limit 0.05 s): timed inside fresh interpreters,
+  medians of ``--import-repeats`` (``benchmarks/bench_import.py`` has the
+  whole-process figures).
 
   python benchmarks/bench_emulate_bert.py [--batch 1] [--repeats 15] [--layers 12]
-      [--compile-repeats 5]
+      [--compile-repeats 5] [--import-repeats 7]
   python benchmarks/bench_emulate_bert.py --quick    # 2 layers, seq 32: seconds
   python benchmarks/bench_emulate_bert.py --split    # + trace/lower vs compile
 """
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -29,6 +35,7 @@ import jax.numpy as jnp
 import jaxprec
 from jaxprec._src.emulation import kernels as _kernels
 
+import bench_import
 from _args import positive as _positive
 
 KERNELS = ("bf16", "f32")
@@ -49,6 +56,20 @@ def compile_seconds(fn, *args) -> tuple[float, float, float]:
   return t1 - t, time.perf_counter() - t1, time.process_time() - c
 
 
+def import_seconds(n: int) -> tuple[float, float]:
+  """``import jaxprec`` after jax and flax, timed inside ``n`` fresh
+  interpreters with cached bytecode (one warm-up first): medians of the wall
+  and the CPU time."""
+  env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+  env.pop("PYTHONDONTWRITEBYTECODE", None)
+  with tempfile.TemporaryDirectory() as cache:
+    env["PYTHONPYCACHEPREFIX"] = cache
+    bench_import.once("import jaxprec; ", env)
+    runs = [bench_import.once("import jaxprec; ", env) for _ in range(n)]
+  return (statistics.median(r[2] for r in runs),
+          statistics.median(r[3] for r in runs))
+
+
 def cpu_line() -> str:
   """The CPU model and whether it has AVX512-BF16 (``/proc/cpuinfo``)."""
   has = "avx512_bf16" in _kernels.bf16_dot_units()
@@ -64,6 +85,8 @@ def main() -> None:
   ap.add_argument("--repeats", type=_positive, default=15)
   ap.add_argument("--compile-repeats", type=_positive, default=5,
                   help="fresh compiles per variant (medians; default 5)")
+  ap.add_argument("--import-repeats", type=int, default=7,
+                  help="fresh interpreters timing `import jaxprec` (0: skip)")
   ap.add_argument("--split", action="store_true",
                   help="also print trace+lower and XLA compile times apart")
   ap.add_argument("--quick", action="store_true",
@@ -71,6 +94,9 @@ def main() -> None:
   args = ap.parse_args()
   if args.quick:
     args.layers, args.seq, args.repeats, args.compile_repeats = 1, 16, 3, 1
+    args.import_repeats = min(args.import_repeats, 1)
+  if args.import_repeats < 0:
+    ap.error(f"--import-repeats must be 0 or more, got {args.import_repeats}")
 
   from transformers import BertConfig, FlaxBertModel
   cfg = BertConfig(num_hidden_layers=args.layers)  # BERT-base sizes otherwise
@@ -148,6 +174,12 @@ def main() -> None:
         + f"; {cpu_line()}")
   print("the same in CPU time (less moved by other jobs on the machine): "
         + "; ".join(f"{k} {' / '.join(v)}" for k, v in cpu_ratios.items()))
+  if args.import_repeats:
+    wall, used = import_seconds(args.import_repeats)
+    print(f"import jaxprec after jax and flax: {wall:.3f} s wall, {used:.3f} s "
+          f"CPU (medians of {args.import_repeats} fresh interpreters; limit "
+          f"{bench_import.LIMIT} s: "
+          f"{'ok' if wall < bench_import.LIMIT else 'MISSED'})")
   print("auto runs " + " / ".join(
       _kernels.kernel_for(a) for a in ("bf16x1", "bf16x3", "bf16x6"))
         + " at 1 / 3 / 6 passes on this CPU")
