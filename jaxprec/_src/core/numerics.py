@@ -364,9 +364,9 @@ def strength_reduced(precision: PrecisionLike, target: str, lhs_shape,
   Examples:
     >>> from jaxprec._src.core.numerics import strength_reduced
     >>> mv = (((1,), (0,)), ((), ()))
-    >>> strength_reduced("default", "gpu", (999, 10000), (10000,), mv)
+    >>> strength_reduced("default", "gpu", (998, 10000), (10000,), mv)
     'f32: matrix·vector, strength-reduced'
-    >>> strength_reduced("default", "gpu", (1000, 10000), (10000,), mv) is None
+    >>> strength_reduced("default", "gpu", (999, 10000), (10000,), mv) is None
     True
   """
   if target != "gpu":
