@@ -100,9 +100,12 @@ def assert_k1(got, lhs, rhs, algorithm, contract, kernel, *,
 
 def emulated(algorithm, *, jit=True, tf32_rounding="nearest", dn=MATMUL):
   target, precision = HOW[algorithm]
+  # The algorithm's definition on every shape: a TPU's matrix-vector rule
+  # (float32 at DEFAULT) is off here; tests/test_shape_rules.py tests it.
+  rule = {"tpu_matvec_f32": False} if target == "tpu" else {}
   fn = functools.partial(jaxprec.emulated_dot_general, dimension_numbers=dn,
                          precision=precision, target=target,
-                         tf32_rounding=tf32_rounding)
+                         tf32_rounding=tf32_rounding, **rule)
   return jax.jit(fn) if jit else fn
 
 

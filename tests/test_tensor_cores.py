@@ -275,8 +275,9 @@ def test_fp8_fast_accum_keeps_a_narrow_accumulator_and_promotion_fixes_it():
 
 
 def test_vector_dot_is_float32_on_a_gpu():
-  """XLA:GPU strength-reduces a vector·vector dot to multiply + reduce,
-  float32 at a precision level; an explicit TF32 algorithm keeps TF32."""
+  """XLA:GPU strength-reduces a vector·vector dot (and a small matrix·vector
+  one) to multiply + reduce, float32 at a precision level; an explicit TF32
+  algorithm keeps TF32."""
   rng = np.random.default_rng(7)
   v = jnp.asarray(rng.standard_normal((64, 96)).astype(np.float32))
   w = jnp.asarray(rng.standard_normal((64, 96)).astype(np.float32))
@@ -287,9 +288,13 @@ def test_vector_dot_is_float32_on_a_gpu():
     np.testing.assert_array_equal(_bits(got), _bits(exact))
   tf32 = jaxprec.emulated_dot_general(v, w, dn, "TF32_TF32_F32", target="gpu")
   assert np.any(_bits(tf32) != _bits(exact))
-  # A matrix·vector dot has a free dimension: TF32 as before.
+  # A small matrix·vector dot ((64 + 1) * 96 < 1e7) is strength-reduced
+  # too (dot_strength_reduction.cc); a matrix·matrix dot keeps TF32.
   mv = jaxprec.emulated_dot_general(v, w[0], DN, target="gpu")
-  assert np.any(_bits(mv) != _bits(v @ w[0]))
+  np.testing.assert_array_equal(
+      _bits(mv), _bits(lax.dot(v, w[0], precision=lax.Precision.HIGHEST)))
+  mm = jaxprec.emulated_dot_general(v, w[:2].T, DN, target="gpu")
+  assert np.any(_bits(mm) != _bits(v @ w[:2].T))
 
 
 def test_bad_chips_are_named():
@@ -342,5 +347,7 @@ def test_audit_shows_the_vector_dot_rule():
   vv, mv = r.rows
   assert (vv.gpu, vv.shape_rule) == ("f32",
                                      "f32: vector·vector, strength-reduced")
-  assert (mv.gpu, mv.shape_rule) == ("tf32", "")
+  # A small matrix·vector dot is strength-reduced too ((4 + 1) * 8 < 1e7).
+  assert (mv.gpu, mv.shape_rule) == ("f32",
+                                     "f32: matrix·vector, strength-reduced")
   assert "f32: vector·vector, strength-reduced" in str(r)

@@ -34,6 +34,7 @@ from jaxprec._src.checker.rows import DEFAULT_PRECISIONS
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import PrecisionLike
 from jaxprec._src.emulation import compile_cache
+from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation import kernels
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import state as flax_state
@@ -53,6 +54,7 @@ def check(fn: Callable[..., Any], *args: Any,
           atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
           progress: bool = False,
           cache: bool | str | os.PathLike = False,
+          chip: str | None = None, tpu_matvec_f32: bool = True,
           **kwargs: Any) -> DivergenceReport:
   """How far each layer of ``fn(*args, **kwargs)`` drifts at each precision.
 
@@ -113,6 +115,17 @@ def check(fn: Callable[..., Any], *args: Any,
       user's cache directory) or a directory. A later process checking the
       same programs loads them instead of compiling them again (see
       :func:`jaxprec.enable_compilation_cache`).
+    chip: with ``target='gpu'``, the NVIDIA chip (``'a100'``, ``'h100'``,
+      ``'b200'``; any case) whose tensor cores compute every row emulated
+      with GPU numerics, as :func:`jaxprec.emulate`'s ``chip`` computes it
+      (``docs/gpu.md``); a computed reference other than float32 too. Rows
+      that a literal name emulates with TPU numerics (``'bfloat16'``,
+      ``'bfloat16_3x'``) keep them, and native rows run on the device. The
+      report names the chip. None (default): the algorithm's definition.
+    tpu_matvec_f32: emulated TPU rows compute a matrix-vector product at
+      ``DEFAULT`` in float32, as JAX's maintainers state a TPU does
+      (:func:`jaxprec.emulate`'s ``tpu_matvec_f32``); False computes it as
+      any other dot (one bfloat16 pass).
     **kwargs: keyword arguments for ``fn``. (To pass a keyword named like one
       of the above, wrap ``fn`` with ``functools.partial``.)
 
@@ -122,8 +135,8 @@ def check(fn: Callable[..., Any], *args: Any,
   Raises:
     TypeError: ``precisions`` that is not a precision, a policy or a
       sequence of them; a tolerance that is not a number.
-    ValueError: an unknown precision, target or mode; a negative or NaN
-      tolerance; an unreadable reference file or an unsupported reference
+    ValueError: an unknown precision, target, mode or chip, or a chip with a
+      target other than ``'gpu'``; a negative or NaN tolerance; an unreadable reference file or an unsupported reference
       (the message names the supported ones); a reference that does not
       match the output (the message names the first mismatching path and
       both shapes); an output without floating leaves; a ``cache``
@@ -152,6 +165,9 @@ def check(fn: Callable[..., Any], *args: Any,
                     f"{type(fn).__name__}")
   directory = compile_cache.resolve_cache(cache, "jaxprec.check")
   target = numerics.check_target(target)
+  # The same check and message as jaxprec.emulate's.
+  chip = emulated_ops.check_chip(chip, target)
+  options = _row_options(chip, tpu_matvec_f32)
   mode = numerics.resolve_mode(mode, target)
   atol = metrics_lib.check_tolerance("atol", atol)
   rtol = metrics_lib.check_tolerance("rtol", rtol)
@@ -159,12 +175,13 @@ def check(fn: Callable[..., Any], *args: Any,
   given = precisions
   if external and precisions is DEFAULT_PRECISIONS:
     precisions = (rows.FLOOR, *DEFAULT_PRECISIONS)
-  plans = rows.plans(precisions, target, mode)
+  plans = rows.plans(precisions, target, mode, **options)
   if directory is not None:  # after the checks: a refused call writes nothing
     with compile_cache.compilation_cache(directory):
       return check(fn, *args, precisions=given, reference=reference,
                    target=target, mode=mode, atol=atol, rtol=rtol,
-                   progress=progress, cache=False, **kwargs)
+                   progress=progress, cache=False, chip=chip,
+                   tpu_matvec_f32=tpu_matvec_f32, **kwargs)
   floor = None
   if external:  # float32 against another framework: the floor
     plans = [rows.native_float32(p.label) if p.label == rows.FLOOR
@@ -178,7 +195,8 @@ def check(fn: Callable[..., Any], *args: Any,
   with progress_lib.Phases(len(plans) + 1, "jaxprec check", progress) as bar:
     bar.update(_reference_phase(reference))
     t0 = time.perf_counter()
-    ref = harness.build_reference(fn, call, reference, target=target, mode=mode)
+    ref = harness.build_reference(fn, call, reference, target=target, mode=mode,
+                                  options=options)
     seconds["reference"] = time.perf_counter() - t0
     if not ref.names:
       raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
@@ -195,6 +213,12 @@ def check(fn: Callable[..., Any], *args: Any,
   if mode == "native" and backend == "cpu":
     notes.append("native mode on CPU: the CPU ignores matmul precision, so "
                  "every row computes exact float32")
+  if chip is not None and mode == "native":
+    notes.append(f"chip={chip!r} models a GPU's tensor cores in emulation; "
+                 f"native rows run on the device itself")
+  if not tpu_matvec_f32 and any(p.emulate_target == "tpu" for p in plans):
+    notes.append("tpu_matvec_f32=False: matrix-vector products at DEFAULT "
+                 "are emulated as one bfloat16 pass, not in float32")
   if mode == "emulate" and target == "tpu" and any(
       p.emulate_target == "gpu" for p in plans):
     notes.append("'tensorfloat32' shows TF32 (GPU) numerics; on a TPU JAX's "
@@ -230,7 +254,16 @@ def check(fn: Callable[..., Any], *args: Any,
       numerics={**{p.label: p.description for p in plans},
                 "(reference)": ref.description},
       notes=tuple(notes), seconds=seconds, floor=floor,
-      kernel=kernels.current_kernel().to_dict())
+      kernel=kernels.current_kernel().to_dict(), chip=chip)
+
+
+def _row_options(chip: str | None, tpu_matvec_f32: Any) -> dict[str, Any]:
+  """The rows' emulation options (:func:`jaxprec._src.checker.rows.plan`):
+  ``chip``, and ``tpu_matvec_f32`` where it is not its default."""
+  if not isinstance(tpu_matvec_f32, bool):
+    raise TypeError(f"tpu_matvec_f32 must be True or False; got "
+                    f"{tpu_matvec_f32!r}")
+  return {"chip": chip, **({} if tpu_matvec_f32 else {"tpu_matvec_f32": False})}
 
 
 def _reference_phase(reference: Any) -> str:
@@ -548,7 +581,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                  mode: str = "auto", atol: float = DEFAULT_ATOL,
                  rtol: float = DEFAULT_RTOL, progress: bool = False,
                  cache: bool | str | os.PathLike = False,
-                 shadow: bool = False,
+                 shadow: bool = False, chip: str | None = None,
+                 tpu_matvec_f32: bool = True,
                  **kwargs: Any) -> DivergenceReport:
   """:func:`check` over every submodule's output of a Flax module.
 
@@ -577,8 +611,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     capture: linen only: ``True`` (every submodule's ``__call__``) or a
       filter ``(module, method_name) -> bool`` as ``capture_intermediates``
       takes.
-    precisions, reference, target, mode, atol, rtol, progress, cache: as
-      :func:`check`. An external reference (e.g.
+    precisions, reference, target, mode, atol, rtol, progress, cache, chip,
+    tpu_matvec_f32: as :func:`check`. An external reference (e.g.
       ``jaxprec.torch.capture(pt_model, ..., modules=...)``, which names a
       PyTorch module tree as this function names a Flax one) may hold some
       of the layers: those are compared, and the others are listed in the
@@ -608,10 +642,10 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     return shadow_lib.check_module_shadow(
         module, args, kwargs, method=method, capture=capture,
         precisions=precisions, reference=reference, target=target, mode=mode,
-        atol=atol, rtol=rtol)
+        atol=atol, rtol=rtol, chip=chip, tpu_matvec_f32=tpu_matvec_f32)
   common = dict(precisions=precisions, reference=reference, target=target,
                 mode=mode, atol=atol, rtol=rtol, progress=progress,
-                cache=cache)
+                cache=cache, chip=chip, tpu_matvec_f32=tpu_matvec_f32)
   import flax.linen as nn
   from flax import nnx
   if isinstance(module, nn.Module) and module.scope is not None:

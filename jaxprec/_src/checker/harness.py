@@ -309,7 +309,8 @@ _reference_stats = jax.jit(metrics_lib.reference_stats, static_argnums=(2,))
 
 def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
                     select: Sequence[str] | None = None,
-                    cache: dict | None = None) -> Reference:
+                    cache: dict | None = None,
+                    options: dict[str, Any] | None = None) -> Reference:
   """The reference: computed at a precision or policy, or read.
 
   Args:
@@ -322,6 +323,9 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     target, mode: for computed references.
     select: the layers to keep (default: all), in output order.
     cache: where to keep the program (default: the global per-fn cache).
+    options: the rows' emulation options (``chip``, ``tpu_matvec_f32``:
+      :func:`jaxprec._src.checker.rows.plan`), for a reference computed
+      as a row is.
 
   Raises:
     ValueError: an output without floating layers; a bad reference.
@@ -342,7 +346,7 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     desc, name = "external", reference_lib.describe(reference)
   else:
     hi, lo, stats, info, desc = _computed_reference(
-        fn, call, reference, target, mode, select, cache)
+        fn, call, reference, target, mode, select, cache, options or {})
     name = label_of(reference)
   return Reference([n for n, _, _ in info], [s for _, s, _ in info],
                    [d for _, _, d in info], _layout(info, call.groups), hi, lo,
@@ -350,10 +354,11 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
 
 
 def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
-                        select: tuple[str, ...] | None, cache: dict | None):
+                        select: tuple[str, ...] | None, cache: dict | None,
+                        options: dict[str, Any]):
   """``(hi, lo, stats, info, description)`` of a computed reference."""
   try:
-    ref_plan = reference_plan(reference, target, mode)
+    ref_plan = reference_plan(reference, target, mode, **options)
   except ValueError as e:
     raise ValueError(f"Unknown reference {reference!r}: {e} A reference is "
                      f"{reference_lib.SUPPORTED}.") from None

@@ -248,9 +248,11 @@ def _heading(report: Any) -> str:
   short = labels(report)
   what = "; ".join(f"{short[p]}: {report.numerics.get(p, '?')}"
                    for p in report.precisions)
+  chip = getattr(report, "chip", None)
+  chip = f" ({chip} tensor cores)" if chip else ""
   out = (f"jaxprec.check: {plural(len(report.layers), 'layer')} vs reference "
-         f"{report.reference}{ref}; target {report.target}, mode {report.mode} "
-         f"(backend {report.backend or '?'})\nnumerics: {what}")
+         f"{report.reference}{ref}; target {report.target}{chip}, mode "
+         f"{report.mode} (backend {report.backend or '?'})\nnumerics: {what}")
   if report.floor is not None:
     out += (f"\n{FLOOR_MARK} {report.floor!r} is the framework floor: float32 "
             f"against the external reference, the two frameworks' own "

@@ -114,6 +114,9 @@ class DivergenceReport:
       (:func:`jaxprec.check_module` takes a partial reference), in depth
       order: not compared, so no query says anything about them; every
       rendering names them.
+    chip: the NVIDIA chip whose tensor cores computed the rows emulated
+      with GPU numerics (``check(..., chip=)``), or None: the algorithm's
+      definition.
   """
 
   layers: tuple[LayerResult, ...]
@@ -130,6 +133,7 @@ class DivergenceReport:
   floor: str | None = None
   kernel: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   unchecked: tuple[str, ...] = ()
+  chip: str | None = None
 
   def __post_init__(self):
     if self.floor is not None and self.floor not in self.precisions:
@@ -348,6 +352,7 @@ class DivergenceReport:
     return render.encode({
         "schema": SCHEMA, "kind": "check", "jaxprec_version": __version__,
         "reference": self.reference, "target": self.target, "mode": self.mode,
+        "chip": self.chip,
         "backend": self.backend, "precisions": list(self.precisions),
         "floor": self.floor,
         "numerics": dict(self.numerics), "atol": float(self.atol),
@@ -389,7 +394,7 @@ class DivergenceReport:
                notes=tuple(d.get("notes", ())),
                seconds=_mapping(d, "seconds"), floor=d.get("floor"),
                kernel=_mapping(d, "kernel"),
-               unchecked=tuple(d.get("unchecked", ())))
+               unchecked=tuple(d.get("unchecked", ())), chip=d.get("chip"))
 
   @classmethod
   def from_json(cls, text: str) -> DivergenceReport:

@@ -59,6 +59,10 @@ class Plan:
     description: for the report, e.g. ``'tf32 (emulated, gpu numerics)'``.
     dtypes: for the reference of a model with dtype decisions, every module
       at this policy's dtype (:func:`with_dtypes`); None: ``fn`` as it is.
+    options: the emulation options of an emulated row, as sorted ``(name,
+      value)`` pairs passed to :func:`jaxprec.emulate` (``chip`` for a row
+      emulated with GPU numerics; :func:`emulation_options`). Part of
+      :attr:`key`, so no compiled program serves two chips.
   """
 
   label: str
@@ -67,11 +71,13 @@ class Plan:
   algorithm: str
   description: str
   dtypes: Policy | None = None
+  options: tuple[tuple[str, Any], ...] = ()
 
   @property
   def key(self) -> tuple:
     p = self.precision
-    key = (p if isinstance(p, Policy) else p.name, self.emulate_target)
+    key = (p if isinstance(p, Policy) else p.name, self.emulate_target,
+           self.options)
     return key if self.dtypes is None else (*key, str(self.dtypes))
 
   def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,7 +85,8 @@ class Plan:
     if self.dtypes is not None:
       fn = with_dtypes(fn, self.dtypes)
     if self.emulate_target is not None:
-      return emulate(fn, self.precision, target=self.emulate_target)
+      return emulate(fn, self.precision, target=self.emulate_target,
+                     **dict(self.options))
     if isinstance(self.precision, Policy):
       # Natively: the policy's precisions as JAX's flags, per module.
       return emulate(fn, self.precision, target="native")
@@ -113,8 +120,31 @@ def label_of(p: Any) -> str:
   return str(p)
 
 
+def emulation_options(emulate_target: str, chip: str | None = None,
+                      **options: Any) -> tuple[tuple[str, Any], ...]:
+  """The options a row emulated as ``emulate_target`` passes to
+  :func:`jaxprec.emulate`, as :attr:`Plan.options`.
+
+  ``chip`` (already checked against the check's target) reaches the rows
+  emulated with GPU numerics only: a row that a literal name emulates with
+  TPU numerics (``'bfloat16'``, ``'bfloat16_3x'``) keeps them. Other
+  options (``tpu_matvec_f32``) are passed where they differ from their
+  defaults.
+  """
+  out = dict(options)
+  if chip is not None and emulate_target == "gpu":
+    out["chip"] = chip
+  return tuple(sorted(out.items()))
+
+
+def _chip_words(options: tuple[tuple[str, Any], ...]) -> str:
+  chip = dict(options).get("chip")
+  return "" if chip is None else f", {chip} tensor cores"
+
+
 def plan(precision: PrecisionLike | Policy, target: str, mode: str,
-         backend: str | None = None) -> Plan:
+         backend: str | None = None, *, chip: str | None = None,
+         **options: Any) -> Plan:
   """How a row is computed for ``target`` in ``mode``.
 
   Args:
@@ -123,6 +153,10 @@ def plan(precision: PrecisionLike | Policy, target: str, mode: str,
     target: ``'tpu'`` or ``'gpu'``.
     mode: ``'emulate'`` or ``'native'`` (resolve ``'auto'`` first).
     backend: the backend native runs use (default: JAX's).
+    chip: the NVIDIA chip whose tensor cores compute the rows emulated with
+      GPU numerics (:func:`jaxprec.emulate`'s ``chip``; checked by the
+      caller), or None. Native rows run on the device itself.
+    **options: other emulation options (``tpu_matvec_f32``).
 
   Returns:
     The :class:`Plan`.
@@ -143,7 +177,9 @@ def plan(precision: PrecisionLike | Policy, target: str, mode: str,
     if mode == "native":
       backend = backend or compat.backend_platform()
       return Plan(label, pol, None, "policy", f"policy (native {backend})")
-    return Plan(label, pol, target, "policy", "policy (emulated)")
+    opts = emulation_options(target, chip, **options)
+    return Plan(label, pol, target, "policy",
+                f"policy (emulated{_chip_words(opts)})", options=opts)
   label = label_of(precision)
   literal = _LITERAL.get(label.strip().lower()) if isinstance(precision, str) else None
   p = resolve(literal[0] if literal else precision)
@@ -157,12 +193,14 @@ def plan(precision: PrecisionLike | Policy, target: str, mode: str,
   if algo == "native" and p.flag is None:
     algo = numerics.algorithm_for(lax.Precision.DEFAULT, emu_target,
                                   jnp.float32, jnp.float32)
-  desc = f"{algo} (emulated)" if emu_target == target else (
-      f"{algo} (emulated, {emu_target} numerics)")
-  return Plan(label, p, emu_target, algo, desc)
+  opts = emulation_options(emu_target, chip, **options)
+  desc = f"{algo} (emulated{_chip_words(opts)})" if emu_target == target else (
+      f"{algo} (emulated, {emu_target} numerics{_chip_words(opts)})")
+  return Plan(label, p, emu_target, algo, desc, options=opts)
 
 
-def plans(precisions: Any, target: str, mode: str) -> list[Plan]:
+def plans(precisions: Any, target: str, mode: str, *,
+          chip: str | None = None, **options: Any) -> list[Plan]:
   """One :class:`Plan` per row; TypeError/ValueError naming a bad value."""
   if isinstance(precisions, _ONE_ROW):
     precisions = (precisions,)
@@ -175,7 +213,7 @@ def plans(precisions: Any, target: str, mode: str) -> list[Plan]:
   if not precisions:
     raise ValueError("precisions is empty: name at least one, e.g. "
                      "precisions=('bfloat16',)")
-  out = [plan(p, target, mode) for p in precisions]
+  out = [plan(p, target, mode, chip=chip, **options) for p in precisions]
   labels = [p.label for p in out]
   if len(set(labels)) != len(labels):
     raise ValueError(f"precisions repeats a name: {labels}")
@@ -187,15 +225,18 @@ def native_float32(label: str = "float32") -> Plan:
   return dataclasses.replace(plan("float32", "tpu", "native"), label=label)
 
 
-def reference_plan(reference: Any, target: str, mode: str) -> Plan | None:
-  """None for float64; float32 runs natively (exact where the backend is)."""
+def reference_plan(reference: Any, target: str, mode: str, *,
+                   chip: str | None = None, **options: Any) -> Plan | None:
+  """None for float64; float32 runs natively (exact where the backend is);
+  another precision or a policy as :func:`plan` (with ``chip`` and
+  ``options``)."""
   if isinstance(reference, str) and reference.strip().lower() in FLOAT64_NAMES:
     return None
   is_policy = isinstance(reference, Policy) or (isinstance(reference, str)
                                                 and "=" in reference)
   if not is_policy and resolve(reference).name in ("float32", "F32_F32_F32"):
     return native_float32(label_of(reference))
-  return plan(reference, target, mode)
+  return plan(reference, target, mode, chip=chip, **options)
 
 
 # Compute dtypes a float32 or float64 reference undoes (numerics.DTYPES).

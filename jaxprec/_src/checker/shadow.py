@@ -21,6 +21,7 @@ from jaxprec._src.checker import port_check
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
 from jaxprec._src.core import numerics
+from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation import kernels
 from jaxprec._src.jaxpr import compat
 
@@ -28,7 +29,8 @@ from jaxprec._src.jaxpr import compat
 def check_module_shadow(module: Any, args: tuple, kwargs: dict, *,
                         method: str | None, capture: Any, precisions: Any,
                         reference: Any, target: str, mode: str, atol: float,
-                        rtol: float) -> DivergenceReport:
+                        rtol: float, chip: str | None = None,
+                        tpu_matvec_f32: bool = True) -> DivergenceReport:
   """:func:`jaxprec.check_module` with ``shadow=True`` (see there)."""
   import flax.linen as nn  # noqa: PLC0415 -- Flax only when in use
   if method is not None or capture is not True:
@@ -41,10 +43,12 @@ def check_module_shadow(module: Any, args: tuple, kwargs: dict, *,
                      f"float32 JAX on the same input; reference={reference!r} "
                      f"is not supported with it (use reference='float32')")
   target = numerics.check_target(target)
+  chip = emulated_ops.check_chip(chip, target)
   mode = numerics.resolve_mode(mode, target)
   atol = metrics_lib.check_tolerance("atol", atol)
   rtol = metrics_lib.check_tolerance("rtol", rtol)
-  plans = rows.plans(precisions, target, mode)
+  plans = rows.plans(precisions, target, mode, chip=chip,
+                     **({} if tpu_matvec_f32 else {"tpu_matvec_f32": False}))
   if isinstance(module, nn.Module):
     if not args or not isinstance(args[0], Mapping):
       raise TypeError("check_module(linen_module, variables, *inputs): the "
@@ -88,7 +92,7 @@ def check_module_shadow(module: Any, args: tuple, kwargs: dict, *,
                 "(reference)": f"{f32.description}, each layer on its own "
                                f"float32 input"},
       notes=tuple(dict.fromkeys(notes)),
-      kernel=kernels.current_kernel().to_dict())
+      kernel=kernels.current_kernel().to_dict(), chip=chip)
 
 
 def _compare(candidate: list[Any], reference: list[Any], atol: float,

@@ -149,6 +149,11 @@ def _parser() -> argparse.ArgumentParser:
                           "layer (exit 1 when a layer is a suspect)")
   check.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
                      help="whose numerics to show (default tpu)")
+  check.add_argument("--chip", default=None,
+                     help="with --target gpu: a100, h100 or b200, the NVIDIA "
+                          "chip whose tensor cores compute every row emulated "
+                          "with GPU numerics (default: the algorithm's "
+                          "definition; docs/gpu.md)")
   check.add_argument("--mode", default="auto",
                      choices=("auto", "emulate", "native"),
                      help="auto (default): native on the target, emulated "
@@ -502,9 +507,18 @@ def _flax_module(fn, args: tuple, target: str):
 def _check(ns: argparse.Namespace) -> int:
   ns.status.say("checking the arguments", piped=False)
   _one_model(ns, (*_MODELS, *torch_ports.PORTS))
-
   def port_table(report) -> None:  # a port check's: at least 100 columns
     print(report.table(width=max(100, terminal_columns(sys.stdout) or 100)))
+  from jaxprec._src.emulation import emulated_ops
+  try:  # jaxprec.emulate's check and message
+    ns.chip = emulated_ops.check_chip(ns.chip, ns.target)
+  except ValueError as e:
+    raise UsageError(f"--chip: {e}") from None
+  port = (cli_port.is_port_reference(ns.reference) or
+          (ns.model in torch_ports.PORTS and ns.reference == PYTORCH))
+  if port and ns.chip is not None:
+    raise UsageError("--chip applies to a check against a precision or a "
+                     "saved reference, not to a port check against PyTorch")
   if cli_port.is_port_reference(ns.reference):  # your port against PyTorch
     return cli_port.run(ns, port_table, _write_outputs)
   if ns.modules and ns.model is not None:
@@ -572,7 +586,7 @@ def _check(ns: argparse.Namespace) -> int:
   try:
     report = run(*args, precisions=precisions, reference=reference,
                  target=ns.target, mode=ns.mode, progress=True, **tol,
-                 **kwargs)
+                 chip=ns.chip, **kwargs)
   except reference_lib.ReferenceMismatchError as e:
     hint = ("" if ns.modules or ns.function is None else
             "; a reference of every submodule (jaxprec.torch.capture(..., "

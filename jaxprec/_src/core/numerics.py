@@ -8,6 +8,7 @@ conv_general_dilated lowering, jax/_src/lax/convolution.py).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -288,45 +289,153 @@ def op_numerics(precision: PrecisionLike, target: str, lhs_dtype: Any,
   return p.on(target)
 
 
-# The rule a dot's shape brings in (:func:`strength_reduced`), as the audit
-# shows it.
+# The rules a dot's shape brings in (:func:`shape_rule`), as the audit shows
+# them.
 VECTOR_DOT_RULE = "f32: vector·vector, strength-reduced"
+MATVEC_RULE = "f32: matrix·vector, strength-reduced"
+TPU_MATVEC_RULE = "f32: matrix·vector (as JAX's maintainers state)"
+# XLA:GPU strength-reduces a matrix-vector dot below this size: the
+# ``threshold`` its strength reduction passes to
+# ``IsMatrixMultiplicationTooSmallForRewriting`` (openxla/xla,
+# xla/service/gpu/transforms/dot_strength_reduction.cc).
+STRENGTH_REDUCTION_SIZE = 10_000_000
+
+
+def _vector_sizes(lhs_shape, rhs_shape, dimension_numbers
+                  ) -> tuple[bool, bool, int]:
+  """``(lhs_is_vector, rhs_is_vector, size)`` of a dot: an operand is a
+  vector when it has only batch and contracting dimensions (XLA's test);
+  ``size`` is ``IsMatrixMultiplicationTooSmallForRewriting``'s
+  ``(lhs non-contracting + rhs non-contracting) * contracting`` (each a
+  product of dimension sizes, batch dimensions left out; xla/service/gpu/
+  matmul_utils.cc)."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  prod = lambda shape, dims: math.prod(int(shape[d]) for d in dims)  # noqa: E731
+  lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
+  rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
+  size = (prod(lhs_shape, lf) + prod(rhs_shape, rf)) * prod(lhs_shape, lc)
+  return not lf, not rf, size
+
+
+def _at_a_level(precision: PrecisionLike) -> Precision:
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  return resolve(precision)
 
 
 def strength_reduced(precision: PrecisionLike, target: str, lhs_shape,
                      rhs_shape, dimension_numbers) -> str | None:
-  """Whether XLA turns a dot into multiply + reduce on ``target``, and so
-  computes it in float32: the rule's label, else None.
+  """Whether XLA:GPU turns a dot into multiply + reduce, and so computes it
+  in float32: the rule's label, else None.
 
-  XLA:GPU's algebraic simplifier strength-reduces every dot whose operands
-  have only batch and contracting dimensions (vector·vector: "not
-  supported by GemmFusion"; openxla/xla,
-  ``xla/service/gpu/transforms/algebraic_simplifier.cc``,
-  ``ShouldStrengthReduceDotToReduce``), and the multiply it writes for a
-  dot without an explicit algorithm (``MakeMultiplyForPrecisionAlgorithm``,
-  ``ALG_UNSET``) is a float32 multiply: at a precision level such a dot is
-  exact float32, not TF32. An explicit algorithm (a preset) rounds the
-  multiply's operands as the algorithm says, which the algorithm's own
-  model computes.
+  XLA:GPU's dot strength reduction (openxla/xla,
+  ``xla/service/gpu/transforms/dot_strength_reduction.cc``,
+  ``DotStrengthReduction::InstructionMatchesPattern``; before it,
+  ``ShouldStrengthReduceDotToReduce`` in
+  ``xla/service/gpu/transforms/algebraic_simplifier.cc``) rewrites a dot
+  where one operand has only batch and contracting dimensions (a vector):
+
+  * vector·vector always ("not supported by GemmFusion");
+  * matrix·vector and vector·matrix when
+    ``IsMatrixMultiplicationTooSmallForRewriting(dot, 10000000)``: the
+    non-contracting sizes of both operands summed, times the contracting
+    size, below 10,000,000 (batch dimensions not counted;
+    ``xla/service/gpu/matmul_utils.cc``). Above it XLA also rewrites a dot
+    that Triton's GEMM emitter cannot handle (``CanTritonHandleGEMM``),
+    which is not modelled here: such a dot keeps its algorithm.
+
+  The multiply it writes for a dot without an explicit algorithm
+  (``MakeMultiplyForDotPrecisionAlgorithm``, ``ALG_UNSET``) is a float32
+  multiply and the reduce sums in float32 (``GetGemmAccumulatorType``): at
+  a precision level such a dot is exact float32, not TF32. An explicit
+  algorithm (a preset) rounds the multiply's operands as the algorithm
+  says, which the algorithm's own model computes: None.
 
   Args:
     precision: as :func:`op_numerics` (None: the flag in force).
-    target: the target.
+    target: the target; None for any but ``'gpu'``.
     lhs_shape, rhs_shape: the operands' shapes.
     dimension_numbers: the dot's ``((lhs_contract, rhs_contract),
       (lhs_batch, rhs_batch))``.
+
+  Returns:
+    :data:`VECTOR_DOT_RULE`, :data:`MATVEC_RULE` or None.
+
+  Examples:
+    >>> from jaxprec._src.core.numerics import strength_reduced
+    >>> mv = (((1,), (0,)), ((), ()))
+    >>> strength_reduced("default", "gpu", (998, 10000), (10000,), mv)
+    'f32: matrix·vector, strength-reduced'
+    >>> strength_reduced("default", "gpu", (999, 10000), (10000,), mv) is None
+    True
   """
   if target != "gpu":
     return None
-  (lc, rc), (lb, rb) = dimension_numbers
-  if (len(lc) + len(lb) != len(lhs_shape)
-      or len(rc) + len(rb) != len(rhs_shape)):
+  lhs_vector, rhs_vector, size = _vector_sizes(lhs_shape, rhs_shape,
+                                               dimension_numbers)
+  if not (lhs_vector or rhs_vector):
     return None
-  if precision is None:
-    precision = jax.config.jax_default_matmul_precision
-  if resolve(precision).preset is not None:
+  if _at_a_level(precision).preset is not None:
     return None
-  return VECTOR_DOT_RULE
+  if lhs_vector and rhs_vector:
+    return VECTOR_DOT_RULE
+  return MATVEC_RULE if size < STRENGTH_REDUCTION_SIZE else None
+
+
+def tpu_matvec(precision: PrecisionLike, target: str, lhs_shape, rhs_shape,
+               dimension_numbers) -> str | None:
+  """Whether a TPU computes a dot in float32 because it is a matrix-vector
+  product: :data:`TPU_MATVEC_RULE`, else None.
+
+  Not a measured rule: a JAX maintainer's statement, "If you perform a
+  matrix-vector multiplication, it is performed in full ``float32``
+  precision on TPU" (https://github.com/jax-ml/jax/issues/16349, at the
+  default precision; the TPU compiler is closed). jaxprec applies it where
+  one operand has no free (non-batch, non-contracting) dimension at all
+  (matrix·vector, vector·matrix, vector·vector, batched or not) and the
+  precision is the level ``DEFAULT`` (one bfloat16 pass otherwise); an
+  explicit preset (``BF16_BF16_F32``) and the multi-pass levels keep their
+  algorithms. :func:`jaxprec.emulate`'s ``tpu_matvec_f32=False`` turns it
+  off.
+
+  Args:
+    precision, lhs_shape, rhs_shape, dimension_numbers: as
+      :func:`strength_reduced`.
+    target: the target; None for any but ``'tpu'``.
+
+  Examples:
+    >>> from jaxprec._src.core.numerics import tpu_matvec
+    >>> tpu_matvec(None, "tpu", (4, 8), (8,), (((1,), (0,)), ((), ())))
+    "f32: matrix·vector (as JAX's maintainers state)"
+    >>> tpu_matvec(None, "tpu", (4, 8), (8, 2), (((1,), (0,)), ((), ()))) is None
+    True
+  """
+  if target != "tpu":
+    return None
+  lhs_vector, rhs_vector, _ = _vector_sizes(lhs_shape, rhs_shape,
+                                            dimension_numbers)
+  if not (lhs_vector or rhs_vector):
+    return None
+  p = _at_a_level(precision)
+  if p.preset is not None or p.level != _P.DEFAULT:
+    return None
+  return TPU_MATVEC_RULE
+
+
+def shape_rule(precision: PrecisionLike, target: str, lhs_shape, rhs_shape,
+               dimension_numbers, *, tpu_matvec_f32: bool = True
+               ) -> str | None:
+  """The rule that makes ``target`` compute a dot of these shapes in exact
+  float32 (:func:`strength_reduced` on a GPU; on a TPU :func:`tpu_matvec`,
+  unless ``tpu_matvec_f32`` is False), else None. The emulation and the
+  audit both ask here."""
+  if target == "gpu":
+    return strength_reduced(precision, target, lhs_shape, rhs_shape,
+                            dimension_numbers)
+  if target == "tpu" and tpu_matvec_f32:
+    return tpu_matvec(precision, target, lhs_shape, rhs_shape,
+                      dimension_numbers)
+  return None
 
 
 def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,

@@ -188,13 +188,17 @@ def emulate(fn: F, precision: PrecisionLike | policy_lib.Policy = None, *,
       ``'nearest_away'`` or ``'truncate'``); with ``target='gpu'``,
       ``chip`` (``'a100'``, ``'h100'`` or ``'b200'``: every dot computed as
       that chip's tensor cores compute it, gradients included) and
-      ``fp8_promotion_interval`` (:func:`jaxprec.emulated_dot_general`).
+      ``fp8_promotion_interval``; with ``target='tpu'``,
+      ``tpu_matvec_f32`` (default True: matrix·vector dots at ``DEFAULT`` in
+      float32, as JAX's maintainers state a TPU computes them; False: one
+      bfloat16 pass like any dot). See :func:`jaxprec.emulated_dot_general`.
 
   Returns:
     The emulated function.
 
   Raises:
-    TypeError: ``fn`` is not callable, or an unknown option.
+    TypeError: ``fn`` is not callable, an unknown option, or a
+      ``tpu_matvec_f32`` that is not a bool.
     ValueError: unknown precision, target, ``tf32_rounding`` or chip, or a
       chip with a target other than ``'gpu'``.
 
@@ -368,7 +372,8 @@ def _native(fn: Callable[..., Any], policy: policy_lib.Policy
   return native
 
 
-_OPTIONS = ("tf32_rounding", "chip", "fp8_promotion_interval")
+_OPTIONS = ("tf32_rounding", "chip", "fp8_promotion_interval",
+            "tpu_matvec_f32")
 
 
 def _check_options(options: dict[str, Any], target: str) -> dict[str, Any]:
@@ -379,6 +384,8 @@ def _check_options(options: dict[str, Any], target: str) -> dict[str, Any]:
                           error=TypeError)
   emulated_ops.check_chip(options.get("chip"), target)
   emulated_ops.check_interval(options.get("fp8_promotion_interval"))
+  if "tpu_matvec_f32" in options:
+    emulated_ops.check_flag("tpu_matvec_f32", options["tpu_matvec_f32"])
   if "tf32_rounding" in options:
     options = dict(options, tf32_rounding=names.check_choice(
         options["tf32_rounding"], emulated_ops.TF32_ROUNDINGS, "tf32_rounding"))

@@ -68,7 +68,7 @@ from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import walker
 from jaxprec._src.core.numerics import (PASSES, algorithm_for,
                                         check_target, emulatable, is_float8,
-                                        strength_reduced)
+                                        shape_rule)
 from jaxprec._src.core import names
 from jaxprec._src.core.precision import PrecisionLike, resolve
 
@@ -499,8 +499,8 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
                          preferred_element_type: Any = None, *,
                          target: str = "tpu", tf32_rounding: str = "nearest",
                          out_sharding: Any = None, chip: str | None = None,
-                         fp8_promotion_interval: int | None = None
-                         ) -> jax.Array:
+                         fp8_promotion_interval: int | None = None,
+                         tpu_matvec_f32: bool = True) -> jax.Array:
   """``lax.dot_general`` computed as ``target`` computes it.
 
   Same arguments as ``lax.dot_general``, so it can be passed as Flax's
@@ -548,6 +548,19 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
       multiple of 32; default 128, four ``wgmma`` instructions, as
       CUTLASS's and DeepSeek-V3's promotion). The ``_FAST_ACCUM`` presets
       never promote.
+    tpu_matvec_f32: with ``target='tpu'``, compute a dot where one operand
+      has no free dimension (matrix·vector, vector·matrix) at ``DEFAULT`` in
+      exact float32, as JAX's maintainers state a TPU does
+      (https://github.com/jax-ml/jax/issues/16349; a statement, not a
+      measurement: :func:`jaxprec._src.core.numerics.tpu_matvec`). True by
+      default; False computes it as any other dot (one bfloat16 pass).
+
+  Shape rules. Some dots run in exact float32 whatever the level, because of
+  their shapes (:func:`jaxprec._src.core.numerics.shape_rule`): on a GPU,
+  XLA's strength reduction of vector·vector dots and of matrix·vector dots
+  below 10,000,000 (``(m + n) * k``); on a TPU, matrix·vector dots at
+  ``DEFAULT`` (``tpu_matvec_f32``). Such a dot is one float32 dot here,
+  with or without a chip, and so are its gradients.
 
   Returns:
     The result, with ``lax.dot_general``'s shape and dtype.
@@ -584,7 +597,8 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
                      {"dimension_numbers": dimension_numbers}, precision,
                      preferred_element_type, target=target,
                      tf32_rounding=tf32_rounding, out_sharding=out_sharding,
-                     chip=chip, fp8_promotion_interval=fp8_promotion_interval)
+                     chip=chip, fp8_promotion_interval=fp8_promotion_interval,
+                     tpu_matvec_f32=tpu_matvec_f32)
 
 
 def check_chip(chip: Any, target: str) -> str | None:
@@ -596,6 +610,13 @@ def check_chip(chip: Any, target: str) -> str | None:
     raise ValueError(f"chip={chip!r} names an NVIDIA GPU: it needs "
                      f"target='gpu', not target={target!r}.")
   return chip
+
+
+def check_flag(name: str, value: Any) -> bool:
+  """An option that is True or False; TypeError naming it otherwise."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be True or False; got {value!r}")
+  return bool(value)
 
 
 def check_interval(interval: Any) -> int | None:
@@ -625,7 +646,8 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
                 tf32_rounding: str = "nearest", out_sharding: Any = None,
                 guard: tuple[bool, bool] = (False, False),
                 chip: str | None = None,
-                fp8_promotion_interval: int | None = None) -> jax.Array:
+                fp8_promotion_interval: int | None = None,
+                tpu_matvec_f32: bool = True) -> jax.Array:
   """The emulated ``op`` (``'dot_general'`` or ``'conv_general_dilated'``),
   ``params`` the lax op's other arguments, for the emulation rule, with the
   operands ``guard`` marks behind an optimization barrier
@@ -642,6 +664,7 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
     raise names.unknown("tf32_rounding", tf32_rounding, TF32_ROUNDINGS)
   chip = check_chip(chip, target)
   interval = check_interval(fp8_promotion_interval)
+  check_flag("tpu_matvec_f32", tpu_matvec_f32)
   if target in ("cpu", "native"):
     return native(precision)
   l, r = jnp.asarray(lhs), jnp.asarray(rhs)
@@ -664,10 +687,11 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
                           preferred_element_type=preferred_element_type),
         l, r).dtype
     l, r = l.astype(jnp.float32), r.astype(jnp.float32)
-  if (op == "dot_general" and algorithm == "tf32"
-      and strength_reduced(precision, target, l.shape, r.shape,
-                           params["dimension_numbers"])):
-    algorithm = "f32"
+  if (op == "dot_general" and algorithm in ("tf32", "bf16x1")
+      and shape_rule(precision, target, l.shape, r.shape,
+                     params["dimension_numbers"],
+                     tpu_matvec_f32=tpu_matvec_f32)):
+    algorithm = "f32"  # exact float32 because of the shapes
   if algorithm == "native":
     if not (jnp.issubdtype(l.dtype, jnp.inexact)
             and jnp.issubdtype(r.dtype, jnp.inexact)):

@@ -135,11 +135,18 @@ class AuditRow:
     groups: for a ragged dot (``lax.ragged_dot``, primitive
       ``ragged_dot_general``), how many groups its ``group_sizes`` holds
       (each group's rows meet their own rhs); 0 for every other op.
-    shape_rule: the rule a dot's shape brings in on a target, else ``''``:
-      ``'f32: vector·vector, strength-reduced'`` where XLA:GPU turns a
-      vector·vector dot at a precision level into a float32 multiply and
-      reduce (``gpu`` is then ``'f32'``;
-      :func:`jaxprec._src.core.numerics.strength_reduced`).
+    shape_rule: the rule a dot's shape brings in on a GPU, else ``''``:
+      ``'f32: vector·vector, strength-reduced'`` or ``'f32: matrix·vector,
+      strength-reduced'`` where XLA:GPU turns the dot at a precision level
+      into a float32 multiply and reduce (``gpu`` is then ``'f32'``;
+      :func:`jaxprec._src.core.numerics.strength_reduced`). The table's GPU
+      column shows it.
+    tpu_shape_rule: the same on a TPU: ``"f32: matrix·vector (as JAX's
+      maintainers state)"`` for a matrix·vector dot at ``DEFAULT``, which a
+      JAX maintainer states a TPU computes in float32 (``tpu`` is then
+      ``'f32'``; :func:`jaxprec._src.core.numerics.tpu_matvec`; the
+      emulation's ``tpu_matvec_f32=False`` turns it off). The table's TPU
+      column shows it.
   """
 
   primitive: str
@@ -170,6 +177,7 @@ class AuditRow:
   accumulation_dtype: str = ""
   groups: int = 0
   shape_rule: str = ""
+  tpu_shape_rule: str = ""
 
   @property
   def dtype_story(self) -> str:
@@ -401,7 +409,8 @@ class AuditReport:
                    _short_path(r.source),
                    f"{_shape(r.lhs_dtype, r.lhs_shape)} x "
                    f"{_shape(r.rhs_dtype, r.rhs_shape)}",
-                   r.dtype_story, r.precision_name, r.tpu,
+                   r.dtype_story, r.precision_name,
+                   r.tpu_shape_rule or r.tpu,
                    r.shape_rule or r.gpu, si(r.flops, ".0f"),
                    "RISKY" if r.risky else ""))
     out = [head, *table(cols, body, {0, 10})]
@@ -961,14 +970,22 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
   preferred = eqn.params.get("preferred_element_type")
   accumulation = np.dtype(out.dtype if preferred is None else preferred).name
   tpu, gpu, tpu_n, gpu_n = _effective(prim, precision, lhs_dtype, rhs_dtype)
-  shape_rule = ""
+  shape_rule = tpu_shape_rule = ""
+  level = lax.Precision.DEFAULT if precision is None else precision
   if prim == "dot_general" and gpu == "tf32":
-    # XLA:GPU's strength reduction of a vector·vector dot (numerics).
-    shape_rule = numerics.strength_reduced(
-        lax.Precision.DEFAULT if precision is None else precision, "gpu",
-        lhs.shape, rhs.shape, eqn.params["dimension_numbers"]) or ""
+    # XLA:GPU's strength reduction of a small dot with a vector (numerics).
+    shape_rule = numerics.shape_rule(
+        level, "gpu", lhs.shape, rhs.shape,
+        eqn.params["dimension_numbers"]) or ""
     if shape_rule:
       gpu, gpu_n = "f32", algorithms.record("f32")
+  if prim == "dot_general" and tpu == "bf16x1":
+    # A TPU's matrix-vector product at DEFAULT (numerics.tpu_matvec).
+    tpu_shape_rule = numerics.shape_rule(
+        level, "tpu", lhs.shape, rhs.shape,
+        eqn.params["dimension_numbers"]) or ""
+    if tpu_shape_rule:
+      tpu, tpu_n = "f32", algorithms.record("f32")
   risky, reason = _risk(prim, precision, lhs_dtype, rhs_dtype, tpu_n)
   acc_reason = accumulation_risk(accumulation)
   if acc_reason:
@@ -1009,7 +1026,8 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
       module_path=module, emulated=walker.OPAQUE_PRIMITIVES.isdisjoint(w.scope),
       lhs_storage=storage.of(eqn.invars[0], depth),
       rhs_storage=storage.of(eqn.invars[1], depth),
-      accumulation_dtype=accumulation, groups=groups, shape_rule=shape_rule)
+      accumulation_dtype=accumulation, groups=groups, shape_rule=shape_rule,
+      tpu_shape_rule=tpu_shape_rule)
 
 
 def _precision_name(precision: Any) -> str:

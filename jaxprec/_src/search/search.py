@@ -30,6 +30,7 @@ from jaxprec._src.core import numerics
 from jaxprec._src.core.names import unknown
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
 from jaxprec._src.emulation import compile_cache
+from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.inspect import audit as audit_lib
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.inspect import cost as cost_lib
@@ -109,12 +110,17 @@ class _Runner:
 
   def __init__(self, fn, call: harness.Args, ref: harness.Reference,
                target: str, mode: str, *, units: Sequence[str] = (),
-               precisions: Sequence[Precision] | None = None):
+               precisions: Sequence[Precision] | None = None,
+               tensor_cores: str | None = None):
     # The harness keeps programs only for a function it can weakly reference.
     self.fn, self.call, self.ref = _referable(fn), call, ref
     self.names = tuple(ref.names)
     self.target, self.mode = target, mode
     self.units = tuple(units)
+    # The chip whose tensor cores compute the emulated dots (search_policy's
+    # tensor_cores): part of every program's key, through the plan's and
+    # the switched program's.
+    self.tensor_cores = tensor_cores
     # The switch's choices (float32 last when no candidate is float32);
     # None: no switched program, or the switch could not serve this model.
     self.precisions = None if precisions is None else tuple(precisions)
@@ -127,7 +133,7 @@ class _Runner:
     """``(metrics, program)``: ``program`` is ``'fixed'`` or ``'switched'``."""
     if fixed or self.precisions is None or self.fixed_runs == 0:
       self.fixed_runs += 1
-      p = rows.plan(policy, self.target, self.mode)
+      p = rows.plan(policy, self.target, self.mode, chip=self.tensor_cores)
       return harness.run_candidate(self.fn, self.call, p, self.ref, 0.0, 0.0,
                                    cache=self._programs, fused=False), "fixed"
     index = switch.index_of(
@@ -135,7 +141,8 @@ class _Runner:
         else levels)
     try:
       return harness.run_indexed(
-          self.fn, self.call, self._wrap, (self.precisions, self.units),
+          self.fn, self.call, self._wrap,
+          (self.precisions, self.units, self.tensor_cores),
           index, self.ref, self._programs), "switched"
     except switch.SwitchError as e:
       self.precisions = None
@@ -148,8 +155,9 @@ class _Runner:
   def _wrap(self, f, index):
     # ``f`` is a new wrapper of self.fn at each trace: one trace of it serves
     # every trace of the switched program.
+    chip = {} if self.tensor_cores is None else {"chip": self.tensor_cores}
     g = switch.switched(f, self.units, self.precisions, target=self.target,
-                        traces=self._traces)
+                        traces=self._traces, **chip)
     return functools.partial(g, index)
 
 
@@ -225,6 +233,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   dtypes: Sequence[Any] | None = None,
                   chip: str | None = None,
                   compile_once: bool = True,
+                  tensor_cores: str | None = None,
                   **kwargs: Any) -> SearchResult:
   """Finds the cheapest per-layer precision policy that meets a tolerance.
 
@@ -291,6 +300,15 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       in its own program, which checks so (a difference warns) and gives
       the report. ``False`` compiles one program per policy. The dtype axis
       and native runs always compile per policy.
+    tensor_cores: with ``target='gpu'``, the NVIDIA chip (``'a100'``,
+      ``'h100'``, ``'b200'``) whose tensor cores compute every emulated
+      evaluation, the reference when it is computed at a precision other
+      than float32, and the returned policy's report, as
+      :func:`jaxprec.emulate`'s ``chip`` computes them (``docs/gpu.md``).
+      None (default): the algorithm's definition. It is a keyword of its
+      own, not ``chip``: ``chip`` is the dtype axis's roofline chip (it
+      orders costs, and names chips without a tensor-core model), and the
+      two may differ; neither changes the other's meaning.
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
@@ -338,6 +356,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   metric, tolerance, cands, target, budget, axes, dtypes = check_arguments(
       tolerance=tolerance, metric=metric, candidates=candidates,
       target=target, budget=budget, axes=axes, dtypes=dtypes, chip=chip)
+  # jaxprec.emulate's check and message (a chip needs target='gpu').
+  tensor_cores = emulated_ops.check_chip(tensor_cores, target)
   mode = numerics.resolve_mode(mode, target)
   if directory is not None:  # after the checks: a refused call writes nothing
     with compile_cache.compilation_cache(directory):
@@ -345,7 +365,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
           fn, *args, tolerance=tolerance, metric=metric, candidates=candidates,
           target=target, budget=budget, layers=layers, reference=reference,
           mode=mode, verbose=verbose, cache=False, axes=axes, dtypes=dtypes,
-          chip=chip, compile_once=compile_once, **kwargs)
+          chip=chip, compile_once=compile_once, tensor_cores=tensor_cores,
+          **kwargs)
   if mode == "native" and compat.backend_platform() == "cpu":
     warnings.warn("jaxprec.search_policy: native mode on cpu: the CPU ignores "
                   "matmul precision, so every policy computes float32 (use "
@@ -390,11 +411,13 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     names = [n for n in names if n not in empty]
   ref = harness.build_reference(
       fn, call, reference, target=target, mode=mode,
-      select=None if names == all_names else names)
+      select=None if names == all_names else names,
+      options={"chip": tensor_cores})
   switchable = (compile_once and mode == "emulate" and "dtype" not in axes
                 and bool(table.units))
   runner = _Runner(fn, call, ref, target, mode, units=table.units,
-                   precisions=_choices(cands) if switchable else None)
+                   precisions=_choices(cands) if switchable else None,
+                   tensor_cores=tensor_cores)
 
   search = Search(runner=runner, table=table, cands=cands, metric=metric,
                   tolerance=tolerance, budget=budget, verbose=verbose,
@@ -424,7 +447,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
         f"{policy}{'' if trial is not None else ' (not evaluated)'}.",
         UserWarning, stacklevel=2)
   report = None if metrics is None else _report(
-      policy, metrics, ref, target, mode, metric, tolerance)
+      policy, metrics, ref, target, mode, metric, tolerance, tensor_cores)
   values = {} if metrics is None else {
       n: float(getattr(m, metric)) for n, m in zip(ref.names, metrics)}
   del runner, call  # they hold the arguments
@@ -467,7 +490,8 @@ def _fixed_run(runner: _Runner, search: Search, trial) -> tuple[list, bool]:
 
 
 def _report(policy: Policy, metrics, ref: harness.Reference, target: str,
-            mode: str, metric: str, tolerance: float) -> DivergenceReport:
+            mode: str, metric: str, tolerance: float,
+            tensor_cores: str | None = None) -> DivergenceReport:
   layers = tuple(
       LayerResult(name=n, shape=tuple(s), dtype=d, metrics={"policy": m})
       for n, s, d, m in zip(ref.names, ref.shapes, ref.dtypes, metrics))
@@ -476,4 +500,5 @@ def _report(policy: Policy, metrics, ref: harness.Reference, target: str,
       mode=mode, backend=compat.backend_platform(), atol=0.0, rtol=0.0,
       numerics={"policy": str(policy), "(reference)": ref.description},
       notes=(f"searched for {metric} within {tolerance:g} on every layer; "
-             f"atol = rtol = 0 here, so '!' marks any difference",))
+             f"atol = rtol = 0 here, so '!' marks any difference",),
+      chip=tensor_cores)
