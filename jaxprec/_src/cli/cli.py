@@ -507,6 +507,7 @@ def _flax_module(fn, args: tuple, target: str):
 def _check(ns: argparse.Namespace) -> int:
   ns.status.say("checking the arguments", piped=False)
   _one_model(ns, (*_MODELS, *torch_ports.PORTS))
+
   def port_table(report) -> None:  # a port check's: at least 100 columns
     print(report.table(width=max(100, terminal_columns(sys.stdout) or 100)))
   from jaxprec._src.emulation import emulated_ops
