@@ -565,15 +565,7 @@ def _check(ns: argparse.Namespace) -> int:
   inputs.check_out(ns.out)
   ns.cache_on()  # after the arguments: bad usage writes nothing
   if ns.model in torch_ports.PORTS:
-    try:  # without PyTorch or transformers: exit 2, one line, a hint
-      torch_ports.require()
-    except ImportError as e:
-      raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
-    ns.status.say(f"building model {ns.model}")
-    try:
-      twin = torch_ports.port(ns.model, ns.seed)
-    except ImportError as e:
-      raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
+    twin = cli_port.build_port(ns)
     fn, args, kwargs = twin.fn, twin.args(), {}
     what = f"{ns.model} (jaxprec's NNX port, seed {ns.seed})"
   else:

@@ -117,6 +117,22 @@ def run(ns: argparse.Namespace, print_table, write_outputs) -> int:
                  print_table, write_outputs)
 
 
+def build_port(ns: argparse.Namespace):
+  """The built-in port ``--model`` names (``torch_ports.Port``, seed
+  ``--seed``); without PyTorch or transformers, exit 2 with one line and a
+  hint."""
+  from jaxprec._src.torch import torch_ports  # noqa: PLC0415
+  try:
+    torch_ports.require()
+  except ImportError as e:
+    raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
+  ns.status.say(f"building model {ns.model}")
+  try:
+    return torch_ports.port(ns.model, ns.seed)
+  except ImportError as e:
+    raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
+
+
 def run_builtin(ns: argparse.Namespace, print_table, write_outputs) -> int:
   """``jaxprec check --model hf-... --reference pytorch``: the port check
   of a built-in port; 1 when a layer is a suspect."""
@@ -132,16 +148,7 @@ def run_builtin(ns: argparse.Namespace, print_table, write_outputs) -> int:
   inputs.check_out(ns.out)
   ns.cache_on()
   from jaxprec._src.checker import port_builtin  # noqa: PLC0415
-  from jaxprec._src.torch import torch_ports  # noqa: PLC0415
-  try:  # without PyTorch or transformers: exit 2, one line, a hint
-    torch_ports.require()
-  except ImportError as e:
-    raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
-  ns.status.say(f"building model {ns.model}")
-  try:
-    port = torch_ports.port(ns.model, ns.seed)
-  except ImportError as e:
-    raise UsageError(f"--model {ns.model}: {inputs.one_line(e)}") from None
+  port = build_port(ns)
   ns.status.say("running both models, then each layer alone at each row")
   try:
     report = port_builtin.port_check_builtin(
