@@ -49,17 +49,18 @@ def _number(cell: str) -> float | None:
 
 def test_every_chip_has_its_figures_and_a_source():
   assert tuple(chips_lib.CHIPS) == ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e",
-                                    "tpu7x", "a100", "h100")
+                                    "tpu7x", "a100", "h100", "b200")
   for name, chip in chips_lib.CHIPS.items():
     assert chip.name == name and chip.target in numerics.TARGETS
     assert chip.peak["bfloat16"] > 0 and chip.hbm_bytes_per_s > 0
     assert chip.source.startswith("https://")
     assert set(chip.peak) <= {"bfloat16", "float16", "tensorfloat32",
                               "float32", "int8", "float8"}
-  for name in ("a100", "h100"):  # GPUs: float32 cores and TF32 tensor cores
+  for name in ("a100", "h100", "b200"):  # float32 cores, TF32 tensor cores
     peak = chips_lib.CHIPS[name].peak
-    # Half the 16-bit rate (the H100 sheet rounds: 989 and 1,979 TFLOPS).
-    assert peak["tensorfloat32"] == pytest.approx(peak["bfloat16"] / 2, rel=1e-3)
+    # Half the 16-bit rate (the sheets round: the H100's 989 and 1,979
+    # TFLOPS, the B200's 2.2 and 4.5 PFLOPS).
+    assert peak["tensorfloat32"] == pytest.approx(peak["bfloat16"] / 2, rel=0.03)
     assert peak["float32"] < peak["tensorfloat32"]
 
 
@@ -85,7 +86,7 @@ def test_unknown_chip_names_choices_and_the_closest(bad, close):
     jaxprec.cost(matmul, sds(8, 16), sds(16, 4), chip=bad)
   assert str(e.value) == (
       f"Unknown chip {bad!r}; valid choices: 'tpu-v4', 'tpu-v5e', 'tpu-v5p', "
-      f"'tpu-v6e', 'tpu7x', 'a100', 'h100'. Did you mean {close!r}?")
+      f"'tpu-v6e', 'tpu7x', 'a100', 'h100', 'b200'. Did you mean {close!r}?")
 
 
 def test_chip_spellings_and_a_chip_of_another_target():

@@ -102,9 +102,20 @@ CHIPS: Mapping[str, Chip] = {
               "int8": 1979 * _T},
         hbm_bytes_per_s=3350 * _G,
         source="https://www.nvidia.com/en-us/data-center/h100/"),
+    # NVIDIA HGX B200, "Individual Blackwell GPU Specifications": FP8/FP6
+    # Tensor Core 9 PFLOPS, INT8 9 POPS, FP16/BF16 4.5 PFLOPS, TF32 2.2 PFLOPS,
+    # all with sparsity (dense is half: 4,500, 4,500, 2,250, 1,100 TFLOPS);
+    # FP32 75 TFLOPS; GPU memory bandwidth 7.7 TB/s (180 GB HBM3E).
+    "b200": Chip(
+        name="b200", target="gpu", description="NVIDIA B200 (HGX B200)",
+        peak={"float32": 75 * _T, "tensorfloat32": 1100 * _T,
+              "bfloat16": 2250 * _T, "float16": 2250 * _T,
+              "int8": 4500 * _T, "float8": 4500 * _T},
+        hbm_bytes_per_s=7700 * _G,
+        source="https://www.nvidia.com/en-us/data-center/hgx/"),
 }
 """Chips for ``jaxprec.cost(..., chip=...)``: ``'tpu-v4'``, ``'tpu-v5e'``,
-``'tpu-v5p'``, ``'tpu-v6e'``, ``'tpu7x'``, ``'a100'``, ``'h100'``, each a
+``'tpu-v5p'``, ``'tpu-v6e'``, ``'tpu7x'``, ``'a100'``, ``'h100'``, ``'b200'``, each a
 ``Chip`` with ``target``, ``description``, ``peak`` (dense FLOP/s per pass
 type: ``'bfloat16'``, ``'float16'``, ``'tensorfloat32'``, ``'float32'``,
 ``'int8'``, ``'float8'``),
@@ -128,7 +139,7 @@ def check_chip(chip: object) -> Chip:
     >>> check_chip("tpu-v5ee")
     Traceback (most recent call last):
     ...
-    ValueError: Unknown chip 'tpu-v5ee'; valid choices: 'tpu-v4', 'tpu-v5e', 'tpu-v5p', 'tpu-v6e', 'tpu7x', 'a100', 'h100'. Did you mean 'tpu-v5e'?
+    ValueError: Unknown chip 'tpu-v5ee'; valid choices: 'tpu-v4', 'tpu-v5e', 'tpu-v5p', 'tpu-v6e', 'tpu7x', 'a100', 'h100', 'b200'. Did you mean 'tpu-v5e'?
   """
   name = chip.strip().lower().replace("_", "-") if isinstance(chip, str) else None
   if name in CHIPS:

@@ -448,7 +448,7 @@ def cost(fn: Callable[..., Any], *args: Any, policy: PolicyLike | None = None,
     weights: cost per FLOP by algorithm name, updating :data:`WEIGHTS` (e.g.
       ``{'f32': 7.4}`` for an H100 SXM).
     chip: ``'tpu-v4'``, ``'tpu-v5e'``, ``'tpu-v5p'``, ``'tpu-v6e'``,
-      ``'tpu7x'``, ``'a100'`` or ``'h100'`` (:data:`CHIPS`) for times; None:
+      ``'tpu7x'``, ``'a100'``, ``'h100'`` or ``'b200'`` (:data:`CHIPS`) for times; None:
       no times.
     **kwargs: keyword arguments for ``fn``.
 
