@@ -25,7 +25,8 @@ contractions. Runs in a few minutes on one GPU; the shapes are small.
 A second table compares the real GPU with the two GPU models side by side
 (``docs/gpu.md``): for each dot case that runs on tensor cores, float8
 operands under ``ANY_F8_ANY_F8_F32_FAST_ACCUM`` and ``ANY_F8_ANY_F8_F32``, and
-batched vector·vector dots (which XLA strength-reduces to float32), the ULP
+batched vector·vector dots and matrix·vector dots below and above XLA:GPU's
+strength-reduction bound (float32 below it), the ULP
 distance of the GPU's result to the default model (``chip=None``) and to the
 chip model of the GPU at hand (``--chip``; by default read from the device
 name: A100 -> ``a100``, H100/H200 -> ``h100``, B200 -> ``b200``), so that one
@@ -215,6 +216,14 @@ def build_chip_cases(cases: list[Case], quick: bool) -> list[ChipCase]:
   v = _operands(rng, (64, 96))
   out.append(ChipCase("default", "64 vector·vector (strength-reduced)", v,
                       _operands(rng, (64, 96)), (((1,), (1,)), ((0,), (0,)))))
+  # Matrix·vector: strength-reduced below XLA:GPU's size bound ((m + n) * k <
+  # 1e7, float32), on tensor cores above it (numerics.strength_reduced).
+  matvec = (((1,), (0,)), ((), ()))
+  sizes = [(64, 96)] + ([] if quick else [(4096, 4096)])
+  for m, k in sizes:
+    side = "below" if (m + 1) * k < 10_000_000 else "above"
+    out.append(ChipCase("default", f"{m}x{k} matrix·vector ({side} the bound)",
+                        _operands(rng, (m, k)), _operands(rng, (k,)), matvec))
   return out
 
 
