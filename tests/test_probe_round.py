@@ -1,12 +1,16 @@
-"""Probes of search_policy's tensor_cores= and port_check's layouts=.
+"""Probes of search_policy's tensor_cores=, port_check's layouts= and
+check's tpu_matvec_f32=.
 
 Each test failed before its fix: search_policy's errors for a bad
 ``tensor_cores`` named ``chip=`` (the search's roofline chip, another
-argument), and ``layouts`` took a permutation of strings with a bare
-``'<' not supported`` TypeError, took booleans and floats as axes, and
-silently permuted nothing where the permutation's length matched no array
-of the layers its pattern names.
+argument); ``layouts`` took a permutation of strings with a bare
+``'<' not supported`` TypeError, took booleans and floats as axes, refused
+a NumPy integer array and silently permuted nothing where the permutation's
+length matched no array of the layers its pattern names; ``jaxprec.check``
+refused a NumPy bool for ``tpu_matvec_f32`` that ``jaxprec.emulate`` takes.
 """
+
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -75,3 +79,20 @@ def test_layouts_take_an_integer_array(conv):
                     layouts={"conv": np.array([0, 2, 1])},
                     precisions="float32")
   assert r.alignment["conv"] == "conv"
+
+
+def test_check_takes_a_numpy_bool_for_tpu_matvec_f32_as_emulate_does():
+  w, v = np.full((4, 8), 1 + 2.0**-10, np.float32), np.ones(8, np.float32)
+  matvec = lambda w, v: w @ v  # noqa: E731
+  dot = jaxprec.emulate(matvec, "bfloat16", target="tpu",
+                        tpu_matvec_f32=np.False_)(w, v)
+  r = jaxprec.check(matvec, w, v, precisions="bfloat16",
+                    tpu_matvec_f32=np.False_)
+  plain = jaxprec.check(matvec, w, v, precisions="bfloat16",
+                        tpu_matvec_f32=False)
+  assert np.asarray(dot)[0] == 8.0  # one bfloat16 pass: 1 + 2**-10 -> 1
+  got, want = json.loads(r.to_json()), json.loads(plain.to_json())
+  assert got["layers"] == want["layers"] and got["notes"] == want["notes"]
+  assert any("tpu_matvec_f32=False" in n for n in got["notes"])
+  with pytest.raises(TypeError, match="tpu_matvec_f32 must be True or False"):
+    jaxprec.check(matvec, w, v, tpu_matvec_f32=0)
