@@ -260,9 +260,8 @@ def check(fn: Callable[..., Any], *args: Any,
 def _row_options(chip: str | None, tpu_matvec_f32: Any) -> dict[str, Any]:
   """The rows' emulation options (:func:`jaxprec._src.checker.rows.plan`):
   ``chip``, and ``tpu_matvec_f32`` where it is not its default."""
-  if not isinstance(tpu_matvec_f32, bool):
-    raise TypeError(f"tpu_matvec_f32 must be True or False; got "
-                    f"{tpu_matvec_f32!r}")
+  # jaxprec.emulate's check (a NumPy bool too).
+  tpu_matvec_f32 = emulated_ops.check_flag("tpu_matvec_f32", tpu_matvec_f32)
   return {"chip": chip, **({} if tpu_matvec_f32 else {"tpu_matvec_f32": False})}
 
 

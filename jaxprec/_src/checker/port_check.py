@@ -1049,7 +1049,9 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       ``layouts``.
     ValueError: an unknown precision or target; a pin naming no layer; two
       PyTorch layers that fit a JAX layer equally (naming them); no pair; a
-      ``layouts`` pattern matching no PyTorch layer, or no permutation.
+      ``layouts`` pattern matching no PyTorch layer, a permutation that is
+      none (of integers ``0 .. n-1``) or whose length no array of the
+      layers its pattern matches has.
     ImportError: PyTorch is not installed.
   """
   target = numerics.check_target(target)
@@ -1246,15 +1248,24 @@ def _laid_out(torch_layers: list[_Layer], layouts: LayoutsLike
     except (re.error, TypeError) as e:
       raise ValueError(f"layouts: {pattern!r} is not a regular expression: "
                        f"{e}") from None
-    if (isinstance(perm, (str, bytes)) or not isinstance(perm, Sequence)
-        or sorted(perm) != list(range(len(perm)))):
+    axes = _axes(perm)
+    if axes is None:
       raise ValueError(f"layouts[{pattern!r}] = {perm!r} is no axes "
                        f"permutation (e.g. (0, 2, 1): NCW to NWC)")
-    if not any(rx.fullmatch(l.name) for l in torch_layers):
+    matched = [l for l in torch_layers if rx.fullmatch(l.name)]
+    if not matched:
       names = [l.name for l in torch_layers]
       raise ValueError(f"layouts: {pattern!r} matches no layer of the "
                        f"PyTorch model{_closest(pattern, names)}")
-    rules.append((rx, tuple(int(a) for a in perm)))
+    ranks = sorted({x.ndim for l in matched for x in (*l.inputs, *l.outputs)})
+    if len(axes) not in ranks:
+      raise ValueError(
+          f"layouts[{pattern!r}] = {perm!r} permutes arrays of {len(axes)} "
+          f"axes; the arrays of the layers it matches "
+          f"({', '.join(repr(l.name) for l in matched[:3])}"
+          f"{', ...' if len(matched) > 3 else ''}) have "
+          f"{' or '.join(map(str, ranks)) or 'no'} axes")
+    rules.append((rx, axes))
 
   def permuted(xs: list[np.ndarray], perm: tuple[int, ...]):
     return [np.transpose(x, perm) if x.ndim == len(perm) else x for x in xs]
@@ -1264,6 +1275,23 @@ def _laid_out(torch_layers: list[_Layer], layouts: LayoutsLike
     out.append(l if perm is None else _Layer(
         l.name, permuted(l.inputs, perm), permuted(l.outputs, perm)))
   return out
+
+
+def _axes(perm: Any) -> tuple[int, ...] | None:
+  """``perm`` as a tuple of axes where it is a permutation of ``0 .. n-1``
+  (n at least 1) given as integers (a sequence or a 1-D integer array; no
+  booleans, floats or strings); else None."""
+  if isinstance(perm, np.ndarray):
+    if perm.ndim != 1 or not np.issubdtype(perm.dtype, np.integer):
+      return None
+    perm = perm.tolist()
+  if isinstance(perm, (str, bytes)) or not isinstance(perm, Sequence):
+    return None
+  if not all(isinstance(a, (int, np.integer))
+             and not isinstance(a, (bool, np.bool_)) for a in perm):
+    return None
+  axes = tuple(int(a) for a in perm)
+  return axes if axes and sorted(axes) == list(range(len(axes))) else None
 
 
 def _root_layers(torch_model, inputs, torch_inputs, torch_kwargs

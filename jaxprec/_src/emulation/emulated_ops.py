@@ -601,13 +601,15 @@ def emulated_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
                      tpu_matvec_f32=tpu_matvec_f32)
 
 
-def check_chip(chip: Any, target: str) -> str | None:
-  """``chip`` checked against ``target`` (None: no chip model)."""
+def check_chip(chip: Any, target: str, *, name: str = "chip") -> str | None:
+  """``chip`` checked against ``target`` (None: no chip model); the errors
+  name the argument ``name`` (``search_policy``'s ``tensor_cores``)."""
   if chip is None:
     return None
-  chip = tensor_cores.check_chip(chip)
+  chip = tensor_cores.check_chip(
+      chip, kind="chip" if name == "chip" else f"{name} chip")
   if target != "gpu":
-    raise ValueError(f"chip={chip!r} names an NVIDIA GPU: it needs "
+    raise ValueError(f"{name}={chip!r} names an NVIDIA GPU: it needs "
                      f"target='gpu', not target={target!r}.")
   return chip
 

@@ -116,10 +116,11 @@ class Accumulation:
 _K = {"tf32": 8, "bf16": 16, "f16": 16, "e4m3": 32, "e5m2": 32}
 
 
-def check_chip(chip: object) -> str:
+def check_chip(chip: object, *, kind: str = "chip") -> str:
   """The one of :data:`CHIPS` that ``chip`` names (any letter case, spaces
-  stripped, as a target); a ValueError naming them else."""
-  return names.check_choice(chip, tuple(CHIPS), "chip")
+  stripped, as a target); a ValueError naming them else (``Unknown {kind}
+  ...``)."""
+  return names.check_choice(chip, tuple(CHIPS), kind)
 
 
 def accumulation(chip: str, fmt: str) -> Accumulation:

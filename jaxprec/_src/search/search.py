@@ -356,8 +356,10 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   metric, tolerance, cands, target, budget, axes, dtypes = check_arguments(
       tolerance=tolerance, metric=metric, candidates=candidates,
       target=target, budget=budget, axes=axes, dtypes=dtypes, chip=chip)
-  # jaxprec.emulate's check and message (a chip needs target='gpu').
-  tensor_cores = emulated_ops.check_chip(tensor_cores, target)
+  # jaxprec.emulate's check and message (a chip needs target='gpu'), naming
+  # tensor_cores: this function's chip= is the roofline chip.
+  tensor_cores = emulated_ops.check_chip(tensor_cores, target,
+                                         name="tensor_cores")
   mode = numerics.resolve_mode(mode, target)
   if directory is not None:  # after the checks: a refused call writes nothing
     with compile_cache.compilation_cache(directory):
