@@ -127,6 +127,13 @@ class _Spec:
   # contraction elements between promotions to float32 (0: none).
   chip: str | None = None
   fp8_interval: int = 0
+  # A dot's (algorithm, precision, target, tpu_matvec_f32) where XLA's shape
+  # rules may make its target compute it in float32
+  # (jaxprec._src.core.numerics.shape_rule): its batched and transposed dots
+  # decide again on their own shapes, as the target's compiler sees them
+  # (jax.vmap of a matrix·vector product is a matrix product). ``algorithm``
+  # is then ``'f32'`` where the rule holds for this dot's shapes.
+  rule: tuple[str, Any, str, bool] | None = None
 
   def lax_op(self) -> Callable[..., jax.Array]:
     fn = lax.dot_general if self.op == "dot_general" else lax.conv_general_dilated
@@ -137,14 +144,15 @@ def _make_spec(op: str, params: Mapping[str, Any], lhs, rhs,
                preferred_element_type, algorithm: str,
                tf32_rounding: str, kernel: str,
                guard: tuple[bool, bool] = (False, False),
-               chip: str | None = None, fp8_interval: int = 0) -> _Spec:
+               chip: str | None = None, fp8_interval: int = 0,
+               rule: tuple[str, Any, str, bool] | None = None) -> _Spec:
   params = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
   if chip is not None:
     kernel = "bf16"  # the chip's passes run on neither kernel
   spec = _Spec(op, params, preferred_element_type, np.dtype(np.float32),
                algorithm, tf32_rounding, kernel=kernel,
                guard=(bool(guard[0]), bool(guard[1])), chip=chip,
-               fp8_interval=int(fp8_interval))
+               fp8_interval=int(fp8_interval), rule=rule)
   complete = _complete if _hashable(spec) else _complete.__wrapped__
   return complete(spec, tuple(lhs.shape), np.dtype(lhs.dtype),
                   tuple(rhs.shape), np.dtype(rhs.dtype))
@@ -270,6 +278,10 @@ def _chip_forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
 
 def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """The emulated op."""
+  if spec.algorithm == "f32":  # a shape rule's exact float32 (spec.rule)
+    out = spec.lax_op()(lhs, rhs, precision=_EXACT,
+                        preferred_element_type=spec.preferred_element_type)
+    return lax.optimization_barrier(passes.stored(out).astype(spec.out_dtype))
   if spec.chip is not None and spec.op == "dot_general":
     return _chip_forward(spec, lhs, rhs)
   lhs_move = rhs_move = dn = out_shape = None  # moved only on the bf16 kernel
@@ -415,12 +427,28 @@ def _emulate_again(spec: _Spec) -> walker.Rule:
     if not (emulatable(l.dtype, r.dtype)
             or (spec.algorithm == "f8" and spec.chip is not None)):
       return None
+    algorithm, rule = spec.algorithm, None
+    if spec.rule is not None and name == "dot_general":
+      rule = spec.rule
+      algorithm = _by_shape(rule, l, r, eqn.params["dimension_numbers"])
     s = _make_spec(name, op_params(eqn), l, r,
                    eqn.params.get("preferred_element_type"),
-                   spec.algorithm, spec.tf32_rounding, spec.kernel,
-                   chip=spec.chip, fp8_interval=spec.fp8_interval)
+                   algorithm, spec.tf32_rounding, spec.kernel,
+                   chip=spec.chip, fp8_interval=spec.fp8_interval, rule=rule)
     return [_marked(s, l, r)]
   return rule
+
+
+def _by_shape(rule: tuple[str, Any, str, bool], lhs, rhs,
+              dimension_numbers) -> str:
+  """The algorithm of a dot with ``rule`` (``_Spec.rule``) on these
+  operands: ``'f32'`` where XLA's shape rules make it float32, else the
+  dot's own."""
+  algorithm, precision, target, tpu_matvec_f32 = rule
+  if shape_rule(precision, target, lhs.shape, rhs.shape, dimension_numbers,
+                tpu_matvec_f32=tpu_matvec_f32):
+    return "f32"
+  return algorithm
 
 
 def _transpose_rule(side: int):
@@ -689,11 +717,16 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
                           preferred_element_type=preferred_element_type),
         l, r).dtype
     l, r = l.astype(jnp.float32), r.astype(jnp.float32)
+  rule = None
   if (op == "dot_general" and algorithm in ("tf32", "bf16x1")
-      and shape_rule(precision, target, l.shape, r.shape,
-                     params["dimension_numbers"],
-                     tpu_matvec_f32=tpu_matvec_f32)):
-    algorithm = "f32"  # exact float32 because of the shapes
+      and l.dtype == r.dtype == jnp.float32):
+    # XLA's shape rules (numerics.shape_rule): exact float32 for these
+    # shapes, and decided again for the op's batched and transposed dots.
+    level = (jax.config.jax_default_matmul_precision if precision is None
+             else precision)
+    rule = (algorithm, resolve(level), target, bool(tpu_matvec_f32))
+    base = algorithm
+    algorithm = _by_shape(rule, l, r, params["dimension_numbers"])
   if algorithm == "native":
     if not (jnp.issubdtype(l.dtype, jnp.inexact)
             and jnp.issubdtype(r.dtype, jnp.inexact)):
@@ -701,7 +734,7 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
       # runs only on floats (TF32 on CPU) would be refused by the lowering.
       return native(None)
     return native(precision)
-  if algorithm == "f32":  # stored as a multi-pass result is: passes.stored
+  if algorithm == "f32" and rule is None:  # stored as a multi-pass result is
     return passes.stored(native(_EXACT))
   if algorithm == "f8":
     if chip is not None:
@@ -709,8 +742,9 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
                           chip, interval, guard)
     return _float8_dot(l, r, params, precision, preferred_element_type, target)
   spec = _make_spec(op, params, l, r, preferred_element_type, algorithm,
-                    tf32_rounding, kernels.kernel_for(algorithm, op), guard,
-                    chip=chip)
+                    tf32_rounding,
+                    kernels.kernel_for(base if rule else algorithm, op), guard,
+                    chip=chip, rule=rule)
   out = _marked(spec, l, r)
   if out_sharding is not None:
     out = lax.with_sharding_constraint(out, out_sharding)
