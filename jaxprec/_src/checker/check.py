@@ -132,11 +132,12 @@ def check(fn: Callable[..., Any], *args: Any,
     logits: the layer (as the report names it: ``'logits'``,
       ``'output.logits'``) that holds a language model's logits, the
       vocabulary on the last axis: each row's logits gates against the
-      reference (:class:`jaxprec.LogitsGates`: KL divergence of the softmax
-      distributions, mean and largest over positions, top-1 agreement, top-k
-      overlap, largest log-probability difference) are in the report's
+      reference (:class:`jaxprec.torch.LogitsGates`: KL divergence of the
+      softmax distributions, mean and largest over positions, top-1
+      agreement, top-k overlap, largest log-probability difference) are in
+      the report's
       ``logits``, its table's footer, Markdown and JSON. They are computed
-      on the host in float64 by :func:`jaxprec.logits_gates`: that one
+      on the host in float64 by :func:`jaxprec.torch.logits_gates`: that one
       layer is copied from the device for the reference and for each row
       (the compiled programs are the same with it or without). A row whose
       logits (or the reference's) hold NaN or infinity has no gates

@@ -126,7 +126,8 @@ def metric_value(gates: LogitsGates | None, metric: str) -> float:
   return float(getattr(gates, metric))
 
 
-def check_layer(name: Any, k: Any, layers: Sequence[tuple[str, tuple[int, ...]]],
+def check_layer(name: Any, k: Any,
+                layers: Sequence[tuple[str, tuple[int, ...]]],
                 who: str) -> None:
   """Raises a ValueError unless ``name`` is one of ``layers`` (``(name,
   shape)`` pairs) with a vocabulary axis (the last) of at least 2 entries

@@ -120,7 +120,7 @@ class DivergenceReport:
       definition.
     logits_layer: the layer whose logits gates the report holds
       (``check(..., logits=)``), or None.
-    logits: precision label -> the :class:`jaxprec.LogitsGates` of that
+    logits: precision label -> the :class:`jaxprec.torch.LogitsGates` of that
       row's logits against the reference's, or None where they hold NaN or
       infinity; ``{}`` without ``logits_layer``.
   """

@@ -321,7 +321,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       distributions in nats, largest or mean over positions),
       ``'logprob_diff'`` (the largest ``|log p - log p_ref|``) or
       ``'top1_disagreement'`` (``1 - top1_agreement``), computed as
-      :func:`jaxprec.logits_gates` computes them (on the host, float64).
+      :func:`jaxprec.torch.logits_gates` computes them (on the host, float64).
       These bound the logits layer alone.
     candidates: the precisions to choose from (any order; sorted by cost on
       ``target``; none may cost more than float32). Default: ``('bfloat16',
