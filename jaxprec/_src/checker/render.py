@@ -356,9 +356,9 @@ def _logits_lines(report: Any) -> list[str]:
   short = labels(report)
   gates = report.logits
   n = next((g.positions for g in gates.values() if g is not None), None)
-  lines = [f"logits gates of {_cell(layer)} vs the reference"
+  lines = [f"logits gates of {_cell(layer)}"
            + ("" if n is None else f" ({plural(n, 'position')})")
-           + ": KL(ref||row) in nats; dlogp = log p - log p_ref"]
+           + ": KL(ref||row) in nats, dlogp = log p - log p_ref"]
   for p in report.precisions:
     if p not in gates:
       continue
