@@ -67,13 +67,25 @@ def test_bfloat16_row_matches_logits_gates_of_emulate(lm, report):
   want = logits_gates(row, reference, k=5)
   got = report.logits["bfloat16"]
   assert want.kl_max > 1e-9  # bfloat16 moves the distributions
-  assert got.kl_max == pytest.approx(want.kl_max, rel=1e-3)
-  assert got.kl_mean == pytest.approx(want.kl_mean, rel=1e-3)
+  assert got.kl_max == pytest.approx(want.kl_max, rel=1e-6)
+  assert got.kl_mean == pytest.approx(want.kl_mean, rel=1e-6)
   assert got.max_logprob_diff == pytest.approx(want.max_logprob_diff,
-                                               rel=1e-3)
+                                               rel=1e-6)
   assert got.top1_agreement == want.top1_agreement
   assert got.topk_overlap == want.topk_overlap
   assert got.positions == want.positions
+
+
+def test_a_row_that_overflows_has_no_gates():
+  # 3.4e38 is a float32; bfloat16 rounds it up past its largest, to inf.
+  x = jnp.full((2, 4), 3.4e38, jnp.float32)
+  r = jaxprec.check(lambda w, x: {"logits": x @ w}, jnp.eye(4), x,
+                    precisions=["bfloat16"], mode="emulate", logits="logits")
+  assert r.logits == {"bfloat16": None}
+  assert any("no logits gates" in n for n in r.notes)
+  assert "bfloat16: no logits gates (NaN or infinity)" in str(r)
+  back = jaxprec.DivergenceReport.from_json(r.to_json())
+  assert back.logits == {"bfloat16": None}
 
 
 def test_logits_k_sets_the_topk(lm):

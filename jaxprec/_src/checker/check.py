@@ -57,7 +57,7 @@ def check(fn: Callable[..., Any], *args: Any,
           progress: bool = False,
           cache: bool | str | os.PathLike = False,
           chip: str | None = None, tpu_matvec_f32: bool = True,
-          logits: str | None = None, logits_k: int = 5,
+          logits: str | None = None, logits_k: int | None = None,
           **kwargs: Any) -> DivergenceReport:
   """How far each layer of ``fn(*args, **kwargs)`` drifts at each precision.
 
@@ -142,8 +142,8 @@ def check(fn: Callable[..., Any], *args: Any,
       (the compiled programs are the same with it or without). A row whose
       logits (or the reference's) hold NaN or infinity has no gates
       (``None``; a note says so). None (default): no gates.
-    logits_k: the k of the top-k overlap (default 5; at most the
-      vocabulary size).
+    logits_k: the k of the top-k overlap (at most the vocabulary size);
+      None (default): 5, or the vocabulary size where smaller.
     **kwargs: keyword arguments for ``fn``. (To pass a keyword named like one
       of the above, wrap ``fn`` with ``functools.partial``.)
 
@@ -214,7 +214,7 @@ def check(fn: Callable[..., Any], *args: Any,
   fn, args = nnx_policy.stateful(fn, args)  # an NNX model: its state an argument
   call = harness.Args(args, dict(kwargs), who="jaxprec.check")
   if logits is not None:  # before anything runs: a bad name costs no run
-    logits_lib.check_layer(
+    logits_k = logits_lib.check_layer(
         logits, logits_k,
         [(n, s) for n, s, _ in harness.output_info(fn, call)], "jaxprec.check")
   backend = compat.backend_platform()
@@ -633,7 +633,7 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                  cache: bool | str | os.PathLike = False,
                  shadow: bool = False, chip: str | None = None,
                  tpu_matvec_f32: bool = True, logits: str | None = None,
-                 logits_k: int = 5,
+                 logits_k: int | None = None,
                  **kwargs: Any) -> DivergenceReport:
   """:func:`check` over every submodule's output of a Flax module.
 

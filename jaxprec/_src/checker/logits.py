@@ -128,10 +128,11 @@ def metric_value(gates: LogitsGates | None, metric: str) -> float:
 
 def check_layer(name: Any, k: Any,
                 layers: Sequence[tuple[str, tuple[int, ...]]],
-                who: str) -> None:
-  """Raises a ValueError unless ``name`` is one of ``layers`` (``(name,
-  shape)`` pairs) with a vocabulary axis (the last) of at least 2 entries
-  and ``k`` an integer in ``1..vocab``."""
+                who: str) -> int:
+  """The k of the top-k overlap (``k``; None: 5, or the vocabulary size
+  where smaller); raises a ValueError unless ``name`` is one of ``layers``
+  (``(name, shape)`` pairs) with a vocabulary axis (the last) of at least 2
+  entries and ``k`` an integer in ``1..vocab``."""
   shapes = dict(layers)
   if not isinstance(name, str) or name not in shapes:
     raise names_lib.unknown(
@@ -143,10 +144,13 @@ def check_layer(name: Any, k: Any,
     raise ValueError(f"{who}: the logits layer {name!r} has shape {shape}: "
                      f"its last axis holds the vocabulary and needs at least "
                      f"2 entries")
+  if k is None:
+    return min(5, shape[-1])
   if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not (
       1 <= k <= shape[-1]):
     raise ValueError(f"{who}: logits_k must be an integer in 1..{shape[-1]} "
                      f"(the vocabulary size of {name!r}); got {k!r}")
+  return int(k)
 
 
 def row_gates(candidate: Any, reference: Any, k: int) -> LogitsGates | None:

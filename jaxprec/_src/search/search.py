@@ -118,7 +118,7 @@ class _Runner:
                target: str, mode: str, *, units: Sequence[str] = (),
                precisions: Sequence[Precision] | None = None,
                tensor_cores: str | None = None,
-               logits: str | None = None, logits_k: int = 5):
+               logits: str | None = None, logits_k: int | None = None):
     # The harness keeps programs only for a function it can weakly reference.
     self.fn, self.call, self.ref = _referable(fn), call, ref
     self.names = tuple(ref.names)
@@ -292,7 +292,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   chip: str | None = None,
                   compile_once: bool = True,
                   tensor_cores: str | None = None,
-                  logits: str | None = None, logits_k: int = 5,
+                  logits: str | None = None, logits_k: int | None = None,
                   **kwargs: Any) -> SearchResult:
   """Finds the cheapest per-layer precision policy that meets a tolerance.
 
@@ -378,7 +378,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     logits: the output layer holding a language model's logits (the
       vocabulary on the last axis), which a logits metric bounds; its gates
       are in the result's ``report.logits``. Needs a logits metric.
-    logits_k: the k of the report's top-k overlap (default 5).
+    logits_k: the k of the report's top-k overlap, as
+      :func:`jaxprec.check`'s.
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
@@ -476,8 +477,9 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                      f"floating arrays to compare")
   names = _check_layers(layers, all_names)
   if logits is not None:
-    logits_lib.check_layer(logits, logits_k, [(n, s) for n, s, _ in info],
-                           "jaxprec.search_policy")
+    logits_k = logits_lib.check_layer(
+        logits, logits_k, [(n, s) for n, s, _ in info],
+        "jaxprec.search_policy")
     names = [n for n in all_names if n in names or n == logits]
   empty = [n for n, shape, _ in info if n in names and 0 in shape]
   if empty and len(empty) < len(names):
