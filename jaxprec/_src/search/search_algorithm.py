@@ -152,9 +152,10 @@ class Search:
     # Errors of independent roundings add in power: the tolerance's power.
     # A KL divergence (quadratic in small logit errors) and a count of
     # changed predictions add as they are.
-    self.tol_power = (tolerance if metric in _AS_POWER else
-                      10.0 ** (-tolerance / 10.0) if metric == "sqnr_db"
-                      else tolerance * tolerance)
+    self.tol_power = (
+        tolerance if metric == "cosine" or metric in _AS_POWER else
+        10.0 ** (-tolerance / 10.0) if metric == "sqnr_db" else
+        tolerance * tolerance)
     self.verbose = verbose
     self.trials: dict[tuple[int, ...], _Trial] = {}
     self.history: list[SearchStep] = []
