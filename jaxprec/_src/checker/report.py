@@ -140,9 +140,10 @@ class DivergenceReport:
   kernel: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   unchecked: tuple[str, ...] = ()
   chip: str | None = None
-  logits_layer: str | None = None
+  # Out of repr: a report without them reads as it did before they were.
+  logits_layer: str | None = dataclasses.field(default=None, repr=False)
   logits: Mapping[str, LogitsGates | None] = dataclasses.field(
-      default_factory=dict)
+      default_factory=dict, repr=False)
 
   def __post_init__(self):
     if self.floor is not None and self.floor not in self.precisions:
