@@ -135,8 +135,8 @@ def check(fn: Callable[..., Any], *args: Any,
       reference (:class:`jaxprec.torch.LogitsGates`: KL divergence of the
       softmax distributions, mean and largest over positions, top-1
       agreement, top-k overlap, largest log-probability difference) are in
-      the report's
-      ``logits``, its table's footer, Markdown and JSON. They are computed
+      the report's ``logits``, its table's footer, Markdown and JSON (under
+      new keys, only when set). They are computed
       on the host in float64 by :func:`jaxprec.torch.logits_gates`: that one
       layer is copied from the device for the reference and for each row
       (the compiled programs are the same with it or without). A row whose
