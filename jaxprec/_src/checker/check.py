@@ -21,10 +21,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxprec._src.checker import harness
 from jaxprec._src.checker import layers as layers_lib
+from jaxprec._src.checker import logits as logits_lib
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.checker import progress as progress_lib
@@ -55,6 +57,7 @@ def check(fn: Callable[..., Any], *args: Any,
           progress: bool = False,
           cache: bool | str | os.PathLike = False,
           chip: str | None = None, tpu_matvec_f32: bool = True,
+          logits: str | None = None, logits_k: int | None = None,
           **kwargs: Any) -> DivergenceReport:
   """How far each layer of ``fn(*args, **kwargs)`` drifts at each precision.
 
@@ -126,6 +129,21 @@ def check(fn: Callable[..., Any], *args: Any,
       ``DEFAULT`` in float32, as JAX's maintainers state a TPU does
       (:func:`jaxprec.emulate`'s ``tpu_matvec_f32``); False computes it as
       any other dot (one bfloat16 pass).
+    logits: the layer (as the report names it: ``'logits'``,
+      ``'output.logits'``) that holds a language model's logits, the
+      vocabulary on the last axis: each row's logits gates against the
+      reference (:class:`jaxprec.torch.LogitsGates`: KL divergence of the
+      softmax distributions, mean and largest over positions, top-1
+      agreement, top-k overlap, largest log-probability difference) are in
+      the report's ``logits``, its table's footer, Markdown and JSON (under
+      new keys, only when set). They are computed
+      on the host in float64 by :func:`jaxprec.torch.logits_gates`: that one
+      layer is copied from the device for the reference and for each row
+      (the compiled programs are the same with it or without). A row whose
+      logits (or the reference's) hold NaN or infinity has no gates
+      (``None``; a note says so). None (default): no gates.
+    logits_k: the k of the top-k overlap (at most the vocabulary size);
+      None (default): 5, or the vocabulary size where smaller.
     **kwargs: keyword arguments for ``fn``. (To pass a keyword named like one
       of the above, wrap ``fn`` with ``functools.partial``.)
 
@@ -140,7 +158,10 @@ def check(fn: Callable[..., Any], *args: Any,
       (the message names the supported ones); a reference that does not
       match the output (the message names the first mismatching path and
       both shapes); an output without floating leaves; a ``cache``
-      directory that cannot be created.
+      directory that cannot be created; a ``logits`` that names no layer
+      (the message names the layers and the closest one), a logits layer
+      whose last axis has fewer than 2 entries, a ``logits_k`` outside
+      ``1..vocab``.
     FileNotFoundError: a reference path that does not exist.
 
   Examples:
@@ -181,7 +202,10 @@ def check(fn: Callable[..., Any], *args: Any,
       return check(fn, *args, precisions=given, reference=reference,
                    target=target, mode=mode, atol=atol, rtol=rtol,
                    progress=progress, cache=False, chip=chip,
-                   tpu_matvec_f32=tpu_matvec_f32, **kwargs)
+                   tpu_matvec_f32=tpu_matvec_f32,
+                   **({} if logits is None else {"logits": logits,
+                                                 "logits_k": logits_k}),
+                   **kwargs)
   floor = None
   if external:  # float32 against another framework: the floor
     plans = [rows.native_float32(p.label) if p.label == rows.FLOOR
@@ -189,14 +213,19 @@ def check(fn: Callable[..., Any], *args: Any,
     floor = rows.FLOOR if any(p.label == rows.FLOOR for p in plans) else None
   fn, args = nnx_policy.stateful(fn, args)  # an NNX model: its state an argument
   call = harness.Args(args, dict(kwargs), who="jaxprec.check")
+  if logits is not None:  # before anything runs: a bad name costs no run
+    logits_k = logits_lib.check_layer(
+        logits, logits_k,
+        [(n, s) for n, s, _ in harness.output_info(fn, call)], "jaxprec.check")
   backend = compat.backend_platform()
   notes = []
   seconds: dict[str, float] = {}
+  gates: dict[str, logits_lib.LogitsGates | None] = {}
   with progress_lib.Phases(len(plans) + 1, "jaxprec check", progress) as bar:
     bar.update(_reference_phase(reference))
     t0 = time.perf_counter()
     ref = harness.build_reference(fn, call, reference, target=target, mode=mode,
-                                  options=options)
+                                  options=options, keep=logits)
     seconds["reference"] = time.perf_counter() - t0
     if not ref.names:
       raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
@@ -205,7 +234,10 @@ def check(fn: Callable[..., Any], *args: Any,
     for i, p in enumerate(plans, 1):
       bar.update(f"compiling+running {p.label} ({i}/{len(plans)})", advance=1)
       t0 = time.perf_counter()
-      results[p.label] = harness.run_candidate(fn, call, p, ref, atol, rtol)
+      seen = None if logits is None else _gates_of(
+          gates, p.label, ref, ref.names.index(logits), logits_k)
+      results[p.label] = harness.run_candidate(fn, call, p, ref, atol, rtol,
+                                               seen=seen)
       seconds[p.label] = time.perf_counter() - t0
     bar.finish()
   del call  # holds the arguments
@@ -247,6 +279,12 @@ def check(fn: Callable[..., Any], *args: Any,
         f"{same}the function has no matmul or convolution (no dot_general "
         f"or conv_general_dilated in its program), so the precision changes "
         f"nothing in it")
+  missing = [p for p, g in gates.items() if g is None]
+  if missing:
+    notes.append(
+        f"the logits of {logits!r} hold NaN or infinity at "
+        f"{', '.join(map(repr, missing))} (or in the reference): no logits "
+        f"gates there")
   return DivergenceReport(
       layers=layers, precisions=tuple(p.label for p in plans),
       reference=ref.name, target=target, mode=mode, backend=backend,
@@ -254,7 +292,19 @@ def check(fn: Callable[..., Any], *args: Any,
       numerics={**{p.label: p.description for p in plans},
                 "(reference)": ref.description},
       notes=tuple(notes), seconds=seconds, floor=floor,
-      kernel=kernels.current_kernel().to_dict(), chip=chip)
+      kernel=kernels.current_kernel().to_dict(), chip=chip,
+      **({} if logits is None else {"logits": gates, "logits_layer": logits}))
+
+
+def _gates_of(gates: dict, label: str, ref: harness.Reference, index: int,
+              k: int) -> Callable[[list[Any]], None]:
+  """The ``seen`` of a row (:func:`jaxprec._src.checker.harness.run_candidate`):
+  it copies the logits layer (``index``) to the host and stores the row's
+  gates against the reference's in ``gates[label]``."""
+  def seen(values):
+    row = np.asarray(jax.device_get(values[index]))
+    gates[label] = logits_lib.row_gates(row, ref.kept, k)
+  return seen
 
 
 def _row_options(chip: str | None, tpu_matvec_f32: Any) -> dict[str, Any]:
@@ -581,7 +631,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                  rtol: float = DEFAULT_RTOL, progress: bool = False,
                  cache: bool | str | os.PathLike = False,
                  shadow: bool = False, chip: str | None = None,
-                 tpu_matvec_f32: bool = True,
+                 tpu_matvec_f32: bool = True, logits: str | None = None,
+                 logits_k: int | None = None,
                  **kwargs: Any) -> DivergenceReport:
   """:func:`check` over every submodule's output of a Flax module.
 
@@ -611,7 +662,9 @@ def check_module(module: Any, *args: Any, method: str | None = None,
       filter ``(module, method_name) -> bool`` as ``capture_intermediates``
       takes.
     precisions, reference, target, mode, atol, rtol, progress, cache, chip,
-    tpu_matvec_f32: as :func:`check`. An external reference (e.g.
+    tpu_matvec_f32, logits, logits_k: as :func:`check` (``logits`` names a
+      module output, e.g. ``'output'`` or ``'lm_head'``; not with
+      ``shadow``). An external reference (e.g.
       ``jaxprec.torch.capture(pt_model, ..., modules=...)``, which names a
       PyTorch module tree as this function names a Flax one) may hold some
       of the layers: those are compared, and the others are listed in the
@@ -636,6 +689,10 @@ def check_module(module: Any, *args: Any, method: str | None = None,
       layer of the module (a ``ReferenceMismatchError`` naming it, the
       module's layers and the closest one).
   """
+  if shadow and logits is not None:
+    raise ValueError("check_module: logits gates compare the model's "
+                     "propagated logits; shadow=True checks each layer alone: "
+                     "pass one of them")
   if shadow:
     from jaxprec._src.checker import shadow as shadow_lib  # noqa: PLC0415
     return shadow_lib.check_module_shadow(
@@ -645,6 +702,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   common = dict(precisions=precisions, reference=reference, target=target,
                 mode=mode, atol=atol, rtol=rtol, progress=progress,
                 cache=cache, chip=chip, tpu_matvec_f32=tpu_matvec_f32)
+  if logits is not None:
+    common.update(logits=logits, logits_k=logits_k)
   import flax.linen as nn
   from flax import nnx
   if isinstance(module, nn.Module) and module.scope is not None:

@@ -224,6 +224,8 @@ class Reference:
     stats: :func:`jaxprec._src.checker.metrics.reference_stats` of it.
     description: for the report (``'(reference)'`` numerics).
     name: the report's ``reference``.
+    kept: the layer :func:`build_reference`'s ``keep`` names, on the host
+      (NumPy, as computed: float64 for a float64 reference), else None.
   """
 
   names: list[str]
@@ -235,6 +237,7 @@ class Reference:
   stats: Any
   description: str
   name: str
+  kept: Any = None
 
 
 def _info(layers) -> list[tuple[str, tuple[int, ...], str]]:
@@ -310,7 +313,8 @@ _reference_stats = jax.jit(metrics_lib.reference_stats, static_argnums=(2,))
 def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
                     select: Sequence[str] | None = None,
                     cache: dict | None = None,
-                    options: dict[str, Any] | None = None) -> Reference:
+                    options: dict[str, Any] | None = None,
+                    keep: str | None = None) -> Reference:
   """The reference: computed at a precision or policy, or read.
 
   Args:
@@ -326,6 +330,9 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     options: the rows' emulation options (``chip``, ``tpu_matvec_f32``:
       :func:`jaxprec._src.checker.rows.plan`), for a reference computed
       as a row is.
+    keep: a layer to copy to the host whole (``Reference.kept``): the
+      logits of the logits gates. The programs are the same with it or
+      without (they return every layer already).
 
   Raises:
     ValueError: an output without floating layers; a bad reference.
@@ -344,19 +351,22 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
               for a in metrics_lib.pack_reference(values, layout, np))
     stats = _reference_stats(hi, lo, layout)
     desc, name = "external", reference_lib.describe(reference)
+    kept = None if keep is None else np.asarray(
+        values[[n for n, _, _ in info].index(keep)])
   else:
-    hi, lo, stats, info, desc = _computed_reference(
-        fn, call, reference, target, mode, select, cache, options or {})
+    hi, lo, stats, info, desc, kept = _computed_reference(
+        fn, call, reference, target, mode, select, cache, options or {}, keep)
     name = label_of(reference)
   return Reference([n for n, _, _ in info], [s for _, s, _ in info],
                    [d for _, _, d in info], _layout(info, call.groups), hi, lo,
-                   stats, desc, name)
+                   stats, desc, name, kept)
 
 
 def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
                         select: tuple[str, ...] | None, cache: dict | None,
-                        options: dict[str, Any]):
-  """``(hi, lo, stats, info, description)`` of a computed reference."""
+                        options: dict[str, Any], keep: str | None = None):
+  """``(hi, lo, stats, info, description, kept)`` of a computed reference
+  (``kept``: the layer ``keep`` names, on the host, else None)."""
   try:
     ref_plan = reference_plan(reference, target, mode, **options)
   except ValueError as e:
@@ -382,7 +392,11 @@ def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
   with (jax.enable_x64(True) if x64 else contextlib.nullcontext()):
     hi, lo, stats, layers = prog(call.dynamic)
     info = prog.holder[trees.signature(call.dynamic)]
-  del layers  # never copied to the host
+    kept = None
+    if keep is not None and keep in [n for n, _, _ in info]:
+      kept = np.asarray(jax.device_get(
+          layers[[n for n, _, _ in info].index(keep)]))
+  del layers  # never copied to the host (but the one kept)
   if x64 and random:  # said out loud: not comparable
     desc += ("; fn draws random numbers, which x64 draws from other bits: "
              "the reference's are not the rows' (check it in eval mode, or "
@@ -392,7 +406,7 @@ def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
         "rows (jax.random samples float64 under x64), so its figures compare "
         "different random values; check the model in eval mode (no dropout) "
         "or use reference='float32'.", UserWarning, stacklevel=4)
-  return hi, lo, stats, info, desc
+  return hi, lo, stats, info, desc, kept
 
 
 def _candidate_program(fn, call: Args, p: Plan, ref: Reference,
@@ -471,7 +485,9 @@ def _finish(out, values, ref: Reference, args
 
 def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
                   rtol: float, cache: dict | None = None, *,
-                  fused: bool = True) -> list[metrics_lib.LayerMetrics]:
+                  fused: bool = True,
+                  seen: Callable[[list[Any]], None] | None = None
+                  ) -> list[metrics_lib.LayerMetrics]:
   """Runs one row and returns its metrics, one per reference layer.
 
   Args:
@@ -487,37 +503,47 @@ def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
       rows are new programs, compiles faster so). Both compile the
       all-finite metrics only, and compute them again with the masked path
       where a NaN or an infinity needs it.
+    seen: called with the row's layers (device arrays, in the order of
+      ``ref.names``) before they are dropped: the logits gates copy one of
+      them to the host. The programs are the same with it or without.
   """
   if fused:
     args = candidate_args(call, ref, atol, rtol)
     out, values = _candidate_program(fn, call, p, ref, cache)(*args)
+    if seen is not None:
+      seen(values)
     return _finish(out, values, ref, args)
   return _run_unfused(fn, call, lambda f, _: p.wrap(f), ("layers", p.key),
-                      None, ref, cache, atol, rtol)
+                      None, ref, cache, atol, rtol, seen)
 
 
 def run_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
                                                Callable[..., Any]],
-                key: Any, index: Any, ref: Reference, cache: dict
+                key: Any, index: Any, ref: Reference, cache: dict,
+                seen: Callable[[list[Any]], None] | None = None
                 ) -> list[metrics_lib.LayerMetrics]:
   """Runs the program ``wrap(fn, index)`` and returns its metrics.
 
   One program per ``key`` serves every ``index`` (an array argument): the
   search's switched program (:mod:`jaxprec._src.search.switch`), where the index
   array chooses each unit's precision at run time. The metrics are a second
-  program, as :func:`run_candidate` with ``fused=False``.
+  program, as :func:`run_candidate` with ``fused=False`` (``seen`` as
+  there).
   """
   return _run_unfused(fn, call, wrap, ("indexed", key), index, ref, cache,
-                      0.0, 0.0)
+                      0.0, 0.0, seen)
 
 
 def _run_unfused(fn, call: Args, wrap, key: Any, index: Any, ref: Reference,
-                 cache: dict | None, atol: float, rtol: float
+                 cache: dict | None, atol: float, rtol: float,
+                 seen: Callable[[list[Any]], None] | None = None
                  ) -> list[metrics_lib.LayerMetrics]:
   """The metrics of ``wrap(fn, index)``'s layers, a second program."""
   args = candidate_args(call, ref, atol, rtol)
   hi, lo, stats, dynamic, atol_, rtol_ = args
   values = _layers_program(fn, call, wrap, key, tuple(ref.names), cache)(
       index, dynamic)
+  if seen is not None:
+    seen(values)
   out = _metrics_program(ref.layout, True)(values, hi, lo, stats, atol_, rtol_)
   return _finish(out, values, ref, args)

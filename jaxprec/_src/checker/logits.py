@@ -16,9 +16,12 @@ tokens. The gates compare the distributions themselves, position by position
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from jaxprec._src.core import names as names_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,3 +106,58 @@ def logits_gates(candidate: Any, reference: Any, k: int = 5) -> LogitsGates:
       topk_overlap=float(np.mean(overlap)),
       max_logprob_diff=float(np.abs(lc - lr).max()), k=int(k),
       positions=int(c.shape[0]))
+
+
+# The logits gates a tolerance can bound (jaxprec.search_policy's metric),
+# smaller is better for each: ``top1_disagreement`` is ``1 - top1_agreement``
+# and ``logprob_diff`` is ``max_logprob_diff``.
+METRICS = ("kl_max", "kl_mean", "logprob_diff", "top1_disagreement")
+
+
+def metric_value(gates: LogitsGates | None, metric: str) -> float:
+  """One of :data:`METRICS` of ``gates``; infinity for ``None`` (logits that
+  hold NaN or infinity), which no tolerance admits."""
+  if gates is None:
+    return float("inf")
+  if metric == "top1_disagreement":
+    return 1.0 - gates.top1_agreement
+  if metric == "logprob_diff":
+    return gates.max_logprob_diff
+  return float(getattr(gates, metric))
+
+
+def check_layer(name: Any, k: Any,
+                layers: Sequence[tuple[str, tuple[int, ...]]],
+                who: str) -> int:
+  """The k of the top-k overlap (``k``; None: 5, or the vocabulary size
+  where smaller); raises a ValueError unless ``name`` is one of ``layers``
+  (``(name, shape)`` pairs) with a vocabulary axis (the last) of at least 2
+  entries and ``k`` an integer in ``1..vocab``."""
+  shapes = dict(layers)
+  if not isinstance(name, str) or name not in shapes:
+    raise names_lib.unknown(
+        "logits layer", name, shapes,
+        hint=f" (the layers {who} compares; the logits layer holds a "
+             f"language model's logits, the vocabulary on the last axis)")
+  shape = tuple(shapes[name])
+  if not shape or shape[-1] < 2:
+    raise ValueError(f"{who}: the logits layer {name!r} has shape {shape}: "
+                     f"its last axis holds the vocabulary and needs at least "
+                     f"2 entries")
+  if k is None:
+    return min(5, shape[-1])
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not (
+      1 <= k <= shape[-1]):
+    raise ValueError(f"{who}: logits_k must be an integer in 1..{shape[-1]} "
+                     f"(the vocabulary size of {name!r}); got {k!r}")
+  return int(k)
+
+
+def row_gates(candidate: Any, reference: Any, k: int) -> LogitsGates | None:
+  """:func:`logits_gates`, or None where either side holds NaN or infinity
+  (a row that overflowed: no distribution to compare)."""
+  c, r = np.asarray(candidate), np.asarray(reference)
+  if not (np.isfinite(c.astype(np.float64)).all()
+          and np.isfinite(r.astype(np.float64)).all()):
+    return None
+  return logits_gates(c, r, k)

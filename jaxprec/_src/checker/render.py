@@ -333,6 +333,7 @@ def _summary_lines(report: Any) -> list[str]:
     lines.append(f"{short[p]}: {first}; required atol "
                  f"{fmt(s['required_atol'])}; worst {worst} (rel_rms "
                  f"{fmt(s['worst_rel_rms'])}); rel_rms growth {g}")
+  lines += _logits_lines(report)
   lines += [f"note: {_cell(n)}" for n in report.notes]
   unchecked = getattr(report, "unchecked", ())
   if unchecked:
@@ -343,6 +344,32 @@ def _summary_lines(report: Any) -> list[str]:
                  f"{'has' if len(unchecked) == 1 else 'have'} no reference "
                  f"and {'was' if len(unchecked) == 1 else 'were'} not "
                  f"compared: {shown}{more}")
+  return lines
+
+
+def _logits_lines(report: Any) -> list[str]:
+  """The logits gates of each row (``check(..., logits=)``): a line naming
+  the layer, then one line per row."""
+  layer = getattr(report, "logits_layer", None)
+  if layer is None:
+    return []
+  short = labels(report)
+  gates = report.logits
+  n = next((g.positions for g in gates.values() if g is not None), None)
+  lines = [f"logits gates of {_cell(layer)}"
+           + ("" if n is None else f" ({plural(n, 'position')})")
+           + ": KL(ref||row) in nats, dlogp = log p - log p_ref"]
+  for p in report.precisions:
+    if p not in gates:
+      continue
+    g = gates[p]
+    if g is None:
+      lines.append(f"{short[p]}: no logits gates (NaN or infinity)")
+      continue
+    lines.append(f"{short[p]}: KL mean {fmt(g.kl_mean)} max {fmt(g.kl_max)}; "
+                 f"top-1 {g.top1_agreement:.4f}; top-{g.k} "
+                 f"{g.topk_overlap:.4f}; max |dlogp| "
+                 f"{fmt(g.max_logprob_diff)}")
   return lines
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import render
+from jaxprec._src.checker.logits import LogitsGates
 from jaxprec._src.checker.metrics import LayerMetrics
 from jaxprec._src.core import names
 
@@ -117,6 +118,11 @@ class DivergenceReport:
     chip: the NVIDIA chip whose tensor cores computed the rows emulated
       with GPU numerics (``check(..., chip=)``), or None: the algorithm's
       definition.
+    logits_layer: the layer whose logits gates the report holds
+      (``check(..., logits=)``), or None.
+    logits: precision label -> the :class:`jaxprec.torch.LogitsGates` of that
+      row's logits against the reference's, or None where they hold NaN or
+      infinity; ``{}`` without ``logits_layer``.
   """
 
   layers: tuple[LayerResult, ...]
@@ -134,6 +140,10 @@ class DivergenceReport:
   kernel: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   unchecked: tuple[str, ...] = ()
   chip: str | None = None
+  # Out of repr: a report without them reads as it did before they were.
+  logits_layer: str | None = dataclasses.field(default=None, repr=False)
+  logits: Mapping[str, LogitsGates | None] = dataclasses.field(
+      default_factory=dict, repr=False)
 
   def __post_init__(self):
     if self.floor is not None and self.floor not in self.precisions:
@@ -349,6 +359,10 @@ class DivergenceReport:
                        if first else {},
           "metrics": {p: l.metrics[p].to_dict() for p in self.precisions},
       })
+    extra = {} if self.logits_layer is None else {
+        "logits_layer": self.logits_layer,
+        "logits": {p: None if g is None else g.to_dict()
+                   for p, g in self.logits.items()}}
     return render.encode({
         "schema": SCHEMA, "kind": "check", "jaxprec_version": __version__,
         "reference": self.reference, "target": self.target, "mode": self.mode,
@@ -359,7 +373,7 @@ class DivergenceReport:
         "rtol": float(self.rtol),
         "layers": layers, "summary": self.summary(), "notes": list(self.notes),
         "seconds": dict(self.seconds), "kernel": dict(self.kernel),
-        "unchecked": list(self.unchecked),
+        "unchecked": list(self.unchecked), **extra,
     })
 
   to_json = render.to_json
@@ -394,7 +408,11 @@ class DivergenceReport:
                notes=tuple(d.get("notes", ())),
                seconds=_mapping(d, "seconds"), floor=d.get("floor"),
                kernel=_mapping(d, "kernel"),
-               unchecked=tuple(d.get("unchecked", ())), chip=d.get("chip"))
+               unchecked=tuple(d.get("unchecked", ())), chip=d.get("chip"),
+               logits_layer=d.get("logits_layer"),
+               logits={p: None if g is None else LogitsGates(
+                   **{k: render.decode_float(v) for k, v in g.items()})
+                       for p, g in _mapping(d, "logits").items()})
 
   @classmethod
   def from_json(cls, text: str) -> DivergenceReport:

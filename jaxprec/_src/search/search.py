@@ -9,6 +9,7 @@ decides which policies to evaluate (``docs/search.md``, "The algorithm").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -18,11 +19,13 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jaxprec._src.checker import harness
+from jaxprec._src.checker import logits as logits_lib
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
@@ -45,6 +48,9 @@ from jaxprec._src.search.search_result import SearchResult
 # tolerance bounds 1 - cosine) and sqnr_db (the tolerance is a minimum).
 METRICS = ("rel_rms", "max_abs", "max_rel", "cosine", "sqnr_db", "ulp_median",
            "ulp_max")
+# Metrics of the logits gates (search_policy's ``logits``): they bound the
+# logits layer alone; smaller is better for each.
+LOGITS_METRICS = logits_lib.METRICS
 DEFAULT_CANDIDATES = {
     "tpu": ("bfloat16", "bfloat16_3x", "float32"),
     "gpu": ("tensorfloat32", "TF32_TF32_F32_X3", "float32"),
@@ -111,10 +117,15 @@ class _Runner:
   def __init__(self, fn, call: harness.Args, ref: harness.Reference,
                target: str, mode: str, *, units: Sequence[str] = (),
                precisions: Sequence[Precision] | None = None,
-               tensor_cores: str | None = None):
+               tensor_cores: str | None = None,
+               logits: str | None = None, logits_k: int | None = None):
     # The harness keeps programs only for a function it can weakly reference.
     self.fn, self.call, self.ref = _referable(fn), call, ref
     self.names = tuple(ref.names)
+    # A logits metric: each run is one record (_LogitsRun), of that layer.
+    self.logits, self.logits_k = logits, logits_k
+    if logits is not None:
+      self.names = (logits,)
     self.target, self.mode = target, mode
     self.units = tuple(units)
     # The chip whose tensor cores compute the emulated dots (search_policy's
@@ -129,13 +140,28 @@ class _Runner:
     self._traces: dict[Any, Any] = {}
 
   def run(self, policy: Policy, levels: Sequence[int] | None = None, *,
-          fixed: bool = False) -> tuple[list[metrics_lib.LayerMetrics], str]:
-    """``(metrics, program)``: ``program`` is ``'fixed'`` or ``'switched'``."""
+          fixed: bool = False) -> tuple[list[Any], str]:
+    """``(metrics, program)``: ``program`` is ``'fixed'`` or ``'switched'``;
+    ``metrics`` one :class:`~jaxprec._src.checker.metrics.LayerMetrics` per
+    layer, or with ``logits`` one :class:`_LogitsRun`."""
+    if self.logits is None:
+      return self._run(policy, levels, fixed, None)
+    got: dict[str, Any] = {}
+    index = self.ref.names.index(self.logits)
+
+    def seen(values):
+      got["row"] = np.asarray(jax.device_get(values[index]))
+    metrics, program = self._run(policy, levels, fixed, seen)
+    gates = logits_lib.row_gates(got.pop("row"), self.ref.kept, self.logits_k)
+    return [_LogitsRun.of(gates, metrics)], program
+
+  def _run(self, policy, levels, fixed, seen):
     if fixed or self.precisions is None or self.fixed_runs == 0:
       self.fixed_runs += 1
       p = rows.plan(policy, self.target, self.mode, chip=self.tensor_cores)
       return harness.run_candidate(self.fn, self.call, p, self.ref, 0.0, 0.0,
-                                   cache=self._programs, fused=False), "fixed"
+                                   cache=self._programs, fused=False,
+                                   seen=seen), "fixed"
     index = switch.index_of(
         [len(self.precisions) - 1] * len(self.units) if levels is None
         else levels)
@@ -143,14 +169,14 @@ class _Runner:
       return harness.run_indexed(
           self.fn, self.call, self._wrap,
           (self.precisions, self.units, self.tensor_cores),
-          index, self.ref, self._programs), "switched"
+          index, self.ref, self._programs, seen=seen), "switched"
     except switch.SwitchError as e:
       self.precisions = None
       warnings.warn(
           f"jaxprec.search_policy: {e}; each policy compiles a program of "
           f"its own instead (the search is slower, its answers the same).",
           UserWarning, stacklevel=4)
-      return self.run(policy, levels, fixed=True)
+      return self._run(policy, levels, True, seen)
 
   def _wrap(self, f, index):
     # ``f`` is a new wrapper of self.fn at each trace: one trace of it serves
@@ -159,6 +185,28 @@ class _Runner:
     g = switch.switched(f, self.units, self.precisions, target=self.target,
                         traces=self._traces, **chip)
     return functools.partial(g, index)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LogitsRun:
+  """One evaluation measured by the logits gates: the search's one record
+  (the logits metrics by name, infinite where the logits hold NaN or
+  infinity), the gates and every layer's metrics (for the report)."""
+
+  kl_max: float
+  kl_mean: float
+  logprob_diff: float
+  top1_disagreement: float
+  required_atol: float
+  gates: logits_lib.LogitsGates | None
+  layers: tuple[metrics_lib.LayerMetrics, ...]
+
+  @classmethod
+  def of(cls, gates, layers) -> _LogitsRun:
+    return cls(**{m: logits_lib.metric_value(gates, m)
+                  for m in logits_lib.METRICS},
+               required_atol=0.0 if gates is not None else math.inf,
+               gates=gates, layers=tuple(layers))
 
 
 def _referable(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -192,7 +240,8 @@ def _check_layers(layers: Any, names: Sequence[str]) -> list[str]:
 def check_arguments(*, tolerance: Any, metric: Any = "rel_rms",
                     candidates: Any = None, target: Any = "tpu",
                     budget: Any = DEFAULT_BUDGET, axes: Any = ("precision",),
-                    dtypes: Any = None, chip: Any = None):
+                    dtypes: Any = None, chip: Any = None,
+                    logits: Any = None):
   """Validates :func:`search_policy`'s arguments, raising as it does (the
   command line checks them before building a model).
 
@@ -204,8 +253,17 @@ def check_arguments(*, tolerance: Any, metric: Any = "rel_rms",
   """
   target = numerics.check_target(target)
   axes, dtypes = search_dtype.check_arguments(axes, dtypes, chip, target)
-  if metric not in METRICS:
-    raise unknown("metric", metric, METRICS)
+  if metric in LOGITS_METRICS:
+    if logits is None:
+      raise ValueError(
+          f"metric {metric!r} bounds the logits gates of a language model's "
+          f"logits layer: name it with logits= (e.g. logits='logits')")
+  elif logits is not None:
+    raise ValueError(f"logits={logits!r} serves the logits metrics "
+                     f"{', '.join(map(repr, LOGITS_METRICS))}; got metric "
+                     f"{metric!r}")
+  elif metric not in METRICS:
+    raise unknown("metric", metric, METRICS + LOGITS_METRICS)
   if isinstance(tolerance, bool) or not isinstance(
       tolerance, (int, float, np.floating, np.integer)):
     raise TypeError(f"tolerance must be a number; got {tolerance!r} of type "
@@ -234,6 +292,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
                   chip: str | None = None,
                   compile_once: bool = True,
                   tensor_cores: str | None = None,
+                  logits: str | None = None, logits_k: int | None = None,
                   **kwargs: Any) -> SearchResult:
   """Finds the cheapest per-layer precision policy that meets a tolerance.
 
@@ -256,7 +315,14 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     tolerance: the bound on ``metric`` for every checked layer (>= 0):
       ``metric <= tolerance``; for ``'cosine'`` ``1 - cosine <= tolerance``;
       for ``'sqnr_db'`` ``sqnr_db >= tolerance``.
-    metric: one of :data:`METRICS` (see :mod:`jaxprec._src.checker.metrics`).
+    metric: one of :data:`METRICS` (see :mod:`jaxprec._src.checker.metrics`),
+      or, with ``logits``, one of :data:`LOGITS_METRICS`: ``'kl_max'``,
+      ``'kl_mean'`` (``KL(reference || policy)`` of the softmax
+      distributions in nats, largest or mean over positions),
+      ``'logprob_diff'`` (the largest ``|log p - log p_ref|``) or
+      ``'top1_disagreement'`` (``1 - top1_agreement``), computed as
+      :func:`jaxprec.torch.logits_gates` computes them (on the host, float64).
+      These bound the logits layer alone.
     candidates: the precisions to choose from (any order; sorted by cost on
       ``target``; none may cost more than float32). Default: ``('bfloat16',
       'bfloat16_3x', 'float32')`` on a TPU, ``('tensorfloat32',
@@ -309,6 +375,11 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       own, not ``chip``: ``chip`` is the dtype axis's roofline chip (it
       orders costs, and names chips without a tensor-core model), and the
       two may differ; neither changes the other's meaning.
+    logits: the output layer holding a language model's logits (the
+      vocabulary on the last axis), which a logits metric bounds; its gates
+      are in the result's ``report.logits``. Needs a logits metric.
+    logits_k: the k of the report's top-k overlap, as
+      :func:`jaxprec.check`'s.
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
@@ -322,7 +393,9 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       dtype or chip; a negative tolerance; a budget below 1; an output
       without floating
       layers; a reference that does not match the output; a ``cache``
-      directory that cannot be created.
+      directory that cannot be created; a logits metric without
+      ``logits`` or ``logits`` with another metric; a ``logits`` that names
+      no layer, or one whose last axis has fewer than 2 entries.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxprec
@@ -355,7 +428,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   directory = compile_cache.resolve_cache(cache, "jaxprec.search_policy")
   metric, tolerance, cands, target, budget, axes, dtypes = check_arguments(
       tolerance=tolerance, metric=metric, candidates=candidates,
-      target=target, budget=budget, axes=axes, dtypes=dtypes, chip=chip)
+      target=target, budget=budget, axes=axes, dtypes=dtypes, chip=chip,
+      logits=logits)
   # jaxprec.emulate's check and message (a chip needs target='gpu'), naming
   # tensor_cores: this function's chip= is the roofline chip.
   tensor_cores = emulated_ops.check_chip(tensor_cores, target,
@@ -368,6 +442,8 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
           target=target, budget=budget, layers=layers, reference=reference,
           mode=mode, verbose=verbose, cache=False, axes=axes, dtypes=dtypes,
           chip=chip, compile_once=compile_once, tensor_cores=tensor_cores,
+          **({} if logits is None else {"logits": logits,
+                                        "logits_k": logits_k}),
           **kwargs)
   if mode == "native" and compat.backend_platform() == "cpu":
     warnings.warn("jaxprec.search_policy: native mode on cpu: the CPU ignores "
@@ -402,6 +478,11 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
                      f"floating arrays to compare")
   names = _check_layers(layers, all_names)
+  if logits is not None:
+    logits_k = logits_lib.check_layer(
+        logits, logits_k, [(n, s) for n, s, _ in info],
+        "jaxprec.search_policy")
+    names = [n for n in all_names if n in names or n == logits]
   empty = [n for n, shape, _ in info if n in names and 0 in shape]
   if empty and len(empty) < len(names):
     # No elements, no error: its metrics are NaN, which no policy passes.
@@ -414,12 +495,12 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   ref = harness.build_reference(
       fn, call, reference, target=target, mode=mode,
       select=None if names == all_names else names,
-      options={"chip": tensor_cores})
+      options={"chip": tensor_cores}, keep=logits)
   switchable = (compile_once and mode == "emulate" and "dtype" not in axes
                 and bool(table.units))
   runner = _Runner(fn, call, ref, target, mode, units=table.units,
                    precisions=_choices(cands) if switchable else None,
-                   tensor_cores=tensor_cores)
+                   tensor_cores=tensor_cores, logits=logits, logits_k=logits_k)
 
   search = Search(runner=runner, table=table, cands=cands, metric=metric,
                   tolerance=tolerance, budget=budget, verbose=verbose,
@@ -448,10 +529,18 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
         f"{'>=' if metric == 'sqnr_db' else '<='} {tolerance:g}); returning "
         f"{policy}{'' if trial is not None else ' (not evaluated)'}.",
         UserWarning, stacklevel=2)
-  report = None if metrics is None else _report(
-      policy, metrics, ref, target, mode, metric, tolerance, tensor_cores)
-  values = {} if metrics is None else {
-      n: float(getattr(m, metric)) for n, m in zip(ref.names, metrics)}
+  if logits is not None and metrics is not None:  # one _LogitsRun
+    run, = metrics
+    values = {logits: float(getattr(run, metric))}
+    report = dataclasses.replace(
+        _report(policy, list(run.layers), ref, target, mode, metric,
+                tolerance, tensor_cores, logits=True),
+        logits_layer=logits, logits={"policy": run.gates})
+  else:
+    report = None if metrics is None else _report(
+        policy, metrics, ref, target, mode, metric, tolerance, tensor_cores)
+    values = {} if metrics is None else {
+        n: float(getattr(m, metric)) for n, m in zip(ref.names, metrics)}
   del runner, call  # they hold the arguments
   cost_report = cost_lib.cost(fn, *args, policy=policy, target=target,
                               **({} if "dtype" not in axes else {"chip": chip}),
@@ -493,7 +582,8 @@ def _fixed_run(runner: _Runner, search: Search, trial) -> tuple[list, bool]:
 
 def _report(policy: Policy, metrics, ref: harness.Reference, target: str,
             mode: str, metric: str, tolerance: float,
-            tensor_cores: str | None = None) -> DivergenceReport:
+            tensor_cores: str | None = None,
+            logits: bool = False) -> DivergenceReport:
   layers = tuple(
       LayerResult(name=n, shape=tuple(s), dtype=d, metrics={"policy": m})
       for n, s, d, m in zip(ref.names, ref.shapes, ref.dtypes, metrics))
@@ -501,6 +591,7 @@ def _report(policy: Policy, metrics, ref: harness.Reference, target: str,
       layers=layers, precisions=("policy",), reference=ref.name, target=target,
       mode=mode, backend=compat.backend_platform(), atol=0.0, rtol=0.0,
       numerics={"policy": str(policy), "(reference)": ref.description},
-      notes=(f"searched for {metric} within {tolerance:g} on every layer; "
+      notes=(f"searched for {metric} within {tolerance:g} "
+             f"{'of the logits' if logits else 'on every layer'}; "
              f"atol = rtol = 0 here, so '!' marks any difference",),
       chip=tensor_cores)

@@ -121,6 +121,11 @@ class _Node:
   reliable: bool = True
 
 
+# Metrics that are powers already (see Search.powers): the logits gates'
+# KL divergences and top-1 disagreement.
+_AS_POWER = frozenset({"kl_max", "kl_mean", "top1_disagreement"})
+
+
 def _paths(n: int) -> str:
   return f"{n} path" if n == 1 else f"{n} paths"
 
@@ -145,9 +150,12 @@ class Search:
     self.float32_policy = float32_policy or Policy(default="float32")
     self.metric, self.budget = metric, budget
     # Errors of independent roundings add in power: the tolerance's power.
-    self.tol_power = (tolerance if metric == "cosine" else
-                      10.0 ** (-tolerance / 10.0) if metric == "sqnr_db"
-                      else tolerance * tolerance)
+    # A KL divergence (quadratic in small logit errors) and a count of
+    # changed predictions add as they are.
+    self.tol_power = (
+        tolerance if metric == "cosine" or metric in _AS_POWER else
+        10.0 ** (-tolerance / 10.0) if metric == "sqnr_db" else
+        tolerance * tolerance)
     self.verbose = verbose
     self.trials: dict[tuple[int, ...], _Trial] = {}
     self.history: list[SearchStep] = []
@@ -172,6 +180,8 @@ class Search:
         return math.inf
       if self.metric == "cosine":
         return max(0.0, 1.0 - v)
+      if self.metric in _AS_POWER:
+        return v
       if self.metric == "sqnr_db":
         return 10.0 ** (-v / 10.0) if v < math.inf else 0.0
       return v * v
