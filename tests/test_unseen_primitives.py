@@ -76,6 +76,11 @@ def test_classes_are_disjoint_and_classify_names_them():
 # A library's primitive whose implementation holds a matmul.
 
 
+# The emulation tests below compute the matrix·vector products at one
+# bfloat16 pass (tpu_matvec_f32=False): a TPU computes them in float32 at
+# DEFAULT (numerics.tpu_matvec), which would hide whether they are emulated.
+
+
 def _matvec_primitive(name="test_matvec", lowering=True, impl=True):
   """A primitive computing ``jnp.dot(a, x)`` (its impl and its
   ``mlir.lower_fun`` lowering), with JVP and transpose rules."""
@@ -120,7 +125,8 @@ def test_library_primitive_is_audited():
   row = report.rows[0]
   assert row.scope == ("test_matvec",)
   assert (row.lhs_shape, row.rhs_shape, row.flops) == ((8, 8), (8,), 128)
-  assert row.tpu == "bf16x1" and row.emulated and not report.opaque
+  # A matrix·vector product: float32 on a TPU at DEFAULT (the shape rule).
+  assert row.tpu == "f32" and row.tpu_shape_rule and not report.opaque
 
 
 def test_library_primitive_is_emulated_as_its_inlined_program():
@@ -128,10 +134,10 @@ def test_library_primitive_is_emulated_as_its_inlined_program():
   native = _with_primitive(a, x)
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxprec.OpaqueOpWarning)
-    got = jaxprec.emulate(_with_primitive, "bfloat16", target="tpu")(a, x)
+    got = jaxprec.emulate(_with_primitive, "bfloat16", target="tpu", tpu_matvec_f32=False)(a, x)
     jitted = jax.jit(jaxprec.emulate(_with_primitive, "bfloat16",
-                                     target="tpu"))(a, x)
-  want = jaxprec.emulate(_inlined, "bfloat16", target="tpu")(a, x)
+                                     target="tpu", tpu_matvec_f32=False))(a, x)
+  want = jaxprec.emulate(_inlined, "bfloat16", target="tpu", tpu_matvec_f32=False)(a, x)
   assert not np.array_equal(got, native)  # not run natively
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(jitted, want)
@@ -149,10 +155,10 @@ def test_library_primitive_gradients_are_emulated_in_either_order():
     return jnp.sum(_with_primitive(a, x) ** 2)
 
   native = jax.grad(loss, argnums=(0, 1))(a, x)
-  outer = jax.grad(jaxprec.emulate(loss, "bfloat16", target="tpu"),
+  outer = jax.grad(jaxprec.emulate(loss, "bfloat16", target="tpu", tpu_matvec_f32=False),
                    argnums=(0, 1))(a, x)
   inner = jaxprec.emulate(jax.grad(loss, argnums=(0, 1)), "bfloat16",
-                          target="tpu")(a, x)
+                          target="tpu", tpu_matvec_f32=False)(a, x)
   for o, i, n in zip(outer, inner, native):
     np.testing.assert_array_equal(o, i)
     assert not np.array_equal(o, n)
@@ -173,9 +179,9 @@ def test_library_primitive_keeps_its_own_batching_rule():
   jax.interpreters.batching.primitive_batchers[p] = batch
   a, x = _operands()
   xs = jnp.stack([x, 2 * x])
-  f = jaxprec.emulate(lambda a, x: p.bind(a, x), "bfloat16", target="tpu")
+  f = jaxprec.emulate(lambda a, x: p.bind(a, x), "bfloat16", target="tpu", tpu_matvec_f32=False)
   got = jax.vmap(f, in_axes=(None, 0))(a, xs)
-  want = jax.vmap(jaxprec.emulate(fn, "bfloat16", target="tpu"),
+  want = jax.vmap(jaxprec.emulate(fn, "bfloat16", target="tpu", tpu_matvec_f32=False),
                   in_axes=(None, 0))(a, xs) + 1.0
   assert calls
   np.testing.assert_array_equal(got, want)
@@ -668,10 +674,10 @@ def test_a_policy_rule_cannot_reach_a_library_primitives_matmul_and_says_so():
   policy = "default=bfloat16,blk(/.*)?=float32"
   with pytest.warns(jaxprec.PolicyUnreachedWarning,
                     match=r"inside test_matvec .* \('bfloat16', the policy"):
-    got = jaxprec.emulate(model, policy, target="tpu")(x)
+    got = jaxprec.emulate(model, policy, target="tpu", tpu_matvec_f32=False)(x)
   # As the TPU computes it: the block's matmul at the call's bfloat16, the
   # rest as the policy says (the head is not in blk: bfloat16 too).
-  want = jaxprec.emulate(model, "bfloat16", target="tpu")(x)
+  want = jaxprec.emulate(model, "bfloat16", target="tpu", tpu_matvec_f32=False)(x)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   # Independently: every matmul one bfloat16 pass (operands rounded to
   # bfloat16, products summed in float64 here).
@@ -684,8 +690,8 @@ def test_a_policy_rule_cannot_reach_a_library_primitives_matmul_and_says_so():
   # Nothing to say where no rule could decide it, or the matmul has its own.
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxprec.PolicyUnreachedWarning)
-    jaxprec.emulate(model, "default=bfloat16", target="tpu")(x)
-    jaxprec.emulate(_with_primitive, "bfloat16", target="tpu")(a, x)
+    jaxprec.emulate(model, "default=bfloat16", target="tpu", tpu_matvec_f32=False)(x)
+    jaxprec.emulate(_with_primitive, "bfloat16", target="tpu", tpu_matvec_f32=False)(a, x)
 
 
 def test_a_sparse_matmul_of_jax_experimental_sparse_is_audited_and_emulated():
@@ -702,7 +708,7 @@ def test_a_sparse_matmul_of_jax_experimental_sparse_is_audited_and_emulated():
   assert [r.primitive for r in jaxprec.audit(f, m, x).rows] == ["dot_general"]
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxprec.OpaqueOpWarning)
-    got = jaxprec.emulate(f, "bfloat16", target="tpu")(m, x)
+    got = jaxprec.emulate(f, "bfloat16", target="tpu", tpu_matvec_f32=False)(m, x)
   # Independently: every product of bfloat16-rounded operands, summed.
   bf16 = lambda v: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float64)
   np.testing.assert_allclose(np.asarray(got), bf16(a) @ bf16(x), rtol=1e-5,
