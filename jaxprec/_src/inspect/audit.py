@@ -970,22 +970,21 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
   preferred = eqn.params.get("preferred_element_type")
   accumulation = np.dtype(out.dtype if preferred is None else preferred).name
   tpu, gpu, tpu_n, gpu_n = _effective(prim, precision, lhs_dtype, rhs_dtype)
-  shape_rule = tpu_shape_rule = ""
+  # XLA's shape rules (numerics.shape_rule) at the recorded precision, as
+  # _effective reads it: XLA:GPU's strength reduction of a small dot with a
+  # vector, a TPU's matrix-vector product at DEFAULT.
   level = lax.Precision.DEFAULT if precision is None else precision
-  if prim == "dot_general" and gpu == "tf32":
-    # XLA:GPU's strength reduction of a small dot with a vector (numerics).
-    shape_rule = numerics.shape_rule(
-        level, "gpu", lhs.shape, rhs.shape,
-        eqn.params["dimension_numbers"]) or ""
-    if shape_rule:
-      gpu, gpu_n = "f32", algorithms.record("f32")
-  if prim == "dot_general" and tpu == "bf16x1":
-    # A TPU's matrix-vector product at DEFAULT (numerics.tpu_matvec).
-    tpu_shape_rule = numerics.shape_rule(
-        level, "tpu", lhs.shape, rhs.shape,
-        eqn.params["dimension_numbers"]) or ""
-    if tpu_shape_rule:
-      tpu, tpu_n = "f32", algorithms.record("f32")
+  rules = {"gpu": "", "tpu": ""}
+  for target, algorithm in (("gpu", gpu), ("tpu", tpu)):
+    if prim == "dot_general" and algorithm in ("tf32", "bf16x1"):
+      rules[target] = numerics.shape_rule(
+          level, target, lhs.shape, rhs.shape,
+          eqn.params["dimension_numbers"]) or ""
+  if rules["gpu"]:
+    gpu, gpu_n = "f32", algorithms.record("f32")
+  if rules["tpu"]:
+    tpu, tpu_n = "f32", algorithms.record("f32")
+  shape_rule, tpu_shape_rule = rules["gpu"], rules["tpu"]
   risky, reason = _risk(prim, precision, lhs_dtype, rhs_dtype, tpu_n)
   acc_reason = accumulation_risk(accumulation)
   if acc_reason:
