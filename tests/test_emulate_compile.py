@@ -289,11 +289,42 @@ def _dot_lines(kernel, precision):
   return [l for l in hlo.splitlines() if "stablehlo.dot_general" in l]
 
 
-@pytest.mark.parametrize("precision,passes", [("high", 3), ("highest", 6)])
-def test_f32_kernel_runs_a_multi_pass_dot_as_one_batched_dot(precision, passes):
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_f32_kernel_runs_a_multi_pass_dot_as_one_batched_dot(precision):
   (one,) = _dot_lines("f32", precision)
   assert "batching_dims = [0] x [0]" in one, one
-  assert len(_dot_lines("bf16", precision)) == passes
+
+
+@pytest.mark.parametrize("precision,parts", [
+    ("high", 2), ("highest", 3), ("BF16_BF16_F32_X9", 3)])
+def test_bf16_kernel_runs_a_small_multi_pass_dot_as_one_wider_dot(precision,
+                                                                   parts):
+  # (16, 32) x (32, 32): the lhs parts stacked along M, the rhs parts side by
+  # side along N, bfloat16 operands, one dot.
+  (one,) = _dot_lines("bf16", precision)
+  assert (f"(tensor<{16 * parts}x32xbf16>, tensor<32x{32 * parts}xbf16>) -> "
+          f"tensor<{16 * parts}x{32 * parts}xf32>") in one, one
+
+
+def _bf16_dots(f, *args, precision="high"):
+  with jaxprec.use_kernel("bf16"):
+    hlo = jax.jit(jaxprec.emulate(f, precision)).lower(*args).as_text()
+  return [l for l in hlo.splitlines() if "stablehlo.dot_general" in l]
+
+
+def test_bf16_kernel_keeps_one_dot_per_pass_where_a_wider_dot_would_change_path(
+    monkeypatch):
+  # A matrix-vector product and a dot of dimensions under 8 are computed in
+  # XLA's own loops, not its library; a length-1 contraction is a multiply.
+  x, v, s = jnp.ones((16, 32)), jnp.ones((32,)), jnp.ones((4, 4))
+  assert len(_bf16_dots(jnp.matmul, x, x.T)) == 1
+  assert len(_bf16_dots(jnp.matmul, x, v)) == 3
+  assert len(_bf16_dots(jnp.matmul, v, x.T)) == 3
+  assert len(_bf16_dots(jnp.matmul, s, s)) == 3
+  assert len(_bf16_dots(jnp.matmul, x[:, :1], x[:1, :])) == 3
+  # Above BATCH_MACS run time counts: one dot per pass.
+  monkeypatch.setattr(emulated_ops, "BATCH_MACS", 16 * 32 * 16 - 1)
+  assert len(_bf16_dots(jnp.matmul, x, x.T)) == 3
 
 
 def test_f32_kernel_runs_the_passes_of_a_large_dot_apart(monkeypatch):
@@ -307,11 +338,63 @@ def test_f32_kernel_runs_the_passes_of_a_large_dot_apart(monkeypatch):
   assert "batching_dims = [0] x [0]" in one
 
 
-@pytest.mark.parametrize("target,precision", _MULTI_PASS,
+# Every form at 3 and 6 passes, X9 on a plain matmul and a batch axis.
+_WIDE_CASES = ([(f, p) for f in _DOT_FORMS for p in ("high", "highest")] +
+               [(f, "BF16_BF16_F32_X9") for f in _DOT_FORMS[:2]])
+_ALGORITHM = {"high": "bf16x3", "highest": "bf16x6",
+              "BF16_BF16_F32_X9": "bf16x9"}
+
+
+def _one_dot_per_pass(spec, precision, a, b):
+  """The bf16 kernel's result, each pass its own program: a bfloat16 dot of
+  parts already in the canonical form, so that XLA sees two arrays and no
+  transpose to fold (its library's dot), the passes combined eagerly."""
+  dims = jax.eval_shape(lambda x, y: jnp.einsum(spec, x, y), a, b)
+  closed = jax.make_jaxpr(lambda x, y: jnp.einsum(spec, x, y))(a, b)
+  (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "dot_general"]
+  lmove, rmove, dn, out_shape = emulated_ops._canonical_dot(
+      a.shape, b.shape, eqn.params["dimension_numbers"])
+  lhs = passes.move(jnp.asarray(a), lmove)
+  rhs = passes.move(jnp.asarray(b), rmove)
+  dot = jax.jit(lambda l, r: lax.dot_general(
+      l, r, dn, preferred_element_type=jnp.float32))
+
+  def ops(pairs):
+    return [dot(jax.device_put(l), jax.device_put(r)) for l, r in pairs]
+
+  out = passes.BF16[_ALGORITHM[precision]](ops, lhs, rhs, "nearest",
+                                           jnp.bfloat16)
+  assert out_shape == dims.shape
+  return out.reshape(out_shape)
+
+
+@pytest.mark.parametrize("form,precision", _WIDE_CASES,
+                         ids=lambda v: v[0] if isinstance(v, tuple) else str(v))
+def test_bf16_kernel_passes_are_the_library_dots_of_their_parts(
+    form, precision):
+  # Each block of the wider dot (and each pass of a dot that keeps its
+  # passes apart) is the bfloat16 dot its pass runs alone, special values
+  # included: jitted, eager and under vmap.
+  spec, ls, rs = form
+  a, b = _special(ls, 0), _special(rs, 1)
+  want = _one_dot_per_pass(spec, precision, a, b)
+  g = jaxprec.emulate(lambda x, y: jnp.einsum(spec, x, y), precision,
+                      target="tpu")
+  with jaxprec.use_kernel("bf16"):
+    got = [jax.jit(g)(a, b), g(a, b),
+           *jax.vmap(g, in_axes=(0, None))(jnp.stack([a, a]), b)]
+  for x in got:
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint32),
+                                  np.asarray(want).view(np.uint32))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("target,precision",
+                         [("tpu", "default"), ("gpu", "default")] + _MULTI_PASS,
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("approximate", [False, True], ids=["erf", "tanh"])
-def test_f32_kernel_batched_dot_keeps_its_operands_producer_apart(
-    target, precision, approximate):
+def test_a_multi_pass_dot_keeps_its_operands_producer_apart(
+    kernel, target, precision, approximate):
   # The user's op that makes an operand (a GELU) is computed to the bits it
   # has in a program of its own, as across the search's lax.switch: XLA:CPU
   # (jax 0.12.0.1) fused an exact GELU into the fusion that stacks the
@@ -322,12 +405,17 @@ def test_f32_kernel_batched_dot_keeps_its_operands_producer_apart(
   w = (rng.standard_normal((128, 64)) * 0.1).astype(np.float32)
   b = rng.standard_normal((128,)).astype(np.float32)
   gelu = lambda h, b: jax.nn.gelu(h + b, approximate=approximate)  # noqa: E731
-  with jaxprec.use_kernel("f32"):
+  with jaxprec.use_kernel(kernel):
     assert 32 * 128 * 64 <= emulated_ops.BATCH_MACS
-    (dot,) = [l for l in jax.jit(jaxprec.emulate(
+    dots = [l for l in jax.jit(jaxprec.emulate(
         lambda h, w, b: gelu(h, b) @ w, precision, target=target)).lower(
             h, w, b).as_text().splitlines() if "stablehlo.dot_general" in l]
-    assert "batching_dims = [0] x [0]" in dot
+    if precision == "default":
+      assert len(dots) == 1
+    elif kernel == "f32":
+      assert "batching_dims = [0] x [0]" in dots[0]
+    elif precision != "TF32_TF32_F32_X3":  # float32 passes: one dot each
+      assert len(dots) == 1 and "bf16" in dots[0], dots
     fused = jax.jit(jaxprec.emulate(lambda h, w, b: gelu(h, b) @ w, precision,
                                     target=target))(h, w, b)
     apart = jax.jit(jaxprec.emulate(jnp.matmul, precision, target=target))(

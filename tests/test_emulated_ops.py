@@ -538,8 +538,16 @@ def test_lowering_dots_per_kernel(algorithm, bf16_dots, f32_dots, kernel):
     assert hlo_passes.passes(txt) == n and not any("bf16" in d for d in dots)
     # The f32 kernel runs its passes as one batched dot.
     assert len(dots) == (1 if kernel == "f32" else n)
+  elif algorithm == "bf16x1":
+    assert len(dots) == 1 and "bf16>" in dots[0]
   else:
-    assert len(dots) == bf16_dots and all("bf16>" in d for d in dots)
+    # An 8 x 8 dot runs its passes as one wider bfloat16 dot
+    # (emulated_ops._wide_passes): (parts * 8) x 8 times 8 x (parts * 8).
+    (dot,) = dots
+    parts = {"bf16x3": 2, "bf16x6": 3, "bf16x9": 3}[algorithm]
+    assert (f"tensor<{8 * parts}x8xbf16>, tensor<8x{8 * parts}xbf16>"
+            in dot), dot
+    assert hlo_passes.passes(txt) == 1  # one dot: (parts x parts) blocks
 
 
 @pytest.mark.parametrize("algorithm", ["bf16x1", "bf16x3", "bf16x6"])
@@ -549,14 +557,28 @@ def test_lowering_rounds_before_every_narrowing_convert(algorithm, kernel):
   # XLA cannot change the numbers by folding it with a widening convert.
   x = np.ones((8, 8), F32)
   txt = jax.jit(emulated(algorithm)).lower(x, x).as_text()
-  defs = dict(re.findall(r"(%\w+) = (stablehlo\.\w+)", txt))
+  defs = {name: (op, re.findall(r"%\w+", rest.split(" : ")[0]))
+          for name, op, rest in re.findall(
+              r"(%\w+) = (stablehlo\.\w+) ?(.*)", txt)}
   narrowing = re.findall(r"stablehlo.convert (%\w+) : \(tensor<[0-9x]*f32>\) -> "
                          r"tensor<[0-9x]*bf16>", txt)
-  assert len(narrowing) == (0 if kernel == "f32" else 2 * {
-      "bf16x1": 1, "bf16x3": 2, "bf16x6": 3}[algorithm]), txt
+  # One convert per operand: per part, or of the parts stacked for one wider
+  # dot (a concatenate, or a select on the part's index, reshaped).
+  assert len(narrowing) == (0 if kernel == "f32" else {
+      "bf16x1": 2, "bf16x3": 2, "bf16x6": 2}[algorithm]), txt
+
+  def rounded(name):
+    op, operands = defs[name]
+    if op in ("stablehlo.reduce_precision", "stablehlo.bitcast_convert"):
+      return True
+    if op == "stablehlo.select":
+      operands = operands[1:]  # the part's index decides, no value
+    return (op in ("stablehlo.concatenate", "stablehlo.reshape",
+                   "stablehlo.select", "stablehlo.broadcast_in_dim") and
+            all(rounded(o) for o in operands))
+
   for operand in narrowing:
-    assert defs[operand] in ("stablehlo.reduce_precision",
-                             "stablehlo.bitcast_convert"), (operand, txt)
+    assert rounded(operand), (operand, txt)
   compiled = jax.jit(emulated(algorithm)).lower(x, x).compile().as_text()
   assert "reduce-precision(" in compiled
 

@@ -242,6 +242,73 @@ def _batched_passes(pairs, dimension_numbers) -> list[jax.Array]:
   return list(out)
 
 
+# On the bf16 kernel the passes of one emulated dot of at most BATCH_MACS
+# multiply-adds per pass run as one wider bfloat16 dot: the lhs parts stacked
+# along M, the rhs parts side by side along N, each pass's result a block of
+# the product (X3 and X6 compute 4 and 9 blocks for their 3 and 6 passes).
+# Each block is the dot the pass would run on its own, element for element:
+# the same products summed over the same K in the same order, as long as the
+# pass is a dot XLA:CPU hands to its library (``IsDotSupportedByYnn``,
+# openxla/xla xla/backends/cpu/ynn_support.cc: M and N above 1, a dimension of
+# 8 or more), so that the wider one is too (tests/test_emulate_compile.py
+# compares both with each pass run alone). XLA then compiles one kernel that
+# writes every part of an operand and one library call per emulated dot,
+# where separate passes compile one kernel per part and one call per pass:
+# BERT-base at batch 1 x 128 tokens compiles 509 kernels at 3 passes where it
+# had 869 (native: 317; benchmarks/bench_emulate_bert.py). Matrix-vector
+# products and tiny dots keep one dot per pass (XLA computes those in its
+# own loops, and a wider dot would change their path), as do contractions of
+# length 1 (see ``finish`` in _forward) and larger dots, where run time
+# counts.
+WIDE = ("bf16x3", "bf16x6", "bf16x9")
+
+
+def _wide_ok(spec: _Spec, lhs_form, rhs_form) -> bool:
+  """Whether ``spec``'s passes on the canonical forms run as one wider dot."""
+  m, k, n = lhs_form[-2], lhs_form[-1], rhs_form[-1]
+  return (spec.algorithm in WIDE and spec.contraction > 1 and m > 1 and
+          n > 1 and max(m, k, n) >= 8 and
+          int(np.prod(lhs_form[:-1], dtype=np.int64)) * n * k <= BATCH_MACS)
+
+
+def _wide_passes(pairs, one_pass) -> list[jax.Array]:
+  """The bfloat16 dots of ``pairs`` (float32 arrays holding bfloat16 parts,
+  canonical forms ``(B,) M x K`` and ``(B,) K x N``) as one dot of the lhs
+  parts stacked along M and the rhs parts side by side along N, converted to
+  bfloat16 once; one block of the product per pair."""
+  ls, rs = [], []
+  for l, r in pairs:
+    if not any(l is x for x in ls):
+      ls.append(l)
+    if not any(r is x for x in rs):
+      rs.append(r)
+  m_axis, n_axis = ls[0].ndim - 2, rs[0].ndim - 1
+  m, n = ls[0].shape[m_axis], rs[0].shape[n_axis]
+  # Stacked along its major free axis, the lhs is a concatenate that XLA
+  # fuses with the parts into one kernel. Along the minor axis XLA copies a
+  # concatenate's operands apart (measured); a select on the part's index,
+  # reshaped, is one kernel as well.
+  lhs = lax.concatenate(ls, m_axis)
+  shape = (*rs[0].shape[:-1], len(rs), n)  # (B,) K x parts x N
+  dims = (*range(n_axis), n_axis + 1)
+  which = lax.broadcasted_iota(np.int32, shape, n_axis)
+  rhs = lax.broadcast_in_dim(rs[-1], shape, dims)
+  for i in range(len(rs) - 2, -1, -1):
+    rhs = lax.select(which == i, lax.broadcast_in_dim(rs[i], shape, dims), rhs)
+  rhs = rhs.reshape(*rs[0].shape[:-1], len(rs) * n)
+  out = one_pass(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16))
+  blocks = []
+  for l, r in pairs:
+    i = next(j for j, x in enumerate(ls) if x is l)
+    k = next(j for j, x in enumerate(rs) if x is r)
+    start = [0] * out.ndim
+    start[m_axis], start[n_axis] = i * m, k * n
+    limit = list(out.shape)
+    limit[m_axis], limit[n_axis] = (i + 1) * m, (k + 1) * n
+    blocks.append(lax.slice(out, start, limit))
+  return blocks
+
+
 def _chip_forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   """The emulated dot on ``spec.chip``'s tensor cores: each pass of the
   algorithm one chip dot (:func:`tensor_cores.chip_dot`) in the canonical
@@ -291,6 +358,7 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   batched = (spec.op == "dot_general" and spec.kernel == "f32" and
              PASSES[spec.algorithm] > 1 and
              _macs(spec, lhs, rhs) <= BATCH_MACS)
+  wide = dn is not None and _wide_ok(spec, lhs_move[1], rhs_move[1])
   lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
   # Batched, the operands' producers stay out of the fusion that stacks the
   # parts: XLA:CPU (jax 0.12.0.1) fused a GELU into it and computed the GELU
@@ -299,6 +367,12 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
     lhs = lax.optimization_barrier(lhs)
   if spec.guard[1] or batched:
     rhs = lax.optimization_barrier(rhs)
+  if dn is not None and spec.algorithm == "tf32x3":
+    # Its float32 parts: XLA:CPU (jax 0.10.2) fused the last multiply of a
+    # GELU into the fusions that write them, through a barrier, and computed
+    # it to other bits than alone (tests/test_emulate_compile.py). Stored,
+    # the operand is written where nothing reads it fused.
+    lhs, rhs = passes.stored(lhs), passes.stored(rhs)
   lhs, rhs = passes.move(lhs, lhs_move), passes.move(rhs, rhs_move)
   fns = passes.F32 if spec.kernel == "f32" else passes.BF16
   if dn is not None:
@@ -306,7 +380,8 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
     # products, float32 sums, and 0.5x the time of a float32 dot on CPUs with
     # AVX512-BF16 (XLA's dot_algorithm_rewriter.cc, openxla/xla).
     base = functools.partial(lax.dot_general, dimension_numbers=dn)
-    parts = jnp.bfloat16
+    # Wide, the parts are float32 until they are stacked (_wide_passes).
+    parts = jnp.float32 if wide else jnp.bfloat16
   else:
     # The f32 kernel, and convolutions (XLA:CPU widens bfloat16 conv operands
     # to float32 anyway): float32 parts holding bfloat16 values compute the
@@ -341,6 +416,8 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
                        preferred_element_type=jnp.float32), low)
 
   def ops(pairs):
+    if wide:
+      return _wide_passes(pairs, one_pass)
     if len(pairs) == 1 or not batched:
       return [one_pass(l, r) for l, r in pairs]
     return _batched_passes(pairs, dict(spec.params)["dimension_numbers"])

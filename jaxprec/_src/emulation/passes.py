@@ -91,14 +91,24 @@ def stored(total: jax.Array,
   return lax.dynamic_update_slice(total, update, first)
 
 
+def _where(pred: jax.Array, x: jax.Array, y: jax.Array | np.float32
+           ) -> jax.Array:
+  """``jnp.where(pred, x, y)`` for a float32 ``x`` and a ``y`` of its shape
+  or a scalar, as one select. (``jnp.where`` lowers as a function call of
+  its own, which XLA clones and inlines in every emulated op.)"""
+  if np.ndim(y) == 0:
+    y = lax.full_like(x, y)
+  return lax.select(pred, x, y)
+
+
 def _zero_nan(x: jax.Array) -> jax.Array:
   # XLA's ReplaceNaNWithZeros: select(compare(inf >= |x|), x, 0).
-  return jnp.where(jnp.abs(x) <= _INF, x, _ZERO)
+  return _where(lax.abs(x) <= _INF, x, _ZERO)
 
 
 def _zero_nonfinite(x: jax.Array) -> jax.Array:
   # XLA's Triton ZeroNaNs: select(compare(inf > |x|), x, 0).
-  return jnp.where(jnp.abs(x) < _INF, x, _ZERO)
+  return _where(lax.abs(x) < _INF, x, _ZERO)
 
 
 def move(x: jax.Array, how: tuple[tuple[int, ...], tuple[int, ...]] | None
@@ -183,9 +193,9 @@ BF16 = {
 
 def _clean(x: jax.Array, n: int):
   """(finite mask, high part, lower parts zero where x is not finite), float32."""
-  fin = jnp.abs(x) < _INF
+  fin = lax.abs(x) < _INF
   hi, *rest = split_bf16(x, n, dtype=jnp.float32)
-  return (fin, hi, *(jnp.where(fin, p, _ZERO) for p in rest))
+  return (fin, hi, *(_where(fin, p, _ZERO) for p in rest))
 
 
 def _f32x3(ops: _Ops, lhs, rhs, _, __) -> jax.Array:
@@ -193,8 +203,8 @@ def _f32x3(ops: _Ops, lhs, rhs, _, __) -> jax.Array:
   fin, h, l = _clean(rhs, 2)
   # h + l is x rounded to 16 bits: 2**128 for the top 128 float32 values,
   # which float32 cannot hold; its maximum is within 2**-24 (one rounding).
-  b_all = jnp.where(fin, jnp.clip(h + l, -_MAX, _MAX), h)
-  bh0 = jnp.where(fin, h, _ZERO)
+  b_all = _where(fin, lax.clamp(-_MAX, h + l, _MAX), h)
+  bh0 = _where(fin, h, _ZERO)
   small, big = ops([(al, bh0), (ah, b_all)])
   return _last(small, big)
 
@@ -202,7 +212,7 @@ def _f32x3(ops: _Ops, lhs, rhs, _, __) -> jax.Array:
 def _f32x6(ops: _Ops, lhs, rhs, _, __) -> jax.Array:
   ah, am, al = _clean(lhs, 3)[1:]
   fin, h, m, l = _clean(rhs, 3)
-  bh0 = jnp.where(fin, h, _ZERO)
+  bh0 = _where(fin, h, _ZERO)
   bhm, b_all = bh0 + m, (h + m) + l
   lo, mid, big = ops([(al, bh0), (am, bhm), (ah, b_all)])
   return _last(lo + mid, big)
@@ -212,15 +222,15 @@ def _f32x9(ops: _Ops, lhs, rhs, _, __) -> jax.Array:
   ah, am, al = _clean(lhs, 3)[1:]
   fin, h, m, l = _clean(rhs, 3)
   b_all = (h + m) + l
-  b_all0 = jnp.where(fin, b_all, _ZERO)
+  b_all0 = _where(fin, b_all, _ZERO)
   lo, mid, big = ops([(al, b_all0), (am, b_all0), (ah, b_all)])
   return _last(lo + mid, big)
 
 
 def _f32_tf32x3(x: jax.Array, mode: str):
   big, small = split_tf32(x, mode)
-  fin = jnp.abs(big) < _INF  # also where x rounds to TF32 past float32's max
-  return big, jnp.where(fin, small, _ZERO), jnp.where(fin, big, _ZERO)
+  fin = lax.abs(big) < _INF  # also where x rounds to TF32 past float32's max
+  return big, _where(fin, small, _ZERO), _where(fin, big, _ZERO)
 
 
 def _f32_tf32x3_pass(ops: _Ops, lhs, rhs, rounding, _) -> jax.Array:
