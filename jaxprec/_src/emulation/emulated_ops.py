@@ -360,12 +360,13 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
              _macs(spec, lhs, rhs) <= BATCH_MACS)
   wide = dn is not None and _wide_ok(spec, lhs_move[1], rhs_move[1])
   lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
-  # Batched, the operands' producers stay out of the fusion that stacks the
-  # parts: XLA:CPU (jax 0.12.0.1) fused a GELU into it and computed the GELU
-  # to other bits than in its own fusions (tests/test_switch.py).
-  if spec.guard[0] or batched:
+  # Batched or wide, the operands' producers stay out of the fusion that
+  # stacks the parts: XLA:CPU (jax 0.12.0.1) fused a GELU into it and
+  # computed the GELU to other bits than in its own fusions
+  # (tests/test_switch.py, tests/test_emulate_compile.py).
+  if spec.guard[0] or batched or wide:
     lhs = lax.optimization_barrier(lhs)
-  if spec.guard[1] or batched:
+  if spec.guard[1] or batched or wide:
     rhs = lax.optimization_barrier(rhs)
   if dn is not None and spec.algorithm == "tf32x3":
     # Its float32 parts: XLA:CPU (jax 0.10.2) fused the last multiply of a
