@@ -322,9 +322,14 @@ def test_bf16_kernel_keeps_one_dot_per_pass_where_a_wider_dot_would_change_path(
   assert len(_bf16_dots(jnp.matmul, v, x.T)) == 3
   assert len(_bf16_dots(jnp.matmul, s, s)) == 3
   assert len(_bf16_dots(jnp.matmul, x[:, :1], x[:1, :])) == 3
-  # Above BATCH_MACS run time counts: one dot per pass.
+  # Above BATCH_MACS run time counts, above WIDE_ELEMENTS memory: one dot per
+  # pass.
   monkeypatch.setattr(emulated_ops, "BATCH_MACS", 16 * 32 * 16 - 1)
   assert len(_bf16_dots(jnp.matmul, x, x.T)) == 3
+  monkeypatch.undo()
+  monkeypatch.setattr(emulated_ops, "WIDE_ELEMENTS", 2**2 * 16 * 16 - 1)
+  assert len(_bf16_dots(jnp.matmul, x, x.T)) == 3
+  assert len(_bf16_dots(jnp.matmul, x[:15], x.T)) == 1
 
 
 def test_f32_kernel_runs_the_passes_of_a_large_dot_apart(monkeypatch):

@@ -260,15 +260,20 @@ def _batched_passes(pairs, dimension_numbers) -> list[jax.Array]:
 # own loops, and a wider dot would change their path), as do contractions of
 # length 1 (see ``finish`` in _forward) and larger dots, where run time
 # counts.
-WIDE = ("bf16x3", "bf16x6", "bf16x9")
+# The wider dot's result holds parts**2 blocks: at most WIDE_ELEMENTS float32
+# values (128 MiB), beyond which its memory counts more than compile time.
+WIDE = {"bf16x3": 2, "bf16x6": 3, "bf16x9": 3}  # parts of each operand
+WIDE_ELEMENTS = 2**25
 
 
 def _wide_ok(spec: _Spec, lhs_form, rhs_form) -> bool:
   """Whether ``spec``'s passes on the canonical forms run as one wider dot."""
+  if spec.algorithm not in WIDE or spec.contraction <= 1:
+    return False
   m, k, n = lhs_form[-2], lhs_form[-1], rhs_form[-1]
-  return (spec.algorithm in WIDE and spec.contraction > 1 and m > 1 and
-          n > 1 and max(m, k, n) >= 8 and
-          int(np.prod(lhs_form[:-1], dtype=np.int64)) * n * k <= BATCH_MACS)
+  out = int(np.prod(lhs_form[:-1], dtype=np.int64)) * n  # (B,) M x N
+  return (m > 1 and n > 1 and max(m, k, n) >= 8 and out * k <= BATCH_MACS and
+          WIDE[spec.algorithm]**2 * out <= WIDE_ELEMENTS)
 
 
 def _wide_passes(pairs, one_pass) -> list[jax.Array]:
