@@ -21,6 +21,8 @@ run, for each emulation kernel (``bf16``, ``f32``; ``docs/emulation.md``):
       [--compile-repeats 5] [--import-repeats 7]
   python benchmarks/bench_emulate_bert.py --quick    # 2 layers, seq 32: seconds
   python benchmarks/bench_emulate_bert.py --split    # + trace/lower vs compile
+  python benchmarks/bench_emulate_bert.py --multi-pass  # + run time at 3 and 6
+      passes, the bf16 kernel's wider dot against one dot per pass
 """
 
 import argparse
@@ -77,6 +79,37 @@ def cpu_line() -> str:
           f"avx512_bf16: {'yes' if has else 'no'}")
 
 
+def multi_pass_run_times(forward, params, ids, repeats: int) -> None:
+  """The forward at 3 and 6 passes on the ``bf16`` kernel, its passes as one
+  wider dot (the default below ``BATCH_MACS``) and one dot per pass, both
+  compiled first, then timed alternately; ratios of medians to native."""
+  from jaxprec._src.emulation import emulated_ops  # pylint: disable=g-import-not-at-top
+  native = jax.jit(forward)
+  jax.block_until_ready(native(params, ids))
+  saved = emulated_ops.BATCH_MACS
+  for precision in ("high", "highest"):
+    fns = {}
+    with jaxprec.use_kernel("bf16"):
+      for form, macs in (("wider dot", saved), ("dot per pass", -1)):
+        emulated_ops.BATCH_MACS = macs
+        try:
+          fns[form] = jax.jit(jaxprec.emulate(forward, precision, target="tpu"))
+          jax.block_until_ready(fns[form](params, ids))  # compile
+        finally:
+          emulated_ops.BATCH_MACS = saved
+      times = {"native": [], **{f: [] for f in fns}}
+      for _ in range(repeats):
+        t = time.perf_counter(); jax.block_until_ready(native(params, ids))
+        times["native"].append(time.perf_counter() - t)
+        for form, fn in fns.items():
+          t = time.perf_counter(); jax.block_until_ready(fn(params, ids))
+          times[form].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"forward at {precision} (bf16 kernel): " + "; ".join(
+        f"{form} {med[form] * 1e3:.1f} ms ({med[form] / med['native']:.2f}x native)"
+        for form in fns) + f"; native {med['native'] * 1e3:.1f} ms")
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--batch", type=_positive, default=1)
@@ -89,6 +122,10 @@ def main() -> None:
                   help="fresh interpreters timing `import jaxprec` (0: skip)")
   ap.add_argument("--split", action="store_true",
                   help="also print trace+lower and XLA compile times apart")
+  ap.add_argument("--multi-pass", action="store_true",
+                  help="also time the forward at 3 and 6 passes on the bf16 "
+                  "kernel: its passes as one wider dot against one dot per "
+                  "pass (emulated_ops.BATCH_MACS = -1)")
   ap.add_argument("--quick", action="store_true",
                   help="1 layer, seq 16, 3 repeats: a few seconds")
   args = ap.parse_args()
@@ -136,6 +173,9 @@ def main() -> None:
     print(f"emulated 1 pass, {k:4s} kernel: median {med[k] * 1e3:8.1f} ms, ratio "
           f"{r:.2f}x (limit {RUN_LIMIT}x: {'ok' if r <= RUN_LIMIT else 'MISSED'}); "
           f"max |emulated - native| = {diff[k]:.3g}")
+
+  if args.multi_pass:
+    multi_pass_run_times(forward, params, ids, args.repeats)
 
   # Compile times, fresh functions each; a native compile next to each
   # emulated one, --compile-repeats times, medians (one compile of BERT-base

@@ -41,6 +41,16 @@ def test_bench_emulate_bert_quick(tmp_path):
   assert "medians of 1 fresh compiles" in out, out
 
 
+def test_bench_emulate_bert_multi_pass_times_both_forms(tmp_path):
+  pytest.importorskip("transformers")
+  out = run("bench_emulate_bert.py", "--quick", "--multi-pass", "--import-repeats=0",
+            tmp_path=tmp_path).stdout
+  for precision in ("high", "highest"):
+    assert re.search(rf"forward at {precision} \(bf16 kernel\): wider dot [\d.]+ ms "
+                     r"\([\d.]+x native\); dot per pass [\d.]+ ms \([\d.]+x native\)",
+                     out), out
+
+
 @pytest.mark.parametrize("arg", ["--compile-repeats=0", "--repeats=-1", "--layers=0"])
 def test_bench_emulate_bert_refuses_a_count_below_one(tmp_path, arg):
   proc = run("bench_emulate_bert.py", arg, ok=False, tmp_path=tmp_path)
