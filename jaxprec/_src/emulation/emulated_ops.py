@@ -348,8 +348,10 @@ def _chip_forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   return lax.optimization_barrier(out.astype(spec.out_dtype))
 
 
-def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  """The emulated op."""
+def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, *,
+             widen: bool = True) -> jax.Array:
+  """The emulated op (``widen=False``: one dot per pass on the bf16 kernel,
+  the algorithm's passes as :func:`written_out` shows them)."""
   if spec.algorithm == "f32":  # a shape rule's exact float32 (spec.rule)
     out = spec.lax_op()(lhs, rhs, precision=_EXACT,
                         preferred_element_type=spec.preferred_element_type)
@@ -363,7 +365,7 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   batched = (spec.op == "dot_general" and spec.kernel == "f32" and
              PASSES[spec.algorithm] > 1 and
              _macs(spec, lhs, rhs) <= BATCH_MACS)
-  wide = dn is not None and _wide_ok(spec, lhs_move[1], rhs_move[1])
+  wide = widen and dn is not None and _wide_ok(spec, lhs_move[1], rhs_move[1])
   lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
   # Batched or wide, the operands' producers stay out of the fusion that
   # stacks the parts: XLA:CPU (jax 0.12.0.1) fused a GELU into it and
@@ -1045,13 +1047,15 @@ def _grouped(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers,
 def written_out(closed):
   """``closed`` with every emulated op written out as its passes: the
   float32 and bfloat16 matmuls it runs, as :func:`jaxprec.audit` and
-  :func:`jaxprec.cost` count them."""
+  :func:`jaxprec.cost` count them (on the bf16 kernel one dot per pass,
+  where the compiled program may run them as one wider dot: the audit and
+  the cost count the algorithm's passes, not the blocks that adds)."""
   def rule(eqn, invals):
     if eqn.primitive.name == "jaxprec_traced":  # a library primitive's body
       return walker.interpret(walker.traced_body(eqn), rule, *invals)
     if eqn.primitive is not _emulated_p:
       return None
-    return [_forward(eqn.params["spec"], *invals)]
+    return [_forward(eqn.params["spec"], *invals, widen=False)]
   if not any(w.eqn.primitive is _emulated_p for w in walker.iter_eqns(closed)):
     return closed
   return walker.transform(closed, rule)
