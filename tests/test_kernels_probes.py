@@ -41,7 +41,10 @@ WITH_UNITS, WITHOUT_UNITS = "avx512f avx512_bf16", "avx2 fma"
 
 
 def _dots(fn, x) -> int:
-  """The passes of ``fn``'s emulated dots (tests/hlo_passes.py)."""
+  """The passes of ``fn``'s emulated dots (tests/hlo_passes.py); ``x`` is
+  4 x 4, a dot the bf16 kernel runs as one dot per pass (a larger one runs
+  as one wider dot: emulated_ops._wide_passes)."""
+  assert max(x.shape) < 8, x.shape
   return hlo_passes.passes(fn.lower(x, x).as_text())
 
 
@@ -139,7 +142,7 @@ def test_what_current_kernel_reports_is_what_a_jitted_function_runs(
     monkeypatch, auto):
   auto(WITH_UNITS)  # X3: 3 bf16 dots
   fn = jax.jit(lambda a, b: jaxprec.emulated_dot_general(a, b, MATMUL, "high"))
-  x = np.ones((8, 8), np.float32)
+  x = np.ones((4, 4), np.float32)
   assert _dots(fn, x) == 3
   monkeypatch.setenv(kernels.ENV_VAR, "f32")  # a notebook cell, say
   with pytest.warns(UserWarning, match="read once per process"):
@@ -181,7 +184,7 @@ def test_auto_computes_what_the_kernel_it_picks_computes(monkeypatch, auto,
   # gives bit for bit the numbers of the kernel it reports.
   auto(flags)
   a, b = _operands()
-  x = np.ones((8, 8), np.float32)
+  x = np.ones((4, 4), np.float32)
   fn = jax.jit(lambda p, q: jaxprec.emulated_dot_general(p, q, MATMUL, "high"))
   via_auto = np.asarray(fn(a, b))
   picked = jaxprec.current_kernel().kernel_for("bf16x3")
