@@ -5,8 +5,9 @@ they differ in the dots that run the passes (``docs/emulation.md``, "How it
 runs: two kernels"):
 
 ``'bf16'``
-  One bfloat16-operand dot with float32 results per pass, combined in XLA's
-  order: bit for bit XLA's result at contraction length 1.
+  One bfloat16-operand dot with float32 results per pass (a small dot's
+  passes as blocks of one wider dot, each the same library dot), combined in
+  XLA's order: bit for bit XLA's result at contraction length 1.
 ``'f32'``
   Float32 dots on operands rounded in float32, passes merged where the
   products stay exact: within the accumulation bound of the ``bf16`` kernel,
