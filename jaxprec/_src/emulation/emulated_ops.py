@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -262,7 +263,7 @@ def _batched_passes(pairs, dimension_numbers) -> list[jax.Array]:
 # counts.
 # The wider dot's result holds parts**2 blocks: at most WIDE_ELEMENTS float32
 # values (128 MiB), beyond which its memory counts more than compile time.
-WIDE = {"bf16x3": 2, "bf16x6": 3, "bf16x9": 3}  # parts of each operand
+WIDE = ("bf16x3", "bf16x6", "bf16x9")
 WIDE_ELEMENTS = 2**25
 
 
@@ -272,8 +273,11 @@ def _wide_ok(spec: _Spec, lhs_form, rhs_form) -> bool:
     return False
   m, k, n = lhs_form[-2], lhs_form[-1], rhs_form[-1]
   out = int(np.prod(lhs_form[:-1], dtype=np.int64)) * n  # (B,) M x N
+  # Each operand's bfloat16 parts: the fewest whose grid of products holds
+  # the passes (2 for X3, 3 for X6 and X9; rounding.split_bf16).
+  parts = math.isqrt(PASSES[spec.algorithm] - 1) + 1
   return (m > 1 and n > 1 and max(m, k, n) >= 8 and out * k <= BATCH_MACS and
-          WIDE[spec.algorithm]**2 * out <= WIDE_ELEMENTS)
+          parts * parts * out <= WIDE_ELEMENTS)
 
 
 def _wide_passes(pairs, one_pass) -> list[jax.Array]:
