@@ -255,7 +255,7 @@ def _batched_passes(pairs, dimension_numbers) -> list[jax.Array]:
 # compares both with each pass run alone). XLA then compiles one kernel that
 # writes every part of an operand and one library call per emulated dot,
 # where separate passes compile one kernel per part and one call per pass:
-# BERT-base at batch 1 x 128 tokens compiles 509 kernels at 3 passes where it
+# BERT-base at batch 1 x 128 tokens compiles 425 kernels at 3 passes where it
 # had 869 (native: 317; benchmarks/bench_emulate_bert.py). Matrix-vector
 # products and tiny dots keep one dot per pass (XLA computes those in its
 # own loops, and a wider dot would change their path), as do contractions of
