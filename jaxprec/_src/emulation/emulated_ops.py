@@ -260,7 +260,8 @@ def _batched_passes(pairs, dimension_numbers) -> list[jax.Array]:
 # products and tiny dots keep one dot per pass (XLA computes those in its
 # own loops, and a wider dot would change their path), as do contractions of
 # length 1 (see ``finish`` in _forward) and larger dots, where run time
-# counts.
+# counts: the blocks no pass needs cost run time (BERT-base's forward runs
+# 1.38x as long at 3 passes; docs/performance.md).
 # The wider dot's result holds parts**2 blocks: at most WIDE_ELEMENTS float32
 # values (128 MiB), beyond which its memory counts more than compile time.
 WIDE = ("bf16x3", "bf16x6", "bf16x9")
@@ -285,12 +286,17 @@ def _wide_passes(pairs, one_pass) -> list[jax.Array]:
   canonical forms ``(B,) M x K`` and ``(B,) K x N``) as one dot of the lhs
   parts stacked along M and the rhs parts side by side along N, converted to
   bfloat16 once; one block of the product per pair."""
-  ls, rs = [], []
+  ls, rs, at = [], [], []  # the distinct parts; each pair's (row, column)
+
+  def index(parts, x):
+    for i, y in enumerate(parts):
+      if y is x:
+        return i
+    parts.append(x)
+    return len(parts) - 1
+
   for l, r in pairs:
-    if not any(l is x for x in ls):
-      ls.append(l)
-    if not any(r is x for x in rs):
-      rs.append(r)
+    at.append((index(ls, l), index(rs, r)))
   m_axis, n_axis = ls[0].ndim - 2, rs[0].ndim - 1
   m, n = ls[0].shape[m_axis], rs[0].shape[n_axis]
   # Stacked along its major free axis, the lhs is a concatenate that XLA
@@ -307,9 +313,7 @@ def _wide_passes(pairs, one_pass) -> list[jax.Array]:
   rhs = rhs.reshape(*rs[0].shape[:-1], len(rs) * n)
   out = one_pass(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16))
   blocks = []
-  for l, r in pairs:
-    i = next(j for j, x in enumerate(ls) if x is l)
-    k = next(j for j, x in enumerate(rs) if x is r)
+  for i, k in at:
     start = [0] * out.ndim
     start[m_axis], start[n_axis] = i * m, k * n
     limit = list(out.shape)
