@@ -41,6 +41,7 @@ from jaxprec._src.core.env import env_for
 from jaxprec._src.core.env import set_default
 from jaxprec._src.core.env import validate_env
 from jaxprec._src.core.numerics import UnsupportedAlgorithmError
+from jaxprec._src.core.numerics import float8_types
 from jaxprec._src.core.precision import Precision
 from jaxprec._src.core.precision import PrecisionLike
 from jaxprec._src.core.precision import resolve
@@ -177,6 +178,7 @@ __all__ = (
     "enable_compilation_cache",
     "env_for",
     "explain",
+    "float8_types",
     "named_layers",
     "policy_from_env",
     "policy_report",

@@ -114,8 +114,22 @@ def test_deliberately_broken_layer_is_found():
   assert (first.layer, first.index, first.exact) == ("layer_2", 2, True)
   m = r.metric("max_abs", "float32")
   assert max(m[:2]) < 1e-6 < m[2] / 100
-  r = jaxprec.check(rounded, W, X, precisions=["float32"], mode="emulate")
+
+
+def test_a_cast_to_bfloat16_is_where_the_check_first_diverges():
+  # Layer 1's bfloat16 rounding turns the float32 check's differences of
+  # about 3e-7 into whole bfloat16 steps wherever they cross a rounding
+  # midpoint, which takes many elements: 1024 rows flip 15 of them on jax
+  # 0.10.2 and 5 on 0.12.1 (8 rows flipped one on 0.10.2 and none on 0.12.1).
+  # NumPy's inputs: jax.random.normal's bits changed in jax 0.12.1 (XLA:CPU's
+  # erf_inv did; jax.random.bits did not).
+  rng = np.random.default_rng(0)
+  w = (rng.standard_normal((4, 48, 48)) / np.sqrt(48)).astype(np.float32)
+  x = rng.standard_normal((1024, 48)).astype(np.float32)
+  r = jaxprec.check(rounded, w, x, precisions=["float32"], mode="emulate")
   assert r.first_divergence(1e-5, 1e-5, precision="float32").layer == "layer_1"
+  m = r.metric("max_abs", "float32")
+  assert m[0] < 1e-6 and m[1] >= 2.0**-9  # at least half a bfloat16 step
 
 
 def test_first_divergence_with_other_tolerances(mlp_report):

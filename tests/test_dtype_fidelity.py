@@ -418,3 +418,23 @@ def test_gradients_of_a_bf16_model_run_emulated():
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g2)):
     assert a.dtype == jnp.float32 and np.all(np.isfinite(a))
     np.testing.assert_allclose(a, b, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.skipif(not hasattr(lax, "fmuladd"),
+                    reason=f"jax {jax.__version__} has no lax.fmuladd (0.12.1+)")
+def test_bf16_fmuladd_is_a_float32_fma_rounded_once_and_fma_runs_as_written():
+  # A TPU computes a bfloat16 fmuladd as a float32 fma rounded to bfloat16
+  # (jax.lax.fmuladd's docstring): exact in float64 here (the products of
+  # bfloat16 values have 16 bits, and the sums below lose none), then float32,
+  # then bfloat16.
+  rng = np.random.default_rng(0)
+  a, b, c = (rng.standard_normal(512).astype(BF16) for _ in range(3))
+  got = jax.jit(jaxprec.emulate(lax.fmuladd))(a, b, c)
+  exact = (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64))
+  np.testing.assert_array_equal(bits(got), bits(rb(f32(exact))))
+  # fma rounds once in its own dtype: widening would round twice, so the
+  # emulation leaves it as written (XLA:CPU rejects a bfloat16 fma).
+  jaxpr = jax.make_jaxpr(jaxprec.emulate(lax.fma))(a, b, c)
+  (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "fma"]
+  assert all(v.aval.dtype == jnp.bfloat16 for v in eqn.invars)
+  assert walker.classify("fma") == walker.classify("fmuladd") == "no_matmul"

@@ -10,7 +10,10 @@ from jaxprec._src.core import names
 P = lax.Precision
 D = lax.DotAlgorithmPreset
 
-JAX_FLAG_VALUES = sorted(names.JAX_FLAG_VALUES)
+# The flag's values on the installed JAX (names.PRESETS_SINCE: a preset of
+# a newer release is refused, tested below).
+JAX_FLAG_VALUES = sorted(v for v in names.JAX_FLAG_VALUES if not names.too_new(v))
+NEWER_PRESETS = sorted(names.PRESETS_SINCE)
 
 
 @pytest.mark.parametrize("value", JAX_FLAG_VALUES)
@@ -94,12 +97,14 @@ def test_frozen_hashable_and_equal_ignoring_source():
 
 def test_canonical_tables_agree():
   from jaxprec._src.core.precision import _CANONICAL
-  assert set(_CANONICAL) == set(names.FLAGS)
+  # Every name but the presets of a newer JAX than the installed one.
+  assert set(_CANONICAL) == {n for n in names.FLAGS if not names.too_new(n)}
   for n, p in _CANONICAL.items():
     assert p.flag == names.FLAGS[n]
     assert p.flag is None or p.flag in names.JAX_FLAG_VALUES
   for alias, canon in names.ALIASES.items():
-    assert jaxprec.resolve(alias).name == canon
+    if not names.too_new(canon):
+      assert jaxprec.resolve(alias).name == canon
 
 
 @pytest.mark.parametrize("bad,expect", [
@@ -140,3 +145,48 @@ def test_a_policy_is_not_a_precision():
   with pytest.raises(ValueError, match="a Policy is not one precision; pass it to "
                                        "jaxprec.swap or jaxprec.emulate"):
     jaxprec.resolve(policy)
+
+
+@pytest.mark.parametrize("name", NEWER_PRESETS)
+def test_a_preset_of_a_newer_jax_is_named_with_its_release(name):
+  # jax 0.12.1 added the float8 split presets; an older JAX rejects them.
+  assert names.too_new(name, (0, 12, 0)) == (
+      f"{name} is a lax.DotAlgorithmPreset of jax 0.12.1 and newer; this JAX "
+      f"is 0.12.0")
+  assert names.too_new(name, (0, 12, 1)) is None
+  env = {names.ENV_VAR: name}
+  if hasattr(D, name):
+    assert jaxprec.resolve(name).preset is getattr(D, name)
+    names.check_env_before_jax(env)  # JAX's flag takes it
+    assert env == {names.ENV_VAR: name}
+    return
+  with pytest.raises(ValueError, match=rf"Invalid precision '{name.lower()}': {name} "
+                     r"is a lax.DotAlgorithmPreset of jax 0.12.1 and newer; "
+                     r"this JAX is 0\.10") as e:
+    jaxprec.resolve(name.lower())
+  assert "Did you mean" not in str(e.value)
+  with pytest.raises(ValueError, match=rf"JAX_DEFAULT_MATMUL_PRECISION: .*"
+                     rf"{name} is a lax.DotAlgorithmPreset of jax 0.12.1"):
+    names.check_env_before_jax(env)
+  assert name not in jaxprec.valid_names()
+
+
+@pytest.mark.parametrize("name", NEWER_PRESETS)
+def test_the_float8_split_presets_are_named_and_refused_as_not_modelled(name):
+  if not hasattr(D, name):
+    pytest.skip(f"jax {jax.__version__} has no DotAlgorithmPreset {name}")
+  import jax.numpy as jnp
+  p = jaxprec.resolve(getattr(D, name))
+  for n in (p.tpu, p.gpu):
+    assert not n.supported and not n.modelled and n.pass_format == "float8"
+    assert n.passes == (3 if name.endswith("X3") else 4)
+  assert not p.cpu.supported  # JAX refuses it on CPU
+  x = jnp.ones((4, 4), jnp.float32)
+  f = lambda a: lax.dot(a, a, precision=getattr(D, name))  # noqa: E731
+  for target in ("tpu", "gpu"):
+    with pytest.raises(jaxprec.UnsupportedAlgorithmError,
+                       match=rf"{name} .*jaxprec does not model this "
+                             rf"algorithm.*{target.upper()}"):
+      jaxprec.emulate(f, target=target)(x)
+  (row,) = jaxprec.audit(f, x).rows
+  assert row.risky and "not modelled" in row.reason

@@ -27,6 +27,16 @@ Sources:
   ``F32_F32_F32`` for float32 operands on Ampere and newer. An algorithm a
   target does not run is a compile error there, never a silent fallback, and
   jaxprec says so wherever it meets one (:func:`meaning`).
+* Which presets a CPU refuses is not in this table: JAX's dot lowering
+  decides (``_handle_dot_precision`` in ``jax/_src/lax/lax.py``, which took
+  ``F16_F16_F32`` from jax 0.12.1 on), so :mod:`jaxprec._src.core.precision`
+  asks the installed JAX.
+* The float8 split presets of jax 0.12.1 (``F8E4M3FN_F8E4M3FN_F32_X3`` and
+  ``_X4``): their docstrings in ``jax/_src/lax/lax.py`` and the algorithm
+  they lower to (``hlo.DotAlgorithm`` with float8_e4m3fn operands, float32
+  accumulation, 3 or 4 primitive operations). XLA scales each operand into
+  float8_e4m3fn's range before it splits it, in a rewrite this table does not
+  model: :data:`UNMODELLED`.
 """
 
 from __future__ import annotations
@@ -63,6 +73,9 @@ class Numerics:
       (exact float32 is one native dot).
     targets: the targets that run it (:data:`TARGETS`).
     note: one line for humans.
+    modelled: False for an algorithm jaxprec names but does not model
+      (:data:`UNMODELLED`): neither emulated nor costed, and refused with a
+      message that says so.
   """
 
   algorithm: str
@@ -72,6 +85,7 @@ class Numerics:
   pass_format: str = ""
   dots: tuple[int, int, int] | None = None
   targets: tuple[str, ...] = ()
+  modelled: bool = True
 
   @property
   def rel_error(self) -> float:
@@ -81,8 +95,9 @@ class Numerics:
 
   @property
   def supported(self) -> bool:
-    """False for the :data:`UNSUPPORTED` meaning."""
-    return self.passes > 0
+    """False for the :data:`UNSUPPORTED` meaning and for an algorithm
+    jaxprec does not model (:data:`UNMODELLED`)."""
+    return self.passes > 0 and self.modelled
 
 
 def numerics_dict(n: Numerics) -> dict[str, Any]:
@@ -131,26 +146,39 @@ RECORDS: Mapping[str, Numerics] = {n.algorithm: n for n in (
     Numerics(algorithm="f8", passes=1, operand_bits=4, pass_format="float8",
              targets=_BOTH,
              note="8-bit float operands (for 8-bit float inputs only)"),
+    # jax 0.12.1: bfloat16 or float32 operands, each scaled into
+    # float8_e4m3fn's range and split into a float8_e4m3fn part and a
+    # float8_e4m3fn residual; 3 float8 dots (the residual x residual product
+    # dropped) or all 4, float32 accumulation (DotAlgorithmPreset's
+    # docstrings, jax/_src/lax/lax.py). About 8 significand bits per operand
+    # (two parts of 4). How XLA picks the scale, and which chips run it, is
+    # in XLA's rewrite, which jaxprec does not model.
+    Numerics(algorithm="f8e4m3fn_x3", passes=3, operand_bits=8,
+             pass_format="float8", modelled=False,
+             note="3 float8_e4m3fn passes on scaled parts (not modelled by "
+                  "jaxprec)"),
+    Numerics(algorithm="f8e4m3fn_x4", passes=4, operand_bits=8,
+             pass_format="float8", modelled=False,
+             note="4 float8_e4m3fn passes on scaled parts (not modelled by "
+                  "jaxprec)"),
 )}
+
+# The algorithms jaxprec names but does not model: resolved, audited as
+# "not modelled", and refused by the emulation with a message that says so.
+UNMODELLED = tuple(a for a, r in RECORDS.items() if not r.modelled)
 
 # What a target answers for an algorithm it does not run.
 UNSUPPORTED = Numerics(algorithm="unsupported", passes=0, operand_bits=0,
                        note="not supported on this backend")
 # CPU ignores every level and the presets it runs: all give the same
-# float32 results (the presets it refuses: CPU_REFUSED).
+# float32 results (the presets it refuses: CPU_UNSUPPORTED).
 CPU = Numerics(algorithm="f32", passes=1, operand_bits=24,
                pass_format="float32",
                note="exact float32: CPU ignores every precision level")
 
-# The presets JAX's dot_general lowering refuses on CPU, "not supported by
-# dot_general on CPU" (jax/_src/lax/lax.py, _handle_dot_precision, which takes
-# DEFAULT, F16_F16_F16, F32_F32_F32, F64_F64_F64 and BF16_BF16_F32 up to X6
-# there); tests/test_fp8_and_algorithms.py checks the set against JAX.
-CPU_REFUSED = frozenset({
-    "ANY_F8_ANY_F8_F32", "ANY_F8_ANY_F8_F32_FAST_ACCUM", "ANY_F8_ANY_F8_ANY",
-    "ANY_F8_ANY_F8_ANY_FAST_ACCUM", "F16_F16_F32", "BF16_BF16_BF16",
-    "BF16_BF16_F32_X9", "TF32_TF32_F32", "TF32_TF32_F32_X3"})
-# What a CPU answers for them.
+# What a CPU answers for a preset JAX's dot lowering refuses there ("not
+# supported by dot_general on CPU"; jaxprec._src.core.precision asks the
+# installed JAX which).
 CPU_UNSUPPORTED = Numerics(
     algorithm="unsupported", passes=0, operand_bits=0,
     note="JAX refuses the preset on CPU (not supported by dot_general on "
@@ -172,6 +200,8 @@ PRESETS: Mapping[str, str] = {
     "F32_F32_F32": "f32", "F64_F64_F64": "f64",
     "ANY_F8_ANY_F8_F32": "f8", "ANY_F8_ANY_F8_F32_FAST_ACCUM": "f8",
     "ANY_F8_ANY_F8_ANY": "f8", "ANY_F8_ANY_F8_ANY_FAST_ACCUM": "f8",
+    "F8E4M3FN_F8E4M3FN_F32_X3": "f8e4m3fn_x3",
+    "F8E4M3FN_F8E4M3FN_F32_X4": "f8e4m3fn_x4",
 }
 # Algorithms JAX computes itself (no emulation kernel: the lax op runs as
 # recorded). 'f8' has no kernel either: the emulation widens its float8
@@ -192,7 +222,7 @@ def meaning(algorithm: str, target: str) -> Numerics:
   """What ``target`` (one of :data:`TARGETS`) computes for ``algorithm``: its
   record where the target runs it, :data:`UNSUPPORTED` where it does not."""
   r = record(algorithm)
-  return r if target in r.targets else UNSUPPORTED
+  return r if target in r.targets or not r.modelled else UNSUPPORTED
 
 
 def float32_algorithm(target: str) -> str:

@@ -24,9 +24,42 @@ PRESETS = (
     "ANY_F8_ANY_F8_ANY_FAST_ACCUM", "F16_F16_F16", "F16_F16_F32",
     "BF16_BF16_BF16", "BF16_BF16_F32", "BF16_BF16_F32_X3", "BF16_BF16_F32_X6",
     "BF16_BF16_F32_X9", "TF32_TF32_F32", "TF32_TF32_F32_X3", "F32_F32_F32",
-    "F64_F64_F64",
+    "F64_F64_F64", "F8E4M3FN_F8E4M3FN_F32_X3", "F8E4M3FN_F8E4M3FN_F32_X4",
 )
 FLAGS.update({p: p for p in PRESETS})
+
+# The presets a JAX release added after jax 0.10.0, the oldest jaxprec
+# supports: the first release that has each (lax.DotAlgorithmPreset and
+# the flag's values in jax/_src/config.py). An older JAX rejects the name.
+PRESETS_SINCE: dict[str, tuple[int, int, int]] = {
+    "F8E4M3FN_F8E4M3FN_F32_X3": (0, 12, 1),
+    "F8E4M3FN_F8E4M3FN_F32_X4": (0, 12, 1),
+}
+
+
+def installed_jax() -> tuple[int, int, int] | None:
+  """The installed jax release as ``(major, minor, patch)``, read from its
+  package metadata without importing it; None where it cannot be read."""
+  from importlib import metadata
+  try:
+    parts = metadata.version("jax").split(".")[:3]
+    return tuple(int("".join(c for c in x if c.isdigit()) or 0)
+                 for x in parts)  # type: ignore[return-value]
+  except (metadata.PackageNotFoundError, ValueError):
+    return None
+
+
+def too_new(name: str, release: tuple[int, int, int] | None = None
+            ) -> str | None:
+  """Why the installed JAX (or ``release``) lacks the preset ``name``; None
+  where it has it (or the release cannot be read)."""
+  since = PRESETS_SINCE.get(name)
+  release = installed_jax() if release is None else release
+  if since is None or release is None or release >= since:
+    return None
+  have = ".".join(map(str, release))
+  return (f"{name} is a lax.DotAlgorithmPreset of jax "
+          f"{'.'.join(map(str, since))} and newer; this JAX is {have}")
 
 # Exactly what JAX's flag accepts (jax/_src/config.py, default_matmul_precision).
 JAX_FLAG_VALUES = frozenset(
@@ -161,6 +194,11 @@ def check_choice(value: object, choices: Sequence[str], kind: str, *,
   raise unknown(kind, value, choices, error=error)
 
 
+def _presets_here() -> int:
+  """How many preset names the installed JAX has (:data:`PRESETS_SINCE`)."""
+  return sum(1 for p in PRESETS if not too_new(p))
+
+
 def _aliases(name: str) -> list[str]:
   """The spellings of ``name`` other than its own, in :data:`ALIASES` order."""
   return [a for a, c in ALIASES.items() if c == name and a != name.lower()]
@@ -175,14 +213,14 @@ def _grouped_names() -> str:
   preset_aliases = [f"{a} for {c}" for a, c in ALIASES.items()
                     if c in PRESETS and a != c.lower()]
   also = f"; {', '.join(preset_aliases)}" if preset_aliases else ""
-  return (f"the levels {levels}; backend-default (or None); {len(PRESETS)} "
+  return (f"the levels {levels}; backend-default (or None); {_presets_here()} "
           f"lax.DotAlgorithmPreset names such as BF16_BF16_F32_X3 and "
           f"F32_F32_F32{also}. Any letter case, lax.Precision and "
           f"lax.DotAlgorithmPreset members too; every spelling: "
           f"jaxprec.valid_names()")
 
 
-def invalid_message(value: object, why: str) -> str:
+def invalid_message(value: object, why: str, *, suggest: bool = True) -> str:
   """The one message for a precision :func:`jaxprec.resolve` refuses.
 
   The suggestion comes first, then the valid names in groups: the levels with
@@ -195,7 +233,7 @@ def invalid_message(value: object, why: str) -> str:
     Invalid precision 'bfloat61': unknown name. Did you mean 'bfloat16'? Valid names: ...
   """
   msg = f"Invalid precision {value!r}: {why}."
-  s = close_name(value, set(ALIASES) | set(FLAGS))
+  s = close_name(value, set(ALIASES) | set(FLAGS)) if suggest else None
   if s is not None:
     msg += f" Did you mean {s!r}?"
   return f"{msg} Valid names: {_grouped_names()}."
@@ -215,10 +253,10 @@ def short_invalid_message(message: str) -> str:
   Examples:
     >>> from jaxprec._src.core.names import invalid_message
     >>> print(short_invalid_message(invalid_message("bf61", "unknown name")))
-    ... # doctest: +NORMALIZE_WHITESPACE
+    ... # doctest: +NORMALIZE_WHITESPACE +ELLIPSIS
     Invalid precision 'bf61': unknown name. Did you mean 'bf16'? Common names:
     bfloat16 (bf16), bfloat16_3x (bf16_3x), tensorfloat32 (tf32), float32
-    (f32), backend-default; every spelling and the 15 lax.DotAlgorithmPreset
+    (f32), backend-default; every spelling and the ... lax.DotAlgorithmPreset
     names: docs/precision.md ('Spellings') or jaxprec.valid_names().
   """
   tail = f" Valid names: {_grouped_names()}."
@@ -231,7 +269,7 @@ def short_invalid_message(message: str) -> str:
   common = ", ".join(f"{c} ({a})" if a and len(a) < len(c) else c
                      for c, a in short.items() if c != "backend-default")
   return (f"{message[:-len(tail)]} Common names: {common}, backend-default; "
-          f"every spelling and the {len(PRESETS)} lax.DotAlgorithmPreset "
+          f"every spelling and the {_presets_here()} lax.DotAlgorithmPreset "
           f"names: {SPELLINGS_PAGE} or jaxprec.valid_names().")
 
 
@@ -244,6 +282,9 @@ def check_env_before_jax(environ) -> None:
   succeeds; an unknown one raises ValueError naming the variable.
   """
   raw = environ.get(ENV_VAR)
+  if raw is not None and too_new(raw.strip()):
+    raise ValueError(f"{ENV_VAR}: " + invalid_message(
+        raw, too_new(raw.strip()), suggest=False))
   if raw is None or raw in JAX_FLAG_VALUES:
     return
   name = canonical(raw) if raw.strip() else None

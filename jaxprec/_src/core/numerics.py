@@ -180,6 +180,57 @@ def is_float8(dtype: Any) -> bool:
   return d.itemsize == 1 and d.name.startswith("float8")
 
 
+_HELD: dict[str, bool] = {}
+
+
+def _backend_holds(name: str) -> bool:
+  """Whether the default backend's XLA holds arrays of the type ``name``
+  and converts them to float32: asked once per type, by compiling the
+  conversion."""
+  if name not in _HELD:
+    s = jax.ShapeDtypeStruct((2,), getattr(jax.numpy, name))
+    try:
+      jax.jit(lambda v: v.astype(np.float32)).lower(s).compile()
+      _HELD[name] = True
+    except Exception:  # noqa: BLE001 - XLA's error types differ by release
+      _HELD[name] = False
+  return _HELD[name]
+
+
+def float8_types() -> tuple[str, ...]:
+  """The 8-bit (and 4-bit) float types jaxprec emulates on this JAX and
+  backend: those JAX names whose arrays the backend's XLA holds and converts
+  to float32 (jaxlib 0.12.1's XLA:CPU has no ``float8_e5m3fnu``, though JAX
+  names it). A dot on another such type is refused
+  (:func:`check_float8_operands`).
+
+  Examples:
+    >>> import jaxprec
+    >>> "float8_e4m3fn" in jaxprec.float8_types()
+    True
+  """
+  return tuple(n for n in sorted(dir(jax.numpy))
+               if n.startswith(("float8_", "float4_")) and _backend_holds(n))
+
+
+def check_float8_operands(*dtypes: Any) -> None:
+  """ValueError for an operand of an 8-bit or 4-bit float type the backend's
+  XLA cannot hold (:func:`float8_types`), naming the types it can."""
+  for dt in dtypes:
+    try:
+      d = np.dtype(dt)
+    except TypeError:
+      continue
+    if (d.itemsize == 1 and jax.numpy.issubdtype(d, jax.numpy.floating)
+        and not _backend_holds(d.name)):
+      raise ValueError(
+          f"{d.name}: this JAX names the type, but its XLA on "
+          f"{jax.default_backend()} holds no such arrays (it cannot convert "
+          f"them to float32), so jaxprec cannot emulate a dot on them. The "
+          f"8-bit and 4-bit float types it emulates here: "
+          f"{', '.join(float8_types())}.")
+
+
 def _narrow_float(d: np.dtype) -> bool:
   """bfloat16, float16, or a float of one byte (every float8 type, and
   float4_e2m1fn): each of their values is a float32 value, and those of one
@@ -226,6 +277,12 @@ def unsupported_message(p: Precision, target: str) -> str:
       seen.add(n.algorithm)
       offers.append(f"{name!r} ({n.algorithm}, {n.operand_bits} significand "
                     f"bits)")
+  if asked is not None and not asked.modelled:
+    return (f"{what}: jaxprec does not model this algorithm, so it cannot "
+            f"emulate it or say what a {target.upper()} computes for it (XLA "
+            f"scales each operand into float8_e4m3fn's range in a rewrite of "
+            f"its own). To emulate, use {', '.join(offers[:-1])} or "
+            f"{offers[-1]}.")
   others = [t for t in TARGETS if t != target and asked is not None
             and t in asked.targets]
   elsewhere = "".join(f"; a {t.upper()} runs {p.name} (target={t!r})"

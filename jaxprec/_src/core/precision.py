@@ -16,6 +16,7 @@ import enum
 from typing import Any, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -49,7 +50,8 @@ class Precision:
       :class:`~jaxprec.Numerics` record of the one table of algorithms
       (:mod:`jaxprec._src.core.algorithms`), its ``'unsupported'`` record where
       the target does not run the algorithm (``F32_F32_F32`` on a TPU; on
-      CPU the presets JAX refuses there, ``ANY_F8_ANY_F8_F32`` among them).
+      CPU the presets the installed JAX refuses there, ``ANY_F8_ANY_F8_F32``
+      among them: :func:`cpu_refuses`).
     source: where the value came from when returned by :func:`jaxprec.current`
       (``'context'``, ``'config'``, ``'env'``, ``'backend-default'``); empty
       for values made by :func:`resolve`. Not part of equality.
@@ -61,8 +63,15 @@ class Precision:
   preset: lax.DotAlgorithmPreset | None
   tpu: Numerics
   gpu: Numerics
-  cpu: Numerics
   source: str = dataclasses.field(default="", compare=False)
+
+  @property
+  def cpu(self) -> Numerics:
+    """What a CPU computes: exact float32 for every level and every preset
+    the installed JAX lowers there, 'unsupported' for the others."""
+    if self.preset is not None and cpu_refuses(self.preset):
+      return algorithms.CPU_UNSUPPORTED
+    return algorithms.CPU
 
   @property
   def kind(self) -> Kind:
@@ -115,10 +124,34 @@ def _precision(name: str, level: P, preset: D | None = None) -> Precision:
     if preset is None:
       return algorithms.meaning(algorithms.LEVELS[target][level.name], target)
     return algorithms.meaning(algorithms.PRESETS[preset.name], target)
-  cpu = (algorithms.CPU_UNSUPPORTED if preset is not None
-         and preset.name in algorithms.CPU_REFUSED else algorithms.CPU)
   return Precision(name=name, flag=names.FLAGS[name], level=level,
-                   preset=preset, tpu=on("tpu"), gpu=on("gpu"), cpu=cpu)
+                   preset=preset, tpu=on("tpu"), gpu=on("gpu"))
+
+
+_CPU_REFUSES: dict[str, bool] = {}
+
+
+def cpu_refuses(preset: lax.DotAlgorithmPreset) -> bool:
+  """Whether the installed JAX refuses ``preset`` on CPU ("not supported by
+  dot_general on CPU"): asked of JAX's own dot lowering, once per preset,
+  by lowering a 2 x 2 dot for the CPU (``_handle_dot_precision`` in
+  ``jax/_src/lax/lax.py`` keeps the list, and it changes: jax 0.12.1 took
+  ``F16_F16_F32``). Float8 operands for the ``ANY_F8_*`` presets, float32
+  for the others."""
+  name = preset.name
+  if name not in _CPU_REFUSES:
+    dtype = (jnp.float8_e4m3fn if name.startswith("ANY_F8") else np.float32)
+    s = jax.ShapeDtypeStruct((2, 2), dtype)
+    f = lambda a, b: lax.dot(a, b, precision=preset)  # noqa: E731
+    try:
+      jax.jit(f).trace(s, s).lower(lowering_platforms=("cpu",))
+      refused = False
+    except ValueError as e:
+      if "not supported by dot_general on CPU" not in str(e):
+        raise
+      refused = True
+    _CPU_REFUSES[name] = refused
+  return _CPU_REFUSES[name]
 
 
 # ``level`` is what a convolution runs under the precision (convolutions
@@ -139,7 +172,11 @@ _CANONICAL: dict[str, Precision] = {
         (D.F64_F64_F64, P.HIGHEST), (D.ANY_F8_ANY_F8_F32, P.DEFAULT),
         (D.ANY_F8_ANY_F8_F32_FAST_ACCUM, P.DEFAULT),
         (D.ANY_F8_ANY_F8_ANY, P.DEFAULT),
-        (D.ANY_F8_ANY_F8_ANY_FAST_ACCUM, P.DEFAULT))]
+        (D.ANY_F8_ANY_F8_ANY_FAST_ACCUM, P.DEFAULT))] + [
+        # The presets of newer JAX releases, where the installed one has them
+        # (names.PRESETS_SINCE).
+        _precision(n, P.DEFAULT, getattr(D, n)) for n in names.PRESETS_SINCE
+        if hasattr(D, n)]
 }
 
 _LEVEL_NAMES = {P.DEFAULT: "bfloat16", P.HIGH: "tensorfloat32", P.HIGHEST: "float32"}
@@ -209,11 +246,12 @@ def _algorithm_preset(value: lax.DotAlgorithm) -> lax.DotAlgorithmPreset:
 
 def valid_names() -> list[str]:
   """The canonical names and the accepted aliases, sorted, for messages and docs."""
-  return sorted(set(_CANONICAL) | set(names.ALIASES))
+  return sorted(n for n in set(_CANONICAL) | set(names.ALIASES)
+                if names.canonical(n) in _CANONICAL)
 
 
-def _invalid(value: Any, why: str) -> ValueError:
-  return ValueError(names.invalid_message(value, why))
+def _invalid(value: Any, why: str, *, suggest: bool = True) -> ValueError:
+  return ValueError(names.invalid_message(value, why, suggest=suggest))
 
 
 def resolve(value: PrecisionLike) -> Precision:
@@ -285,4 +323,8 @@ def resolve(value: PrecisionLike) -> Precision:
   canon = names.canonical(value)
   if canon is None:
     raise _invalid(value, "unknown name")
+  if canon not in _CANONICAL:  # a preset of a newer JAX
+    raise _invalid(value, names.too_new(canon) or
+                   f"this JAX has no lax.DotAlgorithmPreset {canon}",
+                   suggest=False)
   return _CANONICAL[canon]

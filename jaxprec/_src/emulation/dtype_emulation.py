@@ -53,6 +53,14 @@ ROUNDING_PRIMITIVES = frozenset({
     "logistic", "tanh", "sin", "cos", "tan", "asin", "acos", "atan", "atan2",
     "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc", "erf_inv",
     "lgamma", "digamma", "reduce_sum",
+    # jax 0.12.1: the pi-scaled trigonometry, exp2m1 and log2p1, and
+    # fmuladd, which a TPU computes for bfloat16 as a float32 fma rounded once
+    # (jax.lax.fmuladd's docstring): what widening gives. Not fma: a float32
+    # fma rounded again to bfloat16 rounds twice where fma rounds once, so it
+    # runs as written (XLA:CPU rejects a bfloat16 or float16 fma, as JAX
+    # says).
+    "acospi", "asinpi", "atan2pi", "atanpi", "cospi", "sinpi", "tanpi",
+    "exp2m1", "log2p1", "fmuladd",
 })
 
 _F32 = np.dtype(np.float32)

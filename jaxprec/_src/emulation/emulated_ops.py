@@ -67,6 +67,7 @@ from jaxprec._src.emulation import passes
 from jaxprec._src.emulation import tensor_cores
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import walker
+from jaxprec._src.core import numerics
 from jaxprec._src.core.numerics import (PASSES, algorithm_for,
                                         check_target, emulatable, is_float8,
                                         shape_rule)
@@ -790,6 +791,8 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
   check_flag("tpu_matvec_f32", tpu_matvec_f32)
   if target in ("cpu", "native"):
     return native(precision)
+  numerics.check_float8_operands(getattr(lhs, "dtype", None),
+                                 getattr(rhs, "dtype", None))
   l, r = jnp.asarray(lhs), jnp.asarray(rhs)
   if chip is not None and op != "dot_general":
     warnings.warn(

@@ -1065,7 +1065,8 @@ def _risk(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str,
   if tpu is None:  # native operands, or a custom lax.DotAlgorithm
     return False, ""
   if not tpu.supported:
-    return True, "unsupported on TPU: " + numerics.unsupported_message(
+    head = "not modelled: " if not tpu.modelled else "unsupported on TPU: "
+    return True, head + numerics.unsupported_message(
         resolve(precision), "tpu")
   if numerics.lowered(precision, numerics.op_kind(prim)) is not precision:
     # A convolution that recorded a preset (JAX's conv_general_dilated lowering, jax/_src/lax/convolution.py).

@@ -151,12 +151,18 @@ KERNEL_PRIMITIVES = frozenset({
     "debug_barrier", "elementwise_inline_asm", "inline_mgpu",
     "set_max_registers", "mosaic_gpu_reduce_max", "mosaic_gpu_reduce_min",
     "mosaic_gpu_reduce_prod", "mosaic_gpu_reduce_sum",
-    "wgmma_accumulator_deref", "wgmma_accumulator_store"})
+    "wgmma_accumulator_deref", "wgmma_accumulator_store",
+    # jax 0.12.1 (jax._src.pallas.mosaic.primitives)
+    "request_p_state"})
 
 # Primitives JAX defines that hold no matmul: elementwise arithmetic,
 # reductions, data movement, control of sharding and memory, collectives,
 # random numbers, state, shape checks, callbacks without results
 # (``debug_callback``, ``debug_print``: they cannot change a value), and the
+# elementwise multiply-adds of jax 0.12.1 (``fma``: one rounding of
+# ``a * b + c``; ``fmuladd``: fused or not, as the backend likes: both
+# elementwise, so no matmul precision applies to them, and a dot's
+# accumulation is never one of them in a jaxpr), the
 # linear-algebra decompositions (``cholesky``, ``triangular_solve``, ``qr``,
 # ``eigh``, ``svd``, ...), which the backend's solver computes with
 # products that no precision setting names (LAPACK on CPU, cuSOLVER on GPU,
@@ -208,6 +214,9 @@ NO_MATMUL = frozenset("""
     pbroadcast_dynamic reduced_vary_cast vary_unreduced_cast
     consume assert_consumed_value global_array_to_host_local_array
     host_local_array_to_global_array
+    acospi asinpi atan2pi atanpi cospi sinpi tanpi exp2m1 log2p1
+    fma fmuladd pmax_scatter pmin_scatter pxor
+    random_gamma_grad random_poisson raw_bits
 """.split())
 
 # JAX's own primitives whose implementation the walker traces and walks, as
