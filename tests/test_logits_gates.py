@@ -48,3 +48,42 @@ def test_top1_and_topk_count_positions():
 def test_bad_logits_are_refused(c, r, k, match):
   with pytest.raises(ValueError, match=match):
     logits_gates(c, r, k=k)
+
+
+def test_masked_tokens_are_probability_zero_as_scipy_reads_the_rest():
+  # A padded vocabulary: the last 3 tokens are -inf on both sides. The gates
+  # are those of the 8 unmasked tokens (SciPy on them), not an error.
+  rng = np.random.default_rng(1)
+  r = rng.normal(size=(4, 11)) * 2
+  c = r + rng.normal(size=r.shape) * 0.05
+  r[:, 8:] = c[:, 8:] = -np.inf
+  g = logits_gates(c, r, k=3)
+  lc, lr = special.log_softmax(c[:, :8], -1), special.log_softmax(r[:, :8], -1)
+  kl = stats.entropy(np.exp(lr), np.exp(lc), axis=-1)
+  assert g.kl_max == pytest.approx(kl.max(), rel=1e-9)
+  assert g.max_logprob_diff == pytest.approx(np.abs(lc - lr).max(), rel=1e-12)
+  assert g.positions == 4 and np.isfinite(g.kl_mean)
+  # A decoding mask that differs by position, the same on both sides.
+  m = np.triu(np.ones((4, 11), bool), 1)
+  assert np.isfinite(logits_gates(np.where(m, -np.inf, c[:, :]).clip(-50),
+                                  np.where(m, -np.inf, r).clip(-50), k=1).kl_max)
+
+
+def test_a_token_only_the_candidate_masks_is_an_infinite_divergence():
+  r = np.array([[1.0, 0.0, 0.5]])
+  c = np.array([[1.0, 0.0, -np.inf]])
+  g = logits_gates(c, r, k=1)
+  assert g.kl_max == np.inf and g.max_logprob_diff == np.inf
+  # The other way round: the reference gives it probability 0, KL is finite.
+  assert np.isfinite(logits_gates(r, c, k=1).kl_max)
+
+
+@pytest.mark.parametrize("c, match", [
+    (np.array([[1.0, np.inf, 0.0]]), r"\+inf"),
+    (np.array([[-np.inf, -np.inf, -np.inf]]), "masks every token"),
+    (np.zeros((0, 3)), "no positions"),
+])
+def test_what_has_no_distribution_is_refused(c, match):
+  r = np.zeros_like(c)
+  with pytest.raises(ValueError, match=match):
+    logits_gates(c, r, k=1)

@@ -201,3 +201,40 @@ def test_search_logits_metric_needs_logits(lm):
   with pytest.raises(ValueError, match="Unknown logits layer 'logit'"):
     jaxprec.search_policy(model, tokens, tolerance=1e-3, metric="kl_max",
                           logits="logit")
+
+
+def _padded_lm(x, w):
+  """Logits over a vocabulary padded from 9 to 12 tokens with -inf."""
+  mask = np.arange(12) >= 9
+  return {"logits": jnp.where(mask, -jnp.inf, x @ w)}
+
+
+_RNG = np.random.default_rng(0)
+_W = (_RNG.standard_normal((16, 12)) / 4).astype(np.float32)
+_X = _RNG.standard_normal((3, 16)).astype(np.float32)
+
+
+def test_masked_logits_have_gates_and_no_overflow_note():
+  r = jaxprec.check(_padded_lm, _X, _W, precisions=["bfloat16"],
+                    mode="emulate", logits="logits")
+  g = r.logits["bfloat16"]
+  want = logits_gates(
+      jaxprec.emulate(_padded_lm, "bfloat16", target="tpu")(_X, _W)["logits"],
+      jax.jit(_padded_lm)(_X, _W)["logits"])
+  assert 0 < g.kl_max < 1e-3 and g.positions == want.positions == 3
+  assert g.kl_max == pytest.approx(want.kl_max, rel=1e-3)
+  assert g.max_logprob_diff == pytest.approx(want.max_logprob_diff, rel=1e-3)
+  assert any("masks 9 of 36 entries with -inf" in n for n in r.notes)
+  assert not any("overflowed" in n for n in r.notes), r.notes
+
+
+def test_search_on_masked_logits_meets_the_tolerance():
+  res = jaxprec.search_policy(_padded_lm, _X, _W, metric="kl_max",
+                              logits="logits", tolerance=1e-3)
+  assert res.policy is not None
+
+
+def test_logits_of_no_positions_are_refused_by_name():
+  with pytest.raises(ValueError, match=r"logits layer 'logits' has shape "
+                     r"\(0, 12\): no positions to compare"):
+    jaxprec.check(_padded_lm, _X[:0], _W, logits="logits", mode="emulate")

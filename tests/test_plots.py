@@ -89,19 +89,34 @@ def test_every_level_is_named_from_the_one_table(target, level):
     assert label.endswith(f"({target.upper()} {word}), emulated")
 
 
-def test_tolerance_line_is_the_checks_in_the_metrics_terms():
-  r = report({"bfloat16": [1e-2, 2e-2]}, atol=1e-3, rtol=2e-3)
-  rel = lines(r.plot())["tolerance: rtol = 0.002 (the check's)"]
-  assert list(rel.get_ydata()) == [2e-3, 2e-3]
-  assert rel.get_color() == "tab:red" and rel.get_linestyle() == ":"
-  ab = lines(r.plot(metric="max_abs"))["tolerance: atol = 0.001 (the check's)"]
-  assert list(ab.get_ydata()) == [1e-3, 1e-3]
+def test_the_plot_says_pass_and_fail_as_the_table_does():
+  # The gate is elementwise (|err| <= atol + rtol*|ref|): a rel_rms under
+  # rtol can fail it. So the check's tolerance is a line only on
+  # required_atol, and on every metric the failing layers are ringed.
+  # Layer 0 passes (req_atol 2e-4 <= 1e-3), layer 1 fails (2e-3) although its
+  # rel_rms (1e-3) is under rtol (2e-3).
+  r = report({"bfloat16": [1e-4, 1e-3]}, atol=1e-3, rtol=2e-3)
+  assert [l.metrics["bfloat16"].passes(r.atol) for l in r.layers] == [True,
+                                                                      False]
+  for metric in ("rel_rms", "max_abs", "required_atol", "cosine"):
+    ls = lines(r.plot(metric=metric))
+    (ring,) = [l for k, l in ls.items() if k == "_fails"]
+    assert list(ring.get_xdata()) == [1] and ring.get_markeredgecolor() == "tab:red"
+    assert any(t.startswith("fails the check's gate") for t in
+               legend(r.plot(metric=metric)))
+    tol = [k for k in ls if k.startswith("the check's atol")]
+    assert (len(tol) == 1) == (metric == "required_atol"), (metric, tol)
+  (atol_line,) = [l for k, l in lines(r.plot(metric="required_atol")).items()
+                  if k.startswith("the check's atol")]
+  assert list(atol_line.get_ydata()) == [1e-3, 1e-3]
+  assert atol_line.get_color() == "tab:red" and atol_line.get_linestyle() == ":"
+  # A tolerance of the user's own is drawn in the metric's units.
   own = lines(r.plot(tolerance=5e-4))["tolerance: rel_rms = 0.0005"]
   assert list(own.get_ydata()) == [5e-4, 5e-4]
-  assert "tolerance: rel_rms = 0.0005" in legend(r.plot(tolerance=5e-4))
-  for fig in (r.plot(tolerance=0), r.plot(metric="cosine"),
-              report({"bfloat16": [1e-2]}, rtol=0.0).plot()):
-    assert not any(k.startswith("tolerance") for k in lines(fig))
+  ok = report({"bfloat16": [1e-4, 2e-4]}, atol=1e-3)
+  assert "_fails" not in lines(ok.plot())
+  assert not any(k.startswith(("tolerance", "the check's")) for k in
+                 lines(r.plot(tolerance=0, metric="required_atol")))
   with pytest.raises(ValueError, match="tolerance must be a finite number"):
     r.plot(tolerance=-1.0)
 

@@ -638,3 +638,36 @@ def test_the_plot_draws_the_bands_and_the_suspect(tanh2, tmp_path):
   bottom = fig.axes[1]
   assert "suspect" not in [t.get_text() for t in
                            bottom.get_legend().get_texts()]
+
+
+def test_the_logits_gates_of_a_vocabulary_under_five_take_k_from_it():
+  # port_check's top_k defaults as check's logits_k: 5, or the vocabulary.
+  torch.manual_seed(0)
+
+  class Torch(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.body, self.lm_head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+      return self.lm_head(torch.tanh(self.body(x)))
+
+  class Jax(nnx.Module):
+    def __init__(self, t):
+      for name in ("body", "lm_head"):
+        tm = getattr(t, name)
+        m = nnx.Linear(*tm.weight.shape[::-1], rngs=nnx.Rngs(0))
+        m.kernel.value = jnp.asarray(tm.weight.detach().numpy().T)
+        m.bias.value = jnp.asarray(tm.bias.detach().numpy())
+        setattr(self, name, m)
+
+    def __call__(self, x):
+      return self.lm_head(jnp.tanh(self.body(x)))
+
+  t = Torch()
+  x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+  r = jt.port_check(Jax(t), t, x, logits="lm_head")
+  assert {g.k for g in r.logits.values()} == {3}
+  assert r.logits["float32"].top1_agreement == 1.0
+  with pytest.raises(ValueError, match=r"k must be an integer in 1\.\.3"):
+    jt.port_check(Jax(t), t, x, logits="lm_head", top_k=5)

@@ -212,6 +212,32 @@ def test_gpu_emulation_at_the_size_bound(n, reduced):
     assert np.all(got == want), (got[:3], want)
 
 
+@pytest.mark.parametrize("preset", ["TF32_TF32_F32", "BF16_BF16_F32",
+                                    "TF32_TF32_F32_X3"])
+def test_a_strength_reduced_preset_dot_does_not_run_on_the_chip(preset):
+  # XLA:GPU rewrites a vector or small matrix-vector dot into a multiply of
+  # the algorithm's rounded operands and a float32 reduce: no tensor core,
+  # so with chip= the algorithm's own model, as without. A matrix product
+  # keeps the chip's model (different bits: truncated group sums).
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((64, 512)).astype(np.float32)
+  v = rng.standard_normal(512).astype(np.float32)
+  for x, y, dn in ((a, v, MV), (v, v, (((0,), (0,)), ((), ()))),
+                   (v, a.T, VM)):
+    chip = jaxprec.emulated_dot_general(x, y, dn, preset, target="gpu",
+                                        chip="h100")
+    plain = jaxprec.emulated_dot_general(x, y, dn, preset, target="gpu")
+    np.testing.assert_array_equal(np.asarray(chip).view(np.uint32),
+                                  np.asarray(plain).view(np.uint32))
+  b = rng.standard_normal((512, 64)).astype(np.float32)
+  chip = jaxprec.emulated_dot_general(a, b, MM, preset, target="gpu",
+                                      chip="h100")
+  plain = jaxprec.emulated_dot_general(a, b, MM, preset, target="gpu")
+  assert not np.array_equal(np.asarray(chip), np.asarray(plain))
+  assert numerics.reduced_by_shape(a.shape, v.shape, MV) == numerics.MATVEC_RULE
+  assert numerics.reduced_by_shape(a.shape, b.shape, MM) is None
+
+
 def test_audit_shows_the_gpu_matvec_rule_at_the_bound():
   f = lambda x, small, big: (x @ small, x @ big)  # noqa: E731
   x = jax.ShapeDtypeStruct((100,), jnp.float32)

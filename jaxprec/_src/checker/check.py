@@ -271,7 +271,9 @@ def check(fn: Callable[..., Any], *args: Any,
         f"(about 1.2e-38), which XLA flushes to zero on CPU and TPU: "
         f"rescale the inputs")
   notes += overflow_notes(layers)
-  notes += nonfinite_reference_notes(layers, ref.name)
+  masked = (logits if logits is not None and ref.kept is not None
+            and logits_lib.masked_only(ref.kept) else None)
+  notes += nonfinite_reference_notes(layers, ref.name, masked=masked)
   if (not (mode == "native" and backend == "cpu")  # said above
       and rows_agree(layers, labels) and not _holds_matmul(fn, args, kwargs)):
     same = "" if len(labels) < 2 else "every row is the same: "
@@ -282,9 +284,9 @@ def check(fn: Callable[..., Any], *args: Any,
   missing = [p for p, g in gates.items() if g is None]
   if missing:
     notes.append(
-        f"the logits of {logits!r} hold NaN or infinity at "
-        f"{', '.join(map(repr, missing))} (or in the reference): no logits "
-        f"gates there")
+        f"the logits of {logits!r} hold NaN or +inf, or mask every token "
+        f"of a position, at {', '.join(map(repr, missing))} (or in the "
+        f"reference): no logits gates there (-inf alone is a masked token)")
   return DivergenceReport(
       layers=layers, precisions=tuple(p.label for p in plans),
       reference=ref.name, target=target, mode=mode, backend=backend,
@@ -339,24 +341,31 @@ def overflow_notes(layers: Sequence[LayerResult]) -> list[str]:
           f"inputs or the model)"]
 
 
-def nonfinite_reference_notes(layers: Sequence[LayerResult],
-                              reference: str) -> list[str]:
+def nonfinite_reference_notes(layers: Sequence[LayerResult], reference: str,
+                              *, masked: str | None = None) -> list[str]:
   """The note naming layers whose reference itself holds inf or NaN (it
   overflowed, or computed NaN): their metrics compare the finite elements
-  only."""
-  bad = []
+  only. ``masked``: the logits layer whose reference's only non-finite
+  values are ``-inf``, masked tokens, named in a note of its own."""
+  bad, out = [], []
   for l in layers:
     m = next(iter(l.metrics.values()), None)
+    if l.name == masked and m is not None:
+      out.append(f"the logits layer {masked!r} masks {m.ref_inf} of {m.size} "
+                 f"entries with -inf in the reference: masked tokens, "
+                 f"probability 0 in the logits gates; the table compares "
+                 f"the others")
+      continue
     if m is not None and (m.ref_nan or m.ref_inf):
       what = " and ".join(f"{k} {w}" for k, w in ((m.ref_inf, "inf"),
                                                    (m.ref_nan, "nan")) if k)
       bad.append(f"{l.name!r} ({what} of {m.size})")
   if not bad:
-    return []
+    return out
   shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more layers"
                                 if len(bad) > 5 else "")
   redo = "" if reference == "float64" else " or check against float64"
-  return [f"the reference ({reference}) itself holds inf or NaN in {shown}: "
+  return out + [f"the reference ({reference}) itself holds inf or NaN in {shown}: "
           f"it overflowed (or computed NaN) there, so those elements compare "
           f"with nothing and the metrics read the finite ones only; rescale "
           f"the inputs or the model{redo}"]

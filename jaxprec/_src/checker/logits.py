@@ -11,6 +11,13 @@ tokens. The gates compare the distributions themselves, position by position
   likely tokens among the candidate's k most likely);
 * the largest absolute difference of log-probabilities, over every position
   and token.
+
+A logit of ``-inf`` is a masked token (a padded vocabulary, a decoding
+mask): probability 0, as ``jax.nn.log_softmax`` reads it. Where both sides
+mask a token it adds nothing; where only the candidate masks a token the
+reference gives probability, KL and the log-probability difference are
+infinite (a real divergence, not an error). NaN and ``+inf`` have no
+distribution: no gates.
 """
 
 from __future__ import annotations
@@ -52,8 +59,25 @@ class LogitsGates:
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
+  """Log-probabilities; ``-inf`` logits (masked tokens) stay ``-inf``."""
   z = z - z.max(axis=-1, keepdims=True)
   return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def masked_only(x: np.ndarray) -> bool:
+  """Whether the non-finite values of ``x`` (if any) are all ``-inf``, and
+  it holds some: masked tokens, not an overflow."""
+  x = np.asarray(x, np.float64)
+  bad = ~np.isfinite(x)
+  return bool(bad.any() and np.isneginf(x[bad]).all())
+
+
+def usable(x: np.ndarray) -> bool:
+  """Whether logits have a distribution at every position: no NaN, no
+  ``+inf``, and at least one token not masked (``-inf``) per position."""
+  x = np.asarray(x, np.float64)
+  return bool(not np.isnan(x).any() and not np.isposinf(x).any()
+              and np.isfinite(x).any(axis=-1).all())
 
 
 def logits_gates(candidate: Any, reference: Any, k: int = 5) -> LogitsGates:
@@ -69,7 +93,8 @@ def logits_gates(candidate: Any, reference: Any, k: int = 5) -> LogitsGates:
 
   Raises:
     ValueError: shapes that differ, a vocabulary axis of fewer than 2
-      entries, a ``k`` outside ``1..vocab``, or non-finite logits.
+      entries, a ``k`` outside ``1..vocab``, NaN or ``+inf`` logits, or a
+      position whose every token is masked (``-inf``).
 
   Examples:
     >>> import numpy as np
@@ -78,6 +103,9 @@ def logits_gates(candidate: Any, reference: Any, k: int = 5) -> LogitsGates:
     >>> g = logits_gates(r + 1.0, r, k=2)   # a constant shift: same softmax
     >>> g.kl_max < 1e-15, g.top1_agreement, g.topk_overlap
     (True, 1.0, 1.0)
+    >>> m = np.array([[2.0, 1.0, -np.inf]])   # the last token masked
+    >>> logits_gates(m + 1.0, m, k=1).kl_max < 1e-15
+    True
   """
   c = np.asarray(candidate, np.float64)
   r = np.asarray(reference, np.float64)
@@ -92,11 +120,24 @@ def logits_gates(candidate: Any, reference: Any, k: int = 5) -> LogitsGates:
       1 <= k <= vocab):
     raise ValueError(f"logits_gates: k must be an integer in 1..{vocab} (the "
                      f"vocabulary size); got {k!r}")
-  if not (np.isfinite(c).all() and np.isfinite(r).all()):
-    raise ValueError("logits_gates: the logits hold NaN or infinity")
+  for name, x in (("candidate", c), ("reference", r)):
+    if np.isnan(x).any() or np.isposinf(x).any():
+      raise ValueError(f"logits_gates: the {name}'s logits hold NaN or +inf "
+                       f"(-inf is a masked token; these are not)")
+    if not np.isfinite(x).any(axis=-1).all():
+      raise ValueError(f"logits_gates: a position of the {name} masks every "
+                       f"token (-inf): it has no distribution")
   c, r = c.reshape(-1, vocab), r.reshape(-1, vocab)
+  if not c.shape[0]:
+    raise ValueError(f"logits_gates: no positions to compare (shape "
+                     f"{np.shape(candidate)})")
   lc, lr = _log_softmax(c), _log_softmax(r)
-  kl = np.sum(np.exp(lr) * (lr - lc), axis=-1)
+  both = np.isneginf(lc) & np.isneginf(lr)  # masked on both sides: no term
+  with np.errstate(invalid="ignore"):
+    diff = np.where(both, 0.0, np.abs(lc - lr))
+  pr = np.exp(lr)
+  with np.errstate(invalid="ignore"):
+    kl = np.sum(np.where(pr > 0, pr * (lr - lc), 0.0), axis=-1)
   top_c = np.argsort(-c, axis=-1, kind="stable")[:, :k]
   top_r = np.argsort(-r, axis=-1, kind="stable")[:, :k]
   overlap = [len(set(a) & set(b)) / k for a, b in zip(top_c, top_r)]
@@ -104,7 +145,7 @@ def logits_gates(candidate: Any, reference: Any, k: int = 5) -> LogitsGates:
       kl_mean=float(kl.mean()), kl_max=float(kl.max()),
       top1_agreement=float(np.mean(top_c[:, 0] == top_r[:, 0])),
       topk_overlap=float(np.mean(overlap)),
-      max_logprob_diff=float(np.abs(lc - lr).max()), k=int(k),
+      max_logprob_diff=float(diff.max()), k=int(k),
       positions=int(c.shape[0]))
 
 
@@ -144,6 +185,9 @@ def check_layer(name: Any, k: Any,
     raise ValueError(f"{who}: the logits layer {name!r} has shape {shape}: "
                      f"its last axis holds the vocabulary and needs at least "
                      f"2 entries")
+  if int(np.prod(shape[:-1], dtype=np.int64)) == 0:
+    raise ValueError(f"{who}: the logits layer {name!r} has shape {shape}: "
+                     f"no positions to compare (a batch or sequence of 0)")
   if k is None:
     return min(5, shape[-1])
   if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not (
@@ -154,10 +198,10 @@ def check_layer(name: Any, k: Any,
 
 
 def row_gates(candidate: Any, reference: Any, k: int) -> LogitsGates | None:
-  """:func:`logits_gates`, or None where either side holds NaN or infinity
-  (a row that overflowed: no distribution to compare)."""
+  """:func:`logits_gates`, or None where either side holds NaN or ``+inf``,
+  or masks a whole position (a row that overflowed: no distribution to
+  compare), or has no positions. ``-inf`` is a masked token."""
   c, r = np.asarray(candidate), np.asarray(reference)
-  if not (np.isfinite(c.astype(np.float64)).all()
-          and np.isfinite(r.astype(np.float64)).all()):
+  if not (usable(c) and usable(r)) or not np.asarray(c).size:
     return None
   return logits_gates(c, r, k)

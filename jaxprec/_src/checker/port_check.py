@@ -980,7 +980,7 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
                kwargs: Mapping[str, Any] | None = None,
                torch_kwargs: Mapping[str, Any] | None = None,
                factor: float = PORT_FACTOR, logits: str | None = None,
-               top_k: int = 5, layouts: LayoutsLike = None) -> PortReport:
+               top_k: int | None = None, layouts: LayoutsLike = None) -> PortReport:
   """Is a JAX port of a PyTorch model wrong, or is it precision? Which layer?
 
   Runs both models on the same inputs, pairs their layers, and measures for
@@ -1033,7 +1033,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       top-1 agreement, the top-``top_k`` overlap and the largest
       log-probability difference of the full JAX run against PyTorch
       (:func:`jaxprec.torch.logits_gates`).
-    top_k: the k of the top-k overlap.
+    top_k: the k of the top-k overlap (default: 5, or the vocabulary size
+      where it is smaller, as :func:`jaxprec.check`).
     layouts: PyTorch layer name (a regular expression, matched in full) ->
       the axes permutation taking that layer's arrays to the JAX layer's
       layout, e.g. ``{r"features\\.\\d+": (0, 2, 1)}`` for a convolution
@@ -1153,8 +1154,9 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       raise ValueError(f"logits={logits!r} is no paired JAX layer"
                        f"{_closest(logits, sorted(where))}")
     ref = torch_layers[where[logits]].outputs[0]
+    k = top_k if top_k is not None else min(5, max(np.shape(ref)[-1:] or (5,)))
     gates = {p.label: logits_lib.logits_gates(full[p.label][logits][0], ref,
-                                              k=top_k) for p in plans}
+                                              k=k) for p in plans}
   paired_names = {jax_layers[a].name for a in pairs}
   layers = _verdicts(results, [p.label for p in plans], jax_side.kind,
                      [l.name for l in jax_layers if l.name not in paired_names])

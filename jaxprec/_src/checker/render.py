@@ -667,8 +667,9 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
   tolerance is a dotted red line. A layer where the metric is exactly 0 (no
   error), which a log axis cannot show, is drawn as a hollow downward
   triangle on a floor value below everything else, and the legend says so
-  (``'exact (0), drawn at 1e-09'``). The legend sits beside the axes, never
-  over a line.
+  (``'exact (0), drawn at 1e-09'``). A point of a layer that fails the
+  check's gate (the table's ``'!'``) is ringed in red, whatever the metric.
+  The legend sits beside the axes, never over a line.
 
   Args:
     report: the :class:`jaxprec.DivergenceReport` (``self``).
@@ -677,11 +678,11 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
       run (``jax.distributed``) process 0 alone saves it; every process
       returns the figure.
     metric: which metric to plot (default ``rel_rms``).
-    tolerance: where to draw the tolerance line, in ``metric``'s units (for
-      example a search's ``rel_rms`` tolerance); default: the check's, in
-      the metric's terms: ``atol`` for ``max_abs`` and ``required_atol``,
-      ``rtol`` for ``rel_rms`` and ``max_rel`` (none for other metrics, or
-      where it is 0). 0 draws none.
+    tolerance: where to draw a tolerance line, in ``metric``'s units (for
+      example a search's ``rel_rms`` tolerance); default: the check's
+      ``atol`` for ``required_atol``, where it is the table's verdict, and
+      no line for the other metrics, where a line would not be the
+      elementwise gate. 0 draws none.
 
   Returns:
     The ``matplotlib.figure.Figure``.
@@ -692,9 +693,13 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
   Figure = figure_class("DivergenceReport.plot")
   series = {p: report.metric(metric, p) for p in report.precisions}
   if tolerance is None:
-    which = _ERROR_METRICS.get(metric)
-    tol = getattr(report, which) if which else 0.0
-    tol_label = f"tolerance: {which} = {tol:g} (the check's)"
+    # The check's gate is elementwise (|err| <= atol + rtol * |ref|): only
+    # required_atol against atol says pass or fail as the table does, so
+    # only there is the check's tolerance a line. On every metric the
+    # layers the table marks '!' are ringed in red.
+    tol = report.atol if metric == "required_atol" else 0.0
+    tol_label = (f"the check's atol = {tol:g} (at rtol = {report.rtol:g}: "
+                 f"above it a layer fails)")
   else:
     tol = metrics_tolerance(tolerance)
     tol_label = f"tolerance: {metric} = {tol:g}"
@@ -724,6 +729,22 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
               markersize=8, markerfacecolor="none",
               markeredgecolor=line.get_color(), zorder=4,
               label="_exact")  # '_': not in the legend; one entry below
+  failed = False
+  for p, values in series.items():
+    req = report.metric("required_atol", p)
+    bad = [(x, v) for x, v, r in zip(xs, values, req)
+           if isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+           and isinstance(r, (int, float)) and not r <= report.atol]
+    if bad and p != report.floor:
+      failed = True
+      ax.plot([x for x, _ in bad], [v for _, v in bad], ls="none",
+              marker="o", markersize=11, markerfacecolor="none",
+              markeredgecolor="tab:red", zorder=5, label="_fails")
+  if failed:
+    ax.plot([], [], ls="none", marker="o", markersize=11,
+            markerfacecolor="none", markeredgecolor="tab:red",
+            label=f"fails the check's gate (the table's '!'; atol = "
+                  f"{report.atol:g}, rtol = {report.rtol:g})")
   if tol > 0:
     ax.axhline(tol, color="tab:red", ls=":", lw=1.5, label=tol_label)
   if any_exact:

@@ -426,13 +426,23 @@ def strength_reduced(precision: PrecisionLike, target: str, lhs_shape,
     >>> strength_reduced("default", "gpu", (999, 10000), (10000,), mv) is None
     True
   """
-  if target != "gpu":
+  if target != "gpu" or _at_a_level(precision).preset is not None:
     return None
+  return reduced_by_shape(lhs_shape, rhs_shape, dimension_numbers)
+
+
+def reduced_by_shape(lhs_shape, rhs_shape, dimension_numbers) -> str | None:
+  """Whether XLA:GPU's strength reduction rewrites a dot of these shapes
+  into multiply + reduce, whatever its precision (:func:`strength_reduced`
+  has the rule): :data:`VECTOR_DOT_RULE`, :data:`MATVEC_RULE` or None.
+
+  Under a preset the multiply's operands are rounded as the algorithm says
+  (``MakeMultiplyForDotPrecisionAlgorithm``) and summed in float32 by the
+  reduce: no tensor core computes such a dot, so a chip's model does not
+  apply to it."""
   lhs_vector, rhs_vector, size = _vector_sizes(lhs_shape, rhs_shape,
                                                dimension_numbers)
   if not (lhs_vector or rhs_vector):
-    return None
-  if _at_a_level(precision).preset is not None:
     return None
   if lhs_vector and rhs_vector:
     return VECTOR_DOT_RULE

@@ -803,6 +803,14 @@ def emulated_op(op: str, lhs, rhs, params: dict, precision=None,
         NotModelledWarning, stacklevel=3)
     chip = None
   algorithm = algorithm_for(precision, target, l.dtype, r.dtype, op=op)
+  if (chip is not None and op == "dot_general" and algorithm != "f8"
+      and numerics.reduced_by_shape(l.shape, r.shape,
+                                    params["dimension_numbers"])):
+    # XLA:GPU rewrites this dot into a multiply of the algorithm's rounded
+    # operands and a float32 reduce (numerics.reduced_by_shape): the
+    # algorithm's own model, not the chip's tensor cores. At a level the
+    # shape rule below makes it exact float32.
+    chip = None
   if (algorithm == "native" and chip is not None
       and _narrow_pair(l.dtype, r.dtype) is not None):
     # bfloat16 or float16 operands: one tensor-core pass of their format,
