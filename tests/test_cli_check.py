@@ -41,6 +41,19 @@ MODEL = textwrap.dedent("""\
 
     def no_matmul():
       return (lambda x: {"h": jnp.tanh(x), "g": x * 2 + 1}), (X,)
+
+    def conv():  # a chip's model covers dots only, and says so
+      def f(x, k):
+        return {"c": jax.lax.conv_general_dilated(
+            x, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))}
+      return f, (jnp.ones((1, 8, 3)), jnp.ones((3, 3, 4)) / 9)
+
+    def warns():  # the user's own warning
+      import warnings
+      def f(x):
+        warnings.warn("from the user's model")
+        return {"h": x @ x.T}
+      return f, (X,)
     """)
 
 
@@ -294,3 +307,19 @@ def test_out_without_matplotlib_says_how_to_install_it_here(project, capsys,
   assert install_hint("plots") in err
   assert json.loads((project / "rep" / "report.json").read_text())
   assert not (project / "rep" / "divergence.png").exists()
+
+
+def test_warnings_are_one_line_each_and_name_only_the_users_file(project,
+                                                                 capsys):
+  rc, _, err = run(capsys, "check", "clicheck_model:conv", "--target", "gpu",
+                   "--chip", "h100", "--precisions", "tensorfloat32")
+  assert rc in (0, 1), err
+  (line,) = [l for l in err.splitlines() if "NotModelledWarning" in l]
+  assert line.startswith("jaxprec: warning: NotModelledWarning: chip='h100'")
+  assert ".py:" not in err and "warnings.warn" not in err, err
+  rc, _, err = run(capsys, "check", "clicheck_model:warns", "--precisions",
+                   "bfloat16")
+  (line,) = [l for l in err.splitlines() if "from the user's model" in l]
+  assert line.startswith("jaxprec: warning: UserWarning: from the user's "
+                         "model (")
+  assert "clicheck_model.py:" in line

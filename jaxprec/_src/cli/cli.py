@@ -286,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       ns.cache_on = lambda: _cache_on(ns, stack)
       # Cleared before anything else is printed, errors included.
       ns.status = stack.enter_context(_Status(f"{_PROG} {ns.command}"))
+      stack.enter_context(_warnings_said(ns.status))
       return ns.handler(ns)
   except SystemExit as e:  # --help, --version, or the user's code exits
     # The status Python gives sys.exit(code): a code that is not an int or
@@ -319,6 +320,40 @@ def say(kind: str, text: object) -> None:
         line, width, subsequent_indent="  ", break_long_words=False,
         break_on_hyphens=False))
   print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _warnings_said(status: "_Status"):
+  """Every warning of the command as one ``jaxprec: warning:`` line, as the
+  CLI says everything else: its category and message, and the file and line
+  only where they are the user's (not jaxprec's, JAX's or Flax's)."""
+  import warnings  # noqa: PLC0415
+  old = warnings.showwarning
+
+  def show(message, category, filename, lineno, file=None, line=None):
+    del file, line
+    status.clear()
+    where = "" if _library_file(filename) else f" ({filename}:{lineno})"
+    say("warning", f"{category.__name__}: {message}{where}")
+
+  warnings.showwarning = show
+  try:
+    yield
+  finally:
+    warnings.showwarning = old
+
+
+def _library_file(filename: str) -> bool:
+  """Whether ``filename`` is jaxprec's, JAX's, Flax's or Python's own."""
+  path = os.path.abspath(str(filename))
+  import jaxprec  # noqa: PLC0415
+  roots = [os.path.dirname(os.path.abspath(jaxprec.__file__)),
+           os.path.dirname(os.path.abspath(os.__file__))]
+  for name in ("jax", "flax", "jaxlib", "numpy"):
+    mod = sys.modules.get(name)
+    if mod is not None and getattr(mod, "__file__", None):
+      roots.append(os.path.dirname(os.path.abspath(mod.__file__)))
+  return any(path.startswith(r + os.sep) for r in roots) or "<" in path
 
 
 def terminal_columns(stream) -> int | None:
