@@ -323,3 +323,15 @@ def test_warnings_are_one_line_each_and_name_only_the_users_file(project,
   assert line.startswith("jaxprec: warning: UserWarning: from the user's "
                          "model (")
   assert "clicheck_model.py:" in line
+
+
+def test_target_and_mode_take_any_letter_case_as_the_api_does(project,
+                                                               capsys):
+  rc, out, err = run(capsys, "check", "clicheck_model:make", "--target",
+                     "GPU", "--mode", "Emulate", "--precisions", "float32",
+                     "--json")
+  assert rc in (0, 1), err
+  d = json.loads(out)
+  assert (d["target"], d["mode"]) == ("gpu", "emulate")
+  rc, _, err = run(capsys, "check", "clicheck_model:make", "--target", "cpu")
+  assert rc == 2 and "invalid choice: 'cpu'" in err

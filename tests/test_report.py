@@ -380,3 +380,25 @@ def test_from_json_reads_a_null_kernel_as_none_recorded():
   d = make_report().to_dict()
   d["kernel"] = None
   assert DivergenceReport.from_json(json.dumps(d)).kernel == {}
+
+
+def test_a_zero_req_atol_says_exact_or_within_rtol():
+  # req_atol 0 is no atol needed: no error at all ('exact') or every error
+  # within rtol * |ref| ('in rtol'), never a bare 0 that reads as exact.
+  layers = (
+      LayerResult(name="exact", shape=(3,), dtype="float32",
+                  metrics={"bf16": lm(0.0)}),
+      LayerResult(name="within", shape=(3,), dtype="float32",
+                  metrics={"bf16": lm(1e-4, 0.0)}),
+      LayerResult(name="over", shape=(3,), dtype="float32",
+                  metrics={"bf16": lm(2e-3)}))
+  r = DivergenceReport(layers=layers, precisions=("bf16",), reference="float32",
+                       target="tpu", mode="emulate", backend="cpu", atol=1e-3,
+                       rtol=1e-3)
+  text = r.to_text()
+  rows = {l.split()[1]: l for l in text.splitlines()
+          if l.split()[:1] in (["0"], ["1"], ["2"])}
+  assert rows["exact"].split()[-1] == "exact"
+  assert rows["within"].split()[-2:] == ["in", "rtol"]
+  assert rows["over"].split()[-2:] == ["2.00e-03", "!"]
+  assert "'in rtol': 0, every error within rtol*|ref|" in text

@@ -277,7 +277,12 @@ def _verdict(report: Any, m: Any) -> str:
   flag = "" if m.required_atol <= report.atol else " !"
   bad = ", ".join(f"{n} {what}" for n, what in ((m.nan, "nan"), (m.inf, "inf"))
                  if n)
-  return fmt(m.required_atol) + flag + (f" ({bad})" if bad else "")
+  value = fmt(m.required_atol)
+  if m.required_atol == 0 and not bad:
+    # 0 needs no atol: either no error at all, or every error within
+    # rtol * |ref|; the cell says which.
+    value = "exact" if m.max_abs == 0 else "in rtol"
+  return value + flag + (f" ({bad})" if bad else "")
 
 
 def _rows(report: Any, full: bool, precisions) -> list[list[str]]:
@@ -300,7 +305,8 @@ def tolerance_line(report: Any) -> str:
   return (f"gate: a layer fails ('!') where an element has |err| > atol + "
           f"rtol*|ref| (atol={report.atol:g}, rtol={report.rtol:g}) or a nan/"
           f"inf the reference has not; {VERDICT}: the smallest atol with which "
-          f"it passes at rtol={report.rtol:g}")
+          f"it passes at rtol={report.rtol:g} ('exact': no error; 'in rtol': "
+          f"0, every error within rtol*|ref|)")
 
 
 def _legend_lines(report: Any) -> list[str]:

@@ -147,14 +147,15 @@ def _parser() -> argparse.ArgumentParser:
                           "(torch_model, args); with either pytorch form "
                           "the model is port-checked against it layer by "
                           "layer (exit 1 when a layer is a suspect)")
-  check.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
+  check.add_argument("--target", default="tpu", type=str.lower,
+                     choices=("tpu", "gpu"),
                      help="whose numerics to show (default tpu)")
   check.add_argument("--chip", default=None,
                      help="with --target gpu: a100, h100 or b200, the NVIDIA "
                           "chip whose tensor cores compute every row emulated "
                           "with GPU numerics (default: the algorithm's "
                           "definition; docs/gpu.md)")
-  check.add_argument("--mode", default="auto",
+  check.add_argument("--mode", default="auto", type=str.lower,
                      choices=("auto", "emulate", "native"),
                      help="auto (default): native on the target, emulated "
                           "elsewhere")
@@ -207,7 +208,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="comma-separated precisions to choose from "
                            "(default bfloat16,bfloat16_3x,float32 for tpu; "
                            "tensorfloat32,TF32_TF32_F32_X3,float32 for gpu)")
-  search.add_argument("--target", default="tpu", choices=("tpu", "gpu"),
+  search.add_argument("--target", default="tpu", type=str.lower,
+                     choices=("tpu", "gpu"),
                       help="whose numerics and costs (default tpu)")
   search.add_argument("--budget", type=int, default=None,
                       help="most evaluations (default 24)")
