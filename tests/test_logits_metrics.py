@@ -238,3 +238,17 @@ def test_logits_of_no_positions_are_refused_by_name():
   with pytest.raises(ValueError, match=r"logits layer 'logits' has shape "
                      r"\(0, 12\): no positions to compare"):
     jaxprec.check(_padded_lm, _X[:0], _W, logits="logits", mode="emulate")
+
+
+def test_an_integer_logits_layer_is_named_as_not_compared():
+  w, x = np.ones((4, 6), np.float32), np.ones((2, 4), np.float32)
+  with pytest.raises(ValueError, match=r"Unknown logits layer 'ids'; valid "
+                     r"choices: 'logits' \(the floating-point layers "
+                     r"jaxprec.check compares; integer and boolean outputs "
+                     r"are not"):
+    jaxprec.check(lambda x, w: {"ids": jnp.argmax(x @ w, -1), "logits": x @ w},
+                  x, w, logits="ids", mode="emulate")
+  with pytest.raises(ValueError, match=r"logits='ids', but the function "
+                     r"returns no floating-point layer to compare"):
+    jaxprec.check(lambda x, w: {"ids": jnp.argmax(x @ w, -1)}, x, w,
+                  logits="ids", mode="emulate")

@@ -175,11 +175,17 @@ def check_layer(name: Any, k: Any,
   (``(name, shape)`` pairs) with a vocabulary axis (the last) of at least 2
   entries and ``k`` an integer in ``1..vocab``."""
   shapes = dict(layers)
+  if not shapes:
+    raise ValueError(
+        f"{who}: logits={name!r}, but the function returns no floating-point "
+        f"layer to compare (integer and boolean outputs, such as token ids, "
+        f"are not compared); return the logits themselves")
   if not isinstance(name, str) or name not in shapes:
     raise names_lib.unknown(
         "logits layer", name, shapes,
-        hint=f" (the layers {who} compares; the logits layer holds a "
-             f"language model's logits, the vocabulary on the last axis)")
+        hint=f" (the floating-point layers {who} compares; integer and "
+             f"boolean outputs are not; the logits layer holds a language "
+             f"model's logits, the vocabulary on the last axis)")
   shape = tuple(shapes[name])
   if not shape or shape[-1] < 2:
     raise ValueError(f"{who}: the logits layer {name!r} has shape {shape}: "
