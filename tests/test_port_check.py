@@ -671,3 +671,13 @@ def test_the_logits_gates_of_a_vocabulary_under_five_take_k_from_it():
   assert r.logits["float32"].top1_agreement == 1.0
   with pytest.raises(ValueError, match=r"k must be an integer in 1\.\.3"):
     jt.port_check(Jax(t), t, x, logits="lm_head", top_k=5)
+
+
+def test_inputs_that_are_all_nan_are_said_out_loud(tnet):
+  x = np.full_like(X, np.nan)
+  r = jt.port_check(_jnet(tnet), tnet, x)
+  (note,) = [n for n in r.notes if n.startswith("the inputs hold NaN or inf")]
+  assert f"({x.size} of {x.size} floating-point values)" in note
+  assert "the inputs hold NaN or inf" in r.table()
+  assert not any(n.startswith("the inputs hold") for n in
+                 jt.port_check(_jnet(tnet), tnet, X).notes)

@@ -1079,7 +1079,9 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       torch_layers += _root_layers(torch_model, inputs, torch_inputs,
                                    torch_kwargs)
   jax_layers = jax_side.layers(f32)
-  notes: list[str] = []
+  notes: list[str] = _non_finite_input_notes(
+      (inputs, kwargs) if torch_inputs is None
+      else (inputs, kwargs, torch_inputs, torch_kwargs))
   if jax_side.inside_transforms:
     notes.append(
         f"not checked: {', '.join(jax_side.inside_transforms)}, called inside "
@@ -1192,6 +1194,22 @@ def _non_finite_notes(pairs: list[tuple[str, str]],
                  f"compare non-finite values, and their verdicts say more "
                  f"about float32's range than about the port")
   return out
+
+
+def _non_finite_input_notes(tree: Any) -> list[str]:
+  """The note saying that the inputs hold NaN or inf: every layer then
+  compares non-finite values, and no verdict of the check means anything."""
+  bad = total = 0
+  for x in jax.tree_util.tree_leaves(tree):
+    if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating):
+      bad += int((~np.isfinite(x)).sum())
+      total += x.size
+  if not bad:
+    return []
+  return [f"the inputs hold NaN or inf ({bad} of {total} floating-point "
+          f"values): every layer computes from them, so the errors compare "
+          f"non-finite values and no verdict below says anything about the "
+          f"port; give finite inputs"]
 
 
 def _host_inputs(tree: Any) -> Any:
