@@ -868,3 +868,29 @@ def test_a_float64_reference_of_random_draws_is_said_out_loud():
     warnings.simplefilter("error")  # no random draw: no warning
     jaxprec.check(lambda k, x: x @ k, k, x, precisions=["bfloat16"],
                   reference="float64")
+
+
+def test_the_terminal_bar_counts_the_rows_as_its_text_does(monkeypatch):
+  # On a terminal the bar's counter and the phase's '(i/n)' agree: the
+  # reference is step 0, row i is step i of n.
+  import io
+  import sys
+
+  class Tty(io.StringIO):
+    def isatty(self):
+      return True
+  tty = Tty()
+  monkeypatch.setattr(sys, "stderr", tty)
+  monkeypatch.setitem(sys.modules, "rich.progress", None)  # the plain line
+  jaxprec.check(mlp, W, X, precisions=["bf16", "bf16_3x"], mode="emulate",
+                progress=True)
+  shown = [s for s in tty.getvalue().split("\r") if s.startswith("jaxprec")]
+  counted = [re.match(r"jaxprec check: \[(\d)/2\] (.*?)(\x1b\[K)?$", s)
+             for s in shown]
+  assert all(counted), shown
+  for m in counted:
+    row = re.search(r"\((\d)/2\)$", m.group(2))
+    if row:
+      assert row.group(1) == m.group(1), m.group(0)
+  assert [m.group(1) for m in counted][-1] == "2"
+  assert any("reference" in m.group(2) and m.group(1) == "0" for m in counted)

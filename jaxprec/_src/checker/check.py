@@ -221,7 +221,9 @@ def check(fn: Callable[..., Any], *args: Any,
   notes = []
   seconds: dict[str, float] = {}
   gates: dict[str, logits_lib.LogitsGates | None] = {}
-  with progress_lib.Phases(len(plans) + 1, "jaxprec check", progress) as bar:
+  # The bar counts the rows, as the phases name them ('(2/3)' at 2/3); the
+  # reference is step 0.
+  with progress_lib.Phases(len(plans), "jaxprec check", progress) as bar:
     bar.update(_reference_phase(reference))
     t0 = time.perf_counter()
     ref = harness.build_reference(fn, call, reference, target=target, mode=mode,

@@ -46,7 +46,7 @@ class Phases:
 
   def finish(self) -> None:
     """The last step is done: ``'{description}: done in 12.3 s'``."""
-    self.bar.update("done", 1)
+    self.bar.update("done", self.bar.total - self.bar.done)
     if self.lines:
       self._line(f"done in {time.perf_counter() - self._t0:.1f} s")
 

@@ -823,11 +823,16 @@ class Progress:
     self._task = self._rich.add_task(self.description, total=self.total)
     return self
 
+  @property
+  def done(self) -> int:
+    """The steps done so far."""
+    return self._done
+
   def update(self, what: str, advance: int = 0) -> None:
     """Shows ``what`` as the current item and advances by ``advance``."""
+    self._done += advance
     if not self.enabled:
       return
-    self._done += advance
     if self._rich is not None:
       self._rich.update(self._task, advance=advance,
                         description=f"{self.description}: {what}")
