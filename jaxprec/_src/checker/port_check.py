@@ -938,8 +938,10 @@ class PortReport:
       bound = [pos(l.bound[p]) for l in self.layers]
       ax.fill_between(xs, tiny, noise, step="mid", alpha=0.25,
                       color="tab:green", label="explained by float32 noise")
-      ax.fill_between(xs, noise, bound, step="mid", alpha=0.2,
-                      color="tab:blue", label=f"explained by {p}'s envelope")
+      if any(b > n for b, n in zip(bound, noise)):
+        # A row with no envelope (float32 against float32) has no band.
+        ax.fill_between(xs, noise, bound, step="mid", alpha=0.2,
+                        color="tab:blue", label=f"explained by {p}'s envelope")
       ax.plot(xs, [pos(l.propagated[p]) for l in self.layers], color="gray",
               lw=1, label="propagated")
       local = [pos(l.error(p)) for l in self.layers]
