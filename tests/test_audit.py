@@ -493,3 +493,13 @@ def test_opaque_ops_are_listed_when_there_is_no_matmul():
   r = audit(lambda x: jax.pure_callback(np.sin, sds(3), x), sds(3))
   assert not r.rows and [o.primitive for o in r.opaque] == ["pure_callback"]
   assert "pure_callback 'sin'" in str(r)
+
+
+def test_an_output_that_is_no_array_names_the_users_function_not_jaxprecs():
+  import numpy as np
+  def returns_text(x):
+    return x @ x.T, "text"
+  with pytest.raises(jaxprec.AuditError, match=r"returns_text returned a str "
+                     r"at output\[1\]") as e:
+    jaxprec.audit(returns_text, np.ones((2, 3), np.float32))
+  assert "jaxprec/_src" not in str(e.value)

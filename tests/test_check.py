@@ -894,3 +894,17 @@ def test_the_terminal_bar_counts_the_rows_as_its_text_does(monkeypatch):
       assert row.group(1) == m.group(1), m.group(0)
   assert [m.group(1) for m in counted][-1] == "2"
   assert any("reference" in m.group(2) and m.group(1) == "0" for m in counted)
+
+
+def test_outputs_that_are_not_compared_are_named_in_a_note():
+  def f(w, x):
+    h = x @ w[0]
+    return {"h": h, "n": 3, "ids": jnp.argmax(h, -1)}
+  r = jaxprec.check(f, W, X, precisions=["bf16"], mode="emulate")
+  assert [l.name for l in r.layers] == ["h"]
+  (note,) = [n for n in r.notes if n.startswith("not compared:")]
+  assert note.startswith("not compared: 'n' (int), 'ids' (int32), outputs "
+                         "that are not floating-point arrays")
+  assert not any(n.startswith("not compared") for n in jaxprec.check(
+      lambda w, x: {"h": x @ w[0]}, W, X, precisions=["bf16"],
+      mode="emulate").notes)

@@ -272,6 +272,14 @@ def check(fn: Callable[..., Any], *args: Any,
         f"in exact arithmetic, they are below float32's smallest normal "
         f"(about 1.2e-38), which XLA flushes to zero on CPU and TPU: "
         f"rescale the inputs")
+  skipped = ref.skipped
+  if skipped:  # said out loud: outputs the check does not compare
+    shown = ", ".join(f"{n!r} ({w})" for n, w in skipped[:6]) + (
+        f" and {len(skipped) - 6} more" if len(skipped) > 6 else "")
+    notes.append(f"not compared: {shown}, outputs that are not floating-point "
+                 f"arrays (token ids, masks, counts); the check compares "
+                 f"floating-point layers (token ids through their logits: "
+                 f"logits=)")
   notes += overflow_notes(layers)
   masked = (logits if logits is not None and ref.kept is not None
             and logits_lib.masked_only(ref.kept) else None)

@@ -226,6 +226,8 @@ class Reference:
     name: the report's ``reference``.
     kept: the layer :func:`build_reference`'s ``keep`` names, on the host
       (NumPy, as computed: float64 for a float64 reference), else None.
+    skipped: ``(name, type)`` of the outputs that are not compared
+      (:func:`jaxprec._src.checker.layers.not_compared`).
   """
 
   names: list[str]
@@ -238,6 +240,7 @@ class Reference:
   description: str
   name: str
   kept: Any = None
+  skipped: tuple[tuple[str, str], ...] = ()
 
 
 def _info(layers) -> list[tuple[str, tuple[int, ...], str]]:
@@ -273,7 +276,10 @@ def _reference_program(fn, call: Args, ref_plan: Plan | None,
     def program(dynamic):
       dyn = [x.astype(jnp.float64) if x64 and jnp.issubdtype(
           x.dtype, jnp.floating) else x for x in dynamic]
-      layers = layers_lib.ordered_layers(wrap, fn_ref(), static, dyn)
+      skipped: list[tuple[str, str]] = []
+      layers = layers_lib.ordered_layers(wrap, fn_ref(), static, dyn,
+                                         skipped=skipped)
+      holder[("skipped", trees.signature(dynamic))] = tuple(skipped)
       if select is not None:
         by_name = dict(layers)
         layers = [(n, by_name[n]) for n in select]
@@ -294,13 +300,17 @@ def _reference_program(fn, call: Args, ref_plan: Plan | None,
   return _program(fn, key, make, cache)
 
 
-def output_info(fn, call: Args) -> list[tuple[str, tuple[int, ...], str]]:
-  """``(name, shape, dtype)`` of every layer of ``fn``'s output (no run)."""
+def output_info(fn, call: Args, skipped: list | None = None
+                ) -> list[tuple[str, tuple[int, ...], str]]:
+  """``(name, shape, dtype)`` of every layer of ``fn``'s output (no run);
+  ``skipped`` gets the outputs that are not compared
+  (:func:`jaxprec._src.checker.layers.not_compared`)."""
   holder: dict[str, Any] = {}
   static = call.static
 
   def flat(dynamic):
-    layers = layers_lib.ordered_layers(lambda g: g, fn, static, dynamic)
+    layers = layers_lib.ordered_layers(lambda g: g, fn, static, dynamic,
+                                       skipped=skipped)
     holder["info"] = _info(layers)
     return [v for _, v in layers]
   jax.eval_shape(flat, call.dynamic)
@@ -341,7 +351,8 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
   select = None if select is None else tuple(select)
   if not is_computed(reference):
     found = reference_lib.load(reference)
-    info = output_info(fn, call)
+    skipped = []
+    info = output_info(fn, call, skipped)
     if select is not None:
       by_name = {n: (n, s, d) for n, s, d in info}
       info = [by_name[n] for n in select]
@@ -354,19 +365,20 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     kept = None if keep is None else np.asarray(
         values[[n for n, _, _ in info].index(keep)])
   else:
-    hi, lo, stats, info, desc, kept = _computed_reference(
+    hi, lo, stats, info, desc, kept, skipped = _computed_reference(
         fn, call, reference, target, mode, select, cache, options or {}, keep)
     name = label_of(reference)
   return Reference([n for n, _, _ in info], [s for _, s, _ in info],
                    [d for _, _, d in info], _layout(info, call.groups), hi, lo,
-                   stats, desc, name, kept)
+                   stats, desc, name, kept, tuple(skipped))
 
 
 def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
                         select: tuple[str, ...] | None, cache: dict | None,
                         options: dict[str, Any], keep: str | None = None):
-  """``(hi, lo, stats, info, description, kept)`` of a computed reference
-  (``kept``: the layer ``keep`` names, on the host, else None)."""
+  """``(hi, lo, stats, info, description, kept, skipped)`` of a computed
+  reference (``kept``: the layer ``keep`` names, on the host, else None;
+  ``skipped``: the outputs not compared)."""
   try:
     ref_plan = reference_plan(reference, target, mode, **options)
   except ValueError as e:
@@ -392,6 +404,7 @@ def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
   with (jax.enable_x64(True) if x64 else contextlib.nullcontext()):
     hi, lo, stats, layers = prog(call.dynamic)
     info = prog.holder[trees.signature(call.dynamic)]
+    skipped = prog.holder.get(("skipped", trees.signature(call.dynamic)), ())
     kept = None
     if keep is not None and keep in [n for n, _, _ in info]:
       kept = np.asarray(jax.device_get(
@@ -406,7 +419,7 @@ def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
         "rows (jax.random samples float64 under x64), so its figures compare "
         "different random values; check the model in eval mode (no dropout) "
         "or use reference='float32'.", UserWarning, stacklevel=4)
-  return hi, lo, stats, info, desc, kept
+  return hi, lo, stats, info, desc, kept, skipped
 
 
 def _candidate_program(fn, call: Args, p: Plan, ref: Reference,

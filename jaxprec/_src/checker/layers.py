@@ -79,9 +79,24 @@ def layers(tree: Any) -> list[tuple[str, Any]]:
   return out
 
 
+def not_compared(tree: Any) -> list[tuple[str, str]]:
+  """``(name, what)`` of every leaf :func:`layers` leaves out: Python numbers
+  and arrays that are not floating (token ids, masks, counts), named as the
+  layers are, ``what`` their type or dtype (``'int'``, ``'int32'``)."""
+  out = []
+  for p, v in _leaves_with_paths(tree):
+    if v is None or is_float(v):
+      continue
+    dtype = getattr(v, "dtype", None)
+    what = str(dtype) if dtype is not None else type(v).__name__
+    out.append(("".join(map(_key_name, p)).lstrip(".") or "output", what))
+  return out
+
+
 def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
                    fn: Callable[..., Any], call: Any,
-                   dynamic: Sequence[Any]) -> list[tuple[str, Any]]:
+                   dynamic: Sequence[Any],
+                   skipped: list | None = None) -> list[tuple[str, Any]]:
   """The layers of ``wrap(fn)`` called by ``call`` in the order ``fn`` returned them.
 
   Transformations (emulation, ``eval_shape``) rebuild the output from its
@@ -95,11 +110,14 @@ def ordered_layers(wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
     call: an object whose ``call(f, dynamic)`` calls ``f`` with the arguments
       (:class:`jaxprec._src.checker.harness.Args`).
     dynamic: the array arguments.
+    skipped: where to put :func:`not_compared` of ``fn``'s own output.
   """
   order: list[list[str]] = []
 
   def note(out):
     order.append([n for n, _ in layers(out)])
+    if skipped is not None:
+      skipped[:] = not_compared(out)
     return out
   if isinstance(fn, nnx_policy.Stateful):
     # Stays a Stateful, so that a policy's path rules still find the module

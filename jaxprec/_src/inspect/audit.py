@@ -490,7 +490,8 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
 
   try:
     with flax_paths.record() as module_paths:
-      closed = jax.make_jaxpr(lambda *dyn: statics.call(fn, dyn))(*dynamic)
+      closed = jax.make_jaxpr(lambda *dyn: trees.jax_outputs(
+          fn, statics.call(fn, dyn)))(*dynamic)
   except Exception as e:  # noqa: BLE001 -- re-raised with context
     raise AuditError(
         f"jaxprec.audit: tracing {name} failed: {type(e).__name__}: {e}") from e
