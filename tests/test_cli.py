@@ -267,8 +267,11 @@ def test_audit_usage_errors(project, capsys, target, fragment):
 def test_audit_target_raises(project, capsys):
   rc, _, err = run(capsys, "audit", "model_cli_test:raises")
   assert rc == 1
-  assert err == ("jaxprec: error: model_cli_test:raises() raised RuntimeError: "
-                 "no data here\n")
+  assert err.startswith("jaxprec: error: model_cli_test:raises() raised "
+                        "RuntimeError: no data here (at ")
+  assert err.endswith("model_cli_test.py:" + err.split(".py:")[1].split()[0]
+                      + " in raises); JAXPREC_TRACEBACK=1 shows the "
+                      "traceback\n") and err.count("\n") == 1
 
 
 def test_audit_tracing_fails(project, capsys):

@@ -249,6 +249,22 @@ def test_failures_in_user_code_exit_1(project, capsys):
   one_line_error(rc, err, 1, "raises() raised RuntimeError: no data here")
   rc, out, err = run(capsys, "check", "clicheck_model:fails_inside")
   one_line_error(rc, err, 1, "AttributeError", "no_such_attribute")
+  # The line says where in the user's file, and how to see the traceback.
+  one_line_error(rc, err, 1, "clicheck_model.py:", "in <lambda>)",
+                 "JAXPREC_TRACEBACK=1 shows the traceback")
+  line = MODEL.splitlines().index(
+      "  return (lambda x: x.no_such_attribute), (X,)") + 1
+  assert f"clicheck_model.py:{line} in <lambda>" in err
+
+
+def test_jaxprec_traceback_prints_the_users_traceback(project, capsys,
+                                                       monkeypatch):
+  monkeypatch.setenv("JAXPREC_TRACEBACK", "1")
+  rc, out, err = run(capsys, "check", "clicheck_model:fails_inside")
+  assert rc == 1
+  assert err.index("Traceback (most recent call last)") < err.index(
+      "jaxprec: error: checking")
+  assert "x.no_such_attribute" in err and "AttributeError" in err
 
 
 def test_builtin_bert_in_process(tmp_path, capsys):

@@ -298,6 +298,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(e.code, file=sys.stderr)
     return 1
   except (UsageError, Failure) as e:
+    original = getattr(e, "original", None)
+    if original is not None and os.environ.get(inputs.TRACEBACK_VAR) == "1":
+      import traceback  # noqa: PLC0415
+      traceback.print_exception(type(original), original,
+                                original.__traceback__, file=sys.stderr)
     say("error", e)
     return 2 if isinstance(e, UsageError) else 1
   except KeyboardInterrupt:  # Ctrl-C: one line, the shells' status for SIGINT
@@ -335,7 +340,7 @@ def _warnings_said(status: "_Status"):
   def show(message, category, filename, lineno, file=None, line=None):
     del file, line
     status.clear()
-    where = "" if _library_file(filename) else f" ({filename}:{lineno})"
+    where = "" if inputs.library_file(filename) else f" ({filename}:{lineno})"
     say("warning", f"{category.__name__}: {message}{where}")
 
   warnings.showwarning = show
@@ -343,19 +348,6 @@ def _warnings_said(status: "_Status"):
     yield
   finally:
     warnings.showwarning = old
-
-
-def _library_file(filename: str) -> bool:
-  """Whether ``filename`` is jaxprec's, JAX's, Flax's or Python's own."""
-  path = os.path.abspath(str(filename))
-  import jaxprec  # noqa: PLC0415
-  roots = [os.path.dirname(os.path.abspath(jaxprec.__file__)),
-           os.path.dirname(os.path.abspath(os.__file__))]
-  for name in ("jax", "flax", "jaxlib", "numpy"):
-    mod = sys.modules.get(name)
-    if mod is not None and getattr(mod, "__file__", None):
-      roots.append(os.path.dirname(os.path.abspath(mod.__file__)))
-  return any(path.startswith(r + os.sep) for r in roots) or "<" in path
 
 
 def terminal_columns(stream) -> int | None:
@@ -625,7 +617,7 @@ def _check(ns: argparse.Namespace) -> int:
   except BrokenPipeError:  # a reader of stdout or stderr left: main says so
     raise
   except Exception as e:  # noqa: BLE001 -- the user's code failed
-    raise Failure(f"checking {what} failed: {type(e).__name__}: {e}") from None
+    raise inputs.failed(f"checking {what} failed:", e) from None
   if ns.json:
     print(report.to_json())
   else:
@@ -750,8 +742,7 @@ def _search(ns: argparse.Namespace) -> int:
   except BrokenPipeError:  # a reader of stdout or stderr left: main says so
     raise
   except Exception as e:  # noqa: BLE001 -- the user's code failed
-    raise Failure(f"searching {what} failed: {type(e).__name__}: "
-                  f"{e}") from None
+    raise inputs.failed(f"searching {what} failed:", e) from None
   for w in caught:
     say("warning", w.message)
   if ns.json:

@@ -25,7 +25,49 @@ class UsageError(Exception):
 
 
 class Failure(Exception):
-  """The user's code failed: printed as one line, exit status 1."""
+  """The user's code failed: printed as one line, exit status 1.
+
+  ``original``: the user's exception, whose traceback ``JAXPREC_TRACEBACK=1``
+  prints (:func:`failed`)."""
+
+  original: BaseException | None = None
+
+
+# Set to 1, the command prints the traceback of the user's exception before
+# its one line.
+TRACEBACK_VAR = "JAXPREC_TRACEBACK"
+
+
+def failed(what: str, e: BaseException) -> Failure:
+  """The :class:`Failure` of the user's code raising ``e``: one line with
+  ``what``, the exception, and where in the user's own files it was raised
+  (the innermost frame outside jaxprec, JAX, Flax, NumPy and Python), and
+  how to see the whole traceback."""
+  import traceback  # noqa: PLC0415
+  frames = [f for f in traceback.extract_tb(e.__traceback__)
+            if not library_file(f.filename)]
+  where = (f" (at {frames[-1].filename}:{frames[-1].lineno} in "
+           f"{frames[-1].name})" if frames else "")
+  f = Failure(f"{what} {type(e).__name__}: {e}{where}; {TRACEBACK_VAR}=1 "
+              f"shows the traceback")
+  f.original = e
+  return f
+
+
+def library_file(filename: str) -> bool:
+  """Whether ``filename`` is jaxprec's, JAX's, Flax's, NumPy's, PyTorch's or
+  Python's own (not the user's)."""
+  import sys  # noqa: PLC0415
+  path = os.path.abspath(str(filename))
+  roots = [os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))),  # the jaxprec package
+           os.path.dirname(os.path.abspath(os.__file__))]  # the stdlib
+  for name in ("jax", "jaxlib", "flax", "numpy", "torch", "transformers"):
+    mod = sys.modules.get(name)
+    if mod is not None and getattr(mod, "__file__", None):
+      roots.append(os.path.dirname(os.path.abspath(mod.__file__)))
+  return "<" in str(filename) or any(path.startswith(r + os.sep)
+                                     for r in roots)
 
 
 # A built-in model's seed seeds both NumPy and jax.random.key, which takes
@@ -186,7 +228,7 @@ def call_target(target: str) -> tuple[Any, tuple, dict]:
   try:
     made = factory()
   except Exception as e:  # noqa: BLE001 -- reported as one line
-    raise Failure(f"{target}() raised {type(e).__name__}: {e}") from None
+    raise failed(f"{target}() raised", e) from None
   if (not isinstance(made, tuple) or len(made) not in (2, 3)
       or not isinstance(made[1], (tuple, list))
       or (len(made) == 3 and not isinstance(made[2], dict))):

@@ -110,8 +110,8 @@ def run(ns: argparse.Namespace, print_table, write_outputs) -> int:
   except BrokenPipeError:
     raise
   except Exception as e:  # noqa: BLE001 -- the user's code failed
-    raise Failure(f"checking {ns.function} against {torch_target} failed: "
-                  f"{type(e).__name__}: {e}") from None
+    raise inputs.failed(f"checking {ns.function} against {torch_target} "
+                        f"failed:", e) from None
   return _finish(ns, report,
                  f"{ns.function} against the PyTorch {torch_target}",
                  print_table, write_outputs)
@@ -156,8 +156,8 @@ def run_builtin(ns: argparse.Namespace, print_table, write_outputs) -> int:
   except BrokenPipeError:
     raise
   except Exception as e:  # noqa: BLE001 -- the port or PyTorch failed
-    raise Failure(f"checking {ns.model} against PyTorch failed: "
-                  f"{type(e).__name__}: {e}") from None
+    raise inputs.failed(f"checking {ns.model} against PyTorch failed:",
+                        e) from None
   return _finish(ns, report,
                  f"{ns.model} (jaxprec's NNX port, seed {ns.seed}) against "
                  f"the PyTorch {type(port.torch_model).__name__}",
