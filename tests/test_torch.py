@@ -428,6 +428,10 @@ def test_cli_reference_pytorch_writes_report_and_plot(tmp_path, capsys):
 @pytest.mark.parametrize("argv, fragment", [
     (["--model", "bert", "--reference", "pytorch"],
      "--reference pytorch needs a model with a PyTorch twin"),
+    # Your own port: the documented route, not the old capture file.
+    (["--model", "bert", "--reference", "pytorch"],
+     "for your own port, name the PyTorch original: --reference "
+     "pytorch:MODULE:FUNCTION"),
     (["--model", "hf-bert", "--size", "base"], "--size applies to --model"),
 ])
 def test_cli_reference_pytorch_usage_errors(argv, fragment, capsys):

@@ -577,8 +577,8 @@ def _check(ns: argparse.Namespace) -> int:
       ports = " or ".join(torch_ports.PORTS)
       raise UsageError(f"--reference pytorch needs a model with a PyTorch "
                        f"twin: --model {ports} ({what} has none; for your "
-                       f"own model, save the PyTorch hidden states with "
-                       f"jaxprec.torch.capture and pass the .npz file)")
+                       f"own port, name the PyTorch original: --reference "
+                       f"pytorch:MODULE:FUNCTION, docs/port-check.md)")
   elif inputs.is_reference_file(reference):
     inputs.check_reference_file(reference)
   elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
