@@ -202,8 +202,14 @@ def test_resolve_cpu_says_which_presets_a_cpu_refuses(preset):
   # Read from the installed JAX, not a table: jax 0.12.1 took F16_F16_F32.
   cpu = jaxprec.resolve(preset).cpu
   assert (not cpu.supported) == _cpu_refuses(preset)
-  assert cpu is (algorithms.CPU_UNSUPPORTED if _cpu_refuses(preset)
-                 else algorithms.CPU)
+  modelled = algorithms.record(algorithms.PRESETS[preset.name]).modelled
+  assert cpu is (algorithms.CPU if not _cpu_refuses(preset) else
+                 algorithms.CPU_UNSUPPORTED if modelled
+                 else algorithms.CPU_UNMODELLED)
+  # Where jaxprec does not model the preset, the CPU's line does not
+  # promise an emulation.
+  assert ("jaxprec.emulate computes it" in cpu.note) == (
+      cpu is algorithms.CPU_UNSUPPORTED)
 
 
 # ---------------------------------------------------------------------------

@@ -183,6 +183,12 @@ CPU_UNSUPPORTED = Numerics(
     algorithm="unsupported", passes=0, operand_bits=0,
     note="JAX refuses the preset on CPU (not supported by dot_general on "
          "CPU); jaxprec.emulate computes it for target 'tpu' or 'gpu'")
+# The same for a preset jaxprec does not model (UNMODELLED): no target
+# emulates it either.
+CPU_UNMODELLED = Numerics(
+    algorithm="unsupported", passes=0, operand_bits=0,
+    note="JAX refuses the preset on CPU (not supported by dot_general on "
+         "CPU), and jaxprec does not model it for any target")
 
 # The algorithm each level means on each target, by lax.Precision name.
 LEVELS: Mapping[str, Mapping[str, str]] = {

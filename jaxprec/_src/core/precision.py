@@ -70,7 +70,10 @@ class Precision:
     """What a CPU computes: exact float32 for every level and every preset
     the installed JAX lowers there, 'unsupported' for the others."""
     if self.preset is not None and cpu_refuses(self.preset):
-      return algorithms.CPU_UNSUPPORTED
+      modelled = algorithms.record(
+          algorithms.PRESETS[self.preset.name]).modelled
+      return (algorithms.CPU_UNSUPPORTED if modelled
+              else algorithms.CPU_UNMODELLED)
     return algorithms.CPU
 
   @property
