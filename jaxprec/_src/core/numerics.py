@@ -180,21 +180,22 @@ def is_float8(dtype: Any) -> bool:
   return d.itemsize == 1 and d.name.startswith("float8")
 
 
-_HELD: dict[str, bool] = {}
+_HELD: dict[tuple[str, str], bool] = {}
 
 
 def _backend_holds(name: str) -> bool:
   """Whether the default backend's XLA holds arrays of the type ``name``
-  and converts them to float32: asked once per type, by compiling the
-  conversion."""
-  if name not in _HELD:
+  and converts them to float32: asked once per backend and type, by
+  compiling the conversion."""
+  key = (jax.default_backend(), name)
+  if key not in _HELD:
     s = jax.ShapeDtypeStruct((2,), getattr(jax.numpy, name))
     try:
       jax.jit(lambda v: v.astype(np.float32)).lower(s).compile()
-      _HELD[name] = True
+      _HELD[key] = True
     except Exception:  # noqa: BLE001 - XLA's error types differ by release
-      _HELD[name] = False
-  return _HELD[name]
+      _HELD[key] = False
+  return _HELD[key]
 
 
 def float8_types() -> tuple[str, ...]:
