@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import itertools
 import json
 import math
 import re
@@ -140,6 +141,9 @@ class _Layer:
   inputs: list[np.ndarray]
   outputs: list[np.ndarray]
   alone: _Alone | None = None  # the layer alone, to run on other inputs
+  # A tuple whose first item is an array: ``(output, state, ...)``, as ports
+  # that carry a cache return; it pairs by that first array.
+  lead: bool = False
 
   @property
   def in_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -431,7 +435,9 @@ class JaxModel:
       ins = [np.asarray(x, np.float32) for x in
              _float_leaves((args, kwargs))]
       found.append(_Layer(name, ins, [np.asarray(x, np.float32) for x in outs],
-                          self._alone(mod, args, kwargs)))
+                          self._alone(mod, args, kwargs),
+                          isinstance(out, (tuple, list)) and len(outs) > 1
+                          and layers_lib.is_float(out[0])))
     self.kept = frozenset(l.name for l in found)
     self.inside_transforms = tuple(inside)
     return found
@@ -491,14 +497,25 @@ def _closeness(err: float) -> float:
 
 @functools.lru_cache(maxsize=65536)
 def _name_similarity(a: str, b: str) -> float:
+  """How alike two names are, in [0, 1]; 1 for transformers' convention:
+  ``hidden_states[i + 1]`` is the output of a list's layer ``i``
+  (``layers.i``, ``encoder.layer.i``, ``h.i``)."""
+  hs, item = re.fullmatch(r"hidden_states\[(\d+)\]", a), re.search(
+      r"(?:^|\.)[A-Za-z_]\w*\.(\d+)$", b)
+  if hs and item and int(hs[1]) == int(item[1]) + 1:
+    return 1.0
   return difflib.SequenceMatcher(
       None, layers_lib.normalize(a).lower(),
       layers_lib.normalize(b).lower()).ratio()
 
 
 def _fits(j: _Layer, t: _Layer, inputs: bool) -> bool:
-  return j.out_shapes == t.out_shapes and (not inputs or
-                                           j.in_shapes == t.in_shapes)
+  """Whether ``j`` may pair with ``t``: their outputs have the same shapes
+  (or ``j`` returns ``(output, state, ...)`` and its output has the shape
+  of ``t``'s one output), and so do their inputs when ``inputs``."""
+  outs = j.out_shapes == t.out_shapes or (
+      j.lead and len(t.outputs) == 1 and j.out_shapes[0] == t.out_shapes[0])
+  return outs and (not inputs or j.in_shapes == t.in_shapes)
 
 
 def _pins(alignment: AlignmentLike, jax_names: list[str],
@@ -605,7 +622,7 @@ def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
     if t is None:
       continue
     a, b = jn.index(j), tn.index(t)
-    if jax_layers[a].out_shapes != torch_layers[b].out_shapes:
+    if not _fits(jax_layers[a], torch_layers[b], inputs=False):
       raise ValueError(
           f"alignment pairs {j!r} (outputs {list(jax_layers[a].out_shapes)}) "
           f"with {t!r} (outputs {list(torch_layers[b].out_shapes)}): their "
@@ -617,10 +634,12 @@ def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
 
   def score(a: int, b: int) -> float | None:
     j, t = jax_layers[a], torch_layers[b]
-    if not _fits(j, t, inputs):
-      return None
+    if not _fits(j, t, inputs) or any((a < x) != (b < y)
+                                      for x, y in fixed.items()):
+      return None  # other shapes, or crossing a pin
     if (a, b) not in close:
-      close[a, b] = _closeness(rel_rms(j.outputs, t.outputs))
+      close[a, b] = _closeness(rel_rms(j.outputs[:len(t.outputs)],
+                                       t.outputs))
     return 1.0 + 0.5 * close[a, b] + 0.25 * _name_similarity(j.name, t.name)
 
   def same(b: int, c: int) -> bool:  # no figure could tell them apart
@@ -650,8 +669,29 @@ def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
         f"port_check cannot pair the JAX layer {jn[a]!r}: the PyTorch layers "
         f"{names} fit it equally (same shapes, equally close at float32, "
         f"equally named); pin one with alignment={{{jn[a]!r}: "
-        f"{tn[cands[0]]!r}}}")
-  return {**dict(pairs), **fixed}
+        f"{tn[dict(pairs)[a]]!r}}}")
+  return {**_uncrossed(pairs, jax_layers, close), **fixed}
+
+
+def _uncrossed(pairs: list[tuple[int, int]], jax_layers: list[_Layer],
+               close: dict[tuple[int, int], float]) -> dict[int, int]:
+  """``pairs`` with siblings called in another order than PyTorch calls
+  them (``up`` before ``gate``) paired by closeness: two pairs of sibling
+  JAX layers with nothing paired inside them trade partners where the
+  traded pairs are closer at float32 (by more than a decade)."""
+  out = dict(pairs)
+  leaf = {a for a in out if not any(_inside(jax_layers[a].name,
+                                            jax_layers[c].name) for c in out)}
+  parent = {a: _base(jax_layers[a].name).rpartition("/")[0] for a in leaf}
+  changed = True
+  while changed:
+    changed = False
+    for a, c in itertools.combinations(sorted(leaf), 2):
+      b, d = out[a], out[c]
+      if (parent[a] == parent[c] and (a, d) in close and (c, b) in close
+          and close[a, d] + close[c, b] > close[a, b] + close[c, d] + 1 / 12):
+        out[a], out[c], changed = d, b, True
+  return out
 
 
 def _ties(pairs: list[tuple[int, int]], free_t: list[int],
@@ -750,6 +790,8 @@ class PortReport:
       ``logits_layer`` (the full JAX run at the row against PyTorch), when
       ``port_check`` was given ``logits=``; else empty.
     logits_layer: the JAX layer holding the logits, or None.
+    unpaired_suspects: per row, the unpaired JAX layers that hold a jump of
+      the propagated error no paired layer explains (a note says where).
   """
 
   layers: tuple[PortLayer, ...]
@@ -765,6 +807,8 @@ class PortReport:
   logits: dict[str, logits_lib.LogitsGates] = dataclasses.field(
       default_factory=dict)
   logits_layer: str | None = None
+  unpaired_suspects: dict[str, tuple[str, ...]] = dataclasses.field(
+      default_factory=dict)
 
   def layer(self, name: str) -> PortLayer:
     """The paired layer named ``name`` (its JAX name)."""
@@ -783,7 +827,8 @@ class PortReport:
     """The suspect layers at a row (None: at any row), in execution order,
     innermost first: layers whose local error the floor noise and the
     precision's envelope do not explain while every paired layer inside them
-    is explained.
+    is explained; then the unpaired layers holding a jump of the propagated
+    error that no paired layer explains.
 
     Examples:
       A report built by hand (``port_check`` builds them):
@@ -796,8 +841,10 @@ class PortReport:
       []
     """
     rows = self.precisions if precision is None else (self._row(precision),)
-    return [l.name for l in self.layers
-            if any(l.verdict[p] == "SUSPECT" for p in rows)]
+    return list(dict.fromkeys(
+        [l.name for l in self.layers
+         if any(l.verdict[p] == "SUSPECT" for p in rows)]
+        + [n for p in rows for n in self.unpaired_suspects.get(p, ())]))
 
   def to_dict(self) -> dict[str, Any]:
     """Everything, as JSON allows (non-finite floats as strings)."""
@@ -1081,6 +1128,13 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       torch_layers += _root_layers(torch_model, inputs, torch_inputs,
                                    torch_kwargs)
   jax_layers = jax_side.layers(f32)
+  root = next((l for l in jax_layers if l.name == "output"), None)
+  if torch_inputs is not None and root is not None:
+    # torch_inputs are the inputs in PyTorch's layout: the JAX model's own
+    # inputs are its root's, which may have the same shapes (channels as
+    # many as time steps) and yet another layout.
+    torch_layers = [dataclasses.replace(l, inputs=root.inputs)
+                    if l.name == "output" else l for l in torch_layers]
   notes: list[str] = _non_finite_input_notes(
       (inputs, kwargs) if torch_inputs is None
       else (inputs, kwargs, torch_inputs, torch_kwargs))
@@ -1098,7 +1152,7 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       y, = run_alone([(alone, torch_layers[b].inputs)], f32)
     except Exception:  # noqa: BLE001 -- the layer cannot take that input
       return math.nan
-    return rel_rms(y, torch_layers[b].outputs)
+    return rel_rms(y[:len(torch_layers[b].outputs)], torch_layers[b].outputs)
 
   pairs = align(jax_layers, torch_layers, alignment, local)
   if not pairs:
@@ -1120,6 +1174,22 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
   alone = {key: _alone_all(shadowed, jax_layers, torch_layers, pairs, wrap,
                            x64, key, notes)
            for key, (wrap, x64) in runs.items()}
+  for a, b in pairs.items():
+    j, n = jax_layers[a], len(torch_layers[b].outputs)
+    if len(j.outputs) > n:  # (output, state, ...): its output is compared
+      notes.append(
+          f"{j.name} returns {len(j.outputs)} floating arrays where "
+          f"{torch_layers[b].name} returns one: the first, its output, is "
+          f"compared; the other {len(j.outputs) - 1} (of shapes "
+          f"{', '.join(map(str, sorted(set(j.out_shapes[1:]))))}) are taken "
+          f"as state (a cache) and not compared")
+      for out in alone.values():
+        if a in out:
+          out[a] = out[a][:n]
+      for out in (*full.values(), full_f32):
+        out[j.name] = out[j.name][:n]
+  guessed = _unmeasured_noise(shadowed, jax_layers, torch_layers, pairs,
+                              alone, f32, notes)
   results = []
   for a in sorted(pairs):
     b = pairs[a]
@@ -1128,7 +1198,7 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
     y64 = alone["float64"].get(a)
     floor = math.nan if y32 is None else rel_rms(y32, t.outputs)
     if y32 is not None:
-      noise = math.nan if y64 is None else rel_rms(y32, y64)
+      noise = guessed.get(a, math.nan if y64 is None else rel_rms(y32, y64))
     else:
       noise = rel_rms(full_f32[j.name], full_f64[j.name]) if full_f64 else math.nan
     env, loc, loc_abs, prop, bound = {}, {}, {}, {}, {}
@@ -1161,9 +1231,11 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
     k = top_k if top_k is not None else min(5, max(np.shape(ref)[-1:] or (5,)))
     gates = {p.label: logits_lib.logits_gates(full[p.label][logits][0], ref,
                                               k=k) for p in plans}
+  notes += _weights_differ(results, [jax_layers[a] for a in sorted(pairs)])
   paired_names = {jax_layers[a].name for a in pairs}
-  layers = _verdicts(results, [p.label for p in plans], jax_side.kind,
-                     [l.name for l in jax_layers if l.name not in paired_names])
+  layers, held = _verdicts(
+      results, [p.label for p in plans], jax_side.kind,
+      [l.name for l in jax_layers], paired_names, factor, notes)
   return PortReport(
       layers=tuple(layers),
       alignment={jax_layers[a].name: torch_layers[pairs[a]].name
@@ -1176,7 +1248,75 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       precisions=tuple(p.label for p in plans), target=target,
       numerics={p.label: p.description for p in plans}, factor=float(factor),
       kind=jax_side.kind, notes=tuple(dict.fromkeys(notes)),
-      logits=gates, logits_layer=logits)
+      logits=gates, logits_layer=logits, unpaired_suspects=held)
+
+
+def _unmeasured_noise(which: list[int], jax_layers: list[_Layer],
+                      torch_layers: list[_Layer], pairs: dict[int, int],
+                      alone: dict[str, dict[int, list[np.ndarray]]], f32,
+                      notes: list[str]) -> dict[int, float]:
+  """JAX layer index -> its float32 noise, estimated, for the layers whose
+  float64 run equals their float32 run bit for bit though they compute:
+  they round to float32 inside, whatever their inputs' type (a dtype
+  policy, an ``astype(jnp.float32)``), so float64 measures nothing. A
+  layer that computes nothing (a lookup, a copy: every output value is one
+  of its inputs' or weights') keeps its noise of 0. The estimate is how far
+  the float32 output moves when the inputs and weights move by one unit in
+  the last place (at least ``2**-24``), as the roundings of a float32
+  computation move it."""
+  y32, y64 = alone["float32"], alone["float64"]
+
+  def selects(a: int) -> bool:
+    pool = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in (
+        *torch_layers[pairs[a]].inputs,
+        *_float_leaves(jax_layers[a].alone.state), np.zeros(1))])
+    return all(np.isin(np.asarray(y, np.float32), pool).all()
+               for y in y32[a])
+  same = [a for a in which if a in y32 and a in y64 and all(
+      np.array_equal(u, v) for u, v in zip(y32[a], y64[a])) and not selects(a)]
+  rng = np.random.default_rng(0)
+
+  def moved(step):
+    return [(dataclasses.replace(
+        jax_layers[a].alone, state=jax.tree_util.tree_map(
+            lambda x: step(x) if layers_lib.is_float(x) else x,
+            jax_layers[a].alone.state)),
+             [step(x) for x in torch_layers[pairs[a]].inputs]) for a in same]
+
+  def ulp(x):
+    x = np.asarray(x, np.float32)
+    return np.where(rng.random(x.shape) < 0.5, np.nextafter(x, np.inf),
+                    np.nextafter(x, -np.inf)).astype(np.float32)
+  try:
+    out = dict(zip(same, run_alone(moved(ulp), f32))) if same else {}
+  except Exception:  # noqa: BLE001 -- a layer that cannot run so: as measured
+    return {}
+  if out:
+    notes.append(
+        f"the float32 noise of {', '.join(jax_layers[a].name for a in out)} "
+        f"could not be measured: their float64 run equals their float32 run "
+        f"bit for bit (they compute in float32 whatever their inputs' type: "
+        f"a dtype policy, an astype(float32)); it is estimated as how far "
+        f"their float32 output moves when their inputs and weights move by "
+        f"one unit in the last place")
+  return {a: max(rel_rms(y, y32[a]), 2.0 ** -24) for a, y in out.items()}
+
+
+def _weights_differ(results: list[dict], layers: list[_Layer]) -> list[str]:
+  """The note saying that the two models hold different weights: most
+  layers with weights are off by an error of order 1 on PyTorch's own
+  inputs (a port with a bug has one such layer and its containers)."""
+  weighted = [r for r, l in zip(results, layers)
+              if l.alone is not None and _float_leaves(l.alone.state)]
+  far = [r["floor"] for r in weighted if r["floor"] > 0.1]
+  if len(weighted) < 2 or 2 * len(far) <= len(weighted):
+    return []
+  return [f"the weights differ: {len(far)} of {len(weighted)} layers with "
+          f"weights are off by {min(far):.2g} to {max(far):.2g} (rel_rms) "
+          f"at float32 on PyTorch's own inputs, as two models with other "
+          f"weights are, not a port with one bug; build both from the same "
+          f"weights (copy the PyTorch model's state_dict into the JAX model) "
+          f"and check again"]
 
 
 def _non_finite_notes(pairs: list[tuple[str, str]],
@@ -1337,27 +1477,86 @@ def _inside(outer: str, inner: str) -> bool:
 
 
 def _verdicts(results: list[dict], rows: list[str], kind: str,
-              unpaired: list[str]) -> list[PortLayer]:
-  """The :class:`PortLayer` of each result with its verdicts."""
+              names: list[str], paired: set[str], factor: float,
+              notes: list[str]
+              ) -> tuple[list[PortLayer], dict[str, tuple[str, ...]]]:
+  """The :class:`PortLayer` of each result with its verdicts, and per row
+  the unpaired layers that hold a jump of the propagated error (see
+  :func:`_jumps`)."""
   def error(r, p):
     x = r["local"][p]
     return r["propagated"][p] if math.isnan(x) else x
 
+  bad = {p: [r["name"] for r in results if error(r, p) > r["bound"][p]]
+         for p in rows}
+  unpaired = [n for n in names if n not in paired]
+  held = ({} if kind == "function" else
+          _jumps(results, rows, names, unpaired, bad, factor, notes))
   out = []
   for k, r in enumerate(results):
     verdict = {}
     for p in rows:
-      if not error(r, p) > r["bound"][p]:
+      if r["name"] not in bad[p]:
         verdict[p] = "ok"
       elif kind == "function":
-        before = results[k - 1] if k else None
-        verdict[p] = ("after" if before is not None
-                      and error(before, p) > before["bound"][p] else "SUSPECT")
+        before = results[k - 1]["name"] if k else None
+        verdict[p] = "after" if before in bad[p] else "SUSPECT"
       else:
-        inner = [q for q in results if _inside(r["name"], q["name"])
-                 and error(q, p) > q["bound"][p]]
+        inner = [q for q in (*bad[p], *held.get(p, ()))
+                 if _inside(r["name"], q)]
         verdict[p] = "inside" if inner else "SUSPECT"
     out.append(PortLayer(
         **r, verdict=verdict,
         unpaired_inside=tuple(u for u in unpaired if _inside(r["name"], u))))
-  return out
+  return out, held
+
+
+def _jumps(results: list[dict], rows: list[str], names: list[str],
+           unpaired: list[str], bad: dict[str, list[str]], factor: float,
+           notes: list[str]) -> dict[str, tuple[str, ...]]:
+  """Row -> the unpaired JAX layers that hold a jump of the propagated
+  error no paired layer explains: a paired layer whose local error is
+  explained while its propagated error is above ``factor`` times the
+  largest before it plus its bound. The code that ran between it and the
+  paired layer before it made the error: the innermost layer holding that
+  code (the one that ended in between, else the innermost that holds both)
+  is named, where it is unpaired and no unexplained paired layer is inside
+  it."""
+  held: dict[str, tuple[str, ...]] = {}
+  for p in rows:
+    top = 0.0
+    for prev, r in zip(results, results[1:]):
+      top = max(top, prev["propagated"][p])
+      if r["name"] in bad[p] or not (
+          r["propagated"][p] > factor * (top + r["bound"][p])):
+        continue
+      i, k = names.index(prev["name"]), names.index(r["name"])
+      at = _holder(names[i + 1:k] or [prev["name"], r["name"]], names, k)
+      if (at in unpaired and at not in held.get(p, ())
+          and not any(_inside(at, q) for q in bad[p])):
+        held[p] = (*held.get(p, ()), at)
+        notes.append(
+            f"{at} has no PyTorch partner and holds a jump of the "
+            f"propagated error at {p}: {render.fmt(top)} at most before it, "
+            f"{render.fmt(r['propagated'][p])} at {r['name']}, whose local "
+            f"error is explained; the bug is in {at}'s own code (pair it "
+            f"with alignment= to check it)")
+  return held
+
+
+def _holder(inner: list[str], names: list[str], at: int) -> str:
+  """The innermost JAX layer holding every layer of ``inner`` (the first
+  call of its name that ends at ``names[at]`` or after, else the last)."""
+  parts = [[] if _base(n) == "output" else _base(n).split("/") for n in inner]
+  common = parts[0]
+  for q in parts[1:]:
+    common = common[:next((i for i, (x, y) in enumerate(zip(common, q))
+                           if x != y), min(len(common), len(q)))]
+  while True:
+    base = "/".join(common) or "output"
+    hits = [n for n in names if _base(n) == base]
+    if hits or not common:
+      return (next((n for n in inner if n in hits), None)
+              or next((n for n in names[at:] if n in hits), None)
+              or (hits[-1] if hits else "output"))
+    common = common[:-1]
