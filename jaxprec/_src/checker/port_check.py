@@ -141,8 +141,9 @@ class _Layer:
   inputs: list[np.ndarray]
   outputs: list[np.ndarray]
   alone: _Alone | None = None  # the layer alone, to run on other inputs
-  # A tuple whose first item is an array: ``(output, state, ...)``, as ports
-  # that carry a cache return; it pairs by that first array.
+  # ``(output, state, ...)``, as ports that carry a cache return it: a tuple
+  # whose first item is an array and whose others are not all arrays of its
+  # shape (a tuple of every layer's hidden state); it pairs by that array.
   lead: bool = False
 
   @property
@@ -152,6 +153,14 @@ class _Layer:
   @property
   def out_shapes(self) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(x.shape) for x in self.outputs)
+
+
+def _leads(out: Any) -> bool:
+  """Whether a module's output is ``(output, state, ...)`` (see _Layer)."""
+  return (isinstance(out, (tuple, list)) and len(out) > 1
+          and layers_lib.is_float(out[0]) and not all(
+              layers_lib.is_float(v) and v.shape == out[0].shape
+              for v in out[1:]))
 
 
 def _float_leaves(tree: Any) -> list[Any]:
@@ -435,9 +444,7 @@ class JaxModel:
       ins = [np.asarray(x, np.float32) for x in
              _float_leaves((args, kwargs))]
       found.append(_Layer(name, ins, [np.asarray(x, np.float32) for x in outs],
-                          self._alone(mod, args, kwargs),
-                          isinstance(out, (tuple, list)) and len(outs) > 1
-                          and layers_lib.is_float(out[0])))
+                          self._alone(mod, args, kwargs), _leads(out)))
     self.kept = frozenset(l.name for l in found)
     self.inside_transforms = tuple(inside)
     return found
@@ -669,7 +676,7 @@ def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
         f"port_check cannot pair the JAX layer {jn[a]!r}: the PyTorch layers "
         f"{names} fit it equally (same shapes, equally close at float32, "
         f"equally named); pin one with alignment={{{jn[a]!r}: "
-        f"{tn[dict(pairs)[a]]!r}}}")
+        f"{tn[cands[0]]!r}}}")
   return {**_uncrossed(pairs, jax_layers, close), **fixed}
 
 
@@ -1047,9 +1054,12 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
   the order the calls end, named as :func:`jaxprec.check_module` names
   them) and the PyTorch ones (every ``forward`` call, in forward-hook
   order) are paired in that order, a pair needing equal output and input
-  shapes; among pairings with the most pairs, the one whose float32 outputs
-  are closest, then whose names are most alike, wins. Two candidates that
-  tie are decided by the local error; if they still tie, the call is
+  shapes (a JAX layer returning ``(output, state, ...)`` pairs by its
+  output); among pairings with the most pairs, the one whose float32
+  outputs are closest, then whose names are most alike (``hidden_states[i +
+  1]`` is ``layers.i``), wins, and siblings called in another order than
+  PyTorch's trade partners where that makes both closer. Two candidates
+  that tie are decided by the local error; if they still tie, the call is
   refused naming them. ``report.alignment`` shows the pairing,
   ``unpaired_jax`` and ``unpaired_torch`` the layers left out.
 
