@@ -32,6 +32,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -641,9 +642,8 @@ def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
 
   def score(a: int, b: int) -> float | None:
     j, t = jax_layers[a], torch_layers[b]
-    if not _fits(j, t, inputs) or any((a < x) != (b < y)
-                                      for x, y in fixed.items()):
-      return None  # other shapes, or crossing a pin
+    if not _fits(j, t, inputs):
+      return None
     if (a, b) not in close:
       close[a, b] = _closeness(rel_rms(j.outputs[:len(t.outputs)],
                                        t.outputs))
@@ -1555,18 +1555,11 @@ def _jumps(results: list[dict], rows: list[str], names: list[str],
 
 
 def _holder(inner: list[str], names: list[str], at: int) -> str:
-  """The innermost JAX layer holding every layer of ``inner`` (the first
-  call of its name that ends at ``names[at]`` or after, else the last)."""
-  parts = [[] if _base(n) == "output" else _base(n).split("/") for n in inner]
-  common = parts[0]
-  for q in parts[1:]:
-    common = common[:next((i for i, (x, y) in enumerate(zip(common, q))
-                           if x != y), min(len(common), len(q)))]
-  while True:
-    base = "/".join(common) or "output"
-    hits = [n for n in names if _base(n) == base]
-    if hits or not common:
-      return (next((n for n in inner if n in hits), None)
-              or next((n for n in names[at:] if n in hits), None)
-              or (hits[-1] if hits else "output"))
+  """The innermost JAX layer holding every layer of ``inner`` (of a name
+  called twice, the call in ``inner``, else the first to end at or after
+  ``names[at]``)."""
+  common = os.path.commonprefix([_base(n).split("/") for n in inner])
+  while common and "/".join(common) not in map(_base, names):
     common = common[:-1]
+  hits = [n for n in names if _base(n) == ("/".join(common) or "output")]
+  return next((n for n in (*inner, *names[at:]) if n in hits), "output")
