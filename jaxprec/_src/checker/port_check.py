@@ -1265,68 +1265,63 @@ def _unmeasured_noise(which: list[int], jax_layers: list[_Layer],
                       torch_layers: list[_Layer], pairs: dict[int, int],
                       alone: dict[str, dict[int, list[np.ndarray]]], f32,
                       notes: list[str]) -> dict[int, float]:
-  """JAX layer index -> its float32 noise, estimated, for the layers whose
-  float64 run equals their float32 run bit for bit though they compute:
-  they round to float32 inside, whatever their inputs' type (a dtype
-  policy, an ``astype(jnp.float32)``), so float64 measures nothing. A
-  layer that computes nothing (a lookup, a copy: every output value is one
-  of its inputs' or weights') keeps its noise of 0. The estimate is how far
-  the float32 output moves when the inputs and weights move by one unit in
-  the last place (at least ``2**-24``), as the roundings of a float32
-  computation move it."""
+  """JAX layer index -> its float32 noise, estimated where float64 cannot
+  measure it: the layer's float64 run equals its float32 run bit for bit
+  (it computes in float32 whatever its inputs' type), and not every output
+  value is one of its inputs' or weights' (a lookup, a copy: noise 0). The
+  estimate: half of how far its float32 output moves when its inputs and
+  weights move by one unit in the last place (a rounding moves a value by
+  half a unit at most), and at least ``2**-24``."""
   y32, y64 = alone["float32"], alone["float64"]
 
   def selects(a: int) -> bool:
     pool = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in (
         *torch_layers[pairs[a]].inputs,
         *_float_leaves(jax_layers[a].alone.state), np.zeros(1))])
-    return all(np.isin(np.asarray(y, np.float32), pool).all()
-               for y in y32[a])
+    return all(np.isin(np.asarray(y, np.float32), pool).all() for y in y32[a])
   same = [a for a in which if a in y32 and a in y64 and all(
       np.array_equal(u, v) for u, v in zip(y32[a], y64[a])) and not selects(a)]
+  if not same:
+    return {}
   rng = np.random.default_rng(0)
 
-  def moved(step):
-    return [(dataclasses.replace(
-        jax_layers[a].alone, state=jax.tree_util.tree_map(
-            lambda x: step(x) if layers_lib.is_float(x) else x,
-            jax_layers[a].alone.state)),
-             [step(x) for x in torch_layers[pairs[a]].inputs]) for a in same]
-
-  def ulp(x):
+  def ulp(x: Any) -> Any:
+    if not layers_lib.is_float(x):
+      return x
     x = np.asarray(x, np.float32)
     return np.where(rng.random(x.shape) < 0.5, np.nextafter(x, np.inf),
                     np.nextafter(x, -np.inf)).astype(np.float32)
   try:
-    out = dict(zip(same, run_alone(moved(ulp), f32))) if same else {}
+    moved = run_alone([(dataclasses.replace(
+        jax_layers[a].alone, state=jax.tree_util.tree_map(
+            ulp, jax_layers[a].alone.state)),
+        [ulp(x) for x in torch_layers[pairs[a]].inputs]) for a in same], f32)
   except Exception:  # noqa: BLE001 -- a layer that cannot run so: as measured
     return {}
-  if out:
-    notes.append(
-        f"the float32 noise of {', '.join(jax_layers[a].name for a in out)} "
-        f"could not be measured: their float64 run equals their float32 run "
-        f"bit for bit (they compute in float32 whatever their inputs' type: "
-        f"a dtype policy, an astype(float32)); it is estimated as how far "
-        f"their float32 output moves when their inputs and weights move by "
-        f"one unit in the last place")
-  return {a: max(rel_rms(y, y32[a]), 2.0 ** -24) for a, y in out.items()}
+  notes.append(
+      f"the float32 noise of {', '.join(jax_layers[a].name for a in same)} "
+      f"cannot be measured: their float64 run equals their float32 run bit "
+      f"for bit (they compute in float32 whatever their inputs' type: a "
+      f"dtype policy, an astype(float32)); it is estimated as half of how "
+      f"far their float32 output moves when their inputs and weights move "
+      f"by one unit in the last place")
+  return {a: max(rel_rms(y, y32[a]) / 2, 2.0 ** -24)
+          for a, y in zip(same, moved)}
 
 
 def _weights_differ(results: list[dict], layers: list[_Layer]) -> list[str]:
-  """The note saying that the two models hold different weights: most
-  layers with weights are off by an error of order 1 on PyTorch's own
-  inputs (a port with a bug has one such layer and its containers)."""
-  weighted = [r for r, l in zip(results, layers)
+  """The note saying that the models hold other weights: more than half the
+  layers with weights are off by an error of order 1 on PyTorch's input."""
+  weighted = [r["floor"] for r, l in zip(results, layers)
               if l.alone is not None and _float_leaves(l.alone.state)]
-  far = [r["floor"] for r in weighted if r["floor"] > 0.1]
+  far = [x for x in weighted if x > 0.1]
   if len(weighted) < 2 or 2 * len(far) <= len(weighted):
     return []
   return [f"the weights differ: {len(far)} of {len(weighted)} layers with "
-          f"weights are off by {min(far):.2g} to {max(far):.2g} (rel_rms) "
-          f"at float32 on PyTorch's own inputs, as two models with other "
-          f"weights are, not a port with one bug; build both from the same "
-          f"weights (copy the PyTorch model's state_dict into the JAX model) "
-          f"and check again"]
+          f"weights are off by {min(far):.2g} to {max(far):.2g} (rel_rms) at "
+          f"float32 on PyTorch's own inputs, as models with other weights "
+          f"are, not a port with one bug; build both from the same weights "
+          f"(copy the PyTorch model's state_dict into the JAX model)"]
 
 
 def _non_finite_notes(pairs: list[tuple[str, str]],
