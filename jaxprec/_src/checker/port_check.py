@@ -1544,8 +1544,8 @@ def _jumps(results: list[dict], rows: list[str], names: list[str],
             f"{at} has no PyTorch partner and holds a jump of the "
             f"propagated error at {p}: {render.fmt(top)} at most before it, "
             f"{render.fmt(r['propagated'][p])} at {r['name']}, whose local "
-            f"error is explained; the bug is in {at}'s own code (pair it "
-            f"with alignment= to check it)")
+            f"error is explained: the error is made in {at}, after "
+            f"{prev['name']} (pair it with alignment= to check it alone)")
   return held
 
 
