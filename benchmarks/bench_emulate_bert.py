@@ -21,8 +21,10 @@ run, for each emulation kernel (``bf16``, ``f32``; ``docs/emulation.md``):
       [--compile-repeats 5] [--import-repeats 7]
   python benchmarks/bench_emulate_bert.py --quick    # 2 layers, seq 32: seconds
   python benchmarks/bench_emulate_bert.py --split    # + trace/lower vs compile
-  python benchmarks/bench_emulate_bert.py --multi-pass  # + run time at 3 and 6
-      passes, the bf16 kernel's wider dot against one dot per pass
+  python benchmarks/bench_emulate_bert.py --multi-pass  # + run and compile
+      time at 3 and 6 passes on each kernel, per form of the multi-pass dots
+      (bf16: grouped, the default, wide, one dot per pass; f32: batched, the
+      default, one dot per pass)
 """
 
 import argparse
@@ -79,35 +81,78 @@ def cpu_line() -> str:
           f"avx512_bf16: {'yes' if has else 'no'}")
 
 
-def multi_pass_run_times(forward, params, ids, repeats: int) -> None:
-  """The forward at 3 and 6 passes on the ``bf16`` kernel, its passes as one
-  wider dot (the default below ``BATCH_MACS``) and one dot per pass, both
-  compiled first, then timed alternately; ratios of medians to native."""
+def _timed(fn, *args) -> tuple[float, float]:
+  """One run of ``fn``: wall time and the process's CPU time (every thread's;
+  less moved than the wall by other jobs on the machine)."""
+  c, t = time.process_time(), time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - t, time.process_time() - c
+
+
+# The forms a multi-pass dot runs in (emulated_ops.BATCH_MACS: None keeps
+# the default, -1 runs one dot per pass), per kernel, the default first.
+FORMS = {
+    "bf16": (("default (X3 a dot per pass, X6 grouped)", None),
+             ("dot per pass", -1)),
+    "f32": (("default (batched)", None), ("dot per pass", -1)),
+}
+
+
+def _in_form(form: tuple, fn, *args):
+  """``fn(*args)`` with ``emulated_ops.BATCH_MACS`` set for ``form``,
+  restored after."""
   from jaxprec._src.emulation import emulated_ops  # pylint: disable=g-import-not-at-top
+  saved = emulated_ops.BATCH_MACS
+  if form[1] is not None:
+    emulated_ops.BATCH_MACS = form[1]
+  try:
+    return fn(*args)
+  finally:
+    emulated_ops.BATCH_MACS = saved
+
+
+def multi_pass_run_times(forward, params, ids, repeats: int,
+                         compile_repeats: int) -> None:
+  """The forward at 3 and 6 passes on each kernel, in each form its
+  multi-pass dots may run in (``FORMS``): run time (all compiled first, then
+  timed alternately with native) and compile time (fresh compiles, each next
+  to a native one), ratios of medians to native, wall and CPU time."""
   native = jax.jit(forward)
   jax.block_until_ready(native(params, ids))
-  saved = emulated_ops.BATCH_MACS
-  for precision in ("high", "highest"):
-    fns = {}
-    with jaxprec.use_kernel("bf16"):
-      for form, macs in (("wider dot", saved), ("dot per pass", -1)):
-        emulated_ops.BATCH_MACS = macs
-        try:
-          fns[form] = jax.jit(jaxprec.emulate(forward, precision, target="tpu"))
-          jax.block_until_ready(fns[form](params, ids))  # compile
-        finally:
-          emulated_ops.BATCH_MACS = saved
-      times = {"native": [], **{f: [] for f in fns}}
-      for _ in range(repeats):
-        t = time.perf_counter(); jax.block_until_ready(native(params, ids))
-        times["native"].append(time.perf_counter() - t)
-        for form, fn in fns.items():
-          t = time.perf_counter(); jax.block_until_ready(fn(params, ids))
-          times[form].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"forward at {precision} (bf16 kernel): " + "; ".join(
-        f"{form} {med[form] * 1e3:.1f} ms ({med[form] / med['native']:.2f}x native)"
-        for form in fns) + f"; native {med['native'] * 1e3:.1f} ms")
+  for kernel, forms in FORMS.items():
+    for precision in ("high", "highest"):
+      fns = {}
+      with jaxprec.use_kernel(kernel):
+        for form in forms:
+          fns[form[0]] = jax.jit(jaxprec.emulate(forward, precision, target="tpu"))
+          _in_form(form, lambda f: jax.block_until_ready(f(params, ids)),
+                   fns[form[0]])  # compile
+        runs = {"native": [], **{f: [] for f in fns}}
+        for _ in range(repeats):
+          runs["native"].append(_timed(native, params, ids))
+          for form in forms:
+            runs[form[0]].append(_in_form(form, _timed, fns[form[0]], params, ids))
+        compiles = {f[0]: [] for f in forms}
+        for _ in range(compile_repeats):
+          for form in forms:
+            n = compile_seconds(forward, params, ids)
+            e = _in_form(form, compile_seconds,
+                         jaxprec.emulate(forward, precision, target="tpu"),
+                         params, ids)
+            compiles[form[0]].append((e[0] + e[1], n[0] + n[1], e[2], n[2]))
+      med = lambda xs: statistics.median(xs)  # noqa: E731
+      nat = [med(r[i] for r in runs["native"]) for i in (0, 1)]
+      parts = []
+      for form in forms:
+        r = runs[form[0]]
+        c = compiles[form[0]]
+        parts.append(
+            f"{form[0]}: run {med(x[0] for x in r) / nat[0]:.2f}x "
+            f"(CPU {med(x[1] for x in r) / nat[1]:.2f}x), compile "
+            f"{med(x[0] for x in c) / med(x[1] for x in c):.2f}x "
+            f"(CPU {med(x[2] for x in c) / med(x[3] for x in c):.2f}x)")
+      print(f"forward at {precision} ({kernel} kernel; native run "
+            f"{nat[0] * 1e3:.1f} ms): " + "; ".join(parts))
 
 
 def main() -> None:
@@ -123,9 +168,9 @@ def main() -> None:
   ap.add_argument("--split", action="store_true",
                   help="also print trace+lower and XLA compile times apart")
   ap.add_argument("--multi-pass", action="store_true",
-                  help="also time the forward at 3 and 6 passes on the bf16 "
-                  "kernel: its passes as one wider dot against one dot per "
-                  "pass (emulated_ops.BATCH_MACS = -1)")
+                  help="also time the forward at 3 and 6 passes on each "
+                  "kernel, run and compile, in each form its multi-pass dots "
+                  "may run in (FORMS)")
   ap.add_argument("--quick", action="store_true",
                   help="1 layer, seq 16, 3 repeats: a few seconds")
   args = ap.parse_args()
@@ -175,7 +220,8 @@ def main() -> None:
           f"max |emulated - native| = {diff[k]:.3g}")
 
   if args.multi_pass:
-    multi_pass_run_times(forward, params, ids, args.repeats)
+    multi_pass_run_times(forward, params, ids, args.repeats,
+                         args.compile_repeats)
 
   # Compile times, fresh functions each; a native compile next to each
   # emulated one, --compile-repeats times, medians (one compile of BERT-base

@@ -134,11 +134,15 @@ def test_the_shared_argument_types_refuse_what_they_name():
 
 
 def test_wide_dot_bits_quick(tmp_path):
-  # Exit 0 where every block keeps its bits (jaxlib 0.10), 1 where some do not
-  # (jaxlib 0.12.1); the summary line says how many either way.
+  # Exit 0 where every block stacked along M keeps its bits (jaxlib 0.10), 1
+  # where some do not (jaxlib 0.12.1); a summary line per layout says how
+  # many either way.
   proc = run("wide_dot_bits.py", "--quick", ok=False, tmp_path=tmp_path)
   assert proc.returncode in (0, 1), proc.stderr
-  m = re.search(r"^(\d+) of 6 cases differ$", proc.stdout, re.M)
+  m = re.search(r"^stacked along M: (\d+) of 6 cases differ$", proc.stdout,
+                re.M)
   assert m, proc.stdout
+  assert re.search(r"^side by side along N too: \d+ of 6 cases differ$",
+                   proc.stdout, re.M), proc.stdout
   assert (int(m.group(1)) == 0) == (proc.returncode == 0)
   assert proc.stdout.startswith("jax ")

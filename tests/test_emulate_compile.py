@@ -297,15 +297,18 @@ def test_f32_kernel_runs_a_multi_pass_dot_as_one_batched_dot(precision):
   assert "batching_dims = [0] x [0]" in one, one
 
 
-@pytest.mark.parametrize("precision,parts", [
-    ("high", 2), ("highest", 3), ("BF16_BF16_F32_X9", 3)])
-def test_bf16_kernel_runs_a_small_multi_pass_dot_as_one_wider_dot(precision,
-                                                                   parts):
-  # (16, 32) x (32, 32): the lhs parts stacked along M, the rhs parts side by
-  # side along N, bfloat16 operands, one dot.
-  (one,) = _dot_lines("bf16", precision)
-  assert (f"(tensor<{16 * parts}x32xbf16>, tensor<32x{32 * parts}xbf16>) -> "
-          f"tensor<{16 * parts}x{32 * parts}xf32>") in one, one
+@pytest.mark.parametrize("precision", ["high", "highest", "BF16_BF16_F32_X9"])
+def test_bf16_kernel_runs_a_small_multi_pass_dot_as_one_dot_per_rhs_part(
+    precision):
+  # (16, 32) x (32, 32): X6 and X9 one bfloat16 dot per rhs part, of the lhs
+  # parts it pairs with stacked along M (6 and 9 blocks in 3 dots), X3 one
+  # dot per pass: every block a pass, none wasted.
+  lines = _dot_lines("bf16", precision)
+  assert len(lines) == 3, lines
+  rows = [int(re.search(r"\(tensor<(\d+)x32xbf16>, tensor<32x32xbf16>\) -> "
+                        r"tensor<\d+x32xf32>", l).group(1)) for l in lines]
+  passes_n = {"high": 3, "highest": 6, "BF16_BF16_F32_X9": 9}[precision]
+  assert sum(rows) == 16 * passes_n, rows
 
 
 def _bf16_dots(f, *args, precision="high"):
@@ -314,24 +317,27 @@ def _bf16_dots(f, *args, precision="high"):
   return [l for l in hlo.splitlines() if "stablehlo.dot_general" in l]
 
 
-def test_bf16_kernel_keeps_one_dot_per_pass_where_a_wider_dot_would_change_path(
+def test_bf16_kernel_keeps_one_dot_per_pass_where_grouping_would_change_path(
     monkeypatch):
   # A matrix-vector product and a dot of dimensions under 8 are computed in
   # XLA's own loops, not its library; a length-1 contraction is a multiply.
+  # M and N both under 4 (jaxlib 0.10.2) sum otherwise once stacked. X6 runs
+  # its 6 passes in 3 dots where it groups them.
   x, v, s = jnp.ones((16, 32)), jnp.ones((32,)), jnp.ones((4, 4))
-  assert len(_bf16_dots(jnp.matmul, x, x.T)) == 1
-  assert len(_bf16_dots(jnp.matmul, x, v)) == 3
-  assert len(_bf16_dots(jnp.matmul, v, x.T)) == 3
-  assert len(_bf16_dots(jnp.matmul, s, s)) == 3
-  assert len(_bf16_dots(jnp.matmul, x[:, :1], x[:1, :])) == 3
-  # Above BATCH_MACS run time counts, above WIDE_ELEMENTS memory: one dot per
-  # pass.
+  dots = lambda *a: len(_bf16_dots(jnp.matmul, *a, precision="highest"))  # noqa: E731
+  assert dots(x, x.T) == 3
+  assert dots(x, v) == dots(v, x.T) == dots(s, s) == 6
+  assert dots(x[:, :1], x[:1, :]) == 6
+  assert dots(x[:3], x[:3].T) == 6
+  assert dots(x[:3], x[:4].T) == 3
+  # Above BATCH_MACS run time counts, above GROUPED_ELEMENTS memory: one dot
+  # per pass.
   monkeypatch.setattr(emulated_ops, "BATCH_MACS", 16 * 32 * 16 - 1)
-  assert len(_bf16_dots(jnp.matmul, x, x.T)) == 3
+  assert dots(x, x.T) == 6
   monkeypatch.undo()
-  monkeypatch.setattr(emulated_ops, "WIDE_ELEMENTS", 2**2 * 16 * 16 - 1)
-  assert len(_bf16_dots(jnp.matmul, x, x.T)) == 3
-  assert len(_bf16_dots(jnp.matmul, x[:15], x.T)) == 1
+  monkeypatch.setattr(emulated_ops, "GROUPED_ELEMENTS", 6 * 16 * 16 - 1)
+  assert dots(x, x.T) == 6
+  assert dots(x[:15], x.T) == 3
 
 
 def test_f32_kernel_runs_the_passes_of_a_large_dot_apart(monkeypatch):
@@ -347,7 +353,12 @@ def test_f32_kernel_runs_the_passes_of_a_large_dot_apart(monkeypatch):
 
 # Every form at 3 and 6 passes, X9 on a plain matmul and a batch axis.
 _WIDE_CASES = ([(f, p) for f in _DOT_FORMS for p in ("high", "highest")] +
-               [(f, "BF16_BF16_F32_X9") for f in _DOT_FORMS[:2]])
+               [(f, "BF16_BF16_F32_X9") for f in _DOT_FORMS[:2]] +
+               # A long contraction and a narrow N: XLA:CPU (jaxlib 0.10.2)
+               # blocks K by N, so a dot of the rhs parts side by side along
+               # N (as X3 once ran) sums in another order than each pass.
+               [(("ij,jk->ik", (8, 3072), (3072, 9)), p)
+                for p in ("high", "highest")])
 _ALGORITHM = {"high": "bf16x3", "highest": "bf16x6",
               "BF16_BF16_F32_X9": "bf16x9"}
 
@@ -385,7 +396,7 @@ def _one_dot_per_pass(spec, precision, a, b):
                          ids=lambda v: v[0] if isinstance(v, tuple) else str(v))
 def test_bf16_kernel_passes_are_the_library_dots_of_their_parts(
     form, precision):
-  # Each block of the wider dot (and each pass of a dot that keeps its
+  # Each block of a grouped dot (and each pass of a dot that keeps its
   # passes apart) is the bfloat16 dot its pass runs alone, special values
   # included: jitted, eager and under vmap.
   spec, ls, rs = form
@@ -405,13 +416,56 @@ def test_bf16_kernel_passes_are_the_library_dots_of_their_parts(
     # the whole shape (benchmarks/wide_dot_bits.py: 662 of 1928 cases differ
     # there, none on 0.10.2): no form of the passes keeps the bits of each
     # pass run alone (one dot per pass differs for 'ji,jk->ik' jitted and for
-    # 'ijk,jkl->il' under vmap; the wider dot for 'ijk,jkl->il', M = 8).
+    # 'ijk,jkl->il' under vmap; a grouped dot where M = 8).
     # What holds: non-finite results bit for bit, and the finite ones within
     # float32 accumulation of the same exact products.
     _assert_same_products_summed(got[0], want, spec, a, b, precision)
     return
   np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint32),
                                 np.asarray(want).view(np.uint32))
+
+
+@pytest.mark.parametrize("form,precision", [
+    (_DOT_FORMS[0], "high"), (_DOT_FORMS[1], "highest"),
+    (_DOT_FORMS[3], "high"), (_DOT_FORMS[0], "BF16_BF16_F32_X9")],
+                         ids=lambda v: v[0] if isinstance(v, tuple) else str(v))
+def test_bf16_kernel_grouped_passes_are_one_dot_per_pass_with_gradients(
+    monkeypatch, form, precision):
+  # The passes grouped by rhs part give the bits of one dot per pass:
+  # forward, both gradients, jitted, eager and under vmap, special values
+  # included.
+  spec, ls, rs = form
+  a, b = _special(ls, 0), _special(rs, 1)
+  f = lambda x, y: jnp.einsum(spec, x, y)  # noqa: E731
+
+  def run():
+    g = jaxprec.emulate(f, precision, target="tpu")
+    loss = lambda x, y: jnp.sum(jnp.where(jnp.isfinite(g(x, y)), g(x, y), 0))  # noqa: E731
+    return jax.tree_util.tree_leaves((
+        jax.jit(g)(a, b), g(a, b),
+        jax.vmap(g, in_axes=(0, None))(jnp.stack([a, a * 0.5]), b),
+        jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)))
+
+  with jaxprec.use_kernel("bf16"):
+    grouped = run()
+    monkeypatch.setattr(emulated_ops, "BATCH_MACS", -1)
+    emulated_ops._forward_jit.clear_cache()
+    try:
+      apart = run()
+    finally:
+      emulated_ops._forward_jit.clear_cache()
+  assert len(grouped) == len(apart) == 5
+  for x, y in zip(grouped, apart):
+    if _SHAPE_DEPENDENT_SUMS:
+      # Stacked along M, XLA:CPU (jaxlib 0.12.1) may sum in another order.
+      finite = np.isfinite(np.asarray(y))
+      np.testing.assert_array_equal(np.asarray(x).view(np.uint32)[~finite],
+                                    np.asarray(y).view(np.uint32)[~finite])
+      np.testing.assert_allclose(np.asarray(x)[finite], np.asarray(y)[finite],
+                                 rtol=2e-5, atol=1e-5)
+    else:
+      np.testing.assert_array_equal(np.asarray(x).view(np.uint32),
+                                    np.asarray(y).view(np.uint32))
 
 
 def _assert_same_products_summed(got, want, spec, a, b, precision):

@@ -244,83 +244,69 @@ def _batched_passes(pairs, dimension_numbers) -> list[jax.Array]:
   return list(out)
 
 
-# On the bf16 kernel the passes of one emulated dot of at most BATCH_MACS
-# multiply-adds per pass run as one wider bfloat16 dot: the lhs parts stacked
-# along M, the rhs parts side by side along N, each pass's result a block of
-# the product (X3 and X6 compute 4 and 9 blocks for their 3 and 6 passes).
-# Each block is the dot the pass would run on its own, element for element:
-# the same products summed over the same K in the same order, as long as the
-# pass is a dot XLA:CPU hands to its library (``IsDotSupportedByYnn``,
-# openxla/xla xla/backends/cpu/ynn_support.cc: M and N above 1, a dimension of
-# 8 or more), so that the wider one is too (tests/test_emulate_compile.py
-# compares both with each pass run alone). XLA then compiles one kernel that
-# writes every part of an operand and one library call per emulated dot,
-# where separate passes compile one kernel per part and one call per pass:
-# BERT-base at batch 1 x 128 tokens compiles 425 kernels at 3 passes where it
-# had 869 (native: 317; benchmarks/bench_emulate_bert.py). Matrix-vector
-# products and tiny dots keep one dot per pass (XLA computes those in its
-# own loops, and a wider dot would change their path), as do contractions of
-# length 1 (see ``finish`` in _forward) and larger dots, where run time
-# counts: the blocks no pass needs cost run time (BERT-base's forward runs
-# 1.38x as long at 3 passes; docs/performance.md).
-# The wider dot's result holds parts**2 blocks: at most WIDE_ELEMENTS float32
-# values (128 MiB), beyond which its memory counts more than compile time.
-WIDE = ("bf16x3", "bf16x6", "bf16x9")
-WIDE_ELEMENTS = 2**25
+# On the bf16 kernel the passes of X6 and X9 (of one emulated dot of at most
+# BATCH_MACS multiply-adds per pass) run as one bfloat16 dot per rhs part, of
+# the lhs parts it pairs with stacked along M: X6's six passes in three dots
+# (h·[h; m; l], m·[h; m], l·h as rows), X9's nine in three; each pass's result
+# a block of one of them, and no block computed that no pass needs. Each
+# block is the dot the pass runs on its own, element for element: its N and
+# K are the pass's own, and stacking along M keeps the sums of XLA:CPU's
+# library dot (jaxlib 0.10.2: none of 462 shapes differ, M and N from 2 to
+# 128, K from 8 to 3072; tests/test_emulate_compile.py compares both with
+# each pass run alone). Side by side along N they would not: XLA:CPU blocks
+# K by N, and for K over 2048 and a narrow N a wider N sums in another order.
+# X3 keeps one dot per pass: grouped, its 3 passes are 2 dots, and the
+# concatenate that stacks the lhs parts costs more compile time than the dot
+# it saves (BERT-base at 3 passes, benchmarks/bench_emulate_bert.py
+# --multi-pass; docs/performance.md). So do matrix-vector products and dots
+# whose M and N are both under 4 or whose dimensions are all under 8 (XLA
+# computes those in its own loops, where a stacked dot would change their
+# path), contractions of length 1 (see ``finish`` in _forward), and dots of
+# more than BATCH_MACS multiply-adds per pass, or whose passes' results would
+# hold more than GROUPED_ELEMENTS float32 values (128 MiB).
+GROUPED = ("bf16x6", "bf16x9")
+GROUPED_ELEMENTS = 2**25
 
 
-def _wide_ok(spec: _Spec, lhs_form, rhs_form) -> bool:
-  """Whether ``spec``'s passes on the canonical forms run as one wider dot."""
-  if spec.algorithm not in WIDE or spec.contraction <= 1:
+def _grouped_ok(spec: _Spec, lhs_form, rhs_form) -> bool:
+  """Whether ``spec``'s passes on the canonical forms run grouped."""
+  if spec.algorithm not in GROUPED or spec.contraction <= 1:
     return False
   m, k, n = lhs_form[-2], lhs_form[-1], rhs_form[-1]
   out = int(np.prod(lhs_form[:-1], dtype=np.int64)) * n  # (B,) M x N
-  # Each operand's bfloat16 parts: the fewest whose grid of products holds
-  # the passes (2 for X3, 3 for X6 and X9; rounding.split_bf16).
-  parts = math.isqrt(PASSES[spec.algorithm] - 1) + 1
-  return (m > 1 and n > 1 and max(m, k, n) >= 8 and out * k <= BATCH_MACS and
-          parts * parts * out <= WIDE_ELEMENTS)
+  return (m > 1 and n > 1 and max(m, n) >= 4 and max(m, k, n) >= 8 and
+          out * k <= BATCH_MACS and
+          PASSES[spec.algorithm] * out <= GROUPED_ELEMENTS)
 
 
-def _wide_passes(pairs, one_pass) -> list[jax.Array]:
+def _index(parts: list, x) -> int:
+  """The index of ``x`` (by identity) in ``parts``, appended if new."""
+  for i, y in enumerate(parts):
+    if y is x:
+      return i
+  parts.append(x)
+  return len(parts) - 1
+
+
+def _grouped_passes(pairs, one_pass) -> list[jax.Array]:
   """The bfloat16 dots of ``pairs`` (float32 arrays holding bfloat16 parts,
-  canonical forms ``(B,) M x K`` and ``(B,) K x N``) as one dot of the lhs
-  parts stacked along M and the rhs parts side by side along N, converted to
-  bfloat16 once; one block of the product per pair."""
-  ls, rs, at = [], [], []  # the distinct parts; each pair's (row, column)
-
-  def index(parts, x):
-    for i, y in enumerate(parts):
-      if y is x:
-        return i
-    parts.append(x)
-    return len(parts) - 1
-
+  canonical forms ``(B,) M x K`` and ``(B,) K x N``) as one dot per distinct
+  rhs part, of the lhs parts it pairs with stacked along M (a concatenate
+  that XLA fuses with the parts into one kernel), each converted to bfloat16
+  once; one block of a product per pair, in the order of the pairs."""
+  m_axis = pairs[0][0].ndim - 2
+  m = pairs[0][0].shape[m_axis]
+  rs, groups, at = [], [], []  # distinct rhs parts; their lhs parts; (group, row)
   for l, r in pairs:
-    at.append((index(ls, l), index(rs, r)))
-  m_axis, n_axis = ls[0].ndim - 2, rs[0].ndim - 1
-  m, n = ls[0].shape[m_axis], rs[0].shape[n_axis]
-  # Stacked along its major free axis, the lhs is a concatenate that XLA
-  # fuses with the parts into one kernel. Along the minor axis XLA copies a
-  # concatenate's operands apart (measured); a select on the part's index,
-  # reshaped, is one kernel as well.
-  lhs = lax.concatenate(ls, m_axis)
-  shape = (*rs[0].shape[:-1], len(rs), n)  # (B,) K x parts x N
-  dims = (*range(n_axis), n_axis + 1)
-  which = lax.broadcasted_iota(np.int32, shape, n_axis)
-  rhs = lax.broadcast_in_dim(rs[-1], shape, dims)
-  for i in range(len(rs) - 2, -1, -1):
-    rhs = lax.select(which == i, lax.broadcast_in_dim(rs[i], shape, dims), rhs)
-  rhs = rhs.reshape(*rs[0].shape[:-1], len(rs) * n)
-  out = one_pass(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16))
-  blocks = []
-  for i, k in at:
-    start = [0] * out.ndim
-    start[m_axis], start[n_axis] = i * m, k * n
-    limit = list(out.shape)
-    limit[m_axis], limit[n_axis] = (i + 1) * m, (k + 1) * n
-    blocks.append(lax.slice(out, start, limit))
-  return blocks
+    g = _index(rs, r)
+    if g == len(groups):
+      groups.append([])
+    at.append((g, _index(groups[g], l)))
+  outs = [one_pass((ls[0] if len(ls) == 1 else lax.concatenate(ls, m_axis)
+                    ).astype(jnp.bfloat16), r.astype(jnp.bfloat16))
+          for ls, r in zip(groups, rs)]
+  return [lax.slice_in_dim(outs[g], i * m, (i + 1) * m, axis=m_axis)
+          for g, i in at]
 
 
 def _chip_forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
@@ -358,8 +344,8 @@ def _chip_forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
 
 
 def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, *,
-             widen: bool = True) -> jax.Array:
-  """The emulated op (``widen=False``: one dot per pass on the bf16 kernel,
+             group: bool = True) -> jax.Array:
+  """The emulated op (``group=False``: one dot per pass on the bf16 kernel,
   the algorithm's passes as :func:`written_out` shows them)."""
   if spec.algorithm == "f32":  # a shape rule's exact float32 (spec.rule)
     out = spec.lax_op()(lhs, rhs, precision=_EXACT,
@@ -374,15 +360,16 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, *,
   batched = (spec.op == "dot_general" and spec.kernel == "f32" and
              PASSES[spec.algorithm] > 1 and
              _macs(spec, lhs, rhs) <= BATCH_MACS)
-  wide = widen and dn is not None and _wide_ok(spec, lhs_move[1], rhs_move[1])
+  grouped = (group and dn is not None and
+             _grouped_ok(spec, lhs_move[1], rhs_move[1]))
   lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
-  # Batched or wide, the operands' producers stay out of the fusion that
+  # Batched or grouped, the operands' producers stay out of the fusion that
   # stacks the parts: XLA:CPU (jax 0.12.0.1) fused a GELU into it and
   # computed the GELU to other bits than in its own fusions
   # (tests/test_switch.py, tests/test_emulate_compile.py).
-  if spec.guard[0] or batched or wide:
+  if spec.guard[0] or batched or grouped:
     lhs = lax.optimization_barrier(lhs)
-  if spec.guard[1] or batched or wide:
+  if spec.guard[1] or batched or grouped:
     rhs = lax.optimization_barrier(rhs)
   if dn is not None and spec.algorithm == "tf32x3":
     # Its float32 parts: XLA:CPU (jax 0.10.2) fused the last multiply of a
@@ -397,8 +384,9 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, *,
     # products, float32 sums, and 0.5x the time of a float32 dot on CPUs with
     # AVX512-BF16 (XLA's dot_algorithm_rewriter.cc, openxla/xla).
     base = functools.partial(lax.dot_general, dimension_numbers=dn)
-    # Wide, the parts are float32 until they are stacked (_wide_passes).
-    parts = jnp.float32 if wide else jnp.bfloat16
+    # Grouped, the parts are float32 until they are stacked
+    # (_grouped_passes).
+    parts = jnp.float32 if grouped else jnp.bfloat16
   else:
     # The f32 kernel, and convolutions (XLA:CPU widens bfloat16 conv operands
     # to float32 anyway): float32 parts holding bfloat16 values compute the
@@ -433,8 +421,8 @@ def _forward(spec: _Spec, lhs: jax.Array, rhs: jax.Array, *,
                        preferred_element_type=jnp.float32), low)
 
   def ops(pairs):
-    if wide:
-      return _wide_passes(pairs, one_pass)
+    if grouped:
+      return _grouped_passes(pairs, one_pass)
     if len(pairs) == 1 or not batched:
       return [one_pass(l, r) for l, r in pairs]
     return _batched_passes(pairs, dict(spec.params)["dimension_numbers"])
@@ -1067,14 +1055,15 @@ def written_out(closed):
   """``closed`` with every emulated op written out as its passes: the
   float32 and bfloat16 matmuls it runs, as :func:`jaxprec.audit` and
   :func:`jaxprec.cost` count them (on the bf16 kernel one dot per pass,
-  where the compiled program may run them as one wider dot: the audit and
-  the cost count the algorithm's passes, not the blocks that adds)."""
+  where the compiled program may group X6's and X9's passes into fewer dots
+  of the same blocks: the audit and the cost count the algorithm's
+  passes)."""
   def rule(eqn, invals):
     if eqn.primitive.name == "jaxprec_traced":  # a library primitive's body
       return walker.interpret(walker.traced_body(eqn), rule, *invals)
     if eqn.primitive is not _emulated_p:
       return None
-    return [_forward(eqn.params["spec"], *invals, widen=False)]
+    return [_forward(eqn.params["spec"], *invals, group=False)]
   if not any(w.eqn.primitive is _emulated_p for w in walker.iter_eqns(closed)):
     return closed
   return walker.transform(closed, rule)
