@@ -322,3 +322,31 @@ def test_a_tpu_checks_default_rows_are_tpu_numerics():
       f"{a} (tpu, emulated)" for a in algos]
   for name, algo in zip(r.precisions, algos):
     np.testing.assert_array_equal(_metric(r, name), ERRORS[algo])
+
+
+def cpu_names() -> list[str]:
+  """The names a CPU runs, one spelling each."""
+  seen, out = set(), []
+  for n in jaxprec.valid_names():
+    p = jaxprec.resolve(n)
+    if p.cpu.supported and p.name not in seen and not n.upper().startswith(
+        ("ANY_F8", "F64")):
+      seen.add(p.name)
+      out.append(n)
+  return out
+
+
+def test_on_a_cpu_native_rows_and_the_table_say_what_jax_computes():
+  """Natively on this CPU a row runs under JAX's flag: its label, the one
+  table's CPU entry (``jaxprec info``'s "here" line) and its numbers agree
+  with what JAX computes (float16 operands for the float16 presets)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the native rows of this test run on a CPU")
+  names = cpu_names()
+  r = jaxprec.check(probes, LHS, RHS, precisions=names, mode="native")
+  for name in names:
+    want = jax_meaning(name, "cpu")
+    assert jaxprec.resolve(name).cpu.algorithm == want, name
+    assert r.numerics[name] == f"{want} (native cpu)", name
+    np.testing.assert_array_equal(_metric(r, name), ERRORS[want],
+                                  err_msg=f"native {name!r}")
