@@ -350,3 +350,35 @@ def test_on_a_cpu_native_rows_and_the_table_say_what_jax_computes():
     assert r.numerics[name] == f"{want} (native cpu)", name
     np.testing.assert_array_equal(_metric(r, name), ERRORS[want],
                                   err_msg=f"native {name!r}")
+
+
+def test_the_table_in_docs_semantics_is_the_codes():
+  """docs/semantics.md's "One name, one meaning on a target": each cell is
+  what the code answers for that name on that target."""
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).parent.parent / "docs" / "semantics.md"
+          ).read_text()
+  section = text.split("## One name, one meaning on a target")[1].split(
+      "\n## ")[0]
+  rows = [l for l in section.splitlines() if l.startswith("| `")]
+  assert len(rows) >= 10
+  seen = set()
+  for line in rows:
+    names_cell, *cells = [c.strip() for c in line.strip("|").split("|")]
+    for name in re.findall(r"`([^`]+)`", names_cell):
+      seen.add(jaxprec.resolve(name).name)
+      p = jaxprec.resolve(name)
+      for target, cell in zip(("tpu", "gpu", "cpu"), cells):
+        if target == "cpu":
+          got = p.cpu.algorithm
+        else:
+          try:
+            got = numerics.algorithm_for(p, target, np.float32, np.float32)
+          except numerics.UnsupportedAlgorithmError:
+            got = "unsupported"
+        ok = (got in re.findall(r"`([^`]+)`", cell)
+              or got == "unsupported" and "refused" in cell)
+        assert ok, (name, target, cell, got)
+  assert {"bfloat16", "bfloat16_3x", "tensorfloat32", "float32",
+          "backend-default"} <= seen
