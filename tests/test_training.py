@@ -47,7 +47,7 @@ def test_loss_curves_and_drift(report):
   assert all(a > 10 * b > 0 for a, b in zip(bf16, x3))
   assert bf16[-1] > bf16[0]
   assert r.divergence_step == {"bfloat16": None, "bfloat16_3x": None}
-  assert r.numerics["bfloat16"] == "bf16x1 (emulated)"
+  assert r.numerics["bfloat16"] == "bf16x1 (tpu, emulated)"
   assert "bfloat16_3x" in str(r)
 
 
