@@ -133,9 +133,8 @@ def emulation_options(emulate_target: str, chip: str | None = None,
   :func:`jaxprec.emulate`, as :attr:`Plan.options`.
 
   ``chip`` (already checked against the check's target) reaches the rows
-  emulated with GPU numerics only. Other
-  options (``tpu_matvec_f32``) are passed where they differ from their
-  defaults.
+  emulated with GPU numerics only. Other options (``tpu_matvec_f32``) are
+  passed where they differ from their defaults.
   """
   out = dict(options)
   if chip is not None and emulate_target == "gpu":
