@@ -91,8 +91,9 @@ def test_the_plan_key_holds_the_chip():
   keys = {rows.plan("tensorfloat32", "gpu", "emulate", chip=c).key
           for c in (None, "a100", "h100")}
   assert len(keys) == 3
-  # A row emulated with TPU numerics keeps them: no chip there.
-  assert rows.plan("bfloat16", "gpu", "emulate", chip="h100").options == ()
+  # Every name on a GPU is a GPU's numerics: the chip computes it.
+  assert rows.plan("bfloat16", "gpu", "emulate", chip="h100").options == (
+      ("chip", "h100"),)
 
 
 def test_the_report_names_the_chip_in_text_json_and_markdown():
