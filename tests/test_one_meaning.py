@@ -5,7 +5,7 @@ target compute (docs/semantics.md): on a TPU ``DEFAULT``/``HIGH``/``HIGHEST``
 are 1/3/6 bfloat16 passes, on an Ampere+ GPU TF32/TF32/float32 (the
 ``jax.lax.Precision`` docs), on a CPU exact float32; a preset names its
 algorithm. For every public name (``jaxprec.valid_names()``) and target,
-``emulate``, ``check``, ``check_module``, ``search_policy``, ``audit``,
+``emulate``, ``check``, ``check_module``, ``search_policy``, ``audit``, ``explain``,
 ``cost`` and the command line's ``check`` must compute (and label) that
 algorithm.
 
@@ -35,6 +35,7 @@ import reference as ref
 from conftest import run_cli
 from jaxprec._src.core import numerics
 from jaxprec._src.emulation import kernels
+from jaxprec._src.inspect.explain import explain_dict
 
 # a_i * b_i, chosen bit by bit:
 #  0: 1 + 2^-9 + 2^-12 + 2^-17: 1 pass 1; TF32 and float16 1 + 2^-9;
@@ -189,12 +190,14 @@ def test_check_and_check_module_rows_compute_and_name_the_same(target):
 
 @pytest.mark.filterwarnings("ignore::jaxprec.PresetConvWarning")
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
-def test_search_candidates_audit_and_cost_agree(target):
+def test_search_candidates_audit_explain_and_cost_agree(target):
   for name in names_for(target):
     want = jax_meaning(name, target)
     with jaxprec.precision(name):
       row, = jaxprec.audit(jnp.matmul, LHS, RHS).rows
+      explained = explain_dict()["numerics"][target]["algorithm"]
     assert getattr(row, target) == want, (name, target)
+    assert explained == want, (name, target)  # jaxprec info's line
     costed, = jaxprec.cost(jnp.matmul, LHS, RHS, policy=f"default={name}",
                            target=target).rows
     assert costed.algorithms == (want,), (name, target)
