@@ -3,9 +3,10 @@
 A precision name means what ``jax.default_matmul_precision(name)`` makes a
 target compute (docs/semantics.md): on a TPU ``DEFAULT``/``HIGH``/``HIGHEST``
 are 1/3/6 bfloat16 passes, on an Ampere+ GPU TF32/TF32/float32 (the
-``jax.lax.Precision`` docs), on a CPU exact float32; a preset names its
-algorithm. For every public name (``jaxprec.valid_names()``) and target,
-``emulate``, ``check``, ``check_module``, ``search_policy``, ``audit``, ``explain``,
+``jax.lax.Precision`` docs), on a CPU exact float32 (but for the float16
+presets, whose operands JAX converts); a preset names its algorithm. For
+every public name (``jaxprec.valid_names()``) and target, ``emulate``,
+``check``, ``check_module``, ``search_policy``, ``audit``, ``explain``,
 ``cost`` and the command line's ``check`` must compute (and label) that
 algorithm.
 
