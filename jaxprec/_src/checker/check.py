@@ -124,8 +124,8 @@ def check(fn: Callable[..., Any], *args: Any,
       same programs loads them instead of compiling them again (see
       :func:`jaxprec.enable_compilation_cache`).
     chip: with ``target='gpu'``, the NVIDIA chip (``'a100'``, ``'h100'``,
-      ``'b200'``; any case) whose tensor cores compute every row emulated
-      with GPU numerics, as :func:`jaxprec.emulate`'s ``chip`` computes it
+      ``'b200'``; any case) whose tensor cores compute every emulated row,
+      as :func:`jaxprec.emulate`'s ``chip`` computes it
       (``docs/gpu.md``); a computed reference other than float32 too. Native
       rows run on the device. The report names the chip. None (default):
       the algorithm's definition.
