@@ -47,7 +47,7 @@ from jaxprec._src.core import numerics
 
 from _args import positive as _positive, positive_float as _positive_float
 
-PRECISIONS = ("bfloat16", "bfloat16_3x", "tensorfloat32")
+PRECISIONS = rows.DEFAULT_ROWS["tpu"]  # a check's default rows
 
 
 def _peak(compiled) -> int:

@@ -65,7 +65,7 @@ from _args import positive as _positive  # noqa: E402
 from _args import positive_float as _positive_float  # noqa: E402
 
 DEVICES = 8
-PRECISIONS = ("bfloat16", "bfloat16_3x", "tensorfloat32")
+PRECISIONS = rows.DEFAULT_ROWS["tpu"]  # a check's default rows
 TARGET, MODE = "tpu", "emulate"
 
 

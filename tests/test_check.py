@@ -61,21 +61,38 @@ def test_layers_are_named_by_path_in_depth_order(mlp_report):
   r = mlp_report
   assert [l.name for l in r.layers] == ["layer_0", "layer_5", "layer_10", "layer_15"]
   assert all(l.shape == (8, 48) and l.dtype == "float32" for l in r.layers)
-  assert r.precisions == ("bfloat16", "bfloat16_3x", "tensorfloat32")
+  assert r.precisions == ("bfloat16", "bfloat16_3x", "float32")
   assert (r.reference, r.target, r.mode, r.backend) == ("float32", "tpu",
                                                         "emulate", "cpu")
 
 
-def test_default_trio_is_informative_when_emulating(mlp_report):
+def test_default_trio_is_a_tpus_three_levels_when_emulating(mlp_report):
   r = mlp_report
-  assert r.numerics["bfloat16"] == "bf16x1 (emulated)"
-  assert r.numerics["bfloat16_3x"] == "bf16x3 (emulated)"
-  assert r.numerics["tensorfloat32"] == "tf32 (emulated, gpu numerics)"
-  bf16, x3, tf32 = (r.metric("rel_rms", p) for p in r.precisions)
-  for a, b, c in zip(bf16, x3, tf32):
+  assert r.numerics["bfloat16"] == "bf16x1 (tpu, emulated)"
+  assert r.numerics["bfloat16_3x"] == "bf16x3 (tpu, emulated)"
+  assert r.numerics["float32"] == "bf16x6 (tpu, emulated)"
+  bf16, x3, x6 = (r.metric("rel_rms", p) for p in r.precisions)
+  for a, b, c in zip(bf16, x3, x6):
     assert a > 50 * b  # 8 vs ~16 significant bits
-    assert a > 4 * c > 4 * b  # TF32 keeps 11 bits
-  assert any("TF32" in n for n in r.notes)
+    assert b > 4 * c  # ~16 vs ~24 significant bits
+
+
+def test_a_gpu_check_reads_every_name_as_a_gpu_computes_it():
+  r = jaxprec.check(mlp, W, X, target="gpu", mode="emulate")
+  assert r.precisions == ("BF16_BF16_F32", "tensorfloat32",
+                          "TF32_TF32_F32_X3")
+  assert [r.numerics[p] for p in r.precisions] == [
+      "bf16x1 (gpu, emulated)", "tf32 (gpu, emulated)",
+      "tf32x3 (gpu, emulated)"]
+  bf16, tf32, x3 = (r.metric("rel_rms", p) for p in r.precisions)
+  for a, b, c in zip(bf16, tf32, x3):
+    assert a > 4 * b > 16 * c  # 8, 11, ~21 significant bits
+  g = jaxprec.check(mlp, W, X, precisions=["bfloat16", "bfloat16_3x"],
+                    target="gpu", mode="emulate")
+  # On a GPU both are DEFAULT/HIGH: TF32, the same numbers as the TF32 row.
+  assert g.numerics["bfloat16"] == g.numerics["bfloat16_3x"] == (
+      "tf32 (gpu, emulated)")
+  assert g.metric("rel_rms", "bfloat16") == tf32
 
 
 def test_second_check_reuses_compiled_programs(mlp_report):
@@ -178,12 +195,12 @@ def test_external_reference_round_trips_through_files(tmp_path, mlp_report, ext)
   r = jaxprec.check(mlp, W, X, reference=path, mode="emulate")
   assert r.reference == f"file:{path}"
   # An external reference puts the framework floor first: JAX's own float32,
-  # here the very program that wrote the file.
-  assert r.precisions == ("float32", *mlp_report.precisions)
+  # here the very program that wrote the file (a default row already).
+  assert r.precisions == ("float32", "bfloat16", "bfloat16_3x")
   for a, b in zip(r.layers, mlp_report.layers):
     assert a.name == b.name
     assert a.metrics["float32"].max_abs == 0
-    for p in mlp_report.precisions:
+    for p in r.precisions[1:]:
       assert a.metrics[p] == b.metrics[p]
   # Also as a plain string path.
   assert jaxprec.check(mlp, W, X, reference=str(path), precisions=["bf16"],
@@ -324,16 +341,18 @@ def test_modes_and_targets():
   r = jaxprec.check(mlp, W, X, precisions=["bf16", "float32"], mode="AUTO",
                     target="gpu")
   assert r.mode == "emulate" and r.target == "gpu"
-  assert r.numerics["float32"] == "f32 (emulated)"
+  assert r.numerics["float32"] == "f32 (gpu, emulated)"
+  assert r.numerics["bf16"] == "tf32 (gpu, emulated)"
   assert r.metric("max_abs", "float32") == [0.0] * 4
 
 
 def test_plan_names():
   plan = rows.plan
-  assert plan("bf16", "gpu", "emulate").algorithm == "bf16x1"
+  assert plan("bf16", "gpu", "emulate").algorithm == "tf32"
+  assert plan("BF16_BF16_F32", "gpu", "emulate").algorithm == "bf16x1"
   assert plan("bfloat16_3x", "gpu", "emulate").description == (
-      "bf16x3 (emulated, tpu numerics)")
-  assert plan("tf32", "tpu", "emulate").algorithm == "tf32"
+      "tf32 (gpu, emulated)")
+  assert plan("tf32", "tpu", "emulate").algorithm == "bf16x3"
   assert plan("high", "tpu", "emulate").algorithm == "bf16x3"
   assert plan("default", "gpu", "emulate").algorithm == "tf32"
   assert plan("BF16_BF16_F32_X6", "gpu", "emulate").algorithm == "bf16x6"
@@ -521,7 +540,7 @@ def test_policy_rows_on_a_plain_function():
   r = jaxprec.check(mlp, W, X, precisions=["bf16", policy, "dot=bf16_3x"],
                     mode="emulate")
   assert r.precisions == ("bf16", "default=bfloat16", "dot=bfloat16_3x")
-  assert r.numerics["default=bfloat16"] == "policy (emulated)"
+  assert r.numerics["default=bfloat16"] == "policy (tpu, emulated)"
   assert r.metric("rel_rms", "default=bfloat16") == r.metric("rel_rms", "bf16")
   with jax.default_matmul_precision("float32"):
     ref = mlp(W, X)
@@ -740,7 +759,6 @@ def test_unsupported_reference_objects(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"precisions": None}, TypeError, r"precisions must be .* got None"),
     ({"precisions": 3}, TypeError, r"precisions must be .* got 3 of type int"),
     ({"atol": "a"}, TypeError, r"atol must be a finite number >= 0.*'a' of type str"),
     ({"rtol": None}, TypeError, r"rtol must be a finite number >= 0.*None"),
@@ -760,7 +778,7 @@ def test_bad_precisions_and_tolerances(kwargs, error, match):
 def test_external_reference_puts_the_float32_floor_first():
   ref = {k: v.astype(np.float64) + 1e-6 for k, v in _outs().items()}
   r = jaxprec.check(mlp, W, X, reference=ref, mode="emulate")
-  assert r.precisions == ("float32", "bfloat16", "bfloat16_3x", "tensorfloat32")
+  assert r.precisions == ("float32", "bfloat16", "bfloat16_3x")
   assert r.numerics["float32"].endswith("(native cpu)")
   assert "[floor]" in str(r)
   assert r.floor == "float32"
@@ -773,7 +791,7 @@ def test_external_reference_puts_the_float32_floor_first():
   assert r.precisions == ("bf16",)
   assert r.floor is None
   r = jaxprec.check(mlp, W, X, precisions=["float32"], mode="emulate")
-  assert r.numerics["float32"] == "bf16x6 (emulated)"
+  assert r.numerics["float32"] == "bf16x6 (tpu, emulated)"
   assert r.floor is None
 
 

@@ -61,7 +61,8 @@ def test_chip_rows_are_emulates_own_and_differ_from_the_default_model():
                                         chip="h100")
   assert _max_abs(plain) == _own_max_abs(mlp, (w1, w2, x), target="gpu")
   assert h100.chip == "h100" and plain.chip is None
-  assert h100.numerics["tensorfloat32"] == "tf32 (emulated, h100 tensor cores)"
+  assert h100.numerics["tensorfloat32"] == (
+      "tf32 (gpu, emulated, h100 tensor cores)")
 
 
 def test_a_second_check_with_another_chip_or_none_computes_its_own_program():
@@ -90,8 +91,9 @@ def test_the_plan_key_holds_the_chip():
   keys = {rows.plan("tensorfloat32", "gpu", "emulate", chip=c).key
           for c in (None, "a100", "h100")}
   assert len(keys) == 3
-  # A row emulated with TPU numerics keeps them: no chip there.
-  assert rows.plan("bfloat16", "gpu", "emulate", chip="h100").options == ()
+  # Every name on a GPU is a GPU's numerics: the chip computes it.
+  assert rows.plan("bfloat16", "gpu", "emulate", chip="h100").options == (
+      ("chip", "h100"),)
 
 
 def test_the_report_names_the_chip_in_text_json_and_markdown():
@@ -211,7 +213,8 @@ def test_cli_check_on_a_chip(project, capsys):
   assert rc == 0, err
   d = json.loads(out)
   assert d["chip"] == "h100"
-  assert d["numerics"]["tensorfloat32"] == "tf32 (emulated, h100 tensor cores)"
+  assert d["numerics"]["tensorfloat32"] == (
+      "tf32 (gpu, emulated, h100 tensor cores)")
 
 
 # ---------------------------------------------------------------------------

@@ -88,7 +88,8 @@ def test_module_function_prints_table_and_writes_outputs(project, capsys):
   rc, out, err = run(capsys, "check", "clicheck_model:make", "--out", "rep")
   assert rc == 0, err
   assert "model: clicheck_model:make" in out
-  for s in ("h1", "h2", "bfloat16_3x", "tensorfloat32", "first divergence"):
+  for s in ("h1", "h2", "bfloat16_3x", "bf16x6 (tpu, emulated)",
+            "first divergence"):
     assert s in out
   d = json.loads((project / "rep" / "report.json").read_text())
   assert d["schema"] == 1 and [l["name"] for l in d["layers"]] == ["h1", "h2"]
@@ -124,7 +125,8 @@ def test_json_and_options(project, capsys):
                "--reference", "float64", "--out", "r2")
   assert d["precisions"] == ["bf16", "float32"] and d["target"] == "gpu"
   assert d["reference"] == "float64" and d["mode"] == "emulate"
-  assert d["numerics"]["float32"] == "f32 (emulated)"
+  assert d["numerics"]["float32"] == "f32 (gpu, emulated)"
+  assert d["numerics"]["bf16"] == "tf32 (gpu, emulated)"
 
 
 def test_tolerances_set_the_exit_status_for_ci(project, capsys):
@@ -292,15 +294,15 @@ def test_wav2vec2_end_to_end(tmp_path):
   assert "conv_features[0]" in proc.stdout and "hidden_states[2]" in proc.stdout
   assert "first divergence" in proc.stdout
   assert (tmp_path / "out" / "divergence.png").exists()
-  # On the built-in model, one bfloat16 pass sits far above three, at every
-  # layer, and TF32 in between.
+  # On the built-in model, one bfloat16 pass sits far above three, and three
+  # far above six (a TPU's float32), at every layer.
   d = json.loads((tmp_path / "out" / "report.json").read_text())
   assert [l["name"] for l in d["layers"]] == (
       [f"conv_features[{i}]" for i in range(7)]
       + [f"hidden_states[{i}]" for i in range(3)])
   for layer in d["layers"]:
     m = {p: layer["metrics"][p]["rel_rms"] for p in d["precisions"]}
-    assert m["bfloat16"] > 4 * m["tensorfloat32"] > 4 * 5 * m["bfloat16_3x"] > 0
+    assert m["bfloat16"] > 50 * m["bfloat16_3x"] > 50 * 10 * m["float32"] > 0
     assert 1e-3 < m["bfloat16"] < 3e-2
   assert d["summary"]["bfloat16"]["first_divergence"] == "conv_features[0]"
   assert d["summary"]["bfloat16_3x"]["first_divergence"] is None

@@ -25,10 +25,11 @@ def lm(rel_rms: float, max_abs: float | None = None) -> LayerMetrics:
       inf=0, required_atol=max_abs, size=12, ref_rms=0.5, ref_max_abs=1.0)
 
 
-NUMERICS = {"bfloat16": "bf16x1 (emulated)", "bfloat16_3x": "bf16x3 (emulated)",
-            "tensorfloat32": "tf32 (emulated, gpu numerics)",
+NUMERICS = {"bfloat16": "bf16x1 (tpu, emulated)",
+            "bfloat16_3x": "bf16x3 (tpu, emulated)",
+            "tensorfloat32": "tf32 (gpu, emulated)",
             "float32": "f32 (native cpu)",
-            "default=bfloat16,dense=float32": "policy (emulated)"}
+            "default=bfloat16,dense=float32": "policy (tpu, emulated)"}
 
 
 def report(values: dict[str, list[float]], *, floor: str | None = None,
@@ -65,7 +66,7 @@ def test_legend_says_what_the_target_computes_from_the_table():
       "bfloat16_3x: bfloat16, 3 passes (TPU HIGH), emulated",
       "tensorfloat32: tensorfloat32, 1 pass (GPU default), emulated",
       "float32: exact float32, native cpu",
-      "default=bfloat16,dense=float32 (policy (emulated))",
+      "default=bfloat16,dense=float32 (policy (tpu, emulated))",
   ]
   assert not any("bf16x1" in t for t in texts)
 

@@ -36,7 +36,7 @@ def test_fails_naming_the_worst_layer_its_error_and_the_tolerance():
   assert f"worst layer {worst!r}" in msg
   assert f"{report.layer(worst).metrics['bfloat16'].max_abs:.2e}" in msg
   assert "atol=0.0001, rtol=0" in msg and "'bfloat16'" in msg
-  assert "bf16x1 (emulated)" in msg and "First layer outside the tolerance: 'h1'" in msg
+  assert "bf16x1 (tpu, emulated)" in msg and "First layer outside the tolerance: 'h1'" in msg
   assert msg.startswith("net is not robust")
 
 
@@ -66,7 +66,7 @@ def test_a_list_tests_each_precision_and_names_those_that_fail():
         atol=1e-4, mode="emulate")
   msg = str(info.value)
   assert msg.startswith("net is not robust to 1 of 2 precisions ('bfloat16')")
-  assert "- 'bfloat16' (bf16x1 (emulated)" in msg
+  assert "- 'bfloat16' (bf16x1 (tpu, emulated)" in msg
   assert "'bfloat16_3x' (" not in msg
   report = jaxprec.testing.assert_precision_robust(
       net, W, X, precision=("bfloat16_3x", "float32"), rtol=1e-4, atol=1e-4,

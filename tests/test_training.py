@@ -47,7 +47,7 @@ def test_loss_curves_and_drift(report):
   assert all(a > 10 * b > 0 for a, b in zip(bf16, x3))
   assert bf16[-1] > bf16[0]
   assert r.divergence_step == {"bfloat16": None, "bfloat16_3x": None}
-  assert r.numerics["bfloat16"] == "bf16x1 (emulated)"
+  assert r.numerics["bfloat16"] == "bf16x1 (tpu, emulated)"
   assert "bfloat16_3x" in str(r)
 
 
@@ -119,8 +119,21 @@ def test_optimizer_must_be_a_gradient_transformation(optimizer):
     jaxprec.check_training(loss_fn, PARAMS, BATCHES, optimizer)
 
 
-@pytest.mark.parametrize("precisions", [None, 3])
+@pytest.mark.parametrize("precisions", [3, 2.5])
 def test_precisions_must_be_names_or_policies(precisions):
   with pytest.raises(TypeError, match=rf"precisions must be .* got {precisions}"):
     jaxprec.check_training(loss_fn, PARAMS, BATCHES, optax.sgd(0.1),
                            precisions=precisions)
+
+
+def test_without_precisions_a_gpu_trains_at_a_gpus_default_rows():
+  """None: the target's default rows, each what the target computes for it
+  (on a GPU, 'tensorfloat32' is TF32 and one bfloat16 pass is
+  'BF16_BF16_F32')."""
+  r = jaxprec.check_training(loss_fn, PARAMS, BATCHES[:2], optax.sgd(0.1),
+                             target="gpu", mode="emulate")
+  assert r.precisions == ("BF16_BF16_F32", "tensorfloat32",
+                          "TF32_TF32_F32_X3")
+  assert [r.numerics[p] for p in r.precisions] == [
+      "bf16x1 (gpu, emulated)", "tf32 (gpu, emulated)",
+      "tf32x3 (gpu, emulated)"]

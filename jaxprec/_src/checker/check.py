@@ -32,7 +32,6 @@ from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
-from jaxprec._src.checker.rows import DEFAULT_PRECISIONS
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import PrecisionLike
 from jaxprec._src.emulation import compile_cache
@@ -50,8 +49,8 @@ DEFAULT_RTOL = 1e-3
 
 
 def check(fn: Callable[..., Any], *args: Any,
-          precisions: Sequence[PrecisionLike | Policy] | PrecisionLike | Policy =
-          DEFAULT_PRECISIONS,
+          precisions: Sequence[PrecisionLike | Policy] | PrecisionLike | Policy
+          | None = None,
           reference: Any = "float32", target: str = "tpu", mode: str = "auto",
           atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
           progress: bool = False,
@@ -71,10 +70,12 @@ def check(fn: Callable[..., Any], *args: Any,
   Which numerics a row shows (details in ``docs/checker.md``): with
   ``mode='auto'`` the check runs natively when the backend is the target (a
   TPU for ``target='tpu'``) and emulates the target otherwise (on CPU, always).
-  When emulating, ``'bfloat16'``, ``'bfloat16_3x'`` and ``'tensorfloat32'``
-  mean what their names say (1 bfloat16 pass, 3 bfloat16 passes, TF32) on any
-  target; other names mean what ``target`` computes for them. Natively, names
-  go through JAX's flag (on a TPU ``'tensorfloat32'`` is 3 bfloat16 passes).
+  A name means what ``jax.default_matmul_precision(name)`` makes ``target``
+  compute (``docs/semantics.md``), as in :func:`jaxprec.emulate`:
+  ``'bfloat16'`` is one bfloat16 pass on a TPU and TF32 on a GPU (whose one
+  bfloat16 pass is ``'BF16_BF16_F32'``); ``'tensorfloat32'`` is three
+  bfloat16 passes on a TPU. The report's ``numerics`` say what each row
+  computed (``'tf32 (gpu, emulated)'``).
 
   Array leaves of ``args``/``kwargs`` are traced; other leaves (Python
   numbers, strings, flags such as ``deterministic=True``) are static. Pass
@@ -88,8 +89,12 @@ def check(fn: Callable[..., Any], *args: Any,
       :func:`jaxprec.resolve` accepts) or policies (a :class:`jaxprec.Policy`
       or a policy string such as ``'default=bfloat16,dense=float32'``, e.g.
       the ``policy`` of :func:`jaxprec.search_policy`, labelled by its
-      string); one or a sequence. With an external reference the default rows
-      start with ``'float32'``, the *framework floor*.
+      string); one or a sequence. None (default): the target's own choices,
+      ``('bfloat16', 'bfloat16_3x', 'float32')`` on a TPU (1, 3 and 6
+      bfloat16 passes) and ``('BF16_BF16_F32', 'tensorfloat32',
+      'TF32_TF32_F32_X3')`` on a GPU (1 bfloat16 pass, TF32, 3 TF32
+      passes). With an external reference the default rows start with
+      ``'float32'``, the *framework floor*.
     reference: ``'float32'`` (default: exact float32 where the backend has it;
       six bfloat16 passes on a TPU), ``'float64'`` (``fn`` runs with 64-bit
       types enabled in a scope that is always restored, its floating array
@@ -119,12 +124,11 @@ def check(fn: Callable[..., Any], *args: Any,
       same programs loads them instead of compiling them again (see
       :func:`jaxprec.enable_compilation_cache`).
     chip: with ``target='gpu'``, the NVIDIA chip (``'a100'``, ``'h100'``,
-      ``'b200'``; any case) whose tensor cores compute every row emulated
-      with GPU numerics, as :func:`jaxprec.emulate`'s ``chip`` computes it
-      (``docs/gpu.md``); a computed reference other than float32 too. Rows
-      that a literal name emulates with TPU numerics (``'bfloat16'``,
-      ``'bfloat16_3x'``) keep them, and native rows run on the device. The
-      report names the chip. None (default): the algorithm's definition.
+      ``'b200'``; any case) whose tensor cores compute every emulated row,
+      as :func:`jaxprec.emulate`'s ``chip`` computes it
+      (``docs/gpu.md``); a computed reference other than float32 too. Native
+      rows run on the device. The report names the chip. None (default):
+      the algorithm's definition.
     tpu_matvec_f32: emulated TPU rows compute a matrix-vector product at
       ``DEFAULT`` in float32, as JAX's maintainers state a TPU does
       (:func:`jaxprec.emulate`'s ``tpu_matvec_f32``); False computes it as
@@ -178,8 +182,12 @@ def check(fn: Callable[..., Any], *args: Any,
     >>> bf16, bf16x3 = r.metric("rel_rms", "bfloat16"), r.metric("rel_rms", "bfloat16_3x")
     >>> all(a > 100 * b for a, b in zip(bf16, bf16x3))
     True
-    >>> r.numerics["tensorfloat32"]
-    'tf32 (emulated, gpu numerics)'
+    >>> r.numerics["bfloat16"], r.numerics["float32"]
+    ('bf16x1 (tpu, emulated)', 'bf16x6 (tpu, emulated)')
+    >>> g = jaxprec.check(mlp, w, x, mode="emulate", target="gpu",
+    ...                   precisions=("bfloat16", "BF16_BF16_F32"))
+    >>> g.numerics["bfloat16"], g.numerics["BF16_BF16_F32"]
+    ('tf32 (gpu, emulated)', 'bf16x1 (gpu, emulated)')
   """
   if not callable(fn):
     raise TypeError(f"jaxprec.check expects a callable; got {fn!r} of type "
@@ -193,13 +201,10 @@ def check(fn: Callable[..., Any], *args: Any,
   atol = metrics_lib.check_tolerance("atol", atol)
   rtol = metrics_lib.check_tolerance("rtol", rtol)
   external = not harness.is_computed(reference)
-  given = precisions
-  if external and precisions is DEFAULT_PRECISIONS:
-    precisions = (rows.FLOOR, *DEFAULT_PRECISIONS)
-  plans = rows.plans(precisions, target, mode, **options)
+  plans = rows.plans(precisions, target, mode, external=external, **options)
   if directory is not None:  # after the checks: a refused call writes nothing
     with compile_cache.compilation_cache(directory):
-      return check(fn, *args, precisions=given, reference=reference,
+      return check(fn, *args, precisions=precisions, reference=reference,
                    target=target, mode=mode, atol=atol, rtol=rtol,
                    progress=progress, cache=False, chip=chip,
                    tpu_matvec_f32=tpu_matvec_f32,
@@ -253,10 +258,6 @@ def check(fn: Callable[..., Any], *args: Any,
   if not tpu_matvec_f32 and any(p.emulate_target == "tpu" for p in plans):
     notes.append("tpu_matvec_f32=False: matrix-vector products at DEFAULT "
                  "are emulated as one bfloat16 pass, not in float32")
-  if mode == "emulate" and target == "tpu" and any(
-      p.emulate_target == "gpu" for p in plans):
-    notes.append("'tensorfloat32' shows TF32 (GPU) numerics; on a TPU JAX's "
-                 "tensorfloat32 level is 3 bfloat16 passes, like 'bfloat16_3x'")
   layers = tuple(
       LayerResult(name=n, shape=s, dtype=d,
                   metrics={p.label: results[p.label][i] for p in plans})
@@ -644,7 +645,7 @@ def _in_order(out: dict, order: Sequence[str]) -> dict:
 
 
 def check_module(module: Any, *args: Any, method: str | None = None,
-                 capture: Any = True, precisions: Any = DEFAULT_PRECISIONS,
+                 capture: Any = True, precisions: Any = None,
                  reference: Any = "float32", target: str = "tpu",
                  mode: str = "auto", atol: float = DEFAULT_ATOL,
                  rtol: float = DEFAULT_RTOL, progress: bool = False,

@@ -579,13 +579,13 @@ _LEVEL_WORDS = {"DEFAULT": "default", "HIGH": "HIGH", "HIGHEST": "HIGHEST"}
 
 def _row_target(report: Any, what: str) -> str:
   """The target whose numerics a row's ``numerics`` text describes:
-  ``'tf32 (emulated, gpu numerics)'`` is the GPU's, ``'f32 (native cpu)'``
-  the CPU's, any other the report's target."""
+  ``'tf32 (gpu, emulated)'`` is the GPU's, ``'f32 (native cpu)'`` the
+  CPU's, any other the report's target."""
   from jaxprec._src.core import precision  # noqa: PLC0415
   inside = what.partition("(")[2].rstrip(")")
   for part in (s.strip() for s in inside.split(",")):
     words = part.split()
-    if len(words) == 2 and words[1] == "numerics":
+    if len(words) == 1 and words[0] in precision.BACKEND_TARGETS:
       return words[0]
     if len(words) == 2 and words[0] == "native":
       return precision.BACKEND_TARGETS.get(words[1], words[1])

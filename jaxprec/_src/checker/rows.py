@@ -30,17 +30,23 @@ from jaxprec._src.jaxpr import compat, walker
 from jaxprec._src.policy import policy as policy_lib
 from jaxprec._src.policy.policy import Policy
 
-DEFAULT_PRECISIONS = ("bfloat16", "bfloat16_3x", "tensorfloat32")
+# The rows of a check that names none, per target: the precisions a user of
+# that target chooses between whose numerics differ from the float32
+# reference, each meaning what the target computes for it
+# (jaxprec._src.core.numerics.algorithm_for). A TPU: its three levels,
+# DEFAULT, HIGH, HIGHEST (1, 3 and 6 bfloat16 passes; the jax.lax.Precision
+# docs). An Ampere+ GPU: one bfloat16 pass, which it runs only as the
+# BF16_BF16_F32 algorithm (its DEFAULT and HIGH are TF32), TF32 (DEFAULT) and
+# 3 TF32 passes (TF32_TF32_F32_X3, XLA's IsSupportedDotAlgorithmOnGpu in
+# xla/service/algorithm_util.cc); its HIGHEST is exact float32, the
+# reference itself.
+DEFAULT_ROWS = {
+    "tpu": ("bfloat16", "bfloat16_3x", "float32"),
+    "gpu": ("BF16_BF16_F32", "tensorfloat32", "TF32_TF32_F32_X3"),
+}
 FLOAT64_NAMES = ("float64", "f64", "fp64", "double")
 # The framework floor: the row an external reference adds first.
 FLOOR = "float32"
-# User spellings emulated with the numerics their name says (check's docstring).
-_LITERAL = {
-    "bfloat16": ("bfloat16", "tpu"), "bf16": ("bfloat16", "tpu"),
-    "medium": ("bfloat16", "tpu"),
-    "bfloat16_3x": ("bfloat16_3x", "tpu"), "bf16_3x": ("bfloat16_3x", "tpu"),
-    "tensorfloat32": ("tensorfloat32", "gpu"), "tf32": ("tensorfloat32", "gpu"),
-}
 _ONE_ROW = (str, lax.Precision, lax.DotAlgorithmPreset, Precision, Policy)
 
 
@@ -56,7 +62,8 @@ class Plan:
       run natively.
     algorithm: what runs for float32 matmuls, e.g. ``'bf16x1'``
       (``'policy'`` for a policy).
-    description: for the report, e.g. ``'tf32 (emulated, gpu numerics)'``.
+    description: what the row computes, for the report: the algorithm, the
+      target, how (``'tf32 (gpu, emulated)'``, ``'bf16x6 (native tpu)'``).
     dtypes: for the reference of a model with dtype decisions, every module
       at this policy's dtype (:func:`with_dtypes`); None: ``fn`` as it is.
     options: the emulation options of an emulated row, as sorted ``(name,
@@ -126,10 +133,8 @@ def emulation_options(emulate_target: str, chip: str | None = None,
   :func:`jaxprec.emulate`, as :attr:`Plan.options`.
 
   ``chip`` (already checked against the check's target) reaches the rows
-  emulated with GPU numerics only: a row that a literal name emulates with
-  TPU numerics (``'bfloat16'``, ``'bfloat16_3x'``) keeps them. Other
-  options (``tpu_matvec_f32``) are passed where they differ from their
-  defaults.
+  emulated with GPU numerics only. Other options (``tpu_matvec_f32``) are
+  passed where they differ from their defaults.
   """
   out = dict(options)
   if chip is not None and emulate_target == "gpu":
@@ -147,6 +152,11 @@ def plan(precision: PrecisionLike | Policy, target: str, mode: str,
          **options: Any) -> Plan:
   """How a row is computed for ``target`` in ``mode``.
 
+  Emulated, a name means what ``target`` computes for it
+  (:func:`jaxprec._src.core.numerics.algorithm_for`), as in
+  :func:`jaxprec.emulate`: ``'bfloat16'`` is one bfloat16 pass on a TPU and
+  TF32 on a GPU, whose one bfloat16 pass is ``'BF16_BF16_F32'``.
+
   Args:
     precision: a precision (any spelling :func:`jaxprec.resolve` accepts), a
       :class:`jaxprec.Policy` or a policy string (with ``=``).
@@ -163,8 +173,12 @@ def plan(precision: PrecisionLike | Policy, target: str, mode: str,
 
   Examples:
     >>> from jaxprec._src.checker.rows import plan
+    >>> plan("tensorfloat32", "gpu", "emulate").description
+    'tf32 (gpu, emulated)'
     >>> plan("tensorfloat32", "tpu", "emulate").description
-    'tf32 (emulated, gpu numerics)'
+    'bf16x3 (tpu, emulated)'
+    >>> plan("bfloat16", "gpu", "emulate").algorithm
+    'tf32'
     >>> plan("float32", "tpu", "emulate").algorithm
     'bf16x6'
     >>> plan("default=bf16,dense=float32", "tpu", "emulate").label
@@ -179,29 +193,37 @@ def plan(precision: PrecisionLike | Policy, target: str, mode: str,
       return Plan(label, pol, None, "policy", f"policy (native {backend})")
     opts = emulation_options(target, chip, **options)
     return Plan(label, pol, target, "policy",
-                f"policy (emulated{_chip_words(opts)})", options=opts)
+                f"policy ({target}, emulated{_chip_words(opts)})",
+                options=opts)
   label = label_of(precision)
-  literal = _LITERAL.get(label.strip().lower()) if isinstance(precision, str) else None
-  p = resolve(literal[0] if literal else precision)
+  p = resolve(precision)
   if mode == "native":
     backend = backend or compat.backend_platform()
     algo = p.on(backend).algorithm if backend in ("tpu", "gpu", "cuda", "rocm",
                                                    "cpu") else "?"
     return Plan(label, p, None, algo, f"{algo} (native {backend})")
-  emu_target = literal[1] if literal else target
-  algo = numerics.algorithm_for(p.per_op, emu_target, jnp.float32, jnp.float32)
-  if algo == "native" and p.flag is None:
-    algo = numerics.algorithm_for(lax.Precision.DEFAULT, emu_target,
-                                  jnp.float32, jnp.float32)
-  opts = emulation_options(emu_target, chip, **options)
-  desc = f"{algo} (emulated{_chip_words(opts)})" if emu_target == target else (
-      f"{algo} (emulated, {emu_target} numerics{_chip_words(opts)})")
-  return Plan(label, p, emu_target, algo, desc, options=opts)
+  # The one meaning of a name on a target; raises where the target does not
+  # run its algorithm (F32_F32_F32 or a TF32 preset on a TPU).
+  algo = numerics.algorithm_for(p, target, jnp.float32, jnp.float32)
+  opts = emulation_options(target, chip, **options)
+  return Plan(label, p, target, algo,
+              f"{algo} ({target}, emulated{_chip_words(opts)})", options=opts)
+
+
+def default_rows(target: str, *, external: bool = False) -> tuple[str, ...]:
+  """The rows of a check that names none (:data:`DEFAULT_ROWS`); against an
+  external reference the framework floor (:data:`FLOOR`) comes first."""
+  out = DEFAULT_ROWS[target]
+  return (FLOOR, *(r for r in out if r != FLOOR)) if external else out
 
 
 def plans(precisions: Any, target: str, mode: str, *,
-          chip: str | None = None, **options: Any) -> list[Plan]:
-  """One :class:`Plan` per row; TypeError/ValueError naming a bad value."""
+          chip: str | None = None, external: bool = False,
+          **options: Any) -> list[Plan]:
+  """One :class:`Plan` per row (None: :func:`default_rows`, ``external``
+  passed on); TypeError/ValueError naming a bad value."""
+  if precisions is None:
+    precisions = default_rows(target, external=external)
   if isinstance(precisions, _ONE_ROW):
     precisions = (precisions,)
   if precisions is None or not isinstance(precisions, (Sequence, set, frozenset)):

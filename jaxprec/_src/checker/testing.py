@@ -34,9 +34,10 @@ def assert_precision_robust(fn: Callable[..., Any], *args: Any,
     fn: the function; returns hidden states (any pytree of arrays).
     *args: its positional arguments.
     precision: the precision to test, as in :func:`jaxprec.check`
-      (``'bfloat16'``: one bfloat16 pass), or a list or tuple of them to test
-      each (``['bfloat16', 'bfloat16_3x']``); an ``(lhs, rhs)`` pair of
-      ``lax.Precision`` members is one per-op precision.
+      (``'bfloat16'``: one bfloat16 pass on a TPU, TF32 on a GPU), or a
+      list or tuple of them to test each (``['bfloat16', 'bfloat16_3x']``);
+      an ``(lhs, rhs)`` pair of ``lax.Precision`` members is one per-op
+      precision.
     rtol, atol: the tolerance (defaults 1e-2 and 1e-2: bfloat16 keeps 8
       significant bits, 0.4% per rounding, so 1% is a realistic bound for a
       few layers; tighten it for your model).

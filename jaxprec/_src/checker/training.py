@@ -95,8 +95,8 @@ def _batches(batches: Any, steps: int | None) -> list[Any]:
 
 def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
                    batches: Any, optimizer: Any, *,
-                   precisions: Sequence[PrecisionLike] | PrecisionLike =
-                   rows.DEFAULT_PRECISIONS,
+                   precisions: Sequence[PrecisionLike] | PrecisionLike
+                   | None = None,
                    steps: int | None = None, reference: str = "float32",
                    target: str = "tpu", mode: str = "auto",
                    threshold: float = DEFAULT_THRESHOLD,
@@ -106,9 +106,9 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
   Runs ``steps`` steps of ``params <- optimizer.update(grad(loss_fn)(params,
   batch))`` at the reference precision and at each precision in
   ``precisions``, from the same ``params`` on the same batches. Precision
-  names mean what they mean in :func:`jaxprec.check` (when emulating,
-  ``'bfloat16'`` is one bfloat16 pass, ``'tensorfloat32'`` TF32, and the
-  gradients' matmuls are emulated too).
+  names mean what they mean in :func:`jaxprec.check`: what ``target``
+  computes for them (when emulating, the gradients' matmuls are emulated
+  too).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``.
@@ -116,7 +116,8 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
     batches: a sequence of batches, an iterable (with ``steps``), or a
       function ``step -> batch`` (with ``steps``).
     optimizer: an ``optax.GradientTransformation``.
-    precisions: the precisions to train at.
+    precisions: the precisions to train at; None (default): the target's
+      default rows, as :func:`jaxprec.check`'s.
     steps: number of steps (default: ``len(batches)``).
     reference: the reference precision (default ``'float32'``, exact where the
       backend has it; float64 is not supported here). A model that computes

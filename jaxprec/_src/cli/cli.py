@@ -130,8 +130,10 @@ def _parser() -> argparse.ArgumentParser:
                           "and transformers), for --reference pytorch")
   _add_shared(check)
   check.add_argument("--precisions", default=None,
-                     help="comma-separated precisions to test (default "
-                          "bfloat16,bfloat16_3x,tensorfloat32)")
+                     help="comma-separated precisions to test, each "
+                          "meaning what --target computes for it (default "
+                          "on tpu bfloat16,bfloat16_3x,float32; on gpu "
+                          "BF16_BF16_F32,tensorfloat32,TF32_TF32_F32_X3)")
   check.add_argument("--policy", action="append", default=None,
                      metavar="POLICY",
                      help="a policy row ('default=bfloat16_3x,encoder/.*="
@@ -569,7 +571,7 @@ def _check(ns: argparse.Namespace) -> int:
   if ns.precisions is not None:
     precisions = inputs.precision_list(ns.precisions) + policies
   else:  # the policies alone, else check's default rows
-    precisions = policies or check_lib.DEFAULT_PRECISIONS
+    precisions = policies or None
   reference = ns.reference
   if reference == PYTORCH:
     if ns.model not in torch_ports.PORTS:

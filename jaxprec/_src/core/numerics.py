@@ -510,6 +510,15 @@ def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
                   rhs_dtype: Any, *, op: str = "dot_general") -> str:
   """Names the algorithm ``target`` runs for a matmul or conv at ``precision``.
 
+  The one reading of a precision name on a target: what
+  ``jax.default_matmul_precision(name)`` makes ``target`` compute (the
+  ``jax.lax.Precision`` docs for the levels; a ``DotAlgorithmPreset`` names
+  its algorithm on every target that runs it). ``'bfloat16'`` is one
+  bfloat16 pass on a TPU and TF32 on an Ampere+ GPU, whose one bfloat16 pass
+  is ``'BF16_BF16_F32'``. :func:`jaxprec.emulate`, the checker's rows, the
+  search's candidates and the cost model ask here, and the audit asks
+  :func:`op_numerics`, which this reads.
+
   Args:
     precision, target, lhs_dtype, rhs_dtype, op: as :func:`op_numerics`.
 
@@ -531,6 +540,8 @@ def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
     'bf16x6'
     >>> algorithm_for("BF16_BF16_F32_X3", "gpu", jnp.float32, jnp.float32)
     'bf16x3'
+    >>> algorithm_for("bfloat16", "gpu", jnp.float32, jnp.float32)
+    'tf32'
     >>> algorithm_for("BF16_BF16_F32_X3", "tpu", jnp.float32, jnp.float32,
     ...               op="conv_general_dilated")
     'bf16x1'

@@ -68,12 +68,21 @@ class Precision:
   @property
   def cpu(self) -> Numerics:
     """What a CPU computes: exact float32 for every level and every preset
-    the installed JAX lowers there, 'unsupported' for the others."""
-    if self.preset is not None and cpu_refuses(self.preset):
-      modelled = algorithms.record(
-          algorithms.PRESETS[self.preset.name]).modelled
-      return (algorithms.CPU_UNSUPPORTED if modelled
+    the installed JAX lowers there on float32 operands, 'unsupported' for
+    the presets it refuses, and the preset's own algorithm for one whose
+    operands JAX converts first (``F16_F16_F16``: "If an explicit algorithm
+    was specified, we always cast the input types to the correct types",
+    ``_handle_dot_precision`` in ``jax/_src/lax/lax.py``, to a type of
+    ``DotAlgorithmPreset.supported_lhs_types``, which for the float16
+    presets is float16 alone)."""
+    if self.preset is None:
+      return algorithms.CPU
+    record = algorithms.record(algorithms.PRESETS[self.preset.name])
+    if cpu_refuses(self.preset):
+      return (algorithms.CPU_UNSUPPORTED if record.modelled
               else algorithms.CPU_UNMODELLED)
+    if record.pass_format == "float16":
+      return record
     return algorithms.CPU
 
   @property
