@@ -244,27 +244,28 @@ def _batched_passes(pairs, dimension_numbers) -> list[jax.Array]:
   return list(out)
 
 
-# On the bf16 kernel the passes of X6 and X9 (of one emulated dot of at most
-# BATCH_MACS multiply-adds per pass) run as one bfloat16 dot per rhs part, of
-# the lhs parts it pairs with stacked along M: X6's six passes in three dots
-# (h·[h; m; l], m·[h; m], l·h as rows), X9's nine in three; each pass's result
-# a block of one of them, and no block computed that no pass needs. Each
-# block is the dot the pass runs on its own, element for element: its N and
-# K are the pass's own, and stacking along M keeps the sums of XLA:CPU's
-# library dot (jaxlib 0.10.2: none of 462 shapes differ, M and N from 2 to
-# 128, K from 8 to 3072; tests/test_emulate_compile.py compares both with
-# each pass run alone). Side by side along N they would not: XLA:CPU blocks
-# K by N, and for K over 2048 and a narrow N a wider N sums in another order.
-# X3 keeps one dot per pass: grouped, its 3 passes are 2 dots, and the
-# concatenate that stacks the lhs parts costs more compile time than the dot
-# it saves (BERT-base at 3 passes, benchmarks/bench_emulate_bert.py
-# --multi-pass; docs/performance.md). So do matrix-vector products and dots
-# whose M and N are both under 4 or whose dimensions are all under 8 (XLA
-# computes those in its own loops, where a stacked dot would change their
-# path), contractions of length 1 (see ``finish`` in _forward), and dots of
-# more than BATCH_MACS multiply-adds per pass, or whose passes' results would
-# hold more than GROUPED_ELEMENTS float32 values (128 MiB).
-GROUPED = ("bf16x6", "bf16x9")
+# On the bf16 kernel the passes of a multi-pass dot of at most BATCH_MACS
+# multiply-adds per pass run as one bfloat16 dot per rhs part, of the lhs
+# parts it pairs with stacked along M: X3's three passes in two dots
+# ([l; h]·h and h·l), X6's six in three (h·[h; m; l], m·[h; m], l·h as rows),
+# X9's nine in three; each pass's result a block of one of them, and no block
+# computed that no pass needs. Each block is the dot the pass runs on its
+# own, element for element: its N and K are the pass's own, and stacking
+# along M keeps the sums of XLA:CPU's library dot (jaxlib 0.10.2: none of 462
+# shapes differ, M and N from 2 to 128, K from 8 to 3072;
+# tests/test_emulate_compile.py compares both with each pass run alone).
+# Side by side along N they would not: XLA:CPU blocks K by N, and for K over
+# 2048 and a narrow N a wider N sums in another order. On jaxlib 0.12.1,
+# whose bfloat16 dots sum in an order that depends on the whole shape, X3 run
+# as one dot per pass gave a transposed operand's dot other bits jitted than
+# eager; grouped, one program's bits hold (tested). Matrix-vector products
+# and dots whose M and N are both under 4 or whose dimensions are all under 8
+# keep one dot per pass (XLA computes those in its own loops, where a stacked
+# dot would change their path), as do contractions of length 1 (see
+# ``finish`` in _forward), dots of more than BATCH_MACS multiply-adds per
+# pass, and dots whose passes' results would hold more than GROUPED_ELEMENTS
+# float32 values (128 MiB).
+GROUPED = ("bf16x3", "bf16x6", "bf16x9")
 GROUPED_ELEMENTS = 2**25
 
 
@@ -1055,9 +1056,8 @@ def written_out(closed):
   """``closed`` with every emulated op written out as its passes: the
   float32 and bfloat16 matmuls it runs, as :func:`jaxprec.audit` and
   :func:`jaxprec.cost` count them (on the bf16 kernel one dot per pass,
-  where the compiled program may group X6's and X9's passes into fewer dots
-  of the same blocks: the audit and the cost count the algorithm's
-  passes)."""
+  where the compiled program may group the passes into fewer dots of the
+  same blocks: the audit and the cost count the algorithm's passes)."""
   def rule(eqn, invals):
     if eqn.primitive.name == "jaxprec_traced":  # a library primitive's body
       return walker.interpret(walker.traced_body(eqn), rule, *invals)
