@@ -32,7 +32,6 @@ import functools
 import json
 import math
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -179,31 +178,15 @@ def _torch_layers(model: Any, args: tuple, kwargs: dict) -> list[_Layer]:
   if not isinstance(model, torch.nn.Module):
     raise TypeError(f"port_check: torch_model must be a torch.nn.Module; got "
                     f"{type(model).__name__}")
-  paths = {id(m): n for n, m in model.named_modules()}
   found: list[tuple[str, list, list]] = []
 
   def floats(x: Any) -> list[np.ndarray]:
     return [np.asarray(v, np.float32) for v in _torch_floats(x)]
 
-  def hook(mod, a, k, out):
-    found.append((paths[id(mod)] or "output", floats((a, dict(k))),
+  def record(name, a, k, out):
+    found.append((name or "output", floats((a, k)),
                   floats(torch_ref._main_output(out))))  # noqa: SLF001
-
-  flags = {m: m.training for m in model.modules()}
-  handles = []
-  try:
-    for m in model.modules():
-      handles.append(m.register_forward_hook(hook, with_kwargs=True))
-    model.eval()
-    args = tuple(torch_ref._as_torch(a, torch) for a in args)  # noqa: SLF001
-    kwargs = {k: torch_ref._as_torch(v, torch) for k, v in kwargs.items()}  # noqa: SLF001
-    with torch.no_grad():
-      model(*args, **kwargs)
-  finally:
-    for h in handles:
-      h.remove()
-    for m, training in flags.items():
-      m.training = training
+  torch_ref.run_hooked(model, args, kwargs, None, record)
   names = _numbered([n for n, _, _ in found])
   return [_Layer(n, i, o) for n, (_, i, o) in zip(names, found) if o]
 
@@ -227,76 +210,24 @@ def _torch_floats(x: Any) -> list[np.ndarray]:
   return [np.asarray(x)] if torch_ref._is_float_array(x) else []  # noqa: SLF001
 
 
-_ACTIVE = threading.local()  # the list the recording classes append calls to
-
-
-@functools.lru_cache(maxsize=1024)
-def _recording(cls: type) -> type | None:
-  """``cls`` whose ``__call__`` appends ``(self, args, kwargs, output)`` to
-  the active list (none: it is ``cls``)."""
-  from jaxprec._src.flax import hook  # noqa: PLC0415 -- Flax when in use
-  if not hook.callable_class(cls):
-    return None
-  call = cls.__call__
-
-  def __call__(self, *args, **kwargs):
-    out = call(self, *args, **kwargs)
-    calls = getattr(_ACTIVE, "calls", None)
-    if calls is not None:
-      calls.append((self, args, kwargs, out))
-    return out
-  extra = ({"pytree": cls._pytree__is_pytree}  # noqa: SLF001 -- as hook.py
-           if hasattr(cls, "_pytree__is_pytree") else {})
-  try:
-    return type(cls.__name__, (cls,), {
-        "__call__": functools.wraps(call)(__call__),
-        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "_jaxprec_port_base": cls}, **extra)
-  except TypeError:
-    return None
-
-
-def _nnx_calls(graphdef: Any, state: Any, inputs: tuple, kwargs: dict
-               ) -> list[tuple[str, Any, tuple, dict, Any]]:
-  """``(path, module, args, kwargs, output)`` of every submodule call of the
-  NNX model ``merge(graphdef, state)`` (a new object), in the order the
-  calls end."""
-  from flax import nnx  # noqa: PLC0415
-  m = nnx.merge(graphdef, state)
-  paths: dict[int, str] = {}
-  for path, mod in nnx.iter_modules(m):
-    paths.setdefault(id(mod), "/".join(map(str, path)) or "output")
-    base = getattr(type(mod), "_jaxprec_port_base", type(mod))
-    cls = _recording(base)
-    if cls is not None and type(mod) is not cls:
-      object.__setattr__(mod, "__class__", cls)
-  calls: list = []
-  previous = getattr(_ACTIVE, "calls", None)
-  _ACTIVE.calls = calls
-  try:
-    m(*inputs, **kwargs)
-  finally:
-    _ACTIVE.calls = previous
-  return [(paths[id(mod)], mod, a, k, out) for mod, a, k, out in calls
-          if id(mod) in paths]
-
-
-def _linen_calls(module: Any, variables: Any, inputs: tuple, kwargs: dict,
-                 keep: bool) -> list[tuple[str, Any, tuple, dict, Any]]:
-  """As :func:`_nnx_calls` for a linen module: ``module`` is ``(unbound
-  module, its variables)`` when ``keep``, else None."""
-  from flax import linen as nn  # noqa: PLC0415
+def _module_calls(model: Any, run: Callable[[], Any], linen: bool
+                  ) -> list[tuple[str, Any, tuple, dict, Any]]:
+  """``(path, module, args, kwargs, output)`` of every module call of
+  ``model``'s framework that ``run()`` makes, in the order the calls end, as
+  the one per-module hook observes them (:func:`jaxprec._src.flax.hook.observing`;
+  an NNX model gets the hook first: ``model`` is a copy); the root is
+  ``'output'``."""
+  from flax import nnx  # noqa: PLC0415 -- Flax when in use
+  from jaxprec._src.flax import hook  # noqa: PLC0415
+  if not linen:
+    hook.install(model)
   calls: list = []
 
-  def interceptor(next_fun, args, kw, context):
-    out = next_fun(*args, **kw)
-    mod = context.module
-    if context.method_name == "__call__" and mod.scope is not None:
-      name = "/".join(map(str, mod.scope.path)) or "output"
-      calls.append((name, mod.unbind() if keep else None, args, kw, out))
-    return out
-  with nn.intercept_methods(interceptor):
-    module.apply(variables, *inputs, **kwargs)
+  def observer(path, module, args, kwargs, out):
+    if isinstance(module, nnx.Module) != linen:
+      calls.append((path or "output", module, args, kwargs, out))
+  with hook.observing(observer):
+    run()
   return calls
 
 
@@ -365,14 +296,15 @@ class JaxModel:
                     f"module, variables) pair or a function; got "
                     f"{type(jax_model).__name__}")
 
-  def _calls(self, inputs: tuple, kwargs: dict, keep: bool, state: Any = None):
+  def _calls(self, inputs: tuple, kwargs: dict, state: Any = None):
     if self.kind == "nnx":
+      from flax import nnx  # noqa: PLC0415
       graphdef, own = self._run
-      return _nnx_calls(graphdef, own if state is None else state, inputs,
-                        kwargs)
+      m = nnx.merge(graphdef, own if state is None else state)  # a new object
+      return _module_calls(m, lambda: m(*inputs, **kwargs), linen=False)
     module, own = self._run
-    return _linen_calls(module, own if state is None else state, inputs,
-                        kwargs, keep)
+    return _module_calls(module, lambda: module.apply(
+        own if state is None else state, *inputs, **kwargs), linen=True)
 
   def _state(self) -> Any:
     return self._run[1] if self.kind in ("nnx", "linen") else None
@@ -387,7 +319,7 @@ class JaxModel:
       return from_function
 
     def from_modules(state, *inputs, **kwargs):
-      calls = self._calls(inputs, kwargs, keep=False, state=state)
+      calls = self._calls(inputs, kwargs, state=state)
       names = _numbered([c[0] for c in calls])
       return {n: _float_leaves(c[4]) for n, c in zip(names, calls)
               if self.kept is None or n in self.kept}
@@ -417,7 +349,7 @@ class JaxModel:
       return [_Layer(n, [], [np.asarray(v, np.float32) for v in vs])
               for n, vs in out.items()]
     with jax.default_matmul_precision("float32"):
-      calls = self._calls(self.inputs, self.kwargs, keep=True)
+      calls = self._calls(self.inputs, self.kwargs)
     names = _numbered([c[0] for c in calls])
     found, inside = [], []
     for name, (_, mod, args, kwargs, out) in zip(names, calls):
@@ -445,7 +377,7 @@ class JaxModel:
       def alone(state, *a, **k):
         return _float_leaves(nnx.merge(graphdef, state)(*a, **k))
     else:
-      unbound, state = mod
+      unbound, state = mod.unbind()
 
       def alone(state, *a, **k):
         return _float_leaves(unbound.apply(state, *a, **k))

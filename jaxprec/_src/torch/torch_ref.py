@@ -230,32 +230,21 @@ def capture(module: Any, *args: Any, modules: str | None = None,
       raise ValueError(f"modules={modules!r} is not a regular expression: "
                        f"{e}") from None
   calls: dict[str, list[dict[str, np.ndarray]]] = {}  # per call, in order
-  handles = []
-  flags = {m: m.training for m in module.modules()}
-  try:
-    if pattern is not None:
-      all_names = [n for n, _ in module.named_modules() if n]
-      for name, sub in module.named_modules():
-        if name and pattern.fullmatch(name):
-          def hook(_mod, _inputs, output, name=name):
-            _named(_main_output(output), name, one := {})
-            calls.setdefault(name, []).append(one)
-          handles.append(sub.register_forward_hook(hook))
-      if not handles:
-        shown = ", ".join(repr(n) for n in all_names[:8])
-        raise ValueError(
-            f"modules={modules!r} matches no submodule (matched in full "
-            f"against named_modules(): {shown}{'...' if len(all_names) > 8 else ''})")
-    module.eval()
-    args = tuple(_as_torch(a, torch) for a in args)
-    kwargs = {k: _as_torch(v, torch) for k, v in kwargs.items()}
-    with torch.no_grad():
-      output = module(*args, **kwargs)
-  finally:
-    for h in handles:
-      h.remove()
-    for m, training in flags.items():
-      m.training = training
+  select = None
+  if pattern is not None:
+    all_names = [n for n, _ in module.named_modules() if n]
+    if not any(pattern.fullmatch(n) for n in all_names):
+      shown = ", ".join(repr(n) for n in all_names[:8])
+      raise ValueError(
+          f"modules={modules!r} matches no submodule (matched in full "
+          f"against named_modules(): {shown}{'...' if len(all_names) > 8 else ''})")
+    select = lambda name: bool(name) and pattern.fullmatch(name)  # noqa: E731
+
+  def record(name, _args, _kwargs, output):
+    _named(_main_output(output), name, one := {})
+    calls.setdefault(name, []).append(one)
+  output = run_hooked(module, args, kwargs, select or (lambda _: False),
+                      record)
   found: dict[str, np.ndarray] = {}
   # With modules=, named as check_module names the root module's output.
   _named(output, "" if pattern is None else "output", found)
@@ -265,6 +254,41 @@ def capture(module: Any, *args: Any, modules: str | None = None,
                        f"rename one with names=")
     found[k] = v
   return _rename(found, names)
+
+
+def run_hooked(module: Any, args: tuple, kwargs: dict,
+               select: Callable[[str], bool] | None,
+               record: Callable[[str, tuple, dict, Any], None]) -> Any:
+  """``module(*args, **kwargs)`` in eval mode under ``torch.no_grad()``, with
+  ``record(name, args, kwargs, output)`` called by a forward hook as the call
+  of each submodule whose name ``select`` accepts returns (None: every
+  module; the root's name is ``''``), in the order the calls end.
+
+  The one way jaxprec sees PyTorch's module calls (:func:`capture`, the port
+  check). NumPy arrays among the arguments are passed as tensors; the hooks
+  are removed and every submodule's training flag restored, on errors too.
+  ``record`` runs during the call: copy what it keeps (a later in-place op
+  may change a tensor). Returns the module's output.
+  """
+  torch = import_torch()
+  handles = []
+  flags = {m: m.training for m in module.modules()}
+  try:
+    for name, sub in module.named_modules():
+      if select is None or select(name):
+        def hook(_mod, a, k, out, name=name):
+          record(name, a, dict(k), out)
+        handles.append(sub.register_forward_hook(hook, with_kwargs=True))
+    module.eval()
+    args = tuple(_as_torch(a, torch) for a in args)
+    kwargs = {k: _as_torch(v, torch) for k, v in kwargs.items()}
+    with torch.no_grad():
+      return module(*args, **kwargs)
+  finally:
+    for h in handles:
+      h.remove()
+    for m, training in flags.items():
+      m.training = training
 
 
 def _floats(x: Any) -> bool:
