@@ -325,6 +325,12 @@ class JaxModel:
               if self.kept is None or n in self.kept}
     return from_modules
 
+  def native_notes(self, plans: Sequence[rows_lib.Plan]) -> list[str]:
+    """The ops the emulated rows run natively (:func:`rows_lib.native_notes`)."""
+    return rows_lib.native_notes(self.outputs_fn(),
+                                 (self._state(), *self.inputs), self.kwargs,
+                                 plans)
+
   def outputs(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
               x64: bool = False) -> dict[str, list[np.ndarray]]:
     """Every layer's outputs of a full run, computed as ``wrap`` computes."""
@@ -1080,6 +1086,7 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
         name=j.name, torch_name=t.name, shape=j.out_shapes[0], floor=floor,
         noise=noise, envelope=env, local=loc, local_max_abs=loc_abs,
         propagated=prop, bound=bound))
+  notes += jax_side.native_notes(plans)
   notes += _non_finite_notes(
       [(jax_layers[a].name, torch_layers[pairs[a]].name) for a in sorted(pairs)],
       full_f32, {l.name: l.outputs for l in torch_layers})

@@ -23,7 +23,7 @@ from jax import lax
 from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
-from jaxprec._src.emulation.emulate import emulate
+from jaxprec._src.emulation.emulate import emulate, opaque_ops
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.jaxpr import compat, walker
@@ -97,6 +97,34 @@ class Plan:
       with jax.default_matmul_precision(flag):
         return fn(*args, **kwargs)
     return native
+
+
+def native_notes(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
+                 plans: Sequence[Plan]) -> list[str]:
+  """A note per emulated target naming the ops of ``fn(*args, **kwargs)``
+  that its emulated rows run natively (:func:`jaxprec._src.emulation.emulate.opaque_ops`),
+  so that a report says what its emulated rows miss (``fn`` traced, not
+  run; nothing when no row is emulated)."""
+  rows: dict[str, list[str]] = {}
+  for p in plans:
+    if p.emulate_target is not None:
+      rows.setdefault(p.emulate_target, []).append(p.label)
+  if not rows:
+    return []
+  closed = walker.trace_call(fn, args, kwargs).jaxpr
+  notes = []
+  for target, labels in rows.items():
+    found = opaque_ops(closed, target)
+    if found:
+      one = len(found) == 1
+      notes.append(
+          f"ran natively, not emulated: {', '.join(found)}: jaxprec cannot "
+          f"see into {'it' if one else 'them'}, so in the emulated rows "
+          f"({', '.join(labels)}) {'its' if one else 'their'} matmuls and "
+          f"convolutions compute as this {compat.backend_platform()} "
+          f"computes them, not as the {target} would (jaxprec.audit lists "
+          f"{'it' if one else 'them'})")
+  return notes
 
 
 def with_dtypes(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
