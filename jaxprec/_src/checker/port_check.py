@@ -40,6 +40,7 @@ import numpy as np
 
 from jaxprec._src.checker import layers as layers_lib
 from jaxprec._src.checker import logits as logits_lib
+from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker import rows as rows_lib
 from jaxprec._src.core import numerics
@@ -139,6 +140,7 @@ class _Layer:
   inputs: list[np.ndarray]
   outputs: list[np.ndarray]
   alone: _Alone | None = None  # the layer alone, to run on other inputs
+  parameterless: bool = False  # a PyTorch module holding no parameter
 
   @property
   def in_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -179,6 +181,8 @@ def _torch_layers(model: Any, args: tuple, kwargs: dict) -> list[_Layer]:
     raise TypeError(f"port_check: torch_model must be a torch.nn.Module; got "
                     f"{type(model).__name__}")
   found: list[tuple[str, list, list]] = []
+  bare = {n or "output" for n, m in model.named_modules()
+          if next(m.parameters(), None) is None}  # its children's included
 
   def floats(x: Any) -> list[np.ndarray]:
     return [np.asarray(v, np.float32) for v in _torch_floats(x)]
@@ -188,7 +192,8 @@ def _torch_layers(model: Any, args: tuple, kwargs: dict) -> list[_Layer]:
                   floats(torch_ref._main_output(out))))  # noqa: SLF001
   torch_ref.run_hooked(model, args, kwargs, None, record)
   names = _numbered([n for n, _, _ in found])
-  return [_Layer(n, i, o) for n, (_, i, o) in zip(names, found) if o]
+  return [_Layer(n, i, o, parameterless=b in bare)
+          for n, (b, i, o) in zip(names, found) if o]
 
 
 def _torch_floats(x: Any) -> list[np.ndarray]:
@@ -678,6 +683,9 @@ class PortReport:
       layers ran (children before their parent).
     alignment: JAX layer -> PyTorch layer, the pairing used.
     unpaired_jax, unpaired_torch: the layers without a partner, in order.
+    parameterless_torch: those of ``unpaired_torch`` that hold no
+      parameter, their children's included (activations, dropout,
+      identities): the table counts them unless ``full``.
     precisions: the rows; the floor is float32 whatever they are.
     target: whose numerics the rows show (``'tpu'`` or ``'gpu'``).
     numerics: row -> what it computes (``'bf16x1 (emulated)'``).
@@ -703,6 +711,7 @@ class PortReport:
   logits: dict[str, logits_lib.LogitsGates] = dataclasses.field(
       default_factory=dict)
   logits_layer: str | None = None
+  parameterless_torch: tuple[str, ...] = ()
 
   def layer(self, name: str) -> PortLayer:
     """The paired layer named ``name`` (its JAX name)."""
@@ -747,6 +756,7 @@ class PortReport:
         "alignment": self.alignment,
         "unpaired_jax": list(self.unpaired_jax),
         "unpaired_torch": list(self.unpaired_torch),
+        "parameterless_torch": list(self.parameterless_torch),
         "layers": [dataclasses.asdict(l) for l in self.layers],
         "logits_layer": self.logits_layer,
         "logits": {p: g.to_dict() for p, g in self.logits.items()},
@@ -756,7 +766,7 @@ class PortReport:
     """:meth:`to_dict` as strict JSON."""
     return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
-  def table(self, width: int = 100) -> str:
+  def table(self, width: int = 100, full: bool = False) -> str:
     """The table: a line per layer and row with the floor, the noise, the
     envelope, the local and propagated errors (``rel_rms``) and the verdict;
     then the suspects and the unpaired layers.
@@ -768,7 +778,9 @@ class PortReport:
     Args:
       width: the columns to fit in (at least 80; below 100 the noise column
         is left out: :meth:`to_json` has it); a name longer than its column
-        is shortened in its middle (``model/la…self_attn/q_proj``).
+        is folded onto the lines below it, whole.
+      full: list every unpaired PyTorch layer; by default those without
+        parameters (:attr:`parameterless_torch`) are counted.
 
     Returns:
       The text, every line at most ``width`` characters.
@@ -781,21 +793,18 @@ class PortReport:
     # row, numbers of 8 characters, the verdict (7), two-space gaps.
     room = width - (rw + 8 * len(keys) + 7 + 2 * (len(keys) + 2))
 
-    def names_of(l: PortLayer) -> list[str]:
+    def shown(l: PortLayer) -> list[str]:
       same = layers_lib.normalize(l.name) == layers_lib.normalize(
           l.torch_name)
       return [l.name] if same else [l.name, f"↳ {l.torch_name}"]
     lw = min(room, max([len("layer")] + [len(n) for l in self.layers
-                                         for n in names_of(l)]))
+                                         for n in shown(l)]))
 
-    def cut(s: str, w: int) -> str:
-      if len(s) <= w:
-        return s
-      tail = (w - 1) * 2 // 3
-      return s[:w - 1 - tail] + "…" + s[len(s) - tail:]
+    def names_of(l: PortLayer) -> list[str]:
+      return [piece for n in shown(l) for piece in _fold(n, lw)]
 
     def line(name: str, row: str, values: dict[str, str], verdict: str):
-      c = [cut(name, lw).ljust(lw), row.ljust(rw),
+      c = [name.ljust(lw), row.ljust(rw),
            *(values.get(k, "").rjust(8) for k in keys), verdict]
       return "  ".join(c).rstrip()
     body = [line("layer", "row", {k: k for k in keys}, "verdict"),
@@ -833,9 +842,15 @@ class PortReport:
     if self.unpaired_jax:
       out += _wrap("JAX layers without a PyTorch partner: "
                    + ", ".join(self.unpaired_jax), width)
-    if self.unpaired_torch:
-      out += _wrap("PyTorch layers without a JAX partner: "
-                   + ", ".join(self.unpaired_torch), width)
+    bare = () if full else self.parameterless_torch
+    listed = [n for n in self.unpaired_torch if n not in bare]
+    if listed or bare:
+      out += _wrap(
+          "PyTorch layers without a JAX partner: " + ", ".join(listed)
+          + ("" if not bare else
+             f"{'; and ' if listed else ''}{len(bare)} without parameters "
+             f"(activations, dropout, identities; full=True or --full "
+             f"lists them)"), width)
     for n in self.notes:
       out += _wrap(f"note: {n}", width)
     return "\n".join(out)
@@ -903,6 +918,18 @@ class PortReport:
     return fig
 
 
+def _fold(name: str, width: int) -> list[str]:
+  """``name`` in pieces of at most ``width`` characters that join to it, each
+  ending at a separator (``/``, ``.``, ``_``) where one is in its second
+  half."""
+  pieces = []
+  while len(name) > width:
+    cut = max(name.rfind(c, width // 2, width) for c in "/._") + 1 or width
+    pieces.append(name[:cut])
+    name = name[cut:]
+  return [*pieces, name]
+
+
 def _wrap(text: str, width: int) -> list[str]:
   import textwrap  # noqa: PLC0415
   return textwrap.wrap(text, width, break_long_words=True,
@@ -920,7 +947,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
                kwargs: Mapping[str, Any] | None = None,
                torch_kwargs: Mapping[str, Any] | None = None,
                factor: float = PORT_FACTOR, logits: str | None = None,
-               top_k: int | None = None, layouts: LayoutsLike = None) -> PortReport:
+               top_k: int | None = None, layouts: LayoutsLike = None,
+               progress: bool = False) -> PortReport:
   """Is a JAX port of a PyTorch model wrong, or is it precision? Which layer?
 
   Runs both models on the same inputs, pairs their layers, and measures for
@@ -981,6 +1009,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       that runs NCW in PyTorch and NWC in JAX. It permutes the layer's
       floating inputs and outputs with as many axes as it has (others are
       left as they are) before the layers are paired and compared.
+    progress: say each phase on stderr (the runs of each row, the layers
+      alone at each row): a bar on a terminal, a line per phase elsewhere.
 
   Returns:
     A :class:`PortReport`.
@@ -1003,7 +1033,30 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
   plans = rows_lib.plans(precisions, target, mode)
   plans = [rows_lib.native_float32(p.label) if p.label == rows_lib.FLOOR
            else p for p in plans]
+  # The phases: PyTorch, JAX at float32, the pairing, a full run per row,
+  # the layers alone at float32, float64 and each row that is not float32's.
+  rows = sum(1 for p in plans
+             if not (p.label == rows_lib.FLOOR and p.emulate_target is None))
+  with progress_lib.Phases(6 + 2 * rows, "jaxprec port check",
+                           progress) as bar:
+    report = _port_check(
+        jax_model, torch_model, inputs, plans, bar, target=target,
+        alignment=alignment, torch_inputs=torch_inputs, kwargs=kwargs,
+        torch_kwargs=torch_kwargs, factor=factor, logits=logits, top_k=top_k,
+        layouts=layouts)
+    bar.finish()
+  return report
+
+
+def _port_check(jax_model: Any, torch_model: Any, inputs: tuple,
+                plans: list[rows_lib.Plan], bar: progress_lib.Phases, *,
+                target: str, alignment: AlignmentLike, torch_inputs: Any,
+                kwargs: Any, torch_kwargs: Any, factor: float,
+                logits: str | None, top_k: int | None,
+                layouts: LayoutsLike) -> PortReport:
+  """:func:`port_check` of the rows ``plans``, its phases shown on ``bar``."""
   f32 = rows_lib.native_float32().wrap
+  bar.update("running PyTorch")
   inputs, torch_inputs, kwargs, torch_kwargs = _host_inputs(
       (inputs, torch_inputs, kwargs, torch_kwargs))
   kwargs = dict(kwargs or {})
@@ -1018,6 +1071,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
     if root is not None:
       torch_layers += _root_layers(torch_model, inputs, torch_inputs,
                                    torch_kwargs)
+  bar.update(f"running JAX at float32 ({len(torch_layers)} PyTorch layers)",
+             advance=1)
   jax_layers = jax_side.layers(f32)
   notes: list[str] = _non_finite_input_notes(
       (inputs, kwargs) if torch_inputs is None
@@ -1038,6 +1093,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       return math.nan
     return rel_rms(y, torch_layers[b].outputs)
 
+  bar.update(f"pairing {len(jax_layers)} JAX layers with "
+             f"{len(torch_layers)} PyTorch layers", advance=1)
   pairs = align(jax_layers, torch_layers, alignment, local)
   if not pairs:
     raise ValueError(
@@ -1045,19 +1102,29 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
         f"({', '.join(l.name for l in jax_layers[:6])}) and the PyTorch "
         f"layers ({', '.join(l.name for l in torch_layers[:6])}) have no "
         f"output and input shapes in common; pin pairs with alignment=")
+  bar.update(f"full run at float32 (row 1/{len(plans)})", advance=1)
   full_f32 = jax_side.outputs(f32)
-  full = {p.label: full_f32 if p.label == rows_lib.FLOOR and
-          p.emulate_target is None else jax_side.outputs(p.wrap)
-          for p in plans}
+  full = {}
+  for i, p in enumerate(plans, 1):
+    if p.label == rows_lib.FLOOR and p.emulate_target is None:
+      full[p.label] = full_f32
+    else:
+      bar.update(f"full run at {p.label} (row {i}/{len(plans)})", advance=1)
+      full[p.label] = jax_side.outputs(p.wrap)
+  if jax_side.kind == "function":
+    bar.update("full run at float64")
   full_f64 = (jax_side.outputs(lambda f: f, x64=True)
               if jax_side.kind == "function" else None)
   shadowed = [a for a in sorted(pairs) if jax_layers[a].alone is not None]
   runs = {"float32": (f32, False), "float64": (lambda f: f, True),
           **{p.label: (p.wrap, False) for p in plans
              if not (p.label == rows_lib.FLOOR and p.emulate_target is None)}}
-  alone = {key: _alone_all(shadowed, jax_layers, torch_layers, pairs, wrap,
-                           x64, key, notes)
-           for key, (wrap, x64) in runs.items()}
+  alone = {}
+  for i, (key, (wrap, x64)) in enumerate(runs.items(), 1):
+    bar.update(f"{len(shadowed)} layers alone at {key} ({i}/{len(runs)})",
+               advance=1)
+    alone[key] = _alone_all(shadowed, jax_layers, torch_layers, pairs, wrap,
+                            x64, key, notes, bar)
   results = []
   for a in sorted(pairs):
     b = pairs[a]
@@ -1112,6 +1179,9 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       unpaired_torch=tuple(torch_layers[b].name
                            for b in range(len(torch_layers))
                            if b not in set(pairs.values())),
+      parameterless_torch=tuple(
+          l.name for b, l in enumerate(torch_layers)
+          if l.parameterless and b not in set(pairs.values())),
       precisions=tuple(p.label for p in plans), target=target,
       numerics={p.label: p.description for p in plans}, factor=float(factor),
       kind=jax_side.kind, notes=tuple(dict.fromkeys(notes)),
@@ -1172,18 +1242,22 @@ def _host_inputs(tree: Any) -> Any:
 
 def _alone_all(which: list[int], jax_layers: list[_Layer],
                torch_layers: list[_Layer], pairs: dict[int, int], wrap,
-               x64: bool, key: str, notes: list[str]
+               x64: bool, key: str, notes: list[str],
+               bar: progress_lib.Phases | None = None
                ) -> dict[int, list[np.ndarray]]:
   """JAX layer index -> its outputs alone on its partner's input, computed
   as ``wrap`` computes: all in one program, else one by one (a layer that
-  fails is left out, and named in ``notes``)."""
+  fails is left out, and named in ``notes``; each shown on ``bar``)."""
   calls = [(jax_layers[a].alone, torch_layers[pairs[a]].inputs) for a in which]
   try:
     return dict(zip(which, run_alone(calls, wrap, x64)))
   except Exception:  # noqa: BLE001 -- find the layer, below
     pass
   out = {}
-  for a, call in zip(which, calls):
+  for k, (a, call) in enumerate(zip(which, calls), 1):
+    if bar is not None:
+      bar.update(f"layer {k}/{len(which)} alone at {key}: "
+                 f"{jax_layers[a].name}")
     try:
       out[a], = run_alone([call], wrap, x64)
     except Exception as e:  # noqa: BLE001 -- said in the report
@@ -1234,7 +1308,8 @@ def _laid_out(torch_layers: list[_Layer], layouts: LayoutsLike
   for l in torch_layers:
     perm = next((p for rx, p in rules if rx.fullmatch(l.name)), None)
     out.append(l if perm is None else _Layer(
-        l.name, permuted(l.inputs, perm), permuted(l.outputs, perm)))
+        l.name, permuted(l.inputs, perm), permuted(l.outputs, perm),
+        parameterless=l.parameterless))
   return out
 
 
