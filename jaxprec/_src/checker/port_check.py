@@ -158,61 +158,22 @@ def _float_leaves(tree: Any) -> list[Any]:
 def _numbered(names: list[str]) -> list[str]:
   """``name#0``, ``name#1`` for a name met more than once (a module called
   twice), as :func:`jaxprec.check_module` and :func:`capture` name them."""
-  counts: dict[str, int] = {}
-  for n in names:
-    counts[n] = counts.get(n, 0) + 1
-  seen: dict[str, int] = {}
+  counts, seen = collections.Counter(names), collections.Counter()
   out = []
   for n in names:
-    if counts[n] == 1:
-      out.append(n)
-    else:
-      out.append(f"{n}#{seen.get(n, 0)}")
-      seen[n] = seen.get(n, 0) + 1
+    out.append(n if counts[n] == 1 else f"{n}#{seen[n]}")
+    seen[n] += 1
   return out
 
 
 def _torch_layers(model: Any, args: tuple, kwargs: dict) -> list[_Layer]:
-  """Every submodule call of a PyTorch model, in the order the calls end
-  (forward-hook order: children before their parent, the root last, named
-  ``'output'``)."""
-  torch = torch_ref.import_torch()
-  if not isinstance(model, torch.nn.Module):
-    raise TypeError(f"port_check: torch_model must be a torch.nn.Module; got "
-                    f"{type(model).__name__}")
-  found: list[tuple[str, list, list]] = []
-  bare = {n or "output" for n, m in model.named_modules()
-          if next(m.parameters(), None) is None}  # its children's included
-
-  def floats(x: Any) -> list[np.ndarray]:
-    return [np.asarray(v, np.float32) for v in _torch_floats(x)]
-
-  def record(name, a, k, out):
-    found.append((name or "output", floats((a, k)),
-                  floats(torch_ref._main_output(out))))  # noqa: SLF001
-  torch_ref.run_hooked(model, args, kwargs, None, record)
-  names = _numbered([n for n, _, _ in found])
-  return [_Layer(n, i, o, parameterless=b in bare)
-          for n, (b, i, o) in zip(names, found) if o]
-
-
-def _torch_floats(x: Any) -> list[np.ndarray]:
-  """The floating tensors (and arrays) of a PyTorch value in the order
-  ``jax.tree_util`` gives the same structure's leaves: a dict's by its sorted
-  keys, an ``OrderedDict``'s (a ``ModelOutput``'s) in its order, None left
-  out; so that the outputs and inputs of paired layers pair in order."""
-  if torch_ref._is_tensor(x):  # noqa: SLF001
-    return ([torch_ref._to_numpy(x)]  # noqa: SLF001
-            if x.is_floating_point() else [])
-  if isinstance(x, Mapping):
-    items = list(x.items())
-    if not isinstance(x, collections.OrderedDict):
-      with contextlib.suppress(TypeError):  # keys that do not sort: as given
-        items.sort(key=lambda kv: kv[0])
-    return [f for _, v in items if v is not None for f in _torch_floats(v)]
-  if isinstance(x, (tuple, list)):
-    return [f for v in x for f in _torch_floats(v)]
-  return [np.asarray(x)] if torch_ref._is_float_array(x) else []  # noqa: SLF001
+  """Every submodule call of a PyTorch model that has a floating output, in
+  the order the calls end (:func:`torch_ref.module_calls`: children before
+  their parent, the root last, named ``'output'``)."""
+  calls = torch_ref.module_calls(model, args, kwargs, "port_check: torch_model")
+  names = _numbered([c.name or "output" for c in calls])
+  return [_Layer(n, c.inputs, c.outputs, parameterless=c.parameterless)
+          for n, c in zip(names, calls) if c.outputs]
 
 
 def _module_calls(model: Any, run: Callable[[], Any], linen: bool
@@ -793,15 +754,14 @@ class PortReport:
     # row, numbers of 8 characters, the verdict (7), two-space gaps.
     room = width - (rw + 8 * len(keys) + 7 + 2 * (len(keys) + 2))
 
-    def shown(l: PortLayer) -> list[str]:
-      same = layers_lib.normalize(l.name) == layers_lib.normalize(
-          l.torch_name)
-      return [l.name] if same else [l.name, f"↳ {l.torch_name}"]
-    lw = min(room, max([len("layer")] + [len(n) for l in self.layers
-                                         for n in shown(l)]))
+    shown = {l.name: [l.name] if layers_lib.normalize(l.name) ==
+             layers_lib.normalize(l.torch_name) else
+             [l.name, f"↳ {l.torch_name}"] for l in self.layers}
+    lw = min(room, max([len("layer")] + [len(n) for ns in shown.values()
+                                         for n in ns]))
 
-    def names_of(l: PortLayer) -> list[str]:
-      return [piece for n in shown(l) for piece in _fold(n, lw)]
+    def names_of(l: PortLayer) -> list[str]:  # folded to the column, whole
+      return [piece for n in shown[l.name] for piece in _fold(n, lw)]
 
     def line(name: str, row: str, values: dict[str, str], verdict: str):
       c = [name.ljust(lw), row.ljust(rw),

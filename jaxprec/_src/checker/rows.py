@@ -102,29 +102,20 @@ class Plan:
 def native_notes(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
                  plans: Sequence[Plan]) -> list[str]:
   """A note per emulated target naming the ops of ``fn(*args, **kwargs)``
-  that its emulated rows run natively (:func:`jaxprec._src.emulation.emulate.opaque_ops`),
-  so that a report says what its emulated rows miss (``fn`` traced, not
-  run; nothing when no row is emulated)."""
+  (traced, not run) that its emulated rows run natively
+  (:func:`jaxprec._src.emulation.emulate.opaque_ops`)."""
   rows: dict[str, list[str]] = {}
   for p in plans:
     if p.emulate_target is not None:
       rows.setdefault(p.emulate_target, []).append(p.label)
-  if not rows:
-    return []
-  closed = walker.trace_call(fn, args, kwargs).jaxpr
-  notes = []
-  for target, labels in rows.items():
-    found = opaque_ops(closed, target)
-    if found:
-      one = len(found) == 1
-      notes.append(
-          f"ran natively, not emulated: {', '.join(found)}: jaxprec cannot "
-          f"see into {'it' if one else 'them'}, so in the emulated rows "
-          f"({', '.join(labels)}) {'its' if one else 'their'} matmuls and "
-          f"convolutions compute as this {compat.backend_platform()} "
-          f"computes them, not as the {target} would (jaxprec.audit lists "
-          f"{'it' if one else 'them'})")
-  return notes
+  closed = walker.trace_call(fn, args, kwargs).jaxpr if rows else None
+  return [f"ran natively, not emulated (opaque to jaxprec): "
+          f"{', '.join(found)}; in the emulated rows ({', '.join(labels)}) "
+          f"the matmuls and convolutions inside compute as this "
+          f"{compat.backend_platform()} computes them, not as the {target} "
+          f"would (jaxprec.audit lists them)"
+          for target, labels in rows.items()
+          if (found := opaque_ops(closed, target))]
 
 
 def with_dtypes(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:

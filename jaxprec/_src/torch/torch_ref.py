@@ -9,6 +9,9 @@ imports JAX, PyTorch or transformers at import time.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import re
 import types
 from collections.abc import Callable, Mapping
@@ -289,6 +292,68 @@ def run_hooked(module: Any, args: tuple, kwargs: dict,
       h.remove()
     for m, training in flags.items():
       m.training = training
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleCall:
+  """One module call of a PyTorch model (:func:`module_calls`).
+
+  Attributes:
+    name: the module's name in ``named_modules()`` (``''``: the root).
+    inputs, outputs: its floating arguments and output (the output as
+      :func:`_main_output` gives it), as float32 NumPy, in the order
+      ``jax.tree_util`` gives the same structure's leaves (:func:`floats`).
+    parameterless: the module holds no parameter, its children's included
+      (an activation, dropout, an identity).
+  """
+
+  name: str
+  inputs: list[np.ndarray]
+  outputs: list[np.ndarray]
+  parameterless: bool
+
+
+def module_calls(model: Any, args: tuple, kwargs: dict, who: str
+                 ) -> list[ModuleCall]:
+  """Every module call of ``model(*args, **kwargs)`` (:func:`run_hooked`),
+  in the order the calls end: children before their parent, the root last.
+
+  Raises:
+    TypeError: ``model`` is not a ``torch.nn.Module`` (``who`` names it).
+  """
+  torch = import_torch()
+  if not isinstance(model, torch.nn.Module):
+    raise TypeError(f"{who} must be a torch.nn.Module; got "
+                    f"{type(model).__name__}")
+  bare = {n for n, m in model.named_modules()
+          if next(m.parameters(), None) is None}  # its children's included
+  found: list[ModuleCall] = []
+
+  def record(name, a, k, out):
+    found.append(ModuleCall(
+        name, [np.asarray(v, np.float32) for v in floats((a, k))],
+        [np.asarray(v, np.float32) for v in floats(_main_output(out))],
+        name in bare))
+  run_hooked(model, args, kwargs, None, record)
+  return found
+
+
+def floats(x: Any) -> list[np.ndarray]:
+  """The floating tensors (and arrays) of a PyTorch value in the order
+  ``jax.tree_util`` gives the same structure's leaves: a dict's by its sorted
+  keys, an ``OrderedDict``'s (a ``ModelOutput``'s) in its order, None left
+  out; so that the outputs and inputs of paired layers pair in order."""
+  if _is_tensor(x):
+    return [_to_numpy(x)] if x.is_floating_point() else []
+  if isinstance(x, Mapping):
+    items = list(x.items())
+    if not isinstance(x, collections.OrderedDict):
+      with contextlib.suppress(TypeError):  # keys that do not sort: as given
+        items.sort(key=lambda kv: kv[0])
+    return [f for _, v in items if v is not None for f in floats(v)]
+  if isinstance(x, (tuple, list)):
+    return [f for v in x for f in floats(v)]
+  return [np.asarray(x)] if _is_float_array(x) else []
 
 
 def _floats(x: Any) -> bool:
