@@ -184,3 +184,17 @@ def test_progress_says_each_phase_on_a_pipe(capsys):
                 "alone at bfloat16"):
     assert phase in text, text
   assert err[-1].startswith("jaxprec port check: done in ")
+
+
+def test_a_policy_row_reaches_each_nnx_module_of_the_port():
+  # The port's modules run through the one per-module hook, so a policy's
+  # path rule decides for them, as it does for linen modules.
+  torch.manual_seed(0)
+  t = TNet().eval()
+  x = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)
+  policy = "default=bfloat16,blocks/0/fc=float32"
+  r = jt.port_check(JNet(t), t, x, precisions=("bfloat16", policy))
+  fc0, fc1 = r.layer("blocks/0/fc"), r.layer("blocks/1/fc")
+  assert fc0.envelope["bfloat16"] > 1e-3
+  assert fc0.envelope[policy] < 1e-6  # float32 (six bfloat16 passes)
+  assert fc1.envelope[policy] == fc1.envelope["bfloat16"] > 1e-3
