@@ -178,11 +178,9 @@ def _torch_layers(model: Any, args: tuple, kwargs: dict) -> list[_Layer]:
 
 def _module_calls(model: Any, run: Callable[[], Any], linen: bool
                   ) -> list[tuple[str, Any, tuple, dict, Any]]:
-  """``(path, module, args, kwargs, output)`` of every module call of
-  ``model``'s framework that ``run()`` makes, in the order the calls end, as
-  the one per-module hook observes them (:func:`jaxprec._src.flax.hook.observing`;
-  an NNX model gets the hook first: ``model`` is a copy); the root is
-  ``'output'``."""
+  """``(path, module, args, kwargs, output)`` of each call of a module of
+  ``model``'s API in ``run()``, as the calls end, from the one hook
+  (:func:`hook.observing`; ``model``, an NNX copy, gets it); root: output."""
   from flax import nnx  # noqa: PLC0415 -- Flax when in use
   from jaxprec._src.flax import hook  # noqa: PLC0415
   if not linen:
@@ -292,7 +290,7 @@ class JaxModel:
     return from_modules
 
   def native_notes(self, plans: Sequence[rows_lib.Plan]) -> list[str]:
-    """The ops the emulated rows run natively (:func:`rows_lib.native_notes`)."""
+    """The ops the emulated rows run natively (``rows_lib.native_notes``)."""
     return rows_lib.native_notes(self.outputs_fn(),
                                  (self._state(), *self.inputs), self.kwargs,
                                  plans)
@@ -760,9 +758,6 @@ class PortReport:
     lw = min(room, max([len("layer")] + [len(n) for ns in shown.values()
                                          for n in ns]))
 
-    def names_of(l: PortLayer) -> list[str]:  # folded to the column, whole
-      return [piece for n in shown[l.name] for piece in _fold(n, lw)]
-
     def line(name: str, row: str, values: dict[str, str], verdict: str):
       c = [name.ljust(lw), row.ljust(rw),
            *(values.get(k, "").rjust(8) for k in keys), verdict]
@@ -770,7 +765,7 @@ class PortReport:
     body = [line("layer", "row", {k: k for k in keys}, "verdict"),
             line("-" * lw, "-" * rw, {k: "-" * 8 for k in keys}, "-" * 7)]
     for l in self.layers:
-      names = names_of(l)
+      names = [piece for n in shown[l.name] for piece in _fold(n, lw)]
       for i in range(max(len(names), len(self.precisions))):
         name = names[i] if i < len(names) else ""
         if i >= len(self.precisions):
@@ -879,9 +874,8 @@ class PortReport:
 
 
 def _fold(name: str, width: int) -> list[str]:
-  """``name`` in pieces of at most ``width`` characters that join to it, each
-  ending at a separator (``/``, ``.``, ``_``) where one is in its second
-  half."""
+  """``name`` in pieces of at most ``width`` characters that join to it, cut
+  after a separator (``/``, ``.``, ``_``) where one is in a piece's 2nd half."""
   pieces = []
   while len(name) > width:
     cut = max(name.rfind(c, width // 2, width) for c in "/._") + 1 or width
@@ -993,8 +987,7 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
   plans = rows_lib.plans(precisions, target, mode)
   plans = [rows_lib.native_float32(p.label) if p.label == rows_lib.FLOOR
            else p for p in plans]
-  # The phases: PyTorch, JAX at float32, the pairing, a full run per row,
-  # the layers alone at float32, float64 and each row that is not float32's.
+  # Phases: PyTorch, JAX, the pairing, full runs, layers alone (2 + rows).
   rows = sum(1 for p in plans
              if not (p.label == rows_lib.FLOOR and p.emulate_target is None))
   with progress_lib.Phases(6 + 2 * rows, "jaxprec port check",
@@ -1062,19 +1055,18 @@ def _port_check(jax_model: Any, torch_model: Any, inputs: tuple,
         f"({', '.join(l.name for l in jax_layers[:6])}) and the PyTorch "
         f"layers ({', '.join(l.name for l in torch_layers[:6])}) have no "
         f"output and input shapes in common; pin pairs with alignment=")
-  bar.update(f"full run at float32 (row 1/{len(plans)})", advance=1)
+  bar.update("full run at float32", advance=1)
   full_f32 = jax_side.outputs(f32)
   full = {}
   for i, p in enumerate(plans, 1):
-    if p.label == rows_lib.FLOOR and p.emulate_target is None:
-      full[p.label] = full_f32
-    else:
+    native = p.label == rows_lib.FLOOR and p.emulate_target is None
+    if not native:
       bar.update(f"full run at {p.label} (row {i}/{len(plans)})", advance=1)
-      full[p.label] = jax_side.outputs(p.wrap)
+    full[p.label] = full_f32 if native else jax_side.outputs(p.wrap)
+  full_f64 = None
   if jax_side.kind == "function":
     bar.update("full run at float64")
-  full_f64 = (jax_side.outputs(lambda f: f, x64=True)
-              if jax_side.kind == "function" else None)
+    full_f64 = jax_side.outputs(lambda f: f, x64=True)
   shadowed = [a for a in sorted(pairs) if jax_layers[a].alone is not None]
   runs = {"float32": (f32, False), "float64": (lambda f: f, True),
           **{p.label: (p.wrap, False) for p in plans
@@ -1203,8 +1195,7 @@ def _host_inputs(tree: Any) -> Any:
 def _alone_all(which: list[int], jax_layers: list[_Layer],
                torch_layers: list[_Layer], pairs: dict[int, int], wrap,
                x64: bool, key: str, notes: list[str],
-               bar: progress_lib.Phases | None = None
-               ) -> dict[int, list[np.ndarray]]:
+               bar: progress_lib.Phases) -> dict[int, list[np.ndarray]]:
   """JAX layer index -> its outputs alone on its partner's input, computed
   as ``wrap`` computes: all in one program, else one by one (a layer that
   fails is left out, and named in ``notes``; each shown on ``bar``)."""
@@ -1215,9 +1206,7 @@ def _alone_all(which: list[int], jax_layers: list[_Layer],
     pass
   out = {}
   for k, (a, call) in enumerate(zip(which, calls), 1):
-    if bar is not None:
-      bar.update(f"layer {k}/{len(which)} alone at {key}: "
-                 f"{jax_layers[a].name}")
+    bar.update(f"layer {k}/{len(which)} alone at {key}: {jax_layers[a].name}")
     try:
       out[a], = run_alone([call], wrap, x64)
     except Exception as e:  # noqa: BLE001 -- said in the report
