@@ -218,8 +218,7 @@ def native_notes(fn: Callable[..., Any], call: Args, plans: Sequence[Plan]
   """:func:`jaxprec._src.checker.rows.native_notes` of ``fn`` on ``call``,
   kept with ``fn``'s programs: a second check of ``fn`` traces nothing."""
   key = ("native ops", call.key, tuple(p.key for p in plans),
-         tuple((np.shape(x), str(np.result_type(x))) for x in call.dynamic),
-         compat.trace_context())
+         trees.signature(call.dynamic), compat.trace_context())
   return _program(fn, key, lambda fn_ref: rows_lib.native_notes(
       lambda *dyn: call.call(fn_ref(), dyn), tuple(call.dynamic), {}, plans))
 
