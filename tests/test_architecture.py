@@ -216,3 +216,65 @@ def test_flax_modules_import_only_those_listed_before_them():
          and FLAX_ORDER.index(other.rpartition(".")[2])
          >= FLAX_ORDER.index(name)]
   assert not bad, bad
+
+
+# Class generation: only the one per-module hook (flax/hook.py) makes
+# subclasses of a user's module classes and puts them on module objects.
+# swap's linen module is a new module of its own (a subclass it builds
+# anew, never set on an existing object), not a hook.
+CLASS_MAKERS = {("jaxprec._src.flax.hook", None),
+                ("jaxprec._src.modules.swap", "_swapped_class")}
+
+
+def class_generation(tree: ast.AST) -> list[tuple[str | None, int, str]]:
+  """``(function, line, what)`` of each class made or swapped at run time:
+  a three-argument ``type(...)``, ``types.new_class``, and a write of
+  ``__class__`` (``object.__setattr__(x, '__class__', c)`` or
+  ``x.__class__ = c``)."""
+  found = []
+
+  def visit(node: ast.AST, where: str | None) -> None:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      where = where or node.name
+    if isinstance(node, ast.Call):
+      f = node.func
+      name = f.id if isinstance(f, ast.Name) else (
+          f.attr if isinstance(f, ast.Attribute) else "")
+      if name == "type" and len(node.args) == 3:
+        found.append((where, node.lineno, "type(name, bases, namespace)"))
+      elif name == "new_class":
+        found.append((where, node.lineno, "types.new_class"))
+      elif (name == "__setattr__" and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == "__class__"):
+        found.append((where, node.lineno, "__class__ set"))
+    if isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Attribute) and t.attr == "__class__"
+        for t in node.targets):
+      found.append((where, node.lineno, "__class__ assigned"))
+    for child in ast.iter_child_nodes(node):
+      visit(child, where)
+  visit(tree, None)
+  return found
+
+
+def test_only_the_hook_makes_module_classes():
+  bad = []
+  for module, path in MODULES.items():
+    for where, line, what in class_generation(ast.parse(path.read_text())):
+      if ((module, None) not in CLASS_MAKERS
+          and (module, where) not in CLASS_MAKERS):
+        bad.append(f"{module}:{line} ({where}): {what}")
+  assert not bad, bad
+
+
+def test_the_class_generation_finder_finds_each_form():
+  src = ("def f(c):\n  return type('C', (c,), {})\n"
+         "def g(m, c):\n  object.__setattr__(m, '__class__', c)\n"
+         "def h(m, c):\n  m.__class__ = c\n"
+         "def k(c):\n  import types\n  return types.new_class('C', (c,))\n"
+         "def ok(x):\n  return type(x)\n")
+  found = class_generation(ast.parse(src))
+  assert [(w, what) for w, _, what in found] == [
+      ("f", "type(name, bases, namespace)"), ("g", "__class__ set"),
+      ("h", "__class__ assigned"), ("k", "types.new_class")]

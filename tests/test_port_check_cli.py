@@ -78,6 +78,26 @@ def test_a_correct_port_exits_0(models, capsys):
   assert report["unpaired_torch"] == ["1"]  # the GELU module
 
 
+def test_progress_on_a_pipe_and_parameterless_layers_counted_unless_full(
+    models, capsys):
+  rc, out, err = run_cli(capsys, "check", "ports.py:right", "--reference",
+                         "pytorch:ports.py:original", "--out", "rep")
+  assert rc == 0, err
+  phases = [l for l in err.splitlines()
+            if l.startswith("jaxprec port check: ")]
+  assert any("full run at bfloat16 (row 2/2)" in l for l in phases), err
+  assert any("layers alone at bfloat16" in l for l in phases), err
+  assert phases[-1].startswith("jaxprec port check: done in ")
+  assert ("PyTorch layers without a JAX partner: 1 without parameters "
+          "(activations, dropout, identities; full=True or --full lists "
+          "them)") in " ".join(out.split()), out
+  rc, out, err = run_cli(capsys, "check", "ports.py:right", "--reference",
+                         "pytorch:ports.py:original", "--out", "rep",
+                         "--full")
+  assert rc == 0, err
+  assert "PyTorch layers without a JAX partner: 1" in out.splitlines()
+
+
 def test_options_that_do_not_apply_are_refused(models, capsys):
   rc, _, err = run_cli(capsys, "check", "ports.py:right", "--reference",
                        "pytorch:ports.py:original", "--atol", "1e-3")
@@ -144,7 +164,7 @@ def test_a_bug_planted_in_a_builtin_port_exits_1_and_names_it(
 
 @pytest.mark.parametrize("flag", [["--atol", "1e-3"], ["--rtol", "0"],
                                   ["--policy", "default=bfloat16"],
-                                  ["--mode", "emulate"], ["--full"]])
+                                  ["--mode", "emulate"]])
 def test_options_a_builtin_port_check_has_no_use_for_are_refused(
     one_layer, capsys, flag):
   rc, _, err = run_cli(capsys, "check", "--model", "hf-bert", "--reference",

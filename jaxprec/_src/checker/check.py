@@ -247,6 +247,7 @@ def check(fn: Callable[..., Any], *args: Any,
                                                seen=seen)
       seconds[p.label] = time.perf_counter() - t0
     bar.finish()
+  native = harness.native_notes(fn, call, plans)  # ops not emulated
   del call  # holds the arguments
   labels = [p.label for p in plans if p.label != floor]
   if mode == "native" and backend == "cpu":
@@ -281,6 +282,7 @@ def check(fn: Callable[..., Any], *args: Any,
                  f"arrays (token ids, masks, counts); the check compares "
                  f"floating-point layers (token ids through their logits: "
                  f"logits=)")
+  notes += native
   notes += overflow_notes(layers)
   masked = (logits if logits is not None and ref.kept is not None
             and logits_lib.masked_only(ref.kept) else None)

@@ -39,6 +39,7 @@ import numpy as np
 from jaxprec._src.checker import layers as layers_lib
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import reference as reference_lib
+from jaxprec._src.checker import rows as rows_lib
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.jaxpr import compat
@@ -210,6 +211,16 @@ def _program(fn: Callable[..., Any], key: Any,
   if prog is None:
     prog = per_fn[key] = make(fn_ref)
   return prog
+
+
+def native_notes(fn: Callable[..., Any], call: Args, plans: Sequence[Plan]
+                 ) -> list[str]:
+  """:func:`jaxprec._src.checker.rows.native_notes` of ``fn`` on ``call``,
+  kept with ``fn``'s programs: a second check of ``fn`` traces nothing."""
+  key = ("native ops", call.key, tuple(p.key for p in plans),
+         trees.signature(call.dynamic), compat.trace_context())
+  return _program(fn, key, lambda fn_ref: rows_lib.native_notes(
+      lambda *dyn: call.call(fn_ref(), dyn), tuple(call.dynamic), {}, plans))
 
 
 @dataclasses.dataclass

@@ -24,8 +24,8 @@ def port_check_builtin(port: str | torch_ports.Port, *, seed: int = 0,
                        precisions: Sequence[str] | str = ("float32",
                                                           "bfloat16"),
                        target: str = "tpu",
-                       factor: float = port_check_lib.PORT_FACTOR
-                       ) -> port_check_lib.PortReport:
+                       factor: float = port_check_lib.PORT_FACTOR,
+                       progress: bool = False) -> port_check_lib.PortReport:
   """A built-in port of a transformers model, checked against PyTorch.
 
   :func:`jaxprec.torch.port_check` of the NNX model of
@@ -44,6 +44,7 @@ def port_check_builtin(port: str | torch_ports.Port, *, seed: int = 0,
     precisions: the rows, as :func:`jaxprec.torch.port_check` takes them.
     target: ``'tpu'`` or ``'gpu'``: whose numerics the rows show.
     factor: the factor of the suspect rule.
+    progress: say each phase on stderr, as :func:`jaxprec.torch.port_check`.
 
   Returns:
     A :class:`jaxprec.torch.PortReport`.
@@ -70,7 +71,7 @@ def port_check_builtin(port: str | torch_ports.Port, *, seed: int = 0,
       port.model, port.torch_model, *port.inputs.values(),
       torch_inputs=port.torch_inputs(), precisions=precisions, target=target,
       alignment=port.alignment, layouts=port.layouts() or None,
-      factor=factor)
+      factor=factor, progress=progress)
   why = port.unpaired()
   notes = [f"{name} is not paired: {why[name]}"
            for name in report.unpaired_jax if name in why]

@@ -34,7 +34,6 @@ import json
 import math
 import os
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ import numpy as np
 
 from jaxprec._src.checker import layers as layers_lib
 from jaxprec._src.checker import logits as logits_lib
+from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker import rows as rows_lib
 from jaxprec._src.core import numerics
@@ -146,6 +146,7 @@ class _Layer:
   # whose first item is an array and whose others are not all arrays of its
   # shape (a tuple of every layer's hidden state); it pairs by that array.
   lead: bool = False
+  parameterless: bool = False  # a PyTorch module holding no parameter
 
   @property
   def in_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -171,146 +172,40 @@ def _float_leaves(tree: Any) -> list[Any]:
 def _numbered(names: list[str]) -> list[str]:
   """``name#0``, ``name#1`` for a name met more than once (a module called
   twice), as :func:`jaxprec.check_module` and :func:`capture` name them."""
-  counts: dict[str, int] = {}
-  for n in names:
-    counts[n] = counts.get(n, 0) + 1
-  seen: dict[str, int] = {}
+  counts, seen = collections.Counter(names), collections.Counter()
   out = []
   for n in names:
-    if counts[n] == 1:
-      out.append(n)
-    else:
-      out.append(f"{n}#{seen.get(n, 0)}")
-      seen[n] = seen.get(n, 0) + 1
+    out.append(n if counts[n] == 1 else f"{n}#{seen[n]}")
+    seen[n] += 1
   return out
 
 
 def _torch_layers(model: Any, args: tuple, kwargs: dict) -> list[_Layer]:
-  """Every submodule call of a PyTorch model, in the order the calls end
-  (forward-hook order: children before their parent, the root last, named
-  ``'output'``)."""
-  torch = torch_ref.import_torch()
-  if not isinstance(model, torch.nn.Module):
-    raise TypeError(f"port_check: torch_model must be a torch.nn.Module; got "
-                    f"{type(model).__name__}")
-  paths = {id(m): n for n, m in model.named_modules()}
-  found: list[tuple[str, list, list]] = []
-
-  def floats(x: Any) -> list[np.ndarray]:
-    return [np.asarray(v, np.float32) for v in _torch_floats(x)]
-
-  def hook(mod, a, k, out):
-    found.append((paths[id(mod)] or "output", floats((a, dict(k))),
-                  floats(torch_ref._main_output(out))))  # noqa: SLF001
-
-  flags = {m: m.training for m in model.modules()}
-  handles = []
-  try:
-    for m in model.modules():
-      handles.append(m.register_forward_hook(hook, with_kwargs=True))
-    model.eval()
-    args = tuple(torch_ref._as_torch(a, torch) for a in args)  # noqa: SLF001
-    kwargs = {k: torch_ref._as_torch(v, torch) for k, v in kwargs.items()}  # noqa: SLF001
-    with torch.no_grad():
-      model(*args, **kwargs)
-  finally:
-    for h in handles:
-      h.remove()
-    for m, training in flags.items():
-      m.training = training
-  names = _numbered([n for n, _, _ in found])
-  return [_Layer(n, i, o) for n, (_, i, o) in zip(names, found) if o]
+  """Every submodule call of a PyTorch model that has a floating output, in
+  the order the calls end (:func:`torch_ref.module_calls`: children before
+  their parent, the root last, named ``'output'``)."""
+  calls = torch_ref.module_calls(model, args, kwargs, "port_check: torch_model")
+  names = _numbered([c.name or "output" for c in calls])
+  return [_Layer(n, c.inputs, c.outputs, parameterless=c.parameterless)
+          for n, c in zip(names, calls) if c.outputs]
 
 
-def _torch_floats(x: Any) -> list[np.ndarray]:
-  """The floating tensors (and arrays) of a PyTorch value in the order
-  ``jax.tree_util`` gives the same structure's leaves: a dict's by its sorted
-  keys, an ``OrderedDict``'s (a ``ModelOutput``'s) in its order, None left
-  out; so that the outputs and inputs of paired layers pair in order."""
-  if torch_ref._is_tensor(x):  # noqa: SLF001
-    return ([torch_ref._to_numpy(x)]  # noqa: SLF001
-            if x.is_floating_point() else [])
-  if isinstance(x, Mapping):
-    items = list(x.items())
-    if not isinstance(x, collections.OrderedDict):
-      with contextlib.suppress(TypeError):  # keys that do not sort: as given
-        items.sort(key=lambda kv: kv[0])
-    return [f for _, v in items if v is not None for f in _torch_floats(v)]
-  if isinstance(x, (tuple, list)):
-    return [f for v in x for f in _torch_floats(v)]
-  return [np.asarray(x)] if torch_ref._is_float_array(x) else []  # noqa: SLF001
-
-
-_ACTIVE = threading.local()  # the list the recording classes append calls to
-
-
-@functools.lru_cache(maxsize=1024)
-def _recording(cls: type) -> type | None:
-  """``cls`` whose ``__call__`` appends ``(self, args, kwargs, output)`` to
-  the active list (none: it is ``cls``)."""
-  from jaxprec._src.flax import hook  # noqa: PLC0415 -- Flax when in use
-  if not hook.callable_class(cls):
-    return None
-  call = cls.__call__
-
-  def __call__(self, *args, **kwargs):
-    out = call(self, *args, **kwargs)
-    calls = getattr(_ACTIVE, "calls", None)
-    if calls is not None:
-      calls.append((self, args, kwargs, out))
-    return out
-  extra = ({"pytree": cls._pytree__is_pytree}  # noqa: SLF001 -- as hook.py
-           if hasattr(cls, "_pytree__is_pytree") else {})
-  try:
-    return type(cls.__name__, (cls,), {
-        "__call__": functools.wraps(call)(__call__),
-        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "_jaxprec_port_base": cls}, **extra)
-  except TypeError:
-    return None
-
-
-def _nnx_calls(graphdef: Any, state: Any, inputs: tuple, kwargs: dict
-               ) -> list[tuple[str, Any, tuple, dict, Any]]:
-  """``(path, module, args, kwargs, output)`` of every submodule call of the
-  NNX model ``merge(graphdef, state)`` (a new object), in the order the
-  calls end."""
-  from flax import nnx  # noqa: PLC0415
-  m = nnx.merge(graphdef, state)
-  paths: dict[int, str] = {}
-  for path, mod in nnx.iter_modules(m):
-    paths.setdefault(id(mod), "/".join(map(str, path)) or "output")
-    base = getattr(type(mod), "_jaxprec_port_base", type(mod))
-    cls = _recording(base)
-    if cls is not None and type(mod) is not cls:
-      object.__setattr__(mod, "__class__", cls)
-  calls: list = []
-  previous = getattr(_ACTIVE, "calls", None)
-  _ACTIVE.calls = calls
-  try:
-    m(*inputs, **kwargs)
-  finally:
-    _ACTIVE.calls = previous
-  return [(paths[id(mod)], mod, a, k, out) for mod, a, k, out in calls
-          if id(mod) in paths]
-
-
-def _linen_calls(module: Any, variables: Any, inputs: tuple, kwargs: dict,
-                 keep: bool) -> list[tuple[str, Any, tuple, dict, Any]]:
-  """As :func:`_nnx_calls` for a linen module: ``module`` is ``(unbound
-  module, its variables)`` when ``keep``, else None."""
-  from flax import linen as nn  # noqa: PLC0415
+def _module_calls(model: Any, run: Callable[[], Any], linen: bool
+                  ) -> list[tuple[str, Any, tuple, dict, Any]]:
+  """``(path, module, args, kwargs, output)`` of each call of a module of
+  ``model``'s API in ``run()``, as the calls end, from the one hook
+  (:func:`hook.observing`; ``model``, an NNX copy, gets it); root: output."""
+  from flax import nnx  # noqa: PLC0415 -- Flax when in use
+  from jaxprec._src.flax import hook  # noqa: PLC0415
+  if not linen:
+    hook.install(model)
   calls: list = []
 
-  def interceptor(next_fun, args, kw, context):
-    out = next_fun(*args, **kw)
-    mod = context.module
-    if context.method_name == "__call__" and mod.scope is not None:
-      name = "/".join(map(str, mod.scope.path)) or "output"
-      calls.append((name, mod.unbind() if keep else None, args, kw, out))
-    return out
-  with nn.intercept_methods(interceptor):
-    module.apply(variables, *inputs, **kwargs)
+  def observer(path, module, args, kwargs, out):
+    if isinstance(module, nnx.Module) != linen:
+      calls.append((path or "output", module, args, kwargs, out))
+  with hook.observing(observer):
+    run()
   return calls
 
 
@@ -379,14 +274,15 @@ class JaxModel:
                     f"module, variables) pair or a function; got "
                     f"{type(jax_model).__name__}")
 
-  def _calls(self, inputs: tuple, kwargs: dict, keep: bool, state: Any = None):
+  def _calls(self, inputs: tuple, kwargs: dict, state: Any = None):
     if self.kind == "nnx":
+      from flax import nnx  # noqa: PLC0415
       graphdef, own = self._run
-      return _nnx_calls(graphdef, own if state is None else state, inputs,
-                        kwargs)
+      m = nnx.merge(graphdef, own if state is None else state)  # a new object
+      return _module_calls(m, lambda: m(*inputs, **kwargs), linen=False)
     module, own = self._run
-    return _linen_calls(module, own if state is None else state, inputs,
-                        kwargs, keep)
+    return _module_calls(module, lambda: module.apply(
+        own if state is None else state, *inputs, **kwargs), linen=True)
 
   def _state(self) -> Any:
     return self._run[1] if self.kind in ("nnx", "linen") else None
@@ -401,11 +297,17 @@ class JaxModel:
       return from_function
 
     def from_modules(state, *inputs, **kwargs):
-      calls = self._calls(inputs, kwargs, keep=False, state=state)
+      calls = self._calls(inputs, kwargs, state=state)
       names = _numbered([c[0] for c in calls])
       return {n: _float_leaves(c[4]) for n, c in zip(names, calls)
               if self.kept is None or n in self.kept}
     return from_modules
+
+  def native_notes(self, plans: Sequence[rows_lib.Plan]) -> list[str]:
+    """The ops the emulated rows run natively (``rows_lib.native_notes``)."""
+    return rows_lib.native_notes(self.outputs_fn(),
+                                 (self._state(), *self.inputs), self.kwargs,
+                                 plans)
 
   def outputs(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
               x64: bool = False) -> dict[str, list[np.ndarray]]:
@@ -431,7 +333,7 @@ class JaxModel:
       return [_Layer(n, [], [np.asarray(v, np.float32) for v in vs])
               for n, vs in out.items()]
     with jax.default_matmul_precision("float32"):
-      calls = self._calls(self.inputs, self.kwargs, keep=True)
+      calls = self._calls(self.inputs, self.kwargs)
     names = _numbered([c[0] for c in calls])
     found, inside = [], []
     for name, (_, mod, args, kwargs, out) in zip(names, calls):
@@ -459,7 +361,7 @@ class JaxModel:
       def alone(state, *a, **k):
         return _float_leaves(nnx.merge(graphdef, state)(*a, **k))
     else:
-      unbound, state = mod
+      unbound, state = mod.unbind()
 
       def alone(state, *a, **k):
         return _float_leaves(unbound.apply(state, *a, **k))
@@ -787,6 +689,9 @@ class PortReport:
       layers ran (children before their parent).
     alignment: JAX layer -> PyTorch layer, the pairing used.
     unpaired_jax, unpaired_torch: the layers without a partner, in order.
+    parameterless_torch: those of ``unpaired_torch`` that hold no
+      parameter, their children's included (activations, dropout,
+      identities): the table counts them unless ``full``.
     precisions: the rows; the floor is float32 whatever they are.
     target: whose numerics the rows show (``'tpu'`` or ``'gpu'``).
     numerics: row -> what it computes (``'bf16x1 (emulated)'``).
@@ -816,6 +721,7 @@ class PortReport:
   logits_layer: str | None = None
   unpaired_suspects: dict[str, tuple[str, ...]] = dataclasses.field(
       default_factory=dict)
+  parameterless_torch: tuple[str, ...] = ()
 
   def layer(self, name: str) -> PortLayer:
     """The paired layer named ``name`` (its JAX name)."""
@@ -863,6 +769,7 @@ class PortReport:
         "alignment": self.alignment,
         "unpaired_jax": list(self.unpaired_jax),
         "unpaired_torch": list(self.unpaired_torch),
+        "parameterless_torch": list(self.parameterless_torch),
         "layers": [dataclasses.asdict(l) for l in self.layers],
         "logits_layer": self.logits_layer,
         "logits": {p: g.to_dict() for p, g in self.logits.items()},
@@ -872,7 +779,7 @@ class PortReport:
     """:meth:`to_dict` as strict JSON."""
     return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
-  def table(self, width: int = 100) -> str:
+  def table(self, width: int = 100, full: bool = False) -> str:
     """The table: a line per layer and row with the floor, the noise, the
     envelope, the local and propagated errors (``rel_rms``) and the verdict;
     then the suspects and the unpaired layers.
@@ -884,7 +791,9 @@ class PortReport:
     Args:
       width: the columns to fit in (at least 80; below 100 the noise column
         is left out: :meth:`to_json` has it); a name longer than its column
-        is shortened in its middle (``model/la…self_attn/q_proj``).
+        is folded onto the lines below it, whole.
+      full: list every unpaired PyTorch layer; by default those without
+        parameters (:attr:`parameterless_torch`) are counted.
 
     Returns:
       The text, every line at most ``width`` characters.
@@ -897,27 +806,20 @@ class PortReport:
     # row, numbers of 8 characters, the verdict (7), two-space gaps.
     room = width - (rw + 8 * len(keys) + 7 + 2 * (len(keys) + 2))
 
-    def names_of(l: PortLayer) -> list[str]:
-      same = layers_lib.normalize(l.name) == layers_lib.normalize(
-          l.torch_name)
-      return [l.name] if same else [l.name, f"↳ {l.torch_name}"]
-    lw = min(room, max([len("layer")] + [len(n) for l in self.layers
-                                         for n in names_of(l)]))
-
-    def cut(s: str, w: int) -> str:
-      if len(s) <= w:
-        return s
-      tail = (w - 1) * 2 // 3
-      return s[:w - 1 - tail] + "…" + s[len(s) - tail:]
+    shown = {l.name: [l.name] if layers_lib.normalize(l.name) ==
+             layers_lib.normalize(l.torch_name) else
+             [l.name, f"↳ {l.torch_name}"] for l in self.layers}
+    lw = min(room, max([len("layer")] + [len(n) for ns in shown.values()
+                                         for n in ns]))
 
     def line(name: str, row: str, values: dict[str, str], verdict: str):
-      c = [cut(name, lw).ljust(lw), row.ljust(rw),
+      c = [name.ljust(lw), row.ljust(rw),
            *(values.get(k, "").rjust(8) for k in keys), verdict]
       return "  ".join(c).rstrip()
     body = [line("layer", "row", {k: k for k in keys}, "verdict"),
             line("-" * lw, "-" * rw, {k: "-" * 8 for k in keys}, "-" * 7)]
     for l in self.layers:
-      names = names_of(l)
+      names = [piece for n in shown[l.name] for piece in _fold(n, lw)]
       for i in range(max(len(names), len(self.precisions))):
         name = names[i] if i < len(names) else ""
         if i >= len(self.precisions):
@@ -949,9 +851,15 @@ class PortReport:
     if self.unpaired_jax:
       out += _wrap("JAX layers without a PyTorch partner: "
                    + ", ".join(self.unpaired_jax), width)
-    if self.unpaired_torch:
-      out += _wrap("PyTorch layers without a JAX partner: "
-                   + ", ".join(self.unpaired_torch), width)
+    bare = () if full else self.parameterless_torch
+    listed = [n for n in self.unpaired_torch if n not in bare]
+    if listed or bare:
+      out += _wrap(
+          "PyTorch layers without a JAX partner: " + ", ".join(listed)
+          + ("" if not bare else
+             f"{'; and ' if listed else ''}{len(bare)} without parameters "
+             f"(activations, dropout, identities; full=True or --full "
+             f"lists them)"), width)
     for n in self.notes:
       out += _wrap(f"note: {n}", width)
     return "\n".join(out)
@@ -1019,6 +927,17 @@ class PortReport:
     return fig
 
 
+def _fold(name: str, width: int) -> list[str]:
+  """``name`` in pieces of at most ``width`` characters that join to it, cut
+  after a separator (``/``, ``.``, ``_``) where one is in a piece's 2nd half."""
+  pieces = []
+  while len(name) > width:
+    cut = max(name.rfind(c, width // 2, width) for c in "/._") + 1 or width
+    pieces.append(name[:cut])
+    name = name[cut:]
+  return [*pieces, name]
+
+
 def _wrap(text: str, width: int) -> list[str]:
   import textwrap  # noqa: PLC0415
   return textwrap.wrap(text, width, break_long_words=True,
@@ -1036,7 +955,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
                kwargs: Mapping[str, Any] | None = None,
                torch_kwargs: Mapping[str, Any] | None = None,
                factor: float = PORT_FACTOR, logits: str | None = None,
-               top_k: int | None = None, layouts: LayoutsLike = None) -> PortReport:
+               top_k: int | None = None, layouts: LayoutsLike = None,
+               progress: bool = False) -> PortReport:
   """Is a JAX port of a PyTorch model wrong, or is it precision? Which layer?
 
   Runs both models on the same inputs, pairs their layers, and measures for
@@ -1100,6 +1020,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       that runs NCW in PyTorch and NWC in JAX. It permutes the layer's
       floating inputs and outputs with as many axes as it has (others are
       left as they are) before the layers are paired and compared.
+    progress: say each phase on stderr (the runs of each row, the layers
+      alone at each row): a bar on a terminal, a line per phase elsewhere.
 
   Returns:
     A :class:`PortReport`.
@@ -1122,7 +1044,29 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
   plans = rows_lib.plans(precisions, target, mode)
   plans = [rows_lib.native_float32(p.label) if p.label == rows_lib.FLOOR
            else p for p in plans]
+  # Phases: PyTorch, JAX, the pairing, full runs, layers alone (2 + rows).
+  rows = sum(1 for p in plans
+             if not (p.label == rows_lib.FLOOR and p.emulate_target is None))
+  with progress_lib.Phases(6 + 2 * rows, "jaxprec port check",
+                           progress) as bar:
+    report = _port_check(
+        jax_model, torch_model, inputs, plans, bar, target=target,
+        alignment=alignment, torch_inputs=torch_inputs, kwargs=kwargs,
+        torch_kwargs=torch_kwargs, factor=factor, logits=logits, top_k=top_k,
+        layouts=layouts)
+    bar.finish()
+  return report
+
+
+def _port_check(jax_model: Any, torch_model: Any, inputs: tuple,
+                plans: list[rows_lib.Plan], bar: progress_lib.Phases, *,
+                target: str, alignment: AlignmentLike, torch_inputs: Any,
+                kwargs: Any, torch_kwargs: Any, factor: float,
+                logits: str | None, top_k: int | None,
+                layouts: LayoutsLike) -> PortReport:
+  """:func:`port_check` of the rows ``plans``, its phases shown on ``bar``."""
   f32 = rows_lib.native_float32().wrap
+  bar.update("running PyTorch")
   inputs, torch_inputs, kwargs, torch_kwargs = _host_inputs(
       (inputs, torch_inputs, kwargs, torch_kwargs))
   kwargs = dict(kwargs or {})
@@ -1137,6 +1081,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
     if root is not None:
       torch_layers += _root_layers(torch_model, inputs, torch_inputs,
                                    torch_kwargs)
+  bar.update(f"running JAX at float32 ({len(torch_layers)} PyTorch layers)",
+             advance=1)
   jax_layers = jax_side.layers(f32)
   root = next((l for l in jax_layers if l.name == "output"), None)
   if torch_inputs is not None and root is not None:
@@ -1164,6 +1110,8 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       return math.nan
     return rel_rms(y[:len(torch_layers[b].outputs)], torch_layers[b].outputs)
 
+  bar.update(f"pairing {len(jax_layers)} JAX layers with "
+             f"{len(torch_layers)} PyTorch layers", advance=1)
   pairs = align(jax_layers, torch_layers, alignment, local)
   if not pairs:
     raise ValueError(
@@ -1171,19 +1119,28 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
         f"({', '.join(l.name for l in jax_layers[:6])}) and the PyTorch "
         f"layers ({', '.join(l.name for l in torch_layers[:6])}) have no "
         f"output and input shapes in common; pin pairs with alignment=")
+  bar.update("full run at float32", advance=1)
   full_f32 = jax_side.outputs(f32)
-  full = {p.label: full_f32 if p.label == rows_lib.FLOOR and
-          p.emulate_target is None else jax_side.outputs(p.wrap)
-          for p in plans}
-  full_f64 = (jax_side.outputs(lambda f: f, x64=True)
-              if jax_side.kind == "function" else None)
+  full = {}
+  for i, p in enumerate(plans, 1):
+    native = p.label == rows_lib.FLOOR and p.emulate_target is None
+    if not native:
+      bar.update(f"full run at {p.label} (row {i}/{len(plans)})", advance=1)
+    full[p.label] = full_f32 if native else jax_side.outputs(p.wrap)
+  full_f64 = None
+  if jax_side.kind == "function":
+    bar.update("full run at float64")
+    full_f64 = jax_side.outputs(lambda f: f, x64=True)
   shadowed = [a for a in sorted(pairs) if jax_layers[a].alone is not None]
   runs = {"float32": (f32, False), "float64": (lambda f: f, True),
           **{p.label: (p.wrap, False) for p in plans
              if not (p.label == rows_lib.FLOOR and p.emulate_target is None)}}
-  alone = {key: _alone_all(shadowed, jax_layers, torch_layers, pairs, wrap,
-                           x64, key, notes)
-           for key, (wrap, x64) in runs.items()}
+  alone = {}
+  for i, (key, (wrap, x64)) in enumerate(runs.items(), 1):
+    bar.update(f"{len(shadowed)} layers alone at {key} ({i}/{len(runs)})",
+               advance=1)
+    alone[key] = _alone_all(shadowed, jax_layers, torch_layers, pairs, wrap,
+                            x64, key, notes, bar)
   for a, b in pairs.items():
     j, n = jax_layers[a], len(torch_layers[b].outputs)
     if len(j.outputs) > n:  # (output, state, ...): its output is compared
@@ -1228,6 +1185,7 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
         name=j.name, torch_name=t.name, shape=j.out_shapes[0], floor=floor,
         noise=noise, envelope=env, local=loc, local_max_abs=loc_abs,
         propagated=prop, bound=bound))
+  notes += jax_side.native_notes(plans)
   notes += _non_finite_notes(
       [(jax_layers[a].name, torch_layers[pairs[a]].name) for a in sorted(pairs)],
       full_f32, {l.name: l.outputs for l in torch_layers})
@@ -1255,6 +1213,9 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       unpaired_torch=tuple(torch_layers[b].name
                            for b in range(len(torch_layers))
                            if b not in set(pairs.values())),
+      parameterless_torch=tuple(
+          l.name for b, l in enumerate(torch_layers)
+          if l.parameterless and b not in set(pairs.values())),
       precisions=tuple(p.label for p in plans), target=target,
       numerics={p.label: p.description for p in plans}, factor=float(factor),
       kind=jax_side.kind, notes=tuple(dict.fromkeys(notes)),
@@ -1378,18 +1339,19 @@ def _host_inputs(tree: Any) -> Any:
 
 def _alone_all(which: list[int], jax_layers: list[_Layer],
                torch_layers: list[_Layer], pairs: dict[int, int], wrap,
-               x64: bool, key: str, notes: list[str]
-               ) -> dict[int, list[np.ndarray]]:
+               x64: bool, key: str, notes: list[str],
+               bar: progress_lib.Phases) -> dict[int, list[np.ndarray]]:
   """JAX layer index -> its outputs alone on its partner's input, computed
   as ``wrap`` computes: all in one program, else one by one (a layer that
-  fails is left out, and named in ``notes``)."""
+  fails is left out, and named in ``notes``; each shown on ``bar``)."""
   calls = [(jax_layers[a].alone, torch_layers[pairs[a]].inputs) for a in which]
   try:
     return dict(zip(which, run_alone(calls, wrap, x64)))
   except Exception:  # noqa: BLE001 -- find the layer, below
     pass
   out = {}
-  for a, call in zip(which, calls):
+  for k, (a, call) in enumerate(zip(which, calls), 1):
+    bar.update(f"layer {k}/{len(which)} alone at {key}: {jax_layers[a].name}")
     try:
       out[a], = run_alone([call], wrap, x64)
     except Exception as e:  # noqa: BLE001 -- said in the report
@@ -1440,7 +1402,8 @@ def _laid_out(torch_layers: list[_Layer], layouts: LayoutsLike
   for l in torch_layers:
     perm = next((p for rx, p in rules if rx.fullmatch(l.name)), None)
     out.append(l if perm is None else _Layer(
-        l.name, permuted(l.inputs, perm), permuted(l.outputs, perm)))
+        l.name, permuted(l.inputs, perm), permuted(l.outputs, perm),
+        parameterless=l.parameterless))
   return out
 
 

@@ -23,7 +23,7 @@ from jax import lax
 from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
-from jaxprec._src.emulation.emulate import emulate
+from jaxprec._src.emulation.emulate import emulate, opaque_ops
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.jaxpr import compat, walker
@@ -104,6 +104,25 @@ class Plan:
       with jax.default_matmul_precision(flag):
         return fn(*args, **kwargs)
     return native
+
+
+def native_notes(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict,
+                 plans: Sequence[Plan]) -> list[str]:
+  """A note per emulated target naming the ops of ``fn(*args, **kwargs)``
+  (traced, not run) that its emulated rows run natively
+  (:func:`jaxprec._src.emulation.emulate.opaque_ops`)."""
+  rows: dict[str, list[str]] = {}
+  for p in plans:
+    if p.emulate_target is not None:
+      rows.setdefault(p.emulate_target, []).append(p.label)
+  closed = walker.trace_call(fn, args, kwargs).jaxpr if rows else None
+  return [f"ran natively, not emulated (opaque to jaxprec): "
+          f"{', '.join(found)}; in the emulated rows ({', '.join(labels)}) "
+          f"the matmuls and convolutions inside compute as this "
+          f"{compat.backend_platform()} computes them, not as the {target} "
+          f"would (jaxprec.audit lists them)"
+          for target, labels in rows.items()
+          if (found := opaque_ops(closed, target))]
 
 
 def with_dtypes(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:

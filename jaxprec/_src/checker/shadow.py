@@ -70,6 +70,7 @@ def check_module_shadow(module: Any, args: tuple, kwargs: dict, *,
     notes.append(f"not checked: {', '.join(jax_side.inside_transforms)}, "
                  f"called inside a JAX transform (a scan, a jit, a remat), "
                  f"whose values cannot be taken out of its trace")
+  notes += jax_side.native_notes(plans)
   ref = _alone(found, f32.wrap, "float32", notes)
   found = [l for l in found if l.name in ref]
   results = {p.label: _alone(found, p.wrap, p.label, notes) for p in plans}

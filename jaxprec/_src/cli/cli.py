@@ -172,7 +172,9 @@ def _parser() -> argparse.ArgumentParser:
   check.add_argument("--full", action="store_true",
                      help="every metric in the table: max_abs, rel_rms and "
                           "req_atol per precision (default: req_atol, the "
-                          "one the '!' reads)")
+                          "one the '!' reads); a port check lists every "
+                          "unpaired PyTorch layer, those without parameters "
+                          "too")
   check.add_argument("--json", action="store_true",
                      help="print the JSON report instead of the table")
   check.add_argument("--out", default="./jaxprec-report",
@@ -539,8 +541,9 @@ def _check(ns: argparse.Namespace) -> int:
   ns.status.say("checking the arguments", piped=False)
   _one_model(ns, (*_MODELS, *torch_ports.PORTS))
 
-  def port_table(report) -> None:  # a port check's: at least 100 columns
-    print(report.table(width=max(100, terminal_columns(sys.stdout) or 100)))
+  def port_table(report, full: bool) -> None:  # at least 100 columns
+    print(report.table(width=max(100, terminal_columns(sys.stdout) or 100),
+                       full=full))
   from jaxprec._src.emulation import emulated_ops
   try:  # jaxprec.emulate's check and message
     ns.chip = emulated_ops.check_chip(ns.chip, ns.target)

@@ -32,8 +32,7 @@ def _other_options(ns: argparse.Namespace, model: bool) -> list[str]:
       ("--model", model and ns.model is not None), ("--modules", ns.modules),
       ("--policy", bool(ns.policy)), ("--atol", ns.atol is not None),
       ("--rtol", ns.rtol is not None), ("--mode", ns.mode != "auto"),
-      ("--size", getattr(ns, "size", None) is not None),
-      ("--full", ns.full)) if on]
+      ("--size", getattr(ns, "size", None) is not None)) if on]
 
 
 def _refuse_other_options(ns: argparse.Namespace) -> None:
@@ -98,13 +97,12 @@ def run(ns: argparse.Namespace, print_table, write_outputs) -> int:
   jax_model, jax_inputs = _jax_model(fn, args)
   ns.status.say(f"importing {torch_target}")
   torch_model, torch_args, torch_kwargs = inputs.call_target(torch_target)
-  ns.status.say("running both models, pairing their layers, then each layer "
-                "alone at each row")
+  ns.status.clear()  # the port check's own progress follows
   try:
     report = port_check.port_check(
         jax_model, torch_model, *jax_inputs, torch_inputs=torch_args,
         kwargs=kwargs, torch_kwargs=torch_kwargs, precisions=precisions,
-        target=ns.target)
+        target=ns.target, progress=True)
   except (TypeError, ValueError) as e:  # bad models, pins, pairing
     raise UsageError(inputs.one_line(e)) from None
   except BrokenPipeError:
@@ -149,10 +147,10 @@ def run_builtin(ns: argparse.Namespace, print_table, write_outputs) -> int:
   ns.cache_on()
   from jaxprec._src.checker import port_builtin  # noqa: PLC0415
   port = build_port(ns)
-  ns.status.say("running both models, then each layer alone at each row")
+  ns.status.clear()  # the port check's own progress follows
   try:
     report = port_builtin.port_check_builtin(
-        port, precisions=precisions, target=ns.target)
+        port, precisions=precisions, target=ns.target, progress=True)
   except BrokenPipeError:
     raise
   except Exception as e:  # noqa: BLE001 -- the port or PyTorch failed
@@ -173,7 +171,7 @@ def _finish(ns: argparse.Namespace, report, what: str, print_table,
     print(report.to_json())
   else:
     print(f"model: {what}")
-    print_table(report)
+    print_table(report, ns.full)
   write_outputs(report, ns.out)
   suspects = {p: report.suspects(p) for p in report.precisions}
   found = [f"{p}: {', '.join(s)}" for p, s in suspects.items() if s]

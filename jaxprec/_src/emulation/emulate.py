@@ -392,6 +392,16 @@ def _check_options(options: dict[str, Any], target: str) -> dict[str, Any]:
   return options
 
 
+def opaque_ops(closed: Any, target: str) -> list[str]:
+  """The ops :func:`emulate` for ``target`` runs natively in the jaxpr
+  ``closed`` (:func:`walker.opaque_name`: kernels, custom and FFI calls,
+  callbacks, primitives whose implementation cannot be traced), once each,
+  in program order: the ops it warns about (:class:`OpaqueOpWarning`)."""
+  return list(dict.fromkeys(
+      name for w in walker.iter_eqns(closed, target=target)
+      if (name := walker.opaque_name(w.eqn, target)) is not None))
+
+
 def warn_opaque(found: list[str], warned: set[str], what: str) -> None:
   """Warns once per emulated function about opaque ops not warned about yet."""
   new = [n for n in dict.fromkeys(found) if n not in warned]  # program order

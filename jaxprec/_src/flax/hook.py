@@ -28,6 +28,10 @@ paths from the model called (:mod:`jaxprec._src.flax.paths`): a
 it, and the NNX module a ``flax.nnx.bridge.ToLinen`` makes in its linen call
 gets the hook for that call, at paths under the ToLinen's
 (:func:`linen_bridge`). Imports Flax NNX only when given NNX modules.
+
+Beside the policy's decision, the hook lets observers see each module call
+(:func:`observing`): its path, module, arguments and output, as the call
+returns, for both APIs (a port check records the layers of a model so).
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import jax
 from jax import lax
@@ -154,7 +159,75 @@ def run(module: Any, path: str, call: Callable[..., Any], args: tuple,
                module_type, kind, scope.outer_flag)[0])
   bridge = isinstance(module, sys.modules["flax.nnx"].bridge.ToNNX)
   with flax_paths.nnx_call(path, bridge=bridge), flag:
-    return call(module, *args, **kwargs)
+    out = call(module, *args, **kwargs)
+  _observed(path, module, args, kwargs, out)
+  return out
+
+
+class Observer(Protocol):
+  """Sees one module call as it returns (:func:`observing`)."""
+
+  def __call__(self, path: str, module: Any, args: tuple, kwargs: dict,
+               output: Any) -> None:
+    ...
+
+
+class _Observers(threading.local):
+  """This thread's observers, outermost first."""
+
+  def __init__(self):
+    self.stack: list[Observer] = []
+
+
+_OBSERVERS = _Observers()
+
+
+def _observed(path: str, module: Any, args: tuple, kwargs: dict,
+              out: Any) -> None:
+  for observer in _OBSERVERS.stack:
+    observer(path, module, args, kwargs, out)
+
+
+@contextlib.contextmanager
+def observing(observer: Observer) -> Iterator[None]:
+  """``observer(path, module, args, kwargs, output)`` for every module
+  ``__call__`` that returns in the block, in the order the calls end
+  (children before their parent; the top module's path is ``''``).
+
+  NNX modules are seen through the hook's call wrapper (on a copy that
+  :func:`install` gave the hook); linen modules through an interceptor of
+  ``flax.linen.intercept_methods`` (when linen is imported), at the paths
+  :class:`jaxprec._src.flax.paths.ModulePaths` gives them (a linen module is
+  passed bound, as it ran). The observer runs while the call's trace does:
+  inside a JAX transform its values are that transform's tracers.
+  """
+  _OBSERVERS.stack.append(observer)
+  try:
+    with _linen_observed():
+      yield
+  finally:
+    _OBSERVERS.stack.pop()
+
+
+@contextlib.contextmanager
+def _linen_observed() -> Iterator[None]:
+  """Linen module calls reach the observers (one interceptor per thread)."""
+  if "flax.linen" not in sys.modules or len(_OBSERVERS.stack) > 1:
+    yield
+    return
+  nn = sys.modules["flax.linen"]
+  paths = flax_paths.ModulePaths()
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    path = paths.of(module)
+    with paths.entered(path, module):
+      out = next_fun(*args, **kwargs)
+    if context.method_name == "__call__" and module.scope is not None:
+      _observed(flax_paths.join(path), module, args, kwargs, out)
+    return out
+  with nn.intercept_methods(interceptor):
+    yield
 
 
 def linen_bridge(module: Any, path: tuple[str, ...], method_name: str,

@@ -9,6 +9,9 @@ imports JAX, PyTorch or transformers at import time.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import re
 import types
 from collections.abc import Callable, Mapping
@@ -230,32 +233,21 @@ def capture(module: Any, *args: Any, modules: str | None = None,
       raise ValueError(f"modules={modules!r} is not a regular expression: "
                        f"{e}") from None
   calls: dict[str, list[dict[str, np.ndarray]]] = {}  # per call, in order
-  handles = []
-  flags = {m: m.training for m in module.modules()}
-  try:
-    if pattern is not None:
-      all_names = [n for n, _ in module.named_modules() if n]
-      for name, sub in module.named_modules():
-        if name and pattern.fullmatch(name):
-          def hook(_mod, _inputs, output, name=name):
-            _named(_main_output(output), name, one := {})
-            calls.setdefault(name, []).append(one)
-          handles.append(sub.register_forward_hook(hook))
-      if not handles:
-        shown = ", ".join(repr(n) for n in all_names[:8])
-        raise ValueError(
-            f"modules={modules!r} matches no submodule (matched in full "
-            f"against named_modules(): {shown}{'...' if len(all_names) > 8 else ''})")
-    module.eval()
-    args = tuple(_as_torch(a, torch) for a in args)
-    kwargs = {k: _as_torch(v, torch) for k, v in kwargs.items()}
-    with torch.no_grad():
-      output = module(*args, **kwargs)
-  finally:
-    for h in handles:
-      h.remove()
-    for m, training in flags.items():
-      m.training = training
+  select = None
+  if pattern is not None:
+    all_names = [n for n, _ in module.named_modules() if n]
+    if not any(pattern.fullmatch(n) for n in all_names):
+      shown = ", ".join(repr(n) for n in all_names[:8])
+      raise ValueError(
+          f"modules={modules!r} matches no submodule (matched in full "
+          f"against named_modules(): {shown}{'...' if len(all_names) > 8 else ''})")
+    select = lambda name: bool(name) and pattern.fullmatch(name)  # noqa: E731
+
+  def record(name, _args, _kwargs, output):
+    _named(_main_output(output), name, one := {})
+    calls.setdefault(name, []).append(one)
+  output = run_hooked(module, args, kwargs, select or (lambda _: False),
+                      record)
   found: dict[str, np.ndarray] = {}
   # With modules=, named as check_module names the root module's output.
   _named(output, "" if pattern is None else "output", found)
@@ -265,6 +257,103 @@ def capture(module: Any, *args: Any, modules: str | None = None,
                        f"rename one with names=")
     found[k] = v
   return _rename(found, names)
+
+
+def run_hooked(module: Any, args: tuple, kwargs: dict,
+               select: Callable[[str], bool] | None,
+               record: Callable[[str, tuple, dict, Any], None]) -> Any:
+  """``module(*args, **kwargs)`` in eval mode under ``torch.no_grad()``, with
+  ``record(name, args, kwargs, output)`` called by a forward hook as the call
+  of each submodule whose name ``select`` accepts returns (None: every
+  module; the root's name is ``''``), in the order the calls end.
+
+  The one way jaxprec sees PyTorch's module calls (:func:`capture`, the port
+  check). NumPy arrays among the arguments are passed as tensors; the hooks
+  are removed and every submodule's training flag restored, on errors too.
+  ``record`` runs during the call: copy what it keeps (a later in-place op
+  may change a tensor). Returns the module's output.
+  """
+  torch = import_torch()
+  handles = []
+  flags = {m: m.training for m in module.modules()}
+  try:
+    for name, sub in module.named_modules():
+      if select is None or select(name):
+        def hook(_mod, a, k, out, name=name):
+          record(name, a, dict(k), out)
+        handles.append(sub.register_forward_hook(hook, with_kwargs=True))
+    module.eval()
+    args = tuple(_as_torch(a, torch) for a in args)
+    kwargs = {k: _as_torch(v, torch) for k, v in kwargs.items()}
+    with torch.no_grad():
+      return module(*args, **kwargs)
+  finally:
+    for h in handles:
+      h.remove()
+    for m, training in flags.items():
+      m.training = training
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleCall:
+  """One module call of a PyTorch model (:func:`module_calls`).
+
+  Attributes:
+    name: the module's name in ``named_modules()`` (``''``: the root).
+    inputs, outputs: its floating arguments and output (the output as
+      :func:`_main_output` gives it), as float32 NumPy, in the order
+      ``jax.tree_util`` gives the same structure's leaves (:func:`floats`).
+    parameterless: the module holds no parameter, its children's included
+      (an activation, dropout, an identity).
+  """
+
+  name: str
+  inputs: list[np.ndarray]
+  outputs: list[np.ndarray]
+  parameterless: bool
+
+
+def module_calls(model: Any, args: tuple, kwargs: dict, who: str
+                 ) -> list[ModuleCall]:
+  """Every module call of ``model(*args, **kwargs)`` (:func:`run_hooked`),
+  in the order the calls end: children before their parent, the root last.
+
+  Raises:
+    TypeError: ``model`` is not a ``torch.nn.Module`` (``who`` names it).
+  """
+  torch = import_torch()
+  if not isinstance(model, torch.nn.Module):
+    raise TypeError(f"{who} must be a torch.nn.Module; got "
+                    f"{type(model).__name__}")
+  bare = {n for n, m in model.named_modules()
+          if next(m.parameters(), None) is None}  # its children's included
+  found: list[ModuleCall] = []
+
+  def record(name, a, k, out):
+    found.append(ModuleCall(
+        name, [np.asarray(v, np.float32) for v in floats((a, k))],
+        [np.asarray(v, np.float32) for v in floats(_main_output(out))],
+        name in bare))
+  run_hooked(model, args, kwargs, None, record)
+  return found
+
+
+def floats(x: Any) -> list[np.ndarray]:
+  """The floating tensors (and arrays) of a PyTorch value in the order
+  ``jax.tree_util`` gives the same structure's leaves: a dict's by its sorted
+  keys, an ``OrderedDict``'s (a ``ModelOutput``'s) in its order, None left
+  out; so that the outputs and inputs of paired layers pair in order."""
+  if _is_tensor(x):
+    return [_to_numpy(x)] if x.is_floating_point() else []
+  if isinstance(x, Mapping):
+    items = list(x.items())
+    if not isinstance(x, collections.OrderedDict):
+      with contextlib.suppress(TypeError):  # keys that do not sort: as given
+        items.sort(key=lambda kv: kv[0])
+    return [f for _, v in items if v is not None for f in floats(v)]
+  if isinstance(x, (tuple, list)):
+    return [f for v in x for f in floats(v)]
+  return [np.asarray(x)] if _is_float_array(x) else []
 
 
 def _floats(x: Any) -> bool:
