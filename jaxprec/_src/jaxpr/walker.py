@@ -331,8 +331,8 @@ def implementation(eqn, target: str | None = None):
   other parameters (lineax's GMRES solves its small least-squares problem
   with another ``linear_solve``) is a call like any other. Cached per
   primitive, parameters, input types, target and JAX trace context
-  (1024 entries, oldest dropped), unless the trace or the parameters hold
-  constants, or it raised.
+  (1024 entries, oldest dropped), unless the trace holds constants or
+  raised.
   """
   return _implementation(eqn.primitive, eqn.params,
                          tuple(v.aval for v in eqn.invars), target)
@@ -349,19 +349,13 @@ def _implementation(prim, params, avals, target):
     return _IMPLEMENTATIONS[key]
   closed, failed = _trace_implementation(prim, params, avals, target)
   if key is not None and not failed and not (
-      closed is not None and closed.consts) and not _holds_consts(params):
-    # Never a trace or a key with constants (they may be a user's arrays),
-    # nor a trace that raised (it may not, called again).
+      closed is not None and closed.consts):
+    # Never a trace with constants (they may be a user's arrays), nor a
+    # trace that raised (it may not, called again).
     if len(_IMPLEMENTATIONS) >= 1024:
       _IMPLEMENTATIONS.pop(next(iter(_IMPLEMENTATIONS)))
     _IMPLEMENTATIONS[key] = closed
   return closed
-
-
-def _holds_consts(params) -> bool:
-  return any(isinstance(x, compat.ClosedJaxpr) and x.consts
-             for v in params.values()
-             for x in (v if isinstance(v, tuple) else (v,)))
 
 
 def _trace_implementation(prim, params, avals, target):
