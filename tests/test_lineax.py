@@ -231,8 +231,14 @@ def _solve(solver: str, operator: str, tol: float = 1e-6):
 
 
 def _emulate(fn, **options):
-  with jaxprec.use_kernel("bf16"):  # bfloat16 dots, as the reference's
-    return jaxprec.emulate(fn, "bfloat16", target="tpu", **options)
+  """``fn`` emulated at one bfloat16 pass on a TPU, on the ``bf16`` kernel
+  (bfloat16 dots, as the reference's) whatever the CPU."""
+  emulated = jaxprec.emulate(fn, "bfloat16", target="tpu", **options)
+
+  def run(*args):
+    with jaxprec.use_kernel("bf16"):
+      return emulated(*args)
+  return run
 
 
 # (solver, operator, right-hand side, tpu_matvec_f32): a vector right-hand
@@ -345,3 +351,36 @@ def test_a_callback_inside_an_operator_is_named_and_warned(tpu):
   want = tpu(solve, b)
   np.testing.assert_array_equal(got, want)
   assert not np.array_equal(got, jax.jit(solve)(b))
+
+
+def test_a_kernel_scope_reaches_the_dots_of_a_jitted_or_transposed_solve():
+  # Under jax.jit, XLA lowers linear_solve after the traced function has
+  # returned, and jax.grad transposes it then: outside the function's kernel
+  # scope. The solve's dots still run on the kernel in force where it was
+  # called, as they do eagerly.
+  a, b = _problem("cg", "matrix")
+  c = jnp.asarray(np.random.default_rng(2).standard_normal(b.shape),
+                  jnp.float32)
+  emulated = jaxprec.emulate(_solve("cg", "function", tol=1e-2), "bfloat16",
+                             target="tpu")
+
+  def loss(a, b):
+    return jnp.sum(emulated(a, b) * c)
+
+  def on(kernel, fn):
+    def run(a, b):
+      with jaxprec.use_kernel(kernel):
+        return fn(a, b)
+    return run
+
+  eager = {k: on(k, emulated)(a, b) for k in ("bf16", "f32")}
+  grads = {k: on(k, jax.grad(loss, argnums=(0, 1)))(a, b)
+           for k in ("bf16", "f32")}
+  assert not np.array_equal(eager["bf16"], eager["f32"])
+  assert not np.array_equal(grads["bf16"][1], grads["f32"][1])
+  for kernel in ("bf16", "f32"):
+    np.testing.assert_array_equal(jax.jit(on(kernel, emulated))(a, b),
+                                  eager[kernel])
+    transposed = jax.grad(on(kernel, loss), argnums=(0, 1))(a, b)
+    for got, want in zip(transposed, grads[kernel]):
+      np.testing.assert_array_equal(got, want)

@@ -20,6 +20,7 @@ Internal JAX APIs are reached only through :mod:`jaxprec._src.jaxpr.compat`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -795,15 +796,19 @@ _HANDLERS: dict[str, Callable[..., list[Any]]] = {
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Call:
   """A library primitive's equation as :data:`_traced_p` carries it: the
-  primitive, its parameters, the rule, the target and, where the caller
-  gives one (:func:`bind_as`), the function that computes it (hashed by
-  identity)."""
+  primitive, its parameters, the rule, the target, where the caller gives
+  one (:func:`bind_as`), the function that computes it (hashed by
+  identity), and the emulation kernel setting in force where it is bound:
+  under ``jax.jit`` XLA lowers it, and ``jax.grad`` transposes it, after
+  the caller's kernel scope has closed (:func:`_in_its_kernel`)."""
 
   prim: Any
   params: dict
   rule: Rule
   target: str | None
   impl: Callable[..., Any] | None = None
+  kernel: str | None = dataclasses.field(
+      default_factory=lambda: compat.KERNEL_STATE.value)
 
 
 def bind_traced(eqn, invals, rule: Rule) -> list[Any]:
@@ -859,7 +864,7 @@ def _outs(prim, out) -> list[Any]:
   return list(out) if prim.multiple_results else [out]
 
 
-def _run(*args, call: _Call) -> list[Any]:
+def _computed(*args, call: _Call) -> list[Any]:
   avals = [compat.typeof(a) for a in args]
   if call.impl is not None:
     closed = compat.trace_to_closed_jaxpr(
@@ -952,9 +957,20 @@ def _batch(args, dims, *, call: _Call):
   return outs, [0] * len(outs)
 
 
+def _in_its_kernel(rule):
+  """``rule`` run under the kernel setting of the bind: JAX transposes (and
+  lowers) after the caller's kernel scope has closed."""
+  @functools.wraps(rule)
+  def run(*args, call: _Call):
+    with compat.KERNEL_STATE(call.kernel):
+      return rule(*args, call=call)
+  return run
+
+
+_run = _in_its_kernel(_computed)
 _traced_p.def_impl(_run)
 _traced_p.def_effectful_abstract_eval(_abstract_eval)
 mlir.register_lowering(_traced_p, mlir.lower_fun(_run, multiple_results=True))
-ad.primitive_jvps[_traced_p] = _jvp
-ad.primitive_transposes[_traced_p] = _transpose
-batching.primitive_batchers[_traced_p] = _batch
+ad.primitive_jvps[_traced_p] = _in_its_kernel(_jvp)
+ad.primitive_transposes[_traced_p] = _in_its_kernel(_transpose)
+batching.primitive_batchers[_traced_p] = _in_its_kernel(_batch)
