@@ -57,3 +57,14 @@ def test_the_torch_stack_stage_guards_the_users_packages():
   text = (ROOT / ".ci" / "torch-stack").read_text()
   assert 'PROTECTED="torch transformers huggingface-hub"' in text
   assert "--dry-run --report" in text and '"transformers>=5"' in text
+
+
+def test_the_libraries_whose_primitives_are_tested_are_installed_by_ci():
+  # tests/test_lineax.py skips without lineax: the test extra (the main
+  # stage) and the newest stage install it, so that it runs.
+  assert {"lineax", "equinox"} <= _names(EXTRAS["test"])
+  newest = (ROOT / ".ci" / "newest").read_text()
+  pip = newest[newest.index("pip install -q --upgrade"):
+               newest.index('|| fail "pip install in the root"')]
+  assert {"lineax", "equinox"} <= _names(re.findall(r'"([^"]+)"', pip))
+  assert "tests/test_lineax.py" in re.findall(r"tests/test_\w+\.py", newest)

@@ -20,6 +20,7 @@ Internal JAX APIs are reached only through :mod:`jaxprec._src.jaxpr.compat`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -314,7 +315,6 @@ def opaque_name(eqn, target: str | None = None) -> str | None:
 # Any other primitive: its implementation, traced.
 
 _IMPLEMENTATIONS: dict[Any, Any] = {}
-_TRACING: set[Any] = set()
 
 
 def implementation(eqn, target: str | None = None):
@@ -324,9 +324,13 @@ def implementation(eqn, target: str | None = None):
   What XLA compiles for it where JAX can tell: the function its lowering
   rule traces (``mlir.lower_fun(fun)``, for ``target``'s platform if it has
   its own rule: :func:`compat.lowering_function`), else its ``impl``
-  (what it runs eagerly). None where the rule is hand-written MLIR, where
-  tracing raises, or where the traced function binds the primitive itself
-  (``dispatch.apply_primitive``: no implementation in JAX ops). Cached per
+  (what it runs eagerly). Jaxprs in its parameters that the function calls
+  (lineax's closure-converted operators) are inside it. None where the rule
+  is hand-written MLIR, where tracing raises, or where the traced function
+  binds the primitive itself, with the same parameters and input types
+  (``dispatch.apply_primitive``: no implementation in JAX ops); a bind with
+  other parameters (lineax's GMRES solves its small least-squares problem
+  with another ``linear_solve``) is a call like any other. Cached per
   primitive, parameters, input types, target and JAX trace context
   (1024 entries, oldest dropped), unless the trace holds constants or
   raised.
@@ -356,8 +360,6 @@ def _implementation(prim, params, avals, target):
 
 
 def _trace_implementation(prim, params, avals, target):
-  if prim in _TRACING:  # its implementation binds it again, deeper
-    return None, False
   found, failed = [], False
   lowered = compat.lowering_function(prim, target)
   if lowered is not None:
@@ -365,22 +367,47 @@ def _trace_implementation(prim, params, avals, target):
   impl = getattr(prim, "impl", None)
   if impl is not None and (lowered is None or impl is not lowered[0]):
     found.append((impl, prim.multiple_results))
-  _TRACING.add(prim)
-  try:
-    for fun, multiple in found:
-      def flat(*args, fun=fun, multiple=multiple):
-        out = fun(*args, **params)
-        return list(out) if multiple else [out]
-      try:
-        closed = compat.trace_to_closed_jaxpr(flat, list(avals))
-      except Exception:  # noqa: BLE001 -- not traceable: the next, or opaque
-        failed = True
-        continue
-      if not any(w.eqn.primitive is prim for w in iter_eqns(closed)):
-        return closed, False
-  finally:
-    _TRACING.discard(prim)
+  for fun, multiple in found:
+    def flat(*args, fun=fun, multiple=multiple):
+      out = fun(*args, **params)
+      return list(out) if multiple else [out]
+    try:
+      closed = compat.trace_to_closed_jaxpr(flat, list(avals))
+    except Exception:  # noqa: BLE001 -- not traceable: the next, or opaque
+      failed = True
+      continue
+    if not _binds_itself(closed.jaxpr, prim, params, avals):
+      return closed, False
   return None, failed
+
+
+def _binds_itself(jaxpr, prim, params, avals) -> bool:
+  """Whether ``jaxpr``, or a jaxpr nested in it, binds ``prim`` with
+  ``params`` on inputs of ``avals`` (implementations not entered)."""
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive is prim
+        and tuple(v.aval for v in eqn.invars) == tuple(avals)
+        and _same_params(eqn.params, params)):
+      return True
+    if any(_binds_itself(sub, prim, params, avals)
+           for sub in compat.jaxprs_in_params(eqn.params)):
+      return True
+  return False
+
+
+def _same_params(a: dict, b: dict) -> bool:
+  if a.keys() != b.keys():
+    return False
+  for k, x in a.items():
+    y = b[k]
+    if x is y:
+      continue
+    try:
+      if type(x) is not type(y) or not bool(x == y):
+        return False
+    except Exception:  # noqa: BLE001 -- not comparable: not the same
+      return False
+  return True
 
 
 def holds_matmul(closed, target: str | None = None) -> bool:
@@ -421,15 +448,18 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
   for eqn in jaxpr.eqns:
     yield WalkedEqn(eqn, scope, trip_count)
     inner = scope + (eqn.primitive.name,)
-    subs = list(_sub_jaxprs(eqn))
-    for sub, mult in subs:
-      yield from iter_eqns(sub, inner, trip_count * mult, target=target)
-    if not subs and classify(eqn.primitive.name) == "traced":
+    impl = None
+    if classify(eqn.primitive.name) == "traced":
+      # What it computes, the jaxprs in its params included where its
+      # implementation calls them (lineax's closure-converted operators).
       impl = implementation(eqn, target)
-      if impl is not None:
-        yield from iter_eqns(impl, inner, trip_count, target=target)
     elif eqn.primitive is _traced_p:  # emulated already: what it runs
-      yield from iter_eqns(traced_body(eqn), inner, trip_count, target=target)
+      impl = traced_body(eqn)
+    if impl is not None:
+      yield from iter_eqns(impl, inner, trip_count, target=target)
+      continue
+    for sub, mult in _sub_jaxprs(eqn):
+      yield from iter_eqns(sub, inner, trip_count * mult, target=target)
 
 
 def output_times(jaxpr) -> list[tuple[int, ...]]:
@@ -648,7 +678,11 @@ def _rebind(eqn, invals, rule: Rule) -> list[Any]:
     # inputs that can be re-traced: bind it as recorded. jaxprec's own
     # primitives are emulated already.
     return bind_unchanged(eqn, invals)
-  if cls == "traced" and not any(True for _ in _sub_jaxprs(eqn)):
+  if cls == "traced" and (
+      not any(True for _ in _sub_jaxprs(eqn))
+      or implementation(eqn, getattr(rule, "target", None)) is not None):
+    # Its jaxprs, if any, are arguments its implementation calls (lineax's
+    # operators, closure-converted): they run inside it.
     return bind_traced(eqn, invals, rule)
   handler = _HANDLERS.get(name)
   if handler is not None:
@@ -762,15 +796,19 @@ _HANDLERS: dict[str, Callable[..., list[Any]]] = {
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Call:
   """A library primitive's equation as :data:`_traced_p` carries it: the
-  primitive, its parameters, the rule, the target and, where the caller
-  gives one (:func:`bind_as`), the function that computes it (hashed by
-  identity)."""
+  primitive, its parameters, the rule, the target, where the caller gives
+  one (:func:`bind_as`), the function that computes it (hashed by
+  identity), and the emulation kernel setting in force where it is bound:
+  under ``jax.jit`` XLA lowers it, and ``jax.grad`` transposes it, after
+  the caller's kernel scope has closed (:func:`_in_its_kernel`)."""
 
   prim: Any
   params: dict
   rule: Rule
   target: str | None
   impl: Callable[..., Any] | None = None
+  kernel: str | None = dataclasses.field(
+      default_factory=lambda: compat.KERNEL_STATE.value)
 
 
 def bind_traced(eqn, invals, rule: Rule) -> list[Any]:
@@ -826,7 +864,7 @@ def _outs(prim, out) -> list[Any]:
   return list(out) if prim.multiple_results else [out]
 
 
-def _run(*args, call: _Call) -> list[Any]:
+def _computed(*args, call: _Call) -> list[Any]:
   avals = [compat.typeof(a) for a in args]
   if call.impl is not None:
     closed = compat.trace_to_closed_jaxpr(
@@ -919,9 +957,20 @@ def _batch(args, dims, *, call: _Call):
   return outs, [0] * len(outs)
 
 
+def _in_its_kernel(rule):
+  """``rule`` run under the kernel setting of the bind: JAX transposes (and
+  lowers) after the caller's kernel scope has closed."""
+  @functools.wraps(rule)
+  def run(*args, call: _Call):
+    with compat.KERNEL_STATE(call.kernel):
+      return rule(*args, call=call)
+  return run
+
+
+_run = _in_its_kernel(_computed)
 _traced_p.def_impl(_run)
 _traced_p.def_effectful_abstract_eval(_abstract_eval)
 mlir.register_lowering(_traced_p, mlir.lower_fun(_run, multiple_results=True))
-ad.primitive_jvps[_traced_p] = _jvp
-ad.primitive_transposes[_traced_p] = _transpose
-batching.primitive_batchers[_traced_p] = _batch
+ad.primitive_jvps[_traced_p] = _in_its_kernel(_jvp)
+ad.primitive_transposes[_traced_p] = _in_its_kernel(_transpose)
+batching.primitive_batchers[_traced_p] = _in_its_kernel(_batch)
