@@ -280,6 +280,7 @@ def check(fn: Callable[..., Any], *args: Any,
                  f"arrays (token ids, masks, counts); the check compares "
                  f"floating-point layers (token ids through their logits: "
                  f"logits=)")
+  notes += ref.notes
   notes += overflow_notes(layers)
   masked = (logits if logits is not None and ref.kept is not None
             and logits_lib.masked_only(ref.kept) else None)

@@ -626,6 +626,12 @@ def bind_unchanged(eqn, invals) -> list[Any]:
   return _bind(eqn, invals, eqn.primitive.get_bind_params(dict(eqn.params)))
 
 
+def bind_with(eqn, invals, **changed: Any) -> list[Any]:
+  """Binds ``eqn`` with the parameters ``changed`` (for use in rules)."""
+  params = eqn.primitive.get_bind_params({**eqn.params, **changed})
+  return _bind(eqn, invals, params)
+
+
 def _bind(eqn, invals, params) -> list[Any]:
   out = eqn.primitive.bind(*invals, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
