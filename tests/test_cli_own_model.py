@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxprec
-from conftest import one_line_error, read_terminal, run_cli as run
+from conftest import one_line_error, read_terminal, run_cli as run, unfolded
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp
@@ -261,7 +261,8 @@ def test_search_takes_llama(project, capsys):
 def test_audit_warns_when_flax_modules_have_no_paths(project, capsys):
   rc, out, err = run(capsys, "audit", "ownmodel:merged")
   assert rc == 0, err
-  warned = [l for l in err.splitlines() if l.startswith("jaxprec: warning:")]
+  warned = [l for l in unfolded(err).splitlines()
+            if l.startswith("jaxprec: warning:")]
   assert len(warned) == 1, err
   for fragment in ("6 of the 6 matmuls", "Flax modules (Linear)",
                    "nnx.merge(graphdef, state)(x)",
@@ -276,7 +277,8 @@ def test_search_warns_when_it_sees_one_unit_of_many_modules(project, capsys):
   rc, out, err = run(capsys, "search", "ownmodel:merged", "--tolerance", "1")
   assert rc == 0, err
   assert "module paths: 1 at" in out
-  warned = [l for l in err.splitlines() if l.startswith("jaxprec: warning:")]
+  warned = [l for l in unfolded(err).splitlines()
+            if l.startswith("jaxprec: warning:")]
   assert len(warned) == 1 and "jaxprec.search_policy: 6 of the 6" in warned[0]
   assert "return the module itself as the function" in warned[0]
   rc, out, err = run(capsys, "search", "ownmodel:model", "--tolerance", "1")

@@ -386,6 +386,20 @@ class AuditReport:
     return json.dumps(self.to_dict(), indent=indent)
 
   def __str__(self) -> str:
+    return self.text()
+
+  def text(self, width: int | None = None) -> str:
+    """The table and its summary as text.
+
+    Args:
+      width: the columns to fit in: where the table is wider, each op is a
+        line (``#``, op, name stack, function, source) with its other
+        cells, each after its column's name, on the line below; the summary
+        folds at spaces. None (default): one table, as wide as it needs.
+
+    Returns:
+      The text ``print(report)`` shows (``width=None``).
+    """
     name = self.function or "function"
     head = f"jaxprec audit of {name}"
     if self.precision_in_force:
@@ -414,6 +428,11 @@ class AuditReport:
                    r.shape_rule or r.gpu, si(r.flops, ".0f"),
                    "RISKY" if r.risky else ""))
     out = [head, *table(cols, body, {0, 10})]
+    if width is not None and max(map(len, out)) > width:
+      out = [head]
+      for row in body:  # the row's place, then what it computes
+        out.append("  ".join(c for c in (f"#{row[0]}", *row[1:5], row[11]) if c))
+        out.append("   " + "; ".join(f"{c} {v}" for c, v in zip(cols[5:11], row[5:11])))
     by = self.flops_by_precision()
     n_risky = len(self.risky)
     out.append(
@@ -431,7 +450,12 @@ class AuditReport:
           by_reason.setdefault(r.reason, []).append(i)
       for reason, nums in by_reason.items():
         out.append(f"  {', '.join(f'#{i}' for i in nums)}: {reason}")
-    return "\n".join(out + opaque)
+    out += opaque
+    if width is not None:
+      out = [part for line in out for part in (textwrap.wrap(
+          line, width, subsequent_indent=" " * (len(line) - len(line.lstrip()) + 2),
+          break_long_words=False, break_on_hyphens=False) or [line])]
+    return "\n".join(out)
 
 
 def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
