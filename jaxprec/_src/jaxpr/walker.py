@@ -52,11 +52,15 @@ class WalkedEqn:
     trip_count: how many times the equation runs per call of the traced
       function, as far as it is static (``scan`` lengths multiply; ``while``
       counts once; ``cond`` branches count once each).
+    site: inside the traced implementation of a library's primitive, the
+      equation that called the primitive (the outermost one: its frames are
+      the user's call site); None elsewhere.
   """
 
   eqn: Any
   scope: tuple[str, ...]
   trip_count: int = 1
+  site: Any = None
 
 
 # ---------------------------------------------------------------------------
@@ -399,7 +403,8 @@ def _sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
 
 
 def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
-              target: str | None = None) -> Iterator[WalkedEqn]:
+              target: str | None = None, site: Any = None
+              ) -> Iterator[WalkedEqn]:
   """Walks every equation of ``jaxpr`` and of every jaxpr nested in it.
 
   Args:
@@ -408,6 +413,7 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
     trip_count: multiplier for :attr:`WalkedEqn.trip_count`.
     target: the platform whose lowering of a library primitive is walked
       (:func:`implementation`); None: the lowering every platform shares.
+    site: :attr:`WalkedEqn.site` of the equations (used in recursion).
 
   Yields:
     :class:`WalkedEqn` in program order, parents before their bodies.
@@ -419,17 +425,20 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
   if isinstance(jaxpr, compat.ClosedJaxpr):
     jaxpr = jaxpr.jaxpr
   for eqn in jaxpr.eqns:
-    yield WalkedEqn(eqn, scope, trip_count)
+    yield WalkedEqn(eqn, scope, trip_count, site)
     inner = scope + (eqn.primitive.name,)
     subs = list(_sub_jaxprs(eqn))
     for sub, mult in subs:
-      yield from iter_eqns(sub, inner, trip_count * mult, target=target)
+      yield from iter_eqns(sub, inner, trip_count * mult, target=target,
+                           site=site)
     if not subs and classify(eqn.primitive.name) == "traced":
       impl = implementation(eqn, target)
       if impl is not None:
-        yield from iter_eqns(impl, inner, trip_count, target=target)
+        yield from iter_eqns(impl, inner, trip_count, target=target,
+                             site=site or eqn)
     elif eqn.primitive is _traced_p:  # emulated already: what it runs
-      yield from iter_eqns(traced_body(eqn), inner, trip_count, target=target)
+      yield from iter_eqns(traced_body(eqn), inner, trip_count, target=target,
+                           site=site or eqn)
 
 
 def output_times(jaxpr) -> list[tuple[int, ...]]:
