@@ -168,3 +168,20 @@ def test_documented_command_runs(page, command, status, tmp_path, monkeypatch,
   assert rc == status, (
       f"{page.name}: `{command}` exited {rc}, the page says {status}:\n"
       f"{out[-3000:]}\n{err[-3000:]}")
+
+
+def test_the_search_figures_a_page_prints_are_in_the_search_s_format():
+  """A figure of a progress line or a summary, as the search prints it
+  (``search_result.shown``: three significant digits, as ``:g`` writes
+  them), so that a reader's output matches the page's."""
+  from jaxprec._src.search.search_result import shown  # pylint: disable=import-outside-toplevel
+  found = 0
+  for page in PAGES:
+    for lang, body in FENCE.findall(page.read_text(encoding="utf-8")):
+      if lang == "python" or "jaxprec search [" not in body:
+        continue
+      for value in re.findall(
+          r"(?:worst rel_rms|worst layer: \S+ \(rel_rms)\s+(\S+?)[ );]", body):
+        found += 1
+        assert shown("rel_rms", float(value)) == value, (page.name, value)
+  assert found > 20
