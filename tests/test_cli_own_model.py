@@ -444,3 +444,42 @@ def test_cli_audit_header_of_a_decorated_function(tmp_path):
   assert rc == 0, err
   assert out.splitlines()[0] == ("jaxprec audit of f, traced at precision "
                                  "float32 (@jaxprec.precision on f)")
+
+
+# -- search --modules -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("target, plain", [
+    ("ownmodel:model", "ownmodel:model"),
+    ("ownmodel:linen_module", "ownmodel:linen_apply")])
+def test_search_modules_keeps_every_submodule_within_the_tolerance(
+    project, capsys, target, plain):
+  """As check --modules: every submodule's output is a layer the policy must
+  keep within --tolerance, named by its module path."""
+  rc, out, err = run(capsys, "search", target, "--modules", "--tolerance",
+                     "2e-3", "--json")
+  assert rc == 0, err
+  d = json.loads(out)
+  layers = set(d["values"])
+  want = ({"embed", "blocks/0/up", "blocks/0/down", "blocks/0", "blocks/1",
+           "head", "output"} if "linen" not in target
+          else {"dense1", "dense2", "output"})
+  assert want <= layers, layers
+  assert all(v <= 2e-3 for v in d["values"].values()), d["values"]
+  # Without it: the final output alone ("1 layer").
+  rc, out, err = run(capsys, "search", plain, "--tolerance", "2e-3", "--json")
+  assert rc == 0, err
+  assert set(json.loads(out)["values"]) == {"output"}
+  # The policy it prints is the model's own paths: check agrees with it.
+  policy = d["policy"]
+  rc, out, err = run(capsys, "check", target, "--modules", "--precisions",
+                     "float32", "--policy", policy, "--json", "--out", "rep")
+  assert rc == 0, err
+  report = json.loads(out)
+  assert set(l["name"] for l in report["layers"]) == layers
+
+
+def test_search_modules_is_refused_with_a_built_in_model(capsys):
+  rc, _, err = run(capsys, "search", "--model", "bert", "--modules",
+                   "--tolerance", "1e-3")
+  one_line_error(rc, err, 2, "--modules applies to MODULE:FUNCTION")

@@ -26,6 +26,12 @@ from jaxprec._src.torch import torch_ports
 _PROG = "jaxprec"
 # The names of jaxprec.models.MODELS (importing it imports Flax).
 _MODELS = ("wav2vec2", "bert", "llama")
+# What --modules reads, for check and search.
+_MODULES = ("of the Flax model that FUNCTION returns as fn "
+            "(jaxprec.check_module): an nnx.Module (args: its inputs), a "
+            "linen Module or its .apply (args: the variables, then the "
+            "inputs) or a linen Module bound to its variables (args: its "
+            "inputs)")
 # What FUNCTION() returns, said where a model is missing.
 _FUNCTION_FORM = ("MODULE:FUNCTION for your own model (FUNCTION() returns "
                   "(fn, args) or (fn, args, kwargs), e.g. model.py:make)")
@@ -136,12 +142,7 @@ def _parser() -> argparse.ArgumentParser:
   check.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
                      help="e.g. mypkg.model:make or path/to/model.py:make")
   check.add_argument("--modules", action="store_true",
-                     help="check the output of every submodule of the Flax "
-                          "model that FUNCTION returns as fn "
-                          "(jaxprec.check_module): an nnx.Module (args: its "
-                          "inputs), a linen Module or its .apply (args: the "
-                          "variables, then the inputs) or a linen Module "
-                          "bound to its variables (args: its inputs)")
+                     help="check the output of every submodule " + _MODULES)
   check.add_argument("--model", choices=(*_MODELS, *torch_ports.PORTS),
                      help="a built-in model (random weights, nothing "
                           "downloaded); hf-wav2vec2, hf-bert and hf-llama "
@@ -214,6 +215,9 @@ def _parser() -> argparse.ArgumentParser:
   search.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
                       help="e.g. mypkg.model:make or path/to/model.py:make "
                            "(as for check)")
+  search.add_argument("--modules", action="store_true",
+                      help="keep the output of every submodule within "
+                           "--tolerance, not only fn's " + _MODULES)
   search.add_argument("--model", choices=_MODELS,
                       help="a built-in model (random weights, nothing "
                            "downloaded)")
@@ -783,8 +787,21 @@ def _search(ns: argparse.Namespace) -> int:
                                budget=budget, **axes)
   except (ValueError, TypeError) as e:
     raise UsageError(str(e)) from None
+  if ns.modules and ns.model is not None:
+    raise UsageError(f"--modules applies to MODULE:FUNCTION (your own Flax "
+                     f"model); --model {ns.model} is searched at its hidden "
+                     f"states")
   ns.cache_on()
   fn, args, kwargs, what = _model_or_target(ns)
+  if ns.modules:  # every submodule's output a layer, as check --modules
+    from jaxprec._src.checker import check as check_lib
+    module, args, method = _flax_module(fn, args, ns.function)
+    try:
+      fn, _, args = check_lib.module_outputs(module, args, kwargs,
+                                             method=method)
+    except (TypeError, ValueError) as e:
+      raise UsageError(f"--modules: {inputs.one_line(e)}") from None
+    what = f"{what} (every submodule)"
   ns.status.line("tracing, the reference at float32, then a line per "
                  "evaluation")
   import warnings
