@@ -194,3 +194,133 @@ def test_bad_figure_inputs_are_named():
     figures.gap_figures(z, z[:1], [0, 1])
   with pytest.raises(ValueError, match="NaN"):
     figures.gap_figures(z, z + np.nan, [0, 1])
+
+
+# --- jaxprec.check_sampler
+
+import json  # noqa: E402
+
+import jaxprec  # noqa: E402
+
+TPU_DEFAULT = jaxprec.Compute(precision="default", target="tpu")
+H100_BF16 = jaxprec.Compute(precision="default=dtype:bfloat16", target="gpu",
+                            chip="h100")
+
+
+@pytest.fixture(scope="module")
+def tpu_vs_h100(model, tokens):
+  return jaxprec.check_sampler(model, tokens, trainer=TPU_DEFAULT,
+                               sampler=H100_BF16, batch=(5, 14))
+
+
+def test_float32_decode_is_the_float32_trainer(model, tokens):
+  r = jaxprec.check_sampler(model, tokens)
+  assert r.total <= 1e-5 and r.figures.max_abs <= 1e-5
+  assert r.first_divergence is None
+  assert max(v for _, v in r.layers) <= r.floor
+
+
+def test_tpu_trainer_vs_bf16_h100_sampler(model, tokens, tpu_vs_h100):
+  r = tpu_vs_h100
+  assert r.total >= 1e-3 and r.total == r.figures.rms
+  d = r.first_divergence
+  assert d is not None and d.relative_rms > r.floor
+  assert d.layer in dict(r.layers) and 0 <= d.position < T
+  assert [s.factor for s in r.shares] == ["lm_head", "body", "decode",
+                                          "batch"]
+  assert math.fsum([s.share for s in r.shares] + [r.remainder]) == (
+      pytest.approx(r.total, abs=1e-15))
+  # each share is the total minus the RMS gap with that factor switched
+  for s in r.shares:
+    assert s.share == pytest.approx(r.total - s.rms, abs=1e-15)
+  # the report's gap, recomputed here: the trainer as jaxprec.emulate runs
+  # it, the sampler as a decode loop of the emulated model
+  forced = jax.jit(jaxprec.emulate(model, "default", target="tpu"))(
+      jnp.asarray(tokens[None]))["logits"]
+  step = jax.jit(jaxprec.emulate(model.decode, "default=dtype:bfloat16",
+                                 target="gpu", chip="h100"))
+  ids = np.concatenate([np.zeros(2, int), tokens])[None]  # padded: 14 long
+  others = np.random.default_rng(0)
+  rows = [ids[0]] + [np.concatenate([np.zeros(14 - n, int),
+                                     others.integers(0, 256, n)])
+                     for n in (5, 14)]
+  mask = np.array([[0, 0] + [1] * 12, [0] * 9 + [1] * 5, [1] * 14])
+  pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
+  cache, out = model.init_cache(3, 14), []
+  for t in range(14):
+    o = step(jnp.asarray(np.array(rows)[:, t:t + 1]), cache, t,
+             jnp.asarray(mask), jnp.asarray(pos[:, t:t + 1]))
+    cache = o["cache"]
+    out.append(o["logits"][0, 0])
+  decoded = np.stack(out)[2:]
+  lt, ls = _logp(forced)[0], _logp(decoded)
+  delta = [lt[i, tokens[i + 1]] - ls[i, tokens[i + 1]] for i in range(T - 1)]
+  np.testing.assert_allclose(r.figures.delta, delta, rtol=1e-6, atol=1e-9)
+
+
+def test_a_float32_head_lowers_the_heads_share(model, tokens, tpu_vs_h100):
+  f32_head = jaxprec.Compute(precision="default=dtype:bfloat16", target="gpu",
+                             chip="h100", head="default=float32+dtype:float32")
+  r = jaxprec.check_sampler(model, tokens, trainer=TPU_DEFAULT,
+                            sampler=f32_head, batch=(5, 14))
+  head = {s.factor: s for s in r.shares}["lm_head"]
+  before = {s.factor: s for s in tpu_vs_h100.shares}["lm_head"]
+  assert head.share < before.share
+  assert r.total < tpu_vs_h100.total
+  assert "head default=float32+dtype:float32" in r.sampler
+
+
+def test_the_same_check_twice_is_the_same_report(model, tokens, tpu_vs_h100):
+  again = jaxprec.check_sampler(model, tokens, trainer=TPU_DEFAULT,
+                                sampler=H100_BF16, batch=(5, 14))
+  assert again.to_json() == tpu_vs_h100.to_json()
+  d = json.loads(again.to_json())
+  assert d["schema"] == "jaxprec.sampler/1"
+  assert d["figures"]["sampling"]["logprobs"] == "raw"
+  assert all(len(line) <= 100 for line in str(again).splitlines())
+  assert str(again).count("\n") > 10 and "first divergence" in str(again)
+  md = again.to_markdown()
+  assert "| lm_head |" in md and "| remainder |" in md
+
+
+class _OffByOne(LlamaForCausalLM):
+  """Writes each step's keys and values one cache slot too far."""
+
+  def decode(self, input_ids, cache, position, attention_mask=None,
+             position_ids=None):
+    return super().decode(input_ids, cache, position + 1, attention_mask,
+                          position_ids)
+
+
+def test_an_off_by_one_cache_slot_is_caught_and_named(tokens):
+  model = _OffByOne(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  r = jaxprec.check_sampler(model, tokens)
+  d = r.first_divergence
+  assert d is not None and (d.position, d.layer) == (0, "model/layers/0")
+  assert r.total > 1e-2
+  # teacher forcing in place of the decode takes the whole gap away
+  decode = {s.factor: s for s in r.shares}["decode"]
+  assert decode.rms == 0 and decode.share == r.total
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"trainer": "float32"}, TypeError, "jaxprec.Compute"),
+    ({"prompt": 12}, ValueError, "1..11"),
+    ({"batch": (0,)}, ValueError, "batch="),
+    ({"floor": 0}, ValueError, "floor=0"),
+])
+def test_bad_check_sampler_arguments_are_named(model, tokens, kwargs, error,
+                                                match):
+  with pytest.raises(error, match=match):
+    jaxprec.check_sampler(model, tokens, **kwargs)
+
+
+def test_bad_compute_arguments_are_named(model):
+  with pytest.raises(ValueError, match="chip"):
+    jaxprec.Compute(target="tpu", chip="h100")
+  with pytest.raises(ValueError, match="warp"):
+    jaxprec.Compute(target="warp")
+  with pytest.raises(ValueError, match="fastest-ever"):
+    jaxprec.Compute(precision="fastest-ever")
+  with pytest.raises(ValueError, match="0..255"):
+    jaxprec.check_sampler(model, [1, 256])
