@@ -324,3 +324,30 @@ def test_bad_compute_arguments_are_named(model):
     jaxprec.Compute(precision="fastest-ever")
   with pytest.raises(ValueError, match="0..255"):
     jaxprec.check_sampler(model, [1, 256])
+
+
+def test_the_decode_is_transformers_decode_with_past_key_values(tokens):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  config = transformers.LlamaConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=128,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      initializer_range=0.2)
+  torch.manual_seed(0)
+  pt = transformers.LlamaForCausalLM(config).eval()
+  model = LlamaForCausalLM.from_pytorch(pt)
+  ids = torch.tensor(tokens[None], dtype=torch.long)
+  with torch.no_grad():
+    cache, steps = transformers.DynamicCache(), []
+    for t in range(T):
+      out = pt(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+      cache = out.past_key_values
+      steps.append(out.logits.double().numpy())
+  torch_decoded = np.concatenate(steps, 1)
+  jax_decoded = _decode(model, tokens, (1,) * T)
+  gap = np.abs(_logp(torch_decoded) - _logp(jax_decoded))
+  assert gap.max() <= 1e-5
+  # and PyTorch's cache decode is teacher forcing too: the floor holds
+  with torch.no_grad():
+    forced = pt(ids).logits.double().numpy()
+  assert np.abs(_logp(forced) - _logp(torch_decoded)).max() <= 1e-5
