@@ -351,3 +351,31 @@ def test_the_decode_is_transformers_decode_with_past_key_values(tokens):
   with torch.no_grad():
     forced = pt(ids).logits.double().numpy()
   assert np.abs(_logp(forced) - _logp(torch_decoded)).max() <= 1e-5
+
+
+# --- jaxprec sampler
+
+
+def test_the_sampler_command_prints_the_report(capsys):
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  code = cli.main(["sampler", "--model", "llama", "--length", "8",
+                   "--batch", "3,10", "--json", "--no-cache",
+                   "--fail-above", "1e-5"])
+  d = json.loads(capsys.readouterr().out)
+  assert code == 0 and d["schema"] == "jaxprec.sampler/1"
+  assert d["batch"] == [3, 10] and len(d["tokens"]) == 8
+  assert d["first_divergence"] is None and d["total"] <= 1e-5
+
+
+def test_the_sampler_command_fails_above_its_bound_and_names_bad_usage(
+    capsys):
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  code = cli.main(["sampler", "--length", "6", "--no-cache", "--sampler",
+                   "default@tpu", "--fail-above", "1e-5"])
+  out = capsys.readouterr()
+  assert code == 1 and "exceeds --fail-above" in out.err
+  assert "attribution" in out.out
+  assert cli.main(["sampler", "--sampler", "float32"]) == 2
+  assert "PRECISION@TARGET" in capsys.readouterr().err
+  assert cli.main(["sampler", "--sampler", "float32@gpu:z9"]) == 2
+  assert "z9" in capsys.readouterr().err

@@ -262,14 +262,19 @@ class SamplerReport:
               "(nats)"]
     lines += [f"  {k:<30} {v}" for k, v in self._summary()]
     lines += ["", "attribution: each factor alone switched from the "
-              "sampler's setting to the trainer's", f"  {'factor':<9} "
-              f"{'sampler':<30} {'trainer':<30} {'RMS':>9} {'share':>9}"]
+              "sampler's setting to the trainer's (RMS delta, nats)",
+              f"  {'factor':<8} {'sampler':<33} {'trainer':<33} {'RMS':>8} "
+              f"{'share':>9}"]
     for s in self.shares:
-      lines.append(f"  {s.factor:<9} {s.sampler[:30]:<30} "
-                   f"{s.trainer[:30]:<30} {s.rms:>9.3g} {s.share:>+9.3g}")
-    lines += [f"  {'remainder (the factors together)':<71} "
+      a, b = textwrap.wrap(s.sampler, 33), textwrap.wrap(s.trainer, 33)
+      for i in range(max(len(a), len(b))):
+        cells = (a[i] if i < len(a) else "", b[i] if i < len(b) else "")
+        tail = f" {s.rms:>8.3g} {s.share:>+9.3g}" if i == 0 else ""
+        lines.append(f"  {s.factor if i == 0 else '':<8} {cells[0]:<33} "
+                     f"{cells[1]:<33}{tail}".rstrip())
+    lines += [f"  {'remainder (the factors together)':<86} "
               f"{self.remainder:>+9.3g}",
-              f"  {'total':<61} {self.total:>9.3g} {self.total:>+9.3g}", ""]
+              f"  {'total':<77} {self.total:>8.3g} {self.total:>+9.3g}", ""]
     lines += fold.wrap(f"first divergence: {self._where()}")
     lines += ["  " + " ".join(f"{n} {v:.2g}" for n, v in self.layers[i:i + 4])
               for i in range(0, len(self.layers), 4)]

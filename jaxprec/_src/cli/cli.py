@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from jaxprec._src.cli import cli_inputs as inputs
 from jaxprec._src.cli import cli_port
+from jaxprec._src.cli import cli_sampler
 from jaxprec._src.cli.cli_inputs import PYTORCH, Failure, UsageError
 from jaxprec._src.core.version import install_hint
 from jaxprec._src.torch import torch_ports
@@ -230,6 +231,7 @@ def _parser() -> argparse.ArgumentParser:
                            "orders the costs (tpu-v4, tpu-v5e, tpu-v5p, a100, "
                            "h100; default tpu-v5e for tpu, h100 for gpu)")
   search.set_defaults(handler=_search)
+  cli_sampler.add(sub)
   return parser
 
 
@@ -278,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(inputs.join_negative_numbers(argv))
     if ns.command is None:
       raise UsageError("missing command: choose one of info, audit, run, "
-                       "check, search (see jaxprec --help)")
+                       "check, search, sampler (see jaxprec --help)")
     from jaxprec._src.emulation import kernels
     try:  # a bad JAXPREC_KERNEL is bad usage, for every command
       kernels.check_setting()
