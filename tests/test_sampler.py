@@ -379,3 +379,13 @@ def test_the_sampler_command_fails_above_its_bound_and_names_bad_usage(
   assert "PRECISION@TARGET" in capsys.readouterr().err
   assert cli.main(["sampler", "--sampler", "float32@gpu:z9"]) == 2
   assert "z9" in capsys.readouterr().err
+
+
+def test_a_bfloat16_model_rotates_and_caches_in_bfloat16(model):
+  """transformers casts the rotary cos/sin to the hidden states' dtype: a
+  bfloat16 sampler's cache holds bfloat16 keys."""
+  bf16 = jaxprec.swap(model, "default=dtype:bfloat16")
+  out = bf16.decode(jnp.asarray([[7, 3]]), bf16.init_cache(1, 2), 0)
+  k = np.asarray(out["cache"][0][0], np.float32)
+  assert np.abs(k).max() > 0
+  np.testing.assert_array_equal(k, k.astype(jnp.bfloat16).astype(np.float32))

@@ -262,19 +262,19 @@ class SamplerReport:
               "(nats)"]
     lines += [f"  {k:<30} {v}" for k, v in self._summary()]
     lines += ["", "attribution: each factor alone switched from the "
-              "sampler's setting to the trainer's (RMS delta, nats)",
-              f"  {'factor':<8} {'sampler':<33} {'trainer':<33} {'RMS':>8} "
-              f"{'share':>9}"]
+              "sampler's setting to the trainer's",
+              f"  {'factor':<8} {'sampler':<33} {'trainer':<33} "
+              f"{'RMS delta':>9} {'share':>9}"]
     for s in self.shares:
       a, b = textwrap.wrap(s.sampler, 33), textwrap.wrap(s.trainer, 33)
       for i in range(max(len(a), len(b))):
         cells = (a[i] if i < len(a) else "", b[i] if i < len(b) else "")
-        tail = f" {s.rms:>8.3g} {s.share:>+9.3g}" if i == 0 else ""
+        tail = f" {s.rms:>9.3g} {s.share:>+9.3g}" if i == 0 else ""
         lines.append(f"  {s.factor if i == 0 else '':<8} {cells[0]:<33} "
                      f"{cells[1]:<33}{tail}".rstrip())
     lines += [f"  {'remainder (the factors together)':<86} "
               f"{self.remainder:>+9.3g}",
-              f"  {'total':<77} {self.total:>8.3g} {self.total:>+9.3g}", ""]
+              f"  {'total':<76} {self.total:>9.3g} {self.total:>+9.3g}", ""]
     lines += fold.wrap(f"first divergence: {self._where()}")
     lines += ["  " + " ".join(f"{n} {v:.2g}" for n, v in self.layers[i:i + 4])
               for i in range(0, len(self.layers), 4)]
@@ -392,8 +392,9 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
   Args:
     model: a causal language model with ``__call__(ids, attention_mask,
       position_ids)``, ``decode(ids, cache, position, attention_mask,
-      position_ids)``, ``init_cache(batch, length)`` and ``head(hidden)``,
-      returning ``"hidden_states"``: the built-in NNX Llama
+      position_ids)``, ``init_cache(batch, length)``, ``head(hidden)`` and
+      ``config.vocab_size``, returning ``"hidden_states"``: the built-in NNX
+      Llama
       (:class:`jaxprec.models.LlamaForCausalLM`, ``from_pytorch`` for a
       transformers checkpoint).
     tokens: the sequence ``(length,)``: prompt and sampled tokens.
