@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from jaxprec._src.cli import cli_inputs as inputs
 from jaxprec._src.cli import cli_port
+from jaxprec._src.cli import cli_sampler
 from jaxprec._src.cli.cli_inputs import PYTORCH, Failure, UsageError
 from jaxprec._src.core.version import install_hint
 from jaxprec._src.torch import torch_ports
@@ -258,6 +259,7 @@ def _parser() -> argparse.ArgumentParser:
                            "orders the costs (tpu-v4, tpu-v5e, tpu-v5p, a100, "
                            "h100; default tpu-v5e for tpu, h100 for gpu)")
   search.set_defaults(handler=_search)
+  cli_sampler.add(sub)
   return parser
 
 
@@ -320,7 +322,7 @@ def _main(argv: Sequence[str] | None) -> int:
       sys.stdout = _Fitted(sys.stdout, columns())
     if ns.command is None:
       raise UsageError("missing command: choose one of info, audit, run, "
-                       "check, search (see jaxprec --help)")
+                       "check, search, sampler (see jaxprec --help)")
     from jaxprec._src.emulation import kernels
     try:  # a bad JAXPREC_KERNEL is bad usage, for every command
       kernels.check_setting()
