@@ -51,6 +51,8 @@ COMMANDS = {
     "check": [["check", "model.py:make", "--out", "out"],
               ["check", "model.py:make", "--modules", "--out", "out",
                "--precisions", "bfloat16,bfloat16_3x"]],
+    "sampler": [["sampler", "--length", "6", "--trainer", "float32@cpu",
+                 "--sampler", "bfloat16@tpu", "--batch", "4"]],
     "search": [["search", "model.py:make", "--tolerance", "1e-2"],
                ["search", "model.py:make", "--tolerance", "1e-9",
                 "--budget", "2"]],
