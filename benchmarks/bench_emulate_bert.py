@@ -92,9 +92,9 @@ def _timed(fn, *args) -> tuple[float, float]:
 # The forms a multi-pass dot runs in (emulated_ops.BATCH_MACS: None keeps
 # the default, -1 runs one dot per pass), per kernel, the default first.
 FORMS = {
-    "bf16": (("default (X3 a dot per pass, X6 grouped)", None),
+    "bf16": (("grouped by rhs part", None),
              ("dot per pass", -1)),
-    "f32": (("default (batched)", None), ("dot per pass", -1)),
+    "f32": (("batched", None), ("dot per pass", -1)),
 }
 
 

@@ -45,10 +45,12 @@ def test_bench_emulate_bert_multi_pass_times_both_forms(tmp_path):
   pytest.importorskip("transformers")
   out = run("bench_emulate_bert.py", "--quick", "--multi-pass", "--import-repeats=0",
             tmp_path=tmp_path).stdout
+  ratio = r"run [\d.]+x \(CPU [\d.]+x\), compile [\d.]+x \(CPU [\d.]+x\)"
   for precision in ("high", "highest"):
-    assert re.search(rf"forward at {precision} \(bf16 kernel\): wider dot [\d.]+ ms "
-                     r"\([\d.]+x native\); dot per pass [\d.]+ ms \([\d.]+x native\)",
-                     out), out
+    for kernel, default in (("bf16", "grouped by rhs part"), ("f32", "batched")):
+      assert re.search(
+          rf"forward at {precision} \({kernel} kernel; native run [\d.]+ ms\): "
+          rf"{default}: {ratio}; dot per pass: {ratio}$", out, re.M), out
 
 
 @pytest.mark.parametrize("arg", ["--compile-repeats=0", "--repeats=-1", "--layers=0"])

@@ -44,8 +44,8 @@ def lm():
 @pytest.fixture(scope="module")
 def report(lm):
   model, tokens = lm
-  # On a GPU target 'float32' is exact float32, and 'bfloat16' is one
-  # bfloat16 pass with TPU numerics, as jaxprec.emulate(..., target='tpu').
+  # On a GPU target 'float32' is exact float32, and 'bfloat16' is what a GPU
+  # computes for that name (TF32), as jaxprec.emulate(..., target='gpu').
   return jaxprec.check(model, tokens, precisions=["float32", "bfloat16"],
                        target="gpu", mode="emulate", logits="logits")
 
@@ -62,7 +62,7 @@ def test_float32_row_is_exact(report):
 def test_bfloat16_row_matches_logits_gates_of_emulate(lm, report):
   model, tokens = lm
   reference = np.asarray(model(tokens)["logits"])
-  row = np.asarray(jaxprec.emulate(model, "bfloat16", target="tpu")(
+  row = np.asarray(jaxprec.emulate(model, "bfloat16", target="gpu")(
       tokens)["logits"])
   want = logits_gates(row, reference, k=5)
   got = report.logits["bfloat16"]
