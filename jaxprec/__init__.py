@@ -60,6 +60,11 @@ if _typing.TYPE_CHECKING:
   from jaxprec._src.checker.report import Finding
   from jaxprec._src.checker.report import LayerResult
   from jaxprec._src.checker.report import TrainingReport
+  from jaxprec._src.checker.sampler import GapFigures
+  from jaxprec._src.checker.sampler import Sampling
+  from jaxprec._src.checker.sampler_check import Compute
+  from jaxprec._src.checker.sampler_check import SamplerReport
+  from jaxprec._src.checker.sampler_check import check_sampler
   from jaxprec._src.checker.training import check_training
   from jaxprec._src.cli.cli_run import policy_from_env
   from jaxprec._src.emulation.compile_cache import enable_compilation_cache
@@ -107,6 +112,9 @@ _LAZY_NAMES = {
     "jaxprec._src.checker.report": (
         "DivergenceReport", "Finding", "LayerResult", "TrainingReport",
     ),
+    "jaxprec._src.checker.sampler": ("GapFigures", "Sampling"),
+    "jaxprec._src.checker.sampler_check": (
+        "Compute", "SamplerReport", "check_sampler"),
     "jaxprec._src.checker.training": ("check_training",),
     "jaxprec._src.cli.cli_run": ("policy_from_env",),
     "jaxprec._src.emulation.compile_cache": ("enable_compilation_cache",),
@@ -140,11 +148,13 @@ __all__ = (
     "AuditReport",
     "AuditRow",
     "CHIPS",
+    "Compute",
     "CostReport",
     "CostRow",
     "DivergenceReport",
     "ENV_VAR",
     "Finding",
+    "GapFigures",
     "KernelChoice",
     "LayerMetrics",
     "LayerResult",
@@ -159,6 +169,8 @@ __all__ = (
     "PrecisionLike",
     "PresetConvWarning",
     "Rule",
+    "SamplerReport",
+    "Sampling",
     "SearchResult",
     "SearchStep",
     "TrainingReport",
@@ -168,6 +180,7 @@ __all__ = (
     "bf16_dot_units",
     "check",
     "check_module",
+    "check_sampler",
     "check_training",
     "cost",
     "current",

@@ -147,11 +147,28 @@ def run_cli_json(capsys, *argv):
   return json.loads(out)
 
 
+def unfolded(text: str) -> str:
+  """``text`` with each line the CLI folded to the terminal's width (its
+  later parts indented two more than the line) joined back into one."""
+  out: list[str] = []
+  for line in text.splitlines():
+    indent = len(line) - len(line.lstrip(" "))
+    if out and line.strip() and indent >= 2 and (
+        indent == len(out[-1]) - len(out[-1].lstrip(" ")) + 2
+        or out[-1].startswith("jaxprec: ")):
+      out[-1] += " " + line.strip()
+    else:
+      out.append(line)
+  return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
 def one_line_error(rc, err, code, *fragments):
-  """The command exited ``code`` with one ``jaxprec: error:`` line holding
-  every fragment, and no traceback."""
+  """The command exited ``code`` with one ``jaxprec: error:`` message (one
+  line, folded to the terminal's width) holding every fragment, and no
+  traceback."""
   assert rc == code, err
-  lines = [l for l in err.splitlines() if l.startswith("jaxprec: error:")]
+  lines = [l for l in unfolded(err).splitlines()
+           if l.startswith("jaxprec: error:")]
   assert len(lines) == 1 and "Traceback" not in err, err
   for f in fragments:
     assert f in lines[0], (f, lines[0])

@@ -12,7 +12,7 @@ import pytest
 
 import jaxprec
 from jaxprec._src.cli.cli import main
-from conftest import run_cli as run
+from conftest import run_cli as run, unfolded
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp
@@ -67,6 +67,7 @@ def project(tmp_path, monkeypatch):
 
 def assert_usage_error(rc, err, *fragments):
   assert rc == 2
+  err = unfolded(err)  # one line, folded to the width
   assert err.count("\n") == 1 and err.startswith("jaxprec: error: "), err
   assert "Traceback" not in err
   for f in fragments:
@@ -166,6 +167,7 @@ def test_an_invalid_precision_names_its_option_and_fits(capsys, argv, flag):
   the command line names the option, says "Did you mean" first, lists the
   common names and says where the rest are."""
   rc, _, err = run(capsys, *argv)
+  err = unfolded(err)
   assert_usage_error(rc, err, f"jaxprec: error: {flag}: Invalid ",
                      "'bfloat61'", "Did you mean 'bfloat16'?",
                      "Common names: bfloat16 (bf16), bfloat16_3x (bf16_3x), "
@@ -204,7 +206,8 @@ def test_run_command_not_found(capsys):
 # audit.
 
 
-def test_audit_module_function(project, capsys):
+def test_audit_module_function(project, capsys, monkeypatch):
+  monkeypatch.setenv("COLUMNS", "200")  # one table (tests/test_cli_width.py: narrower)
   rc, out, err = run(capsys, "audit", "model_cli_test:target")
   assert (rc, err) == (0, "")
   lines = out.splitlines()
@@ -267,6 +270,7 @@ def test_audit_usage_errors(project, capsys, target, fragment):
 def test_audit_target_raises(project, capsys):
   rc, _, err = run(capsys, "audit", "model_cli_test:raises")
   assert rc == 1
+  err = unfolded(err)
   assert err.startswith("jaxprec: error: model_cli_test:raises() raised "
                         "RuntimeError: no data here (at ")
   assert err.endswith("model_cli_test.py:" + err.split(".py:")[1].split()[0]
@@ -276,6 +280,7 @@ def test_audit_target_raises(project, capsys):
 
 def test_audit_tracing_fails(project, capsys):
   rc, _, err = run(capsys, "audit", "model_cli_test:broken")
+  err = unfolded(err)
   assert rc == 1 and err.count("\n") == 1
   assert err.startswith("jaxprec: error: jaxprec.audit: tracing layer failed: "
                         "TypeError")
@@ -302,7 +307,7 @@ def test_python_m_jaxprec(tmp_path):
   assert proc.returncode == 2
   assert proc.stderr.startswith("jaxprec: error: --precision: Invalid "
                                 "precision 'bogus'")
-  assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+  assert unfolded(proc.stderr).count("\n") == 1 and proc.stdout == ""
 
 
 _SLEEPER = """

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from conftest import one_line_error, run_cli as run, run_cli_json as run_json
+from conftest import one_line_error, run_cli as run, run_cli_json as run_json, unfolded
 
 
 MODEL = textwrap.dedent("""\
@@ -222,7 +222,7 @@ def test_a_reference_that_overflows_is_said(project, capsys):
   rc, out, err = run(capsys, "check", "clicheck_model:overflows",
                      "--precisions", "bf16", "--out", "ov")
   assert rc == 0, err
-  (note,) = [l for l in out.splitlines() if "itself holds inf" in l]
+  (note,) = [l for l in unfolded(out).splitlines() if "itself holds inf" in l]
   assert note.startswith("note: the reference (float32) itself holds inf or "
                          "NaN in 'big' (")
   assert "it overflowed" in note and "check against float64" in note
@@ -237,7 +237,7 @@ def test_a_model_without_a_matmul_is_said(project, capsys, precisions):
   rc, out, err = run(capsys, "check", "clicheck_model:no_matmul",
                      "--precisions", precisions, "--out", "nm")
   assert rc == 0, err
-  (note,) = [l for l in out.splitlines() if "no matmul" in l]
+  (note,) = [l for l in unfolded(out).splitlines() if "no matmul" in l]
   assert "has no matmul or convolution" in note
   assert "the precision changes nothing" in note
   assert ("every row is the same" in note) == ("," in precisions)
@@ -321,6 +321,7 @@ def test_out_without_matplotlib_says_how_to_install_it_here(project, capsys,
   monkeypatch.setattr(report_lib.DivergenceReport, "plot", no_matplotlib)
   rc, _, err = run(capsys, "check", "clicheck_model:make", "--out", "rep")
   assert rc == 0, err
+  err = unfolded(err)
   assert "divergence.png not written" in err
   assert install_hint("plots") in err
   assert json.loads((project / "rep" / "report.json").read_text())
@@ -332,12 +333,12 @@ def test_warnings_are_one_line_each_and_name_only_the_users_file(project,
   rc, _, err = run(capsys, "check", "clicheck_model:conv", "--target", "gpu",
                    "--chip", "h100", "--precisions", "tensorfloat32")
   assert rc in (0, 1), err
-  (line,) = [l for l in err.splitlines() if "NotModelledWarning" in l]
+  (line,) = [l for l in unfolded(err).splitlines() if "NotModelledWarning" in l]
   assert line.startswith("jaxprec: warning: NotModelledWarning: chip='h100'")
   assert ".py:" not in err and "warnings.warn" not in err, err
   rc, _, err = run(capsys, "check", "clicheck_model:warns", "--precisions",
                    "bfloat16")
-  (line,) = [l for l in err.splitlines() if "from the user's model" in l]
+  (line,) = [l for l in unfolded(err).splitlines() if "from the user's model" in l]
   assert line.startswith("jaxprec: warning: UserWarning: from the user's "
                          "model (")
   assert "clicheck_model.py:" in line

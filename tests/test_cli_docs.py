@@ -126,7 +126,7 @@ def _run(command: str, cwd) -> subprocess.CompletedProcess:
   env = {k: v for k, v in os.environ.items()  # the page assumes none is set
          if k not in ("JAX_DEFAULT_MATMUL_PRECISION", "JAXPREC_POLICY",
                       "JAXPREC_KERNEL")}
-  env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", COLUMNS="200",
+  env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", COLUMNS="100",
              PYTHONPATH=os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")]),
              # `python` in a command is this interpreter, as in the reader's venv
              PATH=os.pathsep.join([os.path.dirname(sys.executable),

@@ -17,7 +17,7 @@ import pytest
 
 from jaxprec._src.cli.cli import main
 from jaxprec._src.core import names
-from conftest import one_line_error, run_cli as run, run_cli_json as run_json
+from conftest import one_line_error, run_cli as run, run_cli_json as run_json, unfolded
 
 MODEL = textwrap.dedent("""\
     import sys
@@ -208,6 +208,7 @@ def test_a_seed_out_of_range_exits_2_with_one_line(capsys, command, seed):
   extra = ["--tolerance", "1e-3"] if command == "search" else []
   rc = main([command, "--model", "bert", "--seed", seed, *extra])
   _, err = capsys.readouterr()
+  err = unfolded(err)
   assert rc == 2 and "Traceback" not in err and err.count("\n") == 1
   assert f"argument --seed: invalid seed {seed!r}: an integer from 0 to " \
       f"{2**32 - 1}" in err
@@ -357,5 +358,5 @@ def test_console_script_with_a_bad_env_var():
   info = subprocess.run([script, "info"], capture_output=True, text=True,
                         env=env, timeout=120)
   assert info.returncode == 2 and info.stdout == ""
-  assert info.stderr.count("\n") == 1 and info.stderr.startswith(
+  assert unfolded(info.stderr).count("\n") == 1 and info.stderr.startswith(
       "jaxprec: error: JAX_DEFAULT_MATMUL_PRECISION")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxprec
-from conftest import one_line_error, read_terminal, run_cli as run
+from conftest import one_line_error, read_terminal, run_cli as run, unfolded
 
 MODEL = textwrap.dedent("""\
     import jax, jax.numpy as jnp
@@ -261,7 +261,8 @@ def test_search_takes_llama(project, capsys):
 def test_audit_warns_when_flax_modules_have_no_paths(project, capsys):
   rc, out, err = run(capsys, "audit", "ownmodel:merged")
   assert rc == 0, err
-  warned = [l for l in err.splitlines() if l.startswith("jaxprec: warning:")]
+  warned = [l for l in unfolded(err).splitlines()
+            if l.startswith("jaxprec: warning:")]
   assert len(warned) == 1, err
   for fragment in ("6 of the 6 matmuls", "Flax modules (Linear)",
                    "nnx.merge(graphdef, state)(x)",
@@ -276,7 +277,8 @@ def test_search_warns_when_it_sees_one_unit_of_many_modules(project, capsys):
   rc, out, err = run(capsys, "search", "ownmodel:merged", "--tolerance", "1")
   assert rc == 0, err
   assert "module paths: 1 at" in out
-  warned = [l for l in err.splitlines() if l.startswith("jaxprec: warning:")]
+  warned = [l for l in unfolded(err).splitlines()
+            if l.startswith("jaxprec: warning:")]
   assert len(warned) == 1 and "jaxprec.search_policy: 6 of the 6" in warned[0]
   assert "return the module itself as the function" in warned[0]
   rc, out, err = run(capsys, "search", "ownmodel:model", "--tolerance", "1")
@@ -442,3 +444,42 @@ def test_cli_audit_header_of_a_decorated_function(tmp_path):
   assert rc == 0, err
   assert out.splitlines()[0] == ("jaxprec audit of f, traced at precision "
                                  "float32 (@jaxprec.precision on f)")
+
+
+# -- search --modules -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("target, plain", [
+    ("ownmodel:model", "ownmodel:model"),
+    ("ownmodel:linen_module", "ownmodel:linen_apply")])
+def test_search_modules_keeps_every_submodule_within_the_tolerance(
+    project, capsys, target, plain):
+  """As check --modules: every submodule's output is a layer the policy must
+  keep within --tolerance, named by its module path."""
+  rc, out, err = run(capsys, "search", target, "--modules", "--tolerance",
+                     "2e-3", "--json")
+  assert rc == 0, err
+  d = json.loads(out)
+  layers = set(d["values"])
+  want = ({"embed", "blocks/0/up", "blocks/0/down", "blocks/0", "blocks/1",
+           "head", "output"} if "linen" not in target
+          else {"dense1", "dense2", "output"})
+  assert want <= layers, layers
+  assert all(v <= 2e-3 for v in d["values"].values()), d["values"]
+  # Without it: the final output alone ("1 layer").
+  rc, out, err = run(capsys, "search", plain, "--tolerance", "2e-3", "--json")
+  assert rc == 0, err
+  assert set(json.loads(out)["values"]) == {"output"}
+  # The policy it prints is the model's own paths: check agrees with it.
+  policy = d["policy"]
+  rc, out, err = run(capsys, "check", target, "--modules", "--precisions",
+                     "float32", "--policy", policy, "--json", "--out", "rep")
+  assert rc == 0, err
+  report = json.loads(out)
+  assert set(l["name"] for l in report["layers"]) == layers
+
+
+def test_search_modules_is_refused_with_a_built_in_model(capsys):
+  rc, _, err = run(capsys, "search", "--model", "bert", "--modules",
+                   "--tolerance", "1e-3")
+  one_line_error(rc, err, 2, "--modules applies to MODULE:FUNCTION")

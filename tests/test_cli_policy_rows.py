@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 import jaxprec
-from conftest import run_cli as run
+from conftest import run_cli as run, unfolded
 
 MODEL = textwrap.dedent("""\
     import jax
@@ -71,7 +71,7 @@ def test_a_bad_policy_is_one_line_exit_2(project, capsys):
   rc, out, err = run(capsys, "check", "policyrows_model.py:model",
                      "--policy", "default=bfloat61")
   assert rc == 2 and not out
-  (line,) = err.splitlines()
+  (line,) = unfolded(err).splitlines()
   assert line.startswith("jaxprec: error: ") and "bfloat61" in line
   assert "Did you mean 'bfloat16'" in line
 
@@ -79,6 +79,7 @@ def test_a_bad_policy_is_one_line_exit_2(project, capsys):
 def test_the_warning_names_a_model_passed_as_an_argument(project, capsys):
   rc, _, err = run(capsys, "audit", "policyrows_model.py:as_argument")
   assert rc == 0, err
+  err = unfolded(err)
   assert "passed to it as an argument" in err and "fn = model" in err
 
 
@@ -128,7 +129,8 @@ def test_a_reference_of_submodules_without_modules_names_the_flag(project,
   rc, _, err = run(capsys, "check", "policyrows_model.py:model",
                    "--reference", "ref.npz", "--out", "r5")
   assert rc == 2, err
-  (line,) = [l for l in err.splitlines() if l.startswith("jaxprec: error:")]
+  (line,) = [l for l in unfolded(err).splitlines()
+              if l.startswith("jaxprec: error:")]
   assert "is checked with --modules" in line
 
 

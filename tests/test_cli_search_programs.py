@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from jaxprec._src.cli.cli import main
+from conftest import unfolded
 from test_cli_search import MODEL
 
 
@@ -47,7 +48,7 @@ def test_removed_prepare_weights_is_refused(project, capsys):
   with a clear error, not passed on to the model."""
   assert main(["search", "clisearch_programs:make", "--tolerance", "0.02",
                "--prepare-weights"]) == 2
-  err = capsys.readouterr().err
+  err = unfolded(capsys.readouterr().err)
   assert err.count("\n") == 1 and "--prepare-weights was removed" in err
   import jax.numpy as jnp
   import jaxprec

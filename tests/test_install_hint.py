@@ -83,3 +83,41 @@ def test_every_missing_extra_message_gives_the_hint(code, extra):
   assert proc.returncode == 1
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("ImportError: ") and version.install_hint(extra) in last
+
+
+# -- PyTorch and transformers, named at once ------------------------------------
+
+TORCH_CPU = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+@pytest.mark.parametrize("missing", [("torch",), ("transformers",),
+                                     ("torch", "transformers")])
+def test_a_port_check_names_everything_missing_at_once(monkeypatch, missing):
+  from jaxprec._src.torch import torch_ports  # pylint: disable=import-outside-toplevel
+  for name in missing:  # `import name` raises ImportError
+    monkeypatch.setitem(sys.modules, name, None)
+  with pytest.raises(ImportError) as e:
+    torch_ports.require()
+  message = str(e.value)
+  assert "\n" not in message
+  said = message.split("; ", 1)[1].split(" not installed")[0]
+  assert said == " and ".join(missing) + (" is" if len(missing) == 1 else " are")
+  assert (TORCH_CPU in message) == ("torch" in missing), message
+  assert version.install_hint("torch", "transformers") in message
+
+
+def test_the_command_line_says_it_in_one_error(monkeypatch, capsys):
+  from jaxprec._src.cli.cli import main  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(sys.modules, "torch", None)
+  monkeypatch.setitem(sys.modules, "transformers", None)
+  assert main(["check", "--model", "hf-wav2vec2", "--reference", "pytorch"]) == 2
+  err = " ".join(capsys.readouterr().err.split())  # unfolded
+  assert err.count("jaxprec: error:") == 1
+  assert "torch and transformers are not installed" in err and TORCH_CPU in err
+
+
+def test_the_docs_give_the_cpu_only_line_before_the_extra():
+  for page in (ROOT / "README.md", ROOT / "docs" / "port-check.md"):
+    text = page.read_text(encoding="utf-8")
+    assert TORCH_CPU in text, page
+    assert text.index(TORCH_CPU) < text.index('pip install -e ".[torch]" transformers'), page

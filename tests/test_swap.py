@@ -11,6 +11,7 @@ from flax import nnx
 from jax import lax
 
 import jaxprec
+from jaxprec._src.core.version import install_hint
 from jaxprec._src.emulation.emulated_ops import is_emulated_call
 
 import models
@@ -420,3 +421,20 @@ def test_a_jitted_function_is_retraced_under_each_policy():
   # float32 on a TPU is six bfloat16 passes: float32-level agreement.
   np.testing.assert_allclose(hi, module.apply(variables, x), rtol=1e-5, atol=1e-6)
   assert np.abs(np.asarray(lo) - np.asarray(hi)).max() > 1e-4
+
+
+def test_a_pytorch_model_is_refused_saying_what_transformers_5_has():
+  """transformers 5 has no Flax models: a newcomer passes its PyTorch one."""
+  BertModel = type("BertModel", (), {"__module__":
+                                     "transformers.models.bert.modeling_bert"})
+  with pytest.raises(TypeError) as e:
+    jaxprec.swap(BertModel(), "default=bf16")
+  message = str(e.value)
+  assert "got transformers.models.bert.modeling_bert.BertModel." in message
+  assert "It is a PyTorch model" in message
+  assert "transformers 4.x only" in message and "transformers 5 removed" in message
+  assert install_hint("hf-flax") in message
+  assert "jaxprec.models.BertModel.from_pytorch(model)" in message
+  with pytest.raises(TypeError) as e:  # anything else: no such sentence
+    jaxprec.swap(object(), "default=bf16")
+  assert "PyTorch" not in str(e.value)

@@ -714,3 +714,30 @@ def test_a_sparse_matmul_of_jax_experimental_sparse_is_audited_and_emulated():
   np.testing.assert_allclose(np.asarray(got), bf16(a) @ bf16(x), rtol=1e-5,
                              atol=1e-5)
   assert np.max(np.abs(np.asarray(got) - np.asarray(f(m, x)))) > 1e-3
+
+
+def _jax_implemented(name):
+  """A library's primitive whose implementation is JAX's own ``jnp.dot``:
+  no frame of the trace is a library's or the user's."""
+  p = Primitive(name)
+  p.def_impl(jnp.dot)
+  p.def_abstract_eval(lambda a, x: jax.core.ShapedArray(a.shape[:1], a.dtype))
+  mlir.register_lowering(p, mlir.lower_fun(jnp.dot, multiple_results=False))
+  return p
+
+
+JAX_IMPLEMENTED_P = _jax_implemented("test_jax_implemented_matvec")
+
+
+def _calls_the_library(a, x):
+  return JAX_IMPLEMENTED_P.bind(a, x)  # the user's call site
+
+
+def test_a_row_inside_a_library_primitive_names_the_users_call_site():
+  a, x = _operands()
+  (row,) = jaxprec.audit(_calls_the_library, a, x).rows
+  line = _calls_the_library.__code__.co_firstlineno + 1
+  assert row.scope == ("test_jax_implemented_matvec",)
+  assert row.op == f"_calls_the_library ({__file__}:{line})"
+  assert row.source == f"{__file__}:{line}"
+  assert "_trace_implementation" not in str(jaxprec.audit(_calls_the_library, a, x))

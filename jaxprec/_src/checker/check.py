@@ -283,6 +283,7 @@ def check(fn: Callable[..., Any], *args: Any,
                  f"floating-point layers (token ids through their logits: "
                  f"logits=)")
   notes += native
+  notes += ref.notes
   notes += overflow_notes(layers)
   masked = (logits if logits is not None and ref.kept is not None
             and logits_lib.masked_only(ref.kept) else None)
@@ -726,6 +727,24 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                 cache=cache, chip=chip, tpu_matvec_f32=tpu_matvec_f32)
   if logits is not None:
     common.update(logits=logits, logits_k=logits_k)
+  fn, key, args = module_outputs(module, args, kwargs, method=method,
+                                 capture=capture)
+  return _check_module_fn(fn, key, args, kwargs, common)
+
+
+def module_outputs(module: Any, args: tuple, kwargs: dict, *,
+                   method: str | None = None, capture: Any = True
+                   ) -> tuple[Callable[..., dict], Any, tuple]:
+  """``(fn, key, args)``: ``fn(*args, **kwargs)`` returns the output of
+  every submodule of the Flax ``module`` by module path, in the order they
+  ran (what :func:`check_module` checks, and ``jaxprec search --modules``
+  searches); ``key`` names ``fn`` for the program caches; ``args`` are the
+  model's state or variables, then the inputs. The model is never mutated.
+
+  Raises:
+    TypeError: as :func:`check_module`.
+    ValueError: the method gives no output.
+  """
   import flax.linen as nn
   from flax import nnx
   if isinstance(module, nn.Module) and module.scope is not None:
@@ -749,16 +768,18 @@ def check_module(module: Any, *args: Any, method: str | None = None,
 
     def linen_fn(variables, /, *inputs, **kw):
       return _in_order(captured(variables, *inputs, lost=[], **kw), order)
-    return _check_module_fn(linen_fn, ("linen", module, method, capture, order),
-                            (variables, *args[1:]), kwargs, common)
+    return (linen_fn, ("linen", module, method, capture, order),
+            (variables, *args[1:]))
   if isinstance(module, nnx.Module):
     graphdef, state = nnx.split(module)
 
     def captured(state, /, *inputs, **kw):
       m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
+      # The hook, as on the model itself: its module paths are seen (the
+      # audit, a search's units) and a policy row's rules reach them.
       scope = flax_state.active()
-      if scope is not None:  # a policy row: its path rules reach NNX modules
-        nnx_policy.apply(m, scope.policy, scope.recorder)
+      nnx_policy.apply(m, None if scope is None else scope.policy,
+                       None if scope is None else scope.recorder)
       target_fn = m if method is None else getattr(m, method)
       try:
         own, inter = nnx.capture(target_fn, nnx.Intermediate,
@@ -779,7 +800,7 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     # The graph definition's text too: static attributes that compare equal
     # but trace differently (2 and 2.0) give equal graph definitions.
     key = ("nnx", graphdef, repr(graphdef), method, order)
-    return _check_module_fn(nnx_fn, key, (state, *args), kwargs, common)
+    return nnx_fn, key, (state, *args)
   raise TypeError(f"check_module expects a Flax module (flax.linen or "
                   f"flax.nnx); got "
                   f"{type(module).__name__} (use jaxprec.check for functions)")

@@ -40,6 +40,7 @@ from jaxprec._src.checker import layers as layers_lib
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.checker import rows as rows_lib
+from jaxprec._src.emulation import emulate as emulate_lib
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
 from jaxprec._src.jaxpr import compat
@@ -174,6 +175,22 @@ def narrow_compute(fn, call: Args, cache: dict | None = None
   return _program(fn, key, make, cache)
 
 
+def refused_dots(fn, call: Args, cache: dict | None = None) -> tuple[str, ...]:
+  """The algorithms of ``fn``'s dots at ``call``'s signature that the backend
+  refuses (``emulate.refused_algorithm``: a ``lax.DotAlgorithm`` or a preset
+  such as ``TF32_TF32_F32`` on CPU), which a float32 or float64 reference
+  computes exactly (``emulate.exact_refused_dots``). One trace, cached."""
+  def make(fn_ref):
+    closed = jax.make_jaxpr(lambda dynamic: call.call(
+        nnx_policy.bind(fn_ref(), None), dynamic))(call.dynamic)
+    found = (emulate_lib.refused_algorithm(w.eqn)
+             for w in walker.iter_eqns(closed))
+    return tuple(dict.fromkeys(name for name in found if name))
+  key = None if call.key is None else (
+      "refused", call.key, trees.signature(call.dynamic), compat.trace_context())
+  return _program(fn, key, make, cache)
+
+
 # ---------------------------------------------------------------------------
 # Compiled programs.
 
@@ -239,6 +256,8 @@ class Reference:
       (NumPy, as computed: float64 for a float64 reference), else None.
     skipped: ``(name, type)`` of the outputs that are not compared
       (:func:`jaxprec._src.checker.layers.not_compared`).
+    notes: what the report says of how it was computed (the dots it computes
+      exactly because the backend refuses their algorithm).
   """
 
   names: list[str]
@@ -252,6 +271,7 @@ class Reference:
   name: str
   kept: Any = None
   skipped: tuple[tuple[str, str], ...] = ()
+  notes: tuple[str, ...] = ()
 
 
 def _info(layers) -> list[tuple[str, tuple[int, ...], str]]:
@@ -265,10 +285,12 @@ def _layout(info, groups: int) -> metrics_lib.Layout:
 
 def _reference_program(fn, call: Args, ref_plan: Plan | None,
                        select: tuple[str, ...] | None, cache: dict | None,
-                       dtypes: Policy | None = None):
+                       dtypes: Policy | None = None, exact: bool = False):
   """The jitted program ``dynamic -> (hi, lo, stats, layers)``.
 
-  ``dtypes``: the float64 reference's policy undoing dtype decisions.
+  ``dtypes``: the float64 reference's policy undoing dtype decisions;
+  ``exact``: the dots whose algorithm the backend refuses computed exactly
+  (``emulate.exact_refused_dots``).
   """
   x64 = ref_plan is None
   groups = call.groups
@@ -279,6 +301,9 @@ def _reference_program(fn, call: Args, ref_plan: Plan | None,
     key += () if dtypes is None else (str(dtypes),)
   else:
     wrap = ref_plan.wrap
+  if exact:
+    key += ("exact",)
+    wrap = (lambda w: lambda g: emulate_lib.exact_refused_dots(w(g)))(wrap)
   static = call.static
 
   def make(fn_ref):
@@ -375,21 +400,22 @@ def build_reference(fn, call: Args, reference: Any, *, target: str, mode: str,
     desc, name = "external", reference_lib.describe(reference)
     kept = None if keep is None else np.asarray(
         values[[n for n, _, _ in info].index(keep)])
+    notes = ()
   else:
-    hi, lo, stats, info, desc, kept, skipped = _computed_reference(
+    hi, lo, stats, info, desc, kept, skipped, notes = _computed_reference(
         fn, call, reference, target, mode, select, cache, options or {}, keep)
     name = label_of(reference)
   return Reference([n for n, _, _ in info], [s for _, s, _ in info],
                    [d for _, _, d in info], _layout(info, call.groups), hi, lo,
-                   stats, desc, name, kept, tuple(skipped))
+                   stats, desc, name, kept, tuple(skipped), notes)
 
 
 def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
                         select: tuple[str, ...] | None, cache: dict | None,
                         options: dict[str, Any], keep: str | None = None):
-  """``(hi, lo, stats, info, description, kept, skipped)`` of a computed
-  reference (``kept``: the layer ``keep`` names, on the host, else None;
-  ``skipped``: the outputs not compared)."""
+  """``(hi, lo, stats, info, description, kept, skipped, notes)`` of a
+  computed reference (``kept``: the layer ``keep`` names, on the host, else
+  None; ``skipped``: the outputs not compared; ``notes``: for the report)."""
   try:
     ref_plan = reference_plan(reference, target, mode, **options)
   except ValueError as e:
@@ -397,7 +423,7 @@ def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
                      f"{reference_lib.SUPPORTED}.") from None
   x64 = ref_plan is None
   dtype = "float64" if x64 else "float32"
-  undo, note, random = None, "", False
+  undo, note, random, exact, notes = None, "", False, False, []
   if x64 or (not isinstance(ref_plan.precision, Policy) and
              ref_plan.precision.name in ("float32", "F32_F32_F32")):
     _, undoable, narrow_after, random = narrow_compute(fn, call, cache)
@@ -406,12 +432,22 @@ def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
               "can set (its own casts are kept)")
     if undoable:
       undo = policy_lib.reference_policy(dtype)
+    refused = refused_dots(fn, call, cache)
+    if refused:  # said out loud (a report note): exact where fn is not
+      exact = True
+      notes.append(
+          f"the {dtype} reference computes the dots whose code names "
+          f"{', '.join(refused)} at exact {dtype}: JAX refuses "
+          f"{'it' if len(refused) == 1 else 'them'} on "
+          f"{compat.backend_platform()} ('not supported by dot_general'); "
+          f"the rows compute them as the code names them")
   desc = ("float64 (native, x64)" if x64 else ref_plan.description) + (
       "" if undo is None else f", modules at {dtype}") + note
   if not x64:
     ref_plan = dataclasses.replace(ref_plan, dtypes=undo, description=desc)
     undo = None
-  prog = _reference_program(fn, call, ref_plan, select, cache, dtypes=undo)
+  prog = _reference_program(fn, call, ref_plan, select, cache, dtypes=undo,
+                            exact=exact)
   with (jax.enable_x64(True) if x64 else contextlib.nullcontext()):
     hi, lo, stats, layers = prog(call.dynamic)
     info = prog.holder[trees.signature(call.dynamic)]
@@ -430,7 +466,7 @@ def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
         "rows (jax.random samples float64 under x64), so its figures compare "
         "different random values; check the model in eval mode (no dropout) "
         "or use reference='float32'.", UserWarning, stacklevel=4)
-  return hi, lo, stats, info, desc, kept, skipped
+  return hi, lo, stats, info, desc, kept, skipped, tuple(notes)
 
 
 def _candidate_program(fn, call: Args, p: Plan, ref: Reference,

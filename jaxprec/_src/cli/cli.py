@@ -11,12 +11,15 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 
 from jaxprec._src.cli import cli_inputs as inputs
 from jaxprec._src.cli import cli_port
+from jaxprec._src.cli import cli_sampler
 from jaxprec._src.cli.cli_inputs import PYTORCH, Failure, UsageError
 from jaxprec._src.core.version import install_hint
 from jaxprec._src.torch import torch_ports
@@ -24,13 +27,37 @@ from jaxprec._src.torch import torch_ports
 _PROG = "jaxprec"
 # The names of jaxprec.models.MODELS (importing it imports Flax).
 _MODELS = ("wav2vec2", "bert", "llama")
+# What --modules reads, for check and search.
+_MODULES = ("of the Flax model that FUNCTION returns as fn "
+            "(jaxprec.check_module): an nnx.Module (args: its inputs), a "
+            "linen Module or its .apply (args: the variables, then the "
+            "inputs) or a linen Module bound to its variables (args: its "
+            "inputs)")
 # What FUNCTION() returns, said where a model is missing.
 _FUNCTION_FORM = ("MODULE:FUNCTION for your own model (FUNCTION() returns "
                   "(fn, args) or (fn, args, kwargs), e.g. model.py:make)")
 
 
+class _Help(argparse.HelpFormatter):
+  """argparse's help, folded at spaces only (never inside ``hf-bert``)."""
+
+  def _split_lines(self, text, width):
+    return textwrap.wrap(" ".join(text.split()), width,
+                         break_on_hyphens=False, break_long_words=False)
+
+  def _fill_text(self, text, width, indent):
+    return "\n".join(textwrap.wrap(
+        " ".join(text.split()), width, initial_indent=indent,
+        subsequent_indent=indent, break_on_hyphens=False,
+        break_long_words=False))
+
+
 class _Parser(argparse.ArgumentParser):
   """An ArgumentParser whose errors are one line and do not exit."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault("formatter_class", _Help)
+    super().__init__(*args, **kwargs)
 
   def error(self, message: str):  # type: ignore[override]
     raise UsageError(message)
@@ -116,12 +143,7 @@ def _parser() -> argparse.ArgumentParser:
   check.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
                      help="e.g. mypkg.model:make or path/to/model.py:make")
   check.add_argument("--modules", action="store_true",
-                     help="check the output of every submodule of the Flax "
-                          "model that FUNCTION returns as fn "
-                          "(jaxprec.check_module): an nnx.Module (args: its "
-                          "inputs), a linen Module or its .apply (args: the "
-                          "variables, then the inputs) or a linen Module "
-                          "bound to its variables (args: its inputs)")
+                     help="check the output of every submodule " + _MODULES)
   check.add_argument("--model", choices=(*_MODELS, *torch_ports.PORTS),
                      help="a built-in model (random weights, nothing "
                           "downloaded); hf-wav2vec2, hf-bert and hf-llama "
@@ -198,6 +220,9 @@ def _parser() -> argparse.ArgumentParser:
   search.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
                       help="e.g. mypkg.model:make or path/to/model.py:make "
                            "(as for check)")
+  search.add_argument("--modules", action="store_true",
+                      help="keep the output of every submodule within "
+                           "--tolerance, not only fn's " + _MODULES)
   search.add_argument("--model", choices=_MODELS,
                       help="a built-in model (random weights, nothing "
                            "downloaded)")
@@ -234,6 +259,7 @@ def _parser() -> argparse.ArgumentParser:
                            "orders the costs (tpu-v4, tpu-v5e, tpu-v5p, a100, "
                            "h100; default tpu-v5e for tpu, h100 for gpu)")
   search.set_defaults(handler=_search)
+  cli_sampler.add(sub)
   return parser
 
 
@@ -277,12 +303,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     checked code fails or a check exceeds its ``--atol``/``--rtol``, and the
     command's own status for ``run``.
   """
+  streams = sys.stdout, sys.stderr
+  sys.stderr = _Fitted(sys.stderr, columns())
+  try:
+    return _main(argv)
+  finally:
+    for fitted in (sys.stdout, sys.stderr):
+      if isinstance(fitted, _Fitted):
+        fitted.close()
+    sys.stdout, sys.stderr = streams
+
+
+def _main(argv: Sequence[str] | None) -> int:
   try:
     argv = sys.argv[1:] if argv is None else list(argv)
     ns = _parser().parse_args(inputs.join_negative_numbers(argv))
+    if not getattr(ns, "json", False):  # JSON is never folded
+      sys.stdout = _Fitted(sys.stdout, columns())
     if ns.command is None:
       raise UsageError("missing command: choose one of info, audit, run, "
-                       "check, search (see jaxprec --help)")
+                       "check, search, sampler (see jaxprec --help)")
     from jaxprec._src.emulation import kernels
     try:  # a bad JAXPREC_KERNEL is bad usage, for every command
       kernels.check_setting()
@@ -320,17 +360,58 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def say(kind: str, text: object) -> None:
-  """Prints ``jaxprec: KIND: TEXT`` on stderr as one line, folded at spaces
-  to the terminal's width (80 columns when it is not known) when stderr is a
-  terminal; a pipe or a log gets one line, for grep."""
-  line = f"{_PROG}: {kind}: {inputs.one_line(text)}"
-  width = terminal_columns(sys.stderr)
-  if width is not None and len(line) > width:
-    import textwrap  # noqa: PLC0415
-    line = "\n".join(textwrap.wrap(
-        line, width, subsequent_indent="  ", break_long_words=False,
-        break_on_hyphens=False))
-  print(line, file=sys.stderr, flush=True)
+  """Prints ``jaxprec: KIND: TEXT`` on stderr, one line folded at spaces to
+  :func:`columns` (in :func:`main`, as everything the command prints)."""
+  print(f"{_PROG}: {kind}: {inputs.one_line(text)}", file=sys.stderr,
+        flush=True)
+
+
+def columns() -> int:
+  """The width the command's output fits: ``$COLUMNS`` when set, else the
+  terminal's, else 100 (a pipe, a log)."""
+  return shutil.get_terminal_size((100, 24)).columns
+
+
+class _Fitted:
+  """A text stream that folds each line longer than ``width`` at spaces
+  (:func:`render.fold`: a word is split only where it is longer than a line
+  by itself, after a ``,`` or ``/``), the later parts indented two more
+  than the line. Text with a carriage return or an escape sequence (a
+  status line, a progress bar, rich's output, which fit themselves) passes
+  as it is. Tables are fitted where they are drawn; this folds the prose."""
+
+  def __init__(self, stream, width: int):
+    self._stream = stream
+    self._width = max(width, 20)
+    self._pending = ""
+
+  def write(self, text: str) -> int:
+    if "\r" in text or "\x1b" in text:
+      self._stream.write(self._pending)
+      self._pending = ""
+      return self._stream.write(text)
+    self._pending += text
+    *lines, self._pending = self._pending.split("\n")
+    for line in lines:
+      self._stream.write(self._fold(line) + "\n")
+    return len(text)
+
+  def _fold(self, line: str) -> str:
+    if len(line) <= self._width:
+      return line
+    from jaxprec._src.checker import render  # noqa: PLC0415
+    indent = " " * min(len(line) - len(line.lstrip(" ")) + 2, self._width // 2)
+    return "\n".join(render.fold(line, self._width, indent))
+
+  def close(self) -> None:
+    """Writes what is left of the last line (the stream stays open)."""
+    if self._pending:
+      self._stream.write(self._fold(self._pending))
+      self._pending = ""
+    self._stream.flush()
+
+  def __getattr__(self, name: str):  # flush, isatty, fileno, encoding, ...
+    return getattr(self._stream, name)
 
 
 @contextlib.contextmanager
@@ -352,25 +433,6 @@ def _warnings_said(status: "_Status"):
     yield
   finally:
     warnings.showwarning = old
-
-
-def terminal_columns(stream) -> int | None:
-  """The width of the terminal ``stream`` writes to: ``$COLUMNS`` when set,
-  else the terminal's own, else 80; None when ``stream`` is not a
-  terminal."""
-  try:
-    if not stream.isatty():
-      return None
-  except (AttributeError, ValueError):  # replaced or closed
-    return None
-  columns = os.environ.get("COLUMNS", "")
-  if columns.isdigit() and int(columns) > 0:
-    return int(columns)
-  try:
-    size = os.get_terminal_size(stream.fileno()).columns
-  except (AttributeError, OSError, ValueError):
-    size = 0
-  return size if size > 0 else 80
 
 
 class _Status:
@@ -444,7 +506,7 @@ def _audit(ns: argparse.Namespace) -> int:
     raise UsageError(f"{ns.target}(): {e}") from None
   except audit_lib.AuditError as e:
     raise Failure(str(e)) from None
-  print(report.to_json() if ns.json else str(report))
+  print(report.to_json() if ns.json else report.text(columns()))
   hidden = audit_lib.unseen_modules(report)
   if hidden:
     say("warning", hidden)
@@ -542,8 +604,7 @@ def _check(ns: argparse.Namespace) -> int:
   _one_model(ns, (*_MODELS, *torch_ports.PORTS))
 
   def port_table(report, full: bool) -> None:  # at least 100 columns
-    print(report.table(width=max(100, terminal_columns(sys.stdout) or 100),
-                       full=full))
+    print(report.table(width=columns(), full=full))
   from jaxprec._src.emulation import emulated_ops
   try:  # jaxprec.emulate's check and message
     ns.chip = emulated_ops.check_chip(ns.chip, ns.target)
@@ -673,7 +734,7 @@ def _write_outputs(report, out: str) -> None:
 
 
 def _print_report(report, full: bool = False) -> None:
-  """The table: fitted to the terminal, or as wide as it needs in a pipe."""
+  """The table, fitted to the terminal (:func:`columns` in a pipe)."""
   if sys.stdout.isatty():
     try:
       from rich.console import Console
@@ -682,7 +743,7 @@ def _print_report(report, full: bool = False) -> None:
     else:
       Console().print(report.rich(full))
       return
-  print(report.table(full))
+  print(report.table(full, width=columns()))
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -732,8 +793,21 @@ def _search(ns: argparse.Namespace) -> int:
                                budget=budget, **axes)
   except (ValueError, TypeError) as e:
     raise UsageError(str(e)) from None
+  if ns.modules and ns.model is not None:
+    raise UsageError(f"--modules applies to MODULE:FUNCTION (your own Flax "
+                     f"model); --model {ns.model} is searched at its hidden "
+                     f"states")
   ns.cache_on()
   fn, args, kwargs, what = _model_or_target(ns)
+  if ns.modules:  # every submodule's output a layer, as check --modules
+    from jaxprec._src.checker import check as check_lib
+    module, args, method = _flax_module(fn, args, ns.function)
+    try:
+      fn, _, args = check_lib.module_outputs(module, args, kwargs,
+                                             method=method)
+    except (TypeError, ValueError) as e:
+      raise UsageError(f"--modules: {inputs.one_line(e)}") from None
+    what = f"{what} (every submodule)"
   ns.status.line("tracing, the reference at float32, then a line per "
                  "evaluation")
   import warnings

@@ -35,13 +35,18 @@ def _other_options(ns: argparse.Namespace, model: bool) -> list[str]:
       ("--size", getattr(ns, "size", None) is not None)) if on]
 
 
+def _do(given: list[str]) -> str:
+  """``'does'`` for one option, ``'do'`` for more."""
+  return "does" if len(given) == 1 else "do"
+
+
 def _refuse_other_options(ns: argparse.Namespace) -> None:
   given = _other_options(ns, model=True)
   if given:
     raise UsageError(
         f"--reference {PREFIX}MODULE:FUNCTION checks MODULE:FUNCTION's model "
         f"against its PyTorch original layer by layer (jaxprec.torch."
-        f"port_check); {', '.join(given)} do not apply to it (its verdict is "
+        f"port_check); {', '.join(given)} {_do(given)} not apply to it (its verdict is "
         f"the suspect rule, its rows are emulated on --target)")
   if ns.function is None:
     raise UsageError(f"--reference {PREFIX}MODULE:FUNCTION needs the JAX "
@@ -139,7 +144,7 @@ def run_builtin(ns: argparse.Namespace, print_table, write_outputs) -> int:
     raise UsageError(
         f"--model {ns.model} --reference pytorch checks jaxprec's port "
         f"against its PyTorch original layer by layer (jaxprec.torch."
-        f"port_check_builtin); {', '.join(given)} do not apply to it (its "
+        f"port_check_builtin); {', '.join(given)} {_do(given)} not apply to it (its "
         f"verdict is the suspect rule, its rows are emulated on --target)")
   precisions = (inputs.precision_list(ns.precisions)
                 if ns.precisions is not None else DEFAULT_ROWS)

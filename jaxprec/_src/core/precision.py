@@ -140,26 +140,27 @@ def _precision(name: str, level: P, preset: D | None = None) -> Precision:
                    preset=preset, tpu=on("tpu"), gpu=on("gpu"))
 
 
-_CPU_REFUSES: dict[str, bool] = {}
+_CPU_REFUSES: dict[Any, bool] = {}
 
 
-def cpu_refuses(preset: lax.DotAlgorithmPreset) -> bool:
+def cpu_refuses(preset: lax.DotAlgorithmPreset | lax.DotAlgorithm) -> bool:
   """Whether the installed JAX refuses ``preset`` on CPU ("not supported by
-  dot_general on CPU"): asked of JAX's own dot lowering, once per preset,
-  by lowering a 2 x 2 dot for the CPU (``_handle_dot_precision`` in
+  dot_general on CPU", or for a ``lax.DotAlgorithm`` object "is not
+  supported"): asked of JAX's own dot lowering, once per algorithm, by
+  lowering a 2 x 2 dot for the CPU (``_handle_dot_precision`` in
   ``jax/_src/lax/lax.py`` keeps the list, and it changes: jax 0.12.1 took
   ``F16_F16_F32``). Float8 operands for the ``ANY_F8_*`` presets, float32
   for the others."""
-  name = preset.name
+  name = getattr(preset, "name", preset)
   if name not in _CPU_REFUSES:
-    dtype = (jnp.float8_e4m3fn if name.startswith("ANY_F8") else np.float32)
+    dtype = (jnp.float8_e4m3fn if str(name).startswith("ANY_F8") else np.float32)
     s = jax.ShapeDtypeStruct((2, 2), dtype)
     f = lambda a, b: lax.dot(a, b, precision=preset)  # noqa: E731
     try:
       jax.jit(f).trace(s, s).lower(lowering_platforms=("cpu",))
       refused = False
     except ValueError as e:
-      if "not supported by dot_general on CPU" not in str(e):
+      if "not supported" not in str(e):
         raise
       refused = True
     _CPU_REFUSES[name] = refused

@@ -96,6 +96,17 @@ def install_command(extras: str, *more: str,
   return f"pip install {shlex.quote(f'jaxprec[{extras}]')}{tail}"
 
 
+# PyTorch's CPU build: `pip install torch` on Linux pulls its CUDA wheels (a few
+# GB), which jaxprec never uses (https://pytorch.org/get-started/locally/).
+TORCH_CPU = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def torch_hint(*more: str) -> str:
+  """The install lines for jaxprec's ``torch`` extra (and ``more``
+  packages), PyTorch's CPU build first."""
+  return f"{TORCH_CPU}, then {install_hint('torch', *more)}"
+
+
 def install_hint(extras: str, *more: str) -> str:
   """The ``pip install`` line for jaxprec's ``extras`` (and ``more``
   packages) that works for this copy of jaxprec: from a clone

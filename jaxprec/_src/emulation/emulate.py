@@ -34,7 +34,7 @@ from jax import lax
 from jaxprec._src.core import names
 from jaxprec._src.core import numerics
 from jaxprec._src.core.context import current
-from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
+from jaxprec._src.core.precision import Precision, PrecisionLike, cpu_refuses, resolve
 from jaxprec._src.emulation import dtype_emulation
 from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.flax import nnx_policy
@@ -254,11 +254,44 @@ def emulate_nnx_call(method: Callable[..., Any], target: str,
   return _emulator(method, policy, target, {}, recorder, stateful)
 
 
+def refused_algorithm(eqn) -> str | None:
+  """The name of the algorithm a ``dot_general`` equation's code passed
+  (``precision=lax.DotAlgorithm(...)`` or a ``DotAlgorithmPreset``) when
+  the backend refuses it (on CPU: :func:`cpu_refuses`), else None."""
+  if eqn.primitive.name != "dot_general":
+    return None
+  algorithm = eqn.params.get("precision")
+  if not isinstance(algorithm, (lax.DotAlgorithm, lax.DotAlgorithmPreset)):
+    return None
+  if compat.backend_platform() != "cpu" or not cpu_refuses(algorithm):
+    return None
+  return getattr(algorithm, "name", None) or "lax.DotAlgorithm(...)"
+
+
+def _exact_dot(eqn, invals):
+  """The walker rule of :func:`exact_refused_dots`."""
+  if refused_algorithm(eqn) is None:
+    return None
+  highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+  return walker.bind_with(eqn, invals, precision=highest)
+
+
+def exact_refused_dots(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` with every ``dot_general`` whose algorithm the backend refuses
+  (:func:`refused_algorithm`) computed at ``HIGHEST``: exact in the
+  operands' dtype on CPU (float32, or float64 under x64), the reference
+  a check compares with. Everything else runs as ``fn`` runs it."""
+  fn, stateful = nnx_policy.lift(fn, None, None)
+  return _emulator(fn, None, "native", {}, None, stateful, rule=_exact_dot)
+
+
 def _emulator(fn: Callable[..., Any],
               precision: PrecisionLike | policy_lib.Policy, target: str,
               options: dict[str, Any], recorder: flax_scope.Recorder | None,
-              stateful: nnx_policy.Stateful | None) -> Callable[..., Any]:
-  """The emulated function of :func:`emulate` (``target`` emulates).
+              stateful: nnx_policy.Stateful | None,
+              rule: walker.Rule | None = None) -> Callable[..., Any]:
+  """The emulated function of :func:`emulate` (``target`` emulates), or
+  with ``rule`` the function ``rule`` rewrites (nothing emulated).
 
   With ``stateful``, the NNX module's state (and that of each graph-node
   argument, an ``nnx.Rngs``) is an argument of the trace and the variables
@@ -277,6 +310,8 @@ def _emulator(fn: Callable[..., Any],
   guards = functools.lru_cache(maxsize=64)(transposed)
   warned: set[str] = set()
   what = getattr(fn, "__qualname__", type(fn).__name__)
+
+  fixed_rule = rule
 
   @functools.wraps(fn)
   def emulated(*args, **kwargs):
@@ -307,11 +342,11 @@ def _emulator(fn: Callable[..., Any],
         if policy.rules:
           _warn_unreached(call.jaxpr, target, dot_fixed, warned, what)
     opaque: list[str] = []
-    rule = emulation_rule(dot_fixed or now, target=target,
-                          conv_default=conv_fixed or now,
-                          on_opaque=opaque.append,
-                          guarded=guards(call.jaxpr),
-                          **options)
+    rule = fixed_rule or emulation_rule(dot_fixed or now, target=target,
+                                        conv_default=conv_fixed or now,
+                                        on_opaque=opaque.append,
+                                        guarded=guards(call.jaxpr),
+                                        **options)
     out = call.unflatten(walker.interpret(call.jaxpr, rule, *call.dynamic))
     warn_opaque(opaque, warned, what)
     if stateful is not None:

@@ -386,6 +386,20 @@ class AuditReport:
     return json.dumps(self.to_dict(), indent=indent)
 
   def __str__(self) -> str:
+    return self.text()
+
+  def text(self, width: int | None = None) -> str:
+    """The table and its summary as text.
+
+    Args:
+      width: the columns to fit in: where the table is wider, each op is a
+        line (``#``, op, name stack, function, source) with its other
+        cells, each after its column's name, on the line below; the summary
+        folds at spaces. None (default): one table, as wide as it needs.
+
+    Returns:
+      The text ``print(report)`` shows (``width=None``).
+    """
     name = self.function or "function"
     head = f"jaxprec audit of {name}"
     if self.precision_in_force:
@@ -414,6 +428,11 @@ class AuditReport:
                    r.shape_rule or r.gpu, si(r.flops, ".0f"),
                    "RISKY" if r.risky else ""))
     out = [head, *table(cols, body, {0, 10})]
+    if width is not None and max(map(len, out)) > width:
+      out = [head]
+      for row in body:  # the row's place, then what it computes
+        out.append("  ".join(c for c in (f"#{row[0]}", *row[1:5], row[11]) if c))
+        out.append("   " + "; ".join(f"{c} {v}" for c, v in zip(cols[5:11], row[5:11])))
     by = self.flops_by_precision()
     n_risky = len(self.risky)
     out.append(
@@ -431,7 +450,12 @@ class AuditReport:
           by_reason.setdefault(r.reason, []).append(i)
       for reason, nums in by_reason.items():
         out.append(f"  {', '.join(f'#{i}' for i in nums)}: {reason}")
-    return "\n".join(out + opaque)
+    out += opaque
+    if width is not None:
+      out = [part for line in out for part in (textwrap.wrap(
+          line, width, subsequent_indent=" " * (len(line) - len(line.lstrip()) + 2),
+          break_long_words=False, break_on_hyphens=False) or [line])]
+    return "\n".join(out)
 
 
 def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
@@ -709,7 +733,7 @@ def _rows(closed, module_paths: dict[str, list[str]],
     meshes[depth + 1] = {**sizes, **_mesh_sizes(eqn)}
     name = walker.opaque_name(eqn)
     if name is not None:
-      source, _ = _frames(eqn)
+      source, _ = _frames(eqn, w.site)
       opaque.append(OpaqueRow(primitive=eqn.primitive.name, name=name,
                               source=source, name_stack=path,
                               scope=tuple(w.scope), trip_count=w.trip_count))
@@ -922,7 +946,7 @@ def _reduction(w: walker.WalkedEqn, name_stack: str, module: str,
            "pass broadcast: cast that value to float32 before it is broadcast")
   reason = (f"adds {what} into each result, rounding every partial sum to "
             f"{dtype}; {fix}")
-  source, op = _frames(eqn)
+  source, op = _frames(eqn, w.site)
   return ReductionRow(
       primitive=prim, kind=kind, dtype=dtype, operand_shape=shape,
       out_shape=tuple(outs[out_i].shape), operands=operands,
@@ -990,7 +1014,7 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
   acc_reason = accumulation_risk(accumulation)
   if acc_reason:
     risky, reason = True, "; ".join(r for r in (reason, acc_reason) if r)
-  source, op = _frames(eqn)
+  source, op = _frames(eqn, w.site)
   groups = 0
   if prim == "ragged_dot_general":
     # Each lhs element meets the free rhs columns of one group only: the
@@ -1088,9 +1112,14 @@ def _risk(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str,
                 f"({tpu.operand_bits} significand bits)")
 
 
-def _frames(eqn) -> tuple[str, str]:
-  """(source, op) from the equation's frames; see AuditRow."""
-  frames = compat.eqn_user_frames(eqn)
+def _frames(eqn, site: Any = None) -> tuple[str, str]:
+  """(source, op) from the equation's frames; see AuditRow. Inside a library
+  primitive's traced implementation (``site``: the equation that called
+  it), where its frames are jaxprec's walker or none, the call site's."""
+  frames = [f for f in compat.eqn_user_frames(eqn)
+            if not os.path.realpath(f[0]).startswith(_WALKER_DIR)]
+  if not frames and site is not None:
+    frames = compat.eqn_user_frames(site)
   if not frames:
     return "", ""
   file, line, func = frames[0]
@@ -1099,6 +1128,11 @@ def _frames(eqn) -> tuple[str, str]:
     if not os.path.realpath(file).startswith(_library_dirs()):
       return f"{file}:{line}", op
   return "", op
+
+
+# jaxprec's jaxpr package: a frame there (the walker tracing a library
+# primitive's implementation) is never the user's op.
+_WALKER_DIR = os.path.join(os.path.dirname(os.path.realpath(walker.__file__)), "")
 
 
 @functools.cache

@@ -53,11 +53,15 @@ class WalkedEqn:
     trip_count: how many times the equation runs per call of the traced
       function, as far as it is static (``scan`` lengths multiply; ``while``
       counts once; ``cond`` branches count once each).
+    site: inside the traced implementation of a library's primitive, the
+      equation that called the primitive (the outermost one: its frames are
+      the user's call site); None elsewhere.
   """
 
   eqn: Any
   scope: tuple[str, ...]
   trip_count: int = 1
+  site: Any = None
 
 
 # ---------------------------------------------------------------------------
@@ -426,7 +430,8 @@ def _sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
 
 
 def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
-              target: str | None = None) -> Iterator[WalkedEqn]:
+              target: str | None = None, site: Any = None
+              ) -> Iterator[WalkedEqn]:
   """Walks every equation of ``jaxpr`` and of every jaxpr nested in it.
 
   Args:
@@ -435,6 +440,7 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
     trip_count: multiplier for :attr:`WalkedEqn.trip_count`.
     target: the platform whose lowering of a library primitive is walked
       (:func:`implementation`); None: the lowering every platform shares.
+    site: :attr:`WalkedEqn.site` of the equations (used in recursion).
 
   Yields:
     :class:`WalkedEqn` in program order, parents before their bodies.
@@ -446,7 +452,7 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
   if isinstance(jaxpr, compat.ClosedJaxpr):
     jaxpr = jaxpr.jaxpr
   for eqn in jaxpr.eqns:
-    yield WalkedEqn(eqn, scope, trip_count)
+    yield WalkedEqn(eqn, scope, trip_count, site)
     inner = scope + (eqn.primitive.name,)
     impl = None
     if classify(eqn.primitive.name) == "traced":
@@ -456,10 +462,12 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
     elif eqn.primitive is _traced_p:  # emulated already: what it runs
       impl = traced_body(eqn)
     if impl is not None:
-      yield from iter_eqns(impl, inner, trip_count, target=target)
+      yield from iter_eqns(impl, inner, trip_count, target=target,
+                           site=site or eqn)
       continue
     for sub, mult in _sub_jaxprs(eqn):
-      yield from iter_eqns(sub, inner, trip_count * mult, target=target)
+      yield from iter_eqns(sub, inner, trip_count * mult, target=target,
+                           site=site)
 
 
 def output_times(jaxpr) -> list[tuple[int, ...]]:
@@ -654,6 +662,12 @@ def _eval(jaxpr, consts, rule: Rule, args) -> list[Any]:
 def bind_unchanged(eqn, invals) -> list[Any]:
   """Binds ``eqn`` as recorded, without rewriting inside it (for use in rules)."""
   return _bind(eqn, invals, eqn.primitive.get_bind_params(dict(eqn.params)))
+
+
+def bind_with(eqn, invals, **changed: Any) -> list[Any]:
+  """Binds ``eqn`` with the parameters ``changed`` (for use in rules)."""
+  params = eqn.primitive.get_bind_params({**eqn.params, **changed})
+  return _bind(eqn, invals, params)
 
 
 def _bind(eqn, invals, params) -> list[Any]:

@@ -97,9 +97,19 @@ def rotary(positions: jax.Array, dim: int, theta: float
 
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  # In the dtype of x, as transformers' LlamaRotaryEmbedding returns them
+  # (``cos.to(dtype=x.dtype)``): a bfloat16 model rotates in bfloat16.
+  cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
   half = x.shape[-1] // 2
   turned = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   return x * cos[:, :, None] + turned * sin[:, :, None]
+
+
+# A key/value cache: one ``(keys, values)`` pair per layer, each ``(batch,
+# length, kv_heads, head_dim)``, the keys rotated (transformers' cache
+# holds them so). A pytree of arrays: it passes through jax.jit and
+# jaxprec.emulate as an argument.
+Cache = tuple[tuple[jax.Array, jax.Array], ...]
 
 
 class _Attention(nnx.Module):
@@ -116,14 +126,25 @@ class _Attention(nnx.Module):
                              rngs=rngs)
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-               mask: jax.Array | None) -> jax.Array:
+               mask: jax.Array | None, kv: Any = None, slot: Any = 0) -> Any:
+    """The output; with ``kv`` (this layer's cache), ``(output, kv)``: the
+    keys and values written at cache slots ``slot, slot + 1, ...``, the
+    queries attending to every slot up to their own."""
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, self.heads, self.dim)
     k = self.k_proj(x).reshape(b, t, self.kv_heads, self.dim)
     v = self.v_proj(x).reshape(b, t, self.kv_heads, self.dim)
-    out = attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask,
-                    causal=True)
-    return self.o_proj(out)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    if kv is None:
+      return self.o_proj(attention(q, k, v, mask, causal=True))
+    # Stored as the cache's dtype and read back as computed: a float32 cache
+    # holds bfloat16 keys exactly.
+    kv = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype),
+                                                   slot, axis=1)
+               for c, new in zip(kv, (k, v)))
+    out = attention(q, kv[0].astype(k.dtype), kv[1].astype(v.dtype), mask,
+                    causal=True, first=slot)
+    return self.o_proj(out), kv
 
 
 class _MLP(nnx.Module):
@@ -149,9 +170,14 @@ class _DecoderLayer(nnx.Module):
         c.hidden_size, epsilon=c.rms_norm_eps, rngs=rngs)
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-               mask: jax.Array | None) -> jax.Array:
-    x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-    return x + self.mlp(self.post_attention_layernorm(x))
+               mask: jax.Array | None, kv: Any = None, slot: Any = 0) -> Any:
+    """The output; with ``kv``, ``(output, kv)`` (:class:`_Attention`)."""
+    a = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, slot)
+    if kv is not None:
+      a, kv = a
+    x = x + a
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return x if kv is None else (x, kv)
 
 
 class LlamaModel(nnx.Module):
@@ -186,18 +212,64 @@ class LlamaModel(nnx.Module):
                             rngs=rngs)
 
   def __call__(self, input_ids: jax.Array,
-               attention_mask: jax.Array | None = None) -> dict[str, Any]:
+               attention_mask: jax.Array | None = None,
+               position_ids: jax.Array | None = None) -> dict[str, Any]:
+    """Teacher forcing over whole sequences; ``position_ids`` ``(batch,
+    seq)`` are the rotary positions (None: ``0, 1, ...``; a left-padded
+    batch gives each row its own, as transformers' ``generate`` does)."""
+    return self._run(input_ids, attention_mask, position_ids, None, 0)
+
+  def decode(self, input_ids: jax.Array, cache: Cache, position: Any,
+             attention_mask: jax.Array | None = None,
+             position_ids: jax.Array | None = None) -> dict[str, Any]:
+    """One decoding step (or a chunk) with a key/value cache.
+
+    Args:
+      input_ids: the new tokens ``(batch, t)``.
+      cache: :meth:`init_cache`'s, or the previous step's ``"cache"``.
+      position: the cache slot of the first new token (an int or a scalar
+        array: one compiled step serves every position).
+      attention_mask: ``(batch, cache length)``, nonzero at slots to attend
+        to (padding is zero); slots after a query's own are never attended.
+      position_ids: rotary positions ``(batch, t)``; None: the slots.
+
+    Returns:
+      ``__call__``'s dict for the new tokens, and ``"cache"``, the cache
+      with their keys and values written.
+    """
+    return self._run(input_ids, attention_mask, position_ids, cache, position)
+
+  def init_cache(self, batch: int, length: int,
+                 dtype: Any = jnp.float32) -> Cache:
+    """An empty cache (zeros) for ``batch`` sequences of up to ``length``
+    tokens. A float32 cache holds keys computed in bfloat16 exactly, and
+    :meth:`decode` reads them back in the dtype they were computed in."""
+    c = self.config
+    shape = (batch, length, c.num_kv_heads, c.dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                 for _ in range(c.num_layers))
+
+  def _run(self, input_ids, attention_mask, position_ids, cache, slot):
     ids = jnp.asarray(input_ids)
-    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    positions = (jnp.asarray(slot) + jnp.arange(ids.shape[1])
+                 if position_ids is None else jnp.asarray(position_ids))
+    positions = jnp.broadcast_to(positions, ids.shape)
     cos, sin = rotary(positions, self.config.dim, self.config.rope_theta)
     mask = None if attention_mask is None else jnp.asarray(attention_mask)
     h = self.embed_tokens(ids)
-    states = []
-    for layer in self.layers:
+    states, written = [], []
+    for i, layer in enumerate(self.layers):
       states.append(h)
-      h = layer(h, cos, sin, mask)
+      if cache is None:
+        h = layer(h, cos, sin, mask)
+      else:
+        h, kv = layer(h, cos, sin, mask, tuple(cache[i]), slot)
+        written.append(kv)
     states.append(self.norm(h))
-    return {"hidden_states": tuple(states), "last_hidden_state": states[-1]}
+    out = {"hidden_states": tuple(states), "last_hidden_state": states[-1]}
+    if cache is not None:
+      out["cache"] = tuple(written)
+    return out
 
   @classmethod
   def from_pytorch(cls, pt_model: Any) -> LlamaModel:
@@ -233,12 +305,52 @@ class LlamaForCausalLM(nnx.Module):
         config.hidden_size, config.vocab_size, use_bias=False, rngs=rngs)
 
   def __call__(self, input_ids: jax.Array,
-               attention_mask: jax.Array | None = None) -> dict[str, Any]:
-    out = self.model(input_ids, attention_mask)
-    h = out["last_hidden_state"]
-    logits = (self.model.embed_tokens.attend(h) if self.lm_head is None
-              else self.lm_head(h))
-    return {"hidden_states": out["hidden_states"], "logits": logits}
+               attention_mask: jax.Array | None = None,
+               position_ids: jax.Array | None = None) -> dict[str, Any]:
+    out = self.model(input_ids, attention_mask, position_ids)
+    return {"hidden_states": out["hidden_states"],
+            "logits": self.head(out["last_hidden_state"])}
+
+  def decode(self, input_ids: jax.Array, cache: Cache, position: Any,
+             attention_mask: jax.Array | None = None,
+             position_ids: jax.Array | None = None) -> dict[str, Any]:
+    """One decoding step (or a chunk) with a key/value cache: ``{"logits":
+    ..., "hidden_states": ..., "cache": ...}`` for the new tokens, as
+    :meth:`LlamaModel.decode`. At float32 a token-by-token decode computes
+    the logits of teacher forcing (``__call__``) to float32 rounding.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxprec.models import LlamaConfig, LlamaForCausalLM
+      >>> model = LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> ids = jnp.array([[5, 9, 2]])
+      >>> cache = model.init_cache(1, 3)
+      >>> steps = []
+      >>> for t in range(3):
+      ...   out = model.decode(ids[:, t:t + 1], cache, t)
+      ...   cache = out["cache"]
+      ...   steps.append(out["logits"])
+      >>> full = model(ids)["logits"]
+      >>> bool(jnp.abs(jnp.concatenate(steps, 1) - full).max() < 1e-5)
+      True
+    """
+    out = self.model.decode(input_ids, cache, position, attention_mask,
+                            position_ids)
+    return {"hidden_states": out["hidden_states"],
+            "logits": self.head(out["last_hidden_state"]),
+            "cache": out["cache"]}
+
+  def init_cache(self, batch: int, length: int,
+                 dtype: Any = jnp.float32) -> Cache:
+    """:meth:`LlamaModel.init_cache`."""
+    return self.model.init_cache(batch, length, dtype)
+
+  def head(self, hidden: jax.Array) -> jax.Array:
+    """The logits of the final hidden states: the language-model head, or
+    the embedding's transpose when tied."""
+    return (self.model.embed_tokens.attend(hidden) if self.lm_head is None
+            else self.lm_head(hidden))
 
   @classmethod
   def from_pytorch(cls, pt_model: Any) -> LlamaForCausalLM:

@@ -3,6 +3,8 @@ and activations."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,7 +24,7 @@ def layer_norm(n: int, eps: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array,
               mask: jax.Array | None = None, *,
-              causal: bool = False) -> jax.Array:
+              causal: bool = False, first: Any = 0) -> jax.Array:
   """Scaled dot-product attention with grouped key/value heads.
 
   The score and value matmuls are ``jnp.einsum`` calls (``dot_general``), so
@@ -37,6 +39,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
       ``repeat_kv``).
     mask: ``(batch, kv_len)``, nonzero where a key may be attended to.
     causal: each query attends only to keys at its position or before.
+    first: the key position of the first query (a decoding step with a
+      cache: the queries are keys ``first, first + 1, ...``).
 
   Returns:
     ``(batch, q_len, heads * head_dim)``.
@@ -49,7 +53,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   if mask is not None:
     keep = keep & (mask[:, None, None, None, :] > 0)
   if causal:
-    keep = keep & (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])
+    keep = keep & (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + first)
   scores = jnp.where(keep, scores, jnp.finfo(scores.dtype).min)
   weights = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bgrts,bsgd->btgrd", weights, v)

@@ -22,6 +22,7 @@ import weakref
 from typing import Any
 
 from jaxprec._src.core import numerics
+from jaxprec._src.core.version import install_hint
 from jaxprec._src.flax import hook, nnx_policy
 from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.flax import scope as flax_scope
@@ -75,10 +76,22 @@ class _SwapConfig:
 def _accepted(model: Any) -> TypeError:
   what = ("a class" if isinstance(model, type)
           else f"{model!r} of type {type(model).__name__}")
+  owner = (getattr(model if isinstance(model, type) else type(model),
+                   "__module__", "") or "").split(".")[0]
+  why = ""
+  if owner in ("transformers", "torch"):  # a PyTorch model: said what to do
+    kind = model if isinstance(model, type) else type(model)
+    what = f"{kind.__module__}.{kind.__qualname__}"  # (its repr: many lines)
+    why = (f" It is a PyTorch model: Hugging Face's Flax models "
+           f"(FlaxBertModel, ...) exist in transformers 4.x only "
+           f"({install_hint('hf-flax')}; transformers 5 removed them). For a "
+           f"PyTorch model, swap jaxprec's NNX port with its weights: "
+           f"jaxprec.models.BertModel.from_pytorch(model) (or Wav2Vec2Model, "
+           f"LlamaModel).")
   return TypeError(
       f"jaxprec.swap accepts a flax.linen.Module instance, a flax.nnx.Module, "
       f"or a Hugging Face Flax model (transformers.FlaxPreTrainedModel); got "
-      f"{what}.")
+      f"{what}.{why}")
 
 
 def _is_hf_model(model: Any, nn) -> bool:

@@ -15,13 +15,14 @@ never at import.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from jaxprec._src.core import names
-from jaxprec._src.core.version import install_hint
+from jaxprec._src.core.version import install_hint, torch_hint
 from jaxprec._src.torch import torch_ref
 
 
@@ -306,14 +307,23 @@ def twin(name: str, seed: int = 0, *, layers: int | None = None) -> Twin:
 
 
 def require() -> tuple[Any, Any]:
-  """``(torch, transformers)``, what a port check needs, or a one-line
-  ImportError with the install hint."""
-  torch = torch_ref.import_torch()
-  try:
-    import transformers  # noqa: PLC0415 -- optional, imported when used
-  except ImportError as e:
-    raise ImportError("port checks need transformers' PyTorch models: "
-                      f"{install_hint('torch', 'transformers')}") from e
+  """``(torch, transformers)``, what a port check needs, or one one-line
+  ImportError naming every one of them that is missing, with the install
+  lines (PyTorch's CPU build first)."""
+  found, missing = [], []
+  for name in ("torch", "transformers"):
+    try:
+      found.append(importlib.import_module(name))
+    except ImportError:
+      missing.append(name)
+  if missing:
+    lines = (torch_hint("transformers") if "torch" in missing
+             else install_hint("torch", "transformers"))
+    raise ImportError(
+        f"port checks need PyTorch (torch) and transformers' PyTorch models; "
+        f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+        f"installed: {lines}")
+  torch, transformers = found
   return torch, transformers
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxprec._src.core.version import install_hint
+from jaxprec._src.core.version import install_hint, torch_hint
 
 
 def hf_flax_hint() -> str:
@@ -34,8 +34,7 @@ def import_torch():
   try:
     import torch  # noqa: PLC0415 -- optional, imported when used
   except ImportError as e:
-    raise ImportError(f"jaxprec.torch needs PyTorch: "
-                      f"{install_hint('torch')}") from e
+    raise ImportError(f"jaxprec.torch needs PyTorch: {torch_hint()}") from e
   return torch
 
 

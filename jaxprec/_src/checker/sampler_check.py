@@ -1,0 +1,538 @@
+"""``jaxprec.check_sampler``: an RL trainer's log-probs against its sampler's.
+
+Two ways to compute one model on one token sequence:
+
+* the trainer: a teacher-forced forward over the whole sequence, alone;
+* the sampler: the prompt in one chunk, then one token at a time with a
+  key/value cache (the model's ``decode``), the sequence alone or left-padded
+  among other sequences, as transformers' ``generate`` batches them.
+
+Each side has its own numerics (:class:`Compute`: a precision or a policy,
+a target, a chip, the LM head's own), emulated on any backend
+(:func:`jaxprec.emulate`). The report holds the figures RL frameworks log
+(:mod:`jaxprec._src.checker.sampler`), the gap split by factor, and where the
+two first part: the first token position, then the first layer there, whose
+hidden state differs by more than the float32 floor.
+
+The attribution switches one factor at a time from the sampler's setting to
+the trainer's (the LM head's numerics, the body's, decoding with a cache or
+teacher forcing, the batch) and reads the RMS of the gap each time: a
+factor's share is how much the RMS falls, and the remainder (what the
+factors do together) makes the shares sum to the total.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprec._src.checker import sampler as figures_lib
+from jaxprec._src.core import numerics
+from jaxprec._src.core.precision import PrecisionLike, resolve
+from jaxprec._src.emulation import emulated_ops
+from jaxprec._src.emulation.emulate import emulate
+from jaxprec._src.flax import nnx_policy
+from jaxprec._src.policy.policy import Policy
+
+SCHEMA = "jaxprec.sampler/1"
+WIDTH = 100  # the text report folds to this many columns
+FACTORS = ("lm_head", "body", "decode", "batch")
+
+NOT_MODELLED = (
+    "An inference engine's own kernels (paged or flash attention, fused "
+    "norms, its sampler's logit processing) and sampler-side quantization "
+    "are not modelled: the sampler here is this model's own decode, at the "
+    "sampler's precision, dtypes and chip.",
+    "A device's shape-dependent choice of kernel (another algorithm or split "
+    "for another batch size or cache length) is not modelled: the batch "
+    "changes what emulation computes for the row itself (the padded slots "
+    "in the attention sums, a chip's summation groups, the TPU's "
+    "matrix-vector rule), not the kernels a device would pick.",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Compute:
+  """How one side (trainer or sampler) computes the model.
+
+  Attributes:
+    precision: a precision name, a :class:`jaxprec.Policy` or a policy
+      string (compute dtypes per module: ``'default=dtype:bfloat16'`` is
+      bfloat16 weights and activations); None: the precision in force.
+    target: ``'tpu'`` or ``'gpu'`` (emulated on any backend), ``'cpu'``
+      (native: float32 on a CPU).
+    chip: with ``target='gpu'``, the NVIDIA chip whose tensor cores are
+      emulated (``'a100'``, ``'h100'``, ``'b200'``); None: the algorithm's
+      rounding alone.
+    head: the LM head's precision or policy where it differs from the
+      body's (None: ``precision``), e.g. ``'default=float32+dtype:float32'``
+      for a float32 head on a bfloat16 body (a rule on the path
+      ``lm_head`` in ``precision`` does the same).
+
+  Raises:
+    ValueError: an unknown precision, policy, target or chip, or a chip
+      without ``target='gpu'``.
+
+  Examples:
+    >>> import jaxprec
+    >>> s = jaxprec.Compute(precision="default=dtype:bfloat16", target="gpu",
+    ...                     chip="h100")
+    >>> str(s)
+    'default=dtype:bfloat16 on gpu (h100)'
+  """
+
+  precision: PrecisionLike | Policy = None
+  target: str = "cpu"
+  chip: str | None = None
+  head: PrecisionLike | Policy = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "target", numerics.check_target(
+        self.target, emulation=True))
+    object.__setattr__(self, "chip", emulated_ops.check_chip(
+        self.chip, self.target))
+    for name in ("precision", "head"):
+      object.__setattr__(self, name, _numerics(getattr(self, name), name))
+
+  def body(self) -> tuple[Any, str, str | None]:
+    """The body's ``(precision or policy, target, chip)``."""
+    return self.precision, self.target, self.chip
+
+  def lm_head(self) -> tuple[Any, str, str | None]:
+    """The LM head's ``(precision or policy, target, chip)``."""
+    return (self.precision if self.head is None else self.head,
+            self.target, self.chip)
+
+  def __str__(self) -> str:
+    text = _label(*self.body())
+    if self.head is not None:
+      text += f", head {_label(self.head, None, None)}"
+    return text
+
+
+def _numerics(value: Any, name: str) -> Any:
+  """A precision or a policy, checked: a policy string becomes a
+  :class:`Policy`, a precision stays as typed (its name is what the target
+  reads)."""
+  if value is None:
+    return None
+  if isinstance(value, Policy) or (isinstance(value, str) and "=" in value):
+    return Policy.parse(value)
+  try:
+    resolve(value)
+  except ValueError as e:
+    raise ValueError(f"Compute {name}=: {e}") from e
+  return value
+
+
+def _label(value: Any, target: str | None, chip: str | None) -> str:
+  text = ("the precision in force" if value is None
+          else str(getattr(value, "name", value)))
+  if target is not None:
+    text += f" on {target}" + (f" ({chip})" if chip else "")
+  return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+  """One factor of the attribution.
+
+  Attributes:
+    factor: one of ``'lm_head'``, ``'body'``, ``'decode'``, ``'batch'``.
+    sampler, trainer: the factor's setting on each side.
+    rms: the RMS gap with this factor alone switched to the trainer's.
+    share: the total RMS gap minus ``rms``, in nats (0 where both sides
+      agree on the factor).
+  """
+
+  factor: str
+  sampler: str
+  trainer: str
+  rms: float
+  share: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+  """Where the two paths first part: the first token position at which a
+  hidden state differs by more than ``floor`` (relative RMS over the hidden
+  width), and the first such layer there (``'lm_head'``: the logits)."""
+
+  position: int
+  layer: str
+  relative_rms: float
+  floor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerReport:
+  """What :func:`jaxprec.check_sampler` found.
+
+  Attributes:
+    trainer, sampler: each side's numerics, in words.
+    sampling: the log-probabilities compared (raw or processed, with the
+      options), in words.
+    tokens: the sequence; ``prompt``: how many of its tokens the sampler
+      prefilled in one chunk (the figures cover the tokens after them).
+    batch: the lengths of the sequences decoded alongside (empty: alone).
+    figures: :class:`GapFigures` of the whole gap.
+    shares: one :class:`Share` per factor; ``remainder``: the total minus
+      the shares (the factors' interaction); ``total``: ``figures.rms``.
+    layers: for each hidden state compared (name, the largest relative RMS
+      difference over positions).
+    first_divergence: a :class:`Divergence`, or None where every hidden
+      state stays within ``floor``.
+    floor: the relative RMS difference counted as float32 rounding.
+    notes: what the check does not see.
+  """
+
+  trainer: str
+  sampler: str
+  sampling: str
+  tokens: tuple[int, ...]
+  prompt: int
+  batch: tuple[int, ...]
+  figures: figures_lib.GapFigures
+  shares: tuple[Share, ...]
+  remainder: float
+  total: float
+  layers: tuple[tuple[str, float], ...]
+  first_divergence: Divergence | None
+  floor: float
+  notes: tuple[str, ...]
+
+  def to_dict(self) -> dict[str, Any]:
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["figures"] = self.figures.to_dict()
+    d["shares"] = [dataclasses.asdict(s) for s in self.shares]
+    d["layers"] = [{"layer": n, "relative_rms_max": v} for n, v in self.layers]
+    d["first_divergence"] = (None if self.first_divergence is None
+                             else dataclasses.asdict(self.first_divergence))
+    return {"schema": SCHEMA, **d}
+
+  def to_json(self) -> str:
+    """The report as JSON, keys sorted (the same report, the same bytes);
+    infinities as ``Infinity``."""
+    return json.dumps(self.to_dict(), sort_keys=True, indent=1)
+
+  def _summary(self) -> list[tuple[str, str]]:
+    g = self.figures
+    rows = [("mean delta", f"{g.mean:+.4g}"), ("RMS delta", f"{g.rms:.4g}"),
+            ("max |delta|", f"{g.max_abs:.4g}"),
+            ("KL(train||sample) mean / max",
+             f"{g.kl_train_sample_mean:.3g} / {g.kl_train_sample_max:.3g}"),
+            ("KL(sample||train) mean / max",
+             f"{g.kl_sample_train_mean:.3g} / {g.kl_sample_train_max:.3g}"),
+            ("top-1 disagreement", f"{g.top1_disagreement:.3g}")]
+    rows += [(f"ratio outside [{lo:g}, {hi:g}]", f"{f:.3g}")
+             for lo, hi, f in g.outside]
+    return rows
+
+  def _where(self) -> str:
+    d = self.first_divergence
+    if d is None:
+      return (f"no hidden state differs by more than the float32 floor "
+              f"(relative RMS {self.floor:g})")
+    return (f"token position {d.position}, layer {d.layer} (relative RMS "
+            f"{d.relative_rms:.3g} > floor {self.floor:g})")
+
+  def _heading(self) -> list[str]:
+    n = len(self.tokens) - self.prompt
+    batch = ("alone" if not self.batch else
+             f"left-padded among {len(self.batch)} other sequences (lengths "
+             f"{', '.join(map(str, self.batch))})")
+    return [f"trainer vs sampler: {n} sampled tokens of {len(self.tokens)}, "
+            f"{self.sampling}",
+            f"trainer: {self.trainer}; teacher-forced forward, alone",
+            f"sampler: {self.sampler}; prompt of {self.prompt} in one chunk, "
+            f"then decode with a KV cache, {batch}"]
+
+  def __str__(self) -> str:
+    fold = textwrap.TextWrapper(width=WIDTH, subsequent_indent="    ")
+    lines = [x for h in self._heading() for x in fold.wrap(h)]
+    lines += ["", "gap: log pi_train - log pi_sample of each sampled token "
+              "(nats)"]
+    lines += [f"  {k:<30} {v}" for k, v in self._summary()]
+    lines += ["", "attribution: each factor alone switched from the "
+              "sampler's setting to the trainer's",
+              f"  {'factor':<8} {'sampler':<33} {'trainer':<33} "
+              f"{'RMS delta':>9} {'share':>9}"]
+    for s in self.shares:
+      a, b = textwrap.wrap(s.sampler, 33), textwrap.wrap(s.trainer, 33)
+      for i in range(max(len(a), len(b))):
+        cells = (a[i] if i < len(a) else "", b[i] if i < len(b) else "")
+        tail = f" {s.rms:>9.3g} {s.share:>+9.3g}" if i == 0 else ""
+        lines.append(f"  {s.factor if i == 0 else '':<8} {cells[0]:<33} "
+                     f"{cells[1]:<33}{tail}".rstrip())
+    lines += [f"  {'remainder (the factors together)':<86} "
+              f"{self.remainder:>+9.3g}",
+              f"  {'total':<76} {self.total:>9.3g} {self.total:>+9.3g}", ""]
+    lines += fold.wrap(f"first divergence: {self._where()}")
+    lines += ["  " + " ".join(f"{n} {v:.2g}" for n, v in self.layers[i:i + 4])
+              for i in range(0, len(self.layers), 4)]
+    lines += [x for n in self.notes
+              for x in fold.wrap(f"note: {n}")]
+    return "\n".join(lines)
+
+  def to_markdown(self) -> str:
+    """The report as GitHub-flavoured markdown."""
+    out = ["\n\n".join(self._heading()), "",
+           "| figure | value |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in self._summary()]
+    out += ["", "| factor | sampler | trainer | RMS delta | share (nats) |",
+            "|---|---|---|---|---|"]
+    out += [f"| {s.factor} | {s.sampler} | {s.trainer} | {s.rms:.3g} | "
+            f"{s.share:+.3g} |" for s in self.shares]
+    out += [f"| remainder | | | | {self.remainder:+.3g} |",
+            f"| total | | | {self.total:.3g} | {self.total:+.3g} |", "",
+            f"First divergence: {self._where()}.", "",
+            "| layer | largest relative RMS |", "|---|---|"]
+    out += [f"| {n} | {v:.3g} |" for n, v in self.layers]
+    out += [""] + [f"- {n}" for n in self.notes]
+    return "\n".join(out) + "\n"
+
+
+@functools.lru_cache(maxsize=32)
+def _program(fn: nnx_policy.Stateful, setting: tuple[Any, str, str | None]):
+  """``fn(state, ...)`` jitted, emulated at ``setting``. Keyed on the model's
+  structure (``fn`` is one per graph definition) and the setting; holds no
+  arrays: the state is an argument."""
+  precision, target, chip = setting
+  options = {} if chip is None else {"chip": chip}
+  return jax.jit(emulate(fn, precision, target=target, **options))
+
+
+class _Runs:
+  """The model's programs, one per side's numerics and call (shared by
+  checks of models of one structure); the model's state is their
+  argument."""
+
+  def __init__(self, model: Any):
+    self.model = model
+    self.state = jax.tree.map(jnp.asarray, _nnx().state(model))
+
+  def program(self, method: str, setting: tuple[Any, str, str | None]):
+    fn, _ = nnx_policy.stateful(getattr(self.model, method), ())
+    return _program(fn, setting)
+
+  def forward(self, setting, ids, mask, positions):
+    out = self.program("__call__", setting)(self.state, ids, mask, positions)
+    return out["hidden_states"]
+
+  def decode(self, setting, ids, mask, positions, chunk):
+    """The hidden states of a decode: ``ids[:, :chunk]`` in one chunk, then
+    one token at a time (a chunk of 1 token or less: every token alone,
+    padding included, one program for every step)."""
+    step = self.program("decode", setting)
+    cache = self.model.init_cache(*ids.shape)
+    states, at = [], 0
+    for n in [chunk] + [1] * (ids.shape[1] - chunk):
+      out = step(self.state, ids[:, at:at + n], cache, jnp.int32(at), mask,
+                 positions[:, at:at + n])
+      cache = out["cache"]
+      states.append(out["hidden_states"])
+      at += n
+    return tuple(jnp.concatenate(s, axis=1) for s in zip(*states))
+
+  def head(self, setting, hidden):
+    return self.program("head", setting)(self.state, hidden)
+
+
+def _nnx():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return nnx
+
+
+def _layer_names(model: Any, count: int) -> list[str]:
+  layers = getattr(getattr(model, "config", None), "num_layers", None)
+  if layers is not None and count == layers + 1:
+    return (["model/embed_tokens"]
+            + [f"model/layers/{i}" for i in range(layers - 1)]
+            + ["model/norm", "lm_head"])
+  return [f"hidden_states[{i}]" for i in range(count)] + ["lm_head"]
+
+
+def _batch(tokens: np.ndarray, lengths: tuple[int, ...], vocab: int,
+           seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+  """``(ids, mask, positions, pad)``: the sequence as row 0, the others
+  (random tokens of ``lengths``) after it, all left-padded to the longest;
+  ``pad`` is row 0's padding."""
+  rng = np.random.default_rng(seed)
+  rows = [tokens] + [rng.integers(0, vocab, n) for n in lengths]
+  width = max(map(len, rows))
+  ids = np.zeros((len(rows), width), np.int32)
+  mask = np.zeros((len(rows), width), np.int32)
+  for i, r in enumerate(rows):
+    ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+  return ids, mask, positions, width - len(tokens)
+
+
+def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
+                  sampler: Compute = Compute(),
+                  sampling: figures_lib.Sampling = figures_lib.Sampling(),
+                  prompt: int = 1, batch: Sequence[int] = (),
+                  floor: float = 1e-5, seed: int = 0) -> SamplerReport:
+  """How far a sampler's log-probabilities are from the trainer's, and why.
+
+  The trainer computes ``model(tokens)`` (teacher forcing) with its
+  numerics; the sampler prefills ``tokens[:prompt]`` and decodes the rest
+  one token at a time with ``model.decode`` and a KV cache, with its own
+  numerics, the sequence alone or among ``batch``. Both are emulated on any
+  backend (:func:`jaxprec.emulate`); the user's model is not changed.
+
+  Args:
+    model: a causal language model with ``__call__(ids, attention_mask,
+      position_ids)``, ``decode(ids, cache, position, attention_mask,
+      position_ids)``, ``init_cache(batch, length)``, ``head(hidden)`` and
+      ``config.vocab_size``, returning ``"hidden_states"``: the built-in NNX
+      Llama
+      (:class:`jaxprec.models.LlamaForCausalLM`, ``from_pytorch`` for a
+      transformers checkpoint).
+    tokens: the sequence ``(length,)``: prompt and sampled tokens.
+    trainer, sampler: each side's numerics (:class:`jaxprec.Compute`).
+    sampling: the log-probabilities compared (:class:`jaxprec.Sampling`:
+      raw, or processed with a temperature, top-k, top-p).
+    prompt: tokens the sampler prefills in one chunk (at least 1); the
+      figures cover the tokens after them.
+    batch: lengths of other sequences (random tokens from ``seed``) the
+      sampler decodes alongside, every row left-padded to the longest.
+    floor: the relative RMS difference of a hidden state counted as float32
+      rounding, not a divergence.
+    seed: the other sequences' tokens.
+
+  Returns:
+    A :class:`jaxprec.SamplerReport`.
+
+  Raises:
+    TypeError: ``trainer``/``sampler`` not a :class:`Compute`, ``sampling``
+      not a :class:`Sampling`, or a model without ``decode``.
+    ValueError: tokens that are not a sequence of at least 2 token ids in
+      the vocabulary, a ``prompt`` outside ``1..length-1``, a batch length
+      below 1, or a ``floor`` that is not a positive number.
+  """
+  for name, value, kind in (("trainer", trainer, Compute),
+                            ("sampler", sampler, Compute),
+                            ("sampling", sampling, figures_lib.Sampling)):
+    if not isinstance(value, kind):
+      raise TypeError(f"check_sampler: {name}= takes a jaxprec."
+                      f"{kind.__name__}; got {value!r}")
+  missing = [m for m in ("decode", "init_cache", "head")
+             if not callable(getattr(model, m, None))]
+  if missing:
+    raise TypeError(f"check_sampler: the model has no {', '.join(missing)} "
+                    f"method; it takes a causal LM with a KV-cache decode, "
+                    f"such as jaxprec.models.LlamaForCausalLM")
+  ids = np.asarray(tokens)
+  vocab = model.config.vocab_size
+  if ids.ndim != 1 or len(ids) < 2 or not np.issubdtype(
+      ids.dtype, np.integer) or ((ids < 0) | (ids >= vocab)).any():
+    raise ValueError(f"check_sampler: tokens must be one sequence of at "
+                     f"least 2 token ids in 0..{vocab - 1}; got shape "
+                     f"{ids.shape}, dtype {ids.dtype}")
+  if isinstance(prompt, bool) or not isinstance(prompt, (int, np.integer)) \
+      or not 1 <= prompt < len(ids):
+    raise ValueError(f"check_sampler: prompt={prompt!r}: an integer in "
+                     f"1..{len(ids) - 1} (tokens the sampler prefills)")
+  batch = tuple(batch)
+  if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
+         for n in batch):
+    raise ValueError(f"check_sampler: batch={batch!r}: lengths >= 1 of the "
+                     f"other sequences")
+  if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not (
+      floor > 0):
+    raise ValueError(f"check_sampler: floor={floor!r}: a number > 0")
+
+  runs = _Runs(model)
+  b_ids, b_mask, b_pos, pad = _batch(ids, batch, vocab, seed)
+  alone = _batch(ids, (), vocab, seed)
+
+  def hidden(body, decode, batched):
+    i, m, p, skip = (b_ids, b_mask, b_pos, pad) if batched else alone
+    i, m, p = map(jnp.asarray, (i, m, p))
+    if decode:  # a one-token prompt: no chunk, padding one step at a time
+      states = runs.decode(body, i, m, p, skip + prompt if prompt > 1 else 1)
+    else:  # teacher forcing: the trainer's plain call when alone
+      states = (runs.forward(body, i, None, None) if not batched
+                else runs.forward(body, i, m, p))
+    return states, skip
+
+  def logits(states, skip, head):
+    z = runs.head(head, states[-1])
+    sl = slice(skip + prompt - 1, skip + len(ids) - 1)
+    return np.asarray(z[0, sl], np.float64), [
+        np.asarray(s[0, skip:], np.float64) for s in states] + [
+            np.asarray(z[0, skip:], np.float64)]
+
+  sampled = ids[prompt:]
+  t_states, t_skip = hidden(trainer.body(), False, False)
+  t_logits, t_layers = logits(t_states, t_skip, trainer.lm_head())
+  s_states, s_skip = hidden(sampler.body(), True, bool(batch))
+  s_logits, s_layers = logits(s_states, s_skip, sampler.lm_head())
+  gap = figures_lib.gap_figures(t_logits, s_logits, sampled, sampling)
+
+  def rms_with(body, head, decode, batched):
+    if (body, decode, batched) == (sampler.body(), True, bool(batch)):
+      states, skip = s_states, s_skip
+    else:
+      states, skip = hidden(body, decode, batched)
+    z, _ = logits(states, skip, head)
+    return figures_lib.gap_figures(t_logits, z, sampled, sampling).rms
+
+  s_body, s_head = sampler.body(), sampler.lm_head()
+  switched = {
+      "lm_head": (_describe(s_head), _describe(trainer.lm_head()),
+                  s_head != trainer.lm_head(),
+                  (s_body, trainer.lm_head(), True, bool(batch))),
+      "body": (_describe(s_body), _describe(trainer.body()),
+               s_body != trainer.body(),
+               (trainer.body(), s_head, True, bool(batch))),
+      "decode": ("decode with a KV cache", "teacher forcing", True,
+                 (s_body, s_head, False, bool(batch))),
+      "batch": (f"among {len(batch)} others" if batch else "alone", "alone",
+                bool(batch), (s_body, s_head, True, False)),
+  }
+  shares = []
+  for factor in FACTORS:
+    s_text, t_text, differs, args = switched[factor]
+    r = rms_with(*args) if differs else gap.rms
+    shares.append(Share(factor, s_text, t_text, r, gap.rms - r))
+  remainder = gap.rms - sum(s.share for s in shares)
+
+  names = _layer_names(model, len(t_layers) - 1)
+  rel = np.stack([_relative(s, t) for s, t in zip(s_layers, t_layers)])
+  first = None
+  over = np.argwhere(rel.T > floor)  # (position, layer), in that order
+  if len(over):
+    p, layer = over[0]
+    first = Divergence(int(p), names[layer], float(rel[layer, p]),
+                       float(floor))
+  return SamplerReport(
+      trainer=str(trainer), sampler=str(sampler), sampling=str(sampling),
+      tokens=tuple(map(int, ids)), prompt=int(prompt),
+      batch=tuple(map(int, batch)), figures=gap, shares=tuple(shares),
+      remainder=float(remainder), total=gap.rms,
+      layers=tuple((n, float(r)) for n, r in zip(names, rel.max(axis=1))),
+      first_divergence=first, floor=float(floor), notes=NOT_MODELLED)
+
+
+def _describe(setting: tuple[Any, str, str | None]) -> str:
+  return _label(*setting)
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """Per position (the first axis): RMS of ``a - b`` over the rest, over
+  the RMS of ``b``."""
+  a, b = a.reshape(len(a), -1), b.reshape(len(b), -1)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    d = np.sqrt(((a - b) ** 2).mean(1))
+    r = d / np.sqrt((b * b).mean(1))
+  return np.where(d == 0, 0.0, np.where(np.isnan(r), np.inf, r))

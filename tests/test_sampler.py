@@ -1,0 +1,391 @@
+"""Trainer vs sampler: the KV-cache decode of the built-in Llama, the figures
+RL frameworks log, and jaxprec.check_sampler."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxprec._src.models.llama import LlamaConfig, LlamaForCausalLM
+
+T = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+  return LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return np.random.default_rng(1).integers(0, 256, T)
+
+
+def _logp(logits):
+  z = np.asarray(logits, np.float64)
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _sampled(logits, ids):
+  """log p of the next token at each position, float64."""
+  lp = _logp(logits)[0, :-1]
+  return lp[np.arange(len(ids) - 1), ids[1:]]
+
+
+def _decode(model, ids, chunks):
+  cache, out, at = model.init_cache(1, len(ids)), [], 0
+  step = jax.jit(lambda m, *a: m.decode(*a))
+  for n in chunks:
+    o = step(model, jnp.asarray(ids[None, at:at + n]), cache, at)
+    cache = o["cache"]
+    out.append(o["logits"])
+    at += n
+  return jnp.concatenate(out, 1)
+
+
+@pytest.mark.parametrize("chunks", [(1,) * T, (5, 1, 1, 1, 4)])
+def test_decode_with_a_cache_is_teacher_forcing_at_float32(model, tokens,
+                                                           chunks):
+  forced = model(jnp.asarray(tokens[None]))["logits"]
+  decoded = _decode(model, tokens, chunks)
+  gap = np.abs(_sampled(decoded, tokens) - _sampled(forced, tokens))
+  assert gap.max() <= 1e-5
+  # every token of the vocabulary too
+  assert np.abs(_logp(decoded) - _logp(forced)).max() <= 1e-5
+
+
+def test_a_left_padded_row_decodes_as_the_sequence_alone(model, tokens):
+  pad = 3
+  ids = np.concatenate([np.zeros(pad, int), tokens])[None]
+  mask = jnp.asarray(np.arange(ids.shape[1]) >= pad)[None].astype(jnp.int32)
+  pos = jnp.asarray(np.maximum(np.arange(ids.shape[1]) - pad, 0))[None]
+  cache, out = model.init_cache(1, ids.shape[1]), []
+  for t in range(ids.shape[1]):
+    o = model.decode(jnp.asarray(ids[:, t:t + 1]), cache, t, mask,
+                     pos[:, t:t + 1])
+    cache = o["cache"]
+    out.append(o["logits"])
+  padded = jnp.concatenate(out, 1)[:, pad:]
+  forced = model(jnp.asarray(ids), mask, pos)["logits"][:, pad:]
+  alone = model(jnp.asarray(tokens[None]))["logits"]
+  assert np.abs(_logp(padded) - _logp(alone)).max() <= 1e-5
+  assert np.abs(_logp(forced) - _logp(alone)).max() <= 1e-5
+
+
+def test_the_cache_keeps_the_dtype_it_was_given(model, tokens):
+  cache = model.init_cache(2, 4, jnp.bfloat16)
+  out = model.decode(jnp.ones((2, 1), jnp.int32), cache, 0)
+  assert [a.dtype for kv in out["cache"] for a in kv] == [jnp.bfloat16] * 4
+  assert out["logits"].shape == (2, 1, 256)
+  # the slot written, and no other
+  k = np.asarray(out["cache"][0][0], np.float32)
+  assert np.abs(k[:, 0]).max() > 0 and not np.abs(k[:, 1:]).any()
+
+
+# --- the figures, against a float64 computation written out token by token
+
+import math  # noqa: E402
+
+from jaxprec._src.checker import sampler as figures  # noqa: E402
+
+
+def _ref_logprobs(z, temperature=1.0, top_k=None, top_p=None):
+  """One position's log-probabilities, a loop over the vocabulary."""
+  z = [float(v) / temperature for v in z]
+  keep = list(range(len(z)))
+  if top_k is not None:
+    keep = sorted(keep, key=lambda i: -z[i])[:top_k]
+  m = max(z[i] for i in keep)
+  total = math.fsum(math.exp(z[i] - m) for i in keep)
+  lp = {i: z[i] - m - math.log(total) for i in keep}
+  if top_p is not None:
+    kept, mass = [], 0.0
+    for i in sorted(lp, key=lambda i: -lp[i]):
+      if mass >= top_p:
+        break
+      kept.append(i)
+      mass += math.exp(lp[i])
+    total = math.fsum(math.exp(lp[i]) for i in kept)
+    lp = {i: lp[i] - math.log(total) for i in kept}
+  return [lp.get(i, -math.inf) for i in range(len(z))]
+
+
+def _ref_kl(lp, lq):
+  return math.fsum(math.exp(a) * (a - b) for a, b in zip(lp, lq)
+                   if a > -math.inf)
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"logprobs": "processed", "temperature": 0.7},
+    {"logprobs": "processed", "temperature": 1.3, "top_k": 6},
+    {"logprobs": "processed", "top_p": 0.9},
+    {"logprobs": "processed", "temperature": 0.8, "top_k": 10, "top_p": 0.95}])
+def test_every_figure_against_a_float64_loop(options):
+  rng = np.random.default_rng(3)
+  train = rng.normal(0, 2, (9, 16)).astype(np.float32)
+  sample = (train + rng.normal(0, 0.05, train.shape)).astype(np.float32)
+  sample[4] = train[4] + 0.7 * rng.normal(size=16)  # a larger gap here
+  # tokens the sampler could have drawn: its most likely
+  ids = np.argmax(sample, -1)
+  sampling = figures.Sampling(**options)
+  g = figures.gap_figures(train, sample, ids, sampling)
+  ref = {k: options.get(k) for k in ("top_k", "top_p")}
+  ref["temperature"] = options.get("temperature", 1.0)
+  lt = [_ref_logprobs(z, **ref) for z in train]
+  ls = [_ref_logprobs(z, **ref) for z in sample]
+  delta = [a[i] - b[i] for a, b, i in zip(lt, ls, ids)]
+  np.testing.assert_allclose(g.delta, delta, rtol=1e-12, atol=1e-13)
+  assert g.mean == pytest.approx(math.fsum(delta) / 9, rel=1e-12, abs=1e-14)
+  r = math.sqrt(math.fsum(d * d for d in delta) / 9)
+  assert g.rms == pytest.approx(r, rel=1e-12) and g.ratio_log_rms == g.rms
+  assert g.max_abs == pytest.approx(max(map(abs, delta)), rel=1e-12)
+  kts = [_ref_kl(a, b) for a, b in zip(lt, ls)]
+  kst = [_ref_kl(b, a) for a, b in zip(lt, ls)]
+  np.testing.assert_allclose(g.kl_train_sample, kts, rtol=1e-9, atol=1e-15)
+  np.testing.assert_allclose(g.kl_sample_train, kst, rtol=1e-9, atol=1e-15)
+  assert g.kl_train_sample_max == pytest.approx(max(kts), rel=1e-9)
+  assert g.kl_sample_train_mean == pytest.approx(math.fsum(kst) / 9,
+                                                 rel=1e-9)
+  top1 = [max(range(16), key=a.__getitem__) != max(range(16),
+                                                   key=b.__getitem__)
+          for a, b in zip(lt, ls)]
+  assert g.top1_disagreement == sum(top1) / 9 and any(top1) == any(
+      g.top1_differs)
+  for (lo, hi, frac) in g.outside:
+    out = [not lo <= math.exp(d) <= hi for d in delta]
+    assert frac == sum(out) / 9
+  assert g.outside[1][2] > 0  # the large gap leaves [0.8, 1.25]
+
+
+def test_a_token_the_trainer_drops_is_an_infinite_gap():
+  train = np.array([[5.0, 0.0, -1.0]])
+  sample = np.array([[4.0, 5.0, -1.0]])
+  g = figures.gap_figures(train, sample, [1], figures.Sampling(
+      logprobs="processed", top_k=1))
+  assert g.delta == (-math.inf,) and g.top1_differs == (True,)
+  assert g.kl_train_sample == g.kl_sample_train == (math.inf,)
+  g = figures.gap_figures(train, [[5.0, 4.0, -1.0]],
+                          [0], figures.Sampling(logprobs="processed",
+                                                top_p=0.9))
+  # the trainer keeps token 0 alone, the sampler tokens 0 and 1
+  assert g.kl_sample_train == (math.inf,)
+  assert math.isfinite(g.kl_train_sample[0]) and math.isfinite(g.delta[0])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"logprobs": "sampled"}, "'raw', 'processed'"),
+    ({"logprobs": "processed", "temperature": 0}, "temperature=0"),
+    ({"logprobs": "processed", "top_k": 0}, "top_k=0"),
+    ({"logprobs": "processed", "top_p": 1.5}, "top_p=1.5"),
+    ({"temperature": 0.5}, "processed"),
+])
+def test_bad_sampling_options_are_named(bad, match):
+  with pytest.raises(ValueError, match=match):
+    figures.Sampling(**bad)
+
+
+def test_bad_figure_inputs_are_named():
+  z = np.zeros((2, 4))
+  with pytest.raises(ValueError, match="0..3"):
+    figures.gap_figures(z, z, [0, 4])
+  with pytest.raises(ValueError, match="shape"):
+    figures.gap_figures(z, z[:1], [0, 1])
+  with pytest.raises(ValueError, match="NaN"):
+    figures.gap_figures(z, z + np.nan, [0, 1])
+
+
+# --- jaxprec.check_sampler
+
+import json  # noqa: E402
+
+import jaxprec  # noqa: E402
+
+TPU_DEFAULT = jaxprec.Compute(precision="default", target="tpu")
+H100_BF16 = jaxprec.Compute(precision="default=dtype:bfloat16", target="gpu",
+                            chip="h100")
+
+
+@pytest.fixture(scope="module")
+def tpu_vs_h100(model, tokens):
+  return jaxprec.check_sampler(model, tokens, trainer=TPU_DEFAULT,
+                               sampler=H100_BF16, batch=(5, 14))
+
+
+def test_float32_decode_is_the_float32_trainer(model, tokens):
+  r = jaxprec.check_sampler(model, tokens)
+  assert r.total <= 1e-5 and r.figures.max_abs <= 1e-5
+  assert r.first_divergence is None
+  assert max(v for _, v in r.layers) <= r.floor
+
+
+def test_tpu_trainer_vs_bf16_h100_sampler(model, tokens, tpu_vs_h100):
+  r = tpu_vs_h100
+  assert r.total >= 1e-3 and r.total == r.figures.rms
+  d = r.first_divergence
+  assert d is not None and d.relative_rms > r.floor
+  assert d.layer in dict(r.layers) and 0 <= d.position < T
+  assert [s.factor for s in r.shares] == ["lm_head", "body", "decode",
+                                          "batch"]
+  assert math.fsum([s.share for s in r.shares] + [r.remainder]) == (
+      pytest.approx(r.total, abs=1e-15))
+  # each share is the total minus the RMS gap with that factor switched
+  for s in r.shares:
+    assert s.share == pytest.approx(r.total - s.rms, abs=1e-15)
+  # the report's gap, recomputed here: the trainer as jaxprec.emulate runs
+  # it, the sampler as a decode loop of the emulated model
+  forced = jax.jit(jaxprec.emulate(model, "default", target="tpu"))(
+      jnp.asarray(tokens[None]))["logits"]
+  step = jax.jit(jaxprec.emulate(model.decode, "default=dtype:bfloat16",
+                                 target="gpu", chip="h100"))
+  ids = np.concatenate([np.zeros(2, int), tokens])[None]  # padded: 14 long
+  others = np.random.default_rng(0)
+  rows = [ids[0]] + [np.concatenate([np.zeros(14 - n, int),
+                                     others.integers(0, 256, n)])
+                     for n in (5, 14)]
+  mask = np.array([[0, 0] + [1] * 12, [0] * 9 + [1] * 5, [1] * 14])
+  pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
+  cache, out = model.init_cache(3, 14), []
+  for t in range(14):
+    o = step(jnp.asarray(np.array(rows)[:, t:t + 1]), cache, t,
+             jnp.asarray(mask), jnp.asarray(pos[:, t:t + 1]))
+    cache = o["cache"]
+    out.append(o["logits"][0, 0])
+  decoded = np.stack(out)[2:]
+  lt, ls = _logp(forced)[0], _logp(decoded)
+  delta = [lt[i, tokens[i + 1]] - ls[i, tokens[i + 1]] for i in range(T - 1)]
+  np.testing.assert_allclose(r.figures.delta, delta, rtol=1e-6, atol=1e-9)
+
+
+def test_a_float32_head_lowers_the_heads_share(model, tokens, tpu_vs_h100):
+  f32_head = jaxprec.Compute(precision="default=dtype:bfloat16", target="gpu",
+                             chip="h100", head="default=float32+dtype:float32")
+  r = jaxprec.check_sampler(model, tokens, trainer=TPU_DEFAULT,
+                            sampler=f32_head, batch=(5, 14))
+  head = {s.factor: s for s in r.shares}["lm_head"]
+  before = {s.factor: s for s in tpu_vs_h100.shares}["lm_head"]
+  assert head.share < before.share
+  assert r.total < tpu_vs_h100.total
+  assert "head default=float32+dtype:float32" in r.sampler
+
+
+def test_the_same_check_twice_is_the_same_report(model, tokens, tpu_vs_h100):
+  again = jaxprec.check_sampler(model, tokens, trainer=TPU_DEFAULT,
+                                sampler=H100_BF16, batch=(5, 14))
+  assert again.to_json() == tpu_vs_h100.to_json()
+  d = json.loads(again.to_json())
+  assert d["schema"] == "jaxprec.sampler/1"
+  assert d["figures"]["sampling"]["logprobs"] == "raw"
+  assert all(len(line) <= 100 for line in str(again).splitlines())
+  assert str(again).count("\n") > 10 and "first divergence" in str(again)
+  md = again.to_markdown()
+  assert "| lm_head |" in md and "| remainder |" in md
+
+
+class _OffByOne(LlamaForCausalLM):
+  """Writes each step's keys and values one cache slot too far."""
+
+  def decode(self, input_ids, cache, position, attention_mask=None,
+             position_ids=None):
+    return super().decode(input_ids, cache, position + 1, attention_mask,
+                          position_ids)
+
+
+def test_an_off_by_one_cache_slot_is_caught_and_named(tokens):
+  model = _OffByOne(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  r = jaxprec.check_sampler(model, tokens)
+  d = r.first_divergence
+  assert d is not None and (d.position, d.layer) == (0, "model/layers/0")
+  assert r.total > 1e-2
+  # teacher forcing in place of the decode takes the whole gap away
+  decode = {s.factor: s for s in r.shares}["decode"]
+  assert decode.rms == 0 and decode.share == r.total
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"trainer": "float32"}, TypeError, "jaxprec.Compute"),
+    ({"prompt": 12}, ValueError, "1..11"),
+    ({"batch": (0,)}, ValueError, "batch="),
+    ({"floor": 0}, ValueError, "floor=0"),
+])
+def test_bad_check_sampler_arguments_are_named(model, tokens, kwargs, error,
+                                                match):
+  with pytest.raises(error, match=match):
+    jaxprec.check_sampler(model, tokens, **kwargs)
+
+
+def test_bad_compute_arguments_are_named(model):
+  with pytest.raises(ValueError, match="chip"):
+    jaxprec.Compute(target="tpu", chip="h100")
+  with pytest.raises(ValueError, match="warp"):
+    jaxprec.Compute(target="warp")
+  with pytest.raises(ValueError, match="fastest-ever"):
+    jaxprec.Compute(precision="fastest-ever")
+  with pytest.raises(ValueError, match="0..255"):
+    jaxprec.check_sampler(model, [1, 256])
+
+
+def test_the_decode_is_transformers_decode_with_past_key_values(tokens):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  config = transformers.LlamaConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=128,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      initializer_range=0.2)
+  torch.manual_seed(0)
+  pt = transformers.LlamaForCausalLM(config).eval()
+  model = LlamaForCausalLM.from_pytorch(pt)
+  ids = torch.tensor(tokens[None], dtype=torch.long)
+  with torch.no_grad():
+    cache, steps = transformers.DynamicCache(), []
+    for t in range(T):
+      out = pt(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+      cache = out.past_key_values
+      steps.append(out.logits.double().numpy())
+  torch_decoded = np.concatenate(steps, 1)
+  jax_decoded = _decode(model, tokens, (1,) * T)
+  gap = np.abs(_logp(torch_decoded) - _logp(jax_decoded))
+  assert gap.max() <= 1e-5
+  # and PyTorch's cache decode is teacher forcing too: the floor holds
+  with torch.no_grad():
+    forced = pt(ids).logits.double().numpy()
+  assert np.abs(_logp(forced) - _logp(torch_decoded)).max() <= 1e-5
+
+
+# --- jaxprec sampler
+
+
+def test_the_sampler_command_prints_the_report(capsys):
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  code = cli.main(["sampler", "--model", "llama", "--length", "8",
+                   "--batch", "3,10", "--json", "--no-cache",
+                   "--fail-above", "1e-5"])
+  d = json.loads(capsys.readouterr().out)
+  assert code == 0 and d["schema"] == "jaxprec.sampler/1"
+  assert d["batch"] == [3, 10] and len(d["tokens"]) == 8
+  assert d["first_divergence"] is None and d["total"] <= 1e-5
+
+
+def test_the_sampler_command_fails_above_its_bound_and_names_bad_usage(
+    capsys):
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  code = cli.main(["sampler", "--length", "6", "--no-cache", "--sampler",
+                   "default@tpu", "--fail-above", "1e-5"])
+  out = capsys.readouterr()
+  assert code == 1 and "exceeds --fail-above" in out.err
+  assert "attribution" in out.out
+  assert cli.main(["sampler", "--sampler", "float32"]) == 2
+  assert "PRECISION@TARGET" in capsys.readouterr().err
+  assert cli.main(["sampler", "--sampler", "float32@gpu:z9"]) == 2
+  assert "z9" in capsys.readouterr().err
+
+
+def test_a_bfloat16_model_rotates_and_caches_in_bfloat16(model):
+  """transformers casts the rotary cos/sin to the hidden states' dtype: a
+  bfloat16 sampler's cache holds bfloat16 keys."""
+  bf16 = jaxprec.swap(model, "default=dtype:bfloat16")
+  out = bf16.decode(jnp.asarray([[7, 3]]), bf16.init_cache(1, 2), 0)
+  k = np.asarray(out["cache"][0][0], np.float32)
+  assert np.abs(k).max() > 0
+  np.testing.assert_array_equal(k, k.astype(jnp.bfloat16).astype(np.float32))
