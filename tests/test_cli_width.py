@@ -85,6 +85,8 @@ def _a_piece_of(word: str, words: set[str]) -> bool:
 
 
 def _run(capsys, monkeypatch, width, argv):
+  # As a terminal of that width shows it (a pipe or a file is not folded).
+  monkeypatch.setattr(cli, "_on_terminal", lambda stream: True)
   monkeypatch.setenv("COLUMNS", str(width))
   rc, out, err = run_cli(capsys, *argv)
   return rc, out + err, out

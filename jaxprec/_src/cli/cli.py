@@ -304,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command's own status for ``run``.
   """
   streams = sys.stdout, sys.stderr
-  sys.stderr = _Fitted(sys.stderr, columns())
+  if _on_terminal(sys.stderr):
+    sys.stderr = _Fitted(sys.stderr, columns())
   try:
     return _main(argv)
   finally:
@@ -318,7 +319,9 @@ def _main(argv: Sequence[str] | None) -> int:
   try:
     argv = sys.argv[1:] if argv is None else list(argv)
     ns = _parser().parse_args(inputs.join_negative_numbers(argv))
-    if not getattr(ns, "json", False):  # JSON is never folded
+    # JSON is never folded, nor what goes to a pipe or a file (a log keeps
+    # each message on its line, each layer name whole).
+    if not getattr(ns, "json", False) and _on_terminal(sys.stdout):
       sys.stdout = _Fitted(sys.stdout, columns())
     if ns.command is None:
       raise UsageError("missing command: choose one of info, audit, run, "
@@ -360,16 +363,30 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def say(kind: str, text: object) -> None:
-  """Prints ``jaxprec: KIND: TEXT`` on stderr, one line folded at spaces to
-  :func:`columns` (in :func:`main`, as everything the command prints)."""
+  """Prints ``jaxprec: KIND: TEXT`` on stderr, one line (in :func:`main`, on
+  a terminal, folded at spaces to :func:`columns`)."""
   print(f"{_PROG}: {kind}: {inputs.one_line(text)}", file=sys.stderr,
         flush=True)
 
 
+def _on_terminal(stream) -> bool:
+  """Whether ``stream`` is a terminal, whose width the output is folded to."""
+  try:
+    return stream.isatty()
+  except (AttributeError, ValueError):  # a closed or a stream-like object
+    return False
+
+
 def columns() -> int:
-  """The width the command's output fits: ``$COLUMNS`` when set, else the
-  terminal's, else 100 (a pipe, a log)."""
+  """The width the command's output fits on a terminal: ``$COLUMNS`` when
+  set, else the terminal's, else 100."""
   return shutil.get_terminal_size((100, 24)).columns
+
+
+def stdout_width() -> int | None:
+  """:func:`columns` when standard output is a terminal; None in a pipe or a
+  file, where nothing is fitted (a log keeps each line whole, for grep)."""
+  return columns() if _on_terminal(sys.stdout) else None
 
 
 class _Fitted:
@@ -506,7 +523,7 @@ def _audit(ns: argparse.Namespace) -> int:
     raise UsageError(f"{ns.target}(): {e}") from None
   except audit_lib.AuditError as e:
     raise Failure(str(e)) from None
-  print(report.to_json() if ns.json else report.text(columns()))
+  print(report.to_json() if ns.json else report.text(stdout_width()))
   hidden = audit_lib.unseen_modules(report)
   if hidden:
     say("warning", hidden)
@@ -603,8 +620,8 @@ def _check(ns: argparse.Namespace) -> int:
   ns.status.say("checking the arguments", piped=False)
   _one_model(ns, (*_MODELS, *torch_ports.PORTS))
 
-  def port_table(report, full: bool) -> None:  # at least 100 columns
-    print(report.table(width=columns(), full=full))
+  def port_table(report, full: bool) -> None:  # 100 columns in a pipe
+    print(report.table(width=stdout_width() or 100, full=full))
   from jaxprec._src.emulation import emulated_ops
   try:  # jaxprec.emulate's check and message
     ns.chip = emulated_ops.check_chip(ns.chip, ns.target)
@@ -734,7 +751,7 @@ def _write_outputs(report, out: str) -> None:
 
 
 def _print_report(report, full: bool = False) -> None:
-  """The table, fitted to the terminal (:func:`columns` in a pipe)."""
+  """The table: fitted to the terminal, or as wide as it needs in a pipe."""
   if sys.stdout.isatty():
     try:
       from rich.console import Console
@@ -743,7 +760,7 @@ def _print_report(report, full: bool = False) -> None:
     else:
       Console().print(report.rich(full))
       return
-  print(report.table(full, width=columns()))
+  print(report.table(full, width=stdout_width()))
 
 
 def _run(ns: argparse.Namespace) -> int:
