@@ -245,6 +245,33 @@ def _special(shape, seed):
   return a
 
 
+def _both_forms(monkeypatch, kernel, f, precision, target, a, b):
+  """``f`` emulated as the kernel computes it by default (passes batched on
+  ``f32``, grouped by rhs part on ``bf16``) and with one dot per pass
+  (``BATCH_MACS`` = -1): jitted, eager, under ``vmap`` and both gradients,
+  each a list of 5 arrays."""
+
+  def run():
+    g = jaxprec.emulate(f, precision, target=target)
+    loss = lambda x, y: jnp.sum(jnp.where(jnp.isfinite(g(x, y)), g(x, y), 0))  # noqa: E731
+    return jax.tree_util.tree_leaves((
+        jax.jit(g)(a, b), g(a, b),
+        jax.vmap(g, in_axes=(0, None))(jnp.stack([a, a * 0.5]), b),
+        jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)))
+
+  with jaxprec.use_kernel(kernel):
+    default = run()
+    monkeypatch.setattr(emulated_ops, "BATCH_MACS", -1)
+    # The eager path's compiled op is cached by its spec: compile it again.
+    emulated_ops._forward_jit.clear_cache()
+    try:
+      apart = run()
+    finally:
+      emulated_ops._forward_jit.clear_cache()
+  assert len(default) == len(apart) == 5
+  return default, apart
+
+
 # Every form at 6 passes (three parts of each operand), every other
 # multi-pass algorithm on a plain matmul and on a batch axis.
 _BATCHED_CASES = ([(f, "tpu", "highest") for f in _DOT_FORMS] +
@@ -258,27 +285,10 @@ def test_f32_kernel_batched_passes_are_bit_identical_to_one_dot_per_pass(
     monkeypatch, form, target, precision):
   spec, ls, rs = form
   a, b = _special(ls, 0), _special(rs, 1)
-  f = lambda x, y: jnp.einsum(spec, x, y)  # noqa: E731
-
-  def run():
-    g = jaxprec.emulate(f, precision, target=target)
-    loss = lambda x, y: jnp.sum(jnp.where(jnp.isfinite(g(x, y)), g(x, y), 0))  # noqa: E731
-    batched = jax.vmap(g, in_axes=(0, None))(jnp.stack([a, a * 0.5]), b)
-    return jax.tree_util.tree_leaves((
-        jax.jit(g)(a, b), g(a, b), batched,
-        jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)))
-
-  with jaxprec.use_kernel("f32"):
-    assert emulated_ops.BATCH_MACS >= 20 * 24 * 24
-    batched = run()
-    monkeypatch.setattr(emulated_ops, "BATCH_MACS", -1)
-    # The eager path's compiled op is cached by its spec: compile it again.
-    emulated_ops._forward_jit.clear_cache()
-    try:
-      apart = run()
-    finally:
-      emulated_ops._forward_jit.clear_cache()
-  assert len(batched) == len(apart) == 5
+  assert emulated_ops.BATCH_MACS >= 20 * 24 * 24
+  batched, apart = _both_forms(monkeypatch, "f32",
+                               lambda x, y: jnp.einsum(spec, x, y),
+                               precision, target, a, b)
   for x, y in zip(batched, apart):
     np.testing.assert_array_equal(np.asarray(x).view(np.uint32),
                                   np.asarray(y).view(np.uint32))
@@ -437,25 +447,9 @@ def test_bf16_kernel_grouped_passes_are_one_dot_per_pass_with_gradients(
   # included.
   spec, ls, rs = form
   a, b = _special(ls, 0), _special(rs, 1)
-  f = lambda x, y: jnp.einsum(spec, x, y)  # noqa: E731
-
-  def run():
-    g = jaxprec.emulate(f, precision, target="tpu")
-    loss = lambda x, y: jnp.sum(jnp.where(jnp.isfinite(g(x, y)), g(x, y), 0))  # noqa: E731
-    return jax.tree_util.tree_leaves((
-        jax.jit(g)(a, b), g(a, b),
-        jax.vmap(g, in_axes=(0, None))(jnp.stack([a, a * 0.5]), b),
-        jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)))
-
-  with jaxprec.use_kernel("bf16"):
-    grouped = run()
-    monkeypatch.setattr(emulated_ops, "BATCH_MACS", -1)
-    emulated_ops._forward_jit.clear_cache()
-    try:
-      apart = run()
-    finally:
-      emulated_ops._forward_jit.clear_cache()
-  assert len(grouped) == len(apart) == 5
+  grouped, apart = _both_forms(monkeypatch, "bf16",
+                               lambda x, y: jnp.einsum(spec, x, y),
+                               precision, "tpu", a, b)
   for x, y in zip(grouped, apart):
     if _SHAPE_DEPENDENT_SUMS:
       # Stacked along M, XLA:CPU (jaxlib 0.12.1) may sum in another order.
