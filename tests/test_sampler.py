@@ -389,3 +389,93 @@ def test_a_bfloat16_model_rotates_and_caches_in_bfloat16(model):
   k = np.asarray(out["cache"][0][0], np.float32)
   assert np.abs(k).max() > 0
   np.testing.assert_array_equal(k, k.astype(jnp.bfloat16).astype(np.float32))
+
+
+# --- a PyTorch sampler: transformers' decode with past_key_values
+
+
+def _hf_llama(vocab=256, seed=0):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  config = transformers.LlamaConfig(
+      vocab_size=vocab, hidden_size=64, intermediate_size=128,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      initializer_range=0.2)
+  torch.manual_seed(seed)
+  return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_and_port():
+  pt = _hf_llama()
+  return pt, LlamaForCausalLM.from_pytorch(pt)
+
+
+def test_a_pytorch_float32_sampler_is_the_jax_float32_sampler(hf_and_port,
+                                                               tokens):
+  pt, model = hf_and_port
+  pt.train()  # the check runs it in eval mode, and leaves it as it was
+  r = jaxprec.check_sampler(model, tokens, sampler=pt, batch=(5, 14))
+  assert pt.training
+  pt.eval()
+  jax_sampler = jaxprec.check_sampler(model, tokens, batch=(5, 14))
+  assert r.total <= 1e-5 and r.figures.max_abs <= 1e-5
+  assert r.first_divergence is None
+  assert max(v for _, v in r.layers) <= r.floor
+  np.testing.assert_allclose(r.figures.delta, jax_sampler.figures.delta,
+                             rtol=0, atol=1e-5)
+  assert r.sampler == "PyTorch LlamaForCausalLM, float32 on cpu"
+  assert json.loads(r.to_json())["sampler"] == r.sampler
+
+
+def test_a_pytorch_bfloat16_sampler_is_transformers_own_decode(hf_and_port,
+                                                                tokens):
+  import copy  # noqa: PLC0415
+  torch = pytest.importorskip("torch")
+  pt, model = hf_and_port
+  bf16 = copy.deepcopy(pt).to(torch.bfloat16)
+  r = jaxprec.check_sampler(model, tokens, sampler=bf16, prompt=3)
+  assert "PyTorch LlamaForCausalLM, bfloat16 on cpu" in str(r)
+  assert json.loads(r.to_json())["sampler"].startswith("PyTorch")
+  assert any("PyTorch" in n and "bfloat16" in n for n in r.notes)
+  # the gap, recomputed: transformers' forward with past_key_values, the
+  # prompt in one chunk, against the float32 model's teacher forcing
+  ids = torch.tensor(tokens[None], dtype=torch.long)
+  with torch.no_grad():
+    out = bf16(ids[:, :3], use_cache=True)
+    steps, cache = [out.logits[0, -1]], out.past_key_values
+    for t in range(3, T - 1):
+      out = bf16(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+      cache = out.past_key_values
+      steps.append(out.logits[0, -1])
+  sampled = _logp(torch.stack(steps).double().numpy())
+  forced = _logp(model(jnp.asarray(tokens[None]))["logits"])[0, 2:-1]
+  delta = [forced[i, t] - sampled[i, t] for i, t in enumerate(tokens[3:])]
+  # (within the float32 floor: the trainer here runs without jit)
+  np.testing.assert_allclose(r.figures.delta, delta, rtol=0, atol=1e-5)
+  assert r.total > 1e-3 and r.first_divergence is not None
+  # every factor is switched, none left at 0 unsaid: the float32 body under
+  # the bfloat16 head, the bfloat16 body under the float32 head
+  shares = {s.factor: s for s in r.shares}
+  assert shares["body"].sampler == shares["lm_head"].sampler == r.sampler
+  for factor in ("lm_head", "body"):
+    assert shares[factor].rms != r.total
+  assert shares["body"].rms < r.total / 2
+
+
+def test_bad_pytorch_samplers_are_named(hf_and_port, tokens):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  pt, model = hf_and_port
+  gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+      vocab_size=256, n_embd=32, n_layer=1, n_head=2))
+  with pytest.raises(ValueError, match="GPT2LMHeadModel.*'gpt2'"):
+    jaxprec.check_sampler(model, tokens, sampler=gpt2)
+  with pytest.raises(TypeError, match="Linear"):
+    jaxprec.check_sampler(model, tokens, sampler=torch.nn.Linear(2, 2))
+  with pytest.raises(ValueError, match="vocab_size=300.*vocab_size=256"):
+    jaxprec.check_sampler(model, tokens, sampler=_hf_llama(vocab=300))
+  with pytest.raises(ValueError, match="weights are not the model.s.*first at lm_head/kernel"):
+    jaxprec.check_sampler(model, tokens, sampler=_hf_llama(seed=1))
+  with pytest.raises(TypeError, match="trainer=.*Compute"):
+    jaxprec.check_sampler(model, tokens, trainer=pt)

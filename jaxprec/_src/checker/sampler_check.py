@@ -41,6 +41,7 @@ from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation.emulate import emulate
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.policy.policy import Policy
+from jaxprec._src.torch import torch_sampler
 
 SCHEMA = "jaxprec.sampler/1"
 WIDTH = 100  # the text report folds to this many columns
@@ -324,6 +325,8 @@ class _Runs:
     return _program(fn, setting)
 
   def forward(self, setting, ids, mask, positions):
+    if isinstance(setting, torch_sampler.TorchSampler):
+      return setting.hidden(ids, mask, positions, None)
     out = self.program("__call__", setting)(self.state, ids, mask, positions)
     return out["hidden_states"]
 
@@ -331,6 +334,8 @@ class _Runs:
     """The hidden states of a decode: ``ids[:, :chunk]`` in one chunk, then
     one token at a time (a chunk of 1 token or less: every token alone,
     padding included, one program for every step)."""
+    if isinstance(setting, torch_sampler.TorchSampler):
+      return setting.hidden(ids, mask, positions, chunk)
     step = self.program("decode", setting)
     cache = self.model.init_cache(*ids.shape)
     states, at = [], 0
@@ -343,6 +348,8 @@ class _Runs:
     return tuple(jnp.concatenate(s, axis=1) for s in zip(*states))
 
   def head(self, setting, hidden):
+    if isinstance(setting, torch_sampler.TorchSampler):
+      return setting.head(hidden)
     return self.program("head", setting)(self.state, hidden)
 
 
@@ -377,7 +384,7 @@ def _batch(tokens: np.ndarray, lengths: tuple[int, ...], vocab: int,
 
 
 def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
-                  sampler: Compute = Compute(),
+                  sampler: Compute | Any = Compute(),
                   sampling: figures_lib.Sampling = figures_lib.Sampling(),
                   prompt: int = 1, batch: Sequence[int] = (),
                   floor: float = 1e-5, seed: int = 0) -> SamplerReport:
@@ -387,7 +394,10 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
   numerics; the sampler prefills ``tokens[:prompt]`` and decodes the rest
   one token at a time with ``model.decode`` and a KV cache, with its own
   numerics, the sequence alone or among ``batch``. Both are emulated on any
-  backend (:func:`jaxprec.emulate`); the user's model is not changed.
+  backend (:func:`jaxprec.emulate`); the user's model is not changed. The
+  sampler may instead be a transformers PyTorch ``LlamaForCausalLM`` with
+  the model's weights: its forward with ``past_key_values``, in its own
+  dtype on its own device.
 
   Args:
     model: a causal language model with ``__call__(ids, attention_mask,
@@ -398,7 +408,12 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
       (:class:`jaxprec.models.LlamaForCausalLM`, ``from_pytorch`` for a
       transformers checkpoint).
     tokens: the sequence ``(length,)``: prompt and sampled tokens.
-    trainer, sampler: each side's numerics (:class:`jaxprec.Compute`).
+    trainer, sampler: each side's numerics (:class:`jaxprec.Compute`); the
+      sampler may be a transformers PyTorch ``LlamaForCausalLM`` (or
+      ``Qwen2ForCausalLM``) whose config is ``model``'s and whose weights
+      are ``model``'s rounded to its dtype (e.g. ``model =
+      LlamaForCausalLM.from_pytorch(pt)`` and ``sampler=pt`` or a
+      ``bfloat16`` copy); it is run in eval mode and left as it was.
     sampling: the log-probabilities compared (:class:`jaxprec.Sampling`:
       raw, or processed with a temperature, top-k, top-p).
     prompt: tokens the sampler prefills in one chunk (at least 1); the
@@ -413,18 +428,25 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
     A :class:`jaxprec.SamplerReport`.
 
   Raises:
-    TypeError: ``trainer``/``sampler`` not a :class:`Compute`, ``sampling``
-      not a :class:`Sampling`, or a model without ``decode``.
-    ValueError: tokens that are not a sequence of at least 2 token ids in
+    TypeError: ``trainer`` not a :class:`Compute`, ``sampler`` neither a
+      :class:`Compute` nor a PyTorch causal LM, ``sampling`` not a
+      :class:`Sampling`, or a model without ``decode``.
+    ValueError: a PyTorch sampler of another architecture, config or
+      weights than ``model``, tokens that are not a sequence of at least 2
+      token ids in
       the vocabulary, a ``prompt`` outside ``1..length-1``, a batch length
       below 1, or a ``floor`` that is not a positive number.
   """
   for name, value, kind in (("trainer", trainer, Compute),
                             ("sampler", sampler, Compute),
                             ("sampling", sampling, figures_lib.Sampling)):
+    if name == "sampler" and torch_sampler.is_torch_module(value):
+      continue
     if not isinstance(value, kind):
+      also = (" or a transformers PyTorch LlamaForCausalLM"
+              if name == "sampler" else "")
       raise TypeError(f"check_sampler: {name}= takes a jaxprec."
-                      f"{kind.__name__}; got {value!r}")
+                      f"{kind.__name__}{also}; got {_short(value)}")
   missing = [m for m in ("decode", "init_cache", "head")
              if not callable(getattr(model, m, None))]
   if missing:
@@ -451,6 +473,10 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
       floor > 0):
     raise ValueError(f"check_sampler: floor={floor!r}: a number > 0")
 
+  notes = NOT_MODELLED
+  if not isinstance(sampler, Compute):
+    sampler = torch_sampler.TorchSampler(sampler, model)
+    notes = sampler.notes
   runs = _Runs(model)
   b_ids, b_mask, b_pos, pad = _batch(ids, batch, vocab, seed)
   alone = _batch(ids, (), vocab, seed)
@@ -521,11 +547,19 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
       batch=tuple(map(int, batch)), figures=gap, shares=tuple(shares),
       remainder=float(remainder), total=gap.rms,
       layers=tuple((n, float(r)) for n, r in zip(names, rel.max(axis=1))),
-      first_divergence=first, floor=float(floor), notes=NOT_MODELLED)
+      first_divergence=first, floor=float(floor), notes=notes)
 
 
-def _describe(setting: tuple[Any, str, str | None]) -> str:
-  return _label(*setting)
+def _describe(setting: Any) -> str:
+  return (str(setting) if isinstance(setting, torch_sampler.TorchSampler)
+          else _label(*setting))
+
+
+def _short(value: Any) -> str:
+  """``repr`` on one line of at most 80 characters (a PyTorch model's
+  runs to pages)."""
+  text = " ".join(repr(value).split())
+  return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _relative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
