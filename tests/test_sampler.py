@@ -479,3 +479,79 @@ def test_bad_pytorch_samplers_are_named(hf_and_port, tokens):
     jaxprec.check_sampler(model, tokens, sampler=_hf_llama(seed=1))
   with pytest.raises(TypeError, match="trainer=.*Compute"):
     jaxprec.check_sampler(model, tokens, trainer=pt)
+
+
+# --- jaxprec sampler MODULE:FUNCTION: the user's own model
+
+OWN = """\
+import numpy as np
+import transformers
+import torch
+from jaxprec.models import LlamaForCausalLM
+
+def make():
+  config = transformers.LlamaConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=128,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      initializer_range=0.2)
+  torch.manual_seed(0)
+  pt = transformers.LlamaForCausalLM(config).eval()
+  tokens = np.arange(10) * 7 % 256
+  return LlamaForCausalLM.from_pytorch(pt), tokens, pt
+
+def two():
+  model, tokens, _ = make()
+  return model, tokens
+
+def swapped():
+  model, tokens = two()
+  return tokens, model
+
+def one():
+  return two()[0]
+"""
+
+
+@pytest.fixture(scope="module")
+def own_model(tmp_path_factory):
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  path = tmp_path_factory.mktemp("own") / "own_sampler.py"
+  path.write_text(OWN)
+  return str(path)
+
+
+def test_the_sampler_command_checks_the_users_own_model(own_model, capsys):
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  code = cli.main(["sampler", f"{own_model}:two", "--json", "--no-cache",
+                   "--sampler", "default@tpu", "--prompt", "3"])
+  d = json.loads(capsys.readouterr().out)
+  assert code == 0 and d["tokens"] == [t * 7 % 256 for t in range(10)]
+  assert d["sampler"] == "default on tpu" and d["prompt"] == 3
+  assert d["total"] > 1e-5
+  # the third item, a PyTorch model, is the sampler --sampler pytorch names
+  code = cli.main(["sampler", f"{own_model}:make", "--json", "--no-cache",
+                   "--sampler", "pytorch", "--batch", "4"])
+  d = json.loads(capsys.readouterr().out)
+  assert code == 0 and d["sampler"] == "PyTorch LlamaForCausalLM, float32 on cpu"
+  assert d["total"] <= 1e-5 and d["batch"] == [4]
+
+
+@pytest.mark.parametrize("function, args, fragments", [
+    ("one", (), ("one() returned LlamaForCausalLM", "(model, tokens)",
+                 "pytorch_model")),
+    ("swapped", (), ("swapped() returned a tuple of 2 (ndarray, "
+                     "LlamaForCausalLM)", "model a causal LM")),
+    ("two", ("--sampler", "pytorch"), ("--sampler pytorch",
+                                       "two() returned 2 items")),
+    ("two", ("--length", "8"), ("--length", "FUNCTION returns the tokens")),
+    ("two", ("--model", "llama"), ("one model",)),
+])
+def test_the_sampler_command_names_a_bad_function(own_model, capsys,
+                                                   function, args,
+                                                   fragments):
+  from conftest import one_line_error  # noqa: PLC0415
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  code = cli.main(["sampler", f"{own_model}:{function}", "--no-cache",
+                   *args])
+  one_line_error(code, capsys.readouterr().err, 2, *fragments)

@@ -1,5 +1,6 @@
 """``jaxprec sampler``: an RL trainer's log-probs against its sampler's
-(:func:`jaxprec.check_sampler`) on the built-in Llama with random weights."""
+(:func:`jaxprec.check_sampler`) on the built-in Llama with random weights or
+on the model and tokens ``MODULE:FUNCTION`` returns."""
 
 from __future__ import annotations
 
@@ -20,24 +21,31 @@ def add(sub: argparse._SubParsersAction) -> None:
                   "frameworks log, its split by factor (LM head, body, "
                   "decode, batch) and where the two first part "
                   "(jaxprec.check_sampler). A side is PRECISION@TARGET or "
-                  "POLICY@TARGET, with :CHIP after a gpu target.",
-      epilog="example: jaxprec sampler --model llama --trainer float32@cpu "
+                  "POLICY@TARGET, with :CHIP after a gpu target, or "
+                  "pytorch. The model is --model llama (the default) or "
+                  "MODULE:FUNCTION, where " + FORM + ".",
+      epilog="examples: jaxprec sampler --model llama --trainer float32@cpu "
              "--sampler 'default=dtype:bfloat16@gpu:h100' --sampler-head "
-             "'default=float32+dtype:float32'")
-  p.add_argument("--model", choices=("llama",), default="llama",
-                 help="the built-in Llama (random weights)")
-  p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+             "'default=float32+dtype:float32'; jaxprec sampler "
+             "mymodel.py:make --sampler pytorch")
+  p.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
+                 help="your model: e.g. mymodel.py:make")
+  p.add_argument("--model", choices=("llama",), default=None,
+                 help="the built-in Llama (random weights; the default)")
+  p.add_argument("--size", choices=("tiny", "small"), default=None,
+                 help="the built-in Llama's size (default tiny)")
   p.add_argument("--seed", type=int, default=0,
                  help="seeds the weights, the sequence and the batch")
-  p.add_argument("--length", type=int, default=12,
-                 help="tokens in the sequence (default 12)")
+  p.add_argument("--length", type=int, default=None,
+                 help="tokens in the built-in Llama's sequence (default 12)")
   p.add_argument("--prompt", type=int, default=1,
                  help="tokens the sampler prefills in one chunk")
   p.add_argument("--trainer", default="float32@cpu",
                  help="the trainer's numerics (default float32@cpu)")
   p.add_argument("--sampler", default="float32@cpu",
                  help="the sampler's numerics, e.g. "
-                      "'default=dtype:bfloat16@gpu:h100'")
+                      "'default=dtype:bfloat16@gpu:h100', or pytorch: the "
+                      "PyTorch model FUNCTION returns third")
   p.add_argument("--trainer-head", help="the trainer's LM head, if other")
   p.add_argument("--sampler-head", help="the sampler's LM head, if other")
   p.add_argument("--batch", default="",
@@ -57,6 +65,14 @@ def add(sub: argparse._SubParsersAction) -> None:
   p.set_defaults(handler=run)
 
 
+# What MODULE:FUNCTION's FUNCTION() returns.
+FORM = ("FUNCTION() must return (model, tokens) or (model, tokens, "
+        "pytorch_model): model a causal LM with decode, init_cache and head "
+        "(jaxprec.models.LlamaForCausalLM), tokens one sequence of token "
+        "ids, pytorch_model its transformers PyTorch LlamaForCausalLM, the "
+        "sampler of --sampler pytorch")
+
+
 def compute(text: str, head: str | None, flag: str):
   """``PRECISION@TARGET[:CHIP]`` as a :class:`jaxprec.Compute`."""
   from jaxprec._src.checker.sampler_check import Compute  # noqa: PLC0415
@@ -73,9 +89,52 @@ def compute(text: str, head: str | None, flag: str):
     raise UsageError(f"{flag}: {inputs.one_line(e)}") from None
 
 
+def model_and_tokens(ns: argparse.Namespace):
+  """``(model, tokens, pytorch_model or None)`` from MODULE:FUNCTION or the
+  built-in Llama."""
+  if ns.function is None:
+    from jaxprec._src.models.encoders import synthetic_tokens  # noqa
+    from jaxprec._src.models.llama import LlamaConfig, LlamaForCausalLM  # noqa
+    from flax import nnx  # noqa: PLC0415
+    length = 12 if ns.length is None else ns.length
+    if length < 2:
+      raise UsageError(f"--length {length}: at least 2 tokens")
+    config = LlamaConfig.of_size(ns.size or "tiny")
+    ns.status.say(f"building the {ns.size or 'tiny'} Llama")
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(ns.seed))
+    return model, synthetic_tokens(1, length, vocab_size=config.vocab_size,
+                                   seed=ns.seed)[0], None
+  for flag, value in (("--model", ns.model), ("--size", ns.size),
+                      ("--length", ns.length)):
+    if value is not None:
+      raise UsageError(f"sampler takes one model: {flag} applies to the "
+                       f"built-in Llama, not to {ns.function}, whose "
+                       f"FUNCTION returns the tokens")
+  ns.status.say(f"importing {ns.function}")
+  made = inputs.call(ns.function)
+  if not (isinstance(made, tuple) and len(made) in (2, 3) and all(
+      callable(getattr(made[0], m, None))
+      for m in ("decode", "init_cache", "head"))):
+    raise UsageError(f"{ns.function}() returned {inputs.kinds(made)}; "
+                     f"{FORM}")
+  if ns.sampler == "pytorch" and len(made) == 2:
+    raise UsageError(f"--sampler pytorch checks the PyTorch model "
+                     f"{ns.function}() returns third, and "
+                     f"{ns.function.rpartition(':')[2]}() returned 2 items; "
+                     f"{FORM}")
+  return made[0], made[1], made[2] if len(made) == 3 else None
+
+
 def run(ns: argparse.Namespace) -> int:
   trainer = compute(ns.trainer, ns.trainer_head, "--trainer")
-  sampler = compute(ns.sampler, ns.sampler_head, "--sampler")
+  if ns.sampler == "pytorch" and ns.function is None:
+    raise UsageError(f"--sampler pytorch checks the PyTorch model that "
+                     f"MODULE:FUNCTION returns; {FORM}")
+  if ns.sampler != "pytorch":
+    sampler = compute(ns.sampler, ns.sampler_head, "--sampler")
+  elif ns.sampler_head is not None:
+    raise UsageError("--sampler-head: a PyTorch sampler computes its head "
+                     "as its model does")
   try:
     batch = tuple(int(n) for n in ns.batch.split(",") if n.strip())
   except ValueError:
@@ -83,29 +142,25 @@ def run(ns: argparse.Namespace) -> int:
                      f"5,14") from None
   from jaxprec._src.checker import sampler as figures  # noqa: PLC0415
   from jaxprec._src.checker.sampler_check import check_sampler  # noqa
-  from jaxprec._src.models.encoders import synthetic_tokens  # noqa
-  from jaxprec._src.models.llama import LlamaConfig, LlamaForCausalLM  # noqa
-  from flax import nnx  # noqa: PLC0415
   try:
     sampling = figures.Sampling(logprobs=ns.logprobs,
                                 temperature=ns.temperature, top_k=ns.top_k,
                                 top_p=ns.top_p)
   except ValueError as e:
     raise UsageError(inputs.one_line(e)) from None
-  if ns.length < 2:
-    raise UsageError(f"--length {ns.length}: at least 2 tokens")
-  config = LlamaConfig.of_size(ns.size)
-  ns.status.say(f"building the {ns.size} Llama")
-  model = LlamaForCausalLM(config, rngs=nnx.Rngs(ns.seed))
-  tokens = synthetic_tokens(1, ns.length, vocab_size=config.vocab_size,
-                            seed=ns.seed)[0]
+  if ns.model is not None and ns.function is not None:
+    raise UsageError(f"sampler takes one model: --model {ns.model} or "
+                     f"{ns.function}, not both")
+  model, tokens, pt_model = model_and_tokens(ns)
+  if ns.sampler == "pytorch":
+    sampler = pt_model
   ns.cache_on()
   ns.status.say("running the trainer and the sampler")
   try:
     report = check_sampler(model, tokens, trainer=trainer, sampler=sampler,
                            sampling=sampling, prompt=ns.prompt, batch=batch,
                            seed=ns.seed)
-  except ValueError as e:
+  except (TypeError, ValueError) as e:
     raise UsageError(inputs.one_line(e)) from None
   ns.status.clear()
   print(report.to_json() if ns.json else
