@@ -555,3 +555,63 @@ def test_the_sampler_command_names_a_bad_function(own_model, capsys,
   code = cli.main(["sampler", f"{own_model}:{function}", "--no-cache",
                    *args])
   one_line_error(code, capsys.readouterr().err, 2, *fragments)
+
+
+# --- the plot: the gap along the sequence, the attribution as bars
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_draws_the_reports_gap_and_shares(tpu_vs_h100, tmp_path,
+                                                   monkeypatch):
+  import dataclasses  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  pytest.importorskip("matplotlib")
+  from jaxprec._src.core.version import install_hint  # noqa: PLC0415
+  r = tpu_vs_h100
+  fig = r.plot(tmp_path / "s.png")
+  assert (tmp_path / "s.png").read_bytes()[:8] == PNG
+  gap, bars = fig.axes
+  x, y = gap.get_lines()[0].get_data()
+  assert list(x) == list(range(r.prompt, len(r.tokens)))  # token positions
+  assert list(y) == list(r.figures.delta)
+  assert [p.get_height() for p in bars.patches] == [
+      s.share for s in r.shares] + [r.remainder]
+  assert [t.get_text() for t in bars.get_xticklabels()] == [
+      "lm_head", "body", "decode", "batch", "remainder"]
+  assert bars.get_lines()[0].get_ydata()[0] == r.total  # the total, a line
+  assert r.sampler in fig.get_suptitle()
+  # a token one side drops: an infinite gap, not drawn, and said
+  inf = dataclasses.replace(r, figures=dataclasses.replace(
+      r.figures, delta=(math.inf,) + r.figures.delta[1:]))
+  text = inf.plot().axes[0].get_title()
+  assert "1 infinite" in text
+  monkeypatch.setitem(sys.modules, "matplotlib", None)
+  monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+  with pytest.raises(ImportError, match="SamplerReport.plot") as e:
+    r.plot(tmp_path / "t.png")
+  assert install_hint("plots") in str(e.value)
+
+
+def test_the_sampler_command_writes_the_report_and_the_plot(tmp_path, capsys,
+                                                            monkeypatch):
+  import sys  # noqa: PLC0415
+  pytest.importorskip("matplotlib")
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  out = tmp_path / "rep"
+  code = cli.main(["sampler", "--length", "6", "--no-cache", "--json",
+                   "--sampler", "default@tpu", "--out", str(out)])
+  printed, err = capsys.readouterr()
+  assert code == 0 and f"wrote {out / 'report.json'}" in err
+  assert (out / "report.json").read_text() == printed
+  assert (out / "sampler.png").read_bytes()[:8] == PNG
+  monkeypatch.setitem(sys.modules, "matplotlib", None)
+  monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+  code = cli.main(["sampler", "--length", "6", "--no-cache", "--out",
+                   str(out)])
+  err = capsys.readouterr().err
+  assert code == 0 and "sampler.png not written" in err
+  assert not (out / "sampler.png").exists()
+  (tmp_path / "file").write_text("")
+  assert cli.main(["sampler", "--out", str(tmp_path / "file")]) == 2
+  assert "not a directory" in capsys.readouterr().err

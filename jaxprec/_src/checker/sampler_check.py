@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
+import os
 import textwrap
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprec._src.checker import render
 from jaxprec._src.checker import sampler as figures_lib
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import PrecisionLike, resolve
@@ -299,6 +302,51 @@ class SamplerReport:
     out += [f"| {n} | {v:.3g} |" for n, v in self.layers]
     out += [""] + [f"- {n}" for n in self.notes]
     return "\n".join(out) + "\n"
+
+  def plot(self, path: str | os.PathLike | None = None
+           ) -> "matplotlib.figure.Figure":
+    """The gap along the sequence (left: ``figures.delta`` at each sampled
+    token's position) and the attribution (right: each factor's share and
+    the remainder as bars, the total as a line).
+
+    Args:
+      path: where to save the figure; None only returns it.
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
+
+    Raises:
+      ImportError: matplotlib is not installed (the ``plots`` extra).
+    """
+    Figure = render.figure_class("SamplerReport.plot")
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    gap, bars = fig.subplots(1, 2, width_ratios=(3, 2))
+    delta = self.figures.delta
+    gap.plot(range(self.prompt, len(self.tokens)), delta, marker="o")
+    gap.axhline(0, color="grey", lw=1)
+    infinite = sum(not math.isfinite(d) for d in delta)
+    gap.set_title("log pi_train - log pi_sample of each sampled token"
+                  + (f" ({infinite} infinite, not drawn)" if infinite
+                     else ""), fontsize=9)
+    gap.set_xlabel("token position")
+    gap.set_ylabel("delta (nats)")
+    names = [s.factor for s in self.shares] + ["remainder"]
+    bars.bar(names, [s.share for s in self.shares] + [self.remainder],
+             color=["tab:blue"] * len(self.shares) + ["tab:grey"])
+    bars.axhline(self.total, color="tab:red", ls="--",
+                 label=f"total RMS delta {self.total:.3g}")
+    bars.set_title("attribution: each factor's share of the gap",
+                   fontsize=9)
+    bars.set_ylabel("share (nats)")
+    bars.legend(fontsize=8)
+    for ax in (gap, bars):
+      ax.grid(True, alpha=0.3)
+    fig.suptitle("\n".join(render.fold(
+        f"trainer {self.trainer} vs sampler {self.sampler}", 110)),
+                 fontsize=10)
+    if path is not None:
+      render.save(fig, path)
+    return fig
 
 
 @functools.lru_cache(maxsize=32)

@@ -341,7 +341,7 @@ def check_reference_file(path: str) -> None:
 OUT_FILES = ("report.json", "divergence.png")
 
 
-def check_out(out: str) -> None:
+def check_out(out: str, files: tuple[str, ...] = OUT_FILES) -> None:
   """Fails before the check runs when ``--out`` cannot be a writable directory
   or holds a directory where one of :data:`OUT_FILES` is to be written."""
   path = os.path.abspath(out)
@@ -356,7 +356,7 @@ def check_out(out: str) -> None:
   if not os.access(existing, os.W_OK | os.X_OK):
     raise UsageError(f"--out {out!r} is not writable (no write permission "
                       f"on {existing!r})")
-  for name in OUT_FILES:  # a directory where a file is to be written
+  for name in files:  # a directory where a file is to be written
     if os.path.isdir(os.path.join(path, name)):
       raise UsageError(f"--out {out!r} holds a directory named {name!r}, "
                        f"where the check writes a file: remove it or choose "

@@ -5,13 +5,19 @@ on the model and tokens ``MODULE:FUNCTION`` returns."""
 from __future__ import annotations
 
 import argparse
+import functools
 
 from jaxprec._src.cli import cli_inputs as inputs
 from jaxprec._src.cli.cli_inputs import Failure, UsageError
 
 
-def add(sub: argparse._SubParsersAction) -> None:
-  """The ``sampler`` command's parser."""
+# What --out receives.
+OUT_FILES = ("report.json", "sampler.png")
+
+
+def add(sub: argparse._SubParsersAction, write_outputs) -> None:
+  """The ``sampler`` command's parser; ``write_outputs(report, out,
+  png_name)`` writes ``--out``."""
   p = sub.add_parser(
       "sampler", help="an RL trainer's log-probs against its sampler's",
       description="Computes one token sequence's log-probs as an RL trainer "
@@ -59,10 +65,13 @@ def add(sub: argparse._SubParsersAction) -> None:
                  help="exit 1 when the RMS gap exceeds NATS")
   p.add_argument("--no-cache", action="store_true",
                  help="do not use JAX's persistent compilation cache")
+  p.add_argument("--out", metavar="DIR",
+                 help="also write report.json and sampler.png (the gap "
+                      "along the sequence, the attribution) to DIR")
   out = p.add_mutually_exclusive_group()
   out.add_argument("--json", action="store_true", help="print JSON")
   out.add_argument("--markdown", action="store_true", help="print markdown")
-  p.set_defaults(handler=run)
+  p.set_defaults(handler=functools.partial(run, write_outputs=write_outputs))
 
 
 # What MODULE:FUNCTION's FUNCTION() returns.
@@ -125,7 +134,7 @@ def model_and_tokens(ns: argparse.Namespace):
   return made[0], made[1], made[2] if len(made) == 3 else None
 
 
-def run(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace, write_outputs) -> int:
   trainer = compute(ns.trainer, ns.trainer_head, "--trainer")
   if ns.sampler == "pytorch" and ns.function is None:
     raise UsageError(f"--sampler pytorch checks the PyTorch model that "
@@ -151,6 +160,8 @@ def run(ns: argparse.Namespace) -> int:
   if ns.model is not None and ns.function is not None:
     raise UsageError(f"sampler takes one model: --model {ns.model} or "
                      f"{ns.function}, not both")
+  if ns.out is not None:
+    inputs.check_out(ns.out, OUT_FILES)
   model, tokens, pt_model = model_and_tokens(ns)
   if ns.sampler == "pytorch":
     sampler = pt_model
@@ -165,6 +176,8 @@ def run(ns: argparse.Namespace) -> int:
   ns.status.clear()
   print(report.to_json() if ns.json else
         report.to_markdown() if ns.markdown else str(report))
+  if ns.out is not None:
+    write_outputs(report, ns.out, OUT_FILES[1])
   if ns.fail_above is not None and report.total > ns.fail_above:
     raise Failure(f"the RMS gap {report.total:.4g} nats exceeds "
                   f"--fail-above {ns.fail_above:g}")
