@@ -4,8 +4,10 @@ Two ways to compute one model on one token sequence:
 
 * the trainer: a teacher-forced forward over the whole sequence, alone;
 * the sampler: the prompt in one chunk, then one token at a time with a
-  key/value cache (the model's ``decode``), the sequence alone or left-padded
-  among other sequences, as transformers' ``generate`` batches them.
+  key/value cache (the model's ``decode``, or a PyTorch model's forward with
+  ``past_key_values``: :mod:`jaxprec._src.torch.torch_sampler`), the
+  sequence alone or left-padded among other sequences, as transformers'
+  ``generate`` batches them.
 
 Each side has its own numerics (:class:`Compute`: a precision or a policy,
 a target, a chip, the LM head's own), emulated on any backend
