@@ -379,6 +379,8 @@ def test_the_sampler_command_fails_above_its_bound_and_names_bad_usage(
   assert "PRECISION@TARGET" in capsys.readouterr().err
   assert cli.main(["sampler", "--sampler", "float32@gpu:z9"]) == 2
   assert "z9" in capsys.readouterr().err
+  assert cli.main(["sampler", "--sampler", "pytorch"]) == 2
+  assert "MODULE:FUNCTION returns" in capsys.readouterr().err
 
 
 def test_a_bfloat16_model_rotates_and_caches_in_bfloat16(model):
@@ -546,6 +548,8 @@ def test_the_sampler_command_checks_the_users_own_model(own_model, capsys):
                                        "two() returned 2 items")),
     ("two", ("--length", "8"), ("--length", "FUNCTION returns the tokens")),
     ("two", ("--model", "llama"), ("one model",)),
+    ("make", ("--sampler", "pytorch", "--sampler-head", "float32"),
+     ("--sampler-head", "PyTorch sampler")),
 ])
 def test_the_sampler_command_names_a_bad_function(own_model, capsys,
                                                    function, args,
@@ -582,10 +586,13 @@ def test_the_plot_draws_the_reports_gap_and_shares(tpu_vs_h100, tmp_path,
   assert bars.get_lines()[0].get_ydata()[0] == r.total  # the total, a line
   assert r.sampler in fig.get_suptitle()
   # a token one side drops: an infinite gap, not drawn, and said
-  inf = dataclasses.replace(r, figures=dataclasses.replace(
+  inf = dataclasses.replace(r, total=math.inf, remainder=math.nan,
+                            figures=dataclasses.replace(
       r.figures, delta=(math.inf,) + r.figures.delta[1:]))
-  text = inf.plot().axes[0].get_title()
-  assert "1 infinite" in text
+  fig = inf.plot(tmp_path / "inf.png")
+  assert "1 infinite" in fig.axes[0].get_title()
+  assert "total RMS delta inf" in [
+      t.get_text() for t in fig.axes[1].get_legend().get_texts()]
   monkeypatch.setitem(sys.modules, "matplotlib", None)
   monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
   with pytest.raises(ImportError, match="SamplerReport.plot") as e:

@@ -127,10 +127,8 @@ def model_and_tokens(ns: argparse.Namespace):
     raise UsageError(f"{ns.function}() returned {inputs.kinds(made)}; "
                      f"{FORM}")
   if ns.sampler == "pytorch" and len(made) == 2:
-    raise UsageError(f"--sampler pytorch checks the PyTorch model "
-                     f"{ns.function}() returns third, and "
-                     f"{ns.function.rpartition(':')[2]}() returned 2 items; "
-                     f"{FORM}")
+    raise UsageError(f"--sampler pytorch: {ns.function}() returned 2 "
+                     f"items, no PyTorch model; {FORM}")
   return made[0], made[1], made[2] if len(made) == 3 else None
 
 
