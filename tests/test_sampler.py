@@ -379,6 +379,8 @@ def test_the_sampler_command_fails_above_its_bound_and_names_bad_usage(
   assert "PRECISION@TARGET" in capsys.readouterr().err
   assert cli.main(["sampler", "--sampler", "float32@gpu:z9"]) == 2
   assert "z9" in capsys.readouterr().err
+  assert cli.main(["sampler", "--sampler", "pytorch"]) == 2
+  assert "MODULE:FUNCTION returns" in capsys.readouterr().err
 
 
 def test_a_bfloat16_model_rotates_and_caches_in_bfloat16(model):
@@ -389,3 +391,234 @@ def test_a_bfloat16_model_rotates_and_caches_in_bfloat16(model):
   k = np.asarray(out["cache"][0][0], np.float32)
   assert np.abs(k).max() > 0
   np.testing.assert_array_equal(k, k.astype(jnp.bfloat16).astype(np.float32))
+
+
+# --- a PyTorch sampler: transformers' decode with past_key_values
+
+
+def _hf_llama(vocab=256, seed=0):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  config = transformers.LlamaConfig(
+      vocab_size=vocab, hidden_size=64, intermediate_size=128,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      initializer_range=0.2)
+  torch.manual_seed(seed)
+  return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_and_port():
+  pt = _hf_llama()
+  return pt, LlamaForCausalLM.from_pytorch(pt)
+
+
+def test_a_pytorch_float32_sampler_is_the_jax_float32_sampler(hf_and_port,
+                                                               tokens):
+  pt, model = hf_and_port
+  pt.train()  # the check runs it in eval mode, and leaves it as it was
+  r = jaxprec.check_sampler(model, tokens, sampler=pt, batch=(5, 14))
+  assert pt.training
+  pt.eval()
+  jax_sampler = jaxprec.check_sampler(model, tokens, batch=(5, 14))
+  assert r.total <= 1e-5 and r.figures.max_abs <= 1e-5
+  assert r.first_divergence is None
+  assert max(v for _, v in r.layers) <= r.floor
+  np.testing.assert_allclose(r.figures.delta, jax_sampler.figures.delta,
+                             rtol=0, atol=1e-5)
+  assert r.sampler == "PyTorch LlamaForCausalLM, float32 on cpu"
+  assert json.loads(r.to_json())["sampler"] == r.sampler
+
+
+def test_a_pytorch_bfloat16_sampler_is_transformers_own_decode(hf_and_port,
+                                                                tokens):
+  import copy  # noqa: PLC0415
+  torch = pytest.importorskip("torch")
+  pt, model = hf_and_port
+  bf16 = copy.deepcopy(pt).to(torch.bfloat16)
+  r = jaxprec.check_sampler(model, tokens, sampler=bf16, prompt=3)
+  assert "PyTorch LlamaForCausalLM, bfloat16 on cpu" in str(r)
+  assert json.loads(r.to_json())["sampler"].startswith("PyTorch")
+  assert any("PyTorch" in n and "bfloat16" in n for n in r.notes)
+  # the gap, recomputed: transformers' forward with past_key_values, the
+  # prompt in one chunk, against the float32 model's teacher forcing
+  ids = torch.tensor(tokens[None], dtype=torch.long)
+  with torch.no_grad():
+    out = bf16(ids[:, :3], use_cache=True)
+    steps, cache = [out.logits[0, -1]], out.past_key_values
+    for t in range(3, T - 1):
+      out = bf16(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+      cache = out.past_key_values
+      steps.append(out.logits[0, -1])
+  sampled = _logp(torch.stack(steps).double().numpy())
+  forced = _logp(model(jnp.asarray(tokens[None]))["logits"])[0, 2:-1]
+  delta = [forced[i, t] - sampled[i, t] for i, t in enumerate(tokens[3:])]
+  # (within the float32 floor: the trainer here runs without jit)
+  np.testing.assert_allclose(r.figures.delta, delta, rtol=0, atol=1e-5)
+  assert r.total > 1e-3 and r.first_divergence is not None
+  # every factor is switched, none left at 0 unsaid: the float32 body under
+  # the bfloat16 head, the bfloat16 body under the float32 head
+  shares = {s.factor: s for s in r.shares}
+  assert shares["body"].sampler == shares["lm_head"].sampler == r.sampler
+  for factor in ("lm_head", "body"):
+    assert shares[factor].rms != r.total
+  assert shares["body"].rms < r.total / 2
+
+
+def test_bad_pytorch_samplers_are_named(hf_and_port, tokens):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  pt, model = hf_and_port
+  gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+      vocab_size=256, n_embd=32, n_layer=1, n_head=2))
+  with pytest.raises(ValueError, match="GPT2LMHeadModel.*'gpt2'"):
+    jaxprec.check_sampler(model, tokens, sampler=gpt2)
+  with pytest.raises(TypeError, match="Linear"):
+    jaxprec.check_sampler(model, tokens, sampler=torch.nn.Linear(2, 2))
+  with pytest.raises(ValueError, match="vocab_size=300.*vocab_size=256"):
+    jaxprec.check_sampler(model, tokens, sampler=_hf_llama(vocab=300))
+  with pytest.raises(ValueError, match="weights are not the model.s.*first at lm_head/kernel"):
+    jaxprec.check_sampler(model, tokens, sampler=_hf_llama(seed=1))
+  with pytest.raises(TypeError, match="trainer=.*Compute"):
+    jaxprec.check_sampler(model, tokens, trainer=pt)
+
+
+# --- jaxprec sampler MODULE:FUNCTION: the user's own model
+
+OWN = """\
+import numpy as np
+import transformers
+import torch
+from jaxprec.models import LlamaForCausalLM
+
+def make():
+  config = transformers.LlamaConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=128,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      initializer_range=0.2)
+  torch.manual_seed(0)
+  pt = transformers.LlamaForCausalLM(config).eval()
+  tokens = np.arange(10) * 7 % 256
+  return LlamaForCausalLM.from_pytorch(pt), tokens, pt
+
+def two():
+  model, tokens, _ = make()
+  return model, tokens
+
+def swapped():
+  model, tokens = two()
+  return tokens, model
+
+def one():
+  return two()[0]
+"""
+
+
+@pytest.fixture(scope="module")
+def own_model(tmp_path_factory):
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  path = tmp_path_factory.mktemp("own") / "own_sampler.py"
+  path.write_text(OWN)
+  return str(path)
+
+
+def test_the_sampler_command_checks_the_users_own_model(own_model, capsys):
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  code = cli.main(["sampler", f"{own_model}:two", "--json", "--no-cache",
+                   "--sampler", "default@tpu", "--prompt", "3"])
+  d = json.loads(capsys.readouterr().out)
+  assert code == 0 and d["tokens"] == [t * 7 % 256 for t in range(10)]
+  assert d["sampler"] == "default on tpu" and d["prompt"] == 3
+  assert d["total"] > 1e-5
+  # the third item, a PyTorch model, is the sampler --sampler pytorch names
+  code = cli.main(["sampler", f"{own_model}:make", "--json", "--no-cache",
+                   "--sampler", "pytorch", "--batch", "4"])
+  d = json.loads(capsys.readouterr().out)
+  assert code == 0 and d["sampler"] == "PyTorch LlamaForCausalLM, float32 on cpu"
+  assert d["total"] <= 1e-5 and d["batch"] == [4]
+
+
+@pytest.mark.parametrize("function, args, fragments", [
+    ("one", (), ("one() returned LlamaForCausalLM", "(model, tokens)",
+                 "pytorch_model")),
+    ("swapped", (), ("swapped() returned a tuple of 2 (ndarray, "
+                     "LlamaForCausalLM)", "model a causal LM")),
+    ("two", ("--sampler", "pytorch"), ("--sampler pytorch",
+                                       "two() returned 2 items")),
+    ("two", ("--length", "8"), ("--length", "FUNCTION returns the tokens")),
+    ("two", ("--model", "llama"), ("one model",)),
+    ("make", ("--sampler", "pytorch", "--sampler-head", "float32"),
+     ("--sampler-head", "PyTorch sampler")),
+])
+def test_the_sampler_command_names_a_bad_function(own_model, capsys,
+                                                   function, args,
+                                                   fragments):
+  from conftest import one_line_error  # noqa: PLC0415
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  code = cli.main(["sampler", f"{own_model}:{function}", "--no-cache",
+                   *args])
+  one_line_error(code, capsys.readouterr().err, 2, *fragments)
+
+
+# --- the plot: the gap along the sequence, the attribution as bars
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_draws_the_reports_gap_and_shares(tpu_vs_h100, tmp_path,
+                                                   monkeypatch):
+  import dataclasses  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  pytest.importorskip("matplotlib")
+  from jaxprec._src.core.version import install_hint  # noqa: PLC0415
+  r = tpu_vs_h100
+  fig = r.plot(tmp_path / "s.png")
+  assert (tmp_path / "s.png").read_bytes()[:8] == PNG
+  gap, bars = fig.axes
+  x, y = gap.get_lines()[0].get_data()
+  assert list(x) == list(range(r.prompt, len(r.tokens)))  # token positions
+  assert list(y) == list(r.figures.delta)
+  assert [p.get_height() for p in bars.patches] == [
+      s.share for s in r.shares] + [r.remainder]
+  assert [t.get_text() for t in bars.get_xticklabels()] == [
+      "lm_head", "body", "decode", "batch", "remainder"]
+  assert bars.get_lines()[0].get_ydata()[0] == r.total  # the total, a line
+  assert r.sampler in fig.get_suptitle()
+  # a token one side drops: an infinite gap, not drawn, and said
+  inf = dataclasses.replace(r, total=math.inf, remainder=math.nan,
+                            figures=dataclasses.replace(
+      r.figures, delta=(math.inf,) + r.figures.delta[1:]))
+  fig = inf.plot(tmp_path / "inf.png")
+  assert "1 infinite" in fig.axes[0].get_title()
+  assert "total RMS delta inf" in [
+      t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+  monkeypatch.setitem(sys.modules, "matplotlib", None)
+  monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+  with pytest.raises(ImportError, match="SamplerReport.plot") as e:
+    r.plot(tmp_path / "t.png")
+  assert install_hint("plots") in str(e.value)
+
+
+def test_the_sampler_command_writes_the_report_and_the_plot(tmp_path, capsys,
+                                                            monkeypatch):
+  import sys  # noqa: PLC0415
+  pytest.importorskip("matplotlib")
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  out = tmp_path / "rep"
+  code = cli.main(["sampler", "--length", "6", "--no-cache", "--json",
+                   "--sampler", "default@tpu", "--out", str(out)])
+  printed, err = capsys.readouterr()
+  assert code == 0 and f"wrote {out / 'report.json'}" in err
+  assert (out / "report.json").read_text() == printed
+  assert (out / "sampler.png").read_bytes()[:8] == PNG
+  monkeypatch.setitem(sys.modules, "matplotlib", None)
+  monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+  code = cli.main(["sampler", "--length", "6", "--no-cache", "--out",
+                   str(out)])
+  err = capsys.readouterr().err
+  assert code == 0 and "sampler.png not written" in err
+  assert not (out / "sampler.png").exists()
+  (tmp_path / "file").write_text("")
+  assert cli.main(["sampler", "--out", str(tmp_path / "file")]) == 2
+  assert "not a directory" in capsys.readouterr().err

@@ -4,8 +4,10 @@ Two ways to compute one model on one token sequence:
 
 * the trainer: a teacher-forced forward over the whole sequence, alone;
 * the sampler: the prompt in one chunk, then one token at a time with a
-  key/value cache (the model's ``decode``), the sequence alone or left-padded
-  among other sequences, as transformers' ``generate`` batches them.
+  key/value cache (the model's ``decode``, or a PyTorch model's forward with
+  ``past_key_values``: :mod:`jaxprec._src.torch.torch_sampler`), the
+  sequence alone or left-padded among other sequences, as transformers'
+  ``generate`` batches them.
 
 Each side has its own numerics (:class:`Compute`: a precision or a policy,
 a target, a chip, the LM head's own), emulated on any backend
@@ -26,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
+import os
 import textwrap
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprec._src.checker import render
 from jaxprec._src.checker import sampler as figures_lib
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import PrecisionLike, resolve
@@ -41,6 +46,7 @@ from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation.emulate import emulate
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.policy.policy import Policy
+from jaxprec._src.torch import torch_sampler
 
 SCHEMA = "jaxprec.sampler/1"
 WIDTH = 100  # the text report folds to this many columns
@@ -299,6 +305,51 @@ class SamplerReport:
     out += [""] + [f"- {n}" for n in self.notes]
     return "\n".join(out) + "\n"
 
+  def plot(self, path: str | os.PathLike | None = None
+           ) -> "matplotlib.figure.Figure":
+    """The gap along the sequence (left: ``figures.delta`` at each sampled
+    token's position) and the attribution (right: each factor's share and
+    the remainder as bars, the total as a line).
+
+    Args:
+      path: where to save the figure; None only returns it.
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
+
+    Raises:
+      ImportError: matplotlib is not installed (the ``plots`` extra).
+    """
+    Figure = render.figure_class("SamplerReport.plot")
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    gap, bars = fig.subplots(1, 2, width_ratios=(3, 2))
+    delta = self.figures.delta
+    gap.plot(range(self.prompt, len(self.tokens)), delta, marker="o")
+    gap.axhline(0, color="grey", lw=1)
+    infinite = sum(not math.isfinite(d) for d in delta)
+    gap.set_title("log pi_train - log pi_sample of each sampled token"
+                  + (f" ({infinite} infinite, not drawn)" if infinite
+                     else ""), fontsize=9)
+    gap.set_xlabel("token position")
+    gap.set_ylabel("delta (nats)")
+    names = [s.factor for s in self.shares] + ["remainder"]
+    bars.bar(names, [s.share for s in self.shares] + [self.remainder],
+             color=["tab:blue"] * len(self.shares) + ["tab:grey"])
+    bars.axhline(self.total, color="tab:red", ls="--",
+                 label=f"total RMS delta {self.total:.3g}")
+    bars.set_title("attribution: each factor's share of the gap",
+                   fontsize=9)
+    bars.set_ylabel("share (nats)")
+    bars.legend(fontsize=8)
+    for ax in (gap, bars):
+      ax.grid(True, alpha=0.3)
+    fig.suptitle("\n".join(render.fold(
+        f"trainer {self.trainer} vs sampler {self.sampler}", 110)),
+                 fontsize=10)
+    if path is not None:
+      render.save(fig, path)
+    return fig
+
 
 @functools.lru_cache(maxsize=32)
 def _program(fn: nnx_policy.Stateful, setting: tuple[Any, str, str | None]):
@@ -324,6 +375,8 @@ class _Runs:
     return _program(fn, setting)
 
   def forward(self, setting, ids, mask, positions):
+    if isinstance(setting, torch_sampler.TorchSampler):
+      return setting.hidden(ids, mask, positions, None)
     out = self.program("__call__", setting)(self.state, ids, mask, positions)
     return out["hidden_states"]
 
@@ -331,6 +384,8 @@ class _Runs:
     """The hidden states of a decode: ``ids[:, :chunk]`` in one chunk, then
     one token at a time (a chunk of 1 token or less: every token alone,
     padding included, one program for every step)."""
+    if isinstance(setting, torch_sampler.TorchSampler):
+      return setting.hidden(ids, mask, positions, chunk)
     step = self.program("decode", setting)
     cache = self.model.init_cache(*ids.shape)
     states, at = [], 0
@@ -343,6 +398,8 @@ class _Runs:
     return tuple(jnp.concatenate(s, axis=1) for s in zip(*states))
 
   def head(self, setting, hidden):
+    if isinstance(setting, torch_sampler.TorchSampler):
+      return setting.head(hidden)
     return self.program("head", setting)(self.state, hidden)
 
 
@@ -377,7 +434,7 @@ def _batch(tokens: np.ndarray, lengths: tuple[int, ...], vocab: int,
 
 
 def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
-                  sampler: Compute = Compute(),
+                  sampler: Compute | Any = Compute(),
                   sampling: figures_lib.Sampling = figures_lib.Sampling(),
                   prompt: int = 1, batch: Sequence[int] = (),
                   floor: float = 1e-5, seed: int = 0) -> SamplerReport:
@@ -387,7 +444,10 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
   numerics; the sampler prefills ``tokens[:prompt]`` and decodes the rest
   one token at a time with ``model.decode`` and a KV cache, with its own
   numerics, the sequence alone or among ``batch``. Both are emulated on any
-  backend (:func:`jaxprec.emulate`); the user's model is not changed.
+  backend (:func:`jaxprec.emulate`); the user's model is not changed. The
+  sampler may instead be a transformers PyTorch ``LlamaForCausalLM`` with
+  the model's weights: its forward with ``past_key_values``, in its own
+  dtype on its own device.
 
   Args:
     model: a causal language model with ``__call__(ids, attention_mask,
@@ -398,7 +458,12 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
       (:class:`jaxprec.models.LlamaForCausalLM`, ``from_pytorch`` for a
       transformers checkpoint).
     tokens: the sequence ``(length,)``: prompt and sampled tokens.
-    trainer, sampler: each side's numerics (:class:`jaxprec.Compute`).
+    trainer, sampler: each side's numerics (:class:`jaxprec.Compute`); the
+      sampler may be a transformers PyTorch ``LlamaForCausalLM`` (or
+      ``Qwen2ForCausalLM``) whose config is ``model``'s and whose weights
+      are ``model``'s rounded to its dtype (e.g. ``model =
+      LlamaForCausalLM.from_pytorch(pt)`` and ``sampler=pt`` or a
+      ``bfloat16`` copy); it is run in eval mode and left as it was.
     sampling: the log-probabilities compared (:class:`jaxprec.Sampling`:
       raw, or processed with a temperature, top-k, top-p).
     prompt: tokens the sampler prefills in one chunk (at least 1); the
@@ -413,18 +478,25 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
     A :class:`jaxprec.SamplerReport`.
 
   Raises:
-    TypeError: ``trainer``/``sampler`` not a :class:`Compute`, ``sampling``
-      not a :class:`Sampling`, or a model without ``decode``.
-    ValueError: tokens that are not a sequence of at least 2 token ids in
+    TypeError: ``trainer`` not a :class:`Compute`, ``sampler`` neither a
+      :class:`Compute` nor a PyTorch causal LM, ``sampling`` not a
+      :class:`Sampling`, or a model without ``decode``.
+    ValueError: a PyTorch sampler of another architecture, config or
+      weights than ``model``, tokens that are not a sequence of at least 2
+      token ids in
       the vocabulary, a ``prompt`` outside ``1..length-1``, a batch length
       below 1, or a ``floor`` that is not a positive number.
   """
   for name, value, kind in (("trainer", trainer, Compute),
                             ("sampler", sampler, Compute),
                             ("sampling", sampling, figures_lib.Sampling)):
+    if name == "sampler" and torch_sampler.is_torch_module(value):
+      continue
     if not isinstance(value, kind):
+      also = (" or a transformers PyTorch LlamaForCausalLM"
+              if name == "sampler" else "")
       raise TypeError(f"check_sampler: {name}= takes a jaxprec."
-                      f"{kind.__name__}; got {value!r}")
+                      f"{kind.__name__}{also}; got {_short(value)}")
   missing = [m for m in ("decode", "init_cache", "head")
              if not callable(getattr(model, m, None))]
   if missing:
@@ -451,6 +523,10 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
       floor > 0):
     raise ValueError(f"check_sampler: floor={floor!r}: a number > 0")
 
+  notes = NOT_MODELLED
+  if not isinstance(sampler, Compute):
+    sampler = torch_sampler.TorchSampler(sampler, model)
+    notes = sampler.notes
   runs = _Runs(model)
   b_ids, b_mask, b_pos, pad = _batch(ids, batch, vocab, seed)
   alone = _batch(ids, (), vocab, seed)
@@ -521,11 +597,19 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
       batch=tuple(map(int, batch)), figures=gap, shares=tuple(shares),
       remainder=float(remainder), total=gap.rms,
       layers=tuple((n, float(r)) for n, r in zip(names, rel.max(axis=1))),
-      first_divergence=first, floor=float(floor), notes=NOT_MODELLED)
+      first_divergence=first, floor=float(floor), notes=notes)
 
 
-def _describe(setting: tuple[Any, str, str | None]) -> str:
-  return _label(*setting)
+def _describe(setting: Any) -> str:
+  return (str(setting) if isinstance(setting, torch_sampler.TorchSampler)
+          else _label(*setting))
+
+
+def _short(value: Any) -> str:
+  """``repr`` on one line of at most 80 characters (a PyTorch model's
+  runs to pages)."""
+  text = " ".join(repr(value).split())
+  return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _relative(a: np.ndarray, b: np.ndarray) -> np.ndarray:

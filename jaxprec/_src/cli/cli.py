@@ -259,7 +259,7 @@ def _parser() -> argparse.ArgumentParser:
                            "orders the costs (tpu-v4, tpu-v5e, tpu-v5p, a100, "
                            "h100; default tpu-v5e for tpu, h100 for gpu)")
   search.set_defaults(handler=_search)
-  cli_sampler.add(sub)
+  cli_sampler.add(sub, _write_outputs)
   return parser
 
 
@@ -716,9 +716,10 @@ def _check(ns: argparse.Namespace) -> int:
   return 0
 
 
-def _write_outputs(report, out: str) -> None:
-  """Writes ``report.json`` and ``divergence.png`` into ``out`` (process 0
-  alone in a multi-process run); a plot that fails is a warning.
+def _write_outputs(report, out: str, png_name: str = inputs.OUT_FILES[1]
+                   ) -> None:
+  """Writes ``report.json`` and the plot (``divergence.png``) into ``out``
+  (process 0 alone in a multi-process run); a plot that fails is a warning.
 
   Raises:
     Failure: ``out`` cannot be written.
@@ -726,7 +727,8 @@ def _write_outputs(report, out: str) -> None:
   from jaxprec._src.jaxpr import compat
   if compat.process_index() != 0:
     return
-  json_path, png = (os.path.join(out, name) for name in inputs.OUT_FILES)
+  json_path, png = (os.path.join(out, name)
+                    for name in (inputs.OUT_FILES[0], png_name))
   try:
     os.makedirs(out, exist_ok=True)
     if os.path.lexists(png):
@@ -738,13 +740,13 @@ def _write_outputs(report, out: str) -> None:
   try:
     report.plot(png)
   except ImportError:
-    say("note", f"divergence.png not written: matplotlib is not installed "
+    say("note", f"{png_name} not written: matplotlib is not installed "
                 f"({install_hint('plots')})")
     return
   except Exception as e:  # noqa: BLE001 -- the report is written: say so
     with contextlib.suppress(OSError):
       os.remove(png)
-    say("warning", f"divergence.png not written ({type(e).__name__}: "
+    say("warning", f"{png_name} not written ({type(e).__name__}: "
                    f"{inputs.one_line(e)}); report.json is written")
     return
   print(f"wrote {json_path} and {png}", file=sys.stderr)

@@ -224,21 +224,32 @@ def one_line(e: BaseException) -> str:
 
 def call_target(target: str) -> tuple[Any, tuple, dict]:
   """``(fn, args, kwargs)`` from ``MODULE:FUNCTION``, whose FUNCTION() makes them."""
-  factory = load(target)
-  try:
-    made = factory()
-  except Exception as e:  # noqa: BLE001 -- reported as one line
-    raise failed(f"{target}() raised", e) from None
+  made = call(target)
   if (not isinstance(made, tuple) or len(made) not in (2, 3)
       or not isinstance(made[1], (tuple, list))
       or (len(made) == 3 and not isinstance(made[2], dict))):
-    got = type(made).__name__ if not isinstance(made, tuple) else (
-        f"a tuple of {len(made)} "
-        f"({', '.join(type(v).__name__ for v in made)})")
     raise UsageError(
         f"{target}() must return (fn, args) or (fn, args, kwargs) with args "
-        f"a tuple and kwargs a dict; got {got}")
+        f"a tuple and kwargs a dict; got {kinds(made)}")
   return made[0], tuple(made[1]), (made[2] if len(made) == 3 else {})
+
+
+def call(target: str) -> Any:
+  """What ``MODULE:FUNCTION``'s FUNCTION() returns; its exception is a
+  :class:`Failure`."""
+  factory = load(target)
+  try:
+    return factory()
+  except Exception as e:  # noqa: BLE001 -- reported as one line
+    raise failed(f"{target}() raised", e) from None
+
+
+def kinds(value: Any) -> str:
+  """What a FUNCTION() returned, in words: ``'a tuple of 2 (int, list)'``."""
+  if not isinstance(value, tuple):
+    return type(value).__name__
+  return (f"a tuple of {len(value)} "
+          f"({', '.join(type(v).__name__ for v in value)})")
 
 
 def load(target: str):
@@ -330,7 +341,7 @@ def check_reference_file(path: str) -> None:
 OUT_FILES = ("report.json", "divergence.png")
 
 
-def check_out(out: str) -> None:
+def check_out(out: str, files: tuple[str, ...] = OUT_FILES) -> None:
   """Fails before the check runs when ``--out`` cannot be a writable directory
   or holds a directory where one of :data:`OUT_FILES` is to be written."""
   path = os.path.abspath(out)
@@ -345,7 +356,7 @@ def check_out(out: str) -> None:
   if not os.access(existing, os.W_OK | os.X_OK):
     raise UsageError(f"--out {out!r} is not writable (no write permission "
                       f"on {existing!r})")
-  for name in OUT_FILES:  # a directory where a file is to be written
+  for name in files:  # a directory where a file is to be written
     if os.path.isdir(os.path.join(path, name)):
       raise UsageError(f"--out {out!r} holds a directory named {name!r}, "
                        f"where the check writes a file: remove it or choose "

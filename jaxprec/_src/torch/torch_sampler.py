@@ -1,0 +1,153 @@
+"""A transformers PyTorch causal LM as the sampler of
+:func:`jaxprec.check_sampler`.
+
+The sampler runs transformers' ``LlamaForCausalLM.forward`` in its two
+halves: the decoder (``get_decoder()``) with ``past_key_values``, the prompt
+in one chunk and then one token at a time, and the LM head
+(``get_output_embeddings()``) on its last hidden state, so that the check can
+switch the head or the body alone to the trainer's. It computes in the
+model's own dtype on its own device, with PyTorch's kernels: nothing is
+emulated. Nothing here imports PyTorch at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprec._src.models import llama
+from jaxprec._src.torch.torch_ref import import_torch
+
+MODEL_TYPES = ("llama", "qwen2")
+
+
+def is_torch_module(obj: Any) -> bool:
+  """A ``torch.nn.Module``, known without importing torch."""
+  return any(c.__module__ == "torch.nn.modules.module" and c.__name__ ==
+             "Module" for c in type(obj).__mro__)
+
+
+class TorchSampler:
+  """A PyTorch causal LM with the weights of ``model`` (the trainer's),
+  checked: its architecture, sizes and weights (rounded to its dtype) are
+  the model's."""
+
+  def __init__(self, pt_model: Any, model: Any):
+    name = type(pt_model).__name__
+    what = f"check_sampler: sampler={name}"
+    kind = getattr(getattr(pt_model, "config", None), "model_type", None)
+    head = getattr(pt_model, "get_output_embeddings", lambda: None)()
+    if kind is None or head is None:
+      raise TypeError(f"{what}: a PyTorch sampler is a transformers "
+                      f"LlamaForCausalLM or Qwen2ForCausalLM (a causal LM "
+                      f"with a config and an LM head)")
+    if kind not in MODEL_TYPES:
+      raise ValueError(f"{what} is a {kind!r} model; a PyTorch sampler is "
+                       f"a {' or '.join(map(repr, MODEL_TYPES))} causal LM, "
+                       f"as jaxprec.models.LlamaForCausalLM computes")
+    try:
+      config = llama.config_from_pytorch(pt_model)
+    except ValueError as e:
+      raise ValueError(f"{what}: {e}") from None
+    mine = getattr(model, "config", None)
+    if not isinstance(mine, llama.LlamaConfig):
+      raise TypeError(f"{what}: a PyTorch sampler samples for "
+                      f"jaxprec.models.LlamaForCausalLM; the model is a "
+                      f"{type(model).__name__}")
+    for f in dataclasses.fields(config):
+      a, b = getattr(config, f.name), getattr(mine, f.name)
+      if a != b:
+        raise ValueError(f"{what} has {f.name}={a!r}, the model "
+                         f"{f.name}={b!r}: the sampler must be the model's "
+                         f"architecture with its weights (jaxprec.models."
+                         f"LlamaForCausalLM.from_pytorch makes the model)")
+    torch = import_torch()
+    params = list(pt_model.parameters())
+    self.model, self.head_module = pt_model, head
+    self.dtype, self.device = params[0].dtype, params[0].device
+    dtype = str(self.dtype).removeprefix("torch.")
+    self.name = f"PyTorch {name}, {dtype} on {self.device}"
+    with warnings.catch_warnings():  # its dtype is known: said here
+      warnings.simplefilter("ignore")
+      ported = type(model).from_pytorch(pt_model)
+    from flax import nnx  # noqa: PLC0415
+    theirs = dict(nnx.to_flat_state(nnx.state(ported)))
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+      w = np.asarray(var[...], np.float32).astype(jnp.dtype(dtype))
+      if not np.array_equal(w.astype(np.float32), np.asarray(
+          theirs[path][...], np.float32)):
+        raise ValueError(f"{what}: the sampler's weights are not the "
+                         f"model's (rounded to {dtype}), first at "
+                         f"{'/'.join(map(str, path))}: make one from the "
+                         f"other (jaxprec.models.LlamaForCausalLM."
+                         f"from_pytorch)")
+    self._torch = torch
+    self.notes = (
+        f"The sampler is {self.name}: transformers' forward with "
+        f"past_key_values and PyTorch's own kernels on this machine, not "
+        f"emulated; an inference engine's kernels and another device's are "
+        f"not modelled.",
+        f"The attribution switches frameworks: the lm_head factor gives "
+        f"PyTorch's last hidden states to the trainer's head (jaxprec's), "
+        f"the body factor gives the trainer's (jaxprec's decode at the "
+        f"trainer's numerics) to PyTorch's head in {dtype}.")
+
+  def __str__(self) -> str:
+    return self.name
+
+  def body(self) -> TorchSampler:
+    return self
+
+  def lm_head(self) -> TorchSampler:
+    return self
+
+  @contextlib.contextmanager
+  def _eval(self):
+    """No gradients and eval mode (no dropout), the mode restored after."""
+    training = self.model.training
+    self.model.eval()
+    try:
+      with self._torch.no_grad():
+        yield
+    finally:
+      self.model.train(training)
+
+  def hidden(self, ids: Any, mask: Any, positions: Any,
+             chunk: int | None) -> tuple[np.ndarray, ...]:
+    """The decoder's hidden states (float32): ``ids[:, :chunk]`` in one
+    chunk, then one token at a time with ``past_key_values``; ``chunk``
+    None: the whole sequence at once (teacher forcing)."""
+    torch = self._torch
+    ids, mask, positions = (None if a is None else torch.tensor(
+        np.array(a), dtype=torch.long, device=self.device)
+                            for a in (ids, mask, positions))
+    decoder = self.model.get_decoder()
+    with self._eval():
+      if chunk is None:
+        states = decoder(ids, attention_mask=mask, position_ids=positions,
+                         output_hidden_states=True).hidden_states
+      else:
+        steps, cache, at = [], None, 0
+        for n in [chunk] + [1] * (ids.shape[1] - chunk):
+          out = decoder(ids[:, at:at + n], attention_mask=mask[:, :at + n],
+                        position_ids=positions[:, at:at + n],
+                        past_key_values=cache, use_cache=True,
+                        output_hidden_states=True)
+          cache = out.past_key_values
+          steps.append(out.hidden_states)
+          at += n
+        states = [torch.cat(s, 1) for s in zip(*steps)]
+    return tuple(s.float().cpu().numpy() for s in states)
+
+  def head(self, hidden: Any) -> np.ndarray:
+    """The LM head's logits (float32) of hidden states, given to it in the
+    model's dtype."""
+    h = self._torch.tensor(np.array(hidden, np.float32)).to(
+        self.device, self.dtype)
+    with self._eval():
+      return self.head_module(h).float().cpu().numpy()
