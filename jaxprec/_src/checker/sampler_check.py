@@ -114,7 +114,7 @@ class Compute:
   def __str__(self) -> str:
     text = _label(*self.body())
     if self.head is not None:
-      text += f", head {_label(self.head, None, None)}"
+      text += f", head {_label(self.head, self.target, None, where=False)}"
     return text
 
 
@@ -133,10 +133,18 @@ def _numerics(value: Any, name: str) -> Any:
   return value
 
 
-def _label(value: Any, target: str | None, chip: str | None) -> str:
+def _label(value: Any, target: str, chip: str | None, *,
+           where: bool = True) -> str:
+  """The name as typed, what ``target`` computes for it (a precision on a
+  TPU or GPU: ``'bfloat16 (tf32)'``, :func:`numerics.algorithm_for`), and
+  with ``where`` the target and chip."""
   text = ("the precision in force" if value is None
           else str(getattr(value, "name", value)))
-  if target is not None:
+  if (value is not None and not isinstance(value, Policy)
+      and target in numerics.TARGETS):
+    f32 = jnp.float32
+    text += f" ({numerics.algorithm_for(value, target, f32, f32)})"
+  if where:
     text += f" on {target}" + (f" ({chip})" if chip else "")
   return text
 

@@ -666,6 +666,16 @@ def _check(ns: argparse.Namespace) -> int:
     inputs.check_reference_file(reference)
   elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
     inputs.resolve(reference, "--reference")
+  from jaxprec._src.checker import rows
+  from jaxprec._src.core import numerics
+  try:  # the rows, before the model is built: a row the target refuses
+    mode = numerics.resolve_mode(ns.mode, ns.target)
+    computed = rows.is_computed(reference)
+    rows.plans(precisions, ns.target, mode, external=not computed)
+    if computed:
+      rows.reference_plan(reference, ns.target, mode)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
   enforce = ns.atol is not None or ns.rtol is not None
   tol = {"atol": check_lib.DEFAULT_ATOL, "rtol": check_lib.DEFAULT_RTOL}
   for name in tol:
