@@ -11,7 +11,12 @@ the audit's rows inside a lineax solve named lineax's files as the source,
 not the user's line that calls the solve; a layer whose candidate overflowed
 where the reference is the layer's largest value reported its other
 elements' rel_rms as 0, cosine as 1 and SQNR as inf (their squares, scaled
-by that largest value, underflowed).
+by that largest value, underflowed); the command line read a prefix of an
+option as the option (``search --mode native`` was ``--model native``:
+"argument --model: invalid choice"); with ``JAXPREC_TRACEBACK=1`` the error
+line after the traceback still said that the variable shows it; the plot
+showed nothing of a layer the table fails with inf or NaN (no value to draw,
+or an exact 0 elsewhere in the layer), so the main job's picture passed it.
 """
 
 import inspect
@@ -155,3 +160,68 @@ def test_metrics_over_valid_elements_ignore_the_scale_of_an_overflowed_one():
   np.testing.assert_allclose(m.sqnr_db, 10 * np.log10((t @ t) / (e @ e)),
                              rtol=1e-5)
   assert m.max_abs == np.abs(e).max()
+  floor = 1e-3 * np.sqrt(np.mean(t * t))  # max_rel's, of the valid elements
+  np.testing.assert_allclose(
+      m.max_rel, (np.abs(e) / np.maximum(np.abs(t), floor)).max(), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# The command line takes each option by its whole name.
+
+
+@pytest.mark.parametrize("argv, bad", [
+    (["search", "m:make", "--tolerance", "1e-2", "--mode", "native"],
+     "--mode native"),
+    (["check", "m:make", "--prec", "bfloat16"], "--prec bfloat16"),
+    (["audit", "m:make", "--js"], "--js"),
+])
+def test_a_prefix_of_an_option_is_not_that_option(capsys, argv, bad):
+  rc, out, err = run_cli(capsys, *argv)
+  one_line_error(rc, err, 2, f"unrecognized arguments: {bad}")
+  assert "--model" not in err and not out
+
+
+def test_the_error_after_the_traceback_does_not_offer_it_again(
+    tmp_path, monkeypatch, capsys):
+  (tmp_path / "m.py").write_text("def make():\n  raise KeyError('k')\n")
+  monkeypatch.chdir(tmp_path)
+  rc, _, err = run_cli(capsys, "audit", "m.py:make")
+  one_line_error(rc, err, 1, "KeyError", "JAXPREC_TRACEBACK=1 shows the")
+  monkeypatch.setenv("JAXPREC_TRACEBACK", "1")
+  rc, _, err = run_cli(capsys, "audit", "m.py:make")
+  assert rc == 1 and "Traceback (most recent call last)" in err
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("jaxprec: error: m.py:make() raised KeyError"), err
+  assert "JAXPREC_TRACEBACK" not in err
+
+
+# --------------------------------------------------------------------------
+# The plot rings every layer the table fails, with or without a value to draw.
+
+
+def test_the_plot_rings_a_layer_that_fails_with_inf_or_nan():
+  pytest.importorskip("matplotlib")
+  x, w = np.ones((2, 4), np.float32), np.ones((4, 2), np.float32)
+
+  def fn(x, w):
+    y = x @ w
+    return {"exact": y, "overflows": (x * 3.4e38) @ (w * 0.25),
+            "one_nan": y.at[0, 0].set(jnp.nan), "also_exact": 2 * y}
+
+  def reference_fn(x, w):  # the same, NaN-free where the row has a NaN
+    return dict(fn(x, w), one_nan=x @ w)
+  ref = {k: np.asarray(v) for k, v in jax.jit(reference_fn)(x, w).items()}
+  r = jaxprec.check(fn, x, w, precisions=("bfloat16",), mode="emulate",
+                    reference=ref)
+  fails = [i for i, l in enumerate(r.layers)
+           if not l.metrics["bfloat16"].passes(r.atol)]
+  assert fails == [1, 2]
+  assert np.isnan(r.layers[1].metrics["bfloat16"].rel_rms)  # nothing to draw
+  assert r.layers[2].metrics["bfloat16"].rel_rms == 0.0  # drawn as exact
+  for metric in ("rel_rms", "max_abs", "required_atol"):
+    fig = r.plot(metric=metric)
+    rings = [l for l in fig.axes[0].get_lines()
+             if l.get_markeredgecolor() == "tab:red" and l.get_marker() == "o"
+             and len(l.get_xdata())]
+    assert sorted(round(x) for l in rings for x in l.get_xdata()) == fails, (
+        metric)

@@ -53,10 +53,13 @@ class _Help(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-  """An ArgumentParser whose errors are one line and do not exit."""
+  """An ArgumentParser whose errors are one line and do not exit, and which
+  takes an option by its whole name only (a prefix such as ``--mode`` would
+  otherwise be read as ``--model``)."""
 
   def __init__(self, *args, **kwargs):
     kwargs.setdefault("formatter_class", _Help)
+    kwargs.setdefault("allow_abbrev", False)
     super().__init__(*args, **kwargs)
 
   def error(self, message: str):  # type: ignore[override]
