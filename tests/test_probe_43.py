@@ -6,7 +6,8 @@ labelled as computed on that chip's tensor cores (float32 runs on CUDA
 cores); a native row of a precision the backend refuses ran the rows before
 it and then failed with JAX's own error (exit 1 on the command line, where
 ``search`` said the same as bad usage, exit 2); the sampler named a side by
-the name as typed alone (``bfloat16 on gpu``, which a GPU computes as TF32);
+the name as typed alone (``bfloat16 on gpu``, which a GPU computes as TF32)
+and took a precision its target does not run (``TF32_TF32_F32@tpu``);
 the audit's rows inside a lineax solve named lineax's files as the source,
 not the user's line that calls the solve; a layer whose candidate overflowed
 where the reference is the layer's largest value reported its other
@@ -97,7 +98,7 @@ def test_the_command_line_refuses_a_row_the_target_does_not_run_as_usage(
 # The sampler's sides: the name as typed, and what the target computes.
 
 
-def test_a_sampler_side_says_what_its_target_computes_for_the_name():
+def test_a_sampler_side_says_what_its_target_computes_for_the_name(capsys):
   assert str(jaxprec.Compute(precision="bfloat16", target="gpu",
                              chip="h100")) == "bfloat16 (tf32) on gpu (h100)"
   assert str(jaxprec.Compute(precision="bfloat16", target="tpu",
@@ -107,9 +108,18 @@ def test_a_sampler_side_says_what_its_target_computes_for_the_name():
   assert str(jaxprec.Compute(precision="default=dtype:bfloat16",
                              target="gpu")) == "default=dtype:bfloat16 on gpu"
   assert str(jaxprec.Compute(precision="float32")) == "float32 on cpu"
+  # A side its target cannot compute is refused when it is made.
+  for kw in (dict(precision="TF32_TF32_F32", target="tpu"),
+             dict(precision="float32", target="tpu", head="F32_F32_F32")):
+    with pytest.raises(numerics.UnsupportedAlgorithmError,
+                       match=r"^Compute (precision|head)=: \S+ .*does not "
+                             r"run on a TPU"):
+      jaxprec.Compute(**kw)
   # The attribution's settings read the same (sampler_check._describe).
   assert sampler_check._describe(("BF16_BF16_F32", "gpu", "a100")) == (
       "BF16_BF16_F32 (bf16x1) on gpu (a100)")
+  rc, _, err = run_cli(capsys, "sampler", "--sampler", "TF32_TF32_F32@tpu")
+  one_line_error(rc, err, 2, "TF32_TF32_F32", "does not run on a TPU")
 
 
 # --------------------------------------------------------------------------

@@ -78,8 +78,10 @@ class Compute:
       ``lm_head`` in ``precision`` does the same).
 
   Raises:
-    ValueError: an unknown precision, policy, target or chip, or a chip
-      without ``target='gpu'``.
+    ValueError: an unknown precision, policy, target or chip, a chip
+      without ``target='gpu'``, or a precision the target does not run
+      (:class:`jaxprec.UnsupportedAlgorithmError`: ``TF32_TF32_F32`` on a
+      TPU).
 
   Examples:
     >>> import jaxprec
@@ -101,6 +103,13 @@ class Compute:
         self.chip, self.target))
     for name in ("precision", "head"):
       object.__setattr__(self, name, _numerics(getattr(self, name), name))
+      value = getattr(self, name)
+      if (value is not None and not isinstance(value, Policy)
+          and self.target in numerics.TARGETS):
+        try:  # every entry point refuses what the target does not run
+          numerics.algorithm_for(value, self.target, jnp.float32, jnp.float32)
+        except ValueError as e:
+          raise type(e)(f"Compute {name}=: {e}") from None
 
   def body(self) -> tuple[Any, str, str | None]:
     """The body's ``(precision or policy, target, chip)``."""
