@@ -435,21 +435,26 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
   lo = None if ref_lo is None else jnp.asarray(ref_lo, f32)
   atol, rtol = jnp.asarray(atol, f32), jnp.asarray(rtol, f32)
   seg = jnp.asarray(layout.chunk_layer)
-  floor = ref["floor"][seg][:, None]
-  r_exp = ref["r_exp"]
-  scale = _pow2(r_exp)[seg][:, None]
   sizes = jnp.asarray(np.array(layout.sizes, np.int32))
   zeros = jnp.zeros((n_layers,), i32)
-  u_exp = lax.cond(jnp.any(r_exp > _TINY), lambda: _up_exp(c, r_exp, layout),
-                   lambda: zeros)
-  up = _pow2(u_exp)[seg][:, None]  # exact, and c * up cannot overflow
-  rest = _pow2(r_exp - u_exp)[seg][:, None]
 
-  def error(c, hi):
+  def scaling(r_exp, floor):
+    # The reference's magnitudes times 2**r_exp lie below 1, and floor is
+    # max_rel's, both of the elements compared: an element left out must not
+    # set them, or the squares of the others could underflow to zero.
+    u_exp = lax.cond(jnp.any(r_exp > _TINY),
+                     lambda: _up_exp(c, r_exp, layout), lambda: zeros)
+    return {"r_exp": r_exp, "u_exp": u_exp, "floor": floor[seg][:, None],
+            "up": _pow2(u_exp)[seg][:, None],  # exact; c * up cannot overflow
+            "rest": _pow2(r_exp - u_exp)[seg][:, None],
+            "scale": _pow2(r_exp)[seg][:, None]}
+
+  def error(c, hi, up):
     e = c * up - hi * up
     return e if lo is None else e - lo * up
 
-  def common(c0, r0, e, valid, mismatch):
+  def common(c0, r0, e, valid, mismatch, sc):
+    up, rest, scale, floor = sc["up"], sc["rest"], sc["scale"], sc["floor"]
     # e is scaled by up; so are ae, ar and the tolerance.
     ae, ar = jnp.abs(e), jnp.abs(r0 * up)
     outside = (ae > atol * up + rtol * ar) | mismatch
@@ -471,6 +476,7 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
     hist = jnp.zeros((max(n_layers, 1) * _BUCKETS,), i32).at[
         bucket.ravel()].add(weight.ravel(), mode="drop")
     return {
+        "r_exp": sc["r_exp"], "u_exp": sc["u_exp"],
         "outside": _per_layer([outside.astype(i32)], layout, "sum")[0],
         "sum_e2": sums[0], "sum_er": sums[1], "sum_r2": sums[2],
         "max_abs": maxes[0],
@@ -481,7 +487,8 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
 
   def fast(c):
     # Padding is zero in both arrays, so it adds nothing and passes.
-    out = common(c, hi, error(c, hi), None, False)
+    sc = scaling(ref["r_exp"], ref["floor"])
+    out = common(c, hi, error(c, hi, sc["up"]), None, False, sc)
     pad = jnp.asarray(layout.chunks.astype(np.int32)) * CHUNK - sizes
     out["hist"] = out["hist"].at[:, 0].add(-pad)  # padding: distance 0
     out.update(n_valid=sizes, nan=zeros, inf=zeros, mismatch=zeros)
@@ -499,11 +506,17 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
     zero = f32(0)
     c0 = jnp.where(valid, c, zero)
     r0 = jnp.where(valid, hi, zero)
-    e = jnp.where(valid, error(c0, r0), zero)
-    out = common(c0, r0, e, valid, mismatch)
     counts = _per_layer([valid.astype(i32), (real & jnp.isnan(c)).astype(i32),
                          (real & jnp.isinf(c)).astype(i32),
                          mismatch.astype(i32)], layout, "sum")
+    r_exp = _scale_exp(_per_layer([jnp.abs(r0)], layout, "max")[0])
+    r_s = r0 * _pow2(r_exp)[seg][:, None]
+    rms = (jnp.sqrt(_per_layer([r_s * r_s], layout, "sum")[0]
+                    / jnp.maximum(counts[0], 1).astype(f32)) * _pow2(-r_exp))
+    sc = scaling(r_exp, jnp.maximum(f32(REL_FLOOR) * rms,
+                                    f32(np.finfo(np.float32).tiny)))
+    e = jnp.where(valid, error(c0, r0, sc["up"]), zero)
+    out = common(c0, r0, e, valid, mismatch, sc)
     out.update(n_valid=counts[0], nan=counts[1], inf=counts[2],
                mismatch=counts[3])
     return out
@@ -511,6 +524,9 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
   def rescaled(out):
     # The error, halved so that c - r cannot overflow, scaled per layer by
     # its own largest magnitude.
+    u_exp = out["u_exp"]
+    up = _pow2(u_exp)[seg][:, None]
+    scale = _pow2(out["r_exp"])[seg][:, None]
     fin = jnp.isfinite(c) & jnp.isfinite(hi)
     half = f32(0.5)
     e_h = (c * up * half - hi * up * half)
@@ -527,8 +543,8 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
 
   finite = ref["finite"] & jnp.all(jnp.isfinite(c))
   out = fast(c) if finite_only else lax.cond(finite, fast, masked, c)
-  out.update(e_exp=r_exp, max_half=out["max_abs"] * f32(0.5))
-  m_s = out["max_abs"] * _pow2(r_exp - u_exp)
+  out.update(e_exp=out["r_exp"], max_half=out["max_abs"] * f32(0.5))
+  m_s = out["max_abs"] * _pow2(out["r_exp"] - out["u_exp"])
   unsafe = (m_s > _SAFE) | ((m_s < 1 / _SAFE) & (m_s > 0))
   out = lax.cond(jnp.any(unsafe), rescaled, lambda out: out, out)
   out["required"] = jnp.where(out["mismatch"] > 0, f32(np.inf), out["required"])
@@ -537,9 +553,8 @@ def layer_stats(candidates: Sequence[Any], ref_hi: jax.Array,
   out["ulp_lo"] = jnp.argmax(cum > jnp.maximum((n_valid - 1) // 2, 0)[:, None],
                              axis=1)
   out["ulp_hi"] = jnp.argmax(cum > (n_valid // 2)[:, None], axis=1)
-  out.update(ref_max_abs=ref["max_abs"],
-             ref_nan=ref["nan"], ref_inf=ref["inf"],
-             ref_overflow=ref["overflow"], r_exp=r_exp, u_exp=u_exp)
+  out.update(ref_max_abs=ref["max_abs"], ref_nan=ref["nan"],
+             ref_inf=ref["inf"], ref_overflow=ref["overflow"])
   result = {"int": jnp.stack([out[k].astype(i32) for k in INT_ROWS]),
             "float": jnp.stack([out[k].astype(f32) for k in FLOAT_ROWS]),
             "ulp_max": out["ulp_max"]}

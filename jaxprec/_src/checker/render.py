@@ -674,8 +674,10 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
   error), which a log axis cannot show, is drawn as a hollow downward
   triangle on a floor value below everything else, and the legend says so
   (``'exact (0), drawn at 1e-09'``). A point of a layer that fails the
-  check's gate (the table's ``'!'``) is ringed in red, whatever the metric.
-  The legend sits beside the axes, never over a line.
+  check's gate (the table's ``'!'``) is ringed in red, whatever the metric:
+  one whose metric has no value (the row holds inf or NaN there) as an
+  upward triangle of the row's colour at the top edge. The legend sits
+  beside the axes, never over a line.
 
   Args:
     report: the :class:`jaxprec.DivergenceReport` (``self``).
@@ -717,6 +719,7 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
   ax = fig.add_subplot()
   xs = list(range(len(report.layers)))
   any_exact = False
+  colors: dict[str, str] = {}
   # Exact markers of the rows side by side, not on top of each other.
   shift = {p: 0.08 * (k - (len(series) - 1) / 2) for k, p in enumerate(series)}
   for p, values in series.items():
@@ -727,6 +730,7 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
                         zorder=3, label=plot_label(report, p))
     else:
       (line,) = ax.plot(xs, ys, marker="o", label=plot_label(report, p))
+    colors[p] = line.get_color()
     exact = [x for x, v in zip(xs, values) if exact_metric and v == 0]
     if exact:
       any_exact = True
@@ -735,22 +739,44 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
               markersize=8, markerfacecolor="none",
               markeredgecolor=line.get_color(), zorder=4,
               label="_exact")  # '_': not in the legend; one entry below
-  failed = False
+  failed = undrawn = False
+  ring = dict(ls="none", marker="o", markersize=11, markerfacecolor="none",
+              markeredgecolor="tab:red", zorder=5)
   for p, values in series.items():
+    if p == report.floor:
+      continue
     req = report.metric("required_atol", p)
-    bad = [(x, v) for x, v, r in zip(xs, values, req)
-           if isinstance(v, (int, float)) and math.isfinite(v) and v > 0
-           and isinstance(r, (int, float)) and not r <= report.atol]
-    if bad and p != report.floor:
-      failed = True
-      ax.plot([x for x, _ in bad], [v for _, v in bad], ls="none",
-              marker="o", markersize=11, markerfacecolor="none",
-              markeredgecolor="tab:red", zorder=5, label="_fails")
+    fails = [(x, v) for x, v, r in zip(xs, values, req)
+             if isinstance(r, (int, float)) and not r <= report.atol]
+    drawn = lambda v: (isinstance(v, (int, float))  # noqa: E731
+                       and math.isfinite(v) and v > 0)
+    bad = [(x, v) for x, v in fails if drawn(v)]
+    # A failing layer at an exact 0 is ringed on its marker; one with no
+    # value (inf or NaN in the row: the metric is NaN) at the top edge.
+    at_floor = [x + shift[p] for x, v in fails if exact_metric and v == 0]
+    on_top = [x for x, v in fails if not drawn(v)
+              and not (exact_metric and v == 0)]
+    failed = failed or bool(fails)
+    undrawn = undrawn or bool(on_top)
+    if bad:
+      ax.plot([x for x, _ in bad], [v for _, v in bad], label="_fails",
+              **ring)
+    if at_floor:
+      ax.plot(at_floor, [floor_value] * len(at_floor), label="_fails_exact",
+              **ring)
+    if on_top:  # the row's colour inside the ring says which row
+      top = dict(transform=ax.get_xaxis_transform(), clip_on=False)
+      ax.plot(on_top, [1.0] * len(on_top), ls="none", marker="^",
+              color=colors[p], zorder=5, label="_undrawn", **top)
+      ax.plot(on_top, [1.0] * len(on_top), label="_fails_undrawn", **top,
+              **ring)
   if failed:
-    ax.plot([], [], ls="none", marker="o", markersize=11,
-            markerfacecolor="none", markeredgecolor="tab:red",
-            label=f"fails the check's gate (the table's '!'; atol = "
-                  f"{report.atol:g}, rtol = {report.rtol:g})")
+    ax.plot([], [], label=f"fails the check's gate (the table's '!'; atol = "
+                          f"{report.atol:g}, rtol = {report.rtol:g})", **ring)
+  if undrawn:
+    ax.plot([], [], ls="none", marker="^", color="black",
+            label=f"at the top, ringed: the row fails where {metric} has no "
+                  f"value (inf or NaN in the row)")
   if tol > 0:
     ax.axhline(tol, color="tab:red", ls=":", lw=1.5, label=tol_label)
   if any_exact:
@@ -765,7 +791,7 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
   ax.set_ylabel(metric)
   ax.set_title("\n".join(fold(f"{metric} vs reference {report.reference} "
                              f"(target {report.target}, {report.mode})", 90)),
-               fontsize=9)
+               fontsize=9, pad=14 if undrawn else 6)  # clear of a top ring
   ax.grid(True, which="both", alpha=0.3)
   if report.precisions:
     # Beside the axes (constrained layout makes room): never over a line.

@@ -23,6 +23,7 @@ from jax import lax
 from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
+from jaxprec._src.emulation import tensor_cores
 from jaxprec._src.emulation.emulate import emulate, opaque_ops
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
@@ -161,9 +162,14 @@ def emulation_options(emulate_target: str, chip: str | None = None,
   return tuple(sorted(out.items()))
 
 
-def _chip_words(options: tuple[tuple[str, Any], ...]) -> str:
+def _chip_words(options: tuple[tuple[str, Any], ...], algo: str) -> str:
+  """The chip of a row its tensor cores compute (``'f32'`` runs on CUDA
+  cores, whatever the chip: ``tensor_cores.chip_algorithms``)."""
   chip = dict(options).get("chip")
-  return "" if chip is None else f", {chip} tensor cores"
+  if chip is None or (algo != "policy"
+                      and algo not in tensor_cores.chip_algorithms()):
+    return ""
+  return f", {chip} tensor cores"
 
 
 def plan(precision: PrecisionLike | Policy, target: str, mode: str,
@@ -212,7 +218,7 @@ def plan(precision: PrecisionLike | Policy, target: str, mode: str,
       return Plan(label, pol, None, "policy", f"policy (native {backend})")
     opts = emulation_options(target, chip, **options)
     return Plan(label, pol, target, "policy",
-                f"policy ({target}, emulated{_chip_words(opts)})",
+                f"policy ({target}, emulated{_chip_words(opts, 'policy')})",
                 options=opts)
   label = label_of(precision)
   p = resolve(precision)
@@ -220,13 +226,20 @@ def plan(precision: PrecisionLike | Policy, target: str, mode: str,
     backend = backend or compat.backend_platform()
     algo = p.on(backend).algorithm if backend in ("tpu", "gpu", "cuda", "rocm",
                                                    "cpu") else "?"
+    if algo == "unsupported":  # JAX would refuse it when the row runs
+      on = numerics.BACKEND_TARGETS.get(backend)
+      raise numerics.UnsupportedAlgorithmError(
+          numerics.unsupported_message(p, on) if on in numerics.TARGETS else
+          f"{label} cannot run natively on this {backend}: "
+          f"{p.on(backend).note} (mode='emulate')")
     return Plan(label, p, None, algo, f"{algo} (native {backend})")
   # The one meaning of a name on a target; raises where the target does not
   # run its algorithm (F32_F32_F32 or a TF32 preset on a TPU).
   algo = numerics.algorithm_for(p, target, jnp.float32, jnp.float32)
   opts = emulation_options(target, chip, **options)
   return Plan(label, p, target, algo,
-              f"{algo} ({target}, emulated{_chip_words(opts)})", options=opts)
+              f"{algo} ({target}, emulated{_chip_words(opts, algo)})",
+              options=opts)
 
 
 def default_rows(target: str, *, external: bool = False) -> tuple[str, ...]:

@@ -84,8 +84,10 @@ class Compute:
       ``lm_head`` in ``precision`` does the same).
 
   Raises:
-    ValueError: an unknown precision, policy, target or chip, or a chip
-      without ``target='gpu'``.
+    ValueError: an unknown precision, policy, target or chip, a chip
+      without ``target='gpu'``, or a precision the target does not run
+      (:class:`jaxprec.UnsupportedAlgorithmError`: ``TF32_TF32_F32`` on a
+      TPU).
 
   Examples:
     >>> import jaxprec
@@ -107,6 +109,13 @@ class Compute:
         self.chip, self.target))
     for name in ("precision", "head"):
       object.__setattr__(self, name, _numerics(getattr(self, name), name))
+      value = getattr(self, name)
+      if (value is not None and not isinstance(value, Policy)
+          and self.target in numerics.TARGETS):
+        try:  # every entry point refuses what the target does not run
+          numerics.algorithm_for(value, self.target, jnp.float32, jnp.float32)
+        except ValueError as e:
+          raise type(e)(f"Compute {name}=: {e}") from None
 
   def body(self) -> tuple[Any, str, str | None]:
     """The body's ``(precision or policy, target, chip)``."""
@@ -120,7 +129,7 @@ class Compute:
   def __str__(self) -> str:
     text = _label(*self.body())
     if self.head is not None:
-      text += f", head {_label(self.head, None, None)}"
+      text += f", head {_label(self.head, self.target, None, where=False)}"
     return text
 
 
@@ -139,10 +148,18 @@ def _numerics(value: Any, name: str) -> Any:
   return value
 
 
-def _label(value: Any, target: str | None, chip: str | None) -> str:
+def _label(value: Any, target: str, chip: str | None, *,
+           where: bool = True) -> str:
+  """The name as typed, what ``target`` computes for it (a precision on a
+  TPU or GPU: ``'bfloat16 (tf32)'``, :func:`numerics.algorithm_for`), and
+  with ``where`` the target and chip."""
   text = ("the precision in force" if value is None
           else str(getattr(value, "name", value)))
-  if target is not None:
+  if (value is not None and not isinstance(value, Policy)
+      and target in numerics.TARGETS):
+    f32 = jnp.float32
+    text += f" ({numerics.algorithm_for(value, target, f32, f32)})"
+  if where:
     text += f" on {target}" + (f" ({chip})" if chip else "")
   return text
 

@@ -53,10 +53,13 @@ class _Help(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-  """An ArgumentParser whose errors are one line and do not exit."""
+  """An ArgumentParser whose errors are one line and do not exit, and which
+  takes an option by its whole name only (a prefix such as ``--mode`` would
+  otherwise be read as ``--model``)."""
 
   def __init__(self, *args, **kwargs):
     kwargs.setdefault("formatter_class", _Help)
+    kwargs.setdefault("allow_abbrev", False)
     super().__init__(*args, **kwargs)
 
   def error(self, message: str):  # type: ignore[override]
@@ -666,6 +669,16 @@ def _check(ns: argparse.Namespace) -> int:
     inputs.check_reference_file(reference)
   elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
     inputs.resolve(reference, "--reference")
+  from jaxprec._src.checker import rows
+  from jaxprec._src.core import numerics
+  try:  # the rows, before the model is built: a row the target refuses
+    mode = numerics.resolve_mode(ns.mode, ns.target)
+    computed = rows.is_computed(reference)
+    rows.plans(precisions, ns.target, mode, external=not computed)
+    if computed:
+      rows.reference_plan(reference, ns.target, mode)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
   enforce = ns.atol is not None or ns.rtol is not None
   tol = {"atol": check_lib.DEFAULT_ATOL, "rtol": check_lib.DEFAULT_RTOL}
   for name in tol:

@@ -42,14 +42,15 @@ def failed(what: str, e: BaseException) -> Failure:
   """The :class:`Failure` of the user's code raising ``e``: one line with
   ``what``, the exception, and where in the user's own files it was raised
   (the innermost frame outside jaxprec, JAX, Flax, NumPy and Python), and
-  how to see the whole traceback."""
+  how to see the whole traceback (unless :data:`TRACEBACK_VAR` shows it)."""
   import traceback  # noqa: PLC0415
   frames = [f for f in traceback.extract_tb(e.__traceback__)
             if not library_file(f.filename)]
   where = (f" (at {frames[-1].filename}:{frames[-1].lineno} in "
            f"{frames[-1].name})" if frames else "")
-  f = Failure(f"{what} {type(e).__name__}: {e}{where}; {TRACEBACK_VAR}=1 "
-              f"shows the traceback")
+  hint = ("" if os.environ.get(TRACEBACK_VAR) == "1"  # printed above it
+          else f"; {TRACEBACK_VAR}=1 shows the traceback")
+  f = Failure(f"{what} {type(e).__name__}: {e}{where}{hint}")
   f.original = e
   return f
 

@@ -59,8 +59,12 @@ from jaxprec._src.jaxpr import trees
 from jaxprec._src.jaxpr import walker
 
 # Python packages whose frames are not "the user's line": the op's own frame in
-# Flax/Optax/jaxprec is kept in AuditRow.op, the user's caller in .source.
-_LIBRARY_PACKAGES = ("flax", "optax", "chex", "jaxprec")
+# Flax/Optax/jaxprec is kept in AuditRow.op, the user's caller in .source. The
+# libraries whose primitives the walker traces through (Equinox's, and
+# lineax's, diffrax's and optimistix's solves built on them): a product of
+# their own names the user's call of the primitive.
+_LIBRARY_PACKAGES = ("flax", "optax", "chex", "jaxprec", "equinox", "lineax",
+                     "diffrax", "optimistix")
 
 
 class AuditError(RuntimeError):
@@ -733,7 +737,7 @@ def _rows(closed, module_paths: dict[str, list[str]],
     meshes[depth + 1] = {**sizes, **_mesh_sizes(eqn)}
     name = walker.opaque_name(eqn)
     if name is not None:
-      source, _ = _frames(eqn, w.site)
+      source, _ = _frames(eqn, w.enclosing)
       opaque.append(OpaqueRow(primitive=eqn.primitive.name, name=name,
                               source=source, name_stack=path,
                               scope=tuple(w.scope), trip_count=w.trip_count))
@@ -946,7 +950,7 @@ def _reduction(w: walker.WalkedEqn, name_stack: str, module: str,
            "pass broadcast: cast that value to float32 before it is broadcast")
   reason = (f"adds {what} into each result, rounding every partial sum to "
             f"{dtype}; {fix}")
-  source, op = _frames(eqn, w.site)
+  source, op = _frames(eqn, w.enclosing)
   return ReductionRow(
       primitive=prim, kind=kind, dtype=dtype, operand_shape=shape,
       out_shape=tuple(outs[out_i].shape), operands=operands,
@@ -1014,7 +1018,7 @@ def _row(w: walker.WalkedEqn, name_stack: str, module: str,
   acc_reason = accumulation_risk(accumulation)
   if acc_reason:
     risky, reason = True, "; ".join(r for r in (reason, acc_reason) if r)
-  source, op = _frames(eqn, w.site)
+  source, op = _frames(eqn, w.enclosing)
   groups = 0
   if prim == "ragged_dot_general":
     # Each lhs element meets the free rhs columns of one group only: the
@@ -1112,19 +1116,23 @@ def _risk(prim: str, precision: Any, lhs_dtype: str, rhs_dtype: str,
                 f"({tpu.operand_bits} significand bits)")
 
 
-def _frames(eqn, site: Any = None) -> tuple[str, str]:
-  """(source, op) from the equation's frames; see AuditRow. Inside a library
-  primitive's traced implementation (``site``: the equation that called
-  it), where its frames are jaxprec's walker or none, the call site's."""
-  frames = [f for f in compat.eqn_user_frames(eqn)
-            if not os.path.realpath(f[0]).startswith(_WALKER_DIR)]
-  if not frames and site is not None:
-    frames = compat.eqn_user_frames(site)
+def _frames(eqn, enclosing: tuple[Any, ...] = ()) -> tuple[str, str]:
+  """(source, op) from the equation's frames; see AuditRow. Where its own
+  frames are jaxprec's walker (tracing a library primitive's
+  implementation) or none, ``op`` is the innermost enclosing equation's
+  (:attr:`walker.WalkedEqn.enclosing`); where they are all a library's (a
+  product inside a lineax solve, an ``eqx.filter_jit`` of its own), the
+  source is the enclosing equations' first user line, innermost first: the
+  user's call of the library."""
+  own = [f for f in compat.eqn_user_frames(eqn)
+         if not os.path.realpath(f[0]).startswith(_WALKER_DIR)]
+  outer = [f for e in reversed(enclosing) for f in compat.eqn_user_frames(e)]
+  frames = own or outer
   if not frames:
     return "", ""
   file, line, func = frames[0]
   op = f"{func} ({file}:{line})"
-  for file, line, _ in frames:
+  for file, line, _ in (*own, *outer):
     if not os.path.realpath(file).startswith(_library_dirs()):
       return f"{file}:{line}", op
   return "", op

@@ -53,15 +53,16 @@ class WalkedEqn:
     trip_count: how many times the equation runs per call of the traced
       function, as far as it is static (``scan`` lengths multiply; ``while``
       counts once; ``cond`` branches count once each).
-    site: inside the traced implementation of a library's primitive, the
-      equation that called the primitive (the outermost one: its frames are
-      the user's call site); None elsewhere.
+    enclosing: the equations whose bodies (or traced implementations) hold
+      it, outermost first, e.g. the user's ``jit`` and a library primitive
+      inside it: where the equation's own frames are a library's, theirs
+      name the user's line.
   """
 
   eqn: Any
   scope: tuple[str, ...]
   trip_count: int = 1
-  site: Any = None
+  enclosing: tuple[Any, ...] = ()
 
 
 # ---------------------------------------------------------------------------
@@ -430,7 +431,7 @@ def _sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
 
 
 def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
-              target: str | None = None, site: Any = None
+              target: str | None = None, enclosing: tuple[Any, ...] = ()
               ) -> Iterator[WalkedEqn]:
   """Walks every equation of ``jaxpr`` and of every jaxpr nested in it.
 
@@ -440,7 +441,8 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
     trip_count: multiplier for :attr:`WalkedEqn.trip_count`.
     target: the platform whose lowering of a library primitive is walked
       (:func:`implementation`); None: the lowering every platform shares.
-    site: :attr:`WalkedEqn.site` of the equations (used in recursion).
+    enclosing: :attr:`WalkedEqn.enclosing` of the equations (used in
+      recursion).
 
   Yields:
     :class:`WalkedEqn` in program order, parents before their bodies.
@@ -452,8 +454,9 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
   if isinstance(jaxpr, compat.ClosedJaxpr):
     jaxpr = jaxpr.jaxpr
   for eqn in jaxpr.eqns:
-    yield WalkedEqn(eqn, scope, trip_count, site)
+    yield WalkedEqn(eqn, scope, trip_count, enclosing)
     inner = scope + (eqn.primitive.name,)
+    within = (*enclosing, eqn)
     impl = None
     if classify(eqn.primitive.name) == "traced":
       # What it computes, the jaxprs in its params included where its
@@ -463,11 +466,11 @@ def iter_eqns(jaxpr, scope: tuple[str, ...] = (), trip_count: int = 1, *,
       impl = traced_body(eqn)
     if impl is not None:
       yield from iter_eqns(impl, inner, trip_count, target=target,
-                           site=site or eqn)
+                           enclosing=within)
       continue
     for sub, mult in _sub_jaxprs(eqn):
       yield from iter_eqns(sub, inner, trip_count * mult, target=target,
-                           site=site)
+                           enclosing=within)
 
 
 def output_times(jaxpr) -> list[tuple[int, ...]]:
