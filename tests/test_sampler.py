@@ -529,7 +529,7 @@ def test_the_sampler_command_checks_the_users_own_model(own_model, capsys):
                    "--sampler", "default@tpu", "--prompt", "3"])
   d = json.loads(capsys.readouterr().out)
   assert code == 0 and d["tokens"] == [t * 7 % 256 for t in range(10)]
-  assert d["sampler"] == "default on tpu" and d["prompt"] == 3
+  assert d["sampler"] == "default (bf16x1) on tpu" and d["prompt"] == 3
   assert d["total"] > 1e-5
   # the third item, a PyTorch model, is the sampler --sampler pytorch names
   code = cli.main(["sampler", f"{own_model}:make", "--json", "--no-cache",
@@ -622,3 +622,21 @@ def test_the_sampler_command_writes_the_report_and_the_plot(tmp_path, capsys,
   (tmp_path / "file").write_text("")
   assert cli.main(["sampler", "--out", str(tmp_path / "file")]) == 2
   assert "not a directory" in capsys.readouterr().err
+
+
+def test_the_sampler_check_shows_each_phase(model, tokens, capsys):
+  # progress=True: a line per phase on stderr where it is not a terminal
+  # (the trainer, the sampler, each factor), then the time it took; nothing
+  # without it.
+  jaxprec.check_sampler(model, tokens)
+  assert capsys.readouterr().err == ""
+  jaxprec.check_sampler(model, tokens, progress=True,
+                        sampler=jaxprec.Compute(precision="bfloat16", target="tpu"))
+  lines = capsys.readouterr().err.splitlines()
+  assert lines[0] == ("jaxprec sampler: trainer: teacher forcing, "
+                      "the precision in force on cpu"), lines
+  assert lines[1].startswith("jaxprec sampler: sampler: decode with a KV "
+                             "cache, bfloat16"), lines
+  assert lines[2:6] == [f"jaxprec sampler: factor {f} ({i}/4)" for i, f in
+                        enumerate(("lm_head", "body", "decode", "batch"), 1)]
+  assert lines[6].startswith("jaxprec sampler: done in ") and len(lines) == 7

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker import sampler as figures_lib
 from jaxprec._src.core import numerics
@@ -450,11 +451,47 @@ def _batch(tokens: np.ndarray, lengths: tuple[int, ...], vocab: int,
   return ids, mask, positions, width - len(tokens)
 
 
+def _shares(trainer, sampler, batch, gap, bar, hidden, logits, s_run,
+            t_logits, sampled, sampling) -> list[Share]:
+  """Each factor of :data:`FACTORS` switched alone from the sampler's
+  setting to the trainer's, a phase of ``bar`` each."""
+
+  def rms_with(body, head, decode, batched):
+    if (body, decode, batched) == (sampler.body(), True, bool(batch)):
+      states, skip = s_run
+    else:
+      states, skip = hidden(body, decode, batched)
+    z, _ = logits(states, skip, head)
+    return figures_lib.gap_figures(t_logits, z, sampled, sampling).rms
+
+  s_body, s_head = sampler.body(), sampler.lm_head()
+  switched = {
+      "lm_head": (_describe(s_head), _describe(trainer.lm_head()),
+                  s_head != trainer.lm_head(),
+                  (s_body, trainer.lm_head(), True, bool(batch))),
+      "body": (_describe(s_body), _describe(trainer.body()),
+               s_body != trainer.body(),
+               (trainer.body(), s_head, True, bool(batch))),
+      "decode": ("decode with a KV cache", "teacher forcing", True,
+                 (s_body, s_head, False, bool(batch))),
+      "batch": (f"among {len(batch)} others" if batch else "alone", "alone",
+                bool(batch), (s_body, s_head, True, False)),
+  }
+  shares = []
+  for i, factor in enumerate(FACTORS, 1):
+    s_text, t_text, differs, args = switched[factor]
+    bar.update(f"factor {factor} ({i}/{len(FACTORS)})", advance=1)
+    r = rms_with(*args) if differs else gap.rms
+    shares.append(Share(factor, s_text, t_text, r, gap.rms - r))
+  return shares
+
+
 def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
                   sampler: Compute | Any = Compute(),
                   sampling: figures_lib.Sampling = figures_lib.Sampling(),
                   prompt: int = 1, batch: Sequence[int] = (),
-                  floor: float = 1e-5, seed: int = 0) -> SamplerReport:
+                  floor: float = 1e-5, seed: int = 0,
+                  progress: bool = False) -> SamplerReport:
   """How far a sampler's log-probabilities are from the trainer's, and why.
 
   The trainer computes ``model(tokens)`` (teacher forcing) with its
@@ -490,6 +527,8 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
     floor: the relative RMS difference of a hidden state counted as float32
       rounding, not a divergence.
     seed: the other sequences' tokens.
+    progress: show each phase on stderr (the trainer, the sampler, then each
+      factor switched): a bar on a terminal, a line per phase elsewhere.
 
   Returns:
     A :class:`jaxprec.SamplerReport`.
@@ -566,39 +605,20 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
             np.asarray(z[0, skip:], np.float64)]
 
   sampled = ids[prompt:]
-  t_states, t_skip = hidden(trainer.body(), False, False)
-  t_logits, t_layers = logits(t_states, t_skip, trainer.lm_head())
-  s_states, s_skip = hidden(sampler.body(), True, bool(batch))
-  s_logits, s_layers = logits(s_states, s_skip, sampler.lm_head())
-  gap = figures_lib.gap_figures(t_logits, s_logits, sampled, sampling)
-
-  def rms_with(body, head, decode, batched):
-    if (body, decode, batched) == (sampler.body(), True, bool(batch)):
-      states, skip = s_states, s_skip
-    else:
-      states, skip = hidden(body, decode, batched)
-    z, _ = logits(states, skip, head)
-    return figures_lib.gap_figures(t_logits, z, sampled, sampling).rms
-
-  s_body, s_head = sampler.body(), sampler.lm_head()
-  switched = {
-      "lm_head": (_describe(s_head), _describe(trainer.lm_head()),
-                  s_head != trainer.lm_head(),
-                  (s_body, trainer.lm_head(), True, bool(batch))),
-      "body": (_describe(s_body), _describe(trainer.body()),
-               s_body != trainer.body(),
-               (trainer.body(), s_head, True, bool(batch))),
-      "decode": ("decode with a KV cache", "teacher forcing", True,
-                 (s_body, s_head, False, bool(batch))),
-      "batch": (f"among {len(batch)} others" if batch else "alone", "alone",
-                bool(batch), (s_body, s_head, True, False)),
-  }
-  shares = []
-  for factor in FACTORS:
-    s_text, t_text, differs, args = switched[factor]
-    r = rms_with(*args) if differs else gap.rms
-    shares.append(Share(factor, s_text, t_text, r, gap.rms - r))
+  bar = progress_lib.Phases(2 + len(FACTORS), "jaxprec sampler", progress)
+  with bar:
+    bar.update(f"trainer: teacher forcing, {trainer}")
+    t_states, t_skip = hidden(trainer.body(), False, False)
+    t_logits, t_layers = logits(t_states, t_skip, trainer.lm_head())
+    bar.update(f"sampler: decode with a KV cache, {sampler}", advance=1)
+    s_states, s_skip = hidden(sampler.body(), True, bool(batch))
+    s_logits, s_layers = logits(s_states, s_skip, sampler.lm_head())
+    gap = figures_lib.gap_figures(t_logits, s_logits, sampled, sampling)
+    shares = _shares(trainer, sampler, batch, gap, bar, hidden, logits,
+                     (s_states, s_skip), t_logits, sampled, sampling)
+    bar.finish()
   remainder = gap.rms - sum(s.share for s in shares)
+
 
   names = _layer_names(model, len(t_layers) - 1)
   rel = np.stack([_relative(s, t) for s, t in zip(s_layers, t_layers)])

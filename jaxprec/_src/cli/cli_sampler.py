@@ -164,14 +164,13 @@ def run(ns: argparse.Namespace, write_outputs) -> int:
   if ns.sampler == "pytorch":
     sampler = pt_model
   ns.cache_on()
-  ns.status.say("running the trainer and the sampler")
+  ns.status.clear()  # the check's own progress follows
   try:
     report = check_sampler(model, tokens, trainer=trainer, sampler=sampler,
                            sampling=sampling, prompt=ns.prompt, batch=batch,
-                           seed=ns.seed)
+                           seed=ns.seed, progress=True)
   except (TypeError, ValueError) as e:
     raise UsageError(inputs.one_line(e)) from None
-  ns.status.clear()
   print(report.to_json() if ns.json else
         report.to_markdown() if ns.markdown else str(report))
   if ns.out is not None:
