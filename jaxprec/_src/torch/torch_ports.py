@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -312,6 +313,12 @@ def require() -> tuple[Any, Any]:
   lines (PyTorch's CPU build first)."""
   found, missing = [], []
   for name in ("torch", "transformers"):
+    if missing:
+      # Without torch, transformers is only looked for: imported, version 5
+      # prints a line of its own that PyTorch is missing.
+      if importlib.util.find_spec(name) is None:
+        missing.append(name)
+      continue
     try:
       found.append(importlib.import_module(name))
     except ImportError:
