@@ -290,6 +290,37 @@ def test_float32_compute_in_every_layer_is_not_a_false_alarm(tmlp):
   assert bad.suspects() == ["output"]
 
 
+class KCacheBlock(KBlock):
+  """The Keras-style block returning ``(output, cache)``."""
+
+  def __call__(self, x):
+    y = super().__call__(x)
+    return y, (y[:, :1], y[:, 1:2])
+
+
+class KCacheNet(KNet):
+  def __init__(self, t):
+    super().__init__(t)
+    self.blocks = nnx.List([KCacheBlock(b, cast=True) for b in t.blocks])
+
+  def __call__(self, x):
+    x = jnp.asarray(x, jnp.float32)
+    for b in self.blocks:
+      x, _ = b(x)
+    return x
+
+
+def test_a_block_returning_its_cache_in_float32_has_its_noise_estimated(tmlp):
+  r = jt.port_check(KCacheNet(tmlp), tmlp, X + 16, precisions="float32")
+  assert r.suspects() == []
+  note = next(n for n in r.notes if "cannot be measured" in n)
+  assert "blocks/0," in note
+  plain = jt.port_check(KNet(tmlp, cast=False), tmlp, X + 16,
+                        precisions="float32")
+  b, m = r.layer("blocks/0"), plain.layer("blocks/0")
+  assert m.noise / 4 < b.noise < 4 * m.noise
+
+
 def test_a_lookup_keeps_its_zero_noise_and_no_note():
   torch.manual_seed(0)
   t = torch.nn.Sequential(torch.nn.Embedding(10, D), torch.nn.Linear(D, D))

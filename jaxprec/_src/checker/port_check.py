@@ -574,11 +574,13 @@ def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
       continue
     a, cands = next(iter(tied.items()))
     names = ", ".join(repr(tn[b]) for b in cands)
+    # The pin suggested crosses the fewest pairs made (pins and pairs).
+    made = [(x, y) for x, y in (*pairs, *fixed.items()) if x != a]
+    pin = min(cands, key=lambda b: sum((x < a) != (y < b) for x, y in made))
     raise ValueError(
         f"port_check cannot pair the JAX layer {jn[a]!r}: the PyTorch layers "
         f"{names} fit it equally (same shapes, equally close at float32, "
-        f"equally named); pin one with alignment={{{jn[a]!r}: "
-        f"{tn[cands[0]]!r}}}")
+        f"equally named); pin one with alignment={{{jn[a]!r}: {tn[pin]!r}}}")
   return {**_uncrossed(pairs, jax_layers, close), **fixed}
 
 
@@ -1155,8 +1157,22 @@ def _port_check(jax_model: Any, torch_model: Any, inputs: tuple,
           out[a] = out[a][:n]
       for out in (*full.values(), full_f32):
         out[j.name] = out[j.name][:n]
-  guessed = _unmeasured_noise(shadowed, jax_layers, torch_layers, pairs,
-                              alone, f32, notes)
+  if jax_side.kind == "function":  # its outputs: the whole function's
+    order = [jax_layers[a].name for a in sorted(pairs)]
+    whole = jax_side.outputs_fn()
+    call = _Alone(lambda *x, **k: [v for n in order for v in whole(*x, **k)[n]],
+                  None, jax_side.inputs, jax_side.kwargs)
+    ins = _float_leaves((jax_side.inputs, jax_side.kwargs))
+    calls = {a: (call, ins, slice(k, k + 1))
+             for k, a in enumerate(sorted(pairs))}
+    ys = [{a: f[jax_layers[a].name] for a in pairs}
+          for f in (full_f32, full_f64)]
+  else:
+    calls = {a: (jax_layers[a].alone, torch_layers[pairs[a]].inputs,
+                 slice(len(torch_layers[pairs[a]].outputs))) for a in shadowed}
+    ys = [alone["float32"], alone["float64"]]
+  guessed = _unmeasured_noise(calls, *ys, [l.name for l in jax_layers], f32,
+                              notes)
   results = []
   for a in sorted(pairs):
     b = pairs[a]
@@ -1167,7 +1183,8 @@ def _port_check(jax_model: Any, torch_model: Any, inputs: tuple,
     if y32 is not None:
       noise = guessed.get(a, math.nan if y64 is None else rel_rms(y32, y64))
     else:
-      noise = rel_rms(full_f32[j.name], full_f64[j.name]) if full_f64 else math.nan
+      noise = guessed.get(a, rel_rms(full_f32[j.name], full_f64[j.name])
+                          if full_f64 else math.nan)
     env, loc, loc_abs, prop, bound = {}, {}, {}, {}, {}
     for p in plans:
       prop[p.label] = rel_rms(full[p.label][j.name], t.outputs)
@@ -1222,25 +1239,27 @@ def _port_check(jax_model: Any, torch_model: Any, inputs: tuple,
       logits=gates, logits_layer=logits, unpaired_suspects=held)
 
 
-def _unmeasured_noise(which: list[int], jax_layers: list[_Layer],
-                      torch_layers: list[_Layer], pairs: dict[int, int],
-                      alone: dict[str, dict[int, list[np.ndarray]]], f32,
-                      notes: list[str]) -> dict[int, float]:
+def _unmeasured_noise(calls: Mapping[int, tuple[_Alone, list[Any], slice]],
+                      y32: Mapping[int, list[np.ndarray]],
+                      y64: Mapping[int, list[np.ndarray]], names: list[str],
+                      f32, notes: list[str]) -> dict[int, float]:
   """JAX layer index -> its float32 noise, estimated where float64 cannot
-  measure it: the layer's float64 run equals its float32 run bit for bit
-  (it computes in float32 whatever its inputs' type), and not every output
-  value is one of its inputs' or weights' (a lookup, a copy: noise 0). The
-  estimate: half of how far its float32 output moves when its inputs and
-  weights move by one unit in the last place (a rounding moves a value by
-  half a unit at most), and at least ``2**-24``."""
-  y32, y64 = alone["float32"], alone["float64"]
-
+  measure it: the layer's float64 outputs ``y64`` equal its float32 ones
+  ``y32`` bit for bit (it computes in float32 whatever its inputs' type),
+  and not every output value is one of its inputs' or weights' (a lookup, a
+  copy: noise 0). The estimate: half of how far its float32 output moves
+  when its inputs and weights move by one unit in the last place (a
+  rounding moves a value by half a unit at most), and at least ``2**-24``.
+  ``calls[a]`` is ``(call, inputs, at)``: layer ``a``'s outputs are the
+  outputs ``[at]`` of ``call`` on ``inputs`` (the layer alone on its
+  partner's input; a function's outputs, the whole function on its
+  arguments)."""
   def selects(a: int) -> bool:
+    call, ins, _ = calls[a]
     pool = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in (
-        *torch_layers[pairs[a]].inputs,
-        *_float_leaves(jax_layers[a].alone.state), np.zeros(1))])
+        *ins, *_float_leaves(call.state), np.zeros(1))])
     return all(np.isin(np.asarray(y, np.float32), pool).all() for y in y32[a])
-  same = [a for a in which if a in y32 and a in y64 and all(
+  same = [a for a in calls if a in y32 and a in y64 and all(
       np.array_equal(u, v) for u, v in zip(y32[a], y64[a])) and not selects(a)]
   if not same:
     return {}
@@ -1252,22 +1271,22 @@ def _unmeasured_noise(which: list[int], jax_layers: list[_Layer],
     x = np.asarray(x, np.float32)
     return np.where(rng.random(x.shape) < 0.5, np.nextafter(x, np.inf),
                     np.nextafter(x, -np.inf)).astype(np.float32)
+  runs = {id(calls[a][0]): calls[a][:2] for a in same}  # a function: one
   try:
-    moved = run_alone([(dataclasses.replace(
-        jax_layers[a].alone, state=jax.tree_util.tree_map(
-            ulp, jax_layers[a].alone.state)),
-        [ulp(x) for x in torch_layers[pairs[a]].inputs]) for a in same], f32)
+    moved = dict(zip(runs, run_alone([(dataclasses.replace(
+        call, state=jax.tree_util.tree_map(ulp, call.state)),
+        [ulp(x) for x in ins]) for call, ins in runs.values()], f32)))
   except Exception:  # noqa: BLE001 -- a layer that cannot run so: as measured
     return {}
   notes.append(
-      f"the float32 noise of {', '.join(jax_layers[a].name for a in same)} "
-      f"cannot be measured: their float64 run equals their float32 run bit "
-      f"for bit (they compute in float32 whatever their inputs' type: a "
-      f"dtype policy, an astype(float32)); it is estimated as half of how "
-      f"far their float32 output moves when their inputs and weights move "
-      f"by one unit in the last place")
-  return {a: max(rel_rms(y, y32[a]) / 2, 2.0 ** -24)
-          for a, y in zip(same, moved)}
+      f"the float32 noise of {', '.join(names[a] for a in same)} cannot be "
+      f"measured: their float64 run equals their float32 run bit for bit "
+      f"(they compute in float32 whatever their inputs' type: a dtype "
+      f"policy, an astype(float32)); it is estimated as half of how far "
+      f"their float32 output moves when their inputs and weights (a "
+      f"function's: its arguments) move by one unit in the last place")
+  return {a: max(rel_rms(moved[id(calls[a][0])][calls[a][2]], y32[a]) / 2,
+                 2.0 ** -24) for a in same}
 
 
 def _weights_differ(results: list[dict], layers: list[_Layer]) -> list[str]:
