@@ -1178,13 +1178,10 @@ def _port_check(jax_model: Any, torch_model: Any, inputs: tuple,
     b = pairs[a]
     j, t = jax_layers[a], torch_layers[b]
     y32 = alone["float32"].get(a)
-    y64 = alone["float64"].get(a)
     floor = math.nan if y32 is None else rel_rms(y32, t.outputs)
-    if y32 is not None:
-      noise = guessed.get(a, math.nan if y64 is None else rel_rms(y32, y64))
-    else:
-      noise = guessed.get(a, rel_rms(full_f32[j.name], full_f64[j.name])
-                          if full_f64 else math.nan)
+    n32, n64 = (y.get(a) for y in ys)
+    noise = guessed.get(a, math.nan if n32 is None or n64 is None
+                        else rel_rms(n32, n64))
     env, loc, loc_abs, prop, bound = {}, {}, {}, {}, {}
     for p in plans:
       prop[p.label] = rel_rms(full[p.label][j.name], t.outputs)
