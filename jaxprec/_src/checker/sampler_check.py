@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import textwrap
@@ -49,7 +48,6 @@ from jaxprec._src.flax import nnx_policy
 from jaxprec._src.policy.policy import Policy
 from jaxprec._src.torch import torch_sampler
 
-SCHEMA = "jaxprec.sampler/1"
 WIDTH = 100  # the text report folds to this many columns
 FACTORS = ("lm_head", "body", "decode", "batch")
 
@@ -197,7 +195,7 @@ class Divergence:
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplerReport:
+class SamplerReport(render.Report):
   """What :func:`jaxprec.check_sampler` found.
 
   Attributes:
@@ -233,19 +231,16 @@ class SamplerReport:
   floor: float
   notes: tuple[str, ...]
 
-  def to_dict(self) -> dict[str, Any]:
+  KIND = "sampler"
+
+  def _fields(self) -> dict[str, Any]:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     d["figures"] = self.figures.to_dict()
     d["shares"] = [dataclasses.asdict(s) for s in self.shares]
     d["layers"] = [{"layer": n, "relative_rms_max": v} for n, v in self.layers]
     d["first_divergence"] = (None if self.first_divergence is None
                              else dataclasses.asdict(self.first_divergence))
-    return {"schema": SCHEMA, **d}
-
-  def to_json(self) -> str:
-    """The report as JSON, keys sorted (the same report, the same bytes);
-    infinities as ``Infinity``."""
-    return json.dumps(self.to_dict(), sort_keys=True, indent=1)
+    return d
 
   def _summary(self) -> list[tuple[str, str]]:
     g = self.figures
