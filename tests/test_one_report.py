@@ -126,3 +126,31 @@ def test_markdown_table_aligns_and_escapes():
   lines = render.markdown_table(["a", "b"], [["x|y", "1"], ["p\nq", "2"]], {0})
   assert lines == ["| a | b |", "|---|---:|", "| x\\|y | 1 |", "| p\\nq | 2 |"]
   assert math.isnan(render.decode_float("nan"))
+
+
+def test_a_comparisons_words_are_resolved_in_one_place():
+  """check, check_module(shadow=True), check_training, port_check and the CLI
+  resolve target, mode, chip and tpu_matvec_f32 through rows.setting only;
+  the rows below read the Setting."""
+  import ast
+  import pathlib
+
+  from jaxprec._src.checker import rows
+  words = {"check_target", "resolve_mode", "check_chip", "check_flag"}
+  src = pathlib.Path(jaxprec.__file__).parent / "_src"
+  callers = set()
+  for f in [*(src / "checker").glob("*.py"), *(src / "cli").glob("*.py")]:
+    for node in ast.walk(ast.parse(f.read_text())):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr in words):
+        callers.add(f.stem)
+  # The sampler's Compute is its own words' entry (it admits target 'cpu').
+  assert callers == {"rows", "sampler_check"}
+  s = rows.setting("gpu", "auto", "h100", False)
+  assert s.options == {"chip": "h100", "tpu_matvec_f32": False}
+  assert [p.description for p in rows.plans(("bfloat16",), s)] == [
+      "tf32 (gpu, emulated, h100 tensor cores)"]
+  for bad, word in [(dict(target="ipu"), "ipu"), (dict(mode="fast"), "fast"),
+                    (dict(chip="h100"), "h100")]:
+    with pytest.raises(ValueError, match=word):
+      rows.setting(**{"target": "tpu", **bad})

@@ -32,10 +32,8 @@ from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
-from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import PrecisionLike
 from jaxprec._src.emulation import compile_cache
-from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation import kernels
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import state as flax_state
@@ -193,15 +191,15 @@ def check(fn: Callable[..., Any], *args: Any,
     raise TypeError(f"jaxprec.check expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
   directory = compile_cache.resolve_cache(cache, "jaxprec.check")
-  target = numerics.check_target(target)
-  # The same check and message as jaxprec.emulate's.
-  chip = emulated_ops.check_chip(chip, target)
-  options = _row_options(chip, tpu_matvec_f32)
-  mode = numerics.resolve_mode(mode, target)
+  # The words, resolved once (the same checks and messages as
+  # jaxprec.emulate's); what runs below reads `setting`.
+  setting = rows.setting(target, mode, chip, tpu_matvec_f32)
+  target, mode, chip = setting.target, setting.mode, setting.chip
+  options = setting.options
   atol = metrics_lib.check_tolerance("atol", atol)
   rtol = metrics_lib.check_tolerance("rtol", rtol)
   external = not harness.is_computed(reference)
-  plans = rows.plans(precisions, target, mode, external=external, **options)
+  plans = rows.plans(precisions, setting, external=external)
   if directory is not None:  # after the checks: a refused call writes nothing
     with compile_cache.compilation_cache(directory):
       return check(fn, *args, precisions=precisions, reference=reference,
@@ -321,14 +319,6 @@ def _gates_of(gates: dict, label: str, ref: harness.Reference, index: int,
     row = np.asarray(jax.device_get(values[index]))
     gates[label] = logits_lib.row_gates(row, ref.kept, k)
   return seen
-
-
-def _row_options(chip: str | None, tpu_matvec_f32: Any) -> dict[str, Any]:
-  """The rows' emulation options (:func:`jaxprec._src.checker.rows.plan`):
-  ``chip``, and ``tpu_matvec_f32`` where it is not its default."""
-  # jaxprec.emulate's check (a NumPy bool too).
-  tpu_matvec_f32 = emulated_ops.check_flag("tpu_matvec_f32", tpu_matvec_f32)
-  return {"chip": chip, **({} if tpu_matvec_f32 else {"tpu_matvec_f32": False})}
 
 
 def _reference_phase(reference: Any) -> str:

@@ -44,7 +44,6 @@ from jaxprec._src.checker import logits as logits_lib
 from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker import rows as rows_lib
-from jaxprec._src.core import numerics
 from jaxprec._src.jaxpr import trees
 from jaxprec._src.torch import torch_ref
 
@@ -1061,12 +1060,12 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       layers its pattern matches has.
     ImportError: PyTorch is not installed.
   """
-  target = numerics.check_target(target)
-  mode = numerics.resolve_mode("auto", target)
+  setting = rows_lib.setting(target)
+  target, mode = setting.target, setting.mode
   if not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
           and math.isfinite(factor) and factor >= 1):
     raise ValueError(f"factor must be a finite number >= 1; got {factor!r}")
-  plans = rows_lib.plans(precisions, target, mode)
+  plans = rows_lib.plans(precisions, setting)
   plans = [rows_lib.native_float32(p.label) if p.label == rows_lib.FLOOR
            else p for p in plans]
   # Phases: PyTorch, JAX, the pairing, full runs, layers alone (2 + rows).
