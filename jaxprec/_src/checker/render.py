@@ -601,17 +601,12 @@ def markdown(report: Any, full: bool = False) -> str:
           for a, b in _header(report, full, report.precisions)]
   rows = _rows(report, full, report.precisions)
 
-  def esc(s: str) -> str:  # cells of _rows/_summary_lines are one line already
-    return s.replace("\\", "\\\\").replace("|", "\\|")
-  heading = [f"**{esc(line)}**" for line in _heading(report).splitlines()]
-  out = ["  \n".join(heading), "",
-         "| " + " | ".join(esc(c) for c in cols) + " |",
-         "|" + "|".join("---:" if j not in (1, 2) else "---"
-                        for j in range(len(cols))) + "|"]
-  out += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
-  out.append("")
-  out += [f"- {esc(s)}" for s in _summary_lines(report)]
-  return "\n".join(out) + "\n"
+  heading = [f"**{markdown_cell(line)}**"
+             for line in _heading(report).splitlines()]
+  return "\n".join(["  \n".join(heading), "",
+                    *markdown_table(cols, rows, {1, 2}), "",
+                    *[f"- {markdown_cell(s)}" for s in _summary_lines(report)]]
+                   ) + "\n"
 
 
 # The metrics whose 0 means "no error at all" (an exact layer), and the

@@ -302,21 +302,23 @@ class SamplerReport(render.Report):
     return "\n".join(lines)
 
   def to_markdown(self) -> str:
-    """The report as GitHub-flavoured markdown."""
-    out = ["\n\n".join(self._heading()), "",
-           "| figure | value |", "|---|---|"]
-    out += [f"| {k} | {v} |" for k, v in self._summary()]
-    out += ["", "| factor | sampler | trainer | RMS delta | share (nats) |",
-            "|---|---|---|---|---|"]
-    out += [f"| {s.factor} | {s.sampler} | {s.trainer} | {s.rms:.3g} | "
-            f"{s.share:+.3g} |" for s in self.shares]
-    out += [f"| remainder | | | | {self.remainder:+.3g} |",
-            f"| total | | | {self.total:.3g} | {self.total:+.3g} |", "",
-            f"First divergence: {self._where()}.", "",
-            "| layer | largest relative RMS |", "|---|---|"]
-    out += [f"| {n} | {v:.3g} |" for n, v in self.layers]
-    out += [""] + [f"- {n}" for n in self.notes]
-    return "\n".join(out) + "\n"
+    """The report as GitHub-flavoured Markdown."""
+    cell = render.markdown_cell
+    shares = [[s.factor, s.sampler, s.trainer, f"{s.rms:.3g}",
+               f"{s.share:+.3g}"] for s in self.shares]
+    shares += [["remainder", "", "", "", f"{self.remainder:+.3g}"],
+               ["total", "", "", f"{self.total:.3g}", f"{self.total:+.3g}"]]
+    return "\n".join([
+        "\n\n".join(map(cell, self._heading())), "",
+        *render.markdown_table(["figure", "value"],
+                               [list(r) for r in self._summary()], {0, 1}), "",
+        *render.markdown_table(["factor", "sampler", "trainer", "RMS delta",
+                                "share (nats)"], shares, {0, 1, 2}), "",
+        f"First divergence: {cell(self._where())}.", "",
+        *render.markdown_table(["layer", "largest relative RMS"],
+                               [[n, f"{v:.3g}"] for n, v in self.layers],
+                               {0}), "",
+        *[f"- {cell(n)}" for n in self.notes]]) + "\n"
 
   def plot(self, path: str | os.PathLike | None = None
            ) -> "matplotlib.figure.Figure":
