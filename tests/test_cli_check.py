@@ -92,7 +92,7 @@ def test_module_function_prints_table_and_writes_outputs(project, capsys):
             "first divergence"):
     assert s in out
   d = json.loads((project / "rep" / "report.json").read_text())
-  assert d["schema"] == 1 and [l["name"] for l in d["layers"]] == ["h1", "h2"]
+  assert d["schema"] == 2 and [l["name"] for l in d["layers"]] == ["h1", "h2"]
   assert (project / "rep" / "divergence.png").read_bytes()[:4] == b"\x89PNG"
   assert "\r" not in err  # no progress bar without a terminal
 

@@ -49,9 +49,9 @@ def make_report(**kw):
   return DivergenceReport(**args)
 
 
-def test_to_dict_follows_schema_1():
+def test_to_dict_follows_schema_2():
   d = make_report().to_dict()
-  assert d["schema"] == 1 and d["kind"] == "check"
+  assert d["schema"] == 2 and d["kind"] == "check"
   for k in ("reference", "target", "mode", "precisions", "layers", "atol",
             "rtol", "numerics", "summary"):
     assert k in d
@@ -83,7 +83,7 @@ def test_json_has_no_nan_literals_and_round_trips():
         vx, vy = getattr(x, k), getattr(y, k)
         assert vx == vy or (math.isnan(vx) and math.isnan(vy)), k
   with pytest.raises(ValueError, match="schema"):
-    DivergenceReport.from_dict(dict(d, schema=2))
+    DivergenceReport.from_dict(dict(d, schema=3))
 
 
 def test_first_divergence_exact_and_from_bounds():
@@ -346,7 +346,7 @@ def test_floor_is_marked_in_the_text_table_and_markdown():
 def test_floor_json_round_trip_and_old_files():
   r = floor_report()
   d = json.loads(r.to_json())
-  assert d["floor"] == "float32" and d["schema"] == 1
+  assert d["floor"] == "float32" and d["schema"] == 2
   back = DivergenceReport.from_json(r.to_json())
   assert back.floor == "float32" and back.candidates == r.candidates
   assert back.to_dict() == r.to_dict()

@@ -32,12 +32,12 @@ from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
-from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import PrecisionLike
 from jaxprec._src.emulation import compile_cache
-from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation import kernels
+from jaxprec._src.flax import hook
 from jaxprec._src.flax import nnx_policy
+from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.flax import state as flax_state
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.jaxpr import trees
@@ -193,15 +193,15 @@ def check(fn: Callable[..., Any], *args: Any,
     raise TypeError(f"jaxprec.check expects a callable; got {fn!r} of type "
                     f"{type(fn).__name__}")
   directory = compile_cache.resolve_cache(cache, "jaxprec.check")
-  target = numerics.check_target(target)
-  # The same check and message as jaxprec.emulate's.
-  chip = emulated_ops.check_chip(chip, target)
-  options = _row_options(chip, tpu_matvec_f32)
-  mode = numerics.resolve_mode(mode, target)
+  # The words, resolved once (the same checks and messages as
+  # jaxprec.emulate's); what runs below reads `setting`.
+  setting = rows.setting(target, mode, chip, tpu_matvec_f32)
+  target, mode, chip = setting.target, setting.mode, setting.chip
+  options = setting.options
   atol = metrics_lib.check_tolerance("atol", atol)
   rtol = metrics_lib.check_tolerance("rtol", rtol)
   external = not harness.is_computed(reference)
-  plans = rows.plans(precisions, target, mode, external=external, **options)
+  plans = rows.plans(precisions, setting, external=external)
   if directory is not None:  # after the checks: a refused call writes nothing
     with compile_cache.compilation_cache(directory):
       return check(fn, *args, precisions=precisions, reference=reference,
@@ -321,14 +321,6 @@ def _gates_of(gates: dict, label: str, ref: harness.Reference, index: int,
     row = np.asarray(jax.device_get(values[index]))
     gates[label] = logits_lib.row_gates(row, ref.kept, k)
   return seen
-
-
-def _row_options(chip: str | None, tpu_matvec_f32: Any) -> dict[str, Any]:
-  """The rows' emulation options (:func:`jaxprec._src.checker.rows.plan`):
-  ``chip``, and ``tpu_matvec_f32`` where it is not its default."""
-  # jaxprec.emulate's check (a NumPy bool too).
-  tpu_matvec_f32 = emulated_ops.check_flag("tpu_matvec_f32", tpu_matvec_f32)
-  return {"chip": chip, **({} if tpu_matvec_f32 else {"tpu_matvec_f32": False})}
 
 
 def _reference_phase(reference: Any) -> str:
@@ -516,12 +508,8 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
     if (mod.scope is None or mod.is_mutable_collection(_COLLECTION)
         or not wants(mod, name)):
       return out  # capture_intermediates sows it (or it is not asked for)
-    key = _output_name(tuple(str(p) for p in mod.scope.path), name)
-    leaves, structure[key] = jax.tree_util.tree_flatten(out)
-    return jax.tree_util.tree_unflatten(structure[key], [
-        checkpoint_name(x, f"{_MARK}{key}\x00{i}")
-        if layers_lib.is_float(x) else x
-        for i, x in enumerate(leaves)])
+    return _marked(_output_name(tuple(str(p) for p in mod.scope.path), name),
+                   out, structure)
 
   def run(variables, *inputs):
     with nn.intercept_methods(interceptor):
@@ -534,8 +522,29 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
     if method is not None and capture is True and root not in out:
       out[root] = own  # the method's own output, as __call__'s is 'output'
     return out
+  return taken_out(run, (variables, *inputs), structure, lost)
 
-  statics, dynamic = trees.split_call((variables, *inputs), {})
+
+def _marked(key: str, out: Any, structure: dict[str, Any]) -> Any:
+  """``out`` with each floating leaf marked as the output ``key``'s
+  (``checkpoint_name``, an identity that stays in the jaxpr), its treedef
+  kept in ``structure``."""
+  leaves, structure[key] = jax.tree_util.tree_flatten(out)
+  return jax.tree_util.tree_unflatten(structure[key], [
+      checkpoint_name(x, f"{_MARK}{key}\x00{i}")
+      if layers_lib.is_float(x) else x
+      for i, x in enumerate(leaves)])
+
+
+def taken_out(run: Callable[..., dict], args: tuple,
+              structure: dict[str, Any], lost: list[str] | None
+              ) -> dict[str, Any]:
+  """``run(*args)`` (a dict of outputs by name) with every output that
+  :func:`_marked` marked in it added by its name: its jaxpr evaluated again
+  with the marked values taken out, out of ``scan`` bodies stacked along a
+  leading axis (:func:`linen_outputs`); those inside a ``while_loop`` or
+  ``cond`` are appended to ``lost`` (None: named in a warning)."""
+  statics, dynamic = trees.split_call(args, {})
   holder: dict[str, Any] = {}
 
   def flat(*dyn):
@@ -568,7 +577,7 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
       warnings.warn(
           f"jaxprec.check_module cannot take out the outputs of {names}: "
           f"they run inside a while_loop or cond; they are not checked.",
-          UserWarning, stacklevel=2)
+          UserWarning, stacklevel=3)
     else:
       lost.extend(n for n in dict.fromkeys(missing) if n not in lost)
   return out
@@ -594,20 +603,6 @@ def _collect(tree: Mapping, path: tuple[str, ...], out: dict) -> None:
       _collect(v, path + (str(k),), out)
     else:  # a method name -> its outputs, one per call
       _add_calls(out, _output_name(path, k), v)
-
-
-def _nnx_intermediates(module: Any, state: Any) -> dict:
-  from flax import nnx
-  flat = {}
-  for path, var in nnx.to_flat_state(state):
-    flat.setdefault(tuple(path[:-1]), []).append((path[-1], var))
-  out: dict[str, Any] = {}
-  for mpath, _ in nnx.iter_modules(module):  # post-order: children first
-    for method, var in flat.get(tuple(mpath), ()):
-      _add_calls(
-          out, _output_name(tuple(map(str, mpath)), method),
-          var.get_value() if hasattr(var, "get_value") else var.value)
-  return out
 
 
 def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
@@ -664,8 +659,9 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   captured output, named by module path (``'encoder/layers_0/attention'``; the
   root's own output is ``'output'``; a module called twice gets ``#0``,
   ``#1``). For a ``flax.nnx`` module call ``check_module(model, *inputs)``:
-  the outputs of every submodule's ``__call__`` are captured with
-  ``nnx.capture``; the model is split and merged inside, never mutated.
+  the outputs of every submodule's ``__call__`` are seen through jaxprec's
+  one module hook (the one policies and the port check use) on a copy; the
+  model is never mutated.
   Layers are named by module path and ordered by when they are computed
   (children before their parent), also inside ``nn.jit``, ``nn.remat``,
   ``nn.scan``, ``nnx.jit``, ``nnx.remat`` and ``nnx.scan``, so that
@@ -773,30 +769,33 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
   if isinstance(module, nnx.Module):
     graphdef, state = nnx.split(module)
 
-    def captured(state, /, *inputs, **kw):
-      m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
-      # The hook, as on the model itself: its module paths are seen (the
-      # audit, a search's units) and a policy row's rules reach them.
-      scope = flax_state.active()
-      nnx_policy.apply(m, None if scope is None else scope.policy,
-                       None if scope is None else scope.recorder)
-      target_fn = m if method is None else getattr(m, method)
-      try:
-        own, inter = nnx.capture(target_fn, nnx.Intermediate,
-                                 method_outputs=nnx.Intermediate)(*inputs, **kw)
-      except Exception as e:  # noqa: BLE001 -- whose failure: the model's?
-        _capture_failed(e, graphdef, state, method, inputs, kw)
-        raise
-      out = _nnx_intermediates(m, inter)
-      root = _output_name((), method or "__call__")
-      if method is not None and root not in out:  # a method of the model's
-        out[root] = own  # own: its output, as __call__'s is 'output'
-      return out
+    def captured(state, /, *inputs, lost=None, **kw):
+      structure: dict[str, Any] = {}
+
+      def observer(path, module, args, kwargs, out):
+        if isinstance(module, nnx.Module):  # linen inside: its own path
+          return _marked(_output_name(
+              tuple(flax_paths.split(path)), "__call__"), out, structure)
+        return None
+
+      def run(state, *inputs):
+        m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
+        # The hook, as on the model itself: its module paths are seen (the
+        # audit, a search's units), a policy row's rules reach them, and
+        # each call's output is marked to be taken out.
+        scope = flax_state.active()
+        nnx_policy.apply(m, None if scope is None else scope.policy,
+                         None if scope is None else scope.recorder)
+        with hook.observing(observer):
+          own = (m if method is None else getattr(m, method))(*inputs, **kw)
+        root = _output_name((), method or "__call__")
+        return {} if method is None else {root: own}
+      return taken_out(run, (state, *inputs), structure, lost)
     order = _execution_order(captured, (state, *args), kwargs)
     _some_output(order, module, method)
 
     def nnx_fn(state, /, *inputs, **kw):
-      return _in_order(captured(state, *inputs, **kw), order)
+      return _in_order(captured(state, *inputs, lost=[], **kw), order)
     # The graph definition's text too: static attributes that compare equal
     # but trace differently (2 and 2.0) give equal graph definitions.
     key = ("nnx", graphdef, repr(graphdef), method, order)
@@ -815,26 +814,6 @@ def _some_output(order: Sequence[str], module: Any, method: str | None
         f"check_module: {type(module).__name__}.{method or '__call__'} gave "
         f"no output to check: it calls no submodule and returns no array; "
         f"check a method that does, or its function with jaxprec.check")
-
-
-def _capture_failed(error: Exception, graphdef, state, method, inputs,
-                    kw) -> None:
-  """Raises a ``TypeError`` that says so when Flax's ``nnx.capture`` failed
-  with ``error`` on a model that runs alone (Flax 0.12's capture of every
-  method's output fails on ``nnx.Dict.items()``, for one); returns when the
-  model fails alone too (its own error is the one to show)."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  m = nnx.merge(graphdef, state)
-  try:
-    (m if method is None else getattr(m, method))(*inputs, **kw)
-  except Exception:  # noqa: BLE001 -- the model's own failure
-    return
-  raise TypeError(
-      f"check_module names each submodule's output with Flax's "
-      f"nnx.capture(..., method_outputs=nnx.Intermediate), which fails on "
-      f"this model although the model runs alone ({type(error).__name__}: "
-      f"{error}); check its outputs with jaxprec.check(model, *inputs) "
-      f"instead") from error
 
 
 def _check_module_fn(fn: Callable[..., dict], key: Any, args: tuple,

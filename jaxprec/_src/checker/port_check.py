@@ -30,7 +30,6 @@ import dataclasses
 import difflib
 import functools
 import itertools
-import json
 import math
 import os
 import re
@@ -45,7 +44,6 @@ from jaxprec._src.checker import logits as logits_lib
 from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker import rows as rows_lib
-from jaxprec._src.core import numerics
 from jaxprec._src.jaxpr import trees
 from jaxprec._src.torch import torch_ref
 
@@ -683,7 +681,7 @@ class PortLayer:
 
 
 @dataclasses.dataclass(frozen=True)
-class PortReport:
+class PortReport(render.Report):
   """What :func:`jaxprec.torch.port_check` found.
 
   Attributes:
@@ -698,7 +696,9 @@ class PortReport:
     target: whose numerics the rows show (``'tpu'`` or ``'gpu'``).
     numerics: row -> what it computes (``'bf16x1 (emulated)'``).
     factor: the factor of the suspect rule.
-    kind: ``'nnx'``, ``'linen'`` or ``'function'``.
+    kind: the JAX side's program: ``'nnx'``, ``'linen'`` or ``'function'``
+      (``"program"`` in :meth:`to_dict`, whose ``"kind"`` is ``"port"``,
+      the report's).
     notes: what the user should know (layers that could not run alone).
     logits: per row, the :class:`jaxprec.torch.LogitsGates` of the layer
       ``logits_layer`` (the full JAX run at the row against PyTorch), when
@@ -761,10 +761,13 @@ class PortReport:
          if any(l.verdict[p] == "SUSPECT" for p in rows)]
         + [n for p in rows for n in self.unpaired_suspects.get(p, ())]))
 
-  def to_dict(self) -> dict[str, Any]:
-    """Everything, as JSON allows (non-finite floats as strings)."""
-    return render.encode({
-        "kind": self.kind, "target": self.target,
+  KIND = "port"
+
+  def _fields(self) -> dict[str, Any]:
+    """Everything (:meth:`to_dict`: ``{"schema": 2, "kind": "port",
+    "program": "nnx", ...}``)."""
+    return {
+        "program": self.kind, "target": self.target,
         "precisions": list(self.precisions), "numerics": self.numerics,
         "factor": self.factor, "slack": SLACK,
         "suspects": {p: self.suspects(p) for p in self.precisions},
@@ -775,11 +778,59 @@ class PortReport:
         "layers": [dataclasses.asdict(l) for l in self.layers],
         "logits_layer": self.logits_layer,
         "logits": {p: g.to_dict() for p, g in self.logits.items()},
-        "notes": list(self.notes)})
+        "notes": list(self.notes)}
 
-  def to_json(self, indent: int | None = 2) -> str:
-    """:meth:`to_dict` as strict JSON."""
-    return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+  def _heading(self) -> str:
+    return (f"port check ({self.kind}), target {self.target}: "
+            + "; ".join(f"{p} = {self.numerics.get(p, p)}"
+                        for p in self.precisions))
+
+  def _closing(self, full: bool) -> list[str]:
+    """The lines under the table: suspects, the rule, the logits gates, the
+    unpaired layers, the notes (one paragraph each)."""
+    out = [f"suspects at {p}: {', '.join(s) if (s := self.suspects(p)) else 'none'}"
+           for p in self.precisions]
+    out.append(f"suspect: local error > {self.factor:g} x (noise + "
+               f"envelope) + 2^-20 while every paired layer inside is "
+               f"within it (errors are rel_rms)")
+    out += [f"logits ({self.logits_layer}) at {p}: KL mean "
+            f"{render.fmt(g.kl_mean)}, max {render.fmt(g.kl_max)}; "
+            f"top-1 agreement {g.top1_agreement:.1%}, top-{g.k} "
+            f"overlap {g.topk_overlap:.1%}; max |logprob diff| "
+            f"{render.fmt(g.max_logprob_diff)}"
+            for p, g in self.logits.items()]
+    if self.unpaired_jax:
+      out.append("JAX layers without a PyTorch partner: "
+                 + ", ".join(self.unpaired_jax))
+    bare = () if full else self.parameterless_torch
+    listed = [n for n in self.unpaired_torch if n not in bare]
+    if listed or bare:
+      out.append(
+          "PyTorch layers without a JAX partner: " + ", ".join(listed)
+          + ("" if not bare else
+             f"{'; and ' if listed else ''}{len(bare)} without parameters "
+             f"(activations, dropout, identities; full=True or --full "
+             f"lists them)"))
+    return out + [f"note: {n}" for n in self.notes]
+
+  def to_markdown(self, full: bool = False) -> str:
+    """The table and the lines under it as GitHub-flavoured Markdown: a row
+    per layer and precision row, with the PyTorch layer it is paired with
+    and every figure (``rel_rms``).
+
+    Args:
+      full: list every unpaired PyTorch layer, as in :meth:`table`.
+    """
+    cols = ["layer", "PyTorch layer", "row", "floor", "noise", "envelope",
+            "local", "propagated", "verdict"]
+    rows = [[l.name, l.torch_name, p, render.fmt(l.floor),
+             render.fmt(l.noise), render.fmt(l.envelope[p]),
+             render.fmt(l.local[p]), render.fmt(l.propagated[p]),
+             l.verdict[p]] for l in self.layers for p in self.precisions]
+    return "\n".join([f"**{render.markdown_cell(self._heading())}**", "",
+                      *render.markdown_table(cols, rows, {0, 1, 2, 8}), "",
+                      *[f"- {render.markdown_cell(x)}"
+                        for x in self._closing(full)]]) + "\n"
 
   def table(self, width: int = 100, full: bool = False) -> str:
     """The table: a line per layer and row with the floor, the noise, the
@@ -834,36 +885,9 @@ class PortReport:
         if i == 0:
           values.update(floor=render.fmt(l.floor), noise=render.fmt(l.noise))
         body.append(line(name, p, values, l.verdict[p]))
-    head = (f"port check ({self.kind}), target {self.target}: "
-            + "; ".join(f"{p} = {self.numerics.get(p, p)}"
-                        for p in self.precisions))
-    out = [*_wrap(head, width), *body]
-    for p in self.precisions:
-      s = self.suspects(p)
-      out += _wrap(f"suspects at {p}: {', '.join(s) if s else 'none'}", width)
-    out += _wrap(f"suspect: local error > {self.factor:g} x (noise + "
-                 f"envelope) + 2^-20 while every paired layer inside is "
-                 f"within it (errors are rel_rms)", width)
-    for p, g in self.logits.items():
-      out += _wrap(f"logits ({self.logits_layer}) at {p}: KL mean "
-                   f"{render.fmt(g.kl_mean)}, max {render.fmt(g.kl_max)}; "
-                   f"top-1 agreement {g.top1_agreement:.1%}, top-{g.k} "
-                   f"overlap {g.topk_overlap:.1%}; max |logprob diff| "
-                   f"{render.fmt(g.max_logprob_diff)}", width)
-    if self.unpaired_jax:
-      out += _wrap("JAX layers without a PyTorch partner: "
-                   + ", ".join(self.unpaired_jax), width)
-    bare = () if full else self.parameterless_torch
-    listed = [n for n in self.unpaired_torch if n not in bare]
-    if listed or bare:
-      out += _wrap(
-          "PyTorch layers without a JAX partner: " + ", ".join(listed)
-          + ("" if not bare else
-             f"{'; and ' if listed else ''}{len(bare)} without parameters "
-             f"(activations, dropout, identities; full=True or --full "
-             f"lists them)"), width)
-    for n in self.notes:
-      out += _wrap(f"note: {n}", width)
+    out = [*_wrap(self._heading(), width), *body]
+    for x in self._closing(full):
+      out += _wrap(x, width)
     return "\n".join(out)
 
   def __str__(self) -> str:
@@ -1038,12 +1062,12 @@ def port_check(jax_model: Any, torch_model: Any, *inputs: Any,
       layers its pattern matches has.
     ImportError: PyTorch is not installed.
   """
-  target = numerics.check_target(target)
-  mode = numerics.resolve_mode("auto", target)
+  setting = rows_lib.setting(target)
+  target, mode = setting.target, setting.mode
   if not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
           and math.isfinite(factor) and factor >= 1):
     raise ValueError(f"factor must be a finite number >= 1; got {factor!r}")
-  plans = rows_lib.plans(precisions, target, mode)
+  plans = rows_lib.plans(precisions, setting)
   plans = [rows_lib.native_float32(p.label) if p.label == rows_lib.FLOOR
            else p for p in plans]
   # Phases: PyTorch, JAX, the pairing, full runs, layers alone (2 + rows).

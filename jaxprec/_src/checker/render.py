@@ -6,9 +6,11 @@ module imports no report type, so the report modules can import it) and
 return text or a matplotlib figure. The report's methods (``str``,
 ``to_text``, ``to_markdown``, ``plot``) call them.
 
-It also holds what every report shares: :func:`fmt` and :func:`table` for
-tables, :func:`encode` / :func:`decode_float` for JSON, which has no literal
-for NaN or infinities, and :func:`save` for figures.
+It also holds what every report shares: :class:`Report` (the JSON envelope
+of every report, ``schema``, ``kind`` and ``jaxprec_version``), :func:`fmt`,
+:func:`table` and :func:`markdown_table` for tables, :func:`encode` /
+:func:`decode_float` for JSON, which has no literal for NaN or infinities,
+and :func:`save` for figures.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 FLOOR_MARK = "[floor]"
+
+# The JSON schema of every report (docs/checker.md, "JSON schema"). 2: every
+# report opens with schema, kind (which report) and jaxprec_version; a port
+# check's program kind moved from "kind" to "program". A check report of
+# schema 2 holds the keys of schema 1, which readers still read.
+SCHEMA = 2
 
 
 # ---------------------------------------------------------------------------
@@ -71,10 +79,30 @@ def encode(obj: Any) -> Any:
   return obj
 
 
-def to_json(report: Any, indent: int | None = 2) -> str:
-  """``report.to_dict()`` as a JSON string (strict: no NaN or Infinity
-  literals)."""
-  return json.dumps(report.to_dict(), indent=indent, allow_nan=False)
+class Report:
+  """What every report of jaxprec is, whichever comparison made it.
+
+  :meth:`to_dict` is the report as JSON allows: ``{"schema": SCHEMA, "kind":
+  KIND, "jaxprec_version": ..., **fields}``, non-finite numbers as the
+  strings ``"nan"``, ``"inf"``, ``"-inf"``; :meth:`to_json` writes it as
+  strict JSON (the same report, the same bytes). A report sets ``KIND`` and
+  writes ``_fields`` (its own keys); its text is ``str(report)``.
+  """
+
+  KIND: ClassVar[str] = ""
+
+  def _fields(self) -> dict[str, Any]:
+    raise NotImplementedError
+
+  def to_dict(self) -> dict[str, Any]:
+    """The report as JSON-safe values (schema: ``docs/checker.md``)."""
+    from jaxprec._src.core.version import __version__  # noqa: PLC0415
+    return encode({"schema": SCHEMA, "kind": self.KIND,
+                   "jaxprec_version": __version__, **self._fields()})
+
+  def to_json(self, indent: int | None = 2) -> str:
+    """:meth:`to_dict` as strict JSON (no ``NaN`` or ``Infinity`` literal)."""
+    return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
 
 def decode_float(x: Any) -> Any:
@@ -99,6 +127,25 @@ def table(cols: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
                      for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
   return ([line([h[k] for h in heads]) for k in range(depth)]
           + [line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def markdown_cell(text: str) -> str:
+  """``text`` as one cell of a Markdown table: ``|`` as ``\\|``, a backslash
+  doubled, line breaks, tabs and carriage returns as ``\\n``, ``\\t``,
+  ``\\r``."""
+  return _cell(text).replace("|", "\\|")
+
+
+def markdown_table(cols: list[str], rows: list[list[str]],
+                   left: set[int]) -> list[str]:
+  """A GitHub-flavoured Markdown table's lines, the columns in ``left``
+  aligned left, the others right; every cell through
+  :func:`markdown_cell`."""
+  def line(cells):
+    return "| " + " | ".join(markdown_cell(c) for c in cells) + " |"
+  return [line(cols), "|" + "|".join("---" if j in left else "---:"
+                                     for j in range(len(cols))) + "|",
+          *map(line, rows)]
 
 
 def figure_class(what: str):
@@ -554,17 +601,12 @@ def markdown(report: Any, full: bool = False) -> str:
           for a, b in _header(report, full, report.precisions)]
   rows = _rows(report, full, report.precisions)
 
-  def esc(s: str) -> str:  # cells of _rows/_summary_lines are one line already
-    return s.replace("\\", "\\\\").replace("|", "\\|")
-  heading = [f"**{esc(line)}**" for line in _heading(report).splitlines()]
-  out = ["  \n".join(heading), "",
-         "| " + " | ".join(esc(c) for c in cols) + " |",
-         "|" + "|".join("---:" if j not in (1, 2) else "---"
-                        for j in range(len(cols))) + "|"]
-  out += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
-  out.append("")
-  out += [f"- {esc(s)}" for s in _summary_lines(report)]
-  return "\n".join(out) + "\n"
+  heading = [f"**{markdown_cell(line)}**"
+             for line in _heading(report).splitlines()]
+  return "\n".join(["  \n".join(heading), "",
+                    *markdown_table(cols, rows, {1, 2}), "",
+                    *[f"- {markdown_cell(s)}" for s in _summary_lines(report)]]
+                   ) + "\n"
 
 
 # The metrics whose 0 means "no error at all" (an exact layer), and the

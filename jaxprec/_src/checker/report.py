@@ -25,7 +25,9 @@ from jaxprec._src.checker.logits import LogitsGates
 from jaxprec._src.checker.metrics import LayerMetrics
 from jaxprec._src.core import names
 
-SCHEMA = 1
+SCHEMA = render.SCHEMA
+# The schemas from_dict reads: 2 holds the keys of 1.
+_READS = (1, 2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,7 +86,7 @@ def _mapping(d: Mapping[str, Any], key: str) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DivergenceReport:
+class DivergenceReport(render.Report):
   """How far each layer drifts from a reference at each precision.
 
   Returned by :func:`jaxprec.check` and :func:`jaxprec.check_module`.
@@ -344,9 +346,9 @@ class DivergenceReport:
     return out
 
   # -- serialisation -----------------------------------------------------------
-  def to_dict(self) -> dict[str, Any]:
-    """The report as JSON-safe values (schema: ``docs/checker.md``)."""
-    from jaxprec._src.core.version import __version__
+  KIND = "check"
+
+  def _fields(self) -> dict[str, Any]:
     layers = []
     for l in self.layers:
       first = l.metrics[self.precisions[0]] if self.precisions else None
@@ -363,8 +365,7 @@ class DivergenceReport:
         "logits_layer": self.logits_layer,
         "logits": {p: None if g is None else g.to_dict()
                    for p, g in self.logits.items()}}
-    return render.encode({
-        "schema": SCHEMA, "kind": "check", "jaxprec_version": __version__,
+    return {
         "reference": self.reference, "target": self.target, "mode": self.mode,
         "chip": self.chip,
         "backend": self.backend, "precisions": list(self.precisions),
@@ -374,16 +375,16 @@ class DivergenceReport:
         "layers": layers, "summary": self.summary(), "notes": list(self.notes),
         "seconds": dict(self.seconds), "kernel": dict(self.kernel),
         "unchecked": list(self.unchecked), **extra,
-    })
-
-  to_json = render.to_json
+    }
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> DivergenceReport:
     """Reads back :meth:`to_dict` (or parsed :meth:`to_json`) output."""
-    if d.get("schema") != SCHEMA:
-      raise ValueError(f"Unsupported report schema {d.get('schema')!r}; this "
-                       f"jaxprec reads schema {SCHEMA}.")
+    if d.get("schema") not in _READS or d.get("kind", "check") != "check":
+      raise ValueError(
+          f"Unsupported report: schema {d.get('schema')!r}, kind "
+          f"{d.get('kind')!r}; DivergenceReport reads a check report of "
+          f"schema {' or '.join(map(str, _READS))}.")
     layers = []
     for l in d["layers"]:
       ref = l.get("reference", {})
@@ -475,7 +476,7 @@ class DivergenceReport:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainingReport:
+class TrainingReport(render.Report):
   """The same training loop run at several precisions, against a reference.
 
   Returned by :func:`jaxprec.check_training`.
@@ -516,11 +517,13 @@ class TrainingReport:
   notes: tuple[str, ...] = ()
   seconds: float = 0.0
 
-  def to_dict(self) -> dict[str, Any]:
-    """JSON-safe values: ``{"schema": 1, "kind": "training", ...}``, the
-    attributes by name; non-finite numbers as strings, as in check reports."""
-    return render.encode({
-        "schema": SCHEMA, "kind": "training", "reference": self.reference,
+  KIND = "training"
+
+  def _fields(self) -> dict[str, Any]:
+    """The attributes by name (:meth:`to_dict`: ``{"schema": 2, "kind":
+    "training", ...}``)."""
+    return {
+        "reference": self.reference,
         "target": self.target, "mode": self.mode, "backend": self.backend,
         "precisions": list(self.precisions), "steps": self.steps,
         "threshold": self.threshold, "numerics": dict(self.numerics),
@@ -529,11 +532,9 @@ class TrainingReport:
         "drift": {p: list(v) for p, v in self.drift.items()},
         "divergence_step": dict(self.divergence_step),
         "notes": list(self.notes), "seconds": self.seconds,
-    })
+    }
 
-  to_json = render.to_json
-
-  def __str__(self) -> str:
+  def _heading_and_table(self) -> tuple[str, list[str], list[list[str]]]:
     head = (f"jaxprec.check_training: {self.steps} steps vs reference "
             f"{self.reference}; target {self.target}, mode {self.mode} "
             f"(backend {self.backend}); divergence: relative loss difference "
@@ -552,8 +553,20 @@ class TrainingReport:
                    render.fmt(max(diffs, default=0.0)),
                    render.fmt(self.drift[p][-1]) if self.drift[p] else "-",
                    "-" if step is None else str(step)])
+    return head, cols, rows
+
+  def __str__(self) -> str:
+    head, cols, rows = self._heading_and_table()
     return "\n".join([head, *render.table(cols, rows, {0, 1}),
                       *[f"note: {n}" for n in self.notes]])
+
+  def to_markdown(self) -> str:
+    """The table of :meth:`__str__` as GitHub-flavoured Markdown."""
+    head, cols, rows = self._heading_and_table()
+    return "\n".join([f"**{render.markdown_cell(head)}**", "",
+                      *render.markdown_table(cols, rows, {0, 1}), "",
+                      *[f"- {render.markdown_cell(n)}" for n in self.notes]]
+                     ) + "\n"
 
   def plot(self, path: str | os.PathLike | None = None
            ) -> "matplotlib.figure.Figure":

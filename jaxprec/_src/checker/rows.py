@@ -23,7 +23,7 @@ from jax import lax
 from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import Precision, PrecisionLike, resolve
-from jaxprec._src.emulation import tensor_cores
+from jaxprec._src.emulation import emulated_ops, tensor_cores
 from jaxprec._src.emulation.emulate import emulate, opaque_ops
 from jaxprec._src.flax import nnx_policy
 from jaxprec._src.flax import scope as flax_scope
@@ -249,11 +249,54 @@ def default_rows(target: str, *, external: bool = False) -> tuple[str, ...]:
   return (FLOOR, *(r for r in out if r != FLOOR)) if external else out
 
 
-def plans(precisions: Any, target: str, mode: str, *,
-          chip: str | None = None, external: bool = False,
-          **options: Any) -> list[Plan]:
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """A comparison's numerics, resolved once where the user's words enter
+  (:func:`setting`); the rows and runs below read it and parse no word again.
+
+  Attributes:
+    target: ``'tpu'`` or ``'gpu'``: whose numerics the rows show.
+    mode: ``'emulate'`` or ``'native'`` (``'auto'`` resolved).
+    chip: the NVIDIA chip whose tensor cores compute the rows emulated with
+      GPU numerics, or None.
+    tpu_matvec_f32: emulated TPU rows keep XLA's float32 matrix-vector rule.
+  """
+
+  target: str
+  mode: str
+  chip: str | None = None
+  tpu_matvec_f32: bool = True
+
+  @property
+  def options(self) -> dict[str, Any]:
+    """The rows' emulation options (:func:`plan`'s ``chip``, and
+    ``tpu_matvec_f32`` where it is not its default)."""
+    return {"chip": self.chip,
+            **({} if self.tpu_matvec_f32 else {"tpu_matvec_f32": False})}
+
+
+def setting(target: Any, mode: Any = "auto", chip: Any = None,
+            tpu_matvec_f32: Any = True) -> Setting:
+  """The :class:`Setting` of a comparison's words, each checked as
+  :func:`jaxprec.emulate` checks it (a ValueError or TypeError naming the
+  value and the valid choices).
+
+  Examples:
+    >>> from jaxprec._src.checker.rows import setting
+    >>> setting("GPU", "auto", "h100")
+    Setting(target='gpu', mode='emulate', chip='h100', tpu_matvec_f32=True)
+  """
+  target = numerics.check_target(target)
+  chip = emulated_ops.check_chip(chip, target)
+  flag = emulated_ops.check_flag("tpu_matvec_f32", tpu_matvec_f32)
+  return Setting(target, numerics.resolve_mode(mode, target), chip, flag)
+
+
+def plans(precisions: Any, setting: Setting, *,
+          external: bool = False) -> list[Plan]:
   """One :class:`Plan` per row (None: :func:`default_rows`, ``external``
-  passed on); TypeError/ValueError naming a bad value."""
+  passed on) at ``setting``; TypeError/ValueError naming a bad value."""
+  target, mode = setting.target, setting.mode
   if precisions is None:
     precisions = default_rows(target, external=external)
   if isinstance(precisions, _ONE_ROW):
@@ -267,7 +310,7 @@ def plans(precisions: Any, target: str, mode: str, *,
   if not precisions:
     raise ValueError("precisions is empty: name at least one, e.g. "
                      "precisions=('bfloat16',)")
-  out = [plan(p, target, mode, chip=chip, **options) for p in precisions]
+  out = [plan(p, target, mode, **setting.options) for p in precisions]
   labels = [p.label for p in out]
   if len(set(labels)) != len(labels):
     raise ValueError(f"precisions repeats a name: {labels}")

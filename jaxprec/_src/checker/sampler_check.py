@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import textwrap
@@ -49,7 +48,6 @@ from jaxprec._src.flax import nnx_policy
 from jaxprec._src.policy.policy import Policy
 from jaxprec._src.torch import torch_sampler
 
-SCHEMA = "jaxprec.sampler/1"
 WIDTH = 100  # the text report folds to this many columns
 FACTORS = ("lm_head", "body", "decode", "batch")
 
@@ -197,7 +195,7 @@ class Divergence:
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplerReport:
+class SamplerReport(render.Report):
   """What :func:`jaxprec.check_sampler` found.
 
   Attributes:
@@ -233,19 +231,16 @@ class SamplerReport:
   floor: float
   notes: tuple[str, ...]
 
-  def to_dict(self) -> dict[str, Any]:
+  KIND = "sampler"
+
+  def _fields(self) -> dict[str, Any]:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     d["figures"] = self.figures.to_dict()
     d["shares"] = [dataclasses.asdict(s) for s in self.shares]
     d["layers"] = [{"layer": n, "relative_rms_max": v} for n, v in self.layers]
     d["first_divergence"] = (None if self.first_divergence is None
                              else dataclasses.asdict(self.first_divergence))
-    return {"schema": SCHEMA, **d}
-
-  def to_json(self) -> str:
-    """The report as JSON, keys sorted (the same report, the same bytes);
-    infinities as ``Infinity``."""
-    return json.dumps(self.to_dict(), sort_keys=True, indent=1)
+    return d
 
   def _summary(self) -> list[tuple[str, str]]:
     g = self.figures
@@ -307,21 +302,23 @@ class SamplerReport:
     return "\n".join(lines)
 
   def to_markdown(self) -> str:
-    """The report as GitHub-flavoured markdown."""
-    out = ["\n\n".join(self._heading()), "",
-           "| figure | value |", "|---|---|"]
-    out += [f"| {k} | {v} |" for k, v in self._summary()]
-    out += ["", "| factor | sampler | trainer | RMS delta | share (nats) |",
-            "|---|---|---|---|---|"]
-    out += [f"| {s.factor} | {s.sampler} | {s.trainer} | {s.rms:.3g} | "
-            f"{s.share:+.3g} |" for s in self.shares]
-    out += [f"| remainder | | | | {self.remainder:+.3g} |",
-            f"| total | | | {self.total:.3g} | {self.total:+.3g} |", "",
-            f"First divergence: {self._where()}.", "",
-            "| layer | largest relative RMS |", "|---|---|"]
-    out += [f"| {n} | {v:.3g} |" for n, v in self.layers]
-    out += [""] + [f"- {n}" for n in self.notes]
-    return "\n".join(out) + "\n"
+    """The report as GitHub-flavoured Markdown."""
+    cell = render.markdown_cell
+    shares = [[s.factor, s.sampler, s.trainer, f"{s.rms:.3g}",
+               f"{s.share:+.3g}"] for s in self.shares]
+    shares += [["remainder", "", "", "", f"{self.remainder:+.3g}"],
+               ["total", "", "", f"{self.total:.3g}", f"{self.total:+.3g}"]]
+    return "\n".join([
+        "\n\n".join(map(cell, self._heading())), "",
+        *render.markdown_table(["figure", "value"],
+                               [list(r) for r in self._summary()], {0, 1}), "",
+        *render.markdown_table(["factor", "sampler", "trainer", "RMS delta",
+                                "share (nats)"], shares, {0, 1, 2}), "",
+        f"First divergence: {cell(self._where())}.", "",
+        *render.markdown_table(["layer", "largest relative RMS"],
+                               [[n, f"{v:.3g}"] for n, v in self.layers],
+                               {0}), "",
+        *[f"- {cell(n)}" for n in self.notes]]) + "\n"
 
   def plot(self, path: str | os.PathLike | None = None
            ) -> "matplotlib.figure.Figure":

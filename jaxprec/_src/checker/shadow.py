@@ -20,8 +20,6 @@ from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import port_check
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
-from jaxprec._src.core import numerics
-from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation import kernels
 from jaxprec._src.jaxpr import compat
 
@@ -42,13 +40,11 @@ def check_module_shadow(module: Any, args: tuple, kwargs: dict, *,
     raise ValueError(f"check_module(shadow=True) compares each layer with "
                      f"float32 JAX on the same input; reference={reference!r} "
                      f"is not supported with it (use reference='float32')")
-  target = numerics.check_target(target)
-  chip = emulated_ops.check_chip(chip, target)
-  mode = numerics.resolve_mode(mode, target)
+  setting = rows.setting(target, mode, chip, tpu_matvec_f32)
+  target, mode, chip = setting.target, setting.mode, setting.chip
   atol = metrics_lib.check_tolerance("atol", atol)
   rtol = metrics_lib.check_tolerance("rtol", rtol)
-  plans = rows.plans(precisions, target, mode, chip=chip,
-                     **({} if tpu_matvec_f32 else {"tpu_matvec_f32": False}))
+  plans = rows.plans(precisions, setting)
   if isinstance(module, nn.Module):
     if not args or not isinstance(args[0], Mapping):
       raise TypeError("check_module(linen_module, variables, *inputs): the "

@@ -30,7 +30,6 @@ from jaxprec._src.checker import harness
 from jaxprec._src.checker import render
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import TrainingReport
-from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import PrecisionLike
 from jaxprec._src.jaxpr import compat
 from jaxprec._src.policy import policy as policy_lib
@@ -159,9 +158,9 @@ def check_training(loss_fn: Callable[[Any, Any], jax.Array], params: Any,
     raise TypeError(f"optimizer must be an optax.GradientTransformation (with "
                     f"init and update), e.g. optax.sgd(0.1); got {optimizer!r} "
                     f"of type {type(optimizer).__name__}.")
-  target = numerics.check_target(target)
-  mode = numerics.resolve_mode(mode, target)
-  plans = rows.plans(precisions, target, mode)
+  setting = rows.setting(target, mode)
+  target, mode = setting.target, setting.mode
+  plans = rows.plans(precisions, setting)
   if not isinstance(reference, str) or reference.strip().lower() in \
       rows.FLOAT64_NAMES or "=" in reference:
     raise ValueError(f"check_training's reference must be a precision name "

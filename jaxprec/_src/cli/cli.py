@@ -625,9 +625,9 @@ def _check(ns: argparse.Namespace) -> int:
 
   def port_table(report, full: bool) -> None:  # 100 columns in a pipe
     print(report.table(width=stdout_width() or 100, full=full))
-  from jaxprec._src.emulation import emulated_ops
+  from jaxprec._src.checker import rows
   try:  # jaxprec.emulate's check and message
-    ns.chip = emulated_ops.check_chip(ns.chip, ns.target)
+    ns.chip = rows.setting(ns.target, chip=ns.chip).chip
   except ValueError as e:
     raise UsageError(f"--chip: {e}") from None
   port = (cli_port.is_port_reference(ns.reference) or
@@ -670,13 +670,12 @@ def _check(ns: argparse.Namespace) -> int:
   elif reference.strip().lower() not in ("float64", "f64", "fp64", "double"):
     inputs.resolve(reference, "--reference")
   from jaxprec._src.checker import rows
-  from jaxprec._src.core import numerics
   try:  # the rows, before the model is built: a row the target refuses
-    mode = numerics.resolve_mode(ns.mode, ns.target)
+    setting = rows.setting(ns.target, ns.mode)
     computed = rows.is_computed(reference)
-    rows.plans(precisions, ns.target, mode, external=not computed)
+    rows.plans(precisions, setting, external=not computed)
     if computed:
-      rows.reference_plan(reference, ns.target, mode)
+      rows.reference_plan(reference, setting.target, setting.mode)
   except ValueError as e:
     raise UsageError(str(e)) from None
   enforce = ns.atol is not None or ns.rtol is not None

@@ -160,15 +160,16 @@ def run(module: Any, path: str, call: Callable[..., Any], args: tuple,
   bridge = isinstance(module, sys.modules["flax.nnx"].bridge.ToNNX)
   with flax_paths.nnx_call(path, bridge=bridge), flag:
     out = call(module, *args, **kwargs)
-  _observed(path, module, args, kwargs, out)
-  return out
+  return _observed(path, module, args, kwargs, out)
 
 
 class Observer(Protocol):
-  """Sees one module call as it returns (:func:`observing`)."""
+  """Sees one module call as it returns (:func:`observing`); returns None,
+  or the output the call returns instead (the same structure and values:
+  ``check_module`` marks each leaf with ``checkpoint_name``)."""
 
   def __call__(self, path: str, module: Any, args: tuple, kwargs: dict,
-               output: Any) -> None:
+               output: Any) -> Any:
     ...
 
 
@@ -183,9 +184,12 @@ _OBSERVERS = _Observers()
 
 
 def _observed(path: str, module: Any, args: tuple, kwargs: dict,
-              out: Any) -> None:
+              out: Any) -> Any:
+  """``out``, as the observers see it and may replace it, innermost last."""
   for observer in _OBSERVERS.stack:
-    observer(path, module, args, kwargs, out)
+    seen = observer(path, module, args, kwargs, out)
+    out = out if seen is None else seen
+  return out
 
 
 @contextlib.contextmanager
@@ -199,7 +203,8 @@ def observing(observer: Observer) -> Iterator[None]:
   ``flax.linen.intercept_methods`` (when linen is imported), at the paths
   :class:`jaxprec._src.flax.paths.ModulePaths` gives them (a linen module is
   passed bound, as it ran). The observer runs while the call's trace does:
-  inside a JAX transform its values are that transform's tracers.
+  inside a JAX transform its values are that transform's tracers. What it
+  returns, where not None, is the call's output from then on.
   """
   _OBSERVERS.stack.append(observer)
   try:
@@ -224,7 +229,7 @@ def _linen_observed() -> Iterator[None]:
     with paths.entered(path, module):
       out = next_fun(*args, **kwargs)
     if context.method_name == "__call__" and module.scope is not None:
-      _observed(flax_paths.join(path), module, args, kwargs, out)
+      out = _observed(flax_paths.join(path), module, args, kwargs, out)
     return out
   with nn.intercept_methods(interceptor):
     yield

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -61,7 +60,7 @@ class SearchStep:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SearchResult:
+class SearchResult(render.Report):
   """What :func:`jaxprec.search_policy` returns.
 
   Attributes:
@@ -155,10 +154,11 @@ class SearchResult:
       return None
     return self.report.required_atol(rtol=0.0)
 
-  def to_dict(self) -> dict[str, Any]:
-    """JSON-able values (non-finite numbers as strings, as in check reports)."""
+  KIND = "search"
+
+  def _fields(self) -> dict[str, Any]:
     return {
-        "kind": "search", "policy": str(self.policy),
+        "policy": str(self.policy),
         "meets_tolerance": self.meets_tolerance, "metric": self.metric,
         "tolerance": self.tolerance, "target": self.target, "mode": self.mode,
         "candidates": list(self.candidates),
@@ -176,9 +176,6 @@ class SearchResult:
         **({} if self.axes == ("precision",) else {
             "axes": list(self.axes), "dtype_by_path": self.dtype_by_path()}),
     }
-
-  def to_json(self, indent: int | None = 2) -> str:
-    return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
   def __str__(self) -> str:
     bound = {"cosine": "1 - cosine <=", "sqnr_db": "sqnr_db >="}.get(
