@@ -17,7 +17,10 @@ option as the option (``search --mode native`` was ``--model native``:
 "argument --model: invalid choice"); with ``JAXPREC_TRACEBACK=1`` the error
 line after the traceback still said that the variable shows it; the plot
 showed nothing of a layer the table fails with inf or NaN (no value to draw,
-or an exact 0 elsewhere in the layer), so the main job's picture passed it.
+or an exact 0 elsewhere in the layer), so the main job's picture passed it;
+where the reader of stderr left, an error line ended the command with a
+traceback and status 1 (and on Python 3.13 any command with status 120),
+not as a shell says SIGPIPE ended it.
 """
 
 import inspect
@@ -235,3 +238,23 @@ def test_the_plot_rings_a_layer_that_fails_with_inf_or_nan():
              and len(l.get_xdata())]
     assert sorted(round(x) for l in rings for x in l.get_xdata()) == fails, (
         metric)
+
+
+@pytest.mark.parametrize("args, stream", [
+    (["info", "--json"], "stdout"),
+    (["check", "--model", "nope"], "stderr"),  # argparse's usage line
+    (["check", "--model", "mlp", "--precisions", "bogus"], "stderr"),
+])
+def test_a_reader_that_left_ends_the_command_as_sigpipe(args, stream):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  read, write = os.pipe()
+  other = subprocess.PIPE
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxprec", *args],
+      stdout=write if stream == "stdout" else subprocess.DEVNULL,
+      stderr=write if stream == "stderr" else other)
+  os.close(write)
+  os.close(read)  # before the command writes: it imports JAX first
+  said = proc.stderr.read() if stream == "stdout" else b""
+  assert proc.wait(timeout=300) == 128 + 13 and said == b""

@@ -311,6 +311,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stderr = _Fitted(sys.stderr, columns())
   try:
     return _main(argv)
+  except BrokenPipeError:  # `jaxprec info --json | head`: a reader left,
+    # of stdout or of stderr, even while an error was said. Python would
+    # fail flushing them at exit (a traceback, or exit status 120): point
+    # both at /dev/null, and exit as a shell says SIGPIPE ended a process.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in streams:
+      with contextlib.suppress(OSError, ValueError):  # a closed stream
+        os.dup2(devnull, stream.fileno())
+    return 128 + 13
   finally:
     for fitted in (sys.stdout, sys.stderr):
       if isinstance(fitted, _Fitted):
@@ -358,11 +367,6 @@ def _main(argv: Sequence[str] | None) -> int:
   except KeyboardInterrupt:  # Ctrl-C: one line, the shells' status for SIGINT
     print(f"{_PROG}: interrupted", file=sys.stderr)
     return 128 + 2
-  except BrokenPipeError:  # `jaxprec info --json | head`: the reader left
-    # Python would print a traceback flushing stdout at exit: point it at
-    # /dev/null, and exit as a shell says a process ended by SIGPIPE did.
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 128 + 13
 
 
 def say(kind: str, text: object) -> None:
