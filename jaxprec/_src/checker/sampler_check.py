@@ -10,15 +10,15 @@ Two ways to compute one model on one token sequence:
   ``generate`` batches them.
 
 Each side has its own numerics (:class:`Compute`: a precision or a policy,
-a target, a chip, the LM head's own), emulated on any backend
+a target, a chip, the LM head's own, the attention's own), emulated on any backend
 (:func:`jaxprec.emulate`). The report holds the figures RL frameworks log
 (:mod:`jaxprec._src.checker.sampler`), the gap split by factor, and where the
 two first part: the first token position, then the first layer there, whose
 hidden state differs by more than the float32 floor.
 
 The attribution switches one factor at a time from the sampler's setting to
-the trainer's (the LM head's numerics, the body's, decoding with a cache or
-teacher forcing, the batch) and reads the RMS of the gap each time: a
+the trainer's (the LM head's numerics, the body's, the attention's, decoding
+with a cache or teacher forcing, the batch) and reads the RMS of the gap each time: a
 factor's share is how much the RMS falls, and the remainder (what the
 factors do together) makes the shares sum to the total.
 """
@@ -46,12 +46,12 @@ from jaxprec._src.core.precision import PrecisionLike, resolve
 from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation.emulate import emulate
 from jaxprec._src.flax import nnx_policy
-from jaxprec._src.policy.policy import Policy
+from jaxprec._src.policy.policy import Policy, Rule
 from jaxprec._src.torch import torch_sampler
 
 SCHEMA = "jaxprec.sampler/1"
 WIDTH = 100  # the text report folds to this many columns
-FACTORS = ("lm_head", "body", "decode", "batch")
+FACTORS = ("lm_head", "body", "attention", "decode", "batch")
 
 NOT_MODELLED = (
     "An inference engine's own kernels (paged or flash attention, fused "
@@ -83,12 +83,21 @@ class Compute:
       body's (None: ``precision``), e.g. ``'default=float32+dtype:float32'``
       for a float32 head on a bfloat16 body (a rule on the path
       ``lm_head`` in ``precision`` does the same).
+    attention: the precision of the attention's own arithmetic where it
+      differs from the body's (None: ``precision``'s): the score and value
+      matmuls an attention module runs in its own code (a module whose
+      class name has ``Attention`` in it: the op kind ``'attention'`` of a
+      policy), not its query, key, value and output projections, which
+      keep the body's. E.g. ``'bfloat16'`` for an inference engine's
+      one-pass bfloat16 attention beside a float32 body. A policy's rules
+      that can match those matmuls and its default do the same
+      (``'layers/0/.*=bfloat16,default=float32'``); it sets no dtype.
 
   Raises:
     ValueError: an unknown precision, policy, target or chip, a chip
-      without ``target='gpu'``, or a precision the target does not run
+      without ``target='gpu'``, a precision the target does not run
       (:class:`jaxprec.UnsupportedAlgorithmError`: ``TF32_TF32_F32`` on a
-      TPU).
+      TPU), or an ``attention`` policy that sets a compute dtype.
 
   Examples:
     >>> import jaxprec
@@ -96,21 +105,31 @@ class Compute:
     ...                     chip="h100")
     >>> str(s)
     'default=dtype:bfloat16 on gpu (h100)'
+    >>> str(jaxprec.Compute(precision="float32", target="tpu",
+    ...                     attention="bfloat16"))
+    'float32 (bf16x6) on tpu, attention bfloat16 (bf16x1)'
   """
 
   precision: PrecisionLike | Policy = None
   target: str = "cpu"
   chip: str | None = None
   head: PrecisionLike | Policy = None
+  attention: PrecisionLike | Policy = None
 
   def __post_init__(self):
     object.__setattr__(self, "target", numerics.check_target(
         self.target, emulation=True))
     object.__setattr__(self, "chip", emulated_ops.check_chip(
         self.chip, self.target))
-    for name in ("precision", "head"):
+    for name in ("precision", "head", "attention"):
       object.__setattr__(self, name, _numerics(getattr(self, name), name))
       value = getattr(self, name)
+      if name == "attention" and isinstance(value, Policy) and (
+          value.has_dtypes):
+        raise ValueError(
+            f"Compute attention={str(value)!r}: sets a compute dtype; "
+            f"attention= takes a precision or a policy of precisions (for "
+            f"the attention's own matmuls); give dtypes in precision=")
       if (value is not None and not isinstance(value, Policy)
           and self.target in numerics.TARGETS):
         try:  # every entry point refuses what the target does not run
@@ -119,8 +138,19 @@ class Compute:
           raise type(e)(f"Compute {name}=: {e}") from None
 
   def body(self) -> tuple[Any, str, str | None]:
-    """The body's ``(precision or policy, target, chip)``."""
-    return self.precision, self.target, self.chip
+    """The body's ``(precision or policy, target, chip)``, with the
+    attention's own precision (:meth:`attending`)."""
+    return self.attending(self.attention)
+
+  def attends(self) -> Any:
+    """The attention's precision or policy: ``attention``, else the
+    body's."""
+    return self.precision if self.attention is None else self.attention
+
+  def attending(self, attention: Any) -> tuple[Any, str, str | None]:
+    """The body's ``(precision or policy, target, chip)`` with the
+    attention's own matmuls at ``attention`` (:func:`_attending`)."""
+    return _attending(self.precision, attention), self.target, self.chip
 
   def lm_head(self) -> tuple[Any, str, str | None]:
     """The LM head's ``(precision or policy, target, chip)``."""
@@ -128,10 +158,38 @@ class Compute:
             self.target, self.chip)
 
   def __str__(self) -> str:
-    text = _label(*self.body())
+    text = _label(*self.attending(None))
     if self.head is not None:
       text += f", head {_label(self.head, self.target, None, where=False)}"
+    if self.attention is not None:
+      text += (f", attention "
+               f"{_label(self.attention, self.target, None, where=False)}")
     return text
+
+
+def _attending(body: Any, attention: Any) -> Any:
+  """``body`` (a precision or a policy) with the attention modules' own
+  matmuls at ``attention``: a policy whose first rules are for the op kind
+  ``'attention'`` (:mod:`jaxprec._src.policy.policy`: the matmuls an
+  attention module runs in its own code; its projections are modules of
+  their own, which the body's rules and default decide). A policy
+  ``attention`` gives the rules of its own that can match those matmuls,
+  then its default; ``body`` itself where that adds no rule (None)."""
+  if isinstance(attention, Policy):
+    rules = [dataclasses.replace(r, op="attention", dtype=None)
+             for r in attention.rules
+             if r.precision is not None and r.op in (None, "attention")
+             and r.module_type in (None, "Attention")]
+    default = attention.default
+  else:
+    rules, default = [], None if attention is None else resolve(attention)
+  if default is not None:
+    rules.append(Rule(op="attention", precision=default))
+  if not rules:
+    return body
+  base = body if isinstance(body, Policy) else Policy(
+      default=None if body is None else resolve(body))
+  return dataclasses.replace(base, rules=(*rules, *base.rules))
 
 
 def _numerics(value: Any, name: str) -> Any:
@@ -170,8 +228,11 @@ class Share:
   """One factor of the attribution.
 
   Attributes:
-    factor: one of ``'lm_head'``, ``'body'``, ``'decode'``, ``'batch'``.
-    sampler, trainer: the factor's setting on each side.
+    factor: one of :data:`FACTORS`: ``'lm_head'``, ``'body'`` (all but
+      the attention's own matmuls), ``'attention'``, ``'decode'``,
+      ``'batch'``.
+    sampler, trainer: the factor's setting on each side (the attention's
+      as the sampler's target reads it: the switch runs there).
     rms: the RMS gap with this factor alone switched to the trainer's.
     share: the total RMS gap minus ``rms``, in nats (0 where both sides
       agree on the factor).
@@ -465,13 +526,30 @@ def _shares(trainer, sampler, batch, gap, bar, hidden, logits, s_run,
     return figures_lib.gap_figures(t_logits, z, sampled, sampling).rms
 
   s_body, s_head = sampler.body(), sampler.lm_head()
+  if isinstance(sampler, torch_sampler.TorchSampler):
+    # PyTorch's attention runs inside its decoder: the body carries it.
+    body = (_describe(s_body), _describe(trainer.body()), True,
+            trainer.body())
+    attention = (f"{sampler}, its own (not switched)",
+                 _describe((trainer.attends(), trainer.target,
+                            trainer.chip)), False, None)
+  else:
+    where = (sampler.target, sampler.chip)
+    body = (_describe(sampler.attending(None)),
+            _describe(trainer.attending(None)),
+            sampler.attending(None) != trainer.attending(None),
+            trainer.attending(sampler.attends()))
+    attention = (_describe((sampler.attends(), *where)),
+                 _describe((trainer.attends(), *where)),
+                 sampler.attends() != trainer.attends(),
+                 sampler.attending(trainer.attends()))
   switched = {
       "lm_head": (_describe(s_head), _describe(trainer.lm_head()),
                   s_head != trainer.lm_head(),
                   (s_body, trainer.lm_head(), True, bool(batch))),
-      "body": (_describe(s_body), _describe(trainer.body()),
-               s_body != trainer.body(),
-               (trainer.body(), s_head, True, bool(batch))),
+      "body": (*body[:3], (body[3], s_head, True, bool(batch))),
+      "attention": (*attention[:3], (attention[3], s_head, True,
+                                     bool(batch))),
       "decode": ("decode with a KV cache", "teacher forcing", True,
                  (s_body, s_head, False, bool(batch))),
       "batch": (f"among {len(batch)} others" if batch else "alone", "alone",
