@@ -233,6 +233,9 @@ def test_tpu_trainer_vs_bf16_h100_sampler(model, tokens, tpu_vs_h100):
   # each share is the total minus the RMS gap with that factor switched
   for s in r.shares:
     assert s.share == pytest.approx(r.total - s.rms, abs=1e-15)
+  # the trainer's attention, a TPU's one bfloat16 pass, as the sampler's
+  # GPU computes it
+  assert r.shares[2].trainer == "BF16_BF16_F32 (bf16x1) on gpu (h100)"
   # the report's gap, recomputed here: the trainer as jaxprec.emulate runs
   # it, the sampler as a decode loop of the emulated model
   forced = jax.jit(jaxprec.emulate(model, "default", target="tpu"))(
@@ -312,6 +315,30 @@ def test_a_bfloat16_body_splits_into_the_attention_and_the_rest(model,
   assert shares["body"].share > 0 and shares["attention"].share > 0
   assert shares["body"].sampler == "BF16_BF16_F32 (bf16x1) on gpu"
   _adds_up(r)
+
+
+@pytest.mark.parametrize("source", ["tpu", "gpu", "cpu"])
+def test_a_sides_attention_is_carried_to_the_others_target_as_computed(
+    source):
+  from jaxprec._src.core import algorithms, numerics  # noqa: PLC0415
+  f32 = np.float32
+  for name in (None, "default", "bfloat16", "high", "float32",
+               "BF16_BF16_F32_X3", "TF32_TF32_F32", "F32_F32_F32"):
+    try:
+      want = numerics.algorithm_for(name, source, f32, f32)
+    except numerics.UnsupportedAlgorithmError:
+      continue
+    want = "f32" if source == "cpu" else want  # exact float32 there
+    for target in ("tpu", "gpu"):
+      got = numerics.carried(name, source, target)
+      if target in algorithms.record(want).targets:
+        assert numerics.algorithm_for(got, target, f32, f32) == want, (
+            name, source, target, got)
+      else:  # no such algorithm there: the name as typed
+        assert got == name
+  assert numerics.carried("default", "tpu", "gpu") == "BF16_BF16_F32"
+  assert numerics.carried("TF32_TF32_F32", "gpu", "cpu") is None
+  assert numerics.carried("default", "cpu", "cpu") == "default"
 
 
 def _bf16(x):

@@ -46,7 +46,8 @@ from jaxprec._src.core.precision import PrecisionLike, resolve
 from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation.emulate import emulate
 from jaxprec._src.flax import nnx_policy
-from jaxprec._src.policy.policy import Policy, Rule
+from jaxprec._src.policy import policy as policy_lib
+from jaxprec._src.policy.policy import Policy
 from jaxprec._src.torch import torch_sampler
 
 SCHEMA = "jaxprec.sampler/1"
@@ -57,7 +58,8 @@ NOT_MODELLED = (
     "An inference engine's own kernels (paged or flash attention, fused "
     "norms, its sampler's logit processing) and sampler-side quantization "
     "are not modelled: the sampler here is this model's own decode, at the "
-    "sampler's precision, dtypes and chip.",
+    "sampler's precision, dtypes and chip (attention= sets the precision "
+    "of its attention's matmuls, not a kernel's order of sums).",
     "A device's shape-dependent choice of kernel (another algorithm or split "
     "for another batch size or cache length) is not modelled: the batch "
     "changes what emulation computes for the row itself (the padded slots "
@@ -142,15 +144,19 @@ class Compute:
     attention's own precision (:meth:`attending`)."""
     return self.attending(self.attention)
 
-  def attends(self) -> Any:
-    """The attention's precision or policy: ``attention``, else the
-    body's."""
-    return self.precision if self.attention is None else self.attention
+  def attends(self, target: str) -> Any:
+    """The attention's precision (``attention``, else the body's) as
+    ``target`` computes it (:func:`numerics.carried`); a policy as it is."""
+    value = self.precision if self.attention is None else self.attention
+    return value if isinstance(value, Policy) else numerics.carried(
+        value, self.target, target)
 
   def attending(self, attention: Any) -> tuple[Any, str, str | None]:
     """The body's ``(precision or policy, target, chip)`` with the
-    attention's own matmuls at ``attention`` (:func:`_attending`)."""
-    return _attending(self.precision, attention), self.target, self.chip
+    attention's own matmuls at ``attention``
+    (:func:`jaxprec._src.policy.policy.attending`)."""
+    return (policy_lib.attending(self.precision, attention), self.target,
+            self.chip)
 
   def lm_head(self) -> tuple[Any, str, str | None]:
     """The LM head's ``(precision or policy, target, chip)``."""
@@ -165,31 +171,6 @@ class Compute:
       text += (f", attention "
                f"{_label(self.attention, self.target, None, where=False)}")
     return text
-
-
-def _attending(body: Any, attention: Any) -> Any:
-  """``body`` (a precision or a policy) with the attention modules' own
-  matmuls at ``attention``: a policy whose first rules are for the op kind
-  ``'attention'`` (:mod:`jaxprec._src.policy.policy`: the matmuls an
-  attention module runs in its own code; its projections are modules of
-  their own, which the body's rules and default decide). A policy
-  ``attention`` gives the rules of its own that can match those matmuls,
-  then its default; ``body`` itself where that adds no rule (None)."""
-  if isinstance(attention, Policy):
-    rules = [dataclasses.replace(r, op="attention", dtype=None)
-             for r in attention.rules
-             if r.precision is not None and r.op in (None, "attention")
-             and r.module_type in (None, "Attention")]
-    default = attention.default
-  else:
-    rules, default = [], None if attention is None else resolve(attention)
-  if default is not None:
-    rules.append(Rule(op="attention", precision=default))
-  if not rules:
-    return body
-  base = body if isinstance(body, Policy) else Policy(
-      default=None if body is None else resolve(body))
-  return dataclasses.replace(base, rules=(*rules, *base.rules))
 
 
 def _numerics(value: Any, name: str) -> Any:
@@ -231,8 +212,9 @@ class Share:
     factor: one of :data:`FACTORS`: ``'lm_head'``, ``'body'`` (all but
       the attention's own matmuls), ``'attention'``, ``'decode'``,
       ``'batch'``.
-    sampler, trainer: the factor's setting on each side (the attention's
-      as the sampler's target reads it: the switch runs there).
+    sampler, trainer: the factor's setting on each side (the trainer's
+      attention as the sampler's target computes it, where the switch
+      runs: ``'default'`` on a TPU is ``'BF16_BF16_F32'`` on a GPU).
     rms: the RMS gap with this factor alone switched to the trainer's.
     share: the total RMS gap minus ``rms``, in nats (0 where both sides
       agree on the factor).
@@ -348,18 +330,18 @@ class SamplerReport:
     lines += [f"  {k:<30} {v}" for k, v in self._summary()]
     lines += ["", "attribution: each factor alone switched from the "
               "sampler's setting to the trainer's",
-              f"  {'factor':<8} {'sampler':<33} {'trainer':<33} "
+              f"  {'factor':<9} {'sampler':<33} {'trainer':<33} "
               f"{'RMS delta':>9} {'share':>9}"]
     for s in self.shares:
       a, b = textwrap.wrap(s.sampler, 33), textwrap.wrap(s.trainer, 33)
       for i in range(max(len(a), len(b))):
         cells = (a[i] if i < len(a) else "", b[i] if i < len(b) else "")
         tail = f" {s.rms:>9.3g} {s.share:>+9.3g}" if i == 0 else ""
-        lines.append(f"  {s.factor if i == 0 else '':<8} {cells[0]:<33} "
+        lines.append(f"  {s.factor if i == 0 else '':<9} {cells[0]:<33} "
                      f"{cells[1]:<33}{tail}".rstrip())
-    lines += [f"  {'remainder (the factors together)':<86} "
+    lines += [f"  {'remainder (the factors together)':<87} "
               f"{self.remainder:>+9.3g}",
-              f"  {'total':<76} {self.total:>9.3g} {self.total:>+9.3g}", ""]
+              f"  {'total':<77} {self.total:>9.3g} {self.total:>+9.3g}", ""]
     lines += fold.wrap(f"first divergence: {self._where()}")
     lines += ["  " + " ".join(f"{n} {v:.2g}" for n, v in self.layers[i:i + 4])
               for i in range(0, len(self.layers), 4)]
@@ -515,7 +497,8 @@ def _batch(tokens: np.ndarray, lengths: tuple[int, ...], vocab: int,
 def _shares(trainer, sampler, batch, gap, bar, hidden, logits, s_run,
             t_logits, sampled, sampling) -> list[Share]:
   """Each factor of :data:`FACTORS` switched alone from the sampler's
-  setting to the trainer's, a phase of ``bar`` each."""
+  setting to the trainer's, a phase of ``bar`` each (a factor on which both
+  agree runs as the sampler: its share is 0)."""
 
   def rms_with(body, head, decode, batched):
     if (body, decode, batched) == (sampler.body(), True, bool(batch)):
@@ -526,40 +509,35 @@ def _shares(trainer, sampler, batch, gap, bar, hidden, logits, s_run,
     return figures_lib.gap_figures(t_logits, z, sampled, sampling).rms
 
   s_body, s_head = sampler.body(), sampler.lm_head()
+  t_bare = trainer.attending(None)
   if isinstance(sampler, torch_sampler.TorchSampler):
-    # PyTorch's attention runs inside its decoder: the body carries it.
-    body = (_describe(s_body), _describe(trainer.body()), True,
-            trainer.body())
-    attention = (f"{sampler}, its own (not switched)",
-                 _describe((trainer.attends(), trainer.target,
-                            trainer.chip)), False, None)
-  else:
-    where = (sampler.target, sampler.chip)
-    body = (_describe(sampler.attending(None)),
-            _describe(trainer.attending(None)),
-            sampler.attending(None) != trainer.attending(None),
-            trainer.attending(sampler.attends()))
-    attention = (_describe((sampler.attends(), *where)),
-                 _describe((trainer.attends(), *where)),
-                 sampler.attends() != trainer.attends(),
-                 sampler.attending(trainer.attends()))
+    # its attention runs inside its decoder, which the body factor switches
+    s_bare, t_body = sampler, trainer.body()
+    attention = (f"{sampler}, its own", _describe(
+        (trainer.attends(trainer.target), *t_bare[1:])), s_body)
+  else:  # each side's attention as the other's target computes it
+    s_bare = sampler.attending(None)
+    t_body = trainer.attending(sampler.attends(trainer.target))
+    t_attends = trainer.attends(sampler.target)
+    attention = (_describe((sampler.attends(sampler.target), *s_bare[1:])),
+                 _describe((t_attends, *s_bare[1:])),
+                 sampler.attending(t_attends))
   switched = {
-      "lm_head": (_describe(s_head), _describe(trainer.lm_head()),
-                  s_head != trainer.lm_head(),
-                  (s_body, trainer.lm_head(), True, bool(batch))),
-      "body": (*body[:3], (body[3], s_head, True, bool(batch))),
-      "attention": (*attention[:3], (attention[3], s_head, True,
-                                     bool(batch))),
-      "decode": ("decode with a KV cache", "teacher forcing", True,
-                 (s_body, s_head, False, bool(batch))),
+      "lm_head": (_describe(s_head), _describe(trainer.lm_head()), s_body,
+                  trainer.lm_head(), True, bool(batch)),
+      "body": (_describe(s_bare), _describe(t_bare), t_body, s_head, True,
+               bool(batch)),
+      "attention": (*attention, s_head, True, bool(batch)),
+      "decode": ("decode with a KV cache", "teacher forcing", s_body, s_head,
+                 False, bool(batch)),
       "batch": (f"among {len(batch)} others" if batch else "alone", "alone",
-                bool(batch), (s_body, s_head, True, False)),
+                s_body, s_head, True, False),
   }
   shares = []
   for i, factor in enumerate(FACTORS, 1):
-    s_text, t_text, differs, args = switched[factor]
+    s_text, t_text, *args = switched[factor]
     bar.update(f"factor {factor} ({i}/{len(FACTORS)})", advance=1)
-    r = rms_with(*args) if differs else gap.rms
+    r = rms_with(*args)
     shares.append(Share(factor, s_text, t_text, r, gap.rms - r))
   return shares
 
