@@ -10,17 +10,18 @@ Two ways to compute one model on one token sequence:
   ``generate`` batches them.
 
 Each side has its own numerics (:class:`Compute`: a precision or a policy,
-a target, a chip, the LM head's own, the attention's own), emulated on any backend
-(:func:`jaxprec.emulate`). The report holds the figures RL frameworks log
-(:mod:`jaxprec._src.checker.sampler`), the gap split by factor, and where the
-two first part: the first token position, then the first layer there, whose
-hidden state differs by more than the float32 floor.
+a target, a chip, the LM head's own, the attention's own), emulated on any
+backend (:func:`jaxprec.emulate`). The report holds the figures RL
+frameworks log (:mod:`jaxprec._src.checker.sampler`), the gap split by
+factor, and where the two first part: the first token position, then the
+first layer there, whose hidden state differs by more than the float32
+floor.
 
 The attribution switches one factor at a time from the sampler's setting to
 the trainer's (the LM head's numerics, the body's, the attention's, decoding
-with a cache or teacher forcing, the batch) and reads the RMS of the gap each time: a
-factor's share is how much the RMS falls, and the remainder (what the
-factors do together) makes the shares sum to the total.
+with a cache or teacher forcing, the batch) and reads the RMS of the gap
+each time: a factor's share is how much the RMS falls, and the remainder
+(what the factors do together) makes the shares sum to the total.
 """
 
 from __future__ import annotations
