@@ -226,13 +226,16 @@ def test_tpu_trainer_vs_bf16_h100_sampler(model, tokens, tpu_vs_h100):
   d = r.first_divergence
   assert d is not None and d.relative_rms > r.floor
   assert d.layer in dict(r.layers) and 0 <= d.position < T
-  assert [s.factor for s in r.shares] == ["lm_head", "body", "decode",
-                                          "batch"]
+  assert [s.factor for s in r.shares] == ["lm_head", "body", "attention",
+                                          "decode", "batch"]
   assert math.fsum([s.share for s in r.shares] + [r.remainder]) == (
       pytest.approx(r.total, abs=1e-15))
   # each share is the total minus the RMS gap with that factor switched
   for s in r.shares:
     assert s.share == pytest.approx(r.total - s.rms, abs=1e-15)
+  # the trainer's attention, a TPU's one bfloat16 pass, as the sampler's
+  # GPU computes it
+  assert r.shares[2].trainer == "BF16_BF16_F32 (bf16x1) on gpu (h100)"
   # the report's gap, recomputed here: the trainer as jaxprec.emulate runs
   # it, the sampler as a decode loop of the emulated model
   forced = jax.jit(jaxprec.emulate(model, "default", target="tpu"))(
@@ -268,6 +271,154 @@ def test_a_float32_head_lowers_the_heads_share(model, tokens, tpu_vs_h100):
   assert head.share < before.share
   assert r.total < tpu_vs_h100.total
   assert "head default=float32+dtype:float32" in r.sampler
+
+
+# float32 on a GPU: exact, as on this CPU
+F32_GPU = jaxprec.Compute(precision="float32", target="gpu")
+# the same but the attention's own matmuls: one bfloat16 pass
+ATTN_BF16 = jaxprec.Compute(precision="float32", target="gpu",
+                            attention="BF16_BF16_F32")
+
+
+def _adds_up(r):
+  assert math.fsum([s.share for s in r.shares] + [r.remainder]) == (
+      pytest.approx(r.total, abs=1e-15))
+  for s in r.shares:
+    assert s.share == pytest.approx(r.total - s.rms, abs=1e-15)
+
+
+def test_a_bfloat16_attention_is_the_attentions_share(model, tokens):
+  # The sampler differs from the trainer in the attention's own matmuls
+  # alone: one bfloat16 pass, a float32 body and head.
+  r = jaxprec.check_sampler(model, tokens, trainer=F32_GPU,
+                            sampler=ATTN_BF16)
+  shares = {s.factor: s for s in r.shares}
+  assert r.total > 1e-4 and shares["attention"].share > 0.5 * r.total
+  # switched back, only decoding is left: the float32 floor
+  assert shares["attention"].rms <= 1e-5
+  assert shares["body"].share == shares["lm_head"].share == 0
+  assert (shares["attention"].sampler, shares["attention"].trainer) == (
+      "BF16_BF16_F32 (bf16x1) on gpu", "float32 (f32) on gpu")
+  assert r.sampler == ("float32 (f32) on gpu, attention BF16_BF16_F32 "
+                       "(bf16x1)")
+  _adds_up(r)
+
+
+def test_a_bfloat16_body_splits_into_the_attention_and_the_rest(model,
+                                                                 tokens):
+  # Without attention=, each side's attention computes at its body's
+  # precision; the attention factor takes that part out of the body's.
+  r = jaxprec.check_sampler(model, tokens, trainer=F32_GPU,
+                            sampler=jaxprec.Compute(precision="BF16_BF16_F32",
+                                                    target="gpu"))
+  shares = {s.factor: s for s in r.shares}
+  assert shares["body"].share > 0 and shares["attention"].share > 0
+  assert shares["body"].sampler == "BF16_BF16_F32 (bf16x1) on gpu"
+  _adds_up(r)
+
+
+@pytest.mark.parametrize("source", ["tpu", "gpu", "cpu"])
+def test_a_sides_attention_is_carried_to_the_others_target_as_computed(
+    source):
+  from jaxprec._src.core import algorithms, numerics  # noqa: PLC0415
+  f32 = np.float32
+  for name in (None, "default", "bfloat16", "high", "float32",
+               "BF16_BF16_F32_X3", "TF32_TF32_F32", "F32_F32_F32"):
+    try:
+      want = numerics.algorithm_for(name, source, f32, f32)
+    except numerics.UnsupportedAlgorithmError:
+      continue
+    want = "f32" if source == "cpu" else want  # exact float32 there
+    for target in ("tpu", "gpu"):
+      got = numerics.carried(name, source, target)
+      if target in algorithms.record(want).targets:
+        assert numerics.algorithm_for(got, target, f32, f32) == want, (
+            name, source, target, got)
+      else:  # no such algorithm there: the name as typed
+        assert got == name
+  assert numerics.carried("default", "tpu", "gpu") == "BF16_BF16_F32"
+  assert numerics.carried("TF32_TF32_F32", "gpu", "cpu") is None
+  assert numerics.carried("default", "cpu", "cpu") == "default"
+
+
+def _bf16(x):
+  return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+
+
+def _bf16_attention(q, k, v, mask=None, *, causal=False, first=0):
+  """Causal attention whose two matmuls take their operands rounded to
+  bfloat16 (one pass: exact products, float32 sums), the rest float32."""
+  assert mask is None and causal and first == 0
+  b, t, h, d = q.shape
+  k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+  s = jnp.einsum("bthd,bshd->bhts", _bf16(q), _bf16(k),
+                 precision="highest") * jnp.float32(d ** -0.5)
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(s.dtype).min)
+  w = jax.nn.softmax(s, axis=-1)
+  return jnp.einsum("bhts,bshd->bthd", _bf16(w), _bf16(v),
+                    precision="highest").reshape(b, t, h * d)
+
+
+def test_the_attention_option_reaches_the_attention_matmuls_alone(
+    model, tokens, monkeypatch):
+  from jaxprec._src.models import llama  # noqa: PLC0415
+  ids = jnp.asarray(tokens[None])
+  setting, target, _ = ATTN_BF16.body()
+  got = np.asarray(jaxprec.emulate(model, setting, target=target)(ids)[
+      "logits"])
+  # the program: the score and value matmuls of each attention module at
+  # the attention's precision, its projections and the rest at the body's
+  rows = jaxprec.audit(jaxprec.swap(model, setting), ids).rows
+  at = {(r.module_path.rsplit("/", 1)[-1], r.precision_name) for r in rows}
+  assert at == {("self_attn", "BF16_BF16_F32")} | {
+      (p, "HIGHEST") for p in ("q_proj", "k_proj", "v_proj", "o_proj",
+                               "gate_proj", "up_proj", "down_proj",
+                               "lm_head")}
+  assert sum(r.module_path.endswith("self_attn") for r in rows) == 4
+  f32 = np.asarray(model(ids)["logits"])
+  monkeypatch.setattr(llama, "attention", _bf16_attention)
+  want = np.asarray(model(ids)["logits"])
+  # the model with only its attention's matmuls rounded, to float32 sums
+  assert np.abs(got - want).max() <= 1e-5 < np.abs(want - f32).max() / 100
+
+
+class CausalSelfAttention(nnx.Module):
+  """A user's attention, the usual idiom: projections of its own, then its
+  own ``q @ k.T``, softmax and ``@ v``."""
+
+  def __init__(self, n, *, rngs):
+    self.query, self.key, self.value, self.out = (
+        nnx.Linear(n, n, rngs=rngs) for _ in range(4))
+
+  def __call__(self, x):
+    q, k, v = self.query(x), self.key(x), self.value(x)
+    w = jax.nn.softmax(q @ k.swapaxes(-1, -2) / 4.0, axis=-1)
+    return self.out(w @ v)
+
+
+class SelfAttn(CausalSelfAttention):
+  """The same, under a name without Attention in it."""
+
+
+def test_the_attention_option_reaches_a_users_attention(recwarn):
+  m = CausalSelfAttention(16, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+  setting, target, _ = ATTN_BF16.body()
+  got = np.asarray(jaxprec.emulate(m, setting, target=target)(x))
+  q, k, v = m.query(x), m.key(x), m.value(x)
+  w = jax.nn.softmax(jnp.matmul(_bf16(q), _bf16(k).swapaxes(-1, -2),
+                                precision="highest") / 4.0, axis=-1)
+  want = np.asarray(m.out(jnp.matmul(_bf16(w), _bf16(v),
+                                     precision="highest")))
+  f32 = np.asarray(m(x))
+  assert np.abs(got - want).max() <= 1e-6 < np.abs(want - f32).max() / 100
+  assert not recwarn.list
+  # a module whose class name does not say Attention is not one to a
+  # policy: the option reaches nothing, and says so
+  other = SelfAttn(16, rngs=nnx.Rngs(0))
+  with pytest.warns(jaxprec.UnusedRuleWarning, match="'attention=BF16"):
+    got = np.asarray(jaxprec.emulate(other, setting, target=target)(x))
+  np.testing.assert_array_equal(got, np.asarray(other(x)))
 
 
 def test_the_same_check_twice_is_the_same_report(model, tokens, tpu_vs_h100):
@@ -313,6 +464,36 @@ def test_bad_check_sampler_arguments_are_named(model, tokens, kwargs, error,
                                                 match):
   with pytest.raises(error, match=match):
     jaxprec.check_sampler(model, tokens, **kwargs)
+
+
+def test_bad_attention_arguments_are_named():
+  with pytest.raises(ValueError, match="^Compute attention=: Invalid "
+                     "precision 'fastest-ever'.*Valid names"):
+    jaxprec.Compute(attention="fastest-ever")
+  with pytest.raises(jaxprec.UnsupportedAlgorithmError,
+                     match="^Compute attention=: F32_F32_F32 .*does not run "
+                           "on a TPU"):
+    jaxprec.Compute(target="tpu", attention="F32_F32_F32")
+  with pytest.raises(ValueError, match="attention='default=dtype:bfloat16'"
+                                       ": sets a compute dtype"):
+    jaxprec.Compute(attention="default=dtype:bfloat16")
+
+
+def test_the_sampler_command_takes_each_sides_attention(capsys):
+  from conftest import one_line_error  # noqa: PLC0415
+  from jaxprec._src.cli import cli  # noqa: PLC0415
+  code = cli.main(["sampler", "--length", "4", "--no-cache", "--json",
+                   "--trainer", "float32@gpu", "--sampler", "float32@gpu",
+                   "--sampler-attention", "BF16_BF16_F32",
+                   "--trainer-attention", "F32_F32_F32"])
+  d = json.loads(capsys.readouterr().out)
+  assert code == 0 and d["sampler"] == str(ATTN_BF16)
+  assert d["trainer"] == "float32 (f32) on gpu, attention F32_F32_F32 (f32)"
+  share = {s["factor"]: s["share"] for s in d["shares"]}["attention"]
+  assert share > 0.5 * d["total"] > 0
+  code = cli.main(["sampler", "--sampler-attention", "fastest-ever"])
+  one_line_error(code, capsys.readouterr().err, 2, "--sampler",
+                 "attention=", "fastest-ever")
 
 
 def test_bad_compute_arguments_are_named(model):
@@ -550,6 +731,8 @@ def test_the_sampler_command_checks_the_users_own_model(own_model, capsys):
     ("two", ("--model", "llama"), ("one model",)),
     ("make", ("--sampler", "pytorch", "--sampler-head", "float32"),
      ("--sampler-head", "PyTorch sampler")),
+    ("make", ("--sampler", "pytorch", "--sampler-attention", "bfloat16"),
+     ("--sampler-attention", "PyTorch sampler")),
 ])
 def test_the_sampler_command_names_a_bad_function(own_model, capsys,
                                                    function, args,
@@ -582,7 +765,7 @@ def test_the_plot_draws_the_reports_gap_and_shares(tpu_vs_h100, tmp_path,
   assert [p.get_height() for p in bars.patches] == [
       s.share for s in r.shares] + [r.remainder]
   assert [t.get_text() for t in bars.get_xticklabels()] == [
-      "lm_head", "body", "decode", "batch", "remainder"]
+      "lm_head", "body", "attention", "decode", "batch", "remainder"]
   assert bars.get_lines()[0].get_ydata()[0] == r.total  # the total, a line
   assert r.sampler in fig.get_suptitle()
   # a token one side drops: an infinite gap, not drawn, and said
@@ -637,6 +820,7 @@ def test_the_sampler_check_shows_each_phase(model, tokens, capsys):
                       "the precision in force on cpu"), lines
   assert lines[1].startswith("jaxprec sampler: sampler: decode with a KV "
                              "cache, bfloat16"), lines
-  assert lines[2:6] == [f"jaxprec sampler: factor {f} ({i}/4)" for i, f in
-                        enumerate(("lm_head", "body", "decode", "batch"), 1)]
-  assert lines[6].startswith("jaxprec sampler: done in ") and len(lines) == 7
+  assert lines[2:7] == [f"jaxprec sampler: factor {f} ({i}/5)" for i, f in
+                        enumerate(("lm_head", "body", "attention", "decode",
+                                   "batch"), 1)]
+  assert lines[7].startswith("jaxprec sampler: done in ") and len(lines) == 8

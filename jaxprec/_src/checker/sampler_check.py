@@ -10,17 +10,18 @@ Two ways to compute one model on one token sequence:
   ``generate`` batches them.
 
 Each side has its own numerics (:class:`Compute`: a precision or a policy,
-a target, a chip, the LM head's own), emulated on any backend
-(:func:`jaxprec.emulate`). The report holds the figures RL frameworks log
-(:mod:`jaxprec._src.checker.sampler`), the gap split by factor, and where the
-two first part: the first token position, then the first layer there, whose
-hidden state differs by more than the float32 floor.
+a target, a chip, the LM head's own, the attention's own), emulated on any
+backend (:func:`jaxprec.emulate`). The report holds the figures RL
+frameworks log (:mod:`jaxprec._src.checker.sampler`), the gap split by
+factor, and where the two first part: the first token position, then the
+first layer there, whose hidden state differs by more than the float32
+floor.
 
 The attribution switches one factor at a time from the sampler's setting to
-the trainer's (the LM head's numerics, the body's, decoding with a cache or
-teacher forcing, the batch) and reads the RMS of the gap each time: a
-factor's share is how much the RMS falls, and the remainder (what the
-factors do together) makes the shares sum to the total.
+the trainer's (the LM head's numerics, the body's, the attention's, decoding
+with a cache or teacher forcing, the batch) and reads the RMS of the gap
+each time: a factor's share is how much the RMS falls, and the remainder
+(what the factors do together) makes the shares sum to the total.
 """
 
 from __future__ import annotations
@@ -45,17 +46,19 @@ from jaxprec._src.core.precision import PrecisionLike, resolve
 from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation.emulate import emulate
 from jaxprec._src.flax import nnx_policy
+from jaxprec._src.policy import policy as policy_lib
 from jaxprec._src.policy.policy import Policy
 from jaxprec._src.torch import torch_sampler
 
 WIDTH = 100  # the text report folds to this many columns
-FACTORS = ("lm_head", "body", "decode", "batch")
+FACTORS = ("lm_head", "body", "attention", "decode", "batch")
 
 NOT_MODELLED = (
     "An inference engine's own kernels (paged or flash attention, fused "
     "norms, its sampler's logit processing) and sampler-side quantization "
     "are not modelled: the sampler here is this model's own decode, at the "
-    "sampler's precision, dtypes and chip.",
+    "sampler's precision, dtypes and chip (attention= sets the precision "
+    "of its attention's matmuls, not a kernel's order of sums).",
     "A device's shape-dependent choice of kernel (another algorithm or split "
     "for another batch size or cache length) is not modelled: the batch "
     "changes what emulation computes for the row itself (the padded slots "
@@ -81,12 +84,21 @@ class Compute:
       body's (None: ``precision``), e.g. ``'default=float32+dtype:float32'``
       for a float32 head on a bfloat16 body (a rule on the path
       ``lm_head`` in ``precision`` does the same).
+    attention: the precision of the attention's own arithmetic where it
+      differs from the body's (None: ``precision``'s): the score and value
+      matmuls an attention module runs in its own code (a module whose
+      class name has ``Attention`` in it: the op kind ``'attention'`` of a
+      policy), not its query, key, value and output projections, which
+      keep the body's. E.g. ``'bfloat16'`` for an inference engine's
+      one-pass bfloat16 attention beside a float32 body. A policy's rules
+      that can match those matmuls and its default do the same
+      (``'layers/0/.*=bfloat16,default=float32'``); it sets no dtype.
 
   Raises:
     ValueError: an unknown precision, policy, target or chip, a chip
-      without ``target='gpu'``, or a precision the target does not run
+      without ``target='gpu'``, a precision the target does not run
       (:class:`jaxprec.UnsupportedAlgorithmError`: ``TF32_TF32_F32`` on a
-      TPU).
+      TPU), or an ``attention`` policy that sets a compute dtype.
 
   Examples:
     >>> import jaxprec
@@ -94,21 +106,31 @@ class Compute:
     ...                     chip="h100")
     >>> str(s)
     'default=dtype:bfloat16 on gpu (h100)'
+    >>> str(jaxprec.Compute(precision="float32", target="tpu",
+    ...                     attention="bfloat16"))
+    'float32 (bf16x6) on tpu, attention bfloat16 (bf16x1)'
   """
 
   precision: PrecisionLike | Policy = None
   target: str = "cpu"
   chip: str | None = None
   head: PrecisionLike | Policy = None
+  attention: PrecisionLike | Policy = None
 
   def __post_init__(self):
     object.__setattr__(self, "target", numerics.check_target(
         self.target, emulation=True))
     object.__setattr__(self, "chip", emulated_ops.check_chip(
         self.chip, self.target))
-    for name in ("precision", "head"):
+    for name in ("precision", "head", "attention"):
       object.__setattr__(self, name, _numerics(getattr(self, name), name))
       value = getattr(self, name)
+      if name == "attention" and isinstance(value, Policy) and (
+          value.has_dtypes):
+        raise ValueError(
+            f"Compute attention={str(value)!r}: sets a compute dtype; "
+            f"attention= takes a precision or a policy of precisions (for "
+            f"the attention's own matmuls); give dtypes in precision=")
       if (value is not None and not isinstance(value, Policy)
           and self.target in numerics.TARGETS):
         try:  # every entry point refuses what the target does not run
@@ -117,8 +139,23 @@ class Compute:
           raise type(e)(f"Compute {name}=: {e}") from None
 
   def body(self) -> tuple[Any, str, str | None]:
-    """The body's ``(precision or policy, target, chip)``."""
-    return self.precision, self.target, self.chip
+    """The body's ``(precision or policy, target, chip)``, with the
+    attention's own precision (:meth:`attending`)."""
+    return self.attending(self.attention)
+
+  def attends(self, target: str) -> Any:
+    """The attention's precision (``attention``, else the body's) as
+    ``target`` computes it (:func:`numerics.carried`); a policy as it is."""
+    value = self.precision if self.attention is None else self.attention
+    return value if isinstance(value, Policy) else numerics.carried(
+        value, self.target, target)
+
+  def attending(self, attention: Any) -> tuple[Any, str, str | None]:
+    """The body's ``(precision or policy, target, chip)`` with the
+    attention's own matmuls at ``attention``
+    (:func:`jaxprec._src.policy.policy.attending`)."""
+    return (policy_lib.attending(self.precision, attention), self.target,
+            self.chip)
 
   def lm_head(self) -> tuple[Any, str, str | None]:
     """The LM head's ``(precision or policy, target, chip)``."""
@@ -126,9 +163,12 @@ class Compute:
             self.target, self.chip)
 
   def __str__(self) -> str:
-    text = _label(*self.body())
+    text = _label(*self.attending(None))
     if self.head is not None:
       text += f", head {_label(self.head, self.target, None, where=False)}"
+    if self.attention is not None:
+      text += (f", attention "
+               f"{_label(self.attention, self.target, None, where=False)}")
     return text
 
 
@@ -168,8 +208,12 @@ class Share:
   """One factor of the attribution.
 
   Attributes:
-    factor: one of ``'lm_head'``, ``'body'``, ``'decode'``, ``'batch'``.
-    sampler, trainer: the factor's setting on each side.
+    factor: one of :data:`FACTORS`: ``'lm_head'``, ``'body'`` (all but
+      the attention's own matmuls), ``'attention'``, ``'decode'``,
+      ``'batch'``.
+    sampler, trainer: the factor's setting on each side (the trainer's
+      attention as the sampler's target computes it, where the switch
+      runs: ``'default'`` on a TPU is ``'BF16_BF16_F32'`` on a GPU).
     rms: the RMS gap with this factor alone switched to the trainer's.
     share: the total RMS gap minus ``rms``, in nats (0 where both sides
       agree on the factor).
@@ -282,18 +326,18 @@ class SamplerReport(render.Report):
     lines += [f"  {k:<30} {v}" for k, v in self._summary()]
     lines += ["", "attribution: each factor alone switched from the "
               "sampler's setting to the trainer's",
-              f"  {'factor':<8} {'sampler':<33} {'trainer':<33} "
+              f"  {'factor':<9} {'sampler':<33} {'trainer':<33} "
               f"{'RMS delta':>9} {'share':>9}"]
     for s in self.shares:
       a, b = textwrap.wrap(s.sampler, 33), textwrap.wrap(s.trainer, 33)
       for i in range(max(len(a), len(b))):
         cells = (a[i] if i < len(a) else "", b[i] if i < len(b) else "")
         tail = f" {s.rms:>9.3g} {s.share:>+9.3g}" if i == 0 else ""
-        lines.append(f"  {s.factor if i == 0 else '':<8} {cells[0]:<33} "
+        lines.append(f"  {s.factor if i == 0 else '':<9} {cells[0]:<33} "
                      f"{cells[1]:<33}{tail}".rstrip())
-    lines += [f"  {'remainder (the factors together)':<86} "
+    lines += [f"  {'remainder (the factors together)':<87} "
               f"{self.remainder:>+9.3g}",
-              f"  {'total':<76} {self.total:>9.3g} {self.total:>+9.3g}", ""]
+              f"  {'total':<77} {self.total:>9.3g} {self.total:>+9.3g}", ""]
     lines += fold.wrap(f"first divergence: {self._where()}")
     lines += ["  " + " ".join(f"{n} {v:.2g}" for n, v in self.layers[i:i + 4])
               for i in range(0, len(self.layers), 4)]
@@ -451,7 +495,8 @@ def _batch(tokens: np.ndarray, lengths: tuple[int, ...], vocab: int,
 def _shares(trainer, sampler, batch, gap, bar, hidden, logits, s_run,
             t_logits, sampled, sampling) -> list[Share]:
   """Each factor of :data:`FACTORS` switched alone from the sampler's
-  setting to the trainer's, a phase of ``bar`` each."""
+  setting to the trainer's, a phase of ``bar`` each (a factor on which both
+  agree runs as the sampler: its share is 0)."""
 
   def rms_with(body, head, decode, batched):
     if (body, decode, batched) == (sampler.body(), True, bool(batch)):
@@ -462,23 +507,35 @@ def _shares(trainer, sampler, batch, gap, bar, hidden, logits, s_run,
     return figures_lib.gap_figures(t_logits, z, sampled, sampling).rms
 
   s_body, s_head = sampler.body(), sampler.lm_head()
+  t_bare = trainer.attending(None)
+  if isinstance(sampler, torch_sampler.TorchSampler):
+    # its attention runs inside its decoder, which the body factor switches
+    s_bare, t_body = sampler, trainer.body()
+    attention = (f"{sampler}, its own", _describe(
+        (trainer.attends(trainer.target), *t_bare[1:])), s_body)
+  else:  # each side's attention as the other's target computes it
+    s_bare = sampler.attending(None)
+    t_body = trainer.attending(sampler.attends(trainer.target))
+    t_attends = trainer.attends(sampler.target)
+    attention = (_describe((sampler.attends(sampler.target), *s_bare[1:])),
+                 _describe((t_attends, *s_bare[1:])),
+                 sampler.attending(t_attends))
   switched = {
-      "lm_head": (_describe(s_head), _describe(trainer.lm_head()),
-                  s_head != trainer.lm_head(),
-                  (s_body, trainer.lm_head(), True, bool(batch))),
-      "body": (_describe(s_body), _describe(trainer.body()),
-               s_body != trainer.body(),
-               (trainer.body(), s_head, True, bool(batch))),
-      "decode": ("decode with a KV cache", "teacher forcing", True,
-                 (s_body, s_head, False, bool(batch))),
+      "lm_head": (_describe(s_head), _describe(trainer.lm_head()), s_body,
+                  trainer.lm_head(), True, bool(batch)),
+      "body": (_describe(s_bare), _describe(t_bare), t_body, s_head, True,
+               bool(batch)),
+      "attention": (*attention, s_head, True, bool(batch)),
+      "decode": ("decode with a KV cache", "teacher forcing", s_body, s_head,
+                 False, bool(batch)),
       "batch": (f"among {len(batch)} others" if batch else "alone", "alone",
-                bool(batch), (s_body, s_head, True, False)),
+                s_body, s_head, True, False),
   }
   shares = []
   for i, factor in enumerate(FACTORS, 1):
-    s_text, t_text, differs, args = switched[factor]
+    s_text, t_text, *args = switched[factor]
     bar.update(f"factor {factor} ({i}/{len(FACTORS)})", advance=1)
-    r = rms_with(*args) if differs else gap.rms
+    r = rms_with(*args)
     shares.append(Share(factor, s_text, t_text, r, gap.rms - r))
   return shares
 

@@ -25,7 +25,7 @@ def add(sub: argparse._SubParsersAction, write_outputs) -> None:
                   "with a KV cache), each side with its own numerics "
                   "emulated on this machine, and prints the gap RL "
                   "frameworks log, its split by factor (LM head, body, "
-                  "decode, batch) and where the two first part "
+                  "attention, decode, batch) and where the two first part "
                   "(jaxprec.check_sampler). A side is PRECISION@TARGET or "
                   "POLICY@TARGET, with :CHIP after a gpu target, or "
                   "pytorch. The model is --model llama (the default) or "
@@ -54,6 +54,12 @@ def add(sub: argparse._SubParsersAction, write_outputs) -> None:
                       "PyTorch model FUNCTION returns third")
   p.add_argument("--trainer-head", help="the trainer's LM head, if other")
   p.add_argument("--sampler-head", help="the sampler's LM head, if other")
+  p.add_argument("--trainer-attention",
+                 help="the trainer's attention matmuls (scores and values, "
+                      "not the projections), if other")
+  p.add_argument("--sampler-attention",
+                 help="the sampler's attention matmuls, if other, e.g. "
+                      "bfloat16")
   p.add_argument("--batch", default="",
                  help="lengths of other sequences decoded alongside, e.g. "
                       "5,14")
@@ -82,7 +88,7 @@ FORM = ("FUNCTION() must return (model, tokens) or (model, tokens, "
         "sampler of --sampler pytorch")
 
 
-def compute(text: str, head: str | None, flag: str):
+def compute(text: str, head: str | None, attention: str | None, flag: str):
   """``PRECISION@TARGET[:CHIP]`` as a :class:`jaxprec.Compute`."""
   from jaxprec._src.checker.sampler_check import Compute  # noqa: PLC0415
   numerics, at, where = text.rpartition("@")
@@ -93,7 +99,7 @@ def compute(text: str, head: str | None, flag: str):
   target, _, chip = where.partition(":")
   try:
     return Compute(precision=numerics, target=target, chip=chip or None,
-                   head=head)
+                   head=head, attention=attention)
   except ValueError as e:
     raise UsageError(f"{flag}: {inputs.one_line(e)}") from None
 
@@ -133,15 +139,20 @@ def model_and_tokens(ns: argparse.Namespace):
 
 
 def run(ns: argparse.Namespace, write_outputs) -> int:
-  trainer = compute(ns.trainer, ns.trainer_head, "--trainer")
+  trainer = compute(ns.trainer, ns.trainer_head, ns.trainer_attention,
+                    "--trainer")
   if ns.sampler == "pytorch" and ns.function is None:
     raise UsageError(f"--sampler pytorch checks the PyTorch model that "
                      f"MODULE:FUNCTION returns; {FORM}")
   if ns.sampler != "pytorch":
-    sampler = compute(ns.sampler, ns.sampler_head, "--sampler")
-  elif ns.sampler_head is not None:
-    raise UsageError("--sampler-head: a PyTorch sampler computes its head "
-                     "as its model does")
+    sampler = compute(ns.sampler, ns.sampler_head, ns.sampler_attention,
+                      "--sampler")
+  else:
+    for flag, value in (("--sampler-head", ns.sampler_head),
+                        ("--sampler-attention", ns.sampler_attention)):
+      if value is not None:
+        raise UsageError(f"{flag}: a PyTorch sampler computes it as its "
+                         f"model does")
   try:
     batch = tuple(int(n) for n in ns.batch.split(",") if n.strip())
   except ValueError:

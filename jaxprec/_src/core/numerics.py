@@ -563,3 +563,36 @@ def algorithm_for(precision: PrecisionLike, target: str, lhs_dtype: Any,
     raise UnsupportedAlgorithmError(
         unsupported_message(resolve(precision), target))
   return "native" if n.algorithm in algorithms.NATIVE else n.algorithm
+
+
+def carried(precision: PrecisionLike, source: str, target: str
+            ) -> PrecisionLike:
+  """A precision ``target`` computes as ``source`` computes ``precision``
+  (float32 operands): ``precision`` where the two read it alike, else the
+  preset of the algorithm ``source`` runs (a CPU's: exact float32), where
+  ``target`` runs one (else ``precision`` as typed); None for a CPU, which
+  computes every precision as exact float32 (and refuses some presets).
+
+  Examples:
+    >>> from jaxprec._src.core.numerics import carried
+    >>> carried("default", "tpu", "gpu"), carried(None, "cpu", "gpu")
+    ('BF16_BF16_F32', 'F32_F32_F32')
+    >>> carried("float32", "gpu", "tpu")  # a TPU runs no exact float32
+    'float32'
+  """
+  if source == target or target == "native":
+    return precision
+  if target == "cpu":
+    return None
+  f32 = np.float32
+  want = algorithm_for(precision, source, f32, f32)
+  if source not in TARGETS:  # a CPU computes float32 exactly
+    want = "f32"
+  try:
+    if algorithm_for(precision, target, f32, f32) == want:
+      return precision
+  except UnsupportedAlgorithmError:
+    pass
+  return next((name for name, a in algorithms.PRESETS.items()
+               if a == want and target in algorithms.record(a).targets),
+              precision)

@@ -428,6 +428,35 @@ def as_policy(value: PolicyLike) -> Policy:
   return Policy(default=resolve(value))
 
 
+def attending(body: PolicyLike | None, attention: PolicyLike | None
+              ) -> PolicyLike | None:
+  """``body`` (a policy, a precision or None) with the matmuls attention
+  modules run in their own code (the op kind ``'attention'``: scores and
+  values, not the projections, modules of their own) at ``attention``'s
+  precision: a policy whose first rules say so. A policy ``attention`` gives
+  its precision rules that can match those matmuls, then its default;
+  ``body`` comes back as it is where that adds no rule.
+
+  Examples:
+    >>> from jaxprec._src.policy.policy import attending
+    >>> str(attending("float32", "bf16"))
+    'default=float32,attention=bfloat16'
+    >>> str(attending("default=dtype:bfloat16", "layers/0/.*=bf16,Dense=tf32"))
+    'default=dtype:bfloat16,layers/0/.*&attention=bfloat16'
+  """
+  attention = Policy() if attention is None else as_policy(attention)
+  rules = [dataclasses.replace(r, op="attention", dtype=None)
+           for r in attention.rules
+           if r.precision is not None and r.op in (None, "attention")
+           and r.module_type in (None, "Attention")]
+  if attention.default is not None:
+    rules.append(Rule(op="attention", precision=attention.default))
+  if not rules:
+    return body
+  base = Policy() if body is None else as_policy(body)
+  return dataclasses.replace(base, rules=(*rules, *base.rules))
+
+
 def reference_policy(dtype: Any, base: Policy | None = None) -> Policy:
   """A policy that runs every module at ``dtype``, for jaxprec's reference runs.
 

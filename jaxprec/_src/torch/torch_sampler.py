@@ -95,7 +95,9 @@ class TorchSampler:
         f"The attribution switches frameworks: the lm_head factor gives "
         f"PyTorch's last hidden states to the trainer's head (jaxprec's), "
         f"the body factor gives the trainer's (jaxprec's decode at the "
-        f"trainer's numerics) to PyTorch's head in {dtype}.")
+        f"trainer's numerics) to PyTorch's head in {dtype}; the attention "
+        f"factor is not switched (PyTorch's attention runs inside its "
+        f"decoder, which the body factor switches).")
 
   def __str__(self) -> str:
     return self.name
