@@ -255,9 +255,18 @@ def make():
 MODEL = f"{__name__}:make"
 
 
+@pytest.fixture
+def cli_dir(tmp_path, monkeypatch):
+  """The command line's current directory, a fresh one; sys.path as it was
+  after the test (the command line puts its directory first)."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  return tmp_path
+
+
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
 def test_the_command_line_check_rows_compute_and_name_the_same(
-    target, tmp_path, capsys):
+    target, cli_dir, capsys):
   # The command line refuses two spellings of one precision: a run for each
   # spelling of a precision, every precision in each.
   spellings: dict[str, list[str]] = {}
@@ -268,7 +277,7 @@ def test_the_command_line_check_rows_compute_and_name_the_same(
     rc, out, err = run_cli(capsys, "check", MODEL,
                            "--precisions", ",".join(names), "--target",
                            target, "--mode", "emulate", "--json", "--out",
-                           str(tmp_path / "o"))
+                           str(cli_dir / "o"))
     assert rc == 0, err
     d = json.loads(out)
     for name in names:
@@ -285,13 +294,13 @@ GPU_ALGORITHMS = {"bf16x1", "bf16x3", "bf16x6", "bf16x9", "tf32", "tf32x3",
 
 
 @pytest.mark.parametrize("chip", [None, "h100"])
-def test_a_gpu_checks_default_rows_are_gpu_numerics(chip, tmp_path, capsys):
+def test_a_gpu_checks_default_rows_are_gpu_numerics(chip, cli_dir, capsys):
   """``check`` and ``jaxprec check --target gpu [--chip]`` without
   precisions: every row is a GPU's, its algorithm one a GPU runs, no two
   alike."""
   r = jaxprec.check(probes, LHS, RHS, target="gpu", mode="emulate", chip=chip)
   argv = ["check", MODEL, "--target", "gpu", "--json",
-          "--out", str(tmp_path / "o")] + (["--chip", chip] if chip else [])
+          "--out", str(cli_dir / "o")] + (["--chip", chip] if chip else [])
   rc, out, err = run_cli(capsys, *argv)
   assert rc == 0, err
   cli = json.loads(out)["numerics"]
