@@ -7,13 +7,13 @@ order of the page: a ``jaxprec`` command through the CLI's ``main`` in this
 process (what ``python -m jaxprec`` runs, without starting an interpreter),
 its output and that of the programs it starts read from the file descriptors
 as a terminal shows them; a ``python`` command, and one that sets a variable
-JAX reads when it starts (``JAX_...=``), as a process of its own. A
-command must exit 0, or with the status that a
-following ``$ echo $?`` shows; the lines shown under it must appear in its
-output (stdout and stderr) in that order, where ``...`` is any text (a line
-of its own: any lines). The page's own version numbers and the kernel lines
-of ``jaxprec info``, which name this machine's CPU, are the only text read
-loosely. The page also names every command and option of the parser.
+JAX reads when it starts (``JAX_...=``), as a process of its own. A command
+must exit 0, or with the status that a following ``$ echo $?`` shows; the
+lines shown under it must appear in its output (stdout and stderr) in that
+order, where ``...`` is any text (a line of its own: any lines). The page's
+own version numbers and the kernel lines of ``jaxprec info``, which name this
+machine's CPU, are the only text read loosely. The page also names every
+command and option of the parser.
 """
 
 import argparse
@@ -141,9 +141,15 @@ def _one_output():
     try:
       os.dup2(f.fileno(), 1)
       os.dup2(f.fileno(), 2)
-      with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
-        yield lambda: (stream.flush(), f.seek(0),
-                       f.read().decode("utf-8", "replace"))[2]
+
+      def read() -> str:
+        stream.flush()
+        f.seek(0)
+        return f.read().decode("utf-8", "replace")
+
+      with contextlib.redirect_stdout(stream), \
+           contextlib.redirect_stderr(stream):
+        yield read
     finally:
       stream.flush()
       for fd, old in zip((1, 2), saved):
@@ -160,7 +166,8 @@ def _run(command: str, cwd, monkeypatch) -> tuple[int, str]:
       m.delenv(k, raising=False)
     for k, v in dict(
         JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", COLUMNS="100",
-        PYTHONPATH=os.pathsep.join([str(cwd), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(cwd),
+                                    os.environ.get("PYTHONPATH", "")]),
         # `python` in a command is this interpreter, as in the reader's venv
         PATH=os.pathsep.join([os.path.dirname(sys.executable),
                               os.environ.get("PATH", "")]),
