@@ -3,24 +3,32 @@
 Every ```python block that starts with ``# NAME.py`` is written to a working
 directory as that file; every ```console block is run there, command by
 command (``$ jaxprec ...``, ``$ python ...``, ``VAR=value`` prefixes), in the
-order of the page. A command must exit 0, or with the status that a
-following ``$ echo $?`` shows; the lines shown under it must appear in its
-output (stdout and stderr) in that order, where ``...`` is any text (a line
-of its own: any lines). The page's own version numbers and the kernel lines
-of ``jaxprec info``, which name this machine's CPU, are the only text read
-loosely. The page also names every command and option of the parser.
+order of the page: a ``jaxprec`` command through the CLI's ``main`` in this
+process (what ``python -m jaxprec`` runs, without starting an interpreter),
+its output and that of the programs it starts read from the file descriptors
+as a terminal shows them; a ``python`` command, and one that sets a variable
+JAX reads when it starts (``JAX_...=``), as a process of its own. A command
+must exit 0, or with the status that a following ``$ echo $?`` shows; the
+lines shown under it must appear in its output (stdout and stderr) in that
+order, where ``...`` is any text (a line of its own: any lines). The page's
+own version numbers and the kernel lines of ``jaxprec info``, which name this
+machine's CPU, are the only text read loosely. The page also names every
+command and option of the parser.
 """
 
 import argparse
+import contextlib
+import io
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
-from jaxprec._src.cli.cli import _parser
+from jaxprec._src.cli.cli import _parser, main
 
 PAGE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "cli.md")
 TEXT = open(PAGE, encoding="utf-8").read()
@@ -114,48 +122,97 @@ def _argv(command: str) -> tuple[dict[str, str], list[str]]:
   while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
     k, _, v = words.pop(0).partition("=")
     env[k] = v
-  if words[0] == "jaxprec":
-    words = [sys.executable, "-m", "jaxprec", *words[1:]]
-  elif words[0] == "python":
+  if words[0] == "python":
     words = [sys.executable, *words[1:]]
   return env, words
 
 
-def _run(command: str, cwd) -> subprocess.CompletedProcess:
+@contextlib.contextmanager
+def _one_output():
+  """stdout and stderr, Python's and the file descriptors a started program
+  inherits, into one file in the order written (as a terminal shows them);
+  yields a function that reads it."""
+  with tempfile.TemporaryFile() as f:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    stream = io.TextIOWrapper(io.FileIO(1, "w", closefd=False),
+                              encoding="utf-8", write_through=True)
+    try:
+      os.dup2(f.fileno(), 1)
+      os.dup2(f.fileno(), 2)
+
+      def read() -> str:
+        stream.flush()
+        f.seek(0)
+        return f.read().decode("utf-8", "replace")
+
+      with contextlib.redirect_stdout(stream), \
+           contextlib.redirect_stderr(stream):
+        yield read
+    finally:
+      stream.flush()
+      for fd, old in zip((1, 2), saved):
+        os.dup2(old, fd)
+        os.close(old)
+
+
+def _run(command: str, cwd, monkeypatch) -> tuple[int, str]:
+  """``(exit status, output)`` of ``command`` run in ``cwd``."""
   extra, argv = _argv(command)
-  env = {k: v for k, v in os.environ.items()  # the page assumes none is set
-         if k not in ("JAX_DEFAULT_MATMUL_PRECISION", "JAXPREC_POLICY",
-                      "JAXPREC_KERNEL")}
-  env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", COLUMNS="100",
-             PYTHONPATH=os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")]),
-             # `python` in a command is this interpreter, as in the reader's venv
-             PATH=os.pathsep.join([os.path.dirname(sys.executable),
-                                   env.get("PATH", "")]),
-             **extra)
-  return subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True, timeout=600)
+  with monkeypatch.context() as m:
+    for k in ("JAX_DEFAULT_MATMUL_PRECISION", "JAXPREC_POLICY",
+              "JAXPREC_KERNEL"):  # the page assumes none is set
+      m.delenv(k, raising=False)
+    for k, v in dict(
+        JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", COLUMNS="100",
+        PYTHONPATH=os.pathsep.join([str(cwd),
+                                    os.environ.get("PYTHONPATH", "")]),
+        # `python` in a command is this interpreter, as in the reader's venv
+        PATH=os.pathsep.join([os.path.dirname(sys.executable),
+                              os.environ.get("PATH", "")]),
+        **extra).items():
+      m.setenv(k, v)
+    if argv[0] != "jaxprec" or any(k.startswith("JAX_") for k in extra):
+      # A program of the reader's, or a variable JAX reads when it starts.
+      if argv[0] == "jaxprec":
+        argv = [sys.executable, "-m", "jaxprec", *argv[1:]]
+      done = subprocess.run(argv, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=600)
+      return done.returncode, done.stdout
+    m.chdir(cwd)
+    m.syspath_prepend(str(cwd))
+    before = set(sys.modules)
+    try:
+      with _one_output() as read:
+        rc = main(argv[1:])
+        return rc, read()
+    finally:  # the page's files are imported afresh by the next command
+      for name in set(sys.modules) - before:
+        if str(getattr(sys.modules[name], "__file__", None) or "").startswith(
+            str(cwd)):
+          del sys.modules[name]
 
 
 @pytest.mark.parametrize("session", SESSIONS,
                          ids=[s[0][0][:60] for s in SESSIONS])
-def test_console_session_runs_as_written(session, workdir):
+def test_console_session_runs_as_written(session, workdir, monkeypatch):
   if any("torch_ref.py" in c for c, _ in session):
     pytest.importorskip("torch", reason="the PyTorch reference needs torch")
   last = None
   for i, (command, shown) in enumerate(session):
     if command == "echo $?":
-      assert last is not None and last.returncode == int(shown[0]), (
-          f"exit status {last.returncode}, the page says {shown[0]}:\n"
-          f"{last.stdout}")
+      assert last is not None and last[0] == int(shown[0]), (
+          f"exit status {last[0]}, the page says {shown[0]}:\n{last[1]}")
       continue
     if command in NOT_RUN:
       last = None
       continue
-    last = _run(command, workdir)
+    last = rc, output = _run(command, workdir, monkeypatch)
     said = session[i + 1] if i + 1 < len(session) else None
     if said is None or said[0] != "echo $?":
-      assert last.returncode == 0, f"`{command}` exited {last.returncode}:\n{last.stdout}"
-    assert_shows(shown, last.stdout, command)
+      assert rc == 0, f"`{command}` exited {rc}:\n{output}"
+    assert_shows(shown, output, command)
 
 
 def test_the_page_names_every_command_and_option():

@@ -21,8 +21,6 @@ need float8 operands, are left out.
 """
 
 import json
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -247,31 +245,28 @@ def test_every_entry_point_refuses_what_the_target_does_not_run(target):
     assert getattr(row, target) == want, (name, target)
 
 
+def make():
+  """The command line's model (``test_one_meaning:make``): ``probes`` itself,
+  so that its rows run the programs the Python API's rows compiled."""
+  return probes, (LHS, RHS)
+
+
+# This module as the command line imports it (the same functions).
+MODEL = f"{__name__}:make"
+
+
 @pytest.fixture
-def probe_module(tmp_path, monkeypatch):
-  (tmp_path / "probe_model.py").write_text(textwrap.dedent(f"""\
-      import numpy as np
-      import jax.numpy as jnp
-
-      A = np.array({A.tolist()!r}, np.float32)
-      B = np.array({B.tolist()!r}, np.float32)
-
-      def probes(lhs, rhs):
-        out = lhs @ rhs
-        return {{f"p{{i}}": out[:, i] for i in range(len(A))}}
-
-      def make():
-        return probes, (np.diag(A), np.diag(B))
-      """))
+def cli_dir(tmp_path, monkeypatch):
+  """The command line's current directory, a fresh one; sys.path as it was
+  after the test (the command line puts its directory first)."""
   monkeypatch.chdir(tmp_path)
   monkeypatch.syspath_prepend(str(tmp_path))
-  yield tmp_path
-  sys.modules.pop("probe_model", None)
+  return tmp_path
 
 
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
 def test_the_command_line_check_rows_compute_and_name_the_same(
-    target, probe_module, capsys):
+    target, cli_dir, capsys):
   # The command line refuses two spellings of one precision: a run for each
   # spelling of a precision, every precision in each.
   spellings: dict[str, list[str]] = {}
@@ -279,10 +274,10 @@ def test_the_command_line_check_rows_compute_and_name_the_same(
     spellings.setdefault(jaxprec.resolve(name).name, []).append(name)
   for k in range(max(map(len, spellings.values()))):
     names = [s[k] for s in spellings.values() if k < len(s)]
-    rc, out, err = run_cli(capsys, "check", "probe_model:make",
+    rc, out, err = run_cli(capsys, "check", MODEL,
                            "--precisions", ",".join(names), "--target",
                            target, "--mode", "emulate", "--json", "--out",
-                           str(probe_module / "o"))
+                           str(cli_dir / "o"))
     assert rc == 0, err
     d = json.loads(out)
     for name in names:
@@ -299,16 +294,13 @@ GPU_ALGORITHMS = {"bf16x1", "bf16x3", "bf16x6", "bf16x9", "tf32", "tf32x3",
 
 
 @pytest.mark.parametrize("chip", [None, "h100"])
-def test_a_gpu_checks_default_rows_are_gpu_numerics(chip, probe_module,
-                                                    capsys):
+def test_a_gpu_checks_default_rows_are_gpu_numerics(chip, cli_dir, capsys):
   """``check`` and ``jaxprec check --target gpu [--chip]`` without
   precisions: every row is a GPU's, its algorithm one a GPU runs, no two
   alike."""
-  import probe_model  # the command line's function: its programs serve both
-  fn, args = probe_model.make()
-  r = jaxprec.check(fn, *args, target="gpu", mode="emulate", chip=chip)
-  argv = ["check", "probe_model:make", "--target", "gpu", "--json",
-          "--out", str(probe_module / "o")] + (["--chip", chip] if chip else [])
+  r = jaxprec.check(probes, LHS, RHS, target="gpu", mode="emulate", chip=chip)
+  argv = ["check", MODEL, "--target", "gpu", "--json",
+          "--out", str(cli_dir / "o")] + (["--chip", chip] if chip else [])
   rc, out, err = run_cli(capsys, *argv)
   assert rc == 0, err
   cli = json.loads(out)["numerics"]
