@@ -103,3 +103,28 @@ def test_shadow_refuses_what_it_cannot_do():
   with pytest.raises(ValueError, match="method= and capture="):
     jaxprec.check_module(LBlock(), {"params": {}}, X, shadow=True,
                          capture=lambda m, n: True)
+
+
+def test_shadow_shows_each_phase_with_progress(capsys):
+  class Two(nnx.Module):
+    def __init__(self):
+      self.fc1 = nnx.Linear(D, F, rngs=nnx.Rngs(1))
+      self.fc2 = nnx.Linear(F, D, rngs=nnx.Rngs(2))
+
+    def __call__(self, x):
+      return self.fc2(self.fc1(x))
+
+  model = Two()
+  jaxprec.check_module(model, X, precisions=("bfloat16", "float32"),
+                       shadow=True)
+  assert capsys.readouterr().err == ""  # without progress: nothing
+  r = jaxprec.check_module(model, X, precisions=("bfloat16", "float32"),
+                           shadow=True, progress=True)
+  lines = capsys.readouterr().err.splitlines()  # stderr is not a terminal
+  head = "jaxprec check_module(shadow): "
+  assert lines[:-1] == [head + "the float32 run: each layer's input",
+                        head + "3 layers alone at float32",
+                        head + "3 layers alone at bfloat16 (1/2)",
+                        head + "3 layers alone at float32 (2/2)"]
+  assert lines[-1].startswith(head + "done in ")
+  assert [l.name for l in r.layers] == ["fc1", "fc2", "output"]

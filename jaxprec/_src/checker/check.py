@@ -717,7 +717,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     return shadow_lib.check_module_shadow(
         module, args, kwargs, method=method, capture=capture,
         precisions=precisions, reference=reference, target=target, mode=mode,
-        atol=atol, rtol=rtol, chip=chip, tpu_matvec_f32=tpu_matvec_f32)
+        atol=atol, rtol=rtol, chip=chip, tpu_matvec_f32=tpu_matvec_f32,
+        progress=progress)
   common = dict(precisions=precisions, reference=reference, target=target,
                 mode=mode, atol=atol, rtol=rtol, progress=progress,
                 cache=cache, chip=chip, tpu_matvec_f32=tpu_matvec_f32)

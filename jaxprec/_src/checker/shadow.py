@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import port_check
+from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
 from jaxprec._src.emulation import kernels
@@ -28,7 +29,8 @@ def check_module_shadow(module: Any, args: tuple, kwargs: dict, *,
                         method: str | None, capture: Any, precisions: Any,
                         reference: Any, target: str, mode: str, atol: float,
                         rtol: float, chip: str | None = None,
-                        tpu_matvec_f32: bool = True) -> DivergenceReport:
+                        tpu_matvec_f32: bool = True,
+                        progress: bool = False) -> DivergenceReport:
   """:func:`jaxprec.check_module` with ``shadow=True`` (see there)."""
   import flax.linen as nn  # noqa: PLC0415 -- Flax only when in use
   if method is not None or capture is not True:
@@ -58,18 +60,27 @@ def check_module_shadow(module: Any, args: tuple, kwargs: dict, *,
     raise TypeError(f"check_module expects a Flax module (flax.linen or "
                     f"flax.nnx); got {type(module).__name__}")
   f32 = rows.native_float32()
-  found = jax_side.layers(f32.wrap)
-  notes = ["shadow: each layer ran alone on the input it received in a "
-           "float32 run, against its float32 output on that input (local "
-           "error; not inherited from earlier layers)"]
-  if jax_side.inside_transforms:
-    notes.append(f"not checked: {', '.join(jax_side.inside_transforms)}, "
-                 f"called inside a JAX transform (a scan, a jit, a remat), "
-                 f"whose values cannot be taken out of its trace")
-  notes += jax_side.native_notes(plans)
-  ref = _alone(found, f32.wrap, "float32", notes)
-  found = [l for l in found if l.name in ref]
-  results = {p.label: _alone(found, p.wrap, p.label, notes) for p in plans}
+  with progress_lib.Phases(2 + len(plans), "jaxprec check_module(shadow)",
+                           progress) as bar:
+    bar.update("the float32 run: each layer's input")
+    found = jax_side.layers(f32.wrap)
+    notes = ["shadow: each layer ran alone on the input it received in a "
+             "float32 run, against its float32 output on that input (local "
+             "error; not inherited from earlier layers)"]
+    if jax_side.inside_transforms:
+      notes.append(f"not checked: {', '.join(jax_side.inside_transforms)}, "
+                   f"called inside a JAX transform (a scan, a jit, a remat), "
+                   f"whose values cannot be taken out of its trace")
+    notes += jax_side.native_notes(plans)
+    bar.update(f"{len(found)} layers alone at float32", advance=1)
+    ref = _alone(found, f32.wrap, "float32", notes)
+    found = [l for l in found if l.name in ref]
+    results = {}
+    for i, p in enumerate(plans, 1):
+      bar.update(f"{len(found)} layers alone at {p.label} ({i}/"
+                 f"{len(plans)})", advance=1)
+      results[p.label] = _alone(found, p.wrap, p.label, notes)
+    bar.finish()
   layers = []
   for l in found:
     metrics = {}
