@@ -310,7 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   if _on_terminal(sys.stderr):
     sys.stderr = _Fitted(sys.stderr, columns())
   try:
-    return _main(argv)
+    status = _main(argv)
+    sys.stdout.flush()  # here, where a reader that left is caught below
+    sys.stderr.flush()
+    return status
   except BrokenPipeError:  # `jaxprec info --json | head`: a reader left,
     # of stdout or of stderr, even while an error was said. Python would
     # fail flushing them at exit (a traceback, or exit status 120): point
