@@ -526,13 +526,16 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
 
 
 def _marked(key: str, out: Any, structure: dict[str, Any]) -> Any:
-  """``out`` with each floating leaf marked as the output ``key``'s
-  (``checkpoint_name``, an identity that stays in the jaxpr), its treedef
-  kept in ``structure``."""
-  leaves, structure[key] = jax.tree_util.tree_flatten(out)
-  return jax.tree_util.tree_unflatten(structure[key], [
+  """``out`` with each array leaf marked as the output ``key``'s
+  (``checkpoint_name``, an identity that stays in the jaxpr); its treedef
+  and its Python numbers (constants of the trace) kept in ``structure``, so
+  that the report names the leaves it does not compare."""
+  leaves, treedef = jax.tree_util.tree_flatten(out)
+  structure[key] = treedef, {i: x for i, x in enumerate(leaves)
+                             if isinstance(x, (int, float, complex))}
+  return jax.tree_util.tree_unflatten(treedef, [
       checkpoint_name(x, f"{_MARK}{key}\x00{i}")
-      if layers_lib.is_float(x) else x
+      if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
       for i, x in enumerate(leaves)])
 
 
@@ -566,10 +569,11 @@ def taken_out(run: Callable[..., dict], args: tuple,
       runs.append({})
     runs[-1][int(i)] = value
   for name, runs in calls.items():
-    treedef = structure[name]
+    treedef, numbers = structure[name]
     _add_calls(out, name, [
         jax.tree_util.tree_unflatten(
-            treedef, [got.get(i) for i in range(treedef.num_leaves)])
+            treedef, [got.get(i, numbers.get(i))
+                      for i in range(treedef.num_leaves)])
         for got in runs])
   if missing:
     names = ", ".join(repr(n) for n in dict.fromkeys(missing))
