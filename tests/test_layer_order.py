@@ -384,3 +384,32 @@ def test_a_module_whose_class_takes_subclass_arguments_is_checked_and_policed():
   assert at["z_block/lin"] < 1e-6 < 1e-3 < at["z_block"]
   assert [type(m) for _, m in nnx.iter_modules(model)] == classes
   assert _TaggedBlock.tag == "block" and type(model.z_block) is _TaggedBlock
+
+
+class _NnxTable(nnx.Module):
+  """Returns NumPy constants: a table and its length."""
+
+  def __call__(self, n):
+    pos = np.arange(n, dtype=np.float32)[:, None]
+    return np.sin(pos / 10 ** (np.arange(8) / 8)).astype(np.float32), np.int64(n)
+
+
+class _NnxTableNet(nnx.Module):
+  def __init__(self, rngs):
+    self.table = _NnxTable()
+    self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    table, n = self.table(x.shape[0])
+    return self.lin(x + np.concatenate([table[:n // 2], table[n // 2:]]))
+
+
+def test_a_modules_numpy_outputs_reach_its_caller_as_numpy():
+  model = _NnxTableNet(nnx.Rngs(0))
+  r = jaxprec.check_module(model, X, **ROW)
+  assert _names(r) == ["table[0]", "lin", "output"]
+  got = r.layers[0].metrics["bf16"]
+  assert got.rel_rms == 0 and got.max_abs == 0  # a constant: the same anywhere
+  assert any("'table[1]' (int64)" in n for n in r.notes)
+  full = jaxprec.check(model, X, **ROW)
+  assert full.metric("rel_rms", "bf16") == [r.layers[-1].metrics["bf16"].rel_rms]

@@ -526,17 +526,18 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
 
 
 def _marked(key: str, out: Any, structure: dict[str, Any]) -> Any:
-  """``out`` with each array leaf marked as the output ``key``'s
+  """``out`` with each JAX array leaf marked as the output ``key``'s
   (``checkpoint_name``, an identity that stays in the jaxpr); its treedef
-  and its Python numbers (constants of the trace) kept in ``structure``, so
-  that the report names the leaves it does not compare."""
+  and its constants (Python numbers, NumPy arrays: the caller gets them as
+  they are) kept in ``structure``, one dict per call, so that the report
+  has every leaf."""
   leaves, treedef = jax.tree_util.tree_flatten(out)
-  structure[key] = treedef, {i: x for i, x in enumerate(leaves)
-                             if isinstance(x, (int, float, complex))}
+  structure[key] = treedef, [*structure.get(key, (None, []))[1], {
+      i: x for i, x in enumerate(leaves)
+      if isinstance(x, (int, float, complex, np.ndarray, np.generic))}]
   return jax.tree_util.tree_unflatten(treedef, [
       checkpoint_name(x, f"{_MARK}{key}\x00{i}")
-      if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
-      for i, x in enumerate(leaves)])
+      if isinstance(x, jax.Array) else x for i, x in enumerate(leaves)])
 
 
 def taken_out(run: Callable[..., dict], args: tuple,
@@ -568,13 +569,14 @@ def taken_out(run: Callable[..., dict], args: tuple,
     if not runs or int(i) in runs[-1]:
       runs.append({})
     runs[-1][int(i)] = value
-  for name, runs in calls.items():
-    treedef, numbers = structure[name]
+  for name, (treedef, consts) in structure.items():
+    # An output of constants alone holds no mark: one per call traced.
+    runs = calls.get(name) or ([] if name in missing else [{}] * len(consts))
     _add_calls(out, name, [
-        jax.tree_util.tree_unflatten(
-            treedef, [got.get(i, numbers.get(i))
-                      for i in range(treedef.num_leaves)])
-        for got in runs])
+        jax.tree_util.tree_unflatten(treedef, [
+            got.get(i, consts[min(k, len(consts) - 1)].get(i))
+            for i in range(treedef.num_leaves)])
+        for k, got in enumerate(runs)])
   if missing:
     names = ", ".join(repr(n) for n in dict.fromkeys(missing))
     if lost is None:
