@@ -413,3 +413,88 @@ def test_a_modules_numpy_outputs_reach_its_caller_as_numpy():
   assert any("'table[1]' (int64)" in n for n in r.notes)
   full = jaxprec.check(model, X, **ROW)
   assert full.metric("rel_rms", "bf16") == [r.layers[-1].metrics["bf16"].rel_rms]
+
+
+class _NnxJitCall(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+  @nnx.jit
+  def __call__(self, x):
+    return jnp.tanh(self.lin(x))
+
+
+class _NnxJitCallNet(nnx.Module):
+  def __init__(self, rngs):
+    self.z_block = _NnxJitCall(rngs)
+    self.a_head = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.a_head(self.z_block(x))
+
+
+def test_a_jitted_call_traced_once_keeps_its_layers_in_every_check():
+  """nnx.jit traces the body once; later traces reuse it (its marks)."""
+  for rows in (ROW, dict(precisions=["bf16_3x"], mode="emulate")):
+    r = jaxprec.check_module(_NnxJitCallNet(nnx.Rngs(0)), X, **rows)
+    assert _names(r) == ["z_block/lin", "z_block", "a_head", "output"]
+  # The figures of the same model without the jit.
+  plain = jaxprec.check_module(_NnxPlainCallNet(nnx.Rngs(0)), X,
+                               precisions=["bf16_3x"], mode="emulate")
+  assert r.metric("rel_rms", "bf16_3x") == plain.metric("rel_rms", "bf16_3x")
+
+
+class _NnxPlainCall(_NnxJitCall):
+  __call__ = _NnxJitCall.__call__.__wrapped__
+
+
+class _NnxPlainCallNet(_NnxJitCallNet):
+  def __init__(self, rngs):
+    self.z_block = _NnxPlainCall(rngs)
+    self.a_head = nnx.Linear(8, 8, rngs=rngs)
+
+
+class _NnxSows(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.lin(x))
+    self.sow(nnx.Intermediate, "twice", 2 * h)
+    return h
+
+
+class _NnxSowsNet(nnx.Module):
+  def __init__(self, rngs):
+    self.block = _NnxSows(rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.block(x))
+
+
+class _LinenSows(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(8, name="lin")(x))
+    self.sow("intermediates", "twice", 2 * h)
+    return h
+
+
+class _LinenSowsNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(_LinenSows(name="block")(x))
+
+
+def test_values_a_model_sows_are_layers_on_nnx_as_on_linen():
+  net = _LinenSowsNet()
+  linen = jaxprec.check_module(net, net.init(jax.random.key(0), X), X, **ROW)
+  with warnings.catch_warnings():  # Flax's, on sow outside nnx.capture
+    warnings.simplefilter("ignore", DeprecationWarning)
+    model = _NnxSowsNet(nnx.Rngs(0))
+    nnx_ = jaxprec.check_module(model, X, **ROW)
+  for r in (linen, nnx_):
+    assert _names(r) == ["block/lin", "block", "block.twice", "output"]
+    rms = r.metric("rel_rms", "bf16")
+    assert rms[1] == rms[2] > 0  # twice the block's output: the same error
+  assert not hasattr(model.block, "twice")  # the user's model is untouched

@@ -525,18 +525,27 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
   return taken_out(run, (variables, *inputs), structure, lost)
 
 
+# The treedefs of marked outputs, numbered; a mark carries its number, so
+# that a body traced once and reused (nnx.jit's cache) is read in any trace.
+_TREEDEFS: dict[Any, int] = {}
+_TREES: list[Any] = []
+
+
 def _marked(key: str, out: Any, structure: dict[str, Any]) -> Any:
   """``out`` with each JAX array leaf marked as the output ``key``'s
-  (``checkpoint_name``, an identity that stays in the jaxpr); its treedef
-  and its constants (Python numbers, NumPy arrays: the caller gets them as
-  they are) kept in ``structure``, one dict per call, so that the report
-  has every leaf."""
+  (``checkpoint_name``, an identity that stays in the jaxpr, naming its
+  treedef's number and its index); its treedef and its constants (Python
+  numbers, NumPy arrays: the caller gets them as they are) kept in
+  ``structure``, one dict per call, so that the report has every leaf."""
   leaves, treedef = jax.tree_util.tree_flatten(out)
+  if treedef not in _TREEDEFS:
+    _TREEDEFS[treedef] = len(_TREES)
+    _TREES.append(treedef)
   structure[key] = treedef, [*structure.get(key, (None, []))[1], {
       i: x for i, x in enumerate(leaves)
       if isinstance(x, (int, float, complex, np.ndarray, np.generic))}]
   return jax.tree_util.tree_unflatten(treedef, [
-      checkpoint_name(x, f"{_MARK}{key}\x00{i}")
+      checkpoint_name(x, f"{_MARK}{key}\x00{_TREEDEFS[treedef]}\x00{i}")
       if isinstance(x, jax.Array) else x for i, x in enumerate(leaves)])
 
 
@@ -560,23 +569,25 @@ def taken_out(run: Callable[..., dict], args: tuple,
   missing: list[str] = []
   leaves = walker.interpret(closed, _taking_marks(found, missing), *dynamic)
   out = jax.tree_util.tree_unflatten(holder["tree"], leaves)
-  # Marked leaves by layer, in the order they ran; a layer met twice (a
-  # module called twice) is two calls.
-  calls: dict[str, list[dict[int, Any]]] = {}
+  # Marked leaves by layer, in the order they ran, as (treedef, {index:
+  # leaf}) per call; a layer met twice (a module called twice) is two calls.
+  calls: dict[str, list[tuple[Any, dict[int, Any]]]] = {}
   for mark, value in found:
-    name, i = mark.rsplit("\x00", 1)
+    name, tree, i = mark.rsplit("\x00", 2)
     runs = calls.setdefault(name, [])
-    if not runs or int(i) in runs[-1]:
-      runs.append({})
-    runs[-1][int(i)] = value
+    if not runs or int(i) in runs[-1][1] or _TREES[int(tree)] != runs[-1][0]:
+      runs.append((_TREES[int(tree)], {}))
+    runs[-1][1][int(i)] = value
   for name, (treedef, consts) in structure.items():
-    # An output of constants alone holds no mark: one per call traced.
-    runs = calls.get(name) or ([] if name in missing else [{}] * len(consts))
+    if name not in calls and name not in missing:  # constants alone: no mark
+      calls[name] = [(treedef, {})] * len(consts)
+  for name, runs in calls.items():
+    consts = structure.get(name, (None, []))[1]
     _add_calls(out, name, [
         jax.tree_util.tree_unflatten(treedef, [
-            got.get(i, consts[min(k, len(consts) - 1)].get(i))
+            got.get(i, (consts[k] if k < len(consts) else {}).get(i))
             for i in range(treedef.num_leaves)])
-        for k, got in enumerate(runs)])
+        for k, (treedef, got) in enumerate(runs)])
   if missing:
     names = ", ".join(repr(n) for n in dict.fromkeys(missing))
     if lost is None:
@@ -792,10 +803,16 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
         scope = flax_state.active()
         nnx_policy.apply(m, None if scope is None else scope.policy,
                          None if scope is None else scope.recorder)
+        nnx.pop(m, nnx.Intermediate)  # what an earlier call sowed
         with hook.observing(observer):
           own = (m if method is None else getattr(m, method))(*inputs, **kw)
         root = _output_name((), method or "__call__")
-        return {} if method is None else {root: own}
+        out = {} if method is None else {root: own}
+        # What the model sows (Module.sow) is checked too, as on linen.
+        for path, var in nnx.to_flat_state(nnx.state(m, nnx.Intermediate)):
+          _add_calls(out, _output_name(tuple(map(str, path[:-1])),
+                                       str(path[-1])), var.get_value())
+        return out
       return taken_out(run, (state, *inputs), structure, lost)
     order = _execution_order(captured, (state, *args), kwargs)
     _some_output(order, module, method)
