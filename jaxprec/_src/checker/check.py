@@ -678,7 +678,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   ``#1``). For a ``flax.nnx`` module call ``check_module(model, *inputs)``:
   the outputs of every submodule's ``__call__`` are seen through jaxprec's
   one module hook (the one policies and the port check use) on a copy; the
-  model is never mutated.
+  model is never mutated. Values a module sows (``Module.sow``) are layers
+  too, named ``'block.scores'`` (the module's path, the name sown).
   Layers are named by module path and ordered by when they are computed
   (children before their parent), also inside ``nn.jit``, ``nn.remat``,
   ``nn.scan``, ``nnx.jit``, ``nnx.remat`` and ``nnx.scan``, so that
