@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -529,6 +530,7 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
 # that a body traced once and reused (nnx.jit's cache) is read in any trace.
 _TREEDEFS: dict[Any, int] = {}
 _TREES: list[Any] = []
+_TREES_LOCK = threading.Lock()
 
 
 def _marked(key: str, out: Any, structure: dict[str, Any]) -> Any:
@@ -538,9 +540,10 @@ def _marked(key: str, out: Any, structure: dict[str, Any]) -> Any:
   numbers, NumPy arrays: the caller gets them as they are) kept in
   ``structure``, one dict per call, so that the report has every leaf."""
   leaves, treedef = jax.tree_util.tree_flatten(out)
-  if treedef not in _TREEDEFS:
-    _TREEDEFS[treedef] = len(_TREES)
-    _TREES.append(treedef)
+  with _TREES_LOCK:
+    if treedef not in _TREEDEFS:
+      _TREEDEFS[treedef] = len(_TREES)
+      _TREES.append(treedef)
   structure[key] = treedef, [*structure.get(key, (None, []))[1], {
       i: x for i, x in enumerate(leaves)
       if isinstance(x, (int, float, complex, np.ndarray, np.generic))}]
