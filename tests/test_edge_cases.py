@@ -20,7 +20,9 @@ showed nothing of a layer the table fails with inf or NaN (no value to draw,
 or an exact 0 elsewhere in the layer), so the main job's picture passed it;
 where the reader of stderr left, an error line ended the command with a
 traceback and status 1 (and on Python 3.13 any command with status 120),
-not as a shell says SIGPIPE ended it.
+not as a shell says SIGPIPE ended it; ``DivergenceReport.from_json`` of JSON
+that is not a check report's object raised ``AttributeError`` or
+``KeyError``.
 """
 
 import inspect
@@ -258,3 +260,15 @@ def test_a_reader_that_left_ends_the_command_as_sigpipe(args, stream):
   os.close(read)  # before the command writes: it imports JAX first
   said = proc.stderr.read() if stream == "stdout" else b""
   assert proc.wait(timeout=300) == 128 + 13 and said == b""
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[]", ["a JSON object", "list"]),
+    ('"report"', ["a JSON object", "str"]),
+    ('{"schema": 2, "kind": "check"}', ["'layers'", "'precisions'"]),
+    ('{"schema": 2}', ["kind None"]),
+])
+def test_reading_back_what_is_not_a_check_report_says_what_it_is(text, words):
+  with pytest.raises(ValueError) as e:
+    jaxprec.DivergenceReport.from_json(text)
+  assert all(w in str(e.value) for w in words), str(e.value)

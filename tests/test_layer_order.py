@@ -282,3 +282,219 @@ def test_no_false_unused_rule_warning_under_nn_jit():
   for _ in range(2):
     found = _unused(lambda: jaxprec.emulate(net.apply, typo)(variables, X))
     assert len(found) == 1 and "z_frist" in found[0]
+
+
+# ---------------------------------------------------------------------------
+# What a module returns besides floating arrays, and classes the hook must
+# subclass: check_module on NNX as on linen.
+
+
+class _NnxIds(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.lin(x)
+    return h, {"ids": jnp.argmax(h, -1), "n": 3}
+
+
+class _NnxIdsNet(nnx.Module):
+  def __init__(self, rngs):
+    self.step = _NnxIds(rngs)
+
+  def __call__(self, x):
+    h, _ = self.step(x)
+    return jnp.tanh(h)
+
+
+class _LinenIds(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(8, name="lin")(x)
+    return h, {"ids": jnp.argmax(h, -1), "n": 3}
+
+
+class _LinenIdsNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h, _ = _LinenIds(name="step")(x)
+    return jnp.tanh(h)
+
+
+def test_outputs_that_are_not_compared_are_named_on_nnx_as_on_linen():
+  net = _LinenIdsNet()
+  linen = jaxprec.check_module(net, net.init(jax.random.key(0), X), X, **ROW)
+  nnx_ = jaxprec.check_module(_NnxIdsNet(nnx.Rngs(0)), X, **ROW)
+  for r in (linen, nnx_):
+    assert _names(r) == ["step/lin", "step[0]", "output"]
+    said = [n for n in r.notes if n.startswith("not compared")]
+    assert len(said) == 1, r.notes
+    assert "'step[1].ids' (int32)" in said[0] and "'step[1].n' (int" in said[0]
+
+
+class _Tagged(nnx.Module):
+  """Its subclasses name a tag: subclassing it needs an argument."""
+
+  def __init_subclass__(cls, *, tag, **kwargs):
+    super().__init_subclass__(**kwargs)
+    cls.tag = tag
+
+
+class _TaggedBlock(_Tagged, tag="block"):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):  # a matmul of its own too
+    return jnp.tanh(self.lin(x) @ self.lin.kernel[...])
+
+
+class _TaggedNet(nnx.Module):
+  block = _TaggedBlock
+
+  def __init__(self, rngs):
+    self.z_block = self.block(rngs)
+    self.a_head = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.a_head(self.z_block(x))
+
+
+class _PlainBlock(nnx.Module):
+  __init__, __call__ = _TaggedBlock.__init__, _TaggedBlock.__call__
+
+
+class _PlainNet(_TaggedNet):
+  block = _PlainBlock
+
+
+def test_a_module_whose_class_takes_subclass_arguments_is_checked_and_policed():
+  model = _TaggedNet(nnx.Rngs(0))
+  classes = [type(m) for _, m in nnx.iter_modules(model)]
+  policy = "default=float32,z_block=bfloat16"
+  rows = dict(precisions=["bf16", policy], mode="emulate")
+  r = jaxprec.check_module(model, X, **rows)
+  assert _names(r) == ["z_block/lin", "z_block", "a_head", "output"]
+  # The same figures as its twin of a plain class (the same weights): its
+  # output, and a rule for its path reaching the ops inside it.
+  twin = jaxprec.check_module(_PlainNet(nnx.Rngs(0)), X, **rows)
+  for row in rows["precisions"]:
+    assert r.metric("rel_rms", row) == twin.metric("rel_rms", row)
+  # The rule reaches its own matmul, not its Linear's (a path of its own).
+  at = {l.name: l.metrics[policy].rel_rms for l in r.layers}
+  assert at["z_block/lin"] < 1e-6 < 1e-3 < at["z_block"]
+  assert [type(m) for _, m in nnx.iter_modules(model)] == classes
+  assert _TaggedBlock.tag == "block" and type(model.z_block) is _TaggedBlock
+
+
+class _NnxTable(nnx.Module):
+  """Returns NumPy constants: a table and its length."""
+
+  def __call__(self, n):
+    pos = np.arange(n, dtype=np.float32)[:, None]
+    return np.sin(pos / 10 ** (np.arange(8) / 8)).astype(np.float32), np.int64(n)
+
+
+class _NnxTableNet(nnx.Module):
+  def __init__(self, rngs):
+    self.table = _NnxTable()
+    self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    table, n = self.table(x.shape[0])
+    return self.lin(x + np.concatenate([table[:n // 2], table[n // 2:]]))
+
+
+def test_a_modules_numpy_outputs_reach_its_caller_as_numpy():
+  model = _NnxTableNet(nnx.Rngs(0))
+  r = jaxprec.check_module(model, X, **ROW)
+  assert _names(r) == ["table[0]", "lin", "output"]
+  got = r.layers[0].metrics["bf16"]
+  assert got.rel_rms == 0 and got.max_abs == 0  # a constant: the same anywhere
+  assert any("'table[1]' (int64)" in n for n in r.notes)
+  full = jaxprec.check(model, X, **ROW)
+  assert full.metric("rel_rms", "bf16") == [r.layers[-1].metrics["bf16"].rel_rms]
+
+
+class _NnxJitCall(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+  @nnx.jit
+  def __call__(self, x):
+    return jnp.tanh(self.lin(x))
+
+
+class _NnxJitCallNet(nnx.Module):
+  def __init__(self, rngs):
+    self.z_block = _NnxJitCall(rngs)
+    self.a_head = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.a_head(self.z_block(x))
+
+
+def test_a_jitted_call_traced_once_keeps_its_layers_in_every_check():
+  """nnx.jit traces the body once; later traces reuse it (its marks)."""
+  for rows in (ROW, dict(precisions=["bf16_3x"], mode="emulate")):
+    r = jaxprec.check_module(_NnxJitCallNet(nnx.Rngs(0)), X, **rows)
+    assert _names(r) == ["z_block/lin", "z_block", "a_head", "output"]
+  # The figures of the same model without the jit.
+  plain = jaxprec.check_module(_NnxPlainCallNet(nnx.Rngs(0)), X,
+                               precisions=["bf16_3x"], mode="emulate")
+  assert r.metric("rel_rms", "bf16_3x") == plain.metric("rel_rms", "bf16_3x")
+
+
+class _NnxPlainCall(_NnxJitCall):
+  __call__ = _NnxJitCall.__call__.__wrapped__
+
+
+class _NnxPlainCallNet(_NnxJitCallNet):
+  def __init__(self, rngs):
+    self.z_block = _NnxPlainCall(rngs)
+    self.a_head = nnx.Linear(8, 8, rngs=rngs)
+
+
+class _NnxSows(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.lin(x))
+    self.sow(nnx.Intermediate, "twice", 2 * h)
+    return h
+
+
+class _NnxSowsNet(nnx.Module):
+  def __init__(self, rngs):
+    self.block = _NnxSows(rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.block(x))
+
+
+class _LinenSows(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(8, name="lin")(x))
+    self.sow("intermediates", "twice", 2 * h)
+    return h
+
+
+class _LinenSowsNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(_LinenSows(name="block")(x))
+
+
+def test_values_a_model_sows_are_layers_on_nnx_as_on_linen():
+  net = _LinenSowsNet()
+  linen = jaxprec.check_module(net, net.init(jax.random.key(0), X), X, **ROW)
+  with warnings.catch_warnings():  # Flax's, on sow outside nnx.capture
+    warnings.simplefilter("ignore", DeprecationWarning)
+    model = _NnxSowsNet(nnx.Rngs(0))
+    nnx_ = jaxprec.check_module(model, X, **ROW)
+  for r in (linen, nnx_):
+    assert _names(r) == ["block/lin", "block", "block.twice", "output"]
+    rms = r.metric("rel_rms", "bf16")
+    assert rms[1] == rms[2] > 0  # twice the block's output: the same error
+  assert not hasattr(model.block, "twice")  # the user's model is untouched

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -525,15 +526,30 @@ def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
   return taken_out(run, (variables, *inputs), structure, lost)
 
 
+# The treedefs of marked outputs, numbered; a mark carries its number, so
+# that a body traced once and reused (nnx.jit's cache) is read in any trace.
+_TREEDEFS: dict[Any, int] = {}
+_TREES: list[Any] = []
+_TREES_LOCK = threading.Lock()
+
+
 def _marked(key: str, out: Any, structure: dict[str, Any]) -> Any:
-  """``out`` with each floating leaf marked as the output ``key``'s
-  (``checkpoint_name``, an identity that stays in the jaxpr), its treedef
-  kept in ``structure``."""
-  leaves, structure[key] = jax.tree_util.tree_flatten(out)
-  return jax.tree_util.tree_unflatten(structure[key], [
-      checkpoint_name(x, f"{_MARK}{key}\x00{i}")
-      if layers_lib.is_float(x) else x
-      for i, x in enumerate(leaves)])
+  """``out`` with each JAX array leaf marked as the output ``key``'s
+  (``checkpoint_name``, an identity that stays in the jaxpr, naming its
+  treedef's number and its index); its treedef and its constants (Python
+  numbers, NumPy arrays: the caller gets them as they are) kept in
+  ``structure``, one dict per call, so that the report has every leaf."""
+  leaves, treedef = jax.tree_util.tree_flatten(out)
+  with _TREES_LOCK:
+    if treedef not in _TREEDEFS:
+      _TREEDEFS[treedef] = len(_TREES)
+      _TREES.append(treedef)
+  structure[key] = treedef, [*structure.get(key, (None, []))[1], {
+      i: x for i, x in enumerate(leaves)
+      if isinstance(x, (int, float, complex, np.ndarray, np.generic))}]
+  return jax.tree_util.tree_unflatten(treedef, [
+      checkpoint_name(x, f"{_MARK}{key}\x00{_TREEDEFS[treedef]}\x00{i}")
+      if isinstance(x, jax.Array) else x for i, x in enumerate(leaves)])
 
 
 def taken_out(run: Callable[..., dict], args: tuple,
@@ -556,21 +572,25 @@ def taken_out(run: Callable[..., dict], args: tuple,
   missing: list[str] = []
   leaves = walker.interpret(closed, _taking_marks(found, missing), *dynamic)
   out = jax.tree_util.tree_unflatten(holder["tree"], leaves)
-  # Marked leaves by layer, in the order they ran; a layer met twice (a
-  # module called twice) is two calls.
-  calls: dict[str, list[dict[int, Any]]] = {}
+  # Marked leaves by layer, in the order they ran, as (treedef, {index:
+  # leaf}) per call; a layer met twice (a module called twice) is two calls.
+  calls: dict[str, list[tuple[Any, dict[int, Any]]]] = {}
   for mark, value in found:
-    name, i = mark.rsplit("\x00", 1)
+    name, tree, i = mark.rsplit("\x00", 2)
     runs = calls.setdefault(name, [])
-    if not runs or int(i) in runs[-1]:
-      runs.append({})
-    runs[-1][int(i)] = value
+    if not runs or int(i) in runs[-1][1] or _TREES[int(tree)] != runs[-1][0]:
+      runs.append((_TREES[int(tree)], {}))
+    runs[-1][1][int(i)] = value
+  for name, (treedef, consts) in structure.items():
+    if name not in calls and name not in missing:  # constants alone: no mark
+      calls[name] = [(treedef, {})] * len(consts)
   for name, runs in calls.items():
-    treedef = structure[name]
+    consts = structure.get(name, (None, []))[1]
     _add_calls(out, name, [
-        jax.tree_util.tree_unflatten(
-            treedef, [got.get(i) for i in range(treedef.num_leaves)])
-        for got in runs])
+        jax.tree_util.tree_unflatten(treedef, [
+            got.get(i, (consts[k] if k < len(consts) else {}).get(i))
+            for i in range(treedef.num_leaves)])
+        for k, (treedef, got) in enumerate(runs)])
   if missing:
     names = ", ".join(repr(n) for n in dict.fromkeys(missing))
     if lost is None:
@@ -661,7 +681,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   ``#1``). For a ``flax.nnx`` module call ``check_module(model, *inputs)``:
   the outputs of every submodule's ``__call__`` are seen through jaxprec's
   one module hook (the one policies and the port check use) on a copy; the
-  model is never mutated.
+  model is never mutated. Values a module sows (``Module.sow``) are layers
+  too, named ``'block.scores'`` (the module's path, the name sown).
   Layers are named by module path and ordered by when they are computed
   (children before their parent), also inside ``nn.jit``, ``nn.remat``,
   ``nn.scan``, ``nnx.jit``, ``nnx.remat`` and ``nnx.scan``, so that
@@ -787,10 +808,16 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
         scope = flax_state.active()
         nnx_policy.apply(m, None if scope is None else scope.policy,
                          None if scope is None else scope.recorder)
+        nnx.pop(m, nnx.Intermediate)  # what an earlier call sowed
         with hook.observing(observer):
           own = (m if method is None else getattr(m, method))(*inputs, **kw)
         root = _output_name((), method or "__call__")
-        return {} if method is None else {root: own}
+        out = {} if method is None else {root: own}
+        # What the model sows (Module.sow) is checked too, as on linen.
+        for path, var in nnx.to_flat_state(nnx.state(m, nnx.Intermediate)):
+          _add_calls(out, _output_name(tuple(map(str, path[:-1])),
+                                       str(path[-1])), var.get_value())
+        return out
       return taken_out(run, (state, *inputs), structure, lost)
     order = _execution_order(captured, (state, *args), kwargs)
     _some_output(order, module, method)

@@ -380,11 +380,20 @@ class DivergenceReport(render.Report):
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> DivergenceReport:
     """Reads back :meth:`to_dict` (or parsed :meth:`to_json`) output."""
-    if d.get("schema") not in _READS or d.get("kind", "check") != "check":
+    if not isinstance(d, Mapping):
+      raise ValueError(f"DivergenceReport reads a check report, a JSON "
+                       f"object; got a {type(d).__name__}")
+    # A schema 1 report may lack its kind (a check's); schema 2 names it.
+    kind = d.get("kind", "check" if d.get("schema") == 1 else None)
+    if d.get("schema") not in _READS or kind != "check":
       raise ValueError(
           f"Unsupported report: schema {d.get('schema')!r}, kind "
-          f"{d.get('kind')!r}; DivergenceReport reads a check report of "
+          f"{kind!r}; DivergenceReport reads a check report of "
           f"schema {' or '.join(map(str, _READS))}.")
+    missing = [k for k in ("layers", "precisions", "reference", "target",
+                           "mode") if k not in d]
+    if missing:
+      raise ValueError(f"the check report lacks {', '.join(map(repr, missing))}")
     layers = []
     for l in d["layers"]:
       ref = l.get("reference", {})

@@ -302,8 +302,8 @@ def install(model: Any, entry: Any = None, *, prefix: str = "") -> None:
   ``prefix``, ``model``'s own path; and ``entry``, whose ``classes`` dict
   keeps those made for it); with ``entry`` None, a module hooked already (a
   swapped model's) keeps its hook. A class that cannot be subclassed so
-  (``__slots__``, arguments to ``__init_subclass__``) or has no ``__call__``
-  is left as is: its ops belong to the enclosing module.
+  (an incompatible layout) or has no ``__call__`` is left as is: its ops
+  belong to the enclosing module.
   """
   for path, node in flax_paths.nnx_modules(model, prefix):
     if entry is None and "_jaxprec_nnx_base" in vars(type(node)):
@@ -338,13 +338,44 @@ def _make_class(cls: type, path: str, entry: Any) -> type | None:
   # default is the global config, not the parent's: pass the parent's.
   kwargs = ({"pytree": cls._pytree__is_pytree}
             if hasattr(cls, "_pytree__is_pytree") else {})
-  try:
-    return type(cls.__name__, (cls,), {
-        "__call__": functools.wraps(call)(__call__),
-        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__, "_jaxprec_nnx_base": cls}, **kwargs)
-  except TypeError:  # a class whose subclassing needs arguments
-    return None
+  namespace = {
+      "__call__": functools.wraps(call)(__call__),
+      "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+      "__doc__": cls.__doc__, "_jaxprec_nnx_base": cls}
+  for bases in ((cls,), (_unargued(), cls)):
+    try:
+      return type(cls.__name__, bases, namespace, **kwargs)
+    except TypeError:  # its __init_subclass__ needs arguments: _unargued
+      continue
+  return None
+
+
+@functools.cache
+def _unargued() -> type:
+  """The first base of a hooked class whose class's ``__init_subclass__``
+  needs arguments that the hook cannot know (``class Block(Base, tag=...)``).
+
+  The chain of ``__init_subclass__`` runs from past the classes that refuse
+  to run without them (so NNX's own runs, which registers the class); what
+  they set on the user's class, the hooked class inherits. An NNX ``Pytree``
+  without attributes of its own, so that the instances keep their layout.
+  """
+  class Unargued(sys.modules["flax.nnx"].Pytree):
+    __slots__ = ()
+
+    def __init_subclass__(cls, **kwargs):
+      owners = [c for c in cls.__mro__[1:] if "__init_subclass__" in vars(c)]
+      errors = []
+      for after in owners[:-1]:  # this class's, then past each other's
+        try:
+          return super(after, cls).__init_subclass__(**kwargs)
+        except TypeError as e:
+          errors.append(e)
+      raise errors[0]
+  for name in ("_pytree__is_pytree", "_pytree__nodes"):  # the user's class's
+    if name in vars(Unargued):
+      delattr(Unargued, name)
+  return Unargued
 
 
 def callable_class(cls: type) -> bool:
