@@ -182,6 +182,10 @@ def _run(command: str, cwd, monkeypatch) -> tuple[int, str]:
       return done.returncode, done.stdout
     m.chdir(cwd)
     m.syspath_prepend(str(cwd))
+    # A module of the same name another test of this process imported (a
+    # `model`) would stand for the page's file: set aside, then put back.
+    aside = {p.stem: sys.modules.pop(p.stem) for p in cwd.glob("*.py")
+             if p.stem in sys.modules}
     before = set(sys.modules)
     try:
       with _one_output() as read:
@@ -192,6 +196,7 @@ def _run(command: str, cwd, monkeypatch) -> tuple[int, str]:
         if str(getattr(sys.modules[name], "__file__", None) or "").startswith(
             str(cwd)):
           del sys.modules[name]
+      sys.modules.update(aside)
 
 
 @pytest.mark.parametrize("session", SESSIONS,

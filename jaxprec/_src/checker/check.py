@@ -634,7 +634,8 @@ def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
   ``nn.scan``, ``nnx.scan``, ...), whose outputs JAX and Flax rebuild with
   sorted keys. A value is computed when its last leaf is; of values computed
   by one operation (a module that returns its child's output), the deeper
-  module path comes first, the root's ``'output'`` last.
+  module path comes first, the root's ``'output'`` (or a method's,
+  ``'output.encode'``) last.
   """
   statics, dynamic = trees.split_call(args, kwargs)
   names: list[tuple[str, int]] = []
@@ -653,7 +654,7 @@ def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
     when[name] = max(when.get(name, t), t)
   seen = list(dict.fromkeys(n for n, _ in names))
   return tuple(sorted(seen, key=lambda n: (when[n], -n.count("/"),
-                                            n == "output")))
+                                            n.split(".")[0] == "output")))
 
 
 def _in_order(out: dict, order: Sequence[str]) -> dict:
