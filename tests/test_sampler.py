@@ -3,10 +3,12 @@ RL frameworks log, and jaxprec.check_sampler."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
 
+from jaxprec._src.models import llama as llama_lib
 from jaxprec._src.models.llama import LlamaConfig, LlamaForCausalLM
 
 T = 12
@@ -213,11 +215,37 @@ def tpu_vs_h100(model, tokens):
                                sampler=H100_BF16, batch=(5, 14))
 
 
+# The module calls of one decoder layer, in the order they return (a module
+# after its children), as transformers' LlamaDecoderLayer makes them.
+LAYER_CALLS = ("input_layernorm", "self_attn/q_proj", "self_attn/k_proj",
+               "self_attn/v_proj", "self_attn/o_proj", "self_attn",
+               "post_attention_layernorm", "mlp/gate_proj", "mlp/up_proj",
+               "mlp/down_proj", "mlp", "")
+
+
+def _module_order(layers):
+  return (["model/embed_tokens"]
+          + [f"model/layers/{i}/{c}".rstrip("/") for i in range(layers)
+             for c in LAYER_CALLS] + ["model/norm", "lm_head"])
+
+
 def test_float32_decode_is_the_float32_trainer(model, tokens):
   r = jaxprec.check_sampler(model, tokens)
   assert r.total <= 1e-5 and r.figures.max_abs <= 1e-5
   assert r.first_divergence is None
   assert max(v for _, v in r.layers) <= r.floor
+  # every module call's output, paired position by position, in the order
+  # the calls return; the logits last
+  assert [n for n, _ in r.layers] == _module_order(model.config.num_layers)
+  # what cannot be paired by position is counted and named: the forward's
+  # LlamaModel call (its decode is a method the hook does not see) and the
+  # keys and values each layer and its attention return in a decode step
+  note, = [n for n in r.notes if "not compared position by position" in n]
+  caches = [f"model/layers/{i}{a}[1][{j}]" for i in range(2)
+            for a in ("/self_attn", "") for j in (0, 1)]
+  assert note.startswith(f"{len(caches) + 4} module outputs")
+  assert "model['hidden_states'][0], " in note
+  assert all(c in note for c in caches[:4]) and "and 4 more" in note
 
 
 def test_tpu_trainer_vs_bf16_h100_sampler(model, tokens, tpu_vs_h100):
@@ -226,6 +254,16 @@ def test_tpu_trainer_vs_bf16_h100_sampler(model, tokens, tpu_vs_h100):
   d = r.first_divergence
   assert d is not None and d.relative_rms > r.floor
   assert d.layer in dict(r.layers) and 0 <= d.position < T
+  # the bfloat16 sampler's embedding lookup parts first, at the first token:
+  # its row rounded to bfloat16
+  e = np.asarray(model.model.embed_tokens.embedding[...], np.float64)[
+      tokens[0]]
+  rounded = e.astype(ml_dtypes.bfloat16).astype(np.float64)
+  assert (d.position, d.layer) == (0, "model/embed_tokens")
+  assert d.relative_rms == pytest.approx(
+      np.sqrt(np.mean((rounded - e) ** 2) / np.mean(e ** 2)), rel=1e-6)
+  # and every module call inside the decoder layers is compared
+  assert [n for n, _ in r.layers] == _module_order(model.config.num_layers)
   assert [s.factor for s in r.shares] == ["lm_head", "body", "attention",
                                           "decode", "batch"]
   assert math.fsum([s.share for s in r.shares] + [r.remainder]) == (
@@ -315,6 +353,22 @@ def test_a_bfloat16_body_splits_into_the_attention_and_the_rest(model,
   assert shares["body"].share > 0 and shares["attention"].share > 0
   assert shares["body"].sampler == "BF16_BF16_F32 (bf16x1) on gpu"
   _adds_up(r)
+  # The first matmul parts the paths, inside the first decoder layer at the
+  # first token: the query projection (the norm before it is exact on both
+  # sides), its operands rounded to bfloat16 against float32's.
+  d = r.first_divergence
+  assert (d.position, d.layer) == (0, "model/layers/0/self_attn/q_proj")
+  assert dict(r.layers)["model/layers/0/input_layernorm"] == 0
+  layer = model.model.layers[0]
+  x = np.asarray(model.model.embed_tokens.embedding[...], np.float64)[
+      tokens[0]]
+  x = x / np.sqrt(np.mean(x * x) + 1e-6) * np.asarray(
+      layer.input_layernorm.scale[...], np.float64)
+  w = np.asarray(layer.self_attn.q_proj.kernel[...], np.float64)
+  bf16 = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)
+  diff = bf16(x) @ bf16(w) - x @ w
+  assert d.relative_rms == pytest.approx(
+      np.sqrt(np.mean(diff ** 2) / np.mean((x @ w) ** 2)), rel=1e-3)
 
 
 @pytest.mark.parametrize("source", ["tpu", "gpu", "cpu"])
@@ -447,11 +501,53 @@ def test_an_off_by_one_cache_slot_is_caught_and_named(tokens):
   model = _OffByOne(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
   r = jaxprec.check_sampler(model, tokens)
   d = r.first_divergence
-  assert d is not None and (d.position, d.layer) == (0, "model/layers/0")
+  # the projections of the first token are right; what its attention reads
+  # from the cache is not, and the output projection is the first module
+  # output to show it
+  assert d is not None and (d.position, d.layer) == (
+      0, "model/layers/0/self_attn/o_proj")
+  assert dict(r.layers)["model/layers/0/self_attn/v_proj"] <= r.floor
   assert r.total > 1e-2
   # teacher forcing in place of the decode takes the whole gap away
   decode = {s.factor: s for s in r.shares}["decode"]
   assert decode.rms == 0 and decode.share == r.total
+
+
+class _OneTokenMLP(llama_lib._MLP):
+  """Adds 1e-3 to its output when it sees one token: in decode alone."""
+
+  def __call__(self, x):
+    out = super().__call__(x)
+    return out + 1e-3 if x.shape[1] == 1 else out
+
+
+class _DecodeBug(LlamaForCausalLM):
+  """The tiny Llama with a bug in layer 1's MLP, on the decode path only."""
+
+  def __init__(self, config, *, rngs):
+    super().__init__(config, rngs=rngs)
+    self.model.layers[1].mlp = _OneTokenMLP(config, rngs=rngs)
+
+
+def test_a_bug_in_one_modules_decode_is_named_there(tokens):
+  model = _DecodeBug(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  r = jaxprec.check_sampler(model, tokens, prompt=3)
+  d = r.first_divergence
+  # the prompt (3 tokens in one chunk) is clean; the first token decoded
+  # alone parts at the MLP, after its own projections agreed
+  assert (d.position, d.layer) == (3, "model/layers/1/mlp")
+  assert dict(r.layers)["model/layers/1/mlp/down_proj"] <= r.floor
+  # 1e-3 everywhere, relative to the forward's MLP output there (float32,
+  # the model's own modules one by one)
+  m = model.model
+  cos, sin = llama_lib.rotary(jnp.arange(T)[None], m.config.dim,
+                              m.config.rope_theta)
+  h = m.layers[0](m.embed_tokens(jnp.asarray(tokens[None])), cos, sin, None)
+  one = m.layers[1]
+  h = h + one.self_attn(one.input_layernorm(h), cos, sin, None)
+  out = np.asarray(one.mlp(one.post_attention_layernorm(h)), np.float64)
+  want = 1e-3 / np.sqrt(np.mean(out[0, 3] ** 2))
+  assert d.relative_rms == pytest.approx(want, rel=1e-3)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -605,6 +701,15 @@ def test_a_pytorch_float32_sampler_is_the_jax_float32_sampler(hf_and_port,
   assert r.total <= 1e-5 and r.figures.max_abs <= 1e-5
   assert r.first_divergence is None
   assert max(v for _, v in r.layers) <= r.floor
+  # PyTorch's module calls (forward hooks), paired with the trainer's by
+  # path: every one inside the decoder layers; its rotary table and
+  # activation modules, which the NNX model has not, are counted and named
+  assert [n for n, _ in r.layers] == _module_order(model.config.num_layers)
+  note, = [n for n in r.notes if "not compared position by position" in n]
+  assert note.startswith("8 module outputs") and all(
+      f"{x}," in note or f"{x}." in note for x in (
+          "model/rotary_emb[0]", "model/rotary_emb[1]",
+          "model/layers/0/mlp/act_fn", "model/layers/1/mlp/act_fn"))
   np.testing.assert_allclose(r.figures.delta, jax_sampler.figures.delta,
                              rtol=0, atol=1e-5)
   assert r.sampler == "PyTorch LlamaForCausalLM, float32 on cpu"
@@ -637,6 +742,8 @@ def test_a_pytorch_bfloat16_sampler_is_transformers_own_decode(hf_and_port,
   # (within the float32 floor: the trainer here runs without jit)
   np.testing.assert_allclose(r.figures.delta, delta, rtol=0, atol=1e-5)
   assert r.total > 1e-3 and r.first_divergence is not None
+  assert (r.first_divergence.position, r.first_divergence.layer) == (
+      0, "model/embed_tokens")  # PyTorch's bfloat16 embedding
   # every factor is switched, none left at 0 unsaid: the float32 body under
   # the bfloat16 head, the bfloat16 body under the float32 head
   shares = {s.factor: s for s in r.shares}

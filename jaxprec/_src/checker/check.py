@@ -791,35 +791,7 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
             (variables, *args[1:]))
   if isinstance(module, nnx.Module):
     graphdef, state = nnx.split(module)
-
-    def captured(state, /, *inputs, lost=None, **kw):
-      structure: dict[str, Any] = {}
-
-      def observer(path, module, args, kwargs, out):
-        if isinstance(module, nnx.Module):  # linen inside: its own path
-          return _marked(_output_name(
-              tuple(flax_paths.split(path)), "__call__"), out, structure)
-        return None
-
-      def run(state, *inputs):
-        m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
-        # The hook, as on the model itself: its module paths are seen (the
-        # audit, a search's units), a policy row's rules reach them, and
-        # each call's output is marked to be taken out.
-        scope = flax_state.active()
-        nnx_policy.apply(m, None if scope is None else scope.policy,
-                         None if scope is None else scope.recorder)
-        nnx.pop(m, nnx.Intermediate)  # what an earlier call sowed
-        with hook.observing(observer):
-          own = (m if method is None else getattr(m, method))(*inputs, **kw)
-        root = _output_name((), method or "__call__")
-        out = {} if method is None else {root: own}
-        # What the model sows (Module.sow) is checked too, as on linen.
-        for path, var in nnx.to_flat_state(nnx.state(m, nnx.Intermediate)):
-          _add_calls(out, _output_name(tuple(map(str, path[:-1])),
-                                       str(path[-1])), var.get_value())
-        return out
-      return taken_out(run, (state, *inputs), structure, lost)
+    captured = nnx_outputs(graphdef, method)
     order = _execution_order(captured, (state, *args), kwargs)
     _some_output(order, module, method)
 
@@ -832,6 +804,49 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
   raise TypeError(f"check_module expects a Flax module (flax.linen or "
                   f"flax.nnx); got "
                   f"{type(module).__name__} (use jaxprec.check for functions)")
+
+
+def nnx_outputs(graphdef: Any, method: str | None) -> Callable[..., dict]:
+  """``captured(state, *inputs, lost=None, **kw)``: the output of every NNX
+  module call of ``method`` (None: ``__call__``) on ``nnx.merge(graphdef,
+  state)``, a new object each time, by name (:func:`_output_name`; ``'#0'``,
+  ``'#1'`` for a module called twice), in the order the calls return; a
+  method other than ``__call__`` adds its own output (``'output.METHOD'``).
+  Each output is marked as the call returns (the hook's observers) and taken
+  out of the program (:func:`taken_out`), so that a jitted or emulated
+  ``captured`` returns them all; the policy in force reaches the copy as it
+  reaches the model itself."""
+  from flax import nnx
+
+  def captured(state, /, *inputs, lost=None, **kw):
+    structure: dict[str, Any] = {}
+
+    def observer(path, module, args, kwargs, out):
+      if isinstance(module, nnx.Module):  # linen inside: its own path
+        return _marked(_output_name(
+            tuple(flax_paths.split(path)), "__call__"), out, structure)
+      return None
+
+    def run(state, *inputs):
+      m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
+      # The hook, as on the model itself: its module paths are seen (the
+      # audit, a search's units), a policy row's rules reach them, and
+      # each call's output is marked to be taken out.
+      scope = flax_state.active()
+      nnx_policy.apply(m, None if scope is None else scope.policy,
+                       None if scope is None else scope.recorder)
+      nnx.pop(m, nnx.Intermediate)  # what an earlier call sowed
+      with hook.observing(observer):
+        own = (m if method is None else getattr(m, method))(*inputs, **kw)
+      root = _output_name((), method or "__call__")
+      out = {} if method is None else {root: own}
+      # What the model sows (Module.sow) is checked too, as on linen.
+      for path, var in nnx.to_flat_state(nnx.state(m, nnx.Intermediate)):
+        _add_calls(out, _output_name(tuple(map(str, path[:-1])),
+                                     str(path[-1])), var.get_value())
+      return out
+    return taken_out(run, (state, *inputs), structure, lost)
+  return captured
 
 
 def _some_output(order: Sequence[str], module: Any, method: str | None

@@ -14,8 +14,13 @@ a target, a chip, the LM head's own, the attention's own), emulated on any
 backend (:func:`jaxprec.emulate`). The report holds the figures RL
 frameworks log (:mod:`jaxprec._src.checker.sampler`), the gap split by
 factor, and where the two first part: the first token position, then the
-first layer there, whose hidden state differs by more than the float32
-floor.
+first module call there (in the order the calls return) whose output
+differs by more than the float32 floor. Each side's module calls are those
+``check_module`` sees (the hook's observers, their outputs taken out of the
+jitted program), or a PyTorch sampler's forward hooks; a decode step's
+output of a module covers the positions of its tokens, and is paired with
+the forward's output of the same module (by path and call) at those
+positions.
 
 The attribution switches one factor at a time from the sampler's setting to
 the trainer's (the LM head's numerics, the body's, the attention's, decoding
@@ -38,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxprec._src.checker import check
 from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker import sampler as figures_lib
@@ -45,7 +51,6 @@ from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import PrecisionLike, resolve
 from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation.emulate import emulate
-from jaxprec._src.flax import nnx_policy
 from jaxprec._src.policy import policy as policy_lib
 from jaxprec._src.policy.policy import Policy
 from jaxprec._src.torch import torch_sampler
@@ -229,8 +234,11 @@ class Share:
 @dataclasses.dataclass(frozen=True)
 class Divergence:
   """Where the two paths first part: the first token position at which a
-  hidden state differs by more than ``floor`` (relative RMS over the hidden
-  width), and the first such layer there (``'lm_head'``: the logits)."""
+  module call's output differs by more than ``floor`` (relative RMS over
+  the rest of its shape), and there the first such module in the order the
+  calls return (a module before its parent), named by its path
+  (``'model/layers/0/self_attn/o_proj'``; ``'lm_head'``: the logits at the
+  head's numerics)."""
 
   position: int
   layer: str
@@ -252,12 +260,15 @@ class SamplerReport(render.Report):
     figures: :class:`GapFigures` of the whole gap.
     shares: one :class:`Share` per factor; ``remainder``: the total minus
       the shares (the factors' interaction); ``total``: ``figures.rms``.
-    layers: for each hidden state compared (name, the largest relative RMS
-      difference over positions).
-    first_divergence: a :class:`Divergence`, or None where every hidden
-      state stays within ``floor``.
+    layers: for each module output compared, in the order the trainer's
+      calls return (name, the largest relative RMS difference over
+      positions); ``'lm_head'``, the logits, last.
+    first_divergence: a :class:`Divergence`, or None where every module
+      output stays within ``floor``.
     floor: the relative RMS difference counted as float32 rounding.
-    notes: what the check does not see.
+    notes: what the check does not see, among them the module outputs not
+      compared position by position (one side's only, or not one value per
+      position: a KV cache).
   """
 
   trainer: str
@@ -302,9 +313,9 @@ class SamplerReport(render.Report):
   def _where(self) -> str:
     d = self.first_divergence
     if d is None:
-      return (f"no hidden state differs by more than the float32 floor "
+      return (f"no module output differs by more than the float32 floor "
               f"(relative RMS {self.floor:g})")
-    return (f"token position {d.position}, layer {d.layer} (relative RMS "
+    return (f"token position {d.position}, module {d.layer} (relative RMS "
             f"{d.relative_rms:.3g} > floor {self.floor:g})")
 
   def _heading(self) -> list[str]:
@@ -339,8 +350,15 @@ class SamplerReport(render.Report):
               f"{self.remainder:>+9.3g}",
               f"  {'total':<77} {self.total:>9.3g} {self.total:>+9.3g}", ""]
     lines += fold.wrap(f"first divergence: {self._where()}")
-    lines += ["  " + " ".join(f"{n} {v:.2g}" for n, v in self.layers[i:i + 4])
-              for i in range(0, len(self.layers), 4)]
+    lines.append("  largest relative RMS over the positions, per module:")
+    row = "  "
+    for n, v in self.layers:  # as many as fit on a line
+      item = f" {n} {v:.2g}"
+      if len(row) + len(item) > WIDTH and row.strip():
+        lines.append(row)
+        row = "  "
+      row += item
+    lines.append(row)
     lines += [x for n in self.notes
               for x in fold.wrap(f"note: {n}")]
     return "\n".join(lines)
@@ -359,7 +377,7 @@ class SamplerReport(render.Report):
         *render.markdown_table(["factor", "sampler", "trainer", "RMS delta",
                                 "share (nats)"], shares, {0, 1, 2}), "",
         f"First divergence: {cell(self._where())}.", "",
-        *render.markdown_table(["layer", "largest relative RMS"],
+        *render.markdown_table(["module", "largest relative RMS"],
                                [[n, f"{v:.3g}"] for n, v in self.layers],
                                {0}), "",
         *[f"- {cell(n)}" for n in self.notes]]) + "\n"
@@ -411,55 +429,94 @@ class SamplerReport(render.Report):
 
 
 @functools.lru_cache(maxsize=32)
-def _program(fn: nnx_policy.Stateful, setting: tuple[Any, str, str | None]):
+def _program(fn: Any, setting: tuple[Any, str, str | None]):
   """``fn(state, ...)`` jitted, emulated at ``setting``. Keyed on the model's
-  structure (``fn`` is one per graph definition) and the setting; holds no
-  arrays: the state is an argument."""
+  structure (``fn`` is one per graph definition and method) and the setting;
+  holds no arrays: the state is an argument."""
   precision, target, chip = setting
   options = {} if chip is None else {"chip": chip}
   return jax.jit(emulate(fn, precision, target=target, **options))
 
 
+class _Captured:
+  """``fn(state, *inputs)``: a method of the model of ``graphdef`` with the
+  output of every NNX module call in it, the capture of ``check_module``
+  (:func:`jaxprec._src.checker.check.nnx_outputs`), as a tuple in the order
+  the calls returned (a program's dict comes back sorted by name);
+  ``names`` names them once a call has traced ``fn``."""
+
+  def __init__(self, graphdef: Any, method: str):
+    self.run = check.nnx_outputs(graphdef,
+                                 None if method == "__call__" else method)
+    self.own = "output" if method == "__call__" else f"output.{method}"
+    self.names: tuple[str, ...] = ()
+
+  def __call__(self, state, /, *inputs):
+    out = self.run(state, *inputs)
+    self.names = tuple(out)
+    return tuple(out.values())
+
+
+@functools.lru_cache(maxsize=16)
+def _captured(graphdef: Any, text: str, method: str) -> _Captured:
+  # One per graph definition (and its text: 2 and 2.0 compare equal) and
+  # method, so that its programs serve every model of that structure.
+  del text  # part of the key only
+  return _Captured(graphdef, method)
+
+
 class _Runs:
   """The model's programs, one per side's numerics and call (shared by
   checks of models of one structure); the model's state is their
-  argument."""
+  argument. Each call gives the method's own output and its module calls'
+  (``{name: output}``), a decode one such dict per step."""
 
   def __init__(self, model: Any):
-    self.model = model
-    self.state = jax.tree.map(jnp.asarray, _nnx().state(model))
+    self.graphdef, state = _nnx().split(model)
+    self.text = repr(self.graphdef)
+    self.state = jax.tree.map(jnp.asarray, state)
+    self.init_cache = model.init_cache
 
-  def program(self, method: str, setting: tuple[Any, str, str | None]):
-    fn, _ = nnx_policy.stateful(getattr(self.model, method), ())
-    return _program(fn, setting)
+  def call(self, method: str, setting: tuple[Any, str, str | None],
+           *inputs: Any) -> tuple[Any, dict[str, Any]]:
+    try:
+      fn = _captured(self.graphdef, self.text, method)
+    except TypeError:  # a graph definition that is not hashable: not shared
+      fn = _Captured(self.graphdef, method)
+    out = _program(fn, setting)(self.state, *inputs)  # traced: names
+    calls = dict(zip(fn.names, out))
+    return calls.pop(fn.own), calls
 
   def forward(self, setting, ids, mask, positions):
+    """``(hidden states, [(width, module calls)])`` of teacher forcing."""
     if isinstance(setting, torch_sampler.TorchSampler):
       return setting.hidden(ids, mask, positions, None)
-    out = self.program("__call__", setting)(self.state, ids, mask, positions)
-    return out["hidden_states"]
+    out, calls = self.call("__call__", setting, ids, mask, positions)
+    return out["hidden_states"], [(ids.shape[1], calls)]
 
   def decode(self, setting, ids, mask, positions, chunk):
-    """The hidden states of a decode: ``ids[:, :chunk]`` in one chunk, then
-    one token at a time (a chunk of 1 token or less: every token alone,
-    padding included, one program for every step)."""
+    """``(hidden states, [(n, module calls)] per step)`` of a decode:
+    ``ids[:, :chunk]`` in one chunk, then one token at a time (a chunk of 1
+    token or less: every token alone, padding included, one program for
+    every step)."""
     if isinstance(setting, torch_sampler.TorchSampler):
       return setting.hidden(ids, mask, positions, chunk)
-    step = self.program("decode", setting)
-    cache = self.model.init_cache(*ids.shape)
-    states, at = [], 0
+    cache = self.init_cache(*ids.shape)
+    states, steps, at = [], [], 0
     for n in [chunk] + [1] * (ids.shape[1] - chunk):
-      out = step(self.state, ids[:, at:at + n], cache, jnp.int32(at), mask,
-                 positions[:, at:at + n])
+      out, calls = self.call("decode", setting, ids[:, at:at + n], cache,
+                             jnp.int32(at), mask, positions[:, at:at + n])
       cache = out["cache"]
       states.append(out["hidden_states"])
+      steps.append((n, calls))
       at += n
-    return tuple(jnp.concatenate(s, axis=1) for s in zip(*states))
+    return tuple(jnp.concatenate(s, axis=1) for s in zip(*states)), steps
 
   def head(self, setting, hidden):
+    """``(logits, module calls)`` of the LM head."""
     if isinstance(setting, torch_sampler.TorchSampler):
-      return setting.head(hidden)
-    return self.program("head", setting)(self.state, hidden)
+      return setting.head(hidden), {}
+    return self.call("head", setting, hidden)
 
 
 def _nnx():
@@ -467,13 +524,75 @@ def _nnx():
   return nnx
 
 
-def _layer_names(model: Any, count: int) -> list[str]:
-  layers = getattr(getattr(model, "config", None), "num_layers", None)
-  if layers is not None and count == layers + 1:
-    return (["model/embed_tokens"]
-            + [f"model/layers/{i}" for i in range(layers - 1)]
-            + ["model/norm", "lm_head"])
-  return [f"hidden_states[{i}]" for i in range(count)] + ["lm_head"]
+def _by_position(steps: Sequence[tuple[int, dict[str, Any]]]
+                 ) -> dict[tuple[str, int], tuple[str, np.ndarray | None]]:
+  """Each module output's leaves over every position, by ``(name, leaf
+  index)``: ``(label, array)``, the array ``(batch, positions, ...)`` joined
+  from the steps' (each covers the ``n`` positions after the last), None
+  where a step lacks the leaf or its second axis is not the step's ``n``
+  positions (a cache, a table). The label is the name, with the leaf's
+  place where the output has several (``'model/layers/0[1][0]'``)."""
+  found: dict[tuple[str, int], tuple[str, list | None]] = {}
+  for k, (n, calls) in enumerate(steps):
+    for name, out in calls.items():
+      flat = jax.tree_util.tree_flatten_with_path(out)[0]
+      for i, (where, x) in enumerate(flat):
+        label, parts = found.get((name, i), (
+            name + (jax.tree_util.keystr(where) if len(flat) > 1 else ""),
+            []))
+        x = np.asarray(x)
+        fits = parts is not None and len(parts) == k and x.ndim >= 2 and (
+            x.shape[1] == n) and all(p.shape[:1] + p.shape[2:] == x.shape[:1]
+                                     + x.shape[2:] for p in parts[:1])
+        found[name, i] = label, [*parts, x] if fits else None
+  return {key: (label, None if parts is None or len(parts) < len(steps)
+                else np.concatenate(parts, axis=1))
+          for key, (label, parts) in found.items()}
+
+
+def _module_outputs(run: tuple[Any, list], head: tuple[Any, dict]
+                    ) -> dict[tuple[str, int], tuple[str, Any]]:
+  """A side's module outputs by position (:func:`_by_position`): its body's
+  calls, those of its head (computed at the head's numerics, in place of the
+  body's calls of the same modules), and its logits as ``'lm_head'``."""
+  logits, calls = head
+  width = np.shape(logits)[1]
+  heads = _by_position([(width, calls)])
+  replaced = {name for name, _ in heads} | {"lm_head"}
+  found = {k: v for k, v in _by_position(run[1]).items()
+           if k[0] not in replaced}
+  found.update(heads)
+  found["lm_head", 0] = "lm_head", np.asarray(logits)
+  return found
+
+
+def _paired(trainer: dict, sampler: dict, t_skip: int, s_skip: int
+            ) -> tuple[dict[str, np.ndarray], list[str]]:
+  """``({label: relative RMS per position}, unpaired labels)``: each module
+  output of row 0 that both sides have at every position of the sequence,
+  the sampler's against the trainer's (:func:`_relative`), in the order the
+  trainer's calls returned; the rest (one side's only, or shapes that do not
+  pair) by label."""
+  rel, unpaired = {}, []
+  for key in dict.fromkeys([*trainer, *sampler]):
+    label, a = trainer.get(key, sampler.get(key))
+    b = sampler.get(key, (None, None))[1]
+    if key in trainer and a is not None and b is not None:
+      a = np.asarray(a[0, t_skip:], np.float64)
+      b = np.asarray(b[0, s_skip:], np.float64)
+      if a.shape == b.shape:
+        rel[label] = _relative(b, a)
+        continue
+    unpaired.append(label)
+  return rel, unpaired
+
+
+def _unpaired_note(unpaired: Sequence[str]) -> str:
+  shown = ", ".join(unpaired[:8]) + (f" and {len(unpaired) - 8} more"
+                                     if len(unpaired) > 8 else "")
+  return (f"{len(unpaired)} module outputs are not compared position by "
+          f"position (one side alone has them, or they are not one value "
+          f"per position, such as a KV cache): {shown}.")
 
 
 def _batch(tokens: np.ndarray, lengths: tuple[int, ...], vocab: int,
@@ -500,10 +619,10 @@ def _shares(trainer, sampler, batch, gap, bar, hidden, logits, s_run,
 
   def rms_with(body, head, decode, batched):
     if (body, decode, batched) == (sampler.body(), True, bool(batch)):
-      states, skip = s_run
+      run, skip = s_run
     else:
-      states, skip = hidden(body, decode, batched)
-    z, _ = logits(states, skip, head)
+      run, skip = hidden(body, decode, batched)
+    z, _ = logits(run, skip, head)
     return figures_lib.gap_figures(t_logits, z, sampled, sampling).rms
 
   s_body, s_head = sampler.body(), sampler.lm_head()
@@ -578,8 +697,8 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
       figures cover the tokens after them.
     batch: lengths of other sequences (random tokens from ``seed``) the
       sampler decodes alongside, every row left-padded to the longest.
-    floor: the relative RMS difference of a hidden state counted as float32
-      rounding, not a divergence.
+    floor: the relative RMS difference of a module's output counted as
+      float32 rounding, not a divergence.
     seed: the other sequences' tokens.
     progress: show each phase on stderr (the trainer, the sampler, then each
       factor switched): a bar on a terminal, a line per phase elsewhere.
@@ -645,39 +764,40 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
     i, m, p, skip = (b_ids, b_mask, b_pos, pad) if batched else alone
     i, m, p = map(jnp.asarray, (i, m, p))
     if decode:  # a one-token prompt: no chunk, padding one step at a time
-      states = runs.decode(body, i, m, p, skip + prompt if prompt > 1 else 1)
+      run = runs.decode(body, i, m, p, skip + prompt if prompt > 1 else 1)
     else:  # teacher forcing: the trainer's plain call when alone
-      states = (runs.forward(body, i, None, None) if not batched
-                else runs.forward(body, i, m, p))
-    return states, skip
+      run = (runs.forward(body, i, None, None) if not batched
+             else runs.forward(body, i, m, p))
+    return run, skip
 
-  def logits(states, skip, head):
-    z = runs.head(head, states[-1])
+  def logits(run, skip, head):
+    z, calls = runs.head(head, run[0][-1])
     sl = slice(skip + prompt - 1, skip + len(ids) - 1)
-    return np.asarray(z[0, sl], np.float64), [
-        np.asarray(s[0, skip:], np.float64) for s in states] + [
-            np.asarray(z[0, skip:], np.float64)]
+    return np.asarray(z[0, sl], np.float64), (z, calls)
 
   sampled = ids[prompt:]
   bar = progress_lib.Phases(2 + len(FACTORS), "jaxprec sampler", progress)
   with bar:
     bar.update(f"trainer: teacher forcing, {trainer}")
-    t_states, t_skip = hidden(trainer.body(), False, False)
-    t_logits, t_layers = logits(t_states, t_skip, trainer.lm_head())
+    t_run, t_skip = hidden(trainer.body(), False, False)
+    t_logits, t_head = logits(t_run, t_skip, trainer.lm_head())
     bar.update(f"sampler: decode with a KV cache, {sampler}", advance=1)
-    s_states, s_skip = hidden(sampler.body(), True, bool(batch))
-    s_logits, s_layers = logits(s_states, s_skip, sampler.lm_head())
+    s_run, s_skip = hidden(sampler.body(), True, bool(batch))
+    s_logits, s_head = logits(s_run, s_skip, sampler.lm_head())
     gap = figures_lib.gap_figures(t_logits, s_logits, sampled, sampling)
     shares = _shares(trainer, sampler, batch, gap, bar, hidden, logits,
-                     (s_states, s_skip), t_logits, sampled, sampling)
+                     (s_run, s_skip), t_logits, sampled, sampling)
     bar.finish()
   remainder = gap.rms - sum(s.share for s in shares)
 
-
-  names = _layer_names(model, len(t_layers) - 1)
-  rel = np.stack([_relative(s, t) for s, t in zip(s_layers, t_layers)])
+  rel, unpaired = _paired(_module_outputs(t_run, t_head),
+                          _module_outputs(s_run, s_head), t_skip, s_skip)
+  if unpaired:
+    notes = (*notes, _unpaired_note(unpaired))
+  names = list(rel)
+  rel = np.stack(list(rel.values()))
   first = None
-  over = np.argwhere(rel.T > floor)  # (position, layer), in that order
+  over = np.argwhere(rel.T > floor)  # (position, module), in that order
   if len(over):
     p, layer = over[0]
     first = Divergence(int(p), names[layer], float(rel[layer, p]),

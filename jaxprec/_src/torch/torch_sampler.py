@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprec._src.models import llama
-from jaxprec._src.torch.torch_ref import import_torch
+from jaxprec._src.torch.torch_ref import floats, import_torch, run_hooked
 
 MODEL_TYPES = ("llama", "qwen2")
 
@@ -119,32 +119,48 @@ class TorchSampler:
     finally:
       self.model.train(training)
 
-  def hidden(self, ids: Any, mask: Any, positions: Any,
-             chunk: int | None) -> tuple[np.ndarray, ...]:
-    """The decoder's hidden states (float32): ``ids[:, :chunk]`` in one
-    chunk, then one token at a time with ``past_key_values``; ``chunk``
-    None: the whole sequence at once (teacher forcing)."""
+  def hidden(self, ids: Any, mask: Any, positions: Any, chunk: int | None
+             ) -> tuple[tuple[np.ndarray, ...], list[tuple[int, dict]]]:
+    """The decoder's hidden states (float32) and each step's module calls:
+    ``ids[:, :chunk]`` in one chunk, then one token at a time with
+    ``past_key_values``; ``chunk`` None: the whole sequence at once (teacher
+    forcing). A step is ``(n, {name: floating outputs})``: its ``n`` tokens
+    and the output of every submodule of the decoder that ran, seen by
+    forward hooks (:func:`jaxprec._src.torch.torch_ref.run_hooked`), named
+    by its path in the whole model as jaxprec names an NNX module
+    (``model/layers/0/self_attn``; ``'#0'``, ``'#1'`` for a module called
+    twice)."""
     torch = self._torch
     ids, mask, positions = (None if a is None else torch.tensor(
         np.array(a), dtype=torch.long, device=self.device)
                             for a in (ids, mask, positions))
     decoder = self.model.get_decoder()
-    with self._eval():
-      if chunk is None:
-        states = decoder(ids, attention_mask=mask, position_ids=positions,
-                         output_hidden_states=True).hidden_states
+    prefix = next(n for n, m in self.model.named_modules() if m is decoder)
+    steps, states, cache, at = [], [], None, 0
+    for n in ([ids.shape[1]] if chunk is None
+              else [chunk] + [1] * (ids.shape[1] - chunk)):
+      seen: dict[str, list] = {}
+      kwargs = dict(position_ids=None if positions is None
+                    else positions[:, at:at + n],
+                    output_hidden_states=True)
+      if chunk is not None:
+        kwargs.update(attention_mask=mask[:, :at + n], use_cache=True,
+                      past_key_values=cache)
       else:
-        steps, cache, at = [], None, 0
-        for n in [chunk] + [1] * (ids.shape[1] - chunk):
-          out = decoder(ids[:, at:at + n], attention_mask=mask[:, :at + n],
-                        position_ids=positions[:, at:at + n],
-                        past_key_values=cache, use_cache=True,
-                        output_hidden_states=True)
-          cache = out.past_key_values
-          steps.append(out.hidden_states)
-          at += n
-        states = [torch.cat(s, 1) for s in zip(*steps)]
-    return tuple(s.float().cpu().numpy() for s in states)
+        kwargs.update(attention_mask=mask)
+      out = run_hooked(
+          decoder, (ids[:, at:at + n],), kwargs, bool,  # not the decoder
+          lambda name, a, k, o: seen.setdefault(
+              ".".join(filter(None, (prefix, name))).replace(".", "/"),
+              []).append(floats(o)))
+      cache = out.past_key_values
+      states.append(out.hidden_states)
+      steps.append((n, {f"{name}#{i}" if len(outs) > 1 else name: o
+                        for name, outs in seen.items()
+                        for i, o in enumerate(outs)}))
+      at += n
+    return tuple(torch.cat(s, 1).float().cpu().numpy()
+                 for s in zip(*states)), steps
 
   def head(self, hidden: Any) -> np.ndarray:
     """The LM head's logits (float32) of hidden states, given to it in the
