@@ -550,6 +550,38 @@ def test_a_bug_in_one_modules_decode_is_named_there(tokens):
   assert d.relative_rms == pytest.approx(want, rel=1e-3)
 
 
+class _InCond(nnx.Module):
+  """Calls its MLP inside a cond (both branches run it)."""
+
+  def __init__(self, config, *, rngs):
+    self.inner = llama_lib._MLP(config, rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.cond(jnp.all(jnp.isfinite(x)), lambda m, x: m(x),
+                    lambda m, x: -m(x), self.inner, x)
+
+
+class _CondLlama(LlamaForCausalLM):
+  def __init__(self, config, *, rngs):
+    super().__init__(config, rngs=rngs)
+    self.model.layers[0].mlp = _InCond(config, rngs=rngs)
+
+
+def test_module_calls_inside_a_cond_are_named_as_not_compared(tokens,
+                                                              recwarn):
+  r = jaxprec.check_sampler(_CondLlama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)),
+                            tokens[:4])
+  assert r.first_divergence is None
+  inside = [f"model/layers/0/mlp/inner{p}" for p in (
+      "/gate_proj", "/up_proj", "/down_proj", "")]
+  assert [n for n in r.notes if "while_loop or cond" in n] == [
+      f"The outputs of {', '.join(inside)} are not compared: they run "
+      f"inside a while_loop or cond, out of which they cannot be taken."]
+  names = dict(r.layers)
+  assert "model/layers/0/mlp" in names and not set(inside) & set(names)
+  assert not [w for w in recwarn.list if "check_module" in str(w.message)]
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"trainer": "float32"}, TypeError, "jaxprec.Compute"),
     ({"prompt": 12}, ValueError, "1..11"),

@@ -443,16 +443,19 @@ class _Captured:
   output of every NNX module call in it, the capture of ``check_module``
   (:func:`jaxprec._src.checker.check.nnx_outputs`), as a tuple in the order
   the calls returned (a program's dict comes back sorted by name);
-  ``names`` names them once a call has traced ``fn``."""
+  ``names`` names them once a call has traced ``fn``, ``lost`` the modules
+  whose outputs it could not take out (inside a ``while_loop`` or
+  ``cond``)."""
 
   def __init__(self, graphdef: Any, method: str):
     self.run = check.nnx_outputs(graphdef,
                                  None if method == "__call__" else method)
     self.own = "output" if method == "__call__" else f"output.{method}"
     self.names: tuple[str, ...] = ()
+    self.lost: list[str] = []
 
   def __call__(self, state, /, *inputs):
-    out = self.run(state, *inputs)
+    out = self.run(state, *inputs, lost=self.lost)
     self.names = tuple(out)
     return tuple(out.values())
 
@@ -476,6 +479,7 @@ class _Runs:
     self.text = repr(self.graphdef)
     self.state = jax.tree.map(jnp.asarray, state)
     self.init_cache = model.init_cache
+    self.lost: dict[str, None] = {}  # modules whose outputs are not seen
 
   def call(self, method: str, setting: tuple[Any, str, str | None],
            *inputs: Any) -> tuple[Any, dict[str, Any]]:
@@ -485,6 +489,7 @@ class _Runs:
       fn = _Captured(self.graphdef, method)
     out = _program(fn, setting)(self.state, *inputs)  # traced: names
     calls = dict(zip(fn.names, out))
+    self.lost.update(dict.fromkeys(fn.lost))
     return calls.pop(fn.own), calls
 
   def forward(self, setting, ids, mask, positions):
@@ -794,6 +799,10 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
                           _module_outputs(s_run, s_head), t_skip, s_skip)
   if unpaired:
     notes = (*notes, _unpaired_note(unpaired))
+  if runs.lost:
+    notes = (*notes, f"The outputs of {', '.join(runs.lost)} are not "
+             f"compared: they run inside a while_loop or cond, out of which "
+             f"they cannot be taken.")
   names = list(rel)
   rel = np.stack(list(rel.values()))
   first = None
