@@ -550,6 +550,28 @@ def test_a_bug_in_one_modules_decode_is_named_there(tokens):
   assert d.relative_rms == pytest.approx(want, rel=1e-3)
 
 
+class _SharedMLP(LlamaForCausalLM):
+  """Layer 1 calls layer 0's MLP: one module, two calls a step."""
+
+  def __init__(self, config, *, rngs):
+    super().__init__(config, rngs=rngs)
+    self.model.layers[1].mlp = self.model.layers[0].mlp
+
+
+def test_a_module_called_twice_pairs_call_by_call_in_the_order_they_ran(
+    tokens):
+  r = jaxprec.check_sampler(_SharedMLP(LlamaConfig.tiny(),
+                                       rngs=nnx.Rngs(0)), tokens[:4])
+  assert r.first_divergence is None
+  names = [n for n, _ in r.layers]
+  # the second call's outputs come where it ran: in layer 1, after its norm
+  at = names.index("model/layers/1/post_attention_layernorm")
+  assert names[at + 1:at + 5] == [f"model/layers/0/mlp{c}#1" for c in (
+      "/gate_proj", "/up_proj", "/down_proj", "")]
+  assert names.index("model/layers/0/mlp#0") < names.index("model/layers/0")
+  assert not [n for n in r.notes if "mlp" in n]  # every call paired
+
+
 class _InCond(nnx.Module):
   """Calls its MLP inside a cond (both branches run it)."""
 

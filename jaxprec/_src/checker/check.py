@@ -572,25 +572,29 @@ def taken_out(run: Callable[..., dict], args: tuple,
   missing: list[str] = []
   leaves = walker.interpret(closed, _taking_marks(found, missing), *dynamic)
   out = jax.tree_util.tree_unflatten(holder["tree"], leaves)
-  # Marked leaves by layer, in the order they ran, as (treedef, {index:
-  # leaf}) per call; a layer met twice (a module called twice) is two calls.
+  # Marked leaves by layer as (treedef, {index: leaf}) per call; a layer met
+  # twice (a module called twice) is two calls. ``ran``: the calls in the
+  # order they ran, as (layer, call).
   calls: dict[str, list[tuple[Any, dict[int, Any]]]] = {}
+  ran: list[tuple[str, int]] = []
   for mark, value in found:
     name, tree, i = mark.rsplit("\x00", 2)
     runs = calls.setdefault(name, [])
     if not runs or int(i) in runs[-1][1] or _TREES[int(tree)] != runs[-1][0]:
       runs.append((_TREES[int(tree)], {}))
+      ran.append((name, len(runs) - 1))
     runs[-1][1][int(i)] = value
   for name, (treedef, consts) in structure.items():
     if name not in calls and name not in missing:  # constants alone: no mark
       calls[name] = [(treedef, {})] * len(consts)
-  for name, runs in calls.items():
+      ran += [(name, k) for k in range(len(consts))]
+  for name, k in ran:
+    treedef, got = calls[name][k]
     consts = structure.get(name, (None, []))[1]
-    _add_calls(out, name, [
+    out[name if len(calls[name]) == 1 else f"{name}#{k}"] = (
         jax.tree_util.tree_unflatten(treedef, [
             got.get(i, (consts[k] if k < len(consts) else {}).get(i))
-            for i in range(treedef.num_leaves)])
-        for k, (treedef, got) in enumerate(runs)])
+            for i in range(treedef.num_leaves)]))
   if missing:
     names = ", ".join(repr(n) for n in dict.fromkeys(missing))
     if lost is None:
