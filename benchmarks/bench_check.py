@@ -19,7 +19,13 @@ arguments include the kept reference). After a check, ``jax.live_arrays()``
 shows what it left on the device.
 
     python benchmarks/bench_check.py [--model wav2vec2] [--sizes small,base]
-        [--seconds 1.0] [--repeats 7] [--quick]
+        [--seconds 1.0] [--repeats 7] [--quick] [--forms]
+
+``--forms``: a first check (compile and run, a new function each time) and
+a check after compile, of a check's rows as they run (each row's layers,
+then one metrics program shared by the rows) next to one program per row
+computing its layers and their metrics together; alternating, medians of
+``--repeats``.
 
 ``--quick`` (a smoke test, seconds): a two-layer function, one repeat.
 
@@ -36,6 +42,7 @@ import os
 import platform
 import statistics
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +53,7 @@ from jaxprec._src.checker import harness, rows
 from jaxprec._src.core import numerics
 
 from _args import positive as _positive, positive_float as _positive_float
+from _one_program import one_program
 
 PRECISIONS = rows.DEFAULT_ROWS["tpu"]  # a check's default rows
 
@@ -75,13 +83,28 @@ def _mlp():
   return fn, (w, x)
 
 
-def bench(model: str, size: str, seconds: float, repeats: int) -> None:
+def _model(model: str, size: str, seconds: float):
   if model == "wav2vec2":
-    fn, args = jaxprec.models.wav2vec2(size, seconds=seconds)
-  elif model == "mlp":
-    fn, args = _mlp()
-  else:
-    fn, args = jaxprec.models.bert(size)
+    return jaxprec.models.wav2vec2(size, seconds=seconds)
+  if model == "mlp":
+    return _mlp()
+  return jaxprec.models.bert(size)
+
+
+def row_programs(fn, call, p, ref) -> tuple[Any, Any]:
+  """A check row's two compiled programs: its layers, then their metrics."""
+  layers = harness._layers_program(  # noqa: SLF001
+      fn, call, lambda f, _: p.wrap(f), ("layers", p.key), tuple(ref.names),
+      None, p.label)
+  values = layers(None, call.dynamic)
+  hi, lo, stats, _, atol, rtol = harness.candidate_args(call, ref, 1e-3, 1e-3)
+  metrics = harness._metrics_program(ref.layout, True)  # noqa: SLF001
+  return (layers.lower(None, call.dynamic).compile(),
+          metrics.lower(values, hi, lo, stats, atol, rtol).compile())
+
+
+def bench(model: str, size: str, seconds: float, repeats: int) -> None:
+  fn, args = _model(model, size, seconds)
   target, mode = "tpu", numerics.resolve_mode("auto", "tpu")
   plans = [rows.plan(p, target, mode) for p in PRECISIONS]
   ref_plan = harness.reference_plan("float32", target, mode)
@@ -133,13 +156,12 @@ def bench(model: str, size: str, seconds: float, repeats: int) -> None:
   ref_prog = harness._reference_program(fn, call, ref_plan, None, None)  # noqa: SLF001
   ref_peak = _peak(ref_prog.lower(call.dynamic).compile())
   fwd_peak = {k: _peak(f.lower(*args).compile()) for k, f in fwd.items()}
-  cand_peak = {}
-  for p in plans:
-    prog = harness._candidate_program(fn, call, p, ref, None)  # noqa: SLF001
-    cargs = harness.candidate_args(call, ref, 1e-3, 1e-3)
-    cand_peak[p.label] = _peak(prog.lower(*cargs).compile())
-  arg_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(args))
   kept = ref.hi.nbytes + (0 if ref.lo is None else ref.lo.nbytes)
+  # A row is two programs: its layers (while the packed reference is kept),
+  # then their metrics (the layers and the reference are its arguments).
+  cand_peak = {p.label: max(_peak(c) + extra for c, extra in zip(
+      row_programs(fn, call, p, ref), (kept, 0))) for p in plans}
+  arg_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(args))
   del ref
   print("peak memory (XLA buffer assignment of each compiled program):")
   print(f"  model arguments (params + input)        {_mb(arg_bytes)}")
@@ -163,6 +185,42 @@ def bench(model: str, size: str, seconds: float, repeats: int) -> None:
   print(f"  device arrays left alive by a check: {_mb(after - before)}")
 
 
+def forms(model: str, size: str, seconds: float, repeats: int) -> None:
+  """A first check and a check after compile, in each form, side by side."""
+  fn, args = _model(model, size, seconds)
+  mode = numerics.resolve_mode("auto", "tpu")
+  runs = {"layers, then metrics": harness.run_candidate,
+          "one program per row": one_program}
+  first: dict[str, list[float]] = {k: [] for k in runs}
+  after: dict[str, list[float]] = {k: [] for k in runs}
+  for _ in range(repeats):
+    for form, run in runs.items():
+      harness.run_candidate = run
+      try:
+        g = lambda *a: fn(*a)  # noqa: E731 -- a new function: nothing cached
+        t0 = time.perf_counter()
+        jaxprec.check(g, *args, mode=mode)
+        first[form].append(time.perf_counter() - t0)
+        times = []
+        for _ in range(3):
+          t0 = time.perf_counter()
+          jaxprec.check(g, *args, mode=mode)
+          times.append(time.perf_counter() - t0)
+        after[form].append(statistics.median(times))
+      finally:
+        harness.run_candidate = runs["layers, then metrics"]
+  print(f"\n== {model} {size}: the default rows ({', '.join(PRECISIONS)}), "
+        f"medians of {repeats} alternating runs")
+  for form in runs:
+    print(f"  {form:<22} first check {statistics.median(first[form]):7.2f} s"
+          f"   after compile {1e3 * statistics.median(after[form]):9.2f} ms")
+  one, two = "one program per row", "layers, then metrics"
+  print(f"  ratio (as they run / one program per row): first check "
+        f"{statistics.median(first[two]) / statistics.median(first[one]):.2f}x"
+        f", after compile "
+        f"{statistics.median(after[two]) / statistics.median(after[one]):.2f}x")
+
+
 def _sizes(text: str) -> str:
   sizes = ("tiny", "small", "base")
   bad = [s.strip() for s in text.split(",") if s.strip() not in sizes]
@@ -182,6 +240,9 @@ def main() -> None:
   parser.add_argument("--repeats", type=_positive, default=7)
   parser.add_argument("--quick", action="store_true",
                       help="a smoke test that runs in seconds")
+  parser.add_argument("--forms", action="store_true",
+                      help="a first check and a check after compile, as the "
+                           "rows run and as one program per row")
   a = parser.parse_args()
   if a.quick:
     a.model, a.sizes, a.repeats = "mlp", "-", 1
@@ -189,7 +250,7 @@ def main() -> None:
         f"{jax.default_backend()}, {os.cpu_count()} CPUs "
         f"({platform.machine()}); precisions: {', '.join(PRECISIONS)}")
   for size in a.sizes.split(","):
-    bench(a.model, size.strip(), a.seconds, a.repeats)
+    (forms if a.forms else bench)(a.model, size.strip(), a.seconds, a.repeats)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Per-device memory of ``jaxprec.check``'s programs on a batch sharded over 8 devices.
 
 Claim (docs/checker.md, "Sharded and multi-process runs"): on a batch sharded
-over several devices, every program of a check (the reference program and one
-candidate program per precision) keeps each device's share of the layers on
+over several devices, every program of a check (the reference program, and per precision the
+row's layers program and its metrics program) keeps each device's share of the layers on
 that device. Nothing is gathered onto one device: a check program's
 per-device memory follows the per-device batch, as the user's sharded
 forward does, not the global batch.
@@ -21,8 +21,8 @@ starts) and compiles each program three ways:
 * **global**: the same program on one device with the whole batch: what a
   program that gathers the layers would hold on one device.
 
-The candidate programs run against the reference the check computed, and
-once (``host ref``) against the same layers read from the host, as a
+The rows' programs run against the reference the check computed, and the
+metrics program once (``host ref``) against the same layers read from the host, as a
 reference from a file or a mapping is.
 
 It prints, per program, the bytes of each, the ratio of the sharded program
@@ -95,6 +95,18 @@ def _fullest(x: jax.Array) -> int:
   return max(per.values())
 
 
+def _row_programs(call, p, ref) -> tuple[Any, Any]:
+  """A check row's two compiled programs: its layers, then their metrics."""
+  layers = harness._layers_program(  # noqa: SLF001
+      _mlp, call, lambda f, _: p.wrap(f), ("layers", p.key),
+      tuple(ref.names), None, p.label)
+  values = layers(None, call.dynamic)
+  hi, lo, stats, _, atol, rtol = harness.candidate_args(call, ref, 1e-3, 1e-3)
+  metrics = harness._metrics_program(ref.layout, True)  # noqa: SLF001
+  return (layers.lower(None, call.dynamic).compile(),
+          metrics.lower(values, hi, lo, stats, atol, rtol).compile())
+
+
 def programs(args: tuple, precisions: tuple[str, ...]
              ) -> dict[str, dict[str, int]]:
   """Per-device bytes of the forward and of every check program at ``args``,
@@ -105,19 +117,18 @@ def programs(args: tuple, precisions: tuple[str, ...]
   ref = harness.build_reference(_mlp, call, "float32", target=TARGET, mode=MODE)
   ref_prog = harness._reference_program(_mlp, call, ref_plan, None, None)  # noqa: SLF001
   out["check: reference"] = _bytes(ref_prog.lower(call.dynamic).compile())
-  cargs = harness.candidate_args(call, ref, 1e-3, 1e-3)
   for name in precisions:
     p = rows.plan(name, TARGET, MODE)
-    prog = harness._candidate_program(_mlp, call, p, ref, None)  # noqa: SLF001
-    out[f"check: {name}"] = _bytes(prog.lower(*cargs).compile())
-  # A reference read from the host (a file, a mapping): the same candidate
-  # program, its packed reference placed by the check.
+    for part, compiled in zip(("layers", "metrics"),
+                              _row_programs(call, p, ref)):
+      out[f"check: {name} {part}"] = _bytes(compiled)
+  # A reference read from the host (a file, a mapping): the same programs,
+  # its packed reference placed by the check.
   layers = {k: np.asarray(v) for k, v in jax.jit(_mlp)(*args).items()}
   read = harness.build_reference(_mlp, call, layers, target=TARGET, mode=MODE)
   p = rows.plan(precisions[0], TARGET, MODE)
-  prog = harness._candidate_program(_mlp, call, p, read, None)  # noqa: SLF001
-  out[f"check: {p.label}, host ref"] = _bytes(prog.lower(
-      *harness.candidate_args(call, read, 1e-3, 1e-3)).compile())
+  out[f"check: {p.label} metrics, host ref"] = _bytes(
+      _row_programs(call, p, read)[1])
   out["kept"] = {"computed": _fullest(ref.hi), "host": _fullest(read.hi),
                  "whole": ref.hi.nbytes}
   return out
@@ -169,7 +180,7 @@ def main() -> int:
   fwd = figures["sharded"]["forward"]["total"]
   print("per-device bytes (XLA memory analysis: arguments + outputs + "
         "temporaries)")
-  print(f"  {'program':<26} {'sharded (8 dev)':>15} {'local (1 dev)':>15} "
+  print(f"  {'program':<34} {'sharded (8 dev)':>15} {'local (1 dev)':>15} "
         f"{'global (1 dev)':>15} {'/ forward':>9} {'/ local':>8}")
   kept = {k: figures[k].pop("kept") for k in figures}
   worst = 0.0
@@ -181,11 +192,11 @@ def main() -> int:
       worst = max(worst, ratio)
       if ratio > a.limit:
         failed.append(prog)
-    print(f"  {prog:<26} {_kb(s):>15} {_kb(l):>15} {_kb(g):>15} "
+    print(f"  {prog:<34} {_kb(s):>15} {_kb(l):>15} {_kb(g):>15} "
           f"{s / fwd:8.2f}x {ratio:7.2f}x")
   for prog in figures["sharded"]:
     d = figures["sharded"][prog]
-    print(f"  sharded {prog:<22} argument {_kb(d['argument'])}, output "
+    print(f"  sharded {prog:<34} argument {_kb(d['argument'])}, output "
           f"{_kb(d['output'])}, temp {_kb(d['temp'])}")
   k = kept["sharded"]
   print(f"kept packed reference, bytes on the fullest device: computed "

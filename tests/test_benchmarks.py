@@ -69,7 +69,8 @@ def test_bench_sharded_check_quick(tmp_path):
   """Every check program's per-device bytes follow the per-device batch."""
   out = run("bench_sharded_check.py", "--quick", tmp_path=tmp_path).stdout
   assert "8 cpu devices" in out and "global batch 512 (64 per device)" in out, out
-  for prog in ("forward", "check: reference", "check: bfloat16"):
+  for prog in ("forward", "check: reference", "check: bfloat16 layers",
+               "check: bfloat16 metrics"):
     m = re.search(rf"  {prog} +([\d.]+) KiB +([\d.]+) KiB +([\d.]+) KiB +"
                   rf"([\d.]+)x +([\d.]+)x", out)
     assert m, out

@@ -795,10 +795,40 @@ def test_external_reference_puts_the_float32_floor_first():
   assert r.floor is None
 
 
+def test_the_rows_share_one_metrics_program_and_compile_the_layers_alone():
+  # A row runs as its layers, then one metrics program per layout that
+  # every row shares: the rows' programs compile without the metrics (a
+  # first check of the default rows compiles several times faster so,
+  # benchmarks/bench_check.py --forms), and the metrics read the values the
+  # row returned.
+  from jaxprec._src.checker import harness
+
+  def fn(w, x):  # a layout of its own: (3, 5) and (3, 7)
+    h = jnp.tanh(x @ w)
+    return {"h": h, "g": jnp.concatenate([h, h[:, :2]], axis=1)}
+  w = jax.random.normal(jax.random.key(0), (4, 5))
+  x = jax.random.normal(jax.random.key(1), (3, 4))
+  before = harness._metrics_program.cache_info()
+  r = jaxprec.check(fn, w, x, mode="emulate", target="tpu",
+                    precisions=["bfloat16", "bfloat16_3x", "float32"])
+  after = harness._metrics_program.cache_info()
+  assert after.misses - before.misses == 1  # one metrics program
+  assert after.hits - before.hits == 2      # shared by the other two rows
+  # Its figures are the returned values' (float64 reference, NumPy).
+  ref = {k: np.asarray(v, np.float64) for k, v in fn(w, x).items()}
+  got = jaxprec.emulate(fn, "bfloat16", target="tpu")(w, x)
+  for name in ("h", "g"):
+    d = np.asarray(got[name], np.float64) - ref[name]
+    want = np.sqrt((d ** 2).mean() / (ref[name] ** 2).mean())
+    np.testing.assert_allclose(r.layer(name).metrics["bfloat16"].rel_rms,
+                               want, rtol=1e-5)
+
+
 # -- Benchmarks (they import the harness's internals) ---------------------------
 
 
-@pytest.mark.parametrize("script", ["bench_check.py", "bench_search.py"])
+@pytest.mark.parametrize("script", ["bench_check.py", "bench_search.py",
+                                    "bench_check.py --forms"])
 def test_benchmark_runs_quick(script):
   import os
   import pathlib
@@ -806,7 +836,8 @@ def test_benchmark_runs_quick(script):
   import sys
   root = pathlib.Path(__file__).resolve().parents[1]
   out = subprocess.run(
-      [sys.executable, str(root / "benchmarks" / script), "--quick"],
+      [sys.executable, str(root / "benchmarks" / script.split()[0]),
+       *script.split()[1:], "--quick"],
       capture_output=True, text=True, timeout=300, cwd=root,
       env={**os.environ, "PYTHONPATH": str(root)})
   assert out.returncode == 0, out.stderr[-2000:]
@@ -829,10 +860,10 @@ _FINITE_CASES = [
 
 
 @pytest.mark.parametrize("fn, args", _FINITE_CASES)
-def test_candidate_metrics_fused_or_not_are_those_of_the_masked_path(fn, args):
-  # check's fused program and the search's rows (fused=False) compile the
-  # all-finite metrics only and fall back to the masked metrics program on a
-  # NaN or an infinity: the numbers of the masked path alone, bit for bit
+def test_candidate_metrics_are_those_of_the_masked_path(fn, args):
+  # A row's metrics program (check's and the search's rows) compiles the
+  # all-finite metrics only and falls back to the masked metrics program on
+  # a NaN or an infinity: the numbers of the masked path alone, bit for bit
   # (repr is exact for floats and keeps NaN).
   import jax as jax_
   from jaxprec._src.checker import harness, metrics as metrics_lib
@@ -840,18 +871,18 @@ def test_candidate_metrics_fused_or_not_are_those_of_the_masked_path(fn, args):
   ref = harness.build_reference(fn, call, "float32", target="tpu",
                                 mode="emulate")
   p = rows.plan("bfloat16", "tpu", "emulate")
-  fused = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3)
-  unfused = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3, fused=False)
+  got = harness.run_candidate(fn, call, p, ref, 1e-3, 1e-3)
   hi, lo, stats, dynamic, atol, rtol = harness.candidate_args(
       call, ref, 1e-3, 1e-3)
   values = harness._layers_program(fn, call, lambda f, _: p.wrap(f), p.key,
-                                   tuple(ref.names), None)(None, dynamic)
+                                   tuple(ref.names), None, p.label)(None,
+                                                                     dynamic)
   masked = harness._metrics_program(ref.layout)(values, hi, lo, stats, atol,
                                                 rtol)
   want = metrics_lib.finish(jax_.device_get(masked), ref.layout)
-  assert repr(fused) == repr(unfused) == repr(want)
+  assert repr(got) == repr(want)
   if fn is not mlp:  # the fallback ran: the fast path counts no NaN
-    assert any(m.nan > 0 for m in fused)
+    assert any(m.nan > 0 for m in got)
 
 
 def _tagged(x):

@@ -469,48 +469,23 @@ def _computed_reference(fn, call: Args, reference: Any, target: str, mode: str,
   return hi, lo, stats, info, desc, kept, skipped, tuple(notes)
 
 
-def _candidate_program(fn, call: Args, p: Plan, ref: Reference,
-                       cache: dict | None):
-  """The jitted program ``(hi, lo, stats, dynamic, atol, rtol) -> stats``."""
-  names = tuple(ref.names)
-  layout, static = ref.layout, call.static
-  key = ("cand", p.key, call.key, names, layout, ref.lo is not None)
-
-  def make(fn_ref):
-    def program(hi, lo, stats, dynamic, atol, rtol):
-      layers = layers_lib.ordered_layers(p.wrap, fn_ref(), static, dynamic)
-      by_name = dict(layers)
-      missing = [n for n in names if n not in by_name]
-      if missing:
-        got = [n for n, _ in layers]
-        raise ValueError(
-            f"At precision {p.label!r} the output has layers {got[:6]}, "
-            f"the reference {list(names)[:6]}")
-      values = [by_name[n] for n in names]
-      # The layers are returned too (and dropped unread): otherwise XLA fuses
-      # their producers into the packing concatenate and computes them twice.
-      # They stay on the device and are freed at once. Only the all-finite
-      # path is compiled in (finite_only: a lax.cond costs more than the
-      # metrics on CPU); _finish computes the rest again where it does not
-      # hold.
-      return metrics_lib.layer_stats(values, hi, lo, stats, layout,
-                                     atol=atol, rtol=rtol,
-                                     finite_only=True), values
-    return Jit(program)
-
-  return _program(fn, key, make, cache)
-
-
 def _layers_program(fn, call: Args, wrap, key: Any, names: tuple[str, ...],
-                    cache: dict | None):
+                    cache: dict | None, label: str):
   """The jitted program ``(index, dynamic) -> layers`` of
-  ``wrap(fn, index)``."""
+  ``wrap(fn, index)``: the layers ``names``, in that order (``label`` names
+  the row in the error when one is missing)."""
   static = call.static
 
   def make(fn_ref):
     def program(index, dynamic):
-      by_name = dict(layers_lib.ordered_layers(
-          lambda f: wrap(f, index), fn_ref(), static, dynamic))
+      layers = layers_lib.ordered_layers(
+          lambda f: wrap(f, index), fn_ref(), static, dynamic)
+      by_name = dict(layers)
+      missing = [n for n in names if n not in by_name]
+      if missing:
+        raise ValueError(
+            f"At {label} the output has layers {[n for n, _ in layers][:6]}, "
+            f"the reference {list(names)[:6]}")
       return [by_name[n] for n in names]
     return Jit(program)
 
@@ -545,10 +520,18 @@ def _finish(out, values, ref: Reference, args
 
 def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
                   rtol: float, cache: dict | None = None, *,
-                  fused: bool = True,
                   seen: Callable[[list[Any]], None] | None = None
                   ) -> list[metrics_lib.LayerMetrics]:
   """Runs one row and returns its metrics, one per reference layer.
+
+  Two programs: the row's layers, then their metrics, compiled once per
+  layout and shared by every row (and every check of that layout). The
+  metrics read the very values the row computed, and the rows compile
+  without them: a first check of the default rows took 0.4x to 0.7x the
+  time of one program per row computing both
+  (``benchmarks/bench_check.py --forms``). The metrics compile the
+  all-finite path only, and compute again with the masked path where a NaN
+  or an infinity needs it.
 
   Args:
     fn, call: the function and its arguments.
@@ -556,25 +539,13 @@ def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
     ref: the reference (:func:`build_reference`).
     atol, rtol: the tolerance of ``frac_outside`` and ``required_atol``.
     cache: where to keep the program (default: the global per-fn cache).
-    fused: one program computes the layers and their metrics (default:
-      ``check``, which reuses its programs and runs faster so,
-      ``benchmarks/bench_check.py``); else the metrics are a second program,
-      compiled once per layout and shared by every row (the search, whose
-      rows are new programs, compiles faster so). Both compile the
-      all-finite metrics only, and compute them again with the masked path
-      where a NaN or an infinity needs it.
     seen: called with the row's layers (device arrays, in the order of
       ``ref.names``) before they are dropped: the logits gates copy one of
-      them to the host. The programs are the same with it or without.
+      them to the host.
   """
-  if fused:
-    args = candidate_args(call, ref, atol, rtol)
-    out, values = _candidate_program(fn, call, p, ref, cache)(*args)
-    if seen is not None:
-      seen(values)
-    return _finish(out, values, ref, args)
-  return _run_unfused(fn, call, lambda f, _: p.wrap(f), ("layers", p.key),
-                      None, ref, cache, atol, rtol, seen)
+  return _run(fn, call, lambda f, _: p.wrap(f), ("layers", p.key),
+                      None, ref, cache, atol, rtol, seen,
+                      f"precision {p.label!r}")
 
 
 def run_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
@@ -590,19 +561,19 @@ def run_indexed(fn, call: Args, wrap: Callable[[Callable[..., Any], Any],
   program, as :func:`run_candidate` with ``fused=False`` (``seen`` as
   there).
   """
-  return _run_unfused(fn, call, wrap, ("indexed", key), index, ref, cache,
-                      0.0, 0.0, seen)
+  return _run(fn, call, wrap, ("indexed", key), index, ref, cache,
+                      0.0, 0.0, seen, "the switched program")
 
 
-def _run_unfused(fn, call: Args, wrap, key: Any, index: Any, ref: Reference,
+def _run(fn, call: Args, wrap, key: Any, index: Any, ref: Reference,
                  cache: dict | None, atol: float, rtol: float,
-                 seen: Callable[[list[Any]], None] | None = None
-                 ) -> list[metrics_lib.LayerMetrics]:
+                 seen: Callable[[list[Any]], None] | None,
+                 label: str) -> list[metrics_lib.LayerMetrics]:
   """The metrics of ``wrap(fn, index)``'s layers, a second program."""
   args = candidate_args(call, ref, atol, rtol)
   hi, lo, stats, dynamic, atol_, rtol_ = args
-  values = _layers_program(fn, call, wrap, key, tuple(ref.names), cache)(
-      index, dynamic)
+  values = _layers_program(fn, call, wrap, key, tuple(ref.names), cache,
+                           label)(index, dynamic)
   if seen is not None:
     seen(values)
   out = _metrics_program(ref.layout, True)(values, hi, lo, stats, atol_, rtol_)

@@ -160,8 +160,7 @@ class _Runner:
       self.fixed_runs += 1
       p = rows.plan(policy, self.target, self.mode, chip=self.tensor_cores)
       return harness.run_candidate(self.fn, self.call, p, self.ref, 0.0, 0.0,
-                                   cache=self._programs, fused=False,
-                                   seen=seen), "fixed"
+                                   cache=self._programs, seen=seen), "fixed"
     index = switch.index_of(
         [len(self.precisions) - 1] * len(self.units) if levels is None
         else levels)
