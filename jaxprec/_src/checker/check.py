@@ -249,7 +249,6 @@ def check(fn: Callable[..., Any], *args: Any,
       seconds[p.label] = time.perf_counter() - t0
     bar.finish()
   native = harness.native_notes(fn, call, plans)  # ops not emulated
-  del call  # holds the arguments
   labels = [p.label for p in plans if p.label != floor]
   if mode == "native" and backend == "cpu":
     notes.append("native mode on CPU: the CPU ignores matmul precision, so "
@@ -290,7 +289,7 @@ def check(fn: Callable[..., Any], *args: Any,
             and logits_lib.masked_only(ref.kept) else None)
   notes += nonfinite_reference_notes(layers, ref.name, masked=masked)
   if (not (mode == "native" and backend == "cpu")  # said above
-      and rows_agree(layers, labels) and not _holds_matmul(fn, args, kwargs)):
+      and rows_agree(layers, labels) and not harness.holds_matmul(fn, call)):
     same = "" if len(labels) < 2 else "every row is the same: "
     notes.append(
         f"{same}the function has no matmul or convolution (no dot_general "
@@ -386,15 +385,6 @@ def rows_agree(layers: Sequence[LayerResult], labels: Sequence[str]) -> bool:
     return (m.max_abs, m.rel_rms, m.required_atol, m.nan, m.inf)
   return bool(labels) and all(
       len({repr(figures(l.metrics[p])) for p in labels}) == 1 for l in layers)
-
-
-def _holds_matmul(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
-  """Whether ``fn(*args, **kwargs)`` runs a matmul or a convolution (traced,
-  not run); True when it cannot be traced here."""
-  try:
-    return walker.holds_matmul(walker.trace_call(fn, args, kwargs).jaxpr)
-  except Exception:  # noqa: BLE001 -- the check ran: say nothing
-    return True
 
 
 _COLLECTION = "intermediates"

@@ -175,20 +175,39 @@ def narrow_compute(fn, call: Args, cache: dict | None = None
   return _program(fn, key, make, cache)
 
 
-def refused_dots(fn, call: Args, cache: dict | None = None) -> tuple[str, ...]:
-  """The algorithms of ``fn``'s dots at ``call``'s signature that the backend
-  refuses (``emulate.refused_algorithm``: a ``lax.DotAlgorithm`` or a preset
-  such as ``TF32_TF32_F32`` on CPU), which a float32 or float64 reference
-  computes exactly (``emulate.exact_refused_dots``). One trace, cached."""
+def _traced(fn, call: Args, cache: dict | None) -> tuple[tuple[str, ...], bool]:
+  """What one trace of ``fn`` at ``call``'s signature shows, cached: the
+  algorithms of its dots that the backend refuses (``emulate.
+  refused_algorithm``: a ``lax.DotAlgorithm`` or a preset such as
+  ``TF32_TF32_F32`` on CPU), and whether it runs a matmul or a
+  convolution."""
   def make(fn_ref):
     closed = jax.make_jaxpr(lambda dynamic: call.call(
         nnx_policy.bind(fn_ref(), None), dynamic))(call.dynamic)
     found = (emulate_lib.refused_algorithm(w.eqn)
              for w in walker.iter_eqns(closed))
-    return tuple(dict.fromkeys(name for name in found if name))
+    return (tuple(dict.fromkeys(name for name in found if name)),
+            walker.holds_matmul(closed.jaxpr))
   key = None if call.key is None else (
-      "refused", call.key, trees.signature(call.dynamic), compat.trace_context())
+      "traced", call.key, trees.signature(call.dynamic), compat.trace_context())
   return _program(fn, key, make, cache)
+
+
+def refused_dots(fn, call: Args, cache: dict | None = None) -> tuple[str, ...]:
+  """The algorithms of ``fn``'s dots that the backend refuses, which a
+  float32 or float64 reference computes exactly
+  (``emulate.exact_refused_dots``). One trace, cached."""
+  return _traced(fn, call, cache)[0]
+
+
+def holds_matmul(fn, call: Args, cache: dict | None = None) -> bool:
+  """Whether ``fn`` runs a matmul or a convolution at ``call``'s signature
+  (one trace, cached, shared with :func:`refused_dots`); True when it
+  cannot be traced here."""
+  try:
+    return _traced(fn, call, cache)[1]
+  except Exception:  # noqa: BLE001 -- the check ran: say nothing
+    return True
 
 
 # ---------------------------------------------------------------------------
