@@ -242,3 +242,31 @@ def test_the_table_of_output_structures_is_bounded(monkeypatch):
   with pytest.warns(UserWarning, match="'body/inner'"):
     r = jaxprec.check_module(_JitNet(nnx.Rngs(0)), X, **ROW)
   assert _names(r) == ["body", "output"]
+
+
+class _NnxBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.fc(x))
+
+
+class _LinenWithToLinen(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nnx.bridge.ToLinen(_NnxBlock, name="blk")(x)
+    return nn.Dense(8, name="head")(h)
+
+
+def test_nnx_layers_inside_to_linen_are_not_listed_under_any_row():
+  """A policy row gives them the hook, the reference does not: neither
+  lists them, and the rule for the block reaches its matmul."""
+  net = _LinenWithToLinen()
+  v = net.init(jax.random.key(0), X)
+  policy = "default=bfloat16,blk(/.*)?=float32"
+  r = jaxprec.check_module(net, v, X, precisions=["bf16", policy],
+                           mode="emulate")
+  assert _names(r) == ["blk", "head", "output"]
+  assert r.layers[0].metrics[policy].rel_rms < 1e-6 < (
+      r.layers[0].metrics["bf16"].rel_rms)
