@@ -164,7 +164,8 @@ def run(module: Any, path: str, call: Callable[..., Any], args: tuple,
 
 
 class Observer(Protocol):
-  """Sees one module call as it returns (:func:`observing`); returns None,
+  """Sees one module call as it returns (:func:`observing`; with
+  ``methods=True``, also given ``method=``, the method's name); returns None,
   or the output the call returns instead (the same structure and values:
   ``check_module`` marks each leaf with ``checkpoint_name``)."""
 
