@@ -270,3 +270,28 @@ def test_nnx_layers_inside_to_linen_are_not_listed_under_any_row():
   assert _names(r) == ["blk", "head", "output"]
   assert r.layers[0].metrics[policy].rel_rms < 1e-6 < (
       r.layers[0].metrics["bf16"].rel_rms)
+
+
+class _Same(nnx.Module):
+  def __call__(self, x):
+    return x
+
+
+class _NnxIdentityOutput(nnx.Module):
+  """Its submodule 'output' returns its input: the same figures as 'a'."""
+
+  def __init__(self, rngs):
+    self.a = nnx.Linear(8, 8, rngs=rngs)
+    self.output = _Same()
+
+  def __call__(self, x):
+    return self.output(self.a(x))
+
+
+def test_the_table_folds_the_root_not_a_submodule_named_output():
+  from jaxprec._src.checker import render
+  r = jaxprec.check_module(_NnxIdentityOutput(nnx.Rngs(0)), X, **ROW)
+  assert _names(r) == ["a", "output", "(root)"]
+  assert r.layers[0].metrics == r.layers[1].metrics == r.layers[2].metrics
+  # The root returns its child's output: one row; 'output' holds no 'a'.
+  assert render.folded(r) == {2: 1}
