@@ -295,3 +295,11 @@ def test_the_table_folds_the_root_not_a_submodule_named_output():
   assert r.layers[0].metrics == r.layers[1].metrics == r.layers[2].metrics
   # The root returns its child's output: one row; 'output' holds no 'a'.
   assert render.folded(r) == {2: 1}
+
+
+@pytest.mark.parametrize("capture", [False, "__call__", None])
+def test_a_capture_that_is_not_a_filter_is_refused(capture):
+  with pytest.raises(TypeError, match=r"capture must be True or a filter "
+                     r"\(module, method_name\) -> bool; got " + repr(capture)
+                     .replace("(", r"\(")):
+    jaxprec.check_module(_NnxHeadNamedOutput(nnx.Rngs(0)), X, capture=capture)

@@ -687,7 +687,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     A :class:`jaxprec.DivergenceReport`.
 
   Raises:
-    TypeError: ``module`` is not a Flax module, or linen variables are missing.
+    TypeError: ``module`` is not a Flax module, linen variables are missing,
+      or ``capture`` is neither True nor a callable.
     ValueError: as :func:`check`; an external reference layer that names no
       layer of the module (a ``ReferenceMismatchError`` naming it, the
       module's layers and the closest one).
@@ -730,7 +731,8 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
   linen module's).
 
   Raises:
-    TypeError: as :func:`check_module`.
+    TypeError: as :func:`check_module`; a ``capture`` that is neither True
+      nor callable.
     ValueError: the method gives no output.
   """
   import flax.linen as nn  # noqa: PLC0415 -- Flax only when in use
@@ -776,6 +778,9 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
     raise TypeError(f"check_module expects a Flax module (flax.linen or "
                     f"flax.nnx); got {type(module).__name__} (use "
                     f"jaxprec.check for functions)")
+  if capture is not True and not callable(capture):
+    raise TypeError(f"check_module: capture must be True or a filter "
+                    f"(module, method_name) -> bool; got {capture!r}")
   wants = capture if callable(capture) else (
       lambda m, name: name == "__call__")
   bridged = nnx.bridge.ToNNX
