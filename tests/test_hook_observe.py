@@ -121,3 +121,32 @@ def test_a_swapped_model_is_observed_once_per_call_under_its_policy():
   _assert_calls(seen, _expected(v["params"], x))
   report = jaxprec.policy_report(swapped)
   assert {m.path for m in report.matches} >= {"block/fc", "head"}
+
+
+class LinenEncoder(nn.Module):
+  @nn.compact
+  def encode(self, x):
+    return jnp.tanh(nn.Dense(3, name="fc")(x))
+
+  def __call__(self, x):
+    return self.encode(x) * 2
+
+
+def test_an_observer_of_every_method_sees_linen_methods_by_name():
+  x = np.ones((5, 4), np.float32)
+  enc = LinenEncoder()
+  v = enc.init(jax.random.key(0), x)
+  every, calls = [], []
+  with hook.observing(lambda p, m, a, k, out, method: every.append(
+      (p, method, out)), methods=True), \
+      hook.observing(lambda p, *a: calls.append(p)):
+    y = enc.apply(v, x)
+  assert [(p, m) for p, m, _ in every] == [
+      ("fc", "__call__"), ("", "encode"), ("", "__call__")]
+  assert calls == ["fc", ""]  # __call__ only
+  p = v["params"]["fc"]
+  want = np.tanh(x @ np.asarray(p["kernel"], np.float64)
+                 + np.asarray(p["bias"], np.float64))
+  np.testing.assert_allclose(np.asarray(every[1][2], np.float64), want,
+                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(y, np.float64), 2 * want, rtol=1e-6)

@@ -77,8 +77,8 @@ def test_linen_scan_layers_are_reported_stacked():
   assert _first(r) == "z_in"
   # The stacked outputs are each iteration's, computed independently.
   from jaxprec._src.checker import check as check_lib
-  out = check_lib.linen_outputs(net, variables, (X,), {}, method=None,
-                                capture=True)
+  fn, _, args = check_lib.module_outputs(net, (variables, X), {})
+  out = fn(*args)
   p = variables["params"]
   h = np.asarray(X) @ np.asarray(p["z_in"]["kernel"]) + np.asarray(
       p["z_in"]["bias"])

@@ -1,5 +1,5 @@
 """The divergence checker: ``jaxprec.check`` and ``jaxprec.check_module``
-(with :func:`linen_outputs`, the capture of a linen module's outputs).
+(with :func:`module_outputs`, the capture of a Flax module's outputs).
 
 Each candidate run is one jitted program that computes ``fn`` at its
 precision and reduces every layer to the scalars of
@@ -14,11 +14,12 @@ precision name means in each mode is :mod:`jaxprec._src.checker.rows`'s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -387,7 +388,6 @@ def rows_agree(layers: Sequence[LayerResult], labels: Sequence[str]) -> bool:
       len({repr(figures(l.metrics[p])) for p in labels}) == 1 for l in layers)
 
 
-_COLLECTION = "intermediates"
 _MARK = "jaxprec layer "  # checkpoint_name prefix of a marked output leaf
 _INLINED = frozenset({"jit", "pjit", "checkpoint", "remat2",
                       "custom_jvp_call", "custom_vjp_call"})
@@ -444,83 +444,32 @@ def _scan(eqn, invals, found, lost) -> list[Any]:
   return [*carry, *ys]
 
 
-def linen_outputs(module: Any, variables: Mapping, inputs: tuple,
-                  kwargs: dict, *, method: str | None,
-                  capture: bool | Callable[[Any, str], bool],
-                  lost: list[str] | None = None) -> dict[str, Any]:
-  """Every captured submodule output of ``module.apply(variables, *inputs)``.
-
-  :func:`linen_outputs` runs ``module.apply`` with Flax's
-  ``capture_intermediates`` and names every captured output by module path
-  (``'encoder/layers_0/attention'``; the root's own output is ``'output'``; a
-  method other than ``__call__`` adds ``'.method'``, and with ``capture=True``
-  the root's method is one of the outputs; a module called twice gets
-  ``'#0'``, ``'#1'``).
-
-  Flax's ``nn.scan`` carries only the collections its ``variable_axes``,
-  ``variable_broadcast`` and ``variable_carry`` name, so the outputs that
-  ``capture_intermediates`` sows inside the loop are dropped unless
-  ``'intermediates'`` is one of them. Here a method interceptor marks the
-  output of every module call that cannot sow with
-  ``jax.ad_checkpoint.checkpoint_name`` (an identity that stays in the jaxpr),
-  the call is traced to a jaxpr, and the jaxpr is evaluated again with the
-  marked values taken out: a ``scan`` that holds marks runs as a ``lax.scan``
-  that also returns them, stacked along a leading axis of the loop's length;
-  ``jit``, ``remat`` and custom-derivative bodies that hold marks are
-  evaluated in place. Each scanned layer is then one layer with its outputs of
-  every iteration stacked, under its module path (the scanned body's own
-  output, the carry and ``y`` of each iteration, under the scanned module's
-  path). Marks inside a ``while_loop`` or ``cond`` cannot be taken out; those
-  layers are named in a warning.
-
-  Args:
-    module: a ``flax.linen.Module``.
-    variables: its variables.
-    inputs, kwargs: the call's arguments.
-    method: the method to call (None: ``__call__``).
-    capture: ``True`` (every ``__call__``) or a filter ``(module,
-      method_name) -> bool`` as ``capture_intermediates`` takes.
-    lost: where to append the names of outputs that cannot be taken out
-      (inside a ``while_loop`` or ``cond``); None: a warning names them.
-
-  Returns:
-    ``{name: output}``, named as said above. Outputs of scanned modules have
-    a leading axis of the loop's length.
-  """
-  from flax import linen as nn  # noqa: PLC0415 -- Flax only when in use
-
-  wants = capture if callable(capture) else (
-      lambda m, name: name == "__call__")
-  structure: dict[str, Any] = {}  # a marked output's name -> its treedef
-
-  def interceptor(next_fun, args, kw, context):
-    out = next_fun(*args, **kw)
-    mod, name = context.module, context.method_name
-    if (mod.scope is None or mod.is_mutable_collection(_COLLECTION)
-        or not wants(mod, name)):
-      return out  # capture_intermediates sows it (or it is not asked for)
-    return _marked(_output_name(tuple(str(p) for p in mod.scope.path), name),
-                   out, structure)
-
-  def run(variables, *inputs):
-    with nn.intercept_methods(interceptor):
-      own, state = module.apply(variables, *inputs, method=method,
-                                capture_intermediates=capture,
-                                mutable=[_COLLECTION], **kwargs)
-    out: dict[str, Any] = {}
-    _collect(state.get(_COLLECTION, {}), (), out)
-    root = _output_name((), method or "__call__")
-    if method is not None and capture is True and root not in out:
-      out[root] = own  # the method's own output, as __call__'s is 'output'
-    return out
-  return taken_out(run, (variables, *inputs), structure, lost)
-
-
-# The treedefs of marked outputs, numbered; a mark carries its number, so
-# that a body traced once and reused (nnx.jit's cache) is read in any trace.
-_TREEDEFS: dict[Any, int] = {}
-_TREES: list[Any] = []
+# The treedefs of marked outputs by number, the _KEPT most recently used
+# (a long session does not grow the table): a mark carries its number, so that
+# a body traced once and reused (nnx.jit's cache) is read in a later trace.
+_KEPT = 4096
+_TREES: dict[int, Any] = {}  # number -> treedef, least recently used first
+_TREEDEFS: dict[Any, int] = {}  # treedef -> number
+_COUNT = itertools.count()
 _TREES_LOCK = threading.Lock()
+
+
+def _tree(treedef: Any = None, number: int | None = None) -> Any:
+  """The number of ``treedef`` (a new one for a treedef not kept), or the
+  treedef of ``number`` (None once dropped); either is then most recent."""
+  with _TREES_LOCK:
+    if number is None:
+      number = _TREEDEFS.get(treedef)
+      if number is None:
+        number = _TREEDEFS[treedef] = next(_COUNT)
+        while len(_TREES) >= _KEPT:
+          del _TREEDEFS[_TREES.pop(next(iter(_TREES)))]
+      _TREES[number] = _TREES.pop(number, treedef)
+      return number
+    found = _TREES.pop(number, None)
+    if found is not None:
+      _TREES[number] = found
+    return found
 
 
 def _marked(key: str, out: Any, structure: dict[str, Any]) -> Any:
@@ -530,15 +479,12 @@ def _marked(key: str, out: Any, structure: dict[str, Any]) -> Any:
   numbers, NumPy arrays: the caller gets them as they are) kept in
   ``structure``, one dict per call, so that the report has every leaf."""
   leaves, treedef = jax.tree_util.tree_flatten(out)
-  with _TREES_LOCK:
-    if treedef not in _TREEDEFS:
-      _TREEDEFS[treedef] = len(_TREES)
-      _TREES.append(treedef)
+  number = _tree(treedef)
   structure[key] = treedef, [*structure.get(key, (None, []))[1], {
       i: x for i, x in enumerate(leaves)
       if isinstance(x, (int, float, complex, np.ndarray, np.generic))}]
   return jax.tree_util.tree_unflatten(treedef, [
-      checkpoint_name(x, f"{_MARK}{key}\x00{_TREEDEFS[treedef]}\x00{i}")
+      checkpoint_name(x, f"{_MARK}{key}\x00{number}\x00{i}")
       if isinstance(x, jax.Array) else x for i, x in enumerate(leaves)])
 
 
@@ -546,10 +492,16 @@ def taken_out(run: Callable[..., dict], args: tuple,
               structure: dict[str, Any], lost: list[str] | None
               ) -> dict[str, Any]:
   """``run(*args)`` (a dict of outputs by name) with every output that
-  :func:`_marked` marked in it added by its name: its jaxpr evaluated again
-  with the marked values taken out, out of ``scan`` bodies stacked along a
-  leading axis (:func:`linen_outputs`); those inside a ``while_loop`` or
-  ``cond`` are appended to ``lost`` (None: named in a warning)."""
+  :func:`_marked` marked in it added by its name.
+
+  ``run`` is traced to a jaxpr, which is evaluated again with the marked
+  values taken out: a ``scan`` that holds marks (``nn.scan``, ``nnx.scan``,
+  which carry no collection of module outputs) runs as a ``lax.scan`` that
+  also returns them, stacked along a leading axis of the loop's length;
+  ``jit``, ``remat`` and custom-derivative bodies that hold marks are
+  evaluated in place. Marks inside a ``while_loop`` or ``cond`` cannot be
+  taken out: their names are appended to ``lost`` (None: named in a
+  warning)."""
   statics, dynamic = trees.split_call(args, {})
   holder: dict[str, Any] = {}
 
@@ -568,10 +520,15 @@ def taken_out(run: Callable[..., dict], args: tuple,
   calls: dict[str, list[tuple[Any, dict[int, Any]]]] = {}
   ran: list[tuple[str, int]] = []
   for mark, value in found:
-    name, tree, i = mark.rsplit("\x00", 2)
+    name, number, i = mark.rsplit("\x00", 2)
+    tree = _tree(number=int(number))
+    tree = structure.get(name, (None,))[0] if tree is None else tree
+    if tree is None:  # a reused trace's, its number dropped since
+      missing.append(name)
+      continue
     runs = calls.setdefault(name, [])
-    if not runs or int(i) in runs[-1][1] or _TREES[int(tree)] != runs[-1][0]:
-      runs.append((_TREES[int(tree)], {}))
+    if not runs or int(i) in runs[-1][1] or tree != runs[-1][0]:
+      runs.append((tree, {}))
       ran.append((name, len(runs) - 1))
     runs[-1][1][int(i)] = value
   for name, (treedef, consts) in structure.items():
@@ -590,7 +547,9 @@ def taken_out(run: Callable[..., dict], args: tuple,
     if lost is None:
       warnings.warn(
           f"jaxprec.check_module cannot take out the outputs of {names}: "
-          f"they run inside a while_loop or cond; they are not checked.",
+          f"they run inside a while_loop or cond (or in a trace JAX "
+          f"reused from {_KEPT} output structures ago); they are not "
+          f"checked.",
           UserWarning, stacklevel=3)
     else:
       lost.extend(n for n in dict.fromkeys(missing) if n not in lost)
@@ -598,9 +557,24 @@ def taken_out(run: Callable[..., dict], args: tuple,
 
 
 def _output_name(path: tuple[str, ...], method: str) -> str:
-  """A module output's name (see :func:`linen_outputs`)."""
-  base = "/".join(path) or "output"
+  """A module output's name: its path, ``'.method'`` for a method other
+  than ``__call__`` (or a name it sows); the root's start with ``''``
+  (:func:`module_outputs` prefixes them)."""
+  base = "/".join(path)
   return base if method == "__call__" else f"{base}.{method}"
+
+
+def _root(names: Iterable[str]) -> str:
+  """The prefix of the root's layers among ``names``: ``'output'``
+  (``'output.encode'``), unless a submodule is named ``'output'``: then
+  ``'(root)'``."""
+  return "(root)" if any(n.split("/")[0].split(".")[0].split("#")[0]
+                         == "output" for n in names) else "output"
+
+
+def _rooted(name: str) -> bool:
+  """Whether ``name`` (:func:`_output_name`) is one of the root's."""
+  return not name or name[0] in ".#"
 
 
 def _add_calls(out: dict, name: str, calls: Any) -> None:
@@ -608,15 +582,6 @@ def _add_calls(out: dict, name: str, calls: Any) -> None:
   calls = tuple(calls) if isinstance(calls, (tuple, list)) else (calls,)
   for i, x in enumerate(calls):
     out[name if len(calls) == 1 else f"{name}#{i}"] = x
-
-
-def _collect(tree: Mapping, path: tuple[str, ...], out: dict) -> None:
-  """Names the captured outputs of ``tree`` (an ``'intermediates'`` dict)."""
-  for k, v in tree.items():
-    if isinstance(v, Mapping):
-      _collect(v, path + (str(k),), out)
-    else:  # a method name -> its outputs, one per call
-      _add_calls(out, _output_name(path, k), v)
 
 
 def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
@@ -628,7 +593,7 @@ def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
   ``nn.scan``, ``nnx.scan``, ...), whose outputs JAX and Flax rebuild with
   sorted keys. A value is computed when its last leaf is; of values computed
   by one operation (a module that returns its child's output), the deeper
-  module path comes first, the root's ``'output'`` (or a method's,
+  module path comes first, the root's (``'output'``, a method's
   ``'output.encode'``) last.
   """
   statics, dynamic = trees.split_call(args, kwargs)
@@ -648,7 +613,7 @@ def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
     when[name] = max(when.get(name, t), t)
   seen = list(dict.fromkeys(n for n, _ in names))
   return tuple(sorted(seen, key=lambda n: (when[n], -n.count("/"),
-                                            n.split(".")[0] == "output")))
+                                            _rooted(n))))
 
 
 def _in_order(out: dict, order: Sequence[str]) -> dict:
@@ -669,15 +634,19 @@ def check_module(module: Any, *args: Any, method: str | None = None,
                  **kwargs: Any) -> DivergenceReport:
   """:func:`check` over every submodule's output of a Flax module.
 
-  For a ``flax.linen`` module call ``check_module(module, variables, *inputs)``:
-  it runs ``module.apply`` with ``capture_intermediates`` and checks each
-  captured output, named by module path (``'encoder/layers_0/attention'``; the
-  root's own output is ``'output'``; a module called twice gets ``#0``,
-  ``#1``). For a ``flax.nnx`` module call ``check_module(model, *inputs)``:
-  the outputs of every submodule's ``__call__`` are seen through jaxprec's
-  one module hook (the one policies and the port check use) on a copy; the
-  model is never mutated. Values a module sows (``Module.sow``) are layers
-  too, named ``'block.scores'`` (the module's path, the name sown).
+  For a ``flax.linen`` module call ``check_module(module, variables, *inputs)``;
+  for a ``flax.nnx`` module call ``check_module(model, *inputs)``. Both see
+  the output of every submodule's ``__call__`` through jaxprec's one module
+  hook (the one policies and the port check use; NNX: on a copy, so the
+  model is never mutated), named by module path
+  (``'encoder/layers_0/attention'``; a module called twice gets ``#0``,
+  ``#1``). The root's own output is ``'output'`` (a method's:
+  ``'output.encode'``), or ``'(root)'`` (``'(root).encode'``) when a
+  submodule is named ``output``, which keeps its path. Values a module sows
+  (``Module.sow``) are layers too, named ``'block.scores'`` (the module's
+  path, the name sown). The linen modules inside an NNX model's
+  ``nnx.bridge.ToNNX`` are listed under its path; the NNX modules inside a
+  linen model's ``nnx.bridge.ToLinen`` are not.
   Layers are named by module path and ordered by when they are computed
   (children before their parent), also inside ``nn.jit``, ``nn.remat``,
   ``nn.scan``, ``nnx.jit``, ``nnx.remat`` and ``nnx.scan``, so that
@@ -685,7 +654,7 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   that runs. A scanned layer (``nn.scan``, ``nnx.scan``) is one layer with
   its outputs of every iteration stacked along a leading axis; outputs that
   cannot be taken out of a ``while_loop`` or ``cond`` are named in a warning
-  (:func:`linen_outputs`).
+  (:func:`taken_out`).
 
   Args:
     module: a ``flax.linen.Module`` (or one bound to its variables,
@@ -693,9 +662,10 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     *args: for linen, the variables then the inputs (a bound module: the
       inputs alone); for nnx, the inputs.
     method: the method to call instead of ``__call__`` (linen: its name).
-    capture: linen only: ``True`` (every submodule's ``__call__``) or a
-      filter ``(module, method_name) -> bool`` as ``capture_intermediates``
-      takes.
+    capture: ``True`` (every submodule's ``__call__``) or a filter
+      ``(module, method_name) -> bool`` of the calls to check (as linen's
+      ``capture_intermediates`` takes): on linen every method's call
+      reaches it, on NNX each ``__call__``.
     precisions, reference, target, mode, atol, rtol, progress, cache, chip,
     tpu_matvec_f32, logits, logits_k: as :func:`check` (``logits`` names a
       module output, e.g. ``'output'`` or ``'lm_head'``; not with
@@ -719,7 +689,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
     A :class:`jaxprec.DivergenceReport`.
 
   Raises:
-    TypeError: ``module`` is not a Flax module, or linen variables are missing.
+    TypeError: ``module`` is not a Flax module, linen variables are missing,
+      or ``capture`` is neither True nor a callable.
     ValueError: as :func:`check`; an external reference layer that names no
       layer of the module (a ``ReferenceMismatchError`` naming it, the
       module's layers and the closest one).
@@ -754,12 +725,21 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
   searches); ``key`` names ``fn`` for the program caches; ``args`` are the
   model's state or variables, then the inputs. The model is never mutated.
 
+  Both APIs go through the one hook (:func:`hook.observing`): each module
+  call it shows is marked (:func:`_marked`) and taken out of the program
+  (:func:`taken_out`). The NNX modules a linen model's ``ToLinen`` makes are
+  not listed (they get the hook under a policy only); the linen modules of
+  an NNX model's ``ToNNX`` are, under its path (the ToNNX's own call is its
+  linen module's).
+
   Raises:
-    TypeError: as :func:`check_module`.
+    TypeError: as :func:`check_module`; a ``capture`` that is neither True
+      nor callable.
     ValueError: the method gives no output.
   """
-  import flax.linen as nn
-  from flax import nnx
+  import flax.linen as nn  # noqa: PLC0415 -- Flax only when in use
+  from flax import nnx  # noqa: PLC0415
+  from flax import traverse_util  # noqa: PLC0415
   if isinstance(module, nn.Module) and module.scope is not None:
     # Bound (module.bind(variables)): its variables, then the inputs.
     module, variables = module.unbind()
@@ -770,76 +750,113 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
                       "variables (a dict with 'params') come first, or pass "
                       "the module bound to them: "
                       "check_module(linen_module.bind(variables), *inputs)")
-    variables = {k: v for k, v in args[0].items() if k != "intermediates"}
+    args = ({k: v for k, v in args[0].items() if k != "intermediates"},
+            *args[1:])
+    key: tuple = ("linen", module)
 
-    def captured(variables, /, *inputs, lost=None, **kw):
-      return linen_outputs(module, variables, inputs, kw, method=method,
-                           capture=capture, lost=lost)
-    # This trace warns of outputs that cannot be checked; the rows' do not.
-    order = _execution_order(captured, (variables, *args[1:]), kwargs)
-    _some_output(order, module, method)
-
-    def linen_fn(variables, /, *inputs, **kw):
-      return _in_order(captured(variables, *inputs, lost=[], **kw), order)
-    return (linen_fn, ("linen", module, method, capture, order),
-            (variables, *args[1:]))
-  if isinstance(module, nnx.Module):
+    def call(variables, /, *inputs, **kw):
+      own, state = module.apply(variables, *inputs, method=method,
+                                mutable=["intermediates"], **kw)
+      return own, traverse_util.flatten_dict(
+          state.get("intermediates", {})).items()
+  elif isinstance(module, nnx.Module):
     graphdef, state = nnx.split(module)
-    captured = nnx_outputs(graphdef, method)
-    order = _execution_order(captured, (state, *args), kwargs)
-    _some_output(order, module, method)
-
-    def nnx_fn(state, /, *inputs, **kw):
-      return _in_order(captured(state, *inputs, lost=[], **kw), order)
     # The graph definition's text too: static attributes that compare equal
     # but trace differently (2 and 2.0) give equal graph definitions.
-    key = ("nnx", graphdef, repr(graphdef), method, order)
-    return nnx_fn, key, (state, *args)
-  raise TypeError(f"check_module expects a Flax module (flax.linen or "
-                  f"flax.nnx); got "
-                  f"{type(module).__name__} (use jaxprec.check for functions)")
+    args, key = (state, *args), ("nnx", graphdef, repr(graphdef))
+
+    call = _nnx_call(graphdef, method)
+  else:
+    raise TypeError(f"check_module expects a Flax module (flax.linen or "
+                    f"flax.nnx); got {type(module).__name__} (use "
+                    f"jaxprec.check for functions)")
+  if capture is not True and not callable(capture):
+    raise TypeError(f"check_module: capture must be True or a filter "
+                    f"(module, method_name) -> bool; got {capture!r}")
+  captured = _capturing(call, key[0], method, capture)
+  order = _execution_order(captured, args, kwargs)
+  _some_output(order, module, method)
+  root = _root(order)
+
+  def fn(*args, **kw):
+    out = _in_order(captured(*args, lost=[], **kw), order)
+    return {root + n if _rooted(n) else n: v for n, v in out.items()}
+  return fn, (*key, method, capture, order), args
 
 
 def nnx_outputs(graphdef: Any, method: str | None) -> Callable[..., dict]:
-  """``captured(state, *inputs, lost=None, **kw)``: the output of every NNX
+  """``captured(state, *inputs, lost=None, **kw)``: the output of every
   module call of ``method`` (None: ``__call__``) on ``nnx.merge(graphdef,
   state)``, a new object each time, by name (:func:`_output_name`; ``'#0'``,
-  ``'#1'`` for a module called twice), in the order the calls return; a
-  method other than ``__call__`` adds its own output (``'output.METHOD'``).
-  Each output is marked as the call returns (the hook's observers) and taken
-  out of the program (:func:`taken_out`), so that a jitted or emulated
-  ``captured`` returns them all; the policy in force reaches the copy as it
-  reaches the model itself."""
-  from flax import nnx
+  ``'#1'`` for a module called twice), the capture of :func:`check_module`
+  (the root's own call is ``'output'``; a method other than ``__call__``
+  adds its own output, ``'output.METHOD'``). Each output is marked as the
+  call returns (the hook's observers) and taken out of the program
+  (:func:`taken_out`), so that a jitted or emulated ``captured`` returns
+  them all; the policy in force reaches the copy as it reaches the model
+  itself."""
+  captured = _capturing(_nnx_call(graphdef, method), "nnx", method, True)
 
-  def captured(state, /, *inputs, lost=None, **kw):
+  def named(*args, lost=None, **kw):
+    out = captured(*args, lost=lost, **kw)
+    root = _root(out)
+    return {root + n if _rooted(n) else n: v for n, v in out.items()}
+  return named
+
+
+def _nnx_call(graphdef: Any, method: str | None) -> Callable[..., Any]:
+  """``call(state, *inputs, **kw) -> (output, sown)`` of ``method`` on a new
+  object of ``graphdef`` (the user's model is untouched), with the hook."""
+  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
+
+  def call(state, /, *inputs, **kw):
+    m = nnx.merge(graphdef, state)
+    # The hook, as on the model itself: its module paths are seen (the
+    # audit, a search's units), a policy row's rules reach them.
+    scope = flax_state.active()
+    nnx_policy.apply(m, None if scope is None else scope.policy,
+                     None if scope is None else scope.recorder)
+    nnx.pop(m, nnx.Intermediate)  # what an earlier call sowed
+    own = (m if method is None else getattr(m, method))(*inputs, **kw)
+    return own, [(p, v.get_value()) for p, v in nnx.to_flat_state(
+        nnx.state(m, nnx.Intermediate))]
+  return call
+
+
+def _capturing(call: Callable[..., Any], kind: str, method: str | None,
+               capture: Any) -> Callable[..., dict]:
+  """``captured(*args, lost=None, **kw)``: ``call``'s module outputs (the
+  hook's observers, ``capture``'s calls), what it sows, and the method's own
+  output where it is not ``__call__``, by name; ``kind``: ``'linen'`` or
+  ``'nnx'``."""
+  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
+  wants = capture if callable(capture) else (
+      lambda m, name: name == "__call__")
+  bridged = nnx.bridge.ToNNX
+
+  def captured(*args, lost=None, **kw):
     structure: dict[str, Any] = {}
 
-    def observer(path, module, args, kwargs, out):
-      if isinstance(module, nnx.Module):  # linen inside: its own path
-        return _marked(_output_name(
-            tuple(flax_paths.split(path)), "__call__"), out, structure)
-      return None
+    def observer(path, module, args, kwargs, out, method):
+      if ((kind == "linen" and isinstance(module, nnx.Module))
+          or (isinstance(module, bridged)
+              and kwargs.get("method") in (None, "__call__"))
+          or not wants(module, method)):
+        return None
+      return _marked(_output_name(flax_paths.split(path), method), out,
+                     structure)
 
-    def run(state, *inputs):
-      m = nnx.merge(graphdef, state)  # a new object: the user's is untouched
-      # The hook, as on the model itself: its module paths are seen (the
-      # audit, a search's units), a policy row's rules reach them, and
-      # each call's output is marked to be taken out.
-      scope = flax_state.active()
-      nnx_policy.apply(m, None if scope is None else scope.policy,
-                       None if scope is None else scope.recorder)
-      nnx.pop(m, nnx.Intermediate)  # what an earlier call sowed
-      with hook.observing(observer):
-        own = (m if method is None else getattr(m, method))(*inputs, **kw)
-      root = _output_name((), method or "__call__")
-      out = {} if method is None else {root: own}
-      # What the model sows (Module.sow) is checked too, as on linen.
-      for path, var in nnx.to_flat_state(nnx.state(m, nnx.Intermediate)):
+    def run(*args):
+      with hook.observing(observer, methods=True):
+        own, sown = call(*args, **kw)
+      out = {} if method is None or capture is not True else {
+          _output_name((), method): own}
+      # What the model sows (Module.sow) is checked too.
+      for path, value in sown:
         _add_calls(out, _output_name(tuple(map(str, path[:-1])),
-                                     str(path[-1])), var.get_value())
+                                     str(path[-1])), value)
       return out
-    return taken_out(run, (state, *inputs), structure, lost)
+    return taken_out(run, args, structure, lost)
   return captured
 
 

@@ -261,11 +261,12 @@ def labels(report: Any) -> dict[str, str]:
   return out
 
 
-def _contains(outer: str, inner: str) -> bool:
+def _contains(outer: str, inner: str, root: str = "output") -> bool:
   """Whether the layer ``outer`` is a module that holds ``inner`` (a module
-  path below it, or any layer for the root's ``'output'``)."""
-  if outer == "output":
-    return inner != "output"
+  path below it, or any layer for the root's, ``root``: ``'output'``, or
+  ``'(root)'`` beside a submodule named ``output``)."""
+  if outer == root:
+    return inner != root
   return (len(inner) > len(outer) and inner.startswith(outer)
           and inner[len(outer)] in "/[")
 
@@ -281,9 +282,10 @@ def folded(report: Any) -> dict[int, int]:
   """
   out: dict[int, int] = {}
   ls = report.layers
+  root = "(root)" if any(l.name == "(root)" for l in ls) else "output"
   for i in range(1, len(ls)):
     a, b = ls[i - 1], ls[i]
-    if (_contains(b.name, a.name) and a.shape == b.shape
+    if (_contains(b.name, a.name, root) and a.shape == b.shape
         and dict(a.metrics) == dict(b.metrics)):
       out[i] = out.get(i - 1, i - 1)
   return out

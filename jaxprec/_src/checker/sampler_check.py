@@ -450,7 +450,7 @@ class _Captured:
   def __init__(self, graphdef: Any, method: str):
     self.run = check.nnx_outputs(graphdef,
                                  None if method == "__call__" else method)
-    self.own = "output" if method == "__call__" else f"output.{method}"
+    self.own = "" if method == "__call__" else f".{method}"  # after the root
     self.names: tuple[str, ...] = ()
     self.lost: list[str] = []
 
@@ -490,7 +490,8 @@ class _Runs:
     out = _program(fn, setting)(self.state, *inputs)  # traced: names
     calls = dict(zip(fn.names, out))
     self.lost.update(dict.fromkeys(fn.lost))
-    return calls.pop(fn.own), calls
+    own = next(n for n in calls if n in ("output" + fn.own, "(root)" + fn.own))
+    return calls.pop(own), calls
 
   def forward(self, setting, ids, mask, positions):
     """``(hidden states, [(width, module calls)])`` of teacher forcing."""

@@ -164,7 +164,8 @@ def run(module: Any, path: str, call: Callable[..., Any], args: tuple,
 
 
 class Observer(Protocol):
-  """Sees one module call as it returns (:func:`observing`); returns None,
+  """Sees one module call as it returns (:func:`observing`; with
+  ``methods=True``, also given ``method=``, the method's name); returns None,
   or the output the call returns instead (the same structure and values:
   ``check_module`` marks each leaf with ``checkpoint_name``)."""
 
@@ -174,26 +175,29 @@ class Observer(Protocol):
 
 
 class _Observers(threading.local):
-  """This thread's observers, outermost first."""
+  """This thread's observers, outermost first, each with whether it sees
+  every method (:func:`observing`'s ``methods``)."""
 
   def __init__(self):
-    self.stack: list[Observer] = []
+    self.stack: list[tuple[Observer, bool]] = []
 
 
 _OBSERVERS = _Observers()
 
 
 def _observed(path: str, module: Any, args: tuple, kwargs: dict,
-              out: Any) -> Any:
+              out: Any, method: str = "__call__") -> Any:
   """``out``, as the observers see it and may replace it, innermost last."""
-  for observer in _OBSERVERS.stack:
-    seen = observer(path, module, args, kwargs, out)
-    out = out if seen is None else seen
+  for observer, methods in _OBSERVERS.stack:
+    if methods or method == "__call__":
+      seen = observer(path, module, args, kwargs, out,
+                      **({"method": method} if methods else {}))
+      out = out if seen is None else seen
   return out
 
 
 @contextlib.contextmanager
-def observing(observer: Observer) -> Iterator[None]:
+def observing(observer: Observer, *, methods: bool = False) -> Iterator[None]:
   """``observer(path, module, args, kwargs, output)`` for every module
   ``__call__`` that returns in the block, in the order the calls end
   (children before their parent; the top module's path is ``''``).
@@ -205,8 +209,12 @@ def observing(observer: Observer) -> Iterator[None]:
   passed bound, as it ran). The observer runs while the call's trace does:
   inside a JAX transform its values are that transform's tracers. What it
   returns, where not None, is the call's output from then on.
+
+  ``methods``: the observer also sees the calls of a linen module's other
+  methods (not ``setup``), and each call as ``observer(path, module, args,
+  kwargs, output, method=name)``; NNX calls are ``__call__``'s only.
   """
-  _OBSERVERS.stack.append(observer)
+  _OBSERVERS.stack.append((observer, methods))
   try:
     with _linen_observed():
       yield
@@ -228,8 +236,9 @@ def _linen_observed() -> Iterator[None]:
     path = paths.of(module)
     with paths.entered(path, module):
       out = next_fun(*args, **kwargs)
-    if context.method_name == "__call__" and module.scope is not None:
-      out = _observed(flax_paths.join(path), module, args, kwargs, out)
+    if module.scope is not None and context.method_name != "setup":
+      out = _observed(flax_paths.join(path), module, args, kwargs, out,
+                      context.method_name)
     return out
   with nn.intercept_methods(interceptor):
     yield
