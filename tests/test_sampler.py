@@ -342,6 +342,30 @@ def test_a_bfloat16_attention_is_the_attentions_share(model, tokens):
   _adds_up(r)
 
 
+def test_a_model_without_an_attention_module_says_the_factor_reaches_nothing(
+    tokens):
+  # Attention is found by its module's class (the op kind 'attention'); a
+  # model whose attention class is named otherwise gets no attention=
+  # precision, and the factor's 0 share is said to mean nothing.
+  plain = LlamaForCausalLM(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+  mixer = type("Mixer", (llama_lib._Attention,), {})
+  renamed = 0
+  for _, m in nnx.iter_graph(plain):
+    if type(m) is llama_lib._Attention:
+      m.__class__ = mixer
+      renamed += 1
+  assert renamed == LlamaConfig.tiny().num_layers
+  r = jaxprec.check_sampler(plain, tokens, trainer=F32_GPU, sampler=ATTN_BF16)
+  shares = {s.factor: s for s in r.shares}
+  assert shares["attention"].share == 0 and r.total <= 1e-5
+  assert any("No module of the model is an attention module" in n
+             for n in r.notes), r.notes
+  r = jaxprec.check_sampler(LlamaForCausalLM(LlamaConfig.tiny(),
+                                             rngs=nnx.Rngs(0)),
+                            tokens, trainer=F32_GPU, sampler=ATTN_BF16)
+  assert not any("attention module" in n for n in r.notes), r.notes
+
+
 def test_a_bfloat16_body_splits_into_the_attention_and_the_rest(model,
                                                                  tokens):
   # Without attention=, each side's attention computes at its body's

@@ -51,6 +51,8 @@ from jaxprec._src.core import numerics
 from jaxprec._src.core.precision import PrecisionLike, resolve
 from jaxprec._src.emulation import emulated_ops
 from jaxprec._src.emulation.emulate import emulate
+from jaxprec._src.flax import hook
+from jaxprec._src.flax import paths as flax_paths
 from jaxprec._src.policy import policy as policy_lib
 from jaxprec._src.policy.policy import Policy
 from jaxprec._src.torch import torch_sampler
@@ -800,6 +802,12 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
                           _module_outputs(s_run, s_head), t_skip, s_skip)
   if unpaired:
     notes = (*notes, _unpaired_note(unpaired))
+  if not _attends(model):
+    notes = (*notes, "No module of the model is an attention module (a "
+             "class whose name has 'Attention' in it, or Flax's "
+             "MultiHeadAttention): attention= reaches no matmul, and the "
+             "attention factor's 0 share says nothing of its attention; "
+             "its matmuls are the body's.")
   if runs.lost:
     notes = (*notes, f"The outputs of {', '.join(runs.lost)} are not "
              f"compared: they run inside a while_loop or cond, out of which "
@@ -819,6 +827,13 @@ def check_sampler(model: Any, tokens: Any, *, trainer: Compute = Compute(),
       remainder=float(remainder), total=gap.rms,
       layers=tuple((n, float(r)) for n, r in zip(names, rel.max(axis=1))),
       first_divergence=first, floor=float(floor), notes=notes)
+
+
+def _attends(model: Any) -> bool:
+  """Whether a module of the NNX ``model`` is one the op kind
+  ``'attention'`` reaches (:func:`jaxprec._src.flax.hook.classify`)."""
+  return any(hook.classify_nnx(m)[1] == "attention"
+             for _, m in flax_paths.nnx_modules(model))
 
 
 def _describe(setting: Any) -> str:
