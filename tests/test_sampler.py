@@ -604,6 +604,30 @@ def test_module_calls_inside_a_cond_are_named_as_not_compared(tokens,
   assert not [w for w in recwarn.list if "check_module" in str(w.message)]
 
 
+class _HeadNamedOutput(LlamaForCausalLM):
+  """The tiny Llama with its head as a submodule named ``output``."""
+
+  def __init__(self, config, *, rngs):
+    super().__init__(config, rngs=rngs)
+    self.output, self.lm_head = self.lm_head, None
+
+  def head(self, hidden):
+    return self.output(hidden)
+
+
+def test_a_head_named_output_is_a_module_output_beside_the_roots(tokens):
+  # The root's own output is then '(root)', never the submodule 'output'.
+  stock, named = (jaxprec.check_sampler(
+      cls(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), tokens[:4],
+      trainer=TPU_DEFAULT, sampler=H100_BF16)
+                  for cls in (LlamaForCausalLM, _HeadNamedOutput))
+  layers = dict(named.layers)
+  assert layers.pop("output") == dict(stock.layers)["lm_head"]
+  assert layers == dict(stock.layers)
+  assert named.first_divergence == stock.first_divergence
+  assert named.total == stock.total
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"trainer": "float32"}, TypeError, "jaxprec.Compute"),
     ({"prompt": 12}, ValueError, "1..11"),

@@ -490,7 +490,8 @@ class _Runs:
     out = _program(fn, setting)(self.state, *inputs)  # traced: names
     calls = dict(zip(fn.names, out))
     self.lost.update(dict.fromkeys(fn.lost))
-    own = next(n for n in calls if n in ("output" + fn.own, "(root)" + fn.own))
+    # '(root)' where a submodule is named 'output' (check._root).
+    own = ("(root)" if "(root)" + fn.own in calls else "output") + fn.own
     return calls.pop(own), calls
 
   def forward(self, setting, ids, mask, positions):
