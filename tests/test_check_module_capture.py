@@ -303,3 +303,14 @@ def test_a_capture_that_is_not_a_filter_is_refused(capture):
                      r"\(module, method_name\) -> bool; got " + repr(capture)
                      .replace("(", r"\(")):
     jaxprec.check_module(_NnxHeadNamedOutput(nnx.Rngs(0)), X, capture=capture)
+
+
+def test_a_capture_filter_that_picks_no_call_is_named():
+  # The error blamed the method (it "calls no submodule"), which does.
+  net = _LinenEncoded()
+  v = net.init(jax.random.key(0), X)
+  for model, args in ((net, (v, X)), (_NnxHeadNamedOutput(nnx.Rngs(0)), (X,))):
+    with pytest.raises(ValueError, match=(
+        rf"{type(model).__name__}.__call__ gave no output to check: the "
+        r"capture= filter <function .*> picked none of its module calls")):
+      jaxprec.check_module(model, *args, capture=lambda m, name: False)
