@@ -75,7 +75,10 @@ def layers(tree: Any) -> list[tuple[str, Any]]:
   dup = [n for n, c in collections.Counter(n for n, _ in out).items() if c > 1]
   if dup:
     raise ValueError(f"Two layers of the output have the same name {dup[0]!r}; "
-                     f"rename the keys of the returned pytree.")
+                     f"rename the keys of the returned pytree (in "
+                     f"check_module: a value a module sows (Module.sow) is "
+                     f"named as a key of its output, 'block.name': rename "
+                     f"one of them).")
   return out
 
 
