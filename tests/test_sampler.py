@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxprec._src.checker import check
 from jaxprec._src.models import llama as llama_lib
 from jaxprec._src.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -626,6 +627,21 @@ def test_a_head_named_output_is_a_module_output_beside_the_roots(tokens):
   assert layers == dict(stock.layers)
   assert named.first_divergence == stock.first_divergence
   assert named.total == stock.total
+
+
+def test_unpaired_outputs_are_named_as_check_module_names_them(model, tokens):
+  # The note wrote model['hidden_states'][0] for check_module's
+  # model.hidden_states[0].
+  r = jaxprec.check_sampler(model, tokens[:4])
+  note, = [n for n in r.notes if "not compared position by position" in n]
+  fn, _, args = check.module_outputs(model, (jnp.asarray(tokens[None, :4]),),
+                                     {})
+  names = set(jaxprec.named_layers(fn(*args)))
+  listed = note.split(": ", 1)[1].split(" and ")[0].split(", ")
+  assert "model.hidden_states[0]" in listed and "model.hidden_states[0]" in names
+  # the rest are the decode's alone (each attention's cache, k and v)
+  assert set(listed) - names == {f"model/layers/0{a}[1][{i}]" for a in (
+      "", "/self_attn") for i in (0, 1)}
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
