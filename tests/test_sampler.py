@@ -638,7 +638,8 @@ def test_unpaired_outputs_are_named_as_check_module_names_them(model, tokens):
                                      {})
   names = set(jaxprec.named_layers(fn(*args)))
   listed = note.split(": ", 1)[1].split(" and ")[0].split(", ")
-  assert "model.hidden_states[0]" in listed and "model.hidden_states[0]" in names
+  first = "model.hidden_states[0]"
+  assert first in listed and first in names
   # the rest are the decode's alone (each attention's cache, k and v)
   assert set(listed) - names == {f"model/layers/0{a}[1][{i}]" for a in (
       "", "/self_attn") for i in (0, 1)}
