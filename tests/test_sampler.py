@@ -245,7 +245,7 @@ def test_float32_decode_is_the_float32_trainer(model, tokens):
   caches = [f"model/layers/{i}{a}[1][{j}]" for i in range(2)
             for a in ("/self_attn", "") for j in (0, 1)]
   assert note.startswith(f"{len(caches) + 4} module outputs")
-  assert "model['hidden_states'][0], " in note
+  assert "model.hidden_states[0], " in note
   assert all(c in note for c in caches[:4]) and "and 4 more" in note
 
 
