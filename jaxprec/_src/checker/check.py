@@ -280,8 +280,7 @@ def check(fn: Callable[..., Any], *args: Any,
     shown = ", ".join(f"{n!r} ({w})" for n, w in skipped[:6]) + (
         f" and {len(skipped) - 6} more" if len(skipped) > 6 else "")
     notes.append(f"not compared: {shown}, outputs that are not floating-point "
-                 f"arrays (token ids, masks, counts) or have no elements; "
-                 f"the check compares "
+                 f"arrays (token ids, masks, counts); the check compares "
                  f"floating-point layers (token ids through their logits: "
                  f"logits=)")
   notes += native

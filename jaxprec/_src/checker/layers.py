@@ -74,17 +74,10 @@ def is_float(x: Any) -> bool:
     return False
 
 
-def _compared(x: Any) -> bool:
-  """Whether ``x`` is a layer: a floating array with elements (an empty
-  one has no error to measure)."""
-  return is_float(x) and 0 not in x.shape
-
-
 def layers(tree: Any) -> list[tuple[str, Any]]:
-  """``(name, leaf)`` for every floating leaf with elements; ValueError on
-  duplicate names."""
+  """``(name, leaf)`` for every floating leaf; ValueError on duplicate names."""
   out = [(path_name(p).lstrip(".") or "output", v)
-         for p, v in _leaves_with_paths(tree) if _compared(v)]
+         for p, v in _leaves_with_paths(tree) if is_float(v)]
   dup = [n for n, c in collections.Counter(n for n, _ in out).items() if c > 1]
   if dup:
     raise ValueError(f"Two layers of the output have the same name {dup[0]!r}; "
@@ -97,16 +90,14 @@ def layers(tree: Any) -> list[tuple[str, Any]]:
 
 def not_compared(tree: Any) -> list[tuple[str, str]]:
   """``(name, what)`` of every leaf :func:`layers` leaves out: Python numbers
-  and arrays that are not floating (token ids, masks, counts) or empty,
-  named as the layers are, ``what`` their type or dtype (``'int'``,
-  ``'int32'``, ``'empty float32'``)."""
+  and arrays that are not floating (token ids, masks, counts), named as the
+  layers are, ``what`` their type or dtype (``'int'``, ``'int32'``)."""
   out = []
   for p, v in _leaves_with_paths(tree):
-    if v is None or _compared(v):
+    if v is None or is_float(v):
       continue
     dtype = getattr(v, "dtype", None)
     what = str(dtype) if dtype is not None else type(v).__name__
-    what = f"empty {what}" if is_float(v) else what
     out.append((path_name(p).lstrip(".") or "output", what))
   return out
 
