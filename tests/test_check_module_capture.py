@@ -303,3 +303,41 @@ def test_a_capture_that_is_not_a_filter_is_refused(capture):
                      r"\(module, method_name\) -> bool; got " + repr(capture)
                      .replace("(", r"\(")):
     jaxprec.check_module(_NnxHeadNamedOutput(nnx.Rngs(0)), X, capture=capture)
+
+
+def test_a_capture_filter_that_picks_no_call_is_named():
+  # The error blamed the method (it "calls no submodule"), which does.
+  net = _LinenEncoded()
+  v = net.init(jax.random.key(0), X)
+  for model, args in ((net, (v, X)), (_NnxHeadNamedOutput(nnx.Rngs(0)), (X,))):
+    with pytest.raises(ValueError, match=(
+        rf"{type(model).__name__}.__call__ gave no output to check: the "
+        r"capture= filter <function .*> picked none of its module calls")):
+      jaxprec.check_module(model, *args, capture=lambda m, name: False)
+
+
+class _SowsAndReturns(nn.Module):
+  """Sows 'h' and returns {'h': ...}: both are layer 's.h'."""
+
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(8, name="d")(x)
+    self.sow("intermediates", "h", y * 2)
+    return {"h": y * 3}
+
+
+class _SowsInside(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return _SowsAndReturns(name="s")(x)["h"]
+
+
+def test_a_sown_name_that_is_also_an_output_key_is_named_as_such():
+  # The error asked to rename "the keys of the returned pytree", which
+  # check_module builds, not the user.
+  net = _SowsInside()
+  v = net.init(jax.random.key(0), X)
+  with pytest.raises(ValueError, match=(
+      r"same name 's\.h'.*a value a module sows \(Module\.sow\) is named "
+      r"as a key of its output")):
+    jaxprec.check_module(net, v, X, **ROW)

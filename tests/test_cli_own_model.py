@@ -85,6 +85,11 @@ MODEL = textwrap.dedent("""\
       m = Mlp()
       return m, (m.init(jax.random.key(0), X), X)
 
+    def linen_frozen():
+      from flax.core import freeze
+      m = Mlp()
+      return m, (freeze(m.init(jax.random.key(0), X)), X)
+
     def linen_no_variables():
       return Mlp(), (X,)
 
@@ -190,6 +195,17 @@ def test_check_modules_takes_a_bound_linen_module(project, capsys):
                               precisions="bf16")
   assert r.metric("rel_rms") == same.metric("rel_rms")
   assert [l.name for l in r.layers] == [l.name for l in same.layers]
+
+
+def test_check_modules_takes_frozen_linen_variables(project, capsys):
+  """Variables in a FrozenDict (flax.core.freeze) were refused."""
+  rows = []
+  for target in ("ownmodel:linen_module", "ownmodel:linen_frozen"):
+    rc, out, err = run(capsys, "check", target, "--modules", "--precisions",
+                       "bf16", "--json", "--out", "r8")
+    assert rc == 0, (target, err)
+    rows.append([(l["name"], l["metrics"]) for l in json.loads(out)["layers"]])
+  assert rows[0] == rows[1] and rows[0][0][0] == "dense1"
 
 
 def test_check_modules_of_a_method_checks_its_own_output(project, capsys):

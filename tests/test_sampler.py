@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxprec._src.checker import check
 from jaxprec._src.models import llama as llama_lib
 from jaxprec._src.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -244,7 +245,7 @@ def test_float32_decode_is_the_float32_trainer(model, tokens):
   caches = [f"model/layers/{i}{a}[1][{j}]" for i in range(2)
             for a in ("/self_attn", "") for j in (0, 1)]
   assert note.startswith(f"{len(caches) + 4} module outputs")
-  assert "model['hidden_states'][0], " in note
+  assert "model.hidden_states[0], " in note
   assert all(c in note for c in caches[:4]) and "and 4 more" in note
 
 
@@ -626,6 +627,46 @@ def test_module_calls_inside_a_cond_are_named_as_not_compared(tokens,
   names = dict(r.layers)
   assert "model/layers/0/mlp" in names and not set(inside) & set(names)
   assert not [w for w in recwarn.list if "check_module" in str(w.message)]
+
+
+class _HeadNamedOutput(LlamaForCausalLM):
+  """The tiny Llama with its head as a submodule named ``output``."""
+
+  def __init__(self, config, *, rngs):
+    super().__init__(config, rngs=rngs)
+    self.output, self.lm_head = self.lm_head, None
+
+  def head(self, hidden):
+    return self.output(hidden)
+
+
+def test_a_head_named_output_is_a_module_output_beside_the_roots(tokens):
+  # The root's own output is then '(root)', never the submodule 'output'.
+  stock, named = (jaxprec.check_sampler(
+      cls(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), tokens[:4],
+      trainer=TPU_DEFAULT, sampler=H100_BF16)
+                  for cls in (LlamaForCausalLM, _HeadNamedOutput))
+  layers = dict(named.layers)
+  assert layers.pop("output") == dict(stock.layers)["lm_head"]
+  assert layers == dict(stock.layers)
+  assert named.first_divergence == stock.first_divergence
+  assert named.total == stock.total
+
+
+def test_unpaired_outputs_are_named_as_check_module_names_them(model, tokens):
+  # The note wrote model['hidden_states'][0] for check_module's
+  # model.hidden_states[0].
+  r = jaxprec.check_sampler(model, tokens[:4])
+  note, = [n for n in r.notes if "not compared position by position" in n]
+  fn, _, args = check.module_outputs(model, (jnp.asarray(tokens[None, :4]),),
+                                     {})
+  names = set(jaxprec.named_layers(fn(*args)))
+  listed = note.split(": ", 1)[1].split(" and ")[0].split(", ")
+  first = "model.hidden_states[0]"
+  assert first in listed and first in names
+  # the rest are the decode's alone (each attention's cache, k and v)
+  assert set(listed) - names == {f"model/layers/0{a}[1][{i}]" for a in (
+      "", "/self_attn") for i in (0, 1)}
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -775,7 +775,7 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
                     f"(module, method_name) -> bool; got {capture!r}")
   captured = _capturing(call, key[0], method, capture)
   order = _execution_order(captured, args, kwargs)
-  _some_output(order, module, method)
+  _some_output(order, module, method, capture)
   root = _root(order)
 
   def fn(*args, **kw):
@@ -860,15 +860,17 @@ def _capturing(call: Callable[..., Any], kind: str, method: str | None,
   return captured
 
 
-def _some_output(order: Sequence[str], module: Any, method: str | None
-                 ) -> None:
-  """Raises a ValueError naming the method when it gave no output to check
-  (it calls no submodule and returns nothing)."""
+def _some_output(order: Sequence[str], module: Any, method: str | None,
+                 capture: Any) -> None:
+  """Raises a ValueError naming the method (and a ``capture`` filter) when
+  it gave no output to check."""
   if not order:
-    raise ValueError(
-        f"check_module: {type(module).__name__}.{method or '__call__'} gave "
-        f"no output to check: it calls no submodule and returns no array; "
-        f"check a method that does, or its function with jaxprec.check")
+    why = ("it calls no submodule and returns no array; check a method that "
+           "does, or its function with jaxprec.check" if capture is True else
+           f"the capture= filter {capture!r} picked none of its module calls "
+           f"(it is given (module, method_name) for each)")
+    raise ValueError(f"check_module: {type(module).__name__}."
+                     f"{method or '__call__'} gave no output to check: {why}")
 
 
 def _check_module_fn(fn: Callable[..., dict], key: Any, args: tuple,

@@ -33,6 +33,12 @@ def _key_name(k: Any) -> str:
   return f"[{k}]"
 
 
+def path_name(path: Sequence[Any]) -> str:
+  """A leaf's place in its tree as layer names write it
+  (``'.hidden_states[0]'``)."""
+  return "".join(map(_key_name, path))
+
+
 def _leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
   """Like ``tree_flatten_with_path``, but plain dicts keep insertion order.
 
@@ -70,12 +76,15 @@ def is_float(x: Any) -> bool:
 
 def layers(tree: Any) -> list[tuple[str, Any]]:
   """``(name, leaf)`` for every floating leaf; ValueError on duplicate names."""
-  out = [("".join(map(_key_name, p)).lstrip(".") or "output", v)
+  out = [(path_name(p).lstrip(".") or "output", v)
          for p, v in _leaves_with_paths(tree) if is_float(v)]
   dup = [n for n, c in collections.Counter(n for n, _ in out).items() if c > 1]
   if dup:
     raise ValueError(f"Two layers of the output have the same name {dup[0]!r}; "
-                     f"rename the keys of the returned pytree.")
+                     f"rename the keys of the returned pytree (in "
+                     f"check_module: a value a module sows (Module.sow) is "
+                     f"named as a key of its output, 'block.name': rename "
+                     f"one of them).")
   return out
 
 
@@ -89,7 +98,7 @@ def not_compared(tree: Any) -> list[tuple[str, str]]:
       continue
     dtype = getattr(v, "dtype", None)
     what = str(dtype) if dtype is not None else type(v).__name__
-    out.append(("".join(map(_key_name, p)).lstrip(".") or "output", what))
+    out.append((path_name(p).lstrip(".") or "output", what))
   return out
 
 

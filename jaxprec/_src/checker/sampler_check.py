@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprec._src.checker import check
+from jaxprec._src.checker import layers as layers_lib
 from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import render
 from jaxprec._src.checker import sampler as figures_lib
@@ -492,7 +493,8 @@ class _Runs:
     out = _program(fn, setting)(self.state, *inputs)  # traced: names
     calls = dict(zip(fn.names, out))
     self.lost.update(dict.fromkeys(fn.lost))
-    own = next(n for n in calls if n in ("output" + fn.own, "(root)" + fn.own))
+    # '(root)' where a submodule is named 'output' (check._root).
+    own = ("(root)" if "(root)" + fn.own in calls else "output") + fn.own
     return calls.pop(own), calls
 
   def forward(self, setting, ids, mask, positions):
@@ -546,7 +548,7 @@ def _by_position(steps: Sequence[tuple[int, dict[str, Any]]]
       flat = jax.tree_util.tree_flatten_with_path(out)[0]
       for i, (where, x) in enumerate(flat):
         label, parts = found.get((name, i), (
-            name + (jax.tree_util.keystr(where) if len(flat) > 1 else ""),
+            name + (layers_lib.path_name(where) if len(flat) > 1 else ""),
             []))
         x = np.asarray(x)
         fits = parts is not None and len(parts) == k and x.ndim >= 2 and (

@@ -15,7 +15,7 @@ import shutil
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from jaxprec._src.cli import cli_inputs as inputs
 from jaxprec._src.cli import cli_port
@@ -607,7 +607,7 @@ def _flax_module(fn, args: tuple, target: str):
   if isinstance(module, nn.Module) and module.scope is not None:
     return module, args, method  # bound: check_module takes its variables
   if isinstance(module, nn.Module):
-    if not args or not isinstance(args[0], dict):
+    if not args or not isinstance(args[0], Mapping):
       raise UsageError(
           f"--modules: {target}() returned a linen {type(module).__name__}: "
           f"its args are the variables (a dict with 'params') and then the "
