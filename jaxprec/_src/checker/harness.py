@@ -546,8 +546,9 @@ def run_candidate(fn, call: Args, p: Plan, ref: Reference, atol: float,
   Two programs: the row's layers, then their metrics, compiled once per
   layout and shared by every row (and every check of that layout). The
   metrics read the very values the row computed, and the rows compile
-  without them: a first check of the default rows took 0.4x to 0.7x the
-  time of one program per row computing both
+  without them: a first check of a small function compiles several times
+  faster than with one program per row computing both, of a real model
+  about as fast, and a check after compile runs a few percent slower
   (``benchmarks/bench_check.py --forms``). The metrics compile the
   all-finite path only, and compute again with the masked path where a NaN
   or an infinity needs it.
