@@ -849,6 +849,24 @@ def test_a_second_check_of_one_row_does_not_trace_the_function_again():
     assert any("has no matmul or convolution" in n for n in r.notes), r.notes
 
 
+def test_rows_that_agree_on_a_function_with_matmuls_are_said_to():
+  # Under x64 a float64 matmul is computed exactly at every precision: the
+  # rows gave the same figures with no word on why.
+  def fn(w, x):
+    return {"h": jnp.tanh(x @ w)}
+  rng = np.random.default_rng(0)
+  with jax.enable_x64(True):
+    w, x = rng.standard_normal((4, 5)), rng.standard_normal((3, 4))
+    r = jaxprec.check(fn, w, x, precisions=["bfloat16", "float32"],
+                      mode="emulate")
+  assert any("every row is the same: at these inputs the precision changes "
+             "nothing" in n for n in r.notes), r.notes
+  # float32 operands: the rows differ, and nothing is said
+  r = jaxprec.check(fn, w.astype(np.float32), x.astype(np.float32),
+                    precisions=["bfloat16", "float32"], mode="emulate")
+  assert not any("every row is the same" in n for n in r.notes), r.notes
+
+
 # -- Benchmarks (they import the harness's internals) ---------------------------
 
 

@@ -290,12 +290,19 @@ def check(fn: Callable[..., Any], *args: Any,
             and logits_lib.masked_only(ref.kept) else None)
   notes += nonfinite_reference_notes(layers, ref.name, masked=masked)
   if (not (mode == "native" and backend == "cpu")  # said above
-      and rows_agree(layers, labels) and not harness.holds_matmul(fn, call)):
+      and rows_agree(layers, labels)):
     same = "" if len(labels) < 2 else "every row is the same: "
-    notes.append(
-        f"{same}the function has no matmul or convolution (no dot_general "
-        f"or conv_general_dilated in its program), so the precision changes "
-        f"nothing in it")
+    if not harness.holds_matmul(fn, call):
+      notes.append(
+          f"{same}the function has no matmul or convolution (no "
+          f"dot_general or conv_general_dilated in its program), so the "
+          f"precision changes nothing in it")
+    elif same:
+      notes.append(
+          f"{same}at these inputs the precision changes nothing in the "
+          f"function's matmuls and convolutions (their operands are "
+          f"float64 or integers, which no precision rounds, or values "
+          f"every row computes exactly)")
   missing = [p for p, g in gates.items() if g is None]
   if missing:
     notes.append(
