@@ -97,12 +97,14 @@ def test_port_markdown_keeps_each_layer_on_one_row_with_every_figure():
   rows = [l for l in md.splitlines() if l.startswith("| encoder")]
   assert len(rows) == 1  # the line break and the pipe are escaped
   cells = [c.strip() for c in rows[0].replace("\\|", "\x00").split("|")[1:-1]]
-  assert cells[0].replace("\x00", "|") == ODD.replace("\n", "\\n")
-  assert cells[1:] == ["encoder.layers.0.attn.out_proj", "bfloat16",
-                       "2.50e-07", "nan", "3.00e-03", "inf", "4.00e-03",
-                       "SUSPECT"]
-  assert f"- suspects at bfloat16: {ODD.replace(chr(10), chr(92) + 'n')}" \
-      .replace("|", "\\|") in md
+  # the PyTorch layer after an arrow, as the text draws it under the name
+  # (GitHub shows the name as the text table does: its line break as \n)
+  shown = render.escaped(ODD)
+  assert cells[0].replace("\x00", "|") == (render.escaped(shown)
+                                           + " ↳ encoder.layers.0.attn.out_proj")
+  assert cells[1:] == ["bfloat16", "2.50e-07", "nan", "3.00e-03", "inf",
+                       "4.00e-03", "SUSPECT"]
+  assert f"- {render.markdown_cell(f'suspects at bfloat16: {shown}')}" in md
   assert "1 without parameters" in md and "- note: a note" in md
   assert "act" in port_report().to_markdown(full=True).split("partner:")[1]
 
@@ -119,7 +121,7 @@ def test_training_markdown_is_its_table():
   md = training_report().to_markdown()
   assert md.splitlines()[2].startswith("| precision | numerics | final loss")
   assert "| bf16 | bf16x1 (emulated) | nan |" in md
-  assert md.rstrip().endswith("- a \\| note")
+  assert md.rstrip().endswith("- note: a \\| note")
 
 
 def test_markdown_table_aligns_and_escapes():
@@ -154,3 +156,98 @@ def test_a_comparisons_words_are_resolved_in_one_place():
                     (dict(chip="h100"), "h100")]:
     with pytest.raises(ValueError, match=word):
       rows.setting(**{"target": "tpu", **bad})
+
+
+# -- one document, one renderer ----------------------------------------------
+
+# A name longer than the page: folded whole wherever a page is given.
+LONG = ("encoder/layers_0/attention/a_rather_long_projection_name_that_keeps"
+        "_going_and_going")
+
+
+def _reports():
+  from test_report import renamed_report
+  return {"check": renamed_report((LONG, "b", "c", "d")),
+          "port": port_report(LONG), "training": training_report()}
+
+
+@pytest.mark.parametrize("kind", ["check", "port", "training"])
+@pytest.mark.parametrize("how", ["table", "to_text"])
+def test_every_report_fits_a_width_and_never_cuts_a_name(kind, how):
+  r = _reports()[kind]
+  wide = getattr(r, how)()
+  narrow = getattr(r, how)(width=80)
+  assert "…" not in wide + narrow
+  assert max(map(len, narrow.splitlines())) <= 80
+  if kind != "training":
+    # as wide as it needs: the name whole on one line; fitted: folded whole
+    assert any(LONG in line for line in wide.splitlines())
+    assert not any(LONG in line for line in narrow.splitlines())
+    # folded whole in its column, each piece cut after a separator
+    if kind == "check":
+      from test_report_fit import drawn_names
+      assert drawn_names(narrow)[0] == LONG, narrow
+    else:  # the name column's lines, from the first piece to the arrow
+      lines = narrow.splitlines()
+      rule = next(i for i, l in enumerate(lines) if l.startswith("---"))
+      width = lines[rule].index(" ")
+      column = [l[:width].strip() for l in lines[rule + 1:]]
+      assert "".join(column[:column.index(next(
+          c for c in column if c.startswith("↳")))]) == LONG, narrow
+
+
+def test_a_table_too_wide_folds_its_names_before_drawing_a_row_per_line():
+  r = _reports()["check"]
+  # 80 columns hold the table with the long name folded in its column
+  lines = r.to_text(width=80).splitlines()
+  header = next(l for l in lines if l.split()[:2] == ["#", "layer"])
+  assert "req_atol" in header and "shape" in header
+  at = next(i for i, l in enumerate(lines) if l.startswith("0  encoder/"))
+  assert lines[at + 1].split()[0] not in ("1", "bf16")  # the name goes on
+  # 40 do not: each layer a line of its own, its cells below by precision
+  narrow = r.to_text(width=40).splitlines()
+  assert any("(req_atol per" in l for l in narrow)
+  assert any(l.split()[:1] == ["bf16"] for l in narrow)
+  assert max(map(len, narrow)) <= 40
+
+
+def test_a_port_table_leaves_out_the_noise_before_folding_names():
+  r = port_report("dense")
+  assert "noise" in r.to_text().splitlines()[1]
+  assert "noise" not in r.to_text(width=80).splitlines()[1]
+  assert "noise" in r.to_json()  # the JSON has every figure
+
+
+@pytest.mark.parametrize("kind", ["check", "port", "training"])
+def test_rich_fits_the_console_for_every_report(kind):
+  import io
+  from rich.console import Console
+  out = io.StringIO()
+  Console(file=out, width=80, color_system=None).print(_reports()[kind])
+  lines = out.getvalue().splitlines()
+  assert lines and max(map(len, lines)) <= 80 and "…" not in out.getvalue()
+
+
+def test_every_report_renders_one_document():
+  from jaxprec._src.search.search_result import SearchResult
+  for r in _reports().values():
+    doc = r._document()
+    assert isinstance(doc, render.Document) and doc.heading
+    tables = [p for p in doc.parts if isinstance(p, render.Table)]
+    assert tables and all(len(row) == len(t.cols)
+                          for t in tables for row in t.rows)
+    assert r.to_text() == render.text(doc)
+    assert r.to_markdown() == render.markdown(doc)
+  # the sampler's and the search's reports are drawn by the same renderer
+  for cls in (SamplerReport, SearchResult):
+    assert "_document" in vars(cls) and "__str__" not in vars(cls)
+    assert "to_markdown" not in vars(cls) and "table" not in vars(cls)
+
+
+def test_markdown_shows_a_multi_line_cell_on_one_row():
+  doc = render.Document(heading=("h",), parts=(
+      render.Table(cols=("a", "b"), rows=(("x\ny", "1"),)), "p|q"))
+  md = render.markdown(doc)
+  assert "| x y | 1 |" in md and "- p\\|q" in md
+  assert render.text(doc).splitlines()[1:] == ["a  b", "-  -", "x  1", "y",
+                                               "p|q"]

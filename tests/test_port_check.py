@@ -295,7 +295,7 @@ def test_pairing_needs_no_names_and_pins_override_it(tnet):
   assert r.alignment["stack/3"] == "blocks.3"
   assert r.alignment["stack/0/fc2"] == "blocks.0.fc2"
   assert r.suspects("float32") == []
-  lines = r.table().splitlines()  # the PyTorch name under a JAX name unlike it
+  lines = r.to_text().splitlines()  # the PyTorch name under a JAX name unlike it
   assert lines[lines.index(next(l for l in lines if l.startswith("stack/3 ")))
                + 1] == "↳ blocks.3"
   # A regex pin (with a template) and a mapping: both obeyed; None unpairs.
@@ -577,13 +577,13 @@ def test_the_llama_port_has_no_suspect_and_its_logits_gates():
 
 
 def test_the_table_fits_100_columns_and_names_the_suspects(tanh2):
-  text = tanh2.table()
+  text = tanh2.table(width=100)
   assert max(map(len, text.splitlines())) <= 100
   assert "suspects at float32: blocks/2" in text
   assert "suspects at bfloat16: none" in text
   narrow = tanh2.table(width=80)
   assert max(map(len, narrow.splitlines())) <= 80
-  assert str(tanh2) == text
+  assert str(tanh2) == tanh2.table()
 
 
 def test_the_json_holds_every_figure(tanh2):

@@ -92,6 +92,32 @@ def table_part(text: str) -> str:
   return text.split("\ngate:", 1)[0]
 
 
+def drawn_names(table: str) -> dict[int, str]:
+  """Layer number -> its name as a table draws it (folded lines joined): a
+  rich table's cells between '│', a plain table's in the columns its rule
+  line of dashes spans."""
+  lines = table.splitlines()
+  rule = next((l for l in lines if re.fullmatch(r"-+( +-+)+", l.strip())),
+              None)
+  spans = ([m.span() for m in re.finditer(r"-+", rule)] if rule else None)
+  out, at = {}, None
+  for line in lines:
+    if "│" in line:
+      cells = [c.strip() for c in line.strip().strip("│").split("│")]
+    elif spans and line is not rule:
+      cells = [line[a:b + 1].strip() for a, b in spans]
+    else:
+      continue
+    if len(cells) < 2:
+      continue
+    if cells[0].isdigit():
+      at = int(cells[0])
+      out[at] = cells[1]
+    elif at is not None and not cells[0] and cells[1]:
+      out[at] += cells[1]
+  return out
+
+
 def assert_fits(text: str, report, width: int | None) -> None:
   lines = text.splitlines()
   assert "…" not in text and "..." not in text
@@ -99,9 +125,13 @@ def assert_fits(text: str, report, width: int | None) -> None:
     too_long = [l for l in lines if cell_len(l.rstrip()) > width]
     assert not too_long, too_long
   table = table_part(text)
+  names = drawn_names(table)
   for i, l in drawn(report):
-    assert any(l.name in line and re.search(rf"(^|[\s│]){i}[\s│]", line)
-               for line in table.splitlines()), (i, l.name)
+    # whole, on the line of its number, or folded whole in its column, or on
+    # a line of its own (a table drawn a layer per line)
+    assert names.get(i) == l.name or any(
+        l.name in line and re.search(rf"(^|[\s│]){i}[\s│]", line)
+        for line in table.splitlines()), (i, l.name, names.get(i))
   # Every '!' (a failing layer at a precision), and no other.
   assert len(re.findall(r"\d !|inf !", table)) == failing_cells(report)
   # The policy string is on its legend line only, never in the table.

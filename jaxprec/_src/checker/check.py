@@ -199,7 +199,6 @@ def check(fn: Callable[..., Any], *args: Any,
   # jaxprec.emulate's); what runs below reads `setting`.
   setting = rows.setting(target, mode, chip, tpu_matvec_f32)
   target, mode, chip = setting.target, setting.mode, setting.chip
-  options = setting.options
   atol = metrics_lib.check_tolerance("atol", atol)
   rtol = metrics_lib.check_tolerance("rtol", rtol)
   external = not harness.is_computed(reference)
@@ -224,8 +223,31 @@ def check(fn: Callable[..., Any], *args: Any,
     logits_k = logits_lib.check_layer(
         logits, logits_k,
         [(n, s) for n, s, _ in harness.output_info(fn, call)], "jaxprec.check")
-  backend = compat.backend_platform()
-  notes = []
+  ref, results, seconds, gates = _runs(fn, call, plans, reference, setting,
+                                       atol, rtol, progress, logits, logits_k)
+  layers = tuple(
+      LayerResult(name=n, shape=s, dtype=d,
+                  metrics={p.label: results[p.label][i] for p in plans})
+      for i, (n, s, d) in enumerate(zip(ref.names, ref.shapes, ref.dtypes)))
+  return DivergenceReport(
+      layers=layers, precisions=tuple(p.label for p in plans),
+      reference=ref.name, target=target, mode=mode,
+      backend=compat.backend_platform(), atol=atol, rtol=rtol,
+      numerics={**{p.label: p.description for p in plans},
+                "(reference)": ref.description},
+      notes=tuple(_notes(fn, call, plans, setting, ref, layers, floor, gates,
+                         logits)),
+      seconds=seconds, floor=floor,
+      kernel=kernels.current_kernel().to_dict(), chip=chip,
+      **({} if logits is None else {"logits": gates, "logits_layer": logits}))
+
+
+def _runs(fn: Callable[..., Any], call: harness.Args,
+          plans: Sequence[rows.Plan], reference: Any, setting: rows.Setting,
+          atol: float, rtol: float, progress: bool, logits: str | None,
+          logits_k: int | None):
+  """The reference, then each row: ``(reference, row -> its layers'
+  metrics, phase -> seconds, row -> its logits gates)``."""
   seconds: dict[str, float] = {}
   gates: dict[str, logits_lib.LogitsGates | None] = {}
   # The bar counts the rows, as the phases name them ('(2/3)' at 2/3); the
@@ -233,8 +255,9 @@ def check(fn: Callable[..., Any], *args: Any,
   with progress_lib.Phases(len(plans), "jaxprec check", progress) as bar:
     bar.update(_reference_phase(reference))
     t0 = time.perf_counter()
-    ref = harness.build_reference(fn, call, reference, target=target, mode=mode,
-                                  options=options, keep=logits)
+    ref = harness.build_reference(fn, call, reference, target=setting.target,
+                                  mode=setting.mode, options=setting.options,
+                                  keep=logits)
     seconds["reference"] = time.perf_counter() - t0
     if not ref.names:
       raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
@@ -249,21 +272,29 @@ def check(fn: Callable[..., Any], *args: Any,
                                                seen=seen)
       seconds[p.label] = time.perf_counter() - t0
     bar.finish()
-  native = harness.native_notes(fn, call, plans)  # ops not emulated
-  labels = [p.label for p in plans if p.label != floor]
-  if mode == "native" and backend == "cpu":
+  return ref, results, seconds, gates
+
+
+def _notes(fn: Callable[..., Any], call: harness.Args,
+           plans: Sequence[rows.Plan], setting: rows.Setting,
+           ref: harness.Reference, layers: Sequence[LayerResult],
+           floor: str | None, gates: dict, logits: str | None) -> list[str]:
+  """What a check's user should know that its figures do not say: how the
+  rows computed, the ops that ran natively, layers whose figures compare
+  nothing, outputs not compared, rows that cannot differ."""
+  notes = []
+  native_cpu = (setting.mode == "native"
+                and compat.backend_platform() == "cpu")
+  if native_cpu:
     notes.append("native mode on CPU: the CPU ignores matmul precision, so "
                  "every row computes exact float32")
-  if chip is not None and mode == "native":
-    notes.append(f"chip={chip!r} models a GPU's tensor cores in emulation; "
-                 f"native rows run on the device itself")
-  if not tpu_matvec_f32 and any(p.emulate_target == "tpu" for p in plans):
+  if setting.chip is not None and setting.mode == "native":
+    notes.append(f"chip={setting.chip!r} models a GPU's tensor cores in "
+                 f"emulation; native rows run on the device itself")
+  if (not setting.tpu_matvec_f32
+      and any(p.emulate_target == "tpu" for p in plans)):
     notes.append("tpu_matvec_f32=False: matrix-vector products at DEFAULT "
                  "are emulated as one bfloat16 pass, not in float32")
-  layers = tuple(
-      LayerResult(name=n, shape=s, dtype=d,
-                  metrics={p.label: results[p.label][i] for p in plans})
-      for i, (n, s, d) in enumerate(zip(ref.names, ref.shapes, ref.dtypes)))
   zero = [layer.name for layer in layers
           if all(m.ref_max_abs == 0 for m in layer.metrics.values())]
   if zero:  # said out loud: metrics there say 'exact'
@@ -283,14 +314,14 @@ def check(fn: Callable[..., Any], *args: Any,
                  f"arrays (token ids, masks, counts); the check compares "
                  f"floating-point layers (token ids through their logits: "
                  f"logits=)")
-  notes += native
+  notes += harness.native_notes(fn, call, plans)  # ops not emulated
   notes += ref.notes
   notes += overflow_notes(layers)
   masked = (logits if logits is not None and ref.kept is not None
             and logits_lib.masked_only(ref.kept) else None)
   notes += nonfinite_reference_notes(layers, ref.name, masked=masked)
-  if (not (mode == "native" and backend == "cpu")  # said above
-      and rows_agree(layers, labels)):
+  labels = [p.label for p in plans if p.label != floor]
+  if not native_cpu and rows_agree(layers, labels):  # native: said above
     same = "" if len(labels) < 2 else "every row is the same: "
     if not harness.holds_matmul(fn, call):
       notes.append(
@@ -309,15 +340,7 @@ def check(fn: Callable[..., Any], *args: Any,
         f"the logits of {logits!r} hold NaN or +inf, or mask every token "
         f"of a position, at {', '.join(map(repr, missing))} (or in the "
         f"reference): no logits gates there (-inf alone is a masked token)")
-  return DivergenceReport(
-      layers=layers, precisions=tuple(p.label for p in plans),
-      reference=ref.name, target=target, mode=mode, backend=backend,
-      atol=atol, rtol=rtol,
-      numerics={**{p.label: p.description for p in plans},
-                "(reference)": ref.description},
-      notes=tuple(notes), seconds=seconds, floor=floor,
-      kernel=kernels.current_kernel().to_dict(), chip=chip,
-      **({} if logits is None else {"logits": gates, "logits_layer": logits}))
+  return notes
 
 
 def _gates_of(gates: dict, label: str, ref: harness.Reference, index: int,

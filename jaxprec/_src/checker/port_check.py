@@ -788,7 +788,9 @@ class PortReport(render.Report):
   def _closing(self, full: bool) -> list[str]:
     """The lines under the table: suspects, the rule, the logits gates, the
     unpaired layers, the notes (one paragraph each)."""
-    out = [f"suspects at {p}: {', '.join(s) if (s := self.suspects(p)) else 'none'}"
+    def names(ns):
+      return ", ".join(map(render.escaped, ns))
+    out = [f"suspects at {p}: {names(s) if (s := self.suspects(p)) else 'none'}"
            for p in self.precisions]
     out.append(f"suspect: local error > {self.factor:g} x (noise + "
                f"envelope) + 2^-20 while every paired layer inside is "
@@ -801,97 +803,41 @@ class PortReport(render.Report):
             for p, g in self.logits.items()]
     if self.unpaired_jax:
       out.append("JAX layers without a PyTorch partner: "
-                 + ", ".join(self.unpaired_jax))
+                 + names(self.unpaired_jax))
     bare = () if full else self.parameterless_torch
     listed = [n for n in self.unpaired_torch if n not in bare]
     if listed or bare:
       out.append(
-          "PyTorch layers without a JAX partner: " + ", ".join(listed)
+          "PyTorch layers without a JAX partner: " + names(listed)
           + ("" if not bare else
              f"{'; and ' if listed else ''}{len(bare)} without parameters "
              f"(activations, dropout, identities; full=True or --full "
              f"lists them)"))
     return out + [f"note: {n}" for n in self.notes]
 
-  def to_markdown(self, full: bool = False) -> str:
-    """The table and the lines under it as GitHub-flavoured Markdown: a row
-    per layer and precision row, with the PyTorch layer it is paired with
-    and every figure (``rel_rms``).
-
-    Args:
-      full: list every unpaired PyTorch layer, as in :meth:`table`.
-    """
-    cols = ["layer", "PyTorch layer", "row", "floor", "noise", "envelope",
-            "local", "propagated", "verdict"]
-    rows = [[l.name, l.torch_name, p, render.fmt(l.floor),
-             render.fmt(l.noise), render.fmt(l.envelope[p]),
-             render.fmt(l.local[p]), render.fmt(l.propagated[p]),
-             l.verdict[p]] for l in self.layers for p in self.precisions]
-    return "\n".join([f"**{render.markdown_cell(self._heading())}**", "",
-                      *render.markdown_table(cols, rows, {0, 1, 2, 8}), "",
-                      *[f"- {render.markdown_cell(x)}"
-                        for x in self._closing(full)]]) + "\n"
-
-  def table(self, width: int = 100, full: bool = False) -> str:
-    """The table: a line per layer and row with the floor, the noise, the
-    envelope, the local and propagated errors (``rel_rms``) and the verdict;
-    then the suspects and the unpaired layers.
-
-    Each layer is named by its JAX name, with the PyTorch layer it is paired
-    with on the line under it (``↳ blocks.1.fc1``) where the two names
-    differ by more than their separators.
-
-    Args:
-      width: the columns to fit in (at least 80; below 100 the noise column
-        is left out: :meth:`to_json` has it); a name longer than its column
-        is folded onto the lines below it, whole.
-      full: list every unpaired PyTorch layer; by default those without
-        parameters (:attr:`parameterless_torch`) are counted.
-
-    Returns:
-      The text, every line at most ``width`` characters.
-    """
-    width = max(80, int(width))
-    rw = max([len(p) for p in self.precisions] + [3])
-    keys = ["floor", "noise", "envelope", "local", "propag."]
-    if width < 100:  # narrow: the noise is in the JSON
-      keys.remove("noise")
-    # row, numbers of 8 characters, the verdict (7), two-space gaps.
-    room = width - (rw + 8 * len(keys) + 7 + 2 * (len(keys) + 2))
-
-    shown = {l.name: [l.name] if layers_lib.normalize(l.name) ==
-             layers_lib.normalize(l.torch_name) else
-             [l.name, f"↳ {l.torch_name}"] for l in self.layers}
-    lw = min(room, max([len("layer")] + [len(n) for ns in shown.values()
-                                         for n in ns]))
-
-    def line(name: str, row: str, values: dict[str, str], verdict: str):
-      c = [name.ljust(lw), row.ljust(rw),
-           *(values.get(k, "").rjust(8) for k in keys), verdict]
-      return "  ".join(c).rstrip()
-    body = [line("layer", "row", {k: k for k in keys}, "verdict"),
-            line("-" * lw, "-" * rw, {k: "-" * 8 for k in keys}, "-" * 7)]
+  def _document(self, full: bool = False) -> render.Document:
+    """A line per layer and row: the floor, the noise, the envelope, the
+    local and propagated errors (``rel_rms``) and the verdict; the PyTorch
+    layer under a JAX name unlike it (``↳ blocks.1.fc1``). Then the
+    suspects and the unpaired layers (``full``: every one of them)."""
+    rows = []
     for l in self.layers:
-      names = [piece for n in shown[l.name] for piece in _fold(n, lw)]
-      for i in range(max(len(names), len(self.precisions))):
-        name = names[i] if i < len(names) else ""
-        if i >= len(self.precisions):
-          body.append(line(name, "", {}, ""))
-          continue
-        p = self.precisions[i]
-        values = {"envelope": render.fmt(l.envelope[p]),
-                  "local": render.fmt(l.local[p]),
-                  "propag.": render.fmt(l.propagated[p])}
-        if i == 0:
-          values.update(floor=render.fmt(l.floor), noise=render.fmt(l.noise))
-        body.append(line(name, p, values, l.verdict[p]))
-    out = [*_wrap(self._heading(), width), *body]
-    for x in self._closing(full):
-      out += _wrap(x, width)
-    return "\n".join(out)
-
-  def __str__(self) -> str:
-    return self.table()
+      name = render.escaped(l.name)
+      if layers_lib.normalize(l.name) != layers_lib.normalize(l.torch_name):
+        name += f"\n↳ {render.escaped(l.torch_name)}"
+      for i, p in enumerate(self.precisions):
+        rows.append((name if i == 0 else "", p,
+                     render.fmt(l.floor) if i == 0 else "",
+                     render.fmt(l.noise) if i == 0 else "",
+                     render.fmt(l.envelope[p]), render.fmt(l.local[p]),
+                     render.fmt(l.propagated[p]), l.verdict[p]))
+    return render.Document(
+        heading=(self._heading(),),
+        parts=(render.Table(
+            cols=("layer", "row", "floor", "noise", "envelope", "local",
+                  "propagated", "verdict"),
+            rows=tuple(rows), left=frozenset({0, 1, 7}), keys=2,
+            drop=frozenset({3}), mark="SUSPECT"), *self._closing(full)))
 
   def plot(self, path: Any = None) -> Any:
     """One panel per row: each paired layer's local error (dots, ``x`` for a
@@ -951,23 +897,6 @@ class PortReport(render.Report):
     if path is not None:
       render.save(fig, path)
     return fig
-
-
-def _fold(name: str, width: int) -> list[str]:
-  """``name`` in pieces of at most ``width`` characters that join to it, cut
-  after a separator (``/``, ``.``, ``_``) where one is in a piece's 2nd half."""
-  pieces = []
-  while len(name) > width:
-    cut = max(name.rfind(c, width // 2, width) for c in "/._") + 1 or width
-    pieces.append(name[:cut])
-    name = name[cut:]
-  return [*pieces, name]
-
-
-def _wrap(text: str, width: int) -> list[str]:
-  import textwrap  # noqa: PLC0415
-  return textwrap.wrap(text, width, break_long_words=True,
-                       subsequent_indent="  ") or [""]
 
 
 # ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ and :func:`save` for figures.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -104,6 +105,49 @@ class Report:
     """:meth:`to_dict` as strict JSON (no ``NaN`` or ``Infinity`` literal)."""
     return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
+  # -- for people: one document, one renderer --------------------------------
+  def _document(self, full: bool = False) -> Document:
+    raise NotImplementedError
+
+  def table(self, full: bool = False, width: int | None = None) -> str:
+    """The report as text, its tables drawn with ``rich`` when it is
+    installed (``str(report)`` is ``report.table()``).
+
+    Args:
+      full: everything: every figure of every row, every unpaired layer.
+      width: the columns to fit in: a table wider than that folds its names
+        in their column (whole, never cut) and, where that is not enough,
+        gives each row lines of its own. None (default): as wide as the
+        report needs, so that a log or a pipe gets every character;
+        ``rich.print(report)`` fits the terminal.
+
+    Returns:
+      The text, without colour.
+    """
+    return to_str(self._document(full), width)
+
+  def to_text(self, full: bool = False, width: int | None = None) -> str:
+    """The report as plain text (no ``rich``), as :meth:`table` fits it."""
+    return text(self._document(full), width)
+
+  def to_markdown(self, full: bool = False) -> str:
+    """The report as GitHub-flavoured Markdown: its tables as Markdown
+    tables (a name stays one row: ``|`` escaped, line breaks shown as
+    ``\\n``), the lines under them as a list."""
+    return markdown(self._document(full))
+
+  def rich(self, full: bool = False) -> Fitted:
+    """The report as a ``rich`` renderable that fits the console it is
+    printed on: ``rich.print(report.rich(full=True))`` (``rich.print(report)``
+    is ``report.rich()``)."""
+    return Fitted(self._document(full))
+
+  def __rich__(self) -> Fitted:
+    return self.rich()
+
+  def __str__(self) -> str:
+    return self.table()
+
 
 def decode_float(x: Any) -> Any:
   """The inverse of :func:`encode` for a float (other values pass through)."""
@@ -133,7 +177,7 @@ def markdown_cell(text: str) -> str:
   """``text`` as one cell of a Markdown table: ``|`` as ``\\|``, a backslash
   doubled, line breaks, tabs and carriage returns as ``\\n``, ``\\t``,
   ``\\r``."""
-  return _cell(text).replace("|", "\\|")
+  return escaped(text).replace("|", "\\|")
 
 
 def markdown_table(cols: list[str], rows: list[list[str]],
@@ -181,7 +225,7 @@ def save(fig: Any, path: str | os.PathLike) -> None:
   fig.savefig(os.fspath(path), dpi=120)
 
 
-def _cell(s: str) -> str:
+def escaped(s: str) -> str:
   """A name on one line: control characters written as escapes."""
   return s.replace("\\", "\\\\").replace("\n", "\\n").replace(
       "\r", "\\r").replace("\t", "\\t")
@@ -256,7 +300,7 @@ def labels(report: Any) -> dict[str, str]:
       k += 1
       short = f"P{k}"
     else:
-      short = _cell(p)
+      short = escaped(p)
     out[p] = f"{short} {FLOOR_MARK}" if p == report.floor else short
   return out
 
@@ -340,7 +384,7 @@ def _rows(report: Any, full: bool, precisions) -> list[list[str]]:
   for i, l in enumerate(report.layers):
     if i in skip:
       continue
-    row = [str(i), _cell(l.name), "x".join(map(str, l.shape)) or "()"]
+    row = [str(i), escaped(l.name), "x".join(map(str, l.shape)) or "()"]
     for p in precisions:
       m = l.metrics[p]
       row += [fmt(m.max_abs), fmt(m.rel_rms)] if full else []
@@ -364,7 +408,7 @@ def _legend_lines(report: Any) -> list[str]:
   lines = [f"{short[p]}: {p}" for p in report.precisions if "=" in p]
   skip = folded(report)
   if skip:
-    names = [f"{_cell(report.layers[i].name)} (#{i} = #{j})"
+    names = [f"{escaped(report.layers[i].name)} (#{i} = #{j})"
              for i, j in skip.items()]
     more = (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN
             else "")
@@ -378,21 +422,21 @@ def _summary_lines(report: Any) -> list[str]:
   lines = [tolerance_line(report), *_legend_lines(report)]
   short = labels(report)
   for p, s in report.summary().items():
-    first = (f"first divergence {_cell(s['first_divergence'])} "
+    first = (f"first divergence {escaped(s['first_divergence'])} "
              f"(#{s['first_divergence_index']})"
              if s["first_divergence"] is not None else "no divergence")
     growth = s["growth_per_layer"]
     g = f"x{growth:.2f} per layer" if math.isfinite(growth) else "n/a"
     worst = s["worst_layer"]
-    worst = _cell(worst) if worst is not None else None
+    worst = escaped(worst) if worst is not None else None
     lines.append(f"{short[p]}: {first}; required atol "
                  f"{fmt(s['required_atol'])}; worst {worst} (rel_rms "
                  f"{fmt(s['worst_rel_rms'])}); rel_rms growth {g}")
   lines += _logits_lines(report)
-  lines += [f"note: {_cell(n)}" for n in report.notes]
+  lines += [f"note: {escaped(n)}" for n in report.notes]
   unchecked = getattr(report, "unchecked", ())
   if unchecked:
-    shown = ", ".join(_cell(n) for n in unchecked[:_SHOWN])
+    shown = ", ".join(escaped(n) for n in unchecked[:_SHOWN])
     more = (f" and {len(unchecked) - _SHOWN} more (report.unchecked lists "
             f"them all)" if len(unchecked) > _SHOWN else "")
     lines.append(f"unchecked: {plural(len(unchecked), 'layer')} "
@@ -411,7 +455,7 @@ def _logits_lines(report: Any) -> list[str]:
   short = labels(report)
   gates = report.logits
   n = next((g.positions for g in gates.values() if g is not None), None)
-  lines = [f"logits gates of {_cell(layer)}"
+  lines = [f"logits gates of {escaped(layer)}"
            + ("" if n is None else f" ({plural(n, 'position')})")
            + ": KL(ref||row) in nats, dlogp = log p - log p_ref"]
   for p in report.precisions:
@@ -434,181 +478,347 @@ _SHOWN = 8
 # A width no table reaches: measuring with it gives the table's own width.
 _UNBOUNDED = 1 << 20
 
+# A cell the check marks as failing: its value and the mark, with the
+# nan/inf counts ('7.3e-03 ! (2 nan)'); drawn bold red by rich.
+_FAILING = r"\S+ !( \([^)]*\))?"
 
-def _vertical(report: Any, full: bool, width: int) -> list[str]:
-  """The table for a narrow terminal: per layer a line with its number, name
-  and shape, then its cells, ``label value`` (with ``full``, ``label max_abs
-  v rel_rms v req_atol v``), as many to a line as ``width`` holds, aligned
-  from layer to layer."""
-  short = labels(report)
-  names = _metric_names(full)
-  rows = _rows(report, full, report.precisions)
-  k = len(names)
-  cols = [[r[3 + j * k + q] for r in rows]
-          for j in range(len(report.precisions)) for q in range(k)]
-  cw = [max(map(len, c), default=1) for c in cols]
-  lw = max(map(len, short.values()), default=1)
-  chunks = []  # per precision: its cells, on one line
-  for j, p in enumerate(report.precisions):
-    def chunk(r, j=j, p=p):
-      cells = [r[3 + j * k + q].ljust(cw[j * k + q]) for q in range(k)]
-      body = "  ".join(f"{n} {c}" if full else c for n, c in zip(names, cells))
-      return f"{short[p]:<{lw}}  {body}"
-    chunks.append(chunk)
-  indent = len(str(len(report.layers) - 1)) + 2
+
+def check_document(report: Any, full: bool = False) -> Document:
+  """A :class:`jaxprec.DivergenceReport` as a :class:`Document`: the
+  heading, a row per layer (``#``, name, shape, then the verdict's metric
+  of each row of the check, with ``full`` max_abs and rel_rms too), the
+  tolerance, legend, summary and notes."""
+  cols = [f"{a}\n{b}" if a else b
+          for a, b in _header(report, full, report.precisions)]
+  return Document(
+      heading=tuple(_heading(report).splitlines()),
+      parts=(Table(cols=tuple(cols),
+                   rows=tuple(map(tuple, _rows(report, full,
+                                               report.precisions))),
+                   left=frozenset({1, 2}), name=1, keys=3, mark=_FAILING,
+                   caption=f"{VERDICT}{', with max_abs and rel_rms' if full else ''}"
+                           f" per precision"),
+             *_summary_lines(report)))
+
+
+# ---------------------------------------------------------------------------
+# One document, every rendering.
+#
+# A report of any comparison is written once as a Document: heading lines,
+# then tables and paragraphs. One renderer draws every Document: plain text
+# (as wide as it needs, or fitted to a width: names fold in their column,
+# never cut; a table still too wide gives each row lines of its own), rich
+# (fitted to the console), and Markdown.
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """A table of a report, as every rendering draws it.
+
+  Attributes:
+    cols: the headers; ``'top\\nbottom'`` is a header of two lines, whose
+      top line names a group of columns (a row of the comparison).
+    rows: the cells, as text. In the ``name`` column a cell's lines (split
+      at ``\\n``) flow down into the empty cells of the rows under it.
+    left: the columns aligned left; the others are aligned right.
+    name: the column of names, which folds (whole, at ``/``, ``.``, ``_``)
+      where the table is wider than the page.
+    keys: how many columns name a row: where the table is too wide even
+      with its names folded, each row is drawn as these on a line, then its
+      other cells, grouped by their header's top line.
+    caption: what that narrow form says its cells are.
+    drop: columns left out before names are folded (the JSON has them).
+    mark: a regular expression of the cells to draw in bold red.
+  """
+
+  cols: tuple[str, ...]
+  rows: tuple[tuple[str, ...], ...]
+  left: frozenset[int] = frozenset({0})
+  name: int | None = 0
+  keys: int = 1
+  caption: str = ""
+  drop: frozenset[int] = frozenset()
+  mark: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  """A report for people: ``heading`` lines, then ``parts``, each a
+  :class:`Table` or a paragraph (a string: folded in text, an item of a
+  list in Markdown)."""
+
+  heading: tuple[str, ...]
+  parts: tuple[Table | str, ...] = ()
+
+
+# The fewest columns a folded name keeps before a table is drawn row by row.
+_NAME_ROOM = 16
+
+
+def _pieces(name: str, width: int) -> list[str]:
+  """``name`` in pieces of at most ``width`` characters that join to it, cut
+  after a separator (``/``, ``.``, ``_``) where one is in a piece's 2nd
+  half."""
+  pieces = []
+  while len(name) > width:
+    cut = max(name.rfind(c, width // 2, width) for c in "/._") + 1 or width
+    pieces.append(name[:cut])
+    name = name[cut:]
+  return [*pieces, name]
+
+
+def _flowed(t: Table, room: int | None) -> list[tuple[str, ...]]:
+  """The rows as lines of text: the name column's lines (its ``\\n``
+  lines, each folded to ``room``) flowed into the empty name cells below,
+  then onto lines of their own; another cell's lines each on a line of
+  their own."""
+  out = []
+  for row in _named(t, room):
+    cells = [c.split("\n") for c in row]
+    out += [tuple(c[i] if i < len(c) else "" for c in cells)
+            for i in range(max(map(len, cells), default=1))]
+  return out
+
+
+def _named(t: Table, room: int | None) -> list[tuple[str, ...]]:
+  if t.name is None:
+    return list(t.rows)
+  j, out, pending = t.name, [], []
+
+  def blank(piece):
+    return tuple(piece if k == j else "" for k in range(len(t.cols)))
+  for row in t.rows:
+    if row[j] == "" and pending:
+      out.append(row[:j] + (pending.pop(0),) + row[j + 1:])
+      continue
+    out += [blank(p) for p in pending]
+    pending = [p for line in row[j].split("\n")
+               for p in (_pieces(line, room) if room else [line])]
+    out.append(row[:j] + (pending.pop(0),) + row[j + 1:])
+  return out + [blank(p) for p in pending]
+
+
+def _kept(t: Table, columns: set[int]) -> Table:
+  keep = [k for k in range(len(t.cols)) if k not in columns]
+
+  def index(k):
+    return None if k is None or k in columns else keep.index(k)
+  return dataclasses.replace(
+      t, cols=tuple(t.cols[k] for k in keep),
+      rows=tuple(tuple(r[k] for k in keep) for r in t.rows),
+      left=frozenset(index(k) for k in t.left if k not in columns),
+      name=index(t.name), drop=frozenset(),
+      keys=sum(k < t.keys for k in keep))
+
+
+def _table_lines(t: Table, width: int | None) -> list[str]:
+  """The table as text: as wide as it needs (``width`` None), else fitted:
+  the ``drop`` columns left out, then the names folded, then a row's cells
+  on lines of their own."""
+  lines = table(list(t.cols), _flowed(t, None), set(t.left))
+  if width is None or max(map(len, lines)) <= width:
+    return lines
+  if t.drop:
+    t = _kept(t, set(t.drop))
+    lines = table(list(t.cols), _flowed(t, None), set(t.left))
+    if max(map(len, lines)) <= width:
+      return lines
+  if t.name is not None:
+    head = max(map(len, t.cols[t.name].split("\n")))
+    other = max(map(len, table(
+        list(t.cols), [r[:t.name] + ("",) + r[t.name + 1:]
+                       for r in t.rows], set(t.left))))
+    room = width - other + head  # the names' column, as wide as it can be
+    if room >= max(_NAME_ROOM, head):
+      return table(list(t.cols), _flowed(t, room), set(t.left))
+  return _vertical(t, width)
+
+
+def _groups(t: Table) -> list[tuple[str, list[int]]]:
+  """The columns after the keys, grouped by their header's top line (a
+  header of one line is a group of its own)."""
+  out: list[tuple[str, list[int]]] = []
+  for k in range(t.keys, len(t.cols)):
+    top, _, bottom = t.cols[k].rpartition("\n")
+    if top and out and out[-1][0] == top:
+      out[-1][1].append(k)
+    else:
+      out.append((top or bottom, [k]))
+  return out
+
+
+def _vertical(t: Table, width: int) -> list[str]:
+  """The table for a narrow page: per row a line with its key cells, then
+  its other cells, ``label value`` (a group of several columns: ``label
+  name value name value``), as many to a line as ``width`` holds, aligned
+  from row to row."""
+  rows = _flowed(t, None)
+  groups = _groups(t)
+  cw = {k: max([len(r[k]) for r in rows], default=1)
+        for k in range(t.keys, len(t.cols))}
+  lw = max((len(top) for top, _ in groups), default=1)
+
+  def bottom(k):
+    return t.cols[k].rpartition("\n")[2]
+
+  def chunk(r, top, ks):
+    cells = [r[k].ljust(cw[k]) for k in ks]
+    body = "  ".join(f"{bottom(k)} {c}" if len(ks) > 1 else c
+                     for k, c in zip(ks, cells))
+    return f"{top:<{lw}}  {body}"
+  first = max([len(r[0]) for r in rows] + [len(t.cols[0])]) if t.keys else 0
+  indent = first + 2
   room = max(width - indent, 1)
-  sample = [len(chunks[j](rows[0])) for j in range(len(chunks))] if rows else []
-  cw_chunk = max(sample, default=0)
-  per_line = max(1, (room + 3) // (cw_chunk + 3)) if cw_chunk else 1
-  head = f"{'#':>{indent - 2}}  layer  shape  ({VERDICT}" + (
-      ", with max_abs and rel_rms" if full else "") + " per precision)"
-  lines = [head, "-" * min(width, max(len(head), indent + cw_chunk))]
+  size = max((len(chunk(rows[0], top, ks)) for top, ks in groups),
+             default=0) if rows else 0
+  per_line = max(1, (room + 3) // (size + 3)) if size else 1
+
+  def keys(cells):
+    if not t.keys:
+      return ""
+    head = cells[0].ljust(first) if 0 in t.left else cells[0].rjust(first)
+    return "  ".join([head, *cells[1:t.keys]]).rstrip()
+  head = keys([c.rpartition("\n")[2] for c in t.cols])
+  head += f"  ({t.caption})" if t.caption else ""
+  lines = [head, "-" * min(width, max(len(head), indent + size))]
   for r in rows:
-    lines.append(f"{r[0]:>{indent - 2}}  {r[1]}  {r[2]}")
-    cells = [chunks[j](r).ljust(cw_chunk) for j in range(len(chunks))]
+    lines.append(keys(list(r)))
+    cells = [chunk(r, top, ks).ljust(size) for top, ks in groups]
     for s in range(0, len(cells), per_line):
       lines.append((" " * indent + "   ".join(cells[s:s + per_line])).rstrip())
   return lines
 
 
-def text(report: Any, full: bool = False, width: int | None = None) -> str:
-  """The heading, table and summary as plain text (``str`` without ``rich``).
+def text(doc: Document, width: int | None = None) -> str:
+  """``doc`` as plain text.
 
   Args:
-    report: the :class:`jaxprec.DivergenceReport` (``self``).
-    full: every metric of the table (max_abs, rel_rms, req_atol), not only
-      the verdict's.
-    width: the columns to fit in; where the table is wider, a layer's name
-      and its cells go on lines of their own. None (default): as wide as it
-      needs, nothing cut.
+    doc: the :class:`Document`.
+    width: the columns to fit in: a table wider than that folds its names
+      in their column (whole, never cut), and where that is not enough gives
+      each row lines of its own; lines of prose fold at spaces. None
+      (default): as wide as it needs, nothing folded.
   """
-  lines = table([f"{a}\n{b}" if a else b
-                 for a, b in _header(report, full, report.precisions)],
-                _rows(report, full, report.precisions), {1, 2})
-  head, tail = _heading(report).splitlines(), _summary_lines(report)
-  if width is not None:
-    if max(map(len, lines)) > width:
-      lines = _vertical(report, full, width)
-    # Folded, never cut: at spaces, a long word (a policy, a module path)
-    # after a ',' or '/' in it.
-    head, lines, tail = ([part for line in group
-                          for part in fold(line, width, "  ")]
-                         for group in (head, lines, tail))
-  return "\n".join([*head, *lines, *tail])
+  def folded(line: str) -> list[str]:
+    return [line] if width is None else fold(line, width, "  ")
+  out = [x for line in doc.heading for x in folded(line)]
+  for part in doc.parts:
+    if isinstance(part, Table):
+      out += [x for line in _table_lines(part, width) for x in folded(line)]
+    else:
+      out += folded(part)
+  return "\n".join(out)
 
 
-def _rich_table(report: Any, full: bool, precisions):
-  from rich.table import Table
+def markdown(doc: Document) -> str:
+  """``doc`` as GitHub-flavoured Markdown: the heading in bold, each table a
+  Markdown table (a cell's lines joined by a space, every cell through
+  :func:`markdown_cell`: GitHub shows the text of :func:`text`, and a name
+  stays one row), each paragraph an item of a list."""
+  def cell(text):  # GitHub shows the text the text rendering shows
+    return markdown_cell(text.replace("\n", " "))
+
+  def line(cells):
+    return "| " + " | ".join(map(cell, cells)) + " |"
+  out = ["  \n".join(f"**{cell(h)}**" for h in doc.heading), ""]
+  items: list[str] = []
+  for part in doc.parts + (None,):
+    if not isinstance(part, str) and items:
+      out += [*items, ""]
+      items = []
+    if isinstance(part, Table):
+      out += [line(part.cols),
+              "|" + "|".join("---" if j in part.left else "---:"
+                             for j in range(len(part.cols))) + "|",
+              *map(line, part.rows), ""]
+    elif isinstance(part, str):
+      items.append(f"- {cell(part)}")
+  return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _rich_table(t: Table):
+  from rich.table import Table as RichTable
   from rich.text import Text
-  out = Table()
-  for j, (top, bottom) in enumerate(_header(report, full, precisions)):
-    # Text, not a string: "[floor]" and names are not rich markup. A layer
-    # name folds onto more lines where the terminal is narrow, never cut.
-    out.add_column(Text(f"{top}\n{bottom}" if top else bottom),
-                   justify="left" if j in (1, 2) else "right",
-                   no_wrap=j != 1, overflow="fold")
-  for r in _rows(report, full, precisions):
-    out.add_row(*[Text(c, style="bold red") if c.endswith(" !") or " ! " in c
-                  else Text(c) for c in r])
+  out = RichTable()
+  for j, col in enumerate(t.cols):
+    # Text, not a string: "[floor]" and names are not rich markup. A name
+    # folds onto more lines where the console is narrow, never cut.
+    out.add_column(Text(col), justify="left" if j in t.left else "right",
+                   no_wrap=j != t.name, overflow="fold")
+  for r in t.rows:
+    out.add_row(*[Text(c, style="bold red")
+                  if t.mark and re.search(t.mark, c) else Text(c)
+                  for c in r])
   return out
 
 
 class Fitted:
-  """A report's heading, table and summary as a ``rich`` renderable that
-  fits the console it is printed on (what ``rich.print(report)`` draws).
+  """A :class:`Document` as a ``rich`` renderable that fits the console it
+  is printed on (what ``rich.print(report)`` draws): each table drawn by
+  ``rich`` where it fits, else as :func:`text` fits it; nothing is cut or
+  ends in an ellipsis."""
 
-  The table is one table when it fits the console's width, else one table
-  per row of the check; nothing is cut or ends in an ellipsis.
-  """
-
-  def __init__(self, report: Any, full: bool = False):
-    self.report = report
-    self.full = full
+  def __init__(self, doc: Document):
+    self.doc = doc
 
   def __rich_console__(self, console, options):
     from rich.measure import Measurement
     from rich.text import Text
-    report = self.report
     width = options.max_width
 
     def folded(lines):  # at spaces, never inside a word that fits a line
       return [Text(part) for line in lines for part in fold(line, width, "  ")]
-    yield from folded(_heading(report).splitlines())
-    wide = _rich_table(report, self.full, report.precisions)
-    # Measured without the console's bound (Measurement.get clamps to it).
-    need = Measurement.get(console, options.update_width(_UNBOUNDED), wide)
-    if need.maximum <= width:
-      yield wide
-    else:
-      for t in folded(_vertical(report, self.full, width)):
-        t.highlight_regex(r"\S+ !( \([^)]*\))?", "bold red")
+    yield from folded(self.doc.heading)
+    for part in self.doc.parts:
+      if not isinstance(part, Table):
+        yield from folded([part])
+        continue
+      wide = _rich_table(part)
+      # Measured without the console's bound (Measurement.get clamps to it).
+      need = Measurement.get(console, options.update_width(_UNBOUNDED), wide)
+      if need.maximum <= width:
+        yield wide
+        continue
+      for t in folded(_table_lines(part, width)):
+        if part.mark:
+          t.highlight_regex(part.mark, "bold red")
         yield t
-    yield from folded(_summary_lines(report))
 
   def __rich_measure__(self, console, options):
     from rich.measure import Measurement
-    return Measurement.get(console, options, _rich_table(
-        self.report, self.full, self.report.precisions))
+    tables = [p for p in self.doc.parts if isinstance(p, Table)]
+    if not tables:
+      return Measurement(1, max(map(len, self.doc.heading), default=1))
+    return Measurement.get(console, options, _rich_table(tables[0]))
 
 
-def rich_group(report: Any, full: bool = False) -> Fitted:
-  """The heading, table and summary as a ``rich`` renderable that fits the
-  console (:class:`Fitted`)."""
-  return Fitted(report, full)
-
-
-def to_str(report: Any, full: bool = False, width: int | None = None) -> str:
-  """The heading, table and summary (``str``): drawn with ``rich`` when
-  installed, else :func:`text`.
+def to_str(doc: Document, width: int | None = None) -> str:
+  """``doc`` drawn with ``rich`` when it is installed, else :func:`text`.
 
   Args:
-    report: the :class:`jaxprec.DivergenceReport` (``self``).
-    full: every metric (max_abs, rel_rms, req_atol), not only the verdict's.
-    width: the columns to fit in (where one table is wider: one table per
-      row of the check, long names folded in their cell). None (default): as
-      wide as the table needs, so that nothing is ever cut, e.g. in a log.
+    doc: the :class:`Document`.
+    width: the columns to fit in. None (default): as wide as the widest
+      table and line need, so that nothing is ever cut, e.g. in a log.
   """
   try:
     from rich.console import Console
     from rich.measure import Measurement
   except ImportError:
-    return text(report, full, width)
+    return text(doc, width)
 
   def console(w):
     return Console(file=io.StringIO(), width=w, color_system=None,
                    force_terminal=False, legacy_windows=False)
   if width is None:
     probe = console(_UNBOUNDED)
-    width = max(Measurement.get(probe, probe.options, _rich_table(
-        report, full, report.precisions)).maximum, 1)
-    lines = [_heading(report), *_summary_lines(report)]
-    width = max(width, *(len(l) for s in lines for l in s.splitlines()))
+    width = max([Measurement.get(probe, probe.options,
+                                 _rich_table(p)).maximum
+                 for p in doc.parts if isinstance(p, Table)]
+                + [len(line) for line in doc.heading]
+                + [len(p) for p in doc.parts if isinstance(p, str)] + [1])
   out = console(width)
-  out.print(Fitted(report, full))
+  out.print(Fitted(doc))
   return "\n".join(line.rstrip() for line in out.file.getvalue().splitlines())
-
-
-def markdown(report: Any, full: bool = False) -> str:
-  """The table and summary as GitHub-flavoured Markdown (``to_markdown``).
-
-  Layer names are escaped: ``|`` as ``\\|``, a backslash doubled, and line
-  breaks, tabs and carriage returns shown as ``\\n``, ``\\t``, ``\\r``, so
-  that every layer stays one row of the table.
-
-  Args:
-    report: the :class:`jaxprec.DivergenceReport` (``self``).
-    full: every metric (max_abs, rel_rms, req_atol), not only the verdict's.
-  """
-  cols = [f"{a} {b}" if a else b
-          for a, b in _header(report, full, report.precisions)]
-  rows = _rows(report, full, report.precisions)
-
-  heading = [f"**{markdown_cell(line)}**"
-             for line in _heading(report).splitlines()]
-  return "\n".join(["  \n".join(heading), "",
-                    *markdown_table(cols, rows, {1, 2}), "",
-                    *[f"- {markdown_cell(s)}" for s in _summary_lines(report)]]
-                   ) + "\n"
 
 
 # The metrics whose 0 means "no error at all" (an exact layer), and the
@@ -645,10 +855,10 @@ def plot_label(report: Any, p: str) -> str:
   from jaxprec._src.core import algorithms  # noqa: PLC0415
   what = report.numerics.get(p, "")
   if p == report.floor:
-    return f"{_cell(p)} (framework floor)"
+    return f"{escaped(p)} (framework floor)"
   record = algorithms.RECORDS.get(what.split(" ", 1)[0]) if what else None
   if record is None:
-    return f"{_cell(p)} ({what or '?'})"
+    return f"{escaped(p)} ({what or '?'})"
   target = _row_target(report, what)
   if record.pass_format in ("float32", "float64"):
     words = f"exact {record.pass_format}"
@@ -662,7 +872,7 @@ def plot_label(report: Any, p: str) -> str:
     words += f" ({target.upper()} {level})"
   how = "emulated" if "emulated" in what else (
       f"native {target}" if "native" in what else "")
-  return f"{_cell(p)}: {words}" + (f", {how}" if how else "")
+  return f"{escaped(p)}: {words}" + (f", {how}" if how else "")
 
 
 def _exact_floor(values: list[float], tolerance: float | None) -> float:
@@ -696,7 +906,7 @@ def tick_labels(names: list[str], chars: int = TICK_CHARS) -> list[str]:
     >>> tick_labels(["a", "x" * 40 + "/dense"], chars=12)
     ['a', '…xxxxx/dense']
   """
-  cells = [_cell(n) for n in names]
+  cells = [escaped(n) for n in names]
   short = [c if len(c) <= chars else "…" + c[len(c) - chars + 1:]
            for c in cells]
   seen: dict[str, set[str]] = {}

@@ -428,7 +428,10 @@ class DivergenceReport(render.Report):
   def from_json(cls, text: str) -> DivergenceReport:
     return cls.from_dict(json.loads(text))
 
-  # -- rendering: the functions of jaxprec._src.checker.render ---------------
+  # -- for people: jaxprec._src.checker.render draws the document -----------
+  def _document(self, full: bool = False) -> render.Document:
+    return render.check_document(self, full)
+
   def table(self, full: bool = False, width: int | None = None) -> str:
     """The heading, table and summary as text (``str(report)`` is
     ``report.table()``).
@@ -445,10 +448,11 @@ class DivergenceReport(render.Report):
     Args:
       full: every metric: ``max_abs``, ``rel_rms`` and ``req_atol`` per
         precision.
-      width: the columns to fit in: where one table is wider, one table per
-        precision is drawn (a long layer name folds in its cell, never cut).
-        None (default): as wide as the table needs, so that a log or a pipe
-        gets every character. ``rich.print(report)`` fits the terminal.
+      width: the columns to fit in: where the table is wider, a long layer
+        name folds in its column (whole, never cut), and where that is not
+        enough each layer gets lines of its own. None (default): as wide as
+        the table needs, so that a log or a pipe gets every character.
+        ``rich.print(report)`` fits the terminal.
 
     Returns:
       The text, without colour.
@@ -465,22 +469,8 @@ class DivergenceReport(render.Report):
       ┡━━━╇━━━━━━━╇━━━━━━━╇━━━━━━━━━━━━┩
       │ 0 │ y     │ 8x8   │ 7.26e-03 ! │
     """
-    return render.to_str(self, full, width)
+    return super().table(full, width)
 
-  def rich(self, full: bool = False) -> render.Fitted:
-    """The heading, table and summary as a ``rich`` renderable that fits the
-    console it is printed on: ``rich.print(report.rich(full=True))``
-    (``rich.print(report)`` is ``report.rich()``). See :meth:`table`."""
-    return render.Fitted(self, full)
-
-  def __rich__(self) -> render.Fitted:
-    return render.Fitted(self)
-
-  def __str__(self) -> str:
-    return render.to_str(self)
-
-  to_text = render.text
-  to_markdown = render.markdown
   plot = render.plot
 
 
@@ -543,7 +533,7 @@ class TrainingReport(render.Report):
         "notes": list(self.notes), "seconds": self.seconds,
     }
 
-  def _heading_and_table(self) -> tuple[str, list[str], list[list[str]]]:
+  def _document(self, full: bool = False) -> render.Document:
     head = (f"jaxprec.check_training: {self.steps} steps vs reference "
             f"{self.reference}; target {self.target}, mode {self.mode} "
             f"(backend {self.backend}); divergence: relative loss difference "
@@ -562,20 +552,11 @@ class TrainingReport(render.Report):
                    render.fmt(max(diffs, default=0.0)),
                    render.fmt(self.drift[p][-1]) if self.drift[p] else "-",
                    "-" if step is None else str(step)])
-    return head, cols, rows
-
-  def __str__(self) -> str:
-    head, cols, rows = self._heading_and_table()
-    return "\n".join([head, *render.table(cols, rows, {0, 1}),
-                      *[f"note: {n}" for n in self.notes]])
-
-  def to_markdown(self) -> str:
-    """The table of :meth:`__str__` as GitHub-flavoured Markdown."""
-    head, cols, rows = self._heading_and_table()
-    return "\n".join([f"**{render.markdown_cell(head)}**", "",
-                      *render.markdown_table(cols, rows, {0, 1}), "",
-                      *[f"- {render.markdown_cell(n)}" for n in self.notes]]
-                     ) + "\n"
+    return render.Document(
+        heading=(head,),
+        parts=(render.Table(cols=tuple(cols), rows=tuple(map(tuple, rows)),
+                            left=frozenset({0, 1})),
+               *[f"note: {n}" for n in self.notes]))
 
   def plot(self, path: str | os.PathLike | None = None
            ) -> "matplotlib.figure.Figure":

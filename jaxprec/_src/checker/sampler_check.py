@@ -58,7 +58,6 @@ from jaxprec._src.policy import policy as policy_lib
 from jaxprec._src.policy.policy import Policy
 from jaxprec._src.torch import torch_sampler
 
-WIDTH = 100  # the text report folds to this many columns
 FACTORS = ("lm_head", "body", "attention", "decode", "batch")
 
 NOT_MODELLED = (
@@ -332,58 +331,31 @@ class SamplerReport(render.Report):
             f"sampler: {self.sampler}; prompt of {self.prompt} in one chunk, "
             f"then decode with a KV cache, {batch}"]
 
-  def __str__(self) -> str:
-    fold = textwrap.TextWrapper(width=WIDTH, subsequent_indent="    ")
-    lines = [x for h in self._heading() for x in fold.wrap(h)]
-    lines += ["", "gap: log pi_train - log pi_sample of each sampled token "
-              "(nats)"]
-    lines += [f"  {k:<30} {v}" for k, v in self._summary()]
-    lines += ["", "attribution: each factor alone switched from the "
-              "sampler's setting to the trainer's",
-              f"  {'factor':<9} {'sampler':<33} {'trainer':<33} "
-              f"{'RMS delta':>9} {'share':>9}"]
-    for s in self.shares:
-      a, b = textwrap.wrap(s.sampler, 33), textwrap.wrap(s.trainer, 33)
-      for i in range(max(len(a), len(b))):
-        cells = (a[i] if i < len(a) else "", b[i] if i < len(b) else "")
-        tail = f" {s.rms:>9.3g} {s.share:>+9.3g}" if i == 0 else ""
-        lines.append(f"  {s.factor if i == 0 else '':<9} {cells[0]:<33} "
-                     f"{cells[1]:<33}{tail}".rstrip())
-    lines += [f"  {'remainder (the factors together)':<87} "
-              f"{self.remainder:>+9.3g}",
-              f"  {'total':<77} {self.total:>9.3g} {self.total:>+9.3g}", ""]
-    lines += fold.wrap(f"first divergence: {self._where()}")
-    lines.append("  largest relative RMS over the positions, per module:")
-    row = "  "
-    for n, v in self.layers:  # as many as fit on a line
-      item = f" {n} {v:.2g}"
-      if len(row) + len(item) > WIDTH and row.strip():
-        lines.append(row)
-        row = "  "
-      row += item
-    lines.append(row)
-    lines += [x for n in self.notes
-              for x in fold.wrap(f"note: {n}")]
-    return "\n".join(lines)
-
-  def to_markdown(self) -> str:
-    """The report as GitHub-flavoured Markdown."""
-    cell = render.markdown_cell
-    shares = [[s.factor, s.sampler, s.trainer, f"{s.rms:.3g}",
-               f"{s.share:+.3g}"] for s in self.shares]
-    shares += [["remainder", "", "", "", f"{self.remainder:+.3g}"],
-               ["total", "", "", f"{self.total:.3g}", f"{self.total:+.3g}"]]
-    return "\n".join([
-        "\n\n".join(map(cell, self._heading())), "",
-        *render.markdown_table(["figure", "value"],
-                               [list(r) for r in self._summary()], {0, 1}), "",
-        *render.markdown_table(["factor", "sampler", "trainer", "RMS delta",
-                                "share (nats)"], shares, {0, 1, 2}), "",
-        f"First divergence: {cell(self._where())}.", "",
-        *render.markdown_table(["module", "largest relative RMS"],
-                               [[n, f"{v:.3g}"] for n, v in self.layers],
-                               {0}), "",
-        *[f"- {cell(n)}" for n in self.notes]]) + "\n"
+  def _document(self, full: bool = False) -> render.Document:
+    """The gap's figures, the attribution (a policy folded at 33
+    characters), the first divergence and each module's largest
+    difference."""
+    def cell(text):
+      return "\n".join(textwrap.wrap(text, 33)) or ""
+    shares = [(s.factor, cell(s.sampler), cell(s.trainer), f"{s.rms:.3g}",
+               f"{s.share:+.3g}") for s in self.shares]
+    shares += [("remainder", "", "", "",
+                f"{self.remainder:+.3g}"),
+               ("total", "", "", f"{self.total:.3g}", f"{self.total:+.3g}")]
+    return render.Document(heading=tuple(self._heading()), parts=(
+        "gap: log pi_train - log pi_sample of each sampled token (nats)",
+        render.Table(cols=("figure", "value"), rows=tuple(self._summary()),
+                     left=frozenset({0, 1}), name=None),
+        "attribution: each factor alone switched from the sampler's setting "
+        "to the trainer's; the remainder is the factors together",
+        render.Table(cols=("factor", "sampler", "trainer", "RMS delta",
+                           "share (nats)"), rows=tuple(shares),
+                     left=frozenset({0, 1, 2}), name=None),
+        f"first divergence: {self._where()}",
+        render.Table(cols=("module", "largest relative RMS over positions"),
+                     rows=tuple((render.escaped(n), f"{v:.2g}")
+                                for n, v in self.layers)),
+        *[f"note: {n}" for n in self.notes]))
 
   def plot(self, path: str | os.PathLike | None = None
            ) -> "matplotlib.figure.Figure":

@@ -262,7 +262,7 @@ def _parser() -> argparse.ArgumentParser:
                            "orders the costs (tpu-v4, tpu-v5e, tpu-v5p, a100, "
                            "h100; default tpu-v5e for tpu, h100 for gpu)")
   search.set_defaults(handler=_search)
-  cli_sampler.add(sub, _write_outputs)
+  cli_sampler.add(sub, _write_outputs, _print_report)
   return parser
 
 
@@ -630,8 +630,6 @@ def _check(ns: argparse.Namespace) -> int:
   ns.status.say("checking the arguments", piped=False)
   _one_model(ns, (*_MODELS, *torch_ports.PORTS))
 
-  def port_table(report, full: bool) -> None:  # 100 columns in a pipe
-    print(report.table(width=stdout_width() or 100, full=full))
   from jaxprec._src.checker import rows
   try:  # jaxprec.emulate's check and message
     ns.chip = rows.setting(ns.target, chip=ns.chip).chip
@@ -643,7 +641,7 @@ def _check(ns: argparse.Namespace) -> int:
     raise UsageError("--chip applies to a check against a precision or a "
                      "saved reference, not to a port check against PyTorch")
   if cli_port.is_port_reference(ns.reference):  # your port against PyTorch
-    return cli_port.run(ns, port_table, _write_outputs)
+    return cli_port.run(ns, _print_report, _write_outputs)
   if ns.modules and ns.model is not None:
     raise UsageError(f"--modules applies to MODULE:FUNCTION (your own Flax "
                      f"model); --model {ns.model} is checked at its hidden "
@@ -651,7 +649,7 @@ def _check(ns: argparse.Namespace) -> int:
   if ns.size is not None and ns.model not in _MODELS:
     raise UsageError(f"--size applies to --model {' or '.join(_MODELS)} only")
   if ns.model in torch_ports.PORTS and ns.reference == PYTORCH:
-    return cli_port.run_builtin(ns, port_table, _write_outputs)
+    return cli_port.run_builtin(ns, _print_report, _write_outputs)
   from jaxprec._src.checker import check as check_lib
   from jaxprec._src.checker import metrics
   from jaxprec._src.checker import reference as reference_lib
@@ -772,7 +770,8 @@ def _write_outputs(report, out: str, png_name: str = inputs.OUT_FILES[1]
 
 
 def _print_report(report, full: bool = False) -> None:
-  """The table: fitted to the terminal, or as wide as it needs in a pipe."""
+  """A report of any comparison: fitted to the terminal, or as wide as it
+  needs in a pipe or a file (a log keeps each line whole, for grep)."""
   if sys.stdout.isatty():
     try:
       from rich.console import Console

@@ -15,9 +15,9 @@ from jaxprec._src.cli.cli_inputs import Failure, UsageError
 OUT_FILES = ("report.json", "sampler.png")
 
 
-def add(sub: argparse._SubParsersAction, write_outputs) -> None:
+def add(sub: argparse._SubParsersAction, write_outputs, print_report) -> None:
   """The ``sampler`` command's parser; ``write_outputs(report, out,
-  png_name)`` writes ``--out``."""
+  png_name)`` writes ``--out``, ``print_report(report)`` prints the text."""
   p = sub.add_parser(
       "sampler", help="an RL trainer's log-probs against its sampler's",
       description="Computes one token sequence's log-probs as an RL trainer "
@@ -77,7 +77,8 @@ def add(sub: argparse._SubParsersAction, write_outputs) -> None:
   out = p.add_mutually_exclusive_group()
   out.add_argument("--json", action="store_true", help="print JSON")
   out.add_argument("--markdown", action="store_true", help="print markdown")
-  p.set_defaults(handler=functools.partial(run, write_outputs=write_outputs))
+  p.set_defaults(handler=functools.partial(run, write_outputs=write_outputs,
+                                           print_report=print_report))
 
 
 # What MODULE:FUNCTION's FUNCTION() returns.
@@ -138,7 +139,7 @@ def model_and_tokens(ns: argparse.Namespace):
   return made[0], made[1], made[2] if len(made) == 3 else None
 
 
-def run(ns: argparse.Namespace, write_outputs) -> int:
+def run(ns: argparse.Namespace, write_outputs, print_report) -> int:
   trainer = compute(ns.trainer, ns.trainer_head, ns.trainer_attention,
                     "--trainer")
   if ns.sampler == "pytorch" and ns.function is None:
@@ -182,8 +183,10 @@ def run(ns: argparse.Namespace, write_outputs) -> int:
                            seed=ns.seed, progress=True)
   except (TypeError, ValueError) as e:
     raise UsageError(inputs.one_line(e)) from None
-  print(report.to_json() if ns.json else
-        report.to_markdown() if ns.markdown else str(report))
+  if ns.json or ns.markdown:
+    print(report.to_json() if ns.json else report.to_markdown())
+  else:
+    print_report(report)
   if ns.out is not None:
     write_outputs(report, ns.out, OUT_FILES[1])
   if ns.fail_above is not None and report.total > ns.fail_above:

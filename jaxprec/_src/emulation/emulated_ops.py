@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any

@@ -177,7 +177,7 @@ class SearchResult(render.Report):
             "axes": list(self.axes), "dtype_by_path": self.dtype_by_path()}),
     }
 
-  def __str__(self) -> str:
+  def _document(self, full: bool = False) -> render.Document:
     bound = {"cosine": "1 - cosine <=", "sqnr_db": "sqnr_db >="}.get(
         self.metric, f"{self.metric} <=")
     status = "meets" if self.meets_tolerance else "DOES NOT meet"
@@ -216,7 +216,7 @@ class SearchResult(render.Report):
     counts = collections.Counter(by_path.values())
     lines.append("module paths: " + ", ".join(
         f"{n} at {p}" for p, n in counts.items()))
-    return "\n".join(lines)
+    return render.Document(heading=tuple(lines[:1]), parts=tuple(lines[1:]))
 
   def _against_uniform(self) -> str:
     """``', against 0.500 for uniform bfloat16_3x'``: the saving against the
