@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -571,19 +571,6 @@ def _output_name(path: tuple[str, ...], method: str) -> str:
   return base if method == "__call__" else f"{base}.{method}"
 
 
-def _root(names: Iterable[str]) -> str:
-  """The prefix of the root's layers among ``names``: ``'output'``
-  (``'output.encode'``), unless a submodule is named ``'output'``: then
-  ``'(root)'``."""
-  return "(root)" if any(n.split("/")[0].split(".")[0].split("#")[0]
-                         == "output" for n in names) else "output"
-
-
-def _rooted(name: str) -> bool:
-  """Whether ``name`` (:func:`_output_name`) is one of the root's."""
-  return not name or name[0] in ".#"
-
-
 def _add_calls(out: dict, name: str, calls: Any) -> None:
   """``out[name]`` for each call's output (``'#0'``, ``'#1'`` when several)."""
   calls = tuple(calls) if isinstance(calls, (tuple, list)) else (calls,)
@@ -620,7 +607,7 @@ def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
     when[name] = max(when.get(name, t), t)
   seen = list(dict.fromkeys(n for n, _ in names))
   return tuple(sorted(seen, key=lambda n: (when[n], -n.count("/"),
-                                            _rooted(n))))
+                                            layers_lib.is_rooted(n))))
 
 
 def _in_order(out: dict, order: Sequence[str]) -> dict:
@@ -783,11 +770,10 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
   captured = _capturing(call, key[0], method, capture)
   order = _execution_order(captured, args, kwargs)
   _some_output(order, module, method, capture)
-  root = _root(order)
 
   def fn(*args, **kw):
     out = _in_order(captured(*args, lost=[], **kw), order)
-    return {root + n if _rooted(n) else n: v for n, v in out.items()}
+    return dict(zip(layers_lib.rooted(list(out)), out.values()))
   return fn, (*key, method, capture, order), args
 
 
@@ -806,8 +792,7 @@ def nnx_outputs(graphdef: Any, method: str | None) -> Callable[..., dict]:
 
   def named(*args, lost=None, **kw):
     out = captured(*args, lost=lost, **kw)
-    root = _root(out)
-    return {root + n if _rooted(n) else n: v for n, v in out.items()}
+    return dict(zip(layers_lib.rooted(list(out)), out.values()))
   return named
 
 
@@ -836,19 +821,14 @@ def _capturing(call: Callable[..., Any], kind: str, method: str | None,
   hook's observers, ``capture``'s calls), what it sows, and the method's own
   output where it is not ``__call__``, by name; ``kind``: ``'linen'`` or
   ``'nnx'``."""
-  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
   wants = capture if callable(capture) else (
       lambda m, name: name == "__call__")
-  bridged = nnx.bridge.ToNNX
 
   def captured(*args, lost=None, **kw):
     structure: dict[str, Any] = {}
 
     def observer(path, module, args, kwargs, out, method):
-      if ((kind == "linen" and isinstance(module, nnx.Module))
-          or (isinstance(module, bridged)
-              and kwargs.get("method") in (None, "__call__"))
-          or not wants(module, method)):
+      if layers_lib.unlisted(kind, module, kwargs) or not wants(module, method):
         return None
       return _marked(_output_name(flax_paths.split(path), method), out,
                      structure)

@@ -493,7 +493,7 @@ class _Runs:
     out = _program(fn, setting)(self.state, *inputs)  # traced: names
     calls = dict(zip(fn.names, out))
     self.lost.update(dict.fromkeys(fn.lost))
-    # '(root)' where a submodule is named 'output' (check._root).
+    # '(root)' where a submodule is named 'output' (layers.root_name).
     own = ("(root)" if "(root)" + fn.own in calls else "output") + fn.own
     return calls.pop(own), calls
 
