@@ -326,3 +326,38 @@ def test_the_model_and_its_bridge_are_unchanged(tbridged):
   for a, b in zip(before, values(model), strict=True):
     np.testing.assert_array_equal(a, b)
   assert type(model.blk) is nnx.bridge.ToNNX
+
+
+def test_children_named_output_and_root_leave_the_root_a_name_of_its_own():
+  """Beside children named ``output`` and ``(root)`` the root is
+  ``'((root))'``: no layer is lost or named twice, here or in
+  check_module."""
+
+  class TRoot(THead):
+    def __init__(self):
+      super().__init__()
+      self.add_module("(root)", torch.nn.Linear(D, D))
+
+    def forward(self, x):
+      return getattr(self, "(root)")(super().forward(x))
+
+  class JRoot(JHead):
+    def __init__(self, rngs):
+      super().__init__(rngs=rngs)
+      setattr(self, "(root)", nnx.Linear(D, D, rngs=rngs))
+
+    def __call__(self, x):
+      return getattr(self, "(root)")(super().__call__(x))
+  torch.manual_seed(0)
+  t = TRoot().eval()
+  j = JRoot(nnx.Rngs(0))
+  for name in ("a", "(root)"):
+    _copy(getattr(j, name), getattr(t, name))
+  _copy(j.output.dense, t.output.dense)
+  names = ["a", "output/dense", "output", "(root)", "((root))"]
+  fn, _, args = check_lib.module_outputs(j, (X,), {})
+  assert list(fn(*args)) == names
+  r = jt.port_check(j, t, X, **F32)
+  assert _names(r) == names
+  assert r.alignment == {n: n.replace("/", ".") for n in names}
+  assert r.suspects() == []

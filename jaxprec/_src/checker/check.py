@@ -636,7 +636,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   (``'encoder/layers_0/attention'``; a module called twice gets ``#0``,
   ``#1``). The root's own output is ``'output'`` (a method's:
   ``'output.encode'``), or ``'(root)'`` (``'(root).encode'``) when a
-  submodule is named ``output``, which keeps its path. Values a module sows
+  submodule is named ``output``, which keeps its path (``'((root))'`` when
+  one is named ``(root)`` too). Values a module sows
   (``Module.sow``) are layers too, named ``'block.scores'`` (the module's
   path, the name sown). The linen modules inside an NNX model's
   ``nnx.bridge.ToNNX`` are listed under its path; the NNX modules inside a
@@ -780,20 +781,15 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
 def nnx_outputs(graphdef: Any, method: str | None) -> Callable[..., dict]:
   """``captured(state, *inputs, lost=None, **kw)``: the output of every
   module call of ``method`` (None: ``__call__``) on ``nnx.merge(graphdef,
-  state)``, a new object each time, by name (:func:`_output_name`; ``'#0'``,
+  state)``, a new object each time, by path (:func:`_output_name`; ``'#0'``,
   ``'#1'`` for a module called twice), the capture of :func:`check_module`
-  (the root's own call is ``'output'``; a method other than ``__call__``
-  adds its own output, ``'output.METHOD'``). Each output is marked as the
-  call returns (the hook's observers) and taken out of the program
-  (:func:`taken_out`), so that a jitted or emulated ``captured`` returns
-  them all; the policy in force reaches the copy as it reaches the model
-  itself."""
-  captured = _capturing(_nnx_call(graphdef, method), "nnx", method, True)
-
-  def named(*args, lost=None, **kw):
-    out = captured(*args, lost=lost, **kw)
-    return dict(zip(layers_lib.rooted(list(out)), out.values()))
-  return named
+  (the root's own call is ``''``; a method other than ``__call__`` adds its
+  own output, ``'.METHOD'``: :func:`layers_lib.rooted` names them as
+  layers). Each output is marked as the call returns (the hook's observers)
+  and taken out of the program (:func:`taken_out`), so that a jitted or
+  emulated ``captured`` returns them all; the policy in force reaches the
+  copy as it reaches the model itself."""
+  return _capturing(_nnx_call(graphdef, method), "nnx", method, True)
 
 
 def _nnx_call(graphdef: Any, method: str | None) -> Callable[..., Any]:

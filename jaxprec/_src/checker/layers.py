@@ -181,9 +181,13 @@ def normalize(name: str) -> str:
 def root_name(names: Iterable[str]) -> str:
   """The prefix of the root's layers among module outputs by path
   (``names``): ``'output'`` (``'output.encode'``), unless a submodule is
-  named ``'output'``: then ``'(root)'``."""
-  return "(root)" if any(n.split("/")[0].split(".")[0].split("#")[0]
-                         == "output" for n in names) else "output"
+  named ``'output'``: then ``'(root)'`` (``'((root))'`` where one is named
+  ``'(root)'`` too, and so on)."""
+  taken = {n.split("/")[0].split(".")[0].split("#")[0] for n in names}
+  root = "output" if "output" not in taken else "(root)"
+  while root in taken:
+    root = f"({root})"
+  return root
 
 
 def is_rooted(name: str) -> bool:
