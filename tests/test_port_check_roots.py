@@ -361,3 +361,16 @@ def test_children_named_output_and_root_leave_the_root_a_name_of_its_own():
   assert _names(r) == names
   assert r.alignment == {n: n.replace("/", ".") for n in names}
   assert r.suspects() == []
+
+
+def test_a_function_port_pairs_its_output_with_the_pytorch_root(thead):
+  """A function's output pairs with PyTorch's root, ``'(root)'`` beside
+  its child ``output``, which is left unpaired with the other modules."""
+  graphdef, state = nnx.split(_port(thead, "nnx"))
+
+  def fn(x):
+    return nnx.merge(graphdef, state)(x)
+  r = jt.port_check(fn, thead, X, **F32)
+  assert r.alignment == {"output": "(root)"}
+  assert r.unpaired_torch == ("a", "output.dense", "output")
+  assert r.suspects() == []
