@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -594,19 +594,6 @@ def _output_name(path: tuple[str, ...], method: str) -> str:
   return base if method == "__call__" else f"{base}.{method}"
 
 
-def _root(names: Iterable[str]) -> str:
-  """The prefix of the root's layers among ``names``: ``'output'``
-  (``'output.encode'``), unless a submodule is named ``'output'``: then
-  ``'(root)'``."""
-  return "(root)" if any(n.split("/")[0].split(".")[0].split("#")[0]
-                         == "output" for n in names) else "output"
-
-
-def _rooted(name: str) -> bool:
-  """Whether ``name`` (:func:`_output_name`) is one of the root's."""
-  return not name or name[0] in ".#"
-
-
 def _add_calls(out: dict, name: str, calls: Any) -> None:
   """``out[name]`` for each call's output (``'#0'``, ``'#1'`` when several)."""
   calls = tuple(calls) if isinstance(calls, (tuple, list)) else (calls,)
@@ -643,7 +630,7 @@ def _execution_order(fn: Callable[..., dict], args: Sequence[Any],
     when[name] = max(when.get(name, t), t)
   seen = list(dict.fromkeys(n for n, _ in names))
   return tuple(sorted(seen, key=lambda n: (when[n], -n.count("/"),
-                                            _rooted(n))))
+                                            layers_lib.is_rooted(n))))
 
 
 def _in_order(out: dict, order: Sequence[str]) -> dict:
@@ -672,7 +659,8 @@ def check_module(module: Any, *args: Any, method: str | None = None,
   (``'encoder/layers_0/attention'``; a module called twice gets ``#0``,
   ``#1``). The root's own output is ``'output'`` (a method's:
   ``'output.encode'``), or ``'(root)'`` (``'(root).encode'``) when a
-  submodule is named ``output``, which keeps its path. Values a module sows
+  submodule is named ``output``, which keeps its path (``'((root))'`` when
+  one is named ``(root)`` too). Values a module sows
   (``Module.sow``) are layers too, named ``'block.scores'`` (the module's
   path, the name sown). The linen modules inside an NNX model's
   ``nnx.bridge.ToNNX`` are listed under its path; the NNX modules inside a
@@ -806,32 +794,25 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
   captured = _capturing(call, key[0], method, capture)
   order = _execution_order(captured, args, kwargs)
   _some_output(order, module, method, capture)
-  root = _root(order)
 
   def fn(*args, **kw):
     out = _in_order(captured(*args, lost=[], **kw), order)
-    return {root + n if _rooted(n) else n: v for n, v in out.items()}
+    return dict(zip(layers_lib.rooted(list(out)), out.values()))
   return fn, (*key, method, capture, order), args
 
 
 def nnx_outputs(graphdef: Any, method: str | None) -> Callable[..., dict]:
   """``captured(state, *inputs, lost=None, **kw)``: the output of every
   module call of ``method`` (None: ``__call__``) on ``nnx.merge(graphdef,
-  state)``, a new object each time, by name (:func:`_output_name`; ``'#0'``,
+  state)``, a new object each time, by path (:func:`_output_name`; ``'#0'``,
   ``'#1'`` for a module called twice), the capture of :func:`check_module`
-  (the root's own call is ``'output'``; a method other than ``__call__``
-  adds its own output, ``'output.METHOD'``). Each output is marked as the
-  call returns (the hook's observers) and taken out of the program
-  (:func:`taken_out`), so that a jitted or emulated ``captured`` returns
-  them all; the policy in force reaches the copy as it reaches the model
-  itself."""
-  captured = _capturing(_nnx_call(graphdef, method), "nnx", method, True)
-
-  def named(*args, lost=None, **kw):
-    out = captured(*args, lost=lost, **kw)
-    root = _root(out)
-    return {root + n if _rooted(n) else n: v for n, v in out.items()}
-  return named
+  (the root's own call is ``''``; a method other than ``__call__`` adds its
+  own output, ``'.METHOD'``: :func:`layers_lib.rooted` names them as
+  layers). Each output is marked as the call returns (the hook's observers)
+  and taken out of the program (:func:`taken_out`), so that a jitted or
+  emulated ``captured`` returns them all; the policy in force reaches the
+  copy as it reaches the model itself."""
+  return _capturing(_nnx_call(graphdef, method), "nnx", method, True)
 
 
 def _nnx_call(graphdef: Any, method: str | None) -> Callable[..., Any]:
@@ -859,19 +840,14 @@ def _capturing(call: Callable[..., Any], kind: str, method: str | None,
   hook's observers, ``capture``'s calls), what it sows, and the method's own
   output where it is not ``__call__``, by name; ``kind``: ``'linen'`` or
   ``'nnx'``."""
-  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
   wants = capture if callable(capture) else (
       lambda m, name: name == "__call__")
-  bridged = nnx.bridge.ToNNX
 
   def captured(*args, lost=None, **kw):
     structure: dict[str, Any] = {}
 
     def observer(path, module, args, kwargs, out, method):
-      if ((kind == "linen" and isinstance(module, nnx.Module))
-          or (isinstance(module, bridged)
-              and kwargs.get("method") in (None, "__call__"))
-          or not wants(module, method)):
+      if layers_lib.unlisted(kind, module, kwargs) or not wants(module, method):
         return None
       return _marked(_output_name(flax_paths.split(path), method), out,
                      structure)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -176,3 +176,41 @@ def normalize(name: str) -> str:
     True
   """
   return re.sub(r"[\[\]./'\"]+", ".", name).strip(".")
+
+
+def root_name(names: Iterable[str]) -> str:
+  """The prefix of the root's layers among module outputs by path
+  (``names``): ``'output'`` (``'output.encode'``), unless a submodule is
+  named ``'output'``: then ``'(root)'`` (``'((root))'`` where one is named
+  ``'(root)'`` too, and so on)."""
+  taken = {n.split("/")[0].split(".")[0].split("#")[0] for n in names}
+  root = "output" if "output" not in taken else "(root)"
+  while root in taken:
+    root = f"({root})"
+  return root
+
+
+def is_rooted(name: str) -> bool:
+  """Whether the module output ``name`` (by path: the root's ``''``, its
+  method's ``'.encode'``, its calls' ``'#0'``) is one of the root's."""
+  return not name or name[0] in ".#"
+
+
+def rooted(names: Sequence[str]) -> list[str]:
+  """Module outputs by path as layers name them: the root's prefixed by
+  :func:`root_name` (``''`` -> ``'output'``; beside a submodule named
+  ``output``, ``'(root)'``)."""
+  root = root_name(names)
+  return [root + n if is_rooted(n) else n for n in names]
+
+
+def unlisted(kind: str, module: Any, kwargs: dict) -> bool:
+  """Whether a module call the hook shows
+  (:func:`jaxprec._src.flax.hook.observing`) is no layer of a ``kind`` model
+  (``'linen'`` or ``'nnx'``): an NNX module inside a linen model (a
+  ``ToLinen``'s), or an ``nnx.bridge.ToNNX``'s own call of ``__call__``,
+  whose linen module's call is the layer at its path."""
+  from flax import nnx  # noqa: PLC0415 -- Flax only when in use
+  return ((kind == "linen" and isinstance(module, nnx.Module))
+          or (isinstance(module, nnx.bridge.ToNNX)
+              and kwargs.get("method") in (None, "__call__")))

@@ -178,30 +178,40 @@ def _numbered(names: list[str]) -> list[str]:
   return out
 
 
-def _torch_layers(model: Any, args: tuple, kwargs: dict) -> list[_Layer]:
+def _named(paths: list[str]) -> tuple[list[str], str]:
+  """The layer names of module calls by path (the root's ``''``), as
+  :func:`jaxprec.check_module` names them (``#0``, ``#1`` for a module
+  called twice; the root ``'output'``, or ``'(root)'`` beside a child named
+  ``output``: :func:`layers_lib.root_name`), and the root's name."""
+  return layers_lib.rooted(_numbered(paths)), layers_lib.root_name(paths)
+
+
+def _torch_layers(model: Any, args: tuple, kwargs: dict
+                  ) -> tuple[list[_Layer], str]:
   """Every submodule call of a PyTorch model that has a floating output, in
   the order the calls end (:func:`torch_ref.module_calls`: children before
-  their parent, the root last, named ``'output'``)."""
+  their parent, the root last), named by :func:`_named`; and the root's
+  name."""
   calls = torch_ref.module_calls(model, args, kwargs, "port_check: torch_model")
-  names = _numbered([c.name or "output" for c in calls])
+  names, root = _named([c.name for c in calls])
   return [_Layer(n, c.inputs, c.outputs, parameterless=c.parameterless)
-          for n, c in zip(names, calls) if c.outputs]
+          for n, c in zip(names, calls) if c.outputs], root
 
 
-def _module_calls(model: Any, run: Callable[[], Any], linen: bool
+def _module_calls(model: Any, run: Callable[[], Any], kind: str
                   ) -> list[tuple[str, Any, tuple, dict, Any]]:
-  """``(path, module, args, kwargs, output)`` of each call of a module of
-  ``model``'s API in ``run()``, as the calls end, from the one hook
-  (:func:`hook.observing`; ``model``, an NNX copy, gets it); root: output."""
-  from flax import nnx  # noqa: PLC0415 -- Flax when in use
+  """``(path, module, args, kwargs, output)`` of each module call of
+  ``run()`` that :func:`jaxprec.check_module` lists (of a ``kind`` model:
+  :func:`layers_lib.unlisted`), as the calls end, from the one hook
+  (:func:`hook.observing`; ``model``, an NNX copy, gets it); root: ``''``."""
   from jaxprec._src.flax import hook  # noqa: PLC0415
-  if not linen:
+  if kind == "nnx":
     hook.install(model)
   calls: list = []
 
   def observer(path, module, args, kwargs, out):
-    if isinstance(module, nnx.Module) != linen:
-      calls.append((path or "output", module, args, kwargs, out))
+    if not layers_lib.unlisted(kind, module, kwargs):
+      calls.append((path, module, args, kwargs, out))
   with hook.observing(observer):
     run()
   return calls
@@ -240,6 +250,9 @@ class JaxModel:
     # called inside a JAX transform (a scan, a jit), which cannot be taken out.
     self.kept: frozenset[str] | None = None
     self.inside_transforms: tuple[str, ...] = ()
+    # The root's layer name (a function's outputs: 'output', none holds
+    # another); set by layers() for a model.
+    self.root = "output"
 
   @staticmethod
   def _kind(jax_model: Any) -> tuple[str, Any]:
@@ -249,7 +262,8 @@ class JaxModel:
     except ImportError:  # a function needs no Flax
       nnx = nn = None
     if nnx is not None and isinstance(jax_model, nnx.Module):
-      return "nnx", nnx.split(jax_model)
+      # A copy: the runs move no Variable of the user's (an RNG count).
+      return "nnx", nnx.split(nnx.clone(jax_model))
     torch = torch_ref.import_torch()
     if isinstance(jax_model, torch.nn.Module):
       raise TypeError(f"port_check: jax_model is a torch.nn.Module "
@@ -277,10 +291,10 @@ class JaxModel:
       from flax import nnx  # noqa: PLC0415
       graphdef, own = self._run
       m = nnx.merge(graphdef, own if state is None else state)  # a new object
-      return _module_calls(m, lambda: m(*inputs, **kwargs), linen=False)
+      return _module_calls(m, lambda: m(*inputs, **kwargs), "nnx")
     module, own = self._run
     return _module_calls(module, lambda: module.apply(
-        own if state is None else state, *inputs, **kwargs), linen=True)
+        own if state is None else state, *inputs, **kwargs), "linen")
 
   def _state(self) -> Any:
     return self._run[1] if self.kind in ("nnx", "linen") else None
@@ -296,7 +310,7 @@ class JaxModel:
 
     def from_modules(state, *inputs, **kwargs):
       calls = self._calls(inputs, kwargs, state=state)
-      names = _numbered([c[0] for c in calls])
+      names, _ = _named([c[0] for c in calls])
       return {n: _float_leaves(c[4]) for n, c in zip(names, calls)
               if self.kept is None or n in self.kept}
     return from_modules
@@ -332,7 +346,7 @@ class JaxModel:
               for n, vs in out.items()]
     with jax.default_matmul_precision("float32"):
       calls = self._calls(self.inputs, self.kwargs)
-    names = _numbered([c[0] for c in calls])
+    names, self.root = _named([c[0] for c in calls])
     found, inside = [], []
     for name, (_, mod, args, kwargs, out) in zip(names, calls):
       outs = _float_leaves(out)
@@ -351,9 +365,10 @@ class JaxModel:
     return found
 
   def _alone(self, mod: Any, args: tuple, kwargs: dict) -> _Alone:
-    """The module ``mod`` of the float32 run as a function of its own."""
-    if self.kind == "nnx":
-      from flax import nnx  # noqa: PLC0415
+    """The module ``mod`` of the float32 run as a function of its own (a
+    linen module inside an NNX model's ``ToNNX`` as a linen one)."""
+    from flax import nnx  # noqa: PLC0415
+    if isinstance(mod, nnx.Module):
       graphdef, state = nnx.split(mod)
 
       def alone(state, *a, **k):
@@ -510,8 +525,8 @@ def _dp(js: list[int], ts: list[int], score: Callable[[int, int], float | None]
 
 
 def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
-          alignment: AlignmentLike, local: Callable[[int, int], float]
-          ) -> dict[int, int]:
+          alignment: AlignmentLike, local: Callable[[int, int], float],
+          root: str = "output") -> dict[int, int]:
   """JAX layer index -> PyTorch layer index (see :func:`port_check`).
 
   Pairs keep the order both frameworks ran the layers in; a pair needs equal
@@ -519,7 +534,8 @@ def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
   those, the pairing with the most pairs wins, then the closest float32
   outputs, then the most similar names. A JAX layer with two candidates that
   tie is decided by its local error (``local(j, t)``: it run on each
-  candidate's input); a tie that remains is an error naming them.
+  candidate's input); a tie that remains is an error naming them. ``root``:
+  the JAX root's name.
   """
   jn = [l.name for l in jax_layers]
   tn = [l.name for l in torch_layers]
@@ -579,18 +595,19 @@ def align(jax_layers: list[_Layer], torch_layers: list[_Layer],
         f"port_check cannot pair the JAX layer {jn[a]!r}: the PyTorch layers "
         f"{names} fit it equally (same shapes, equally close at float32, "
         f"equally named); pin one with alignment={{{jn[a]!r}: {tn[pin]!r}}}")
-  return {**_uncrossed(pairs, jax_layers, close), **fixed}
+  return {**_uncrossed(pairs, jax_layers, close, root), **fixed}
 
 
 def _uncrossed(pairs: list[tuple[int, int]], jax_layers: list[_Layer],
-               close: dict[tuple[int, int], float]) -> dict[int, int]:
+               close: dict[tuple[int, int], float], root: str
+               ) -> dict[int, int]:
   """``pairs`` with siblings called in another order than PyTorch calls
   them (``up`` before ``gate``) paired by closeness: two pairs of sibling
   JAX layers with nothing paired inside them trade partners where the
   traded pairs are closer at float32 (by more than a decade)."""
   out = dict(pairs)
-  leaf = {a for a in out if not any(_inside(jax_layers[a].name,
-                                            jax_layers[c].name) for c in out)}
+  leaf = {a for a in out if not any(_inside(
+      jax_layers[a].name, jax_layers[c].name, root) for c in out)}
   parent = {a: _base(jax_layers[a].name).rpartition("/")[0] for a in leaf}
   changed = True
   while changed:
@@ -636,8 +653,8 @@ class PortLayer:
   Attributes:
     name: the JAX layer (module path, as :func:`jaxprec.check_module` names
       it; a function's output by its pytree path).
-    torch_name: the PyTorch module it is paired with (``'output'``: the
-      root).
+    torch_name: the PyTorch module it is paired with (the root:
+      ``'output'``, or ``'(root)'`` beside a submodule named ``output``).
     shape: the shape of its (first) output.
     floor: float32 JAX against float32 PyTorch, local (the layer on
       PyTorch's input); NaN where the layer cannot run alone (a function's
@@ -1027,25 +1044,26 @@ def _port_check(jax_model: Any, torch_model: Any, inputs: tuple,
   kwargs = dict(kwargs or {})
   torch_kwargs = dict(kwargs if torch_kwargs is None else torch_kwargs)
   jax_side = JaxModel(jax_model, inputs, kwargs)
-  torch_layers = _laid_out(_torch_layers(
+  torch_layers, torch_root = _torch_layers(
       torch_model, tuple(inputs if torch_inputs is None else torch_inputs),
-      torch_kwargs), layouts)
+      torch_kwargs)
+  torch_layers = _laid_out(torch_layers, layouts)
   if jax_side.kind == "function":  # the root's outputs by name, last
-    root = next((l for l in reversed(torch_layers) if l.name == "output"), None)
-    torch_layers = [l for l in torch_layers if l.name != "output"]
+    root = next((l for l in torch_layers if l.name == torch_root), None)
+    torch_layers = [l for l in torch_layers if l.name != torch_root]
     if root is not None:
       torch_layers += _root_layers(torch_model, inputs, torch_inputs,
-                                   torch_kwargs)
+                                   torch_kwargs, torch_root)
   bar.update(f"running JAX at float32 ({len(torch_layers)} PyTorch layers)",
              advance=1)
   jax_layers = jax_side.layers(f32)
-  root = next((l for l in jax_layers if l.name == "output"), None)
+  root = next((l for l in jax_layers if l.name == jax_side.root), None)
   if torch_inputs is not None and root is not None:
     # torch_inputs are the inputs in PyTorch's layout: the JAX model's own
     # inputs are its root's, which may have the same shapes (channels as
     # many as time steps) and yet another layout.
     torch_layers = [dataclasses.replace(l, inputs=root.inputs)
-                    if l.name == "output" else l for l in torch_layers]
+                    if l.name == torch_root else l for l in torch_layers]
   notes: list[str] = _non_finite_input_notes(
       (inputs, kwargs) if torch_inputs is None
       else (inputs, kwargs, torch_inputs, torch_kwargs))
@@ -1067,7 +1085,7 @@ def _port_check(jax_model: Any, torch_model: Any, inputs: tuple,
 
   bar.update(f"pairing {len(jax_layers)} JAX layers with "
              f"{len(torch_layers)} PyTorch layers", advance=1)
-  pairs = align(jax_layers, torch_layers, alignment, local)
+  pairs = align(jax_layers, torch_layers, alignment, local, jax_side.root)
   if not pairs:
     raise ValueError(
         f"port_check paired no layer: the JAX layers "
@@ -1170,7 +1188,8 @@ def _port_check(jax_model: Any, torch_model: Any, inputs: tuple,
   paired_names = {jax_layers[a].name for a in pairs}
   layers, held = _verdicts(
       results, [p.label for p in plans], jax_side.kind,
-      [l.name for l in jax_layers], paired_names, factor, notes)
+      [l.name for l in jax_layers], paired_names, factor, notes,
+      jax_side.root)
   return PortReport(
       layers=tuple(layers),
       alignment={jax_layers[a].name: torch_layers[pairs[a]].name
@@ -1393,33 +1412,35 @@ def _axes(perm: Any) -> tuple[int, ...] | None:
   return axes if axes and sorted(axes) == list(range(len(axes))) else None
 
 
-def _root_layers(torch_model, inputs, torch_inputs, torch_kwargs
+def _root_layers(torch_model, inputs, torch_inputs, torch_kwargs, root: str
                  ) -> list[_Layer]:
   """The PyTorch root's outputs, one layer each, named as
-  :func:`jaxprec.torch.capture` names them."""
+  :func:`jaxprec.torch.capture` names them (a bare tensor: ``root``, the
+  root's name)."""
   found = torch_ref.capture(
       torch_model, *(inputs if torch_inputs is None else torch_inputs),
       **torch_kwargs)
-  return [_Layer(n, [], [np.asarray(v, np.float32)]) for n, v in found.items()]
+  return [_Layer(root if n == "output" else n, [],
+                 [np.asarray(v, np.float32)]) for n, v in found.items()]
 
 
 def _base(name: str) -> str:
   return name.split("#")[0]
 
 
-def _inside(outer: str, inner: str) -> bool:
-  """Whether the JAX layer ``inner`` is a module inside ``outer``."""
-  o, i = _base(outer), _base(inner)
-  return inner != outer and (o == "output" or i.startswith(o + "/"))
+def _inside(outer: str, inner: str, root: str) -> bool:
+  """Whether the JAX layer ``inner`` is a module inside ``outer`` (every
+  other layer is inside the root's, ``root``)."""
+  return inner != outer and render.contains(_base(outer), _base(inner), root)
 
 
 def _verdicts(results: list[dict], rows: list[str], kind: str,
               names: list[str], paired: set[str], factor: float,
-              notes: list[str]
+              notes: list[str], root: str
               ) -> tuple[list[PortLayer], dict[str, tuple[str, ...]]]:
   """The :class:`PortLayer` of each result with its verdicts, and per row
   the unpaired layers that hold a jump of the propagated error (see
-  :func:`_jumps`)."""
+  :func:`_jumps`); ``root``: the root's name."""
   def error(r, p):
     x = r["local"][p]
     return r["propagated"][p] if math.isnan(x) else x
@@ -1428,7 +1449,7 @@ def _verdicts(results: list[dict], rows: list[str], kind: str,
          for p in rows}
   unpaired = [n for n in names if n not in paired]
   held = ({} if kind == "function" else
-          _jumps(results, rows, names, unpaired, bad, factor, notes))
+          _jumps(results, rows, names, unpaired, bad, factor, notes, root))
   out = []
   for k, r in enumerate(results):
     verdict = {}
@@ -1440,17 +1461,18 @@ def _verdicts(results: list[dict], rows: list[str], kind: str,
         verdict[p] = "after" if before in bad[p] else "SUSPECT"
       else:
         inner = [q for q in (*bad[p], *held.get(p, ()))
-                 if _inside(r["name"], q)]
+                 if _inside(r["name"], q, root)]
         verdict[p] = "inside" if inner else "SUSPECT"
     out.append(PortLayer(
         **r, verdict=verdict,
-        unpaired_inside=tuple(u for u in unpaired if _inside(r["name"], u))))
+        unpaired_inside=tuple(u for u in unpaired
+                              if _inside(r["name"], u, root))))
   return out, held
 
 
 def _jumps(results: list[dict], rows: list[str], names: list[str],
            unpaired: list[str], bad: dict[str, list[str]], factor: float,
-           notes: list[str]) -> dict[str, tuple[str, ...]]:
+           notes: list[str], root: str) -> dict[str, tuple[str, ...]]:
   """Row -> the unpaired JAX layers that hold a jump of the propagated
   error no paired layer explains: a paired layer whose local error is
   explained while its propagated error is above ``factor`` times the
@@ -1468,9 +1490,10 @@ def _jumps(results: list[dict], rows: list[str], names: list[str],
           r["propagated"][p] > factor * (top + r["bound"][p])):
         continue
       i, k = names.index(prev["name"]), names.index(r["name"])
-      at = _holder(names[i + 1:k] or [prev["name"], r["name"]], names, k)
+      at = _holder(names[i + 1:k] or [prev["name"], r["name"]], names, k,
+                   root)
       if (at in unpaired and at not in held.get(p, ())
-          and not any(_inside(at, q) for q in bad[p])):
+          and not any(_inside(at, q, root) for q in bad[p])):
         held[p] = (*held.get(p, ()), at)
         notes.append(
             f"{at} has no PyTorch partner and holds a jump of the "
@@ -1481,12 +1504,12 @@ def _jumps(results: list[dict], rows: list[str], names: list[str],
   return held
 
 
-def _holder(inner: list[str], names: list[str], at: int) -> str:
+def _holder(inner: list[str], names: list[str], at: int, root: str) -> str:
   """The innermost JAX layer holding every layer of ``inner`` (of a name
   called twice, the call in ``inner``, else the first to end at or after
-  ``names[at]``)."""
+  ``names[at]``; the root's name, ``root``, holds them all)."""
   common = os.path.commonprefix([_base(n).split("/") for n in inner])
   while common and "/".join(common) not in map(_base, names):
     common = common[:-1]
-  hits = [n for n in names if _base(n) == ("/".join(common) or "output")]
-  return next((n for n in (*inner, *names[at:]) if n in hits), "output")
+  hits = [n for n in names if _base(n) == ("/".join(common) or root)]
+  return next((n for n in (*inner, *names[at:]) if n in hits), root)

@@ -305,7 +305,7 @@ def labels(report: Any) -> dict[str, str]:
   return out
 
 
-def _contains(outer: str, inner: str, root: str = "output") -> bool:
+def contains(outer: str, inner: str, root: str = "output") -> bool:
   """Whether the layer ``outer`` is a module that holds ``inner`` (a module
   path below it, or any layer for the root's, ``root``: ``'output'``, or
   ``'(root)'`` beside a submodule named ``output``)."""
@@ -329,7 +329,7 @@ def folded(report: Any) -> dict[int, int]:
   root = "(root)" if any(l.name == "(root)" for l in ls) else "output"
   for i in range(1, len(ls)):
     a, b = ls[i - 1], ls[i]
-    if (_contains(b.name, a.name, root) and a.shape == b.shape
+    if (contains(b.name, a.name, root) and a.shape == b.shape
         and dict(a.metrics) == dict(b.metrics)):
       out[i] = out.get(i - 1, i - 1)
   return out

@@ -418,20 +418,23 @@ class _Captured:
   output of every NNX module call in it, the capture of ``check_module``
   (:func:`jaxprec._src.checker.check.nnx_outputs`), as a tuple in the order
   the calls returned (a program's dict comes back sorted by name);
-  ``names`` names them once a call has traced ``fn``, ``lost`` the modules
-  whose outputs it could not take out (inside a ``while_loop`` or
-  ``cond``)."""
+  ``names`` names them once a call has traced ``fn`` (as layers:
+  :func:`layers_lib.rooted`), ``own`` the method's own output among them,
+  ``lost`` the modules whose outputs it could not take out (inside a
+  ``while_loop`` or ``cond``)."""
 
   def __init__(self, graphdef: Any, method: str):
     self.run = check.nnx_outputs(graphdef,
                                  None if method == "__call__" else method)
-    self.own = "" if method == "__call__" else f".{method}"  # after the root
+    self.after_root = "" if method == "__call__" else f".{method}"
     self.names: tuple[str, ...] = ()
+    self.own = ""
     self.lost: list[str] = []
 
   def __call__(self, state, /, *inputs):
     out = self.run(state, *inputs, lost=self.lost)
-    self.names = tuple(out)
+    self.names = tuple(layers_lib.rooted(list(out)))
+    self.own = layers_lib.root_name(out) + self.after_root
     return tuple(out.values())
 
 
@@ -465,9 +468,7 @@ class _Runs:
     out = _program(fn, setting)(self.state, *inputs)  # traced: names
     calls = dict(zip(fn.names, out))
     self.lost.update(dict.fromkeys(fn.lost))
-    # '(root)' where a submodule is named 'output' (check._root).
-    own = ("(root)" if "(root)" + fn.own in calls else "output") + fn.own
-    return calls.pop(own), calls
+    return calls.pop(fn.own), calls
 
   def forward(self, setting, ids, mask, positions):
     """``(hidden states, [(width, module calls)])`` of teacher forcing."""
