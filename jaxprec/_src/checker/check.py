@@ -31,6 +31,7 @@ from jaxprec._src.checker import layers as layers_lib
 from jaxprec._src.checker import logits as logits_lib
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import reference as reference_lib
+from jaxprec._src.checker import render
 from jaxprec._src.checker import progress as progress_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
@@ -239,6 +240,11 @@ def check(fn: Callable[..., Any], *args: Any,
     if not ref.names:
       raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
                        f"floating arrays to compare")
+    if all(0 in s for s in ref.shapes):
+      raise ValueError(
+          f"{getattr(fn, '__name__', 'fn')}(...) returned only empty floating "
+          f"arrays, nothing to compare: " + ", ".join(
+              f"{n!r} {tuple(s)}" for n, s in zip(ref.names, ref.shapes)))
     results: dict[str, list[metrics_lib.LayerMetrics]] = {}
     for i, p in enumerate(plans, 1):
       bar.update(f"compiling+running {p.label} ({i}/{len(plans)})", advance=1)
@@ -264,8 +270,8 @@ def check(fn: Callable[..., Any], *args: Any,
       LayerResult(name=n, shape=s, dtype=d,
                   metrics={p.label: results[p.label][i] for p in plans})
       for i, (n, s, d) in enumerate(zip(ref.names, ref.shapes, ref.dtypes)))
-  zero = [layer.name for layer in layers
-          if all(m.ref_max_abs == 0 for m in layer.metrics.values())]
+  zero = [layer.name for layer in layers if not layer.empty
+          and all(m.ref_max_abs == 0 for m in layer.metrics.values())]
   if zero:  # said out loud: metrics there say 'exact'
     shown = ", ".join(repr(n) for n in zero[:5]) + (
         f" and {len(zero) - 5} more" if len(zero) > 5 else "")
@@ -283,6 +289,10 @@ def check(fn: Callable[..., Any], *args: Any,
                  f"arrays (token ids, masks, counts); the check compares "
                  f"floating-point layers (token ids through their logits: "
                  f"logits=)")
+  notes += render.empty_notes(
+      [(l.name, l.shape) for l in layers if l.empty],
+      "no error is counted there, and worst(), first_divergence(), "
+      "required_atol() and the summary skip such a layer")
   notes += native
   notes += ref.notes
   notes += overflow_notes(layers)
