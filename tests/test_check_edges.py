@@ -323,6 +323,9 @@ def _assert_empty_said(r, shape="(0, 8)"):
   row = next(line for line in text.splitlines() if " empty " in line)
   assert "empty" in row.split("empty", 1)[1], row  # the verdict cell
   assert "exact" not in row and "in rtol" not in row, row
+  full = next(line for line in r.to_text(full=True).splitlines()
+              if " empty " in line)
+  assert full.split()[-3:] == ["-", "-", "empty"], full
   back = jaxprec.DivergenceReport.from_dict(json.loads(r.to_json()))
   assert back.worst(5) == worst and back.notes == r.notes
 
@@ -420,3 +423,15 @@ def test_check_module_names_an_empty_submodule_output_on_linen():
                            mode="emulate")
   assert [l.name for l in r.layers] == ["fc", "empty", "output"]
   _assert_empty_said(r)
+
+
+@pytest.mark.parametrize("metric", ["rel_rms", "max_abs", "cosine"])
+def test_an_empty_layer_is_not_drawn(metric):
+  pytest.importorskip("matplotlib")
+  x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+  r = jaxprec.check(_with_empty, x, precisions=["bfloat16"], mode="emulate")
+  ax, = r.plot(metric=metric).axes
+  lines = {l.get_label(): l for l in ax.get_lines()}
+  assert "_exact" not in lines  # no 'exact (0)' marker for 'empty' (#1)
+  ys = lines[next(k for k in lines if k.startswith("bfloat16"))].get_ydata()
+  assert math.isnan(ys[1]) and np.isfinite(ys[[0, 2]]).all()
