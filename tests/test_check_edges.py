@@ -435,3 +435,25 @@ def test_an_empty_layer_is_not_drawn(metric):
   assert "_exact" not in lines  # no 'exact (0)' marker for 'empty' (#1)
   ys = lines[next(k for k in lines if k.startswith("bfloat16"))].get_ydata()
   assert math.isnan(ys[1]) and np.isfinite(ys[[0, 2]]).all()
+
+
+def test_search_policy_refuses_every_layer_empty():
+  w = jax.random.normal(jax.random.key(0), (8, 8))
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+
+  def f(w, x):
+    return {"z": jnp.tanh(x @ w)[:0]}
+
+  with pytest.raises(ValueError, match=re.escape(
+      "f(...) returned only empty floating arrays, nothing to compare: "
+      "'z' (0, 8)")):
+    jaxprec.search_policy(f, w, x, tolerance=1e-2, verbose=False)
+
+  def g(w, x):
+    return {"y": jnp.tanh(x @ w), "z": jnp.tanh(x @ w)[:0]}
+
+  with pytest.raises(ValueError, match=re.escape(
+      "jaxprec.search_policy: layers=['z'] names only empty layers, nothing "
+      "to compare; name one with elements")):
+    jaxprec.search_policy(g, w, x, tolerance=1e-2, layers=["z"],
+                          verbose=False)

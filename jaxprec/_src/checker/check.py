@@ -164,7 +164,8 @@ def check(fn: Callable[..., Any], *args: Any,
       target other than ``'gpu'``; a negative or NaN tolerance; an unreadable reference file or an unsupported reference
       (the message names the supported ones); a reference that does not
       match the output (the message names the first mismatching path and
-      both shapes); an output without floating leaves; a ``cache``
+      both shapes); an output without floating leaves, or whose
+      floating leaves are all empty (each named); a ``cache``
       directory that cannot be created; a ``logits`` that names no layer
       (the message names the layers and the closest one), a logits layer
       whose last axis has fewer than 2 entries, a ``logits_k`` outside
@@ -237,14 +238,7 @@ def check(fn: Callable[..., Any], *args: Any,
     ref = harness.build_reference(fn, call, reference, target=target, mode=mode,
                                   options=options, keep=logits)
     seconds["reference"] = time.perf_counter() - t0
-    if not ref.names:
-      raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
-                       f"floating arrays to compare")
-    if all(0 in s for s in ref.shapes):
-      raise ValueError(
-          f"{getattr(fn, '__name__', 'fn')}(...) returned only empty floating "
-          f"arrays, nothing to compare: " + ", ".join(
-              f"{n!r} {tuple(s)}" for n, s in zip(ref.names, ref.shapes)))
+    harness.comparable(fn, ref.names, ref.shapes)
     results: dict[str, list[metrics_lib.LayerMetrics]] = {}
     for i, p in enumerate(plans, 1):
       bar.update(f"compiling+running {p.label} ({i}/{len(plans)})", advance=1)

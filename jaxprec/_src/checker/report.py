@@ -100,7 +100,9 @@ class DivergenceReport(render.Report):
   :meth:`to_json` follows the versioned schema of ``docs/checker.md``.
 
   Attributes:
-    layers: one :class:`LayerResult` per layer, in depth order.
+    layers: one :class:`LayerResult` per layer, in depth order. A layer
+      without elements compares nothing: its figures read as no error, no
+      query names it, its table cell reads ``empty`` and a note names it.
     precisions: the precision labels, as passed to ``check``.
     reference: ``'float32'``, ``'float64'``, another precision name,
       ``'file:<path>'`` or ``'pytree'``.
