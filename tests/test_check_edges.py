@@ -391,7 +391,8 @@ def test_compare_of_empty_arrays_has_no_errors():
                                         np.zeros((0, 3))))
 
 
-def test_check_module_names_an_empty_submodule_output():
+@pytest.mark.parametrize("shadow", [False, True])
+def test_check_module_names_an_empty_submodule_output(shadow):
   from flax import nnx
 
   class Net(nnx.Module):
@@ -404,7 +405,7 @@ def test_check_module_names_an_empty_submodule_output():
       return h + self.empty(h[:0]).sum()
 
   r = jaxprec.check_module(Net(nnx.Rngs(0)), X8, precisions=["bfloat16"],
-                           mode="emulate")
+                           mode="emulate", shadow=shadow)
   assert [l.name for l in r.layers] == ["fc", "empty", "output"]
   _assert_empty_said(r)
 

@@ -31,8 +31,8 @@ from jaxprec._src.checker import layers as layers_lib
 from jaxprec._src.checker import logits as logits_lib
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import reference as reference_lib
-from jaxprec._src.checker import render
 from jaxprec._src.checker import progress as progress_lib
+from jaxprec._src.checker import report as report_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
 from jaxprec._src.core.precision import PrecisionLike
@@ -283,10 +283,7 @@ def check(fn: Callable[..., Any], *args: Any,
                  f"arrays (token ids, masks, counts); the check compares "
                  f"floating-point layers (token ids through their logits: "
                  f"logits=)")
-  notes += render.empty_notes(
-      [(l.name, l.shape) for l in layers if l.empty],
-      "no error is counted there, and worst(), first_divergence(), "
-      "required_atol() and the summary skip such a layer")
+  notes += report_lib.empty_notes(layers)
   notes += native
   notes += ref.notes
   notes += overflow_notes(layers)

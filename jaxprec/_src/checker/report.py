@@ -16,7 +16,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from jaxprec._src.checker import metrics as metrics_lib
@@ -50,7 +50,16 @@ class LayerResult:
   def empty(self) -> bool:
     """Whether the layer has no elements (a dimension of size 0): it compares
     nothing, so no query of the report names it."""
-    return math.prod(self.shape) == 0
+    return math.prod(self.shape) == 0 and not any(
+        m.size for m in self.metrics.values())
+
+
+def empty_notes(layers: Sequence[LayerResult]) -> list[str]:
+  """The note of a check report naming its empty layers (none: no note)."""
+  return render.empty_notes(
+      [(l.name, l.shape) for l in layers if l.empty],
+      "no error is counted there, and worst(), first_divergence(), "
+      "required_atol() and the summary skip such a layer")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
