@@ -391,8 +391,9 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
     ValueError: an unknown metric, candidate, target, mode, layer, axis,
       dtype or chip; a negative tolerance; a budget below 1; an output
       without floating layers, or with empty ones only (or ``layers``
-      naming empty ones only); a reference that does not match the output; a ``cache``
-      directory that cannot be created; a logits metric without
+      naming empty ones only); a reference that does not match the
+      output; a ``cache`` directory that cannot be created; a logits
+      metric without
       ``logits`` or ``logits`` with another metric; a ``logits`` that names
       no layer, or one whose last axis has fewer than 2 entries.
 
