@@ -789,6 +789,7 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
   def fn(*args, **kw):
     out = _in_order(captured(*args, lost=[], **kw), order)
     return {root + n if _rooted(n) else n: v for n, v in out.items()}
+  fn.__name__ = f"{type(module).__name__}.{method or '__call__'}"  # errors
   return fn, (*key, method, capture, order), args
 
 
@@ -899,6 +900,7 @@ def _check_module_fn(fn: Callable[..., dict], key: Any, args: tuple,
     def partial(*a, all_layers=fn, **kw):
       return {n: v for n, v in layers_lib.layers(all_layers(*a, **kw))
               if n in keep}
+    partial.__name__ = fn.__name__
     fn, key = partial, (key, tuple(checked))
   report = _check_cached(fn, key, *args, **dict(common, reference=found),
                          **kwargs)
