@@ -356,8 +356,8 @@ def _rows(report: Any, full: bool, precisions) -> list[list[str]]:
     row = [str(i), _cell(l.name), "x".join(map(str, l.shape)) or "()"]
     for p in precisions:
       m = l.metrics[p]
-      row += ["-", "-"] if full and l.empty else [
-          fmt(m.max_abs), fmt(m.rel_rms)] if full else []
+      if full:
+        row += ["-", "-"] if l.empty else [fmt(m.max_abs), fmt(m.rel_rms)]
       row.append("empty" if l.empty else _verdict(report, m))
     rows.append(row)
   return rows
