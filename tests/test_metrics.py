@@ -186,7 +186,12 @@ def test_many_layers_packed_together_match_one_by_one():
     ref = M.reference_stats(hi, None, layout)
     return M.layer_stats(cs, hi, None, ref, layout, atol=1e-3, rtol=1e-3)
   together = M.finish(jax.device_get(run(cands, hi)), layout)
-  assert math.isnan(together[0].max_abs) and together[0].size == 0
+  # an empty layer compares nothing: no error (not NaN), as compare() says
+  empty = together[0]
+  assert empty.size == 0 and (empty.max_abs, empty.rel_rms, empty.cosine) == (
+      0.0, 0.0, 1.0)
+  assert vars(empty) == vars(M.compare(cands[0], refs[0], atol=1e-3,
+                                       rtol=1e-3))
   for s, c, r, m in zip(sizes[1:], cands[1:], refs[1:], together[1:]):
     one = M.compare(c, r, atol=1e-3, rtol=1e-3)
     for k, v in vars(one).items():  # sums may round differently: 1e-6
