@@ -9,6 +9,7 @@ layer's whole name on one row.
 
 import json
 import math
+import re
 
 import pytest
 
@@ -251,3 +252,45 @@ def test_markdown_shows_a_multi_line_cell_on_one_row():
   assert "| x y | 1 |" in md and "- p\\|q" in md
   assert render.text(doc).splitlines()[1:] == ["a  b", "-  -", "x  1", "y",
                                                "p|q"]
+
+
+# Pages from one column to wide; names a narrow page must fold.
+WIDTHS = [1, 10, 20, 40, 79, 80, 81, 100, 200]
+
+
+@pytest.mark.parametrize("kind", ["check", "port", "training"])
+@pytest.mark.parametrize("width", WIDTHS)
+def test_every_line_of_every_report_fits_every_width(kind, width):
+  import io
+  from rich.cells import cell_len
+  from rich.console import Console
+  r = _reports()[kind]
+  out = io.StringIO()
+  Console(file=out, width=width, color_system=None).print(r)
+  for how, got in [("table", r.table(width=width)),
+                   ("to_text", r.to_text(width=width)),
+                   ("rich", out.getvalue())]:
+    assert "…" not in got, how
+    assert max(map(cell_len, got.splitlines())) <= width, (how, got)
+    assert got == (out.getvalue() if how == "rich"
+                   else getattr(r, how)(width=width))  # nothing kept
+
+
+@pytest.mark.parametrize("how", ["table", "to_text"])
+def test_a_row_per_line_keeps_each_figure_beside_its_name(how):
+  """Too narrow for the table: each figure on a line with its column's
+  name, and no name without a figure (an empty cell is left out)."""
+  port = getattr(port_report("dense"), how)(width=50).splitlines()
+  for name, value in [("floor", "2.50e-07"), ("envelope", "3.00e-03"),
+                      ("local", "inf"), ("propagated", "4.00e-03"),
+                      ("verdict", "SUSPECT")]:
+    assert any(re.search(rf"(^|  ){name} +{value}( |$)", l.strip())
+               for l in port), (name, port)
+  training = getattr(training_report(), how)(width=50).splitlines()
+  assert any(l.split() == ["final", "loss", "5.0000e-01"] for l in training)
+  assert any(l.split() == ["numerics", "bf16x1", "(emulated)"]
+             for l in training), training
+  names = {"floor", "envelope", "local", "propagated", "verdict", "numerics",
+           "final loss", "max rel loss diff", "final drift",
+           "diverged at step"}
+  assert not [l for l in port + training if l.strip() in names]

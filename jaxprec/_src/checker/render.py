@@ -244,6 +244,7 @@ def fold(line: str, width: int, indent: str = "") -> list[str]:
     >>> fold("worst encoder/layers/0/attention/output_dense (#0)", 30)
     ['worst encoder/layers/0/', 'attention/output_dense (#0)']
   """
+  indent = indent[:max(width - 1, 0)]  # a page narrower than the indent
   room = max(width - len(indent), 1)
   pieces = []
   for word in re.split(r"(?<= )", line):
@@ -262,10 +263,13 @@ def fold(line: str, width: int, indent: str = "") -> list[str]:
   for piece in pieces:
     if not piece:
       continue
-    if out[-1].strip() and len(out[-1] + piece.rstrip()) > width:
-      out[-1] = out[-1].rstrip()
-      out.append(indent)
-      piece = piece.lstrip(" ")
+    if len(out[-1] + piece.rstrip()) > width:
+      if out[-1].strip():
+        out[-1] = out[-1].rstrip()
+        out.append(indent)
+        piece = piece.lstrip(" ")
+      else:  # a line's indent wider than the page leaves: narrowed
+        out[-1] = out[-1][:max(width - len(piece.rstrip()), 0)]
     out[-1] += piece
   return [l.rstrip() for l in out]
 
@@ -650,8 +654,9 @@ def _groups(t: Table) -> list[tuple[str, list[int]]]:
 def _vertical(t: Table, width: int) -> list[str]:
   """The table for a narrow page: per row a line with its key cells, then
   its other cells, ``label value`` (a group of several columns: ``label
-  name value name value``), as many to a line as ``width`` holds, aligned
-  from row to row."""
+  name value name value``; an empty group left out), as many to a line as
+  ``width`` holds, aligned from row to row, under the first key where that
+  fits, else indented by two."""
   rows = _flowed(t, None)
   groups = _groups(t)
   cw = {k: max([len(r[k]) for r in rows], default=1)
@@ -666,12 +671,13 @@ def _vertical(t: Table, width: int) -> list[str]:
     body = "  ".join(f"{bottom(k)} {c}" if len(ks) > 1 else c
                      for k, c in zip(ks, cells))
     return f"{top:<{lw}}  {body}"
-  first = max([len(r[0]) for r in rows] + [len(t.cols[0])]) if t.keys else 0
-  indent = first + 2
-  room = max(width - indent, 1)
   size = max((len(chunk(rows[0], top, ks)) for top, ks in groups),
              default=0) if rows else 0
-  per_line = max(1, (room + 3) // (size + 3)) if size else 1
+  first = max([len(r[0]) for r in rows] + [len(t.cols[0])]) if t.keys else 0
+  if first + 2 + size > width:  # the cells under the first key do not fit
+    first = 0
+  indent = first + 2
+  per_line = max(1, (width - indent + 3) // (size + 3)) if size else 1
 
   def keys(cells):
     if not t.keys:
@@ -683,7 +689,8 @@ def _vertical(t: Table, width: int) -> list[str]:
   lines = [head, "-" * min(width, max(len(head), indent + size))]
   for r in rows:
     lines.append(keys(list(r)))
-    cells = [chunk(r, top, ks).ljust(size) for top, ks in groups]
+    cells = [chunk(r, top, ks).ljust(size) for top, ks in groups
+             if any(r[k] for k in ks)]
     for s in range(0, len(cells), per_line):
       lines.append((" " * indent + "   ".join(cells[s:s + per_line])).rstrip())
   return lines
