@@ -294,3 +294,15 @@ def test_a_row_per_line_keeps_each_figure_beside_its_name(how):
            "final loss", "max rel loss diff", "final drift",
            "diverged at step"}
   assert not [l for l in port + training if l.strip() in names]
+
+
+@pytest.mark.parametrize("kind", ["check", "port", "training"])
+@pytest.mark.parametrize("width", [0, -3, 2.5, "80", True])
+def test_a_bad_width_is_refused_by_every_report(kind, width):
+  r = _reports()[kind]
+  for how in (r.table, r.to_text):
+    error = ValueError if isinstance(width, int) and width is not True else (
+        TypeError)
+    with pytest.raises(error, match=re.escape(f"width={width!r}")) as e:
+      how(width=width)
+    assert "None or a whole number of columns >= 1" in str(e.value)

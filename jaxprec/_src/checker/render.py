@@ -123,6 +123,9 @@ class Report:
 
     Returns:
       The text, without colour.
+
+    Raises:
+      TypeError, ValueError: ``width`` is not None or an int >= 1.
     """
     return to_str(self._document(full), width)
 
@@ -696,6 +699,18 @@ def _vertical(t: Table, width: int) -> list[str]:
   return lines
 
 
+def check_width(width: Any) -> None:
+  """Raises a clear error unless ``width`` is None or an int >= 1."""
+  if width is None:
+    return
+  if isinstance(width, bool) or not isinstance(width, int):
+    raise TypeError(f"width={width!r}: expected None or a whole number of "
+                    f"columns >= 1")
+  if width < 1:
+    raise ValueError(f"width={width!r}: expected None or a whole number of "
+                     f"columns >= 1")
+
+
 def text(doc: Document, width: int | None = None) -> str:
   """``doc`` as plain text.
 
@@ -705,7 +720,11 @@ def text(doc: Document, width: int | None = None) -> str:
       in their column (whole, never cut), and where that is not enough gives
       each row lines of its own; lines of prose fold at spaces. None
       (default): as wide as it needs, nothing folded.
+
+  Raises:
+    TypeError, ValueError: ``width`` is not None or an int >= 1.
   """
+  check_width(width)
   def folded(line: str) -> list[str]:
     return [line] if width is None else fold(line, width, "  ")
   out = [x for line in doc.heading for x in folded(line)]
@@ -806,7 +825,11 @@ def to_str(doc: Document, width: int | None = None) -> str:
     doc: the :class:`Document`.
     width: the columns to fit in. None (default): as wide as the widest
       table and line need, so that nothing is ever cut, e.g. in a log.
+
+  Raises:
+    TypeError, ValueError: ``width`` is not None or an int >= 1.
   """
+  check_width(width)
   try:
     from rich.console import Console
     from rich.measure import Measurement
