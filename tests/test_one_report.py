@@ -306,3 +306,62 @@ def test_a_bad_width_is_refused_by_every_report(kind, width):
     with pytest.raises(error, match=re.escape(f"width={width!r}")) as e:
       how(width=width)
     assert "None or a whole number of columns >= 1" in str(e.value)
+
+
+def test_a_report_of_2000_layers_is_drawn_in_under_a_second():
+  import io
+  import time
+
+  from rich.console import Console
+
+  from jaxprec._src.checker.report import LayerResult
+  from test_report import make_report
+  metrics = make_report().layers[1].metrics
+  r = make_report(layers=tuple(
+      LayerResult(name=f"encoder/layers_{i}/mlp/dense", shape=(1, 4, 3),
+                  dtype="float32", metrics=metrics) for i in range(2000)))
+  draws = {"table": lambda: r.table(), "table(80)": lambda: r.table(width=80),
+           "to_text(40)": lambda: r.to_text(width=40),
+           "to_markdown": r.to_markdown,
+           "rich.print": lambda: Console(file=io.StringIO(), width=100,
+                                         color_system=None).print(r)}
+  for what, draw in draws.items():
+    start = time.perf_counter()
+    draw()
+    assert time.perf_counter() - start < 1.0, what
+  assert sum(l.startswith("│ ") for l in r.table().splitlines()) == 2000
+
+
+# Names a user may give a layer: each drawn whole, on no line wider than
+# the page, a wide character (CJK, emoji) counted as the two columns a
+# terminal gives it.
+ODD_NAMES = ["编码器/层_0/注意力/输出投影", "enc/😀😀😀/dense", "a|b", "a\tb\\c",
+             "[bold]x[/bold]", "", "/".join(f"seg{i:03d}" for i in range(38))]
+
+
+@pytest.mark.parametrize("name", ODD_NAMES)
+@pytest.mark.parametrize("kind", ["check", "port"])
+def test_any_name_fits_every_width_and_a_box_is_aligned(kind, name):
+  import io
+
+  from rich.cells import cell_len
+  from rich.console import Console
+
+  from test_report import renamed_report
+  r = (renamed_report((name, "b", "c", "d")) if kind == "check"
+       else port_report(name))
+  shown = render.escaped(name)
+  assert shown in r.to_text() and shown in r.table()
+  box = [l for l in r.table().splitlines() if l[:1] in "┏┃┡│└"]
+  assert len({cell_len(l) for l in box}) == 1, box  # every edge aligned
+  plain = r.to_text().splitlines()
+  rule = next(l for l in plain if l.startswith("-"))
+  assert max(map(cell_len, plain[plain.index(rule) - 1:plain.index(rule) + 3])
+             ) <= cell_len(rule)  # a row as wide as its header's rule
+  for width in (2, 10, 20, 40, 79, 80, 100):
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(r)
+    for got in (r.table(width=width), r.to_text(width=width),
+                out.getvalue()):
+      assert "…" not in got
+      assert max(map(cell_len, got.splitlines())) <= width, (width, got)
