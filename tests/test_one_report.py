@@ -365,3 +365,49 @@ def test_any_name_fits_every_width_and_a_box_is_aligned(kind, name):
                 out.getvalue()):
       assert "…" not in got
       assert max(map(cell_len, got.splitlines())) <= width, (width, got)
+
+
+def _github(md: str) -> str:
+  """The HTML that CommonMark with GitHub's tables and strikethrough makes of
+  ``md`` (markdown-it-py, which rich depends on)."""
+  markdown_it = pytest.importorskip("markdown_it")
+  return markdown_it.MarkdownIt("commonmark").enable(
+      ["table", "strikethrough"]).render(md)
+
+
+# Names and a policy that Markdown would format: emphasis, code, a link, an
+# HTML tag, an entity, strikethrough, a pipe, a backslash, a line break.
+MD_NAMES = ["_private_/x", "a*b*c", "x<y>z", "[bold]x[/bold]", "a`b`c",
+            "a~~b~~c", "a|b", "a\\b", "a&amp;b", "line\nbreak", "[a](b)",
+            "<lambda>"]
+MD_POLICY = "default=bfloat16,.*attn.*=float32"
+
+
+def test_github_shows_each_name_and_line_as_the_text_does():
+  import html
+
+  from jaxprec._src.checker.report import LayerResult
+  from test_report import make_report
+  m = make_report().layers[1].metrics["bf16"]
+  r = make_report(
+      layers=tuple(LayerResult(name=n, shape=(2,), dtype="float32",
+                               metrics={"bf16": m, MD_POLICY: m})
+                   for n in MD_NAMES),
+      precisions=("bf16", MD_POLICY),
+      numerics={"bf16": "bf16x1 (emulated)", MD_POLICY: "policy (emulated)"})
+  page = _github(r.to_markdown())
+  rows = re.findall(r"<tr>\n(.*?)</tr>", page, re.S)[1:]  # after the header
+  names = [re.findall(r"<td[^>]*>(.*?)</td>", row)[1] for row in rows]
+  assert [html.unescape(n) for n in names] == [render.escaped(n)
+                                                for n in MD_NAMES]
+  assert not [n for n in names if "<" in n]  # no emphasis, code, link, tag
+  items = [html.unescape(i) for i in re.findall(r"<li>(.*?)</li>", page)]
+  assert f"P1: {MD_POLICY}" in items
+  none = make_report(precisions=(), layers=tuple(
+      LayerResult(name="a", shape=(2,), dtype="float32", metrics={})
+      for _ in range(2)))  # a heading line ends in a space: 'numerics: '
+  for report in (r, none):
+    page = _github(report.to_markdown())
+    for line in report.to_text().splitlines()[:2]:  # the heading, in bold
+      assert f"<strong>{html.escape(line.strip(), quote=False)}</strong>" in (
+          page), page

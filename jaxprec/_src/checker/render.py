@@ -218,11 +218,19 @@ def table(cols: list[str], rows: list[list[str]], left: set[int],
            rule("└", "┴", "┘", "─")])
 
 
+# What Markdown would read as formatting in a cell (CommonMark): emphasis
+# ('*'; '_' except between two letters or digits, where it never is), code,
+# an HTML tag or entity, strikethrough, a link's '](', a column's '|'.
+_MARKDOWN = re.compile(r"[|*`<&~]|\](?=\()|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+
+
 def markdown_cell(text: str) -> str:
-  """``text`` as one cell of a Markdown table: ``|`` as ``\\|``, a backslash
-  doubled, line breaks, tabs and carriage returns as ``\\n``, ``\\t``,
-  ``\\r``."""
-  return escaped(text).replace("|", "\\|")
+  """``text`` as one cell of a Markdown table, shown as written: line breaks,
+  tabs and carriage returns as ``\\n``, ``\\t``, ``\\r``, a backslash
+  doubled, and what Markdown would read as formatting (``|``, emphasis, code,
+  links, HTML, entities, strikethrough) escaped by a backslash (CommonMark,
+  "Backslash escapes")."""
+  return _MARKDOWN.sub(lambda m: "\\" + m.group(), escaped(text))
 
 
 def markdown_table(cols: list[str], rows: list[list[str]],
@@ -801,7 +809,7 @@ def markdown(doc: Document) -> str:
 
   def line(cells):
     return "| " + " | ".join(map(cell, cells)) + " |"
-  out = ["  \n".join(f"**{cell(h)}**" for h in doc.heading), ""]
+  out = ["  \n".join(f"**{cell(h).strip()}**" for h in doc.heading), ""]
   items: list[str] = []
   for part in doc.parts + (None,):
     if not isinstance(part, str) and items:
