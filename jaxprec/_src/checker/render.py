@@ -807,8 +807,8 @@ def markdown(doc: Document) -> str:
   def cell(text):  # GitHub shows the text the text rendering shows
     return markdown_cell(text.replace("\n", " "))
 
-  def line(cells):
-    return "| " + " | ".join(map(cell, cells)) + " |"
+  def joined(cells):  # a cell's lines on one line
+    return [c.replace("\n", " ") for c in cells]
   out = ["  \n".join(f"**{cell(h).strip()}**" for h in doc.heading), ""]
   items: list[str] = []
   for part in doc.parts + (None,):
@@ -816,10 +816,8 @@ def markdown(doc: Document) -> str:
       out += [*items, ""]
       items = []
     if isinstance(part, Table):
-      out += [line(part.cols),
-              "|" + "|".join("---" if j in part.left else "---:"
-                             for j in range(len(part.cols))) + "|",
-              *map(line, part.rows), ""]
+      out += [*markdown_table(joined(part.cols), list(map(joined, part.rows)),
+                              set(part.left)), ""]
     elif isinstance(part, str):
       items.append(f"- {cell(part)}")
   return "\n".join(out).rstrip("\n") + "\n"
