@@ -411,3 +411,24 @@ def test_github_shows_each_name_and_line_as_the_text_does():
     for line in report.to_text().splitlines()[:2]:  # the heading, in bold
       assert f"<strong>{html.escape(line.strip(), quote=False)}</strong>" in (
           page), page
+
+
+def test_a_row_per_line_keeps_a_cell_of_two_lines_on_its_line():
+  """A cell of two lines (the sampler's 'on gpu\\n(h100)') outside the name
+  column: one line beside its column's name, no blank line, no second
+  label."""
+  doc = render.Document(heading=("h",), parts=(render.Table(
+      cols=("factor", "sampler", "trainer", "RMS delta"),
+      rows=(("lm_head", "default=dtype:bfloat16 on gpu\n(h100)",
+             "default (bf16x1) on tpu", "0.0119"),
+            ("decode", "decode with a KV cache", "teacher forcing", "0")),
+      name=0),))
+  wide = render.text(doc).splitlines()
+  assert len(wide) == 6 and wide[4].split() == ["(h100)"]  # as it was
+  for how in (render.text, render.to_str):
+    lines = how(doc, 50).splitlines()
+    assert "" not in lines and max(map(len, lines)) <= 50
+    sampler = [l.split() for l in lines if l.split()[:1] == ["sampler"]]
+    assert sampler == [["sampler", "default=dtype:bfloat16", "on", "gpu",
+                        "(h100)"], ["sampler", "decode", "with", "a", "KV",
+                                    "cache"]], lines

@@ -709,8 +709,11 @@ def _vertical(t: Table, width: int) -> list[str]:
   its other cells, ``label value`` (a group of several columns: ``label
   name value name value``; an empty group left out), as many to a line as
   ``width`` holds, aligned from row to row, under the first key where that
-  fits, else indented by two."""
-  rows = _flowed(t, None)
+  fits, else indented by two. A cell of several lines outside the names is
+  one line here."""
+  rows = _flowed(dataclasses.replace(t, rows=tuple(
+      tuple(c if k == t.name else c.replace("\n", " ")
+            for k, c in enumerate(r)) for r in t.rows)), None)
   groups = _groups(t)
   cw = {k: max([columns(r[k]) for r in rows], default=1)
         for k in range(t.keys, len(t.cols))}
