@@ -729,7 +729,8 @@ def _vertical(t: Table, width: int) -> list[str]:
     return f"{padded(top, lw)}  {body}"
   size = max((columns(chunk(rows[0], top, ks)) for top, ks in groups),
              default=0) if rows else 0
-  first = max([columns(r[0]) for r in rows] + [columns(t.cols[0])]) if t.keys else 0
+  first = (max([columns(r[0]) for r in rows] + [columns(t.cols[0])])
+           if t.keys else 0)
   if first + 2 + size > width:  # the cells under the first key do not fit
     first = 0
   indent = first + 2
