@@ -1,6 +1,7 @@
 """The checker's edges: a float64 reference beyond float32's range, tolerances
 that are not finite, and references that the writer or the reader refuses."""
 
+import json
 import math
 import re
 
@@ -273,3 +274,204 @@ def test_save_layers_refuses_a_tree_without_floating_arrays(tmp_path):
   with pytest.raises(ValueError, match="holds no floating arrays"):
     jaxprec.save_layers(tmp_path / "ref.npz", {"ids": np.ones(2, int)})
   assert not (tmp_path / "ref.npz").exists()
+
+
+# -- An empty floating layer compares nothing, and is said to ---------------------
+
+
+def _with_empty(x):
+  """'empty' has no elements (0 rows): 'a' and 'b' are the layers compared."""
+  h = x @ x
+  return {"a": h, "empty": x[:0] @ x, "b": jnp.tanh(h) @ x}
+
+
+def _assert_no_errors(m):
+  """The figures of an empty layer: no error, no NaN (nothing to compare)."""
+  assert (m.size, m.max_abs, m.max_rel, m.rel_rms, m.frac_outside) == (
+      0, 0.0, 0.0, 0.0, 0.0)
+  assert (m.cosine, m.sqnr_db, m.ulp_median, m.ulp_max) == (
+      1.0, math.inf, 0.0, 0.0)
+  assert (m.nan, m.inf, m.required_atol) == (0, 0, 0.0)
+  assert (m.ref_rms, m.ref_max_abs, m.ref_nan, m.ref_inf) == (0.0, 0.0, 0, 0)
+
+
+def _assert_empty_said(r, shape="(0, 8)"):
+  """``r`` names 'empty' in a note (text, Markdown, JSON), never as the worst
+  or first divergence, and marks its row."""
+  p = r.candidates[0]
+  _assert_no_errors(r.layer("empty").metrics[p])
+  worst = r.worst(5)
+  assert [f.layer for f in worst] and "empty" not in [f.layer for f in worst]
+  # The worst is the largest rel_rms among the layers compared.
+  rel = {l.name: l.metrics[p].rel_rms for l in r.layers if l.name != "empty"}
+  assert worst[0].layer == max(rel, key=rel.get)
+  for q, s in r.summary().items():
+    assert s["worst_layer"] != "empty" and math.isfinite(s["worst_rel_rms"])
+  first = r.first_divergence(0.0, 0.0, precision=p)
+  assert first is not None and first.layer != "empty"
+  assert r.required_atol(p) == max(l.metrics[p].required_atol
+                                   for l in r.layers)
+  note = [n for n in r.notes if "'empty'" in n]
+  assert len(note) == 1, r.notes
+  assert f"'empty' {shape}" in note[0] and "no elements" in note[0]
+  assert "compared nothing" in note[0]
+  assert not any("all zeros" in n and "'empty'" in n for n in r.notes)
+  text, md, d = str(r), r.to_markdown(), r.to_dict()
+  assert f"note: {note[0]}" in text
+  assert note[0].replace("|", "\\|") in md
+  assert note[0] in d["notes"]
+  row = next(line for line in text.splitlines() if " empty " in line)
+  assert "empty" in row.split("empty", 1)[1], row  # the verdict cell
+  assert "exact" not in row and "in rtol" not in row, row
+  full = next(line for line in r.to_text(full=True).splitlines()
+              if " empty " in line)
+  assert full.split()[-3:] == ["-", "-", "empty"], full
+  back = jaxprec.DivergenceReport.from_dict(json.loads(r.to_json()))
+  assert back.worst(5) == worst and back.notes == r.notes
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "bfloat16_3x", "float32",
+                                       "tensorfloat32", "F16_F16_F32"])
+def test_an_empty_layer_is_no_candidate_at_every_precision(precision):
+  x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)  # NumPy input
+  r = jaxprec.check(_with_empty, x, precisions=[precision], mode="emulate")
+  _assert_empty_said(r)
+
+
+def test_an_empty_layer_against_float64_and_jax_inputs():
+  x = jnp.linspace(-1, 1, 64, dtype=jnp.float32).reshape(8, 8)
+  r = jaxprec.check(_with_empty, x, precisions=["bfloat16"],
+                    reference="float64", mode="emulate")
+  _assert_empty_said(r)
+
+
+def test_an_empty_layer_in_an_external_reference_file(tmp_path):
+  x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+  x64 = x.astype(np.float64)
+  h = x64 @ x64
+  path = tmp_path / "ref.npz"
+  np.savez(path, a=h, empty=np.zeros((0, 8)), b=np.tanh(h) @ x64)
+  r = jaxprec.check(_with_empty, x, precisions=["float32", "bfloat16"],
+                    reference=path, mode="emulate")
+  assert r.floor == "float32"
+  _assert_empty_said(r)
+  _assert_no_errors(r.layer("empty").metrics[r.floor])
+
+
+def test_every_layer_empty_is_refused_by_name():
+  x = np.ones((4, 8), np.float32)
+  with pytest.raises(ValueError, match=re.escape(
+      "f(...) returned only empty floating arrays, nothing to compare: "
+      "'e' (0, 8), 'f' (8, 0)")):
+    def f(x):
+      return {"e": x[:0] @ x.T @ x, "f": x.T[:, :0]}
+    jaxprec.check(f, x, precisions=["bfloat16"], mode="emulate")
+
+
+def test_an_empty_layer_of_an_older_report_is_no_candidate():
+  # A report written with NaN figures for an empty layer reads back with
+  # that layer out of worst() and first_divergence().
+  x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+  d = jaxprec.check(_with_empty, x, precisions=["bfloat16"],
+                    mode="emulate").to_dict()
+  d["notes"] = []
+  d["layers"][1]["metrics"]["bfloat16"] = {
+      k: ("nan" if k not in ("frac_outside", "nan", "inf", "required_atol")
+          else 0) for k in d["layers"][1]["metrics"]["bfloat16"]}
+  r = jaxprec.DivergenceReport.from_dict(d)
+  assert math.isnan(r.layer("empty").metrics["bfloat16"].rel_rms)
+  assert "empty" not in [f.layer for f in r.worst(5)]
+  assert r.first_divergence(10.0, 0.0, precision="bfloat16") is None
+  rel = {n: r.layer(n).metrics["bfloat16"].rel_rms for n in ("a", "b")}
+  assert r.summary()["bfloat16"]["worst_layer"] == max(rel, key=rel.get)
+
+
+def test_compare_of_empty_arrays_has_no_errors():
+  _assert_no_errors(metrics_lib.compare(np.zeros((0, 3), np.float32),
+                                        np.zeros((0, 3))))
+
+
+@pytest.mark.parametrize("shadow", [False, True])
+def test_check_module_names_an_empty_submodule_output(shadow):
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = nnx.Linear(8, 8, rngs=rngs)
+      self.empty = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+      h = self.fc(x)
+      return h + self.empty(h[:0]).sum()
+
+  r = jaxprec.check_module(Net(nnx.Rngs(0)), X8, precisions=["bfloat16"],
+                           mode="emulate", shadow=shadow)
+  assert [l.name for l in r.layers] == ["fc", "empty", "output"]
+  _assert_empty_said(r)
+
+
+def test_check_module_refuses_a_module_whose_every_output_is_empty():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+      return self.fc(x[:0])
+
+  with pytest.raises(ValueError, match=re.escape(
+      "Net.__call__(...) returned only empty floating arrays, nothing to "
+      "compare: 'fc' (0, 8), 'output' (0, 8)")):
+    jaxprec.check_module(Net(nnx.Rngs(0)), X8, precisions=["bfloat16"],
+                         mode="emulate")
+
+
+def test_check_module_names_an_empty_submodule_output_on_linen():
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(8, name="fc")(x)
+      return h + nn.Dense(8, name="empty")(h[:0]).sum()
+
+  params = Net().init(jax.random.key(0), X8)
+  r = jaxprec.check_module(Net(), params, X8, precisions=["bfloat16"],
+                           mode="emulate")
+  assert [l.name for l in r.layers] == ["fc", "empty", "output"]
+  _assert_empty_said(r)
+
+
+@pytest.mark.parametrize("metric", ["rel_rms", "max_abs", "cosine"])
+def test_an_empty_layer_is_not_drawn(metric):
+  pytest.importorskip("matplotlib")
+  x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+  r = jaxprec.check(_with_empty, x, precisions=["bfloat16"], mode="emulate")
+  ax, = r.plot(metric=metric).axes
+  lines = {l.get_label(): l for l in ax.get_lines()}
+  assert "_exact" not in lines  # no 'exact (0)' marker for 'empty' (#1)
+  ys = lines[next(k for k in lines if k.startswith("bfloat16"))].get_ydata()
+  assert math.isnan(ys[1]) and np.isfinite(ys[[0, 2]]).all()
+
+
+def test_search_policy_refuses_every_layer_empty():
+  w = jax.random.normal(jax.random.key(0), (8, 8))
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+
+  def f(w, x):
+    return {"z": jnp.tanh(x @ w)[:0]}
+
+  with pytest.raises(ValueError, match=re.escape(
+      "f(...) returned only empty floating arrays, nothing to compare: "
+      "'z' (0, 8)")):
+    jaxprec.search_policy(f, w, x, tolerance=1e-2, verbose=False)
+
+  def g(w, x):
+    return {"y": jnp.tanh(x @ w), "z": jnp.tanh(x @ w)[:0]}
+
+  with pytest.raises(ValueError, match=re.escape(
+      "jaxprec.search_policy: layers=['z'] names only empty layers, nothing "
+      "to compare; name one with elements")):
+    jaxprec.search_policy(g, w, x, tolerance=1e-2, layers=["z"],
+                          verbose=False)

@@ -682,3 +682,48 @@ def test_inputs_that_are_all_nan_are_said_out_loud(tnet):
   assert "the inputs hold NaN or inf" in r.table()
   assert not any(n.startswith("the inputs hold") for n in
                  jt.port_check(_jnet(tnet), tnet, X).notes)
+
+
+# ---------------------------------------------------------------------------
+# A layer without elements compares nothing, and the report says so.
+
+
+class TEmpty(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.fc1 = torch.nn.Linear(4, 4)
+    self.fc2 = torch.nn.Linear(4, 4)
+
+  def forward(self, x):
+    h = self.fc1(x)
+    return h + self.fc2(h[:0]).sum()
+
+
+class JEmpty(nnx.Module):
+  def __init__(self, t):
+    self.fc1 = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    self.fc2 = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+    _copy_linear(self.fc1, t.fc1)
+    _copy_linear(self.fc2, t.fc2)
+
+  def __call__(self, x):
+    h = self.fc1(x)
+    return h + self.fc2(h[:0]).sum()
+
+
+def test_an_empty_layer_is_named_as_comparing_nothing():
+  torch.manual_seed(0)
+  t = TEmpty().eval()
+  x = np.random.default_rng(0).normal(size=(2, 4)).astype(np.float32)
+  r = jt.port_check(JEmpty(t), t, x)
+  assert r.alignment == {"fc1": "fc1", "fc2": "fc2", "output": "output"}
+  note = [n for n in r.notes if "'fc2'" in n]
+  assert note == ["'fc2' (0, 4) has no elements and compared nothing: no "
+                  "error is counted there, and such a layer is never a "
+                  "suspect"], r.notes
+  fc2 = next(l for l in r.layers if l.name == "fc2")
+  assert fc2.local == {"float32": 0.0, "bfloat16": 0.0}
+  assert r.suspects() == []
+  assert f"note: {note[0]}" in " ".join(str(r).split())  # folded lines
+  assert note[0] in json.loads(r.to_json())["notes"]
+  assert not any("'fc1'" in n or "'output'" in n for n in r.notes)

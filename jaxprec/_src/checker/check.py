@@ -32,6 +32,7 @@ from jaxprec._src.checker import logits as logits_lib
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import reference as reference_lib
 from jaxprec._src.checker import progress as progress_lib
+from jaxprec._src.checker import report as report_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
 from jaxprec._src.core.precision import PrecisionLike
@@ -163,7 +164,8 @@ def check(fn: Callable[..., Any], *args: Any,
       target other than ``'gpu'``; a negative or NaN tolerance; an unreadable reference file or an unsupported reference
       (the message names the supported ones); a reference that does not
       match the output (the message names the first mismatching path and
-      both shapes); an output without floating leaves; a ``cache``
+      both shapes); an output without floating leaves, or whose
+      floating leaves are all empty (each named); a ``cache``
       directory that cannot be created; a ``logits`` that names no layer
       (the message names the layers and the closest one), a logits layer
       whose last axis has fewer than 2 entries, a ``logits_k`` outside
@@ -259,9 +261,7 @@ def _runs(fn: Callable[..., Any], call: harness.Args,
                                   mode=setting.mode, options=setting.options,
                                   keep=logits)
     seconds["reference"] = time.perf_counter() - t0
-    if not ref.names:
-      raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
-                       f"floating arrays to compare")
+    harness.comparable(fn, ref.names, ref.shapes)
     results: dict[str, list[metrics_lib.LayerMetrics]] = {}
     for i, p in enumerate(plans, 1):
       bar.update(f"compiling+running {p.label} ({i}/{len(plans)})", advance=1)
@@ -295,8 +295,8 @@ def _notes(fn: Callable[..., Any], call: harness.Args,
       and any(p.emulate_target == "tpu" for p in plans)):
     notes.append("tpu_matvec_f32=False: matrix-vector products at DEFAULT "
                  "are emulated as one bfloat16 pass, not in float32")
-  zero = [layer.name for layer in layers
-          if all(m.ref_max_abs == 0 for m in layer.metrics.values())]
+  zero = [layer.name for layer in layers if not layer.empty
+          and all(m.ref_max_abs == 0 for m in layer.metrics.values())]
   if zero:  # said out loud: metrics there say 'exact'
     shown = ", ".join(repr(n) for n in zero[:5]) + (
         f" and {len(zero) - 5} more" if len(zero) > 5 else "")
@@ -314,6 +314,7 @@ def _notes(fn: Callable[..., Any], call: harness.Args,
                  f"arrays (token ids, masks, counts); the check compares "
                  f"floating-point layers (token ids through their logits: "
                  f"logits=)")
+  notes += report_lib.empty_notes(layers)
   notes += harness.native_notes(fn, call, plans)  # ops not emulated
   notes += ref.notes
   notes += overflow_notes(layers)
@@ -798,6 +799,7 @@ def module_outputs(module: Any, args: tuple, kwargs: dict, *,
   def fn(*args, **kw):
     out = _in_order(captured(*args, lost=[], **kw), order)
     return dict(zip(layers_lib.rooted(list(out)), out.values()))
+  fn.__name__ = f"{type(module).__name__}.{method or '__call__'}"  # errors
   return fn, (*key, method, capture, order), args
 
 
@@ -897,6 +899,7 @@ def _check_module_fn(fn: Callable[..., dict], key: Any, args: tuple,
     def partial(*a, all_layers=fn, **kw):
       return {n: v for n, v in layers_lib.layers(all_layers(*a, **kw))
               if n in keep}
+    partial.__name__ = fn.__name__
     fn, key = partial, (key, tuple(checked))
   report = _check_cached(fn, key, *args, **dict(common, reference=found),
                          **kwargs)

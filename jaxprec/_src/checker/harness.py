@@ -372,6 +372,20 @@ def output_info(fn, call: Args, skipped: list | None = None
   return holder["info"]
 
 
+def comparable(fn: Callable[..., Any], names: Sequence[str],
+               shapes: Sequence[tuple[int, ...]]) -> None:
+  """Raises a ValueError unless some layer of ``fn``'s output (``names``,
+  ``shapes``) has elements to compare: none at all, or only empty ones
+  (each named with its shape)."""
+  what = f"{getattr(fn, '__name__', 'fn')}(...) returned"
+  if not names:
+    raise ValueError(f"{what} no floating arrays to compare")
+  if all(0 in s for s in shapes):
+    raise ValueError(
+        f"{what} only empty floating arrays, nothing to compare: "
+        + ", ".join(f"{n!r} {tuple(s)}" for n, s in zip(names, shapes)))
+
+
 _reference_stats = jax.jit(metrics_lib.reference_stats, static_argnums=(2,))
 
 

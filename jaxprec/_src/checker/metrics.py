@@ -97,6 +97,10 @@ class LayerMetrics:
 
   The metrics are defined in ``docs/checker.md`` ("Metrics").
 
+  A layer without elements (a dimension of size 0) compares nothing: its
+  figures are those of no error (0, ``cosine`` 1, ``sqnr_db`` inf), and the
+  reports leave it out of every query and name it in a note.
+
   Attributes:
     max_abs, max_rel, rel_rms, cosine, sqnr_db: floats (``nan`` when no
       element is valid: finite in both).
@@ -619,6 +623,10 @@ def finish(stats: Mapping[str, Any], layout: Layout) -> list[LayerMetrics]:
 
 def _finish_one(s: Mapping[str, Any], size: int, ulp_lo: float,
                 ulp_hi: float) -> LayerMetrics:
+  if not size:  # nothing to compare: no error, and no NaN to rank
+    return LayerMetrics(max_abs=0.0, max_rel=0.0, rel_rms=0.0, cosine=1.0,
+                        sqnr_db=math.inf, ulp_median=0.0, ulp_max=0.0,
+                        frac_outside=0.0, nan=0, inf=0, required_atol=0.0)
   n_valid = int(s["n_valid"])
   nan = float("nan")
   # Undo the scaling in float64 (whose range holds every square of float32).
@@ -661,7 +669,7 @@ def _finish_one(s: Mapping[str, Any], size: int, ulp_lo: float,
   return LayerMetrics(
       max_abs=max_abs, max_rel=max_rel, rel_rms=rel_rms, cosine=cosine,
       sqnr_db=sqnr, ulp_median=ulp_med, ulp_max=ulp_max,
-      frac_outside=int(s["outside"]) / size if size else 0.0,
+      frac_outside=int(s["outside"]) / size,
       nan=int(s["nan"]), inf=int(s["inf"]),
       required_atol=math.ldexp(float(s["required"]), -u_exp), size=int(size),
       ref_rms=ref_rms,

@@ -22,7 +22,7 @@ import os
 import re
 import sys
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 FLOOR_MARK = "[floor]"
@@ -350,6 +350,19 @@ def plural(n: int, word: str) -> str:
   return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def empty_notes(layers: Sequence[tuple[str, tuple[int, ...]]],
+                then: str) -> list[str]:
+  """The note naming the layers without elements (``(name, shape)``; none:
+  no note), which compare nothing; ``then``: what the report does with them."""
+  if not layers:
+    return []
+  shown = ", ".join(f"{n!r} {tuple(s)}" for n, s in layers[:_SHOWN]) + (
+      f" and {len(layers) - _SHOWN} more" if len(layers) > _SHOWN else "")
+  one = len(layers) == 1
+  return [f"{shown} {'has' if one else 'have'} no elements and compared "
+          f"nothing: {then}"]
+
+
 def labels(report: Any) -> dict[str, str]:
   """Precision label -> its name in the tables: a policy (a label with
   ``=``) is ``P1``, ``P2``, ... in order, the framework floor is marked."""
@@ -446,8 +459,9 @@ def _rows(report: Any, full: bool, precisions) -> list[list[str]]:
     row = [str(i), escaped(l.name), "x".join(map(str, l.shape)) or "()"]
     for p in precisions:
       m = l.metrics[p]
-      row += [fmt(m.max_abs), fmt(m.rel_rms)] if full else []
-      row.append(_verdict(report, m))
+      if full:
+        row += ["-", "-"] if l.empty else [fmt(m.max_abs), fmt(m.rel_rms)]
+      row.append("empty" if l.empty else _verdict(report, m))
     rows.append(row)
   return rows
 
@@ -1003,7 +1017,10 @@ def plot(report: Any, path: str | os.PathLike | None = None, *,
     ImportError: matplotlib is not installed (the ``plots`` extra).
   """
   Figure = figure_class("DivergenceReport.plot")
-  series = {p: report.metric(metric, p) for p in report.precisions}
+  # An empty layer compares nothing: no point, not even an exact one.
+  series = {p: [math.nan if l.empty else v
+                for l, v in zip(report.layers, report.metric(metric, p))]
+            for p in report.precisions}
   if tolerance is None:
     # The check's gate is elementwise (|err| <= atol + rtol * |ref|): only
     # required_atol against atol says pass or fail as the table does, so

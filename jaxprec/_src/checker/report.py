@@ -16,7 +16,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from jaxprec._src.checker import metrics as metrics_lib
@@ -45,6 +45,21 @@ class LayerResult:
   shape: tuple[int, ...]
   dtype: str
   metrics: Mapping[str, LayerMetrics]
+
+  @property
+  def empty(self) -> bool:
+    """Whether the layer has no elements (a dimension of size 0): it compares
+    nothing, so no query of the report names it."""
+    return math.prod(self.shape) == 0 and not any(
+        m.size for m in self.metrics.values())
+
+
+def empty_notes(layers: Sequence[LayerResult]) -> list[str]:
+  """The note of a check report naming its empty layers (none: no note)."""
+  return render.empty_notes(
+      [(l.name, l.shape) for l in layers if l.empty],
+      "no error is counted there, and worst(), first_divergence(), "
+      "required_atol() and the summary skip such a layer")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,7 +109,9 @@ class DivergenceReport(render.Report):
   :meth:`to_json` follows the versioned schema of ``docs/checker.md``.
 
   Attributes:
-    layers: one :class:`LayerResult` per layer, in depth order.
+    layers: one :class:`LayerResult` per layer, in depth order. A layer
+      without elements compares nothing: its figures read as no error, no
+      query names it, its table cell reads ``empty`` and a note names it.
     precisions: the precision labels, as passed to ``check``.
     reference: ``'float32'``, ``'float64'``, another precision name,
       ``'file:<path>'`` or ``'pytree'``.
@@ -188,6 +205,11 @@ class DivergenceReport(render.Report):
                           hint=" (those of this report)")
     return precision
 
+  def _compared(self) -> Iterator[tuple[int, LayerResult]]:
+    """The layers with elements, with their depth: an empty one compares
+    nothing, and no query names it."""
+    return ((i, l) for i, l in enumerate(self.layers) if not l.empty)
+
   def _required(self, m: LayerMetrics, rtol: float) -> tuple[float, float]:
     """Bounds ``(low, high)`` on the smallest passing atol at ``rtol``.
 
@@ -215,7 +237,8 @@ class DivergenceReport(render.Report):
                        rtol: float | None = None, *,
                        precision: str | None = None
                        ) -> Finding | None | dict[str, Finding | None]:
-    """The first layer (in depth order) outside ``atol + rtol * |ref|``.
+    """The first layer (in depth order) outside ``atol + rtol * |ref|``; an
+    empty layer (no elements) is never one.
 
     A layer diverges when some element has ``|err| > atol + rtol * |ref|``
     (NumPy's ``allclose`` test) or a non-finite value the reference does not
@@ -261,7 +284,7 @@ class DivergenceReport(render.Report):
     found: dict[str, Finding | None] = {}
     for p in labels:
       found[p] = None
-      for i, l in enumerate(self.layers):
+      for i, l in self._compared():
         low, high = self._required(l.metrics[p], rtol)
         if not high <= atol:
           found[p] = Finding(precision=p, layer=l.name, index=i,
@@ -285,7 +308,7 @@ class DivergenceReport(render.Report):
     upper bound for an ``rtol`` other than 0 and the check's)."""
     p = self._precision(precision)
     rtol = self.rtol if rtol is None else metrics_lib.check_tolerance("rtol", rtol)
-    vals = [self._required(l.metrics[p], rtol)[1] for l in self.layers]
+    vals = [self._required(l.metrics[p], rtol)[1] for _, l in self._compared()]
     return max(vals, default=0.0)
 
   def worst(self, n: int = 5, metric: str = "rel_rms",
@@ -301,7 +324,8 @@ class DivergenceReport(render.Report):
         (not the framework floor).
 
     Returns:
-      :class:`Finding` objects, worst first; NaN values rank worst.
+      :class:`Finding` objects, worst first; NaN values rank worst. An empty
+      layer (no elements) is none of them.
 
     Raises:
       TypeError: ``n`` is not an integer.
@@ -317,9 +341,10 @@ class DivergenceReport(render.Report):
     lower_is_worse = metric in ("cosine", "sqnr_db")
     rows = []
     for p in labels:
-      for i, v in enumerate(self.metric(metric, p)):
-        rows.append(Finding(precision=p, layer=self.layers[i].name, index=i,
-                            metric=metric, value=float(v)))
+      values = self.metric(metric, p)
+      for i, l in self._compared():
+        rows.append(Finding(precision=p, layer=l.name, index=i,
+                            metric=metric, value=float(values[i])))
 
     def key(f: Finding):
       v = f.value

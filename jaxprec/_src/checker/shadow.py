@@ -19,6 +19,7 @@ import numpy as np
 from jaxprec._src.checker import metrics as metrics_lib
 from jaxprec._src.checker import port_check
 from jaxprec._src.checker import progress as progress_lib
+from jaxprec._src.checker import report as report_lib
 from jaxprec._src.checker import rows
 from jaxprec._src.checker.report import DivergenceReport, LayerResult
 from jaxprec._src.emulation import kernels
@@ -92,6 +93,7 @@ def check_module_shadow(module: Any, args: tuple, kwargs: dict, *,
                    ref[l.name], atol, rtol))
     layers.append(LayerResult(name=l.name, shape=l.out_shapes[0],
                               dtype="float32", metrics=metrics))
+  notes += report_lib.empty_notes(layers)
   return DivergenceReport(
       layers=tuple(layers), precisions=tuple(p.label for p in plans),
       reference="float32", target=target, mode=mode,

@@ -390,9 +390,10 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
       ``compile_once`` that is not a bool.
     ValueError: an unknown metric, candidate, target, mode, layer, axis,
       dtype or chip; a negative tolerance; a budget below 1; an output
-      without floating
-      layers; a reference that does not match the output; a ``cache``
-      directory that cannot be created; a logits metric without
+      without floating layers, or with empty ones only (or ``layers``
+      naming empty ones only); a reference that does not match the
+      output; a ``cache`` directory that cannot be created; a logits
+      metric without
       ``logits`` or ``logits`` with another metric; a ``logits`` that names
       no layer, or one whose last axis has fewer than 2 entries.
 
@@ -473,9 +474,7 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
   # Output layers and the reference (read or computed as check does).
   info = harness.output_info(fn, call)
   all_names = [n for n, _, _ in info]
-  if not all_names:
-    raise ValueError(f"{getattr(fn, '__name__', 'fn')}(...) returned no "
-                     f"floating arrays to compare")
+  harness.comparable(fn, all_names, [s for _, s, _ in info])
   names = _check_layers(layers, all_names)
   if logits is not None:
     logits_k = logits_lib.check_layer(
@@ -483,8 +482,13 @@ def search_policy(fn: Callable[..., Any], *args: Any, tolerance: float,
         "jaxprec.search_policy")
     names = [n for n in all_names if n in names or n == logits]
   empty = [n for n, shape, _ in info if n in names and 0 in shape]
-  if empty and len(empty) < len(names):
-    # No elements, no error: its metrics are NaN, which no policy passes.
+  if empty == names:
+    raise ValueError(f"jaxprec.search_policy: layers={layers!r} names only "
+                     f"empty layers, nothing to compare; name one with "
+                     f"elements")
+  if empty:
+    # No elements: nothing to compare, so no policy's figure there says
+    # anything; left out, and said so.
     warnings.warn(
         f"jaxprec.search_policy: {', '.join(map(repr, empty[:4]))} "
         f"{'has' if len(empty) == 1 else 'have'} no elements and "
