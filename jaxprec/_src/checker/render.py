@@ -110,8 +110,8 @@ class Report:
     raise NotImplementedError
 
   def table(self, full: bool = False, width: int | None = None) -> str:
-    """The report as text, its tables drawn with ``rich`` when it is
-    installed (``str(report)`` is ``report.table()``).
+    """The report as text, its tables in boxes as ``rich`` draws them when
+    ``rich`` is installed (``str(report)`` is ``report.table()``).
 
     Args:
       full: everything: every figure of every row, every unpaired layer.
