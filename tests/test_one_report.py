@@ -432,3 +432,17 @@ def test_a_row_per_line_keeps_a_cell_of_two_lines_on_its_line():
     assert sampler == [["sampler", "default=dtype:bfloat16", "on", "gpu",
                         "(h100)"], ["sampler", "decode", "with", "a", "KV",
                                     "cache"]], lines
+
+
+def test_a_control_character_in_a_name_is_written_as_an_escape():
+  """A name holding an escape sequence ('\\x1b[2J' clears a terminal), a NUL
+  or a DEL reaches no terminal raw: it reads as Python writes it."""
+  from test_report import renamed_report
+  r = renamed_report(("a\x1b[2Jb", "c\x00d", "e\x7ff", "g\x85h"))
+  out = [r.table(), r.to_text(), r.table(width=40), r.to_text(width=40),
+         r.to_markdown()]
+  for got in out:
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", got), repr(got)
+  for name in ("a\\x1b[2Jb", "c\\x00d", "e\\x7ff", "g\\x85h"):
+    assert name in out[0] and name in out[1], name
+  assert render.escaped("a\x1bb\n\t\\") == "a\\x1bb\\n\\t\\\\"

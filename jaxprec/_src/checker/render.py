@@ -279,9 +279,13 @@ def save(fig: Any, path: str | os.PathLike) -> None:
 
 
 def escaped(s: str) -> str:
-  """A name on one line: control characters written as escapes."""
-  return s.replace("\\", "\\\\").replace("\n", "\\n").replace(
+  """A name on one line, as Python writes it: a backslash doubled, ``\\n``,
+  ``\\r``, ``\\t``, and any other control character (an escape sequence
+  would reach the terminal) as ``\\xNN``."""
+  s = s.replace("\\", "\\\\").replace("\n", "\\n").replace(
       "\r", "\\r").replace("\t", "\\t")
+  return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}",
+                s)
 
 
 def fold(line: str, width: int, indent: str = "") -> list[str]:
