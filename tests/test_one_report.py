@@ -9,6 +9,7 @@ layer's whole name on one row.
 
 import json
 import math
+import re
 
 import pytest
 
@@ -251,3 +252,197 @@ def test_markdown_shows_a_multi_line_cell_on_one_row():
   assert "| x y | 1 |" in md and "- p\\|q" in md
   assert render.text(doc).splitlines()[1:] == ["a  b", "-  -", "x  1", "y",
                                                "p|q"]
+
+
+# Pages from one column to wide; names a narrow page must fold.
+WIDTHS = [1, 10, 20, 40, 79, 80, 81, 100, 200]
+
+
+@pytest.mark.parametrize("kind", ["check", "port", "training"])
+@pytest.mark.parametrize("width", WIDTHS)
+def test_every_line_of_every_report_fits_every_width(kind, width):
+  import io
+  from rich.cells import cell_len
+  from rich.console import Console
+  r = _reports()[kind]
+  out = io.StringIO()
+  Console(file=out, width=width, color_system=None).print(r)
+  for how, got in [("table", r.table(width=width)),
+                   ("to_text", r.to_text(width=width)),
+                   ("rich", out.getvalue())]:
+    assert "…" not in got, how
+    assert max(map(cell_len, got.splitlines())) <= width, (how, got)
+    assert got == (out.getvalue() if how == "rich"
+                   else getattr(r, how)(width=width))  # nothing kept
+
+
+@pytest.mark.parametrize("how", ["table", "to_text"])
+def test_a_row_per_line_keeps_each_figure_beside_its_name(how):
+  """Too narrow for the table: each figure on a line with its column's
+  name, and no name without a figure (an empty cell is left out)."""
+  port = getattr(port_report("dense"), how)(width=50).splitlines()
+  for name, value in [("floor", "2.50e-07"), ("envelope", "3.00e-03"),
+                      ("local", "inf"), ("propagated", "4.00e-03"),
+                      ("verdict", "SUSPECT")]:
+    assert any(re.search(rf"(^|  ){name} +{value}( |$)", l.strip())
+               for l in port), (name, port)
+  training = getattr(training_report(), how)(width=50).splitlines()
+  assert any(l.split() == ["final", "loss", "5.0000e-01"] for l in training)
+  assert any(l.split() == ["numerics", "bf16x1", "(emulated)"]
+             for l in training), training
+  names = {"floor", "envelope", "local", "propagated", "verdict", "numerics",
+           "final loss", "max rel loss diff", "final drift",
+           "diverged at step"}
+  assert not [l for l in port + training if l.strip() in names]
+
+
+@pytest.mark.parametrize("kind", ["check", "port", "training"])
+@pytest.mark.parametrize("width", [0, -3, 2.5, "80", True])
+def test_a_bad_width_is_refused_by_every_report(kind, width):
+  r = _reports()[kind]
+  for how in (r.table, r.to_text):
+    error = ValueError if isinstance(width, int) and width is not True else (
+        TypeError)
+    with pytest.raises(error, match=re.escape(f"width={width!r}")) as e:
+      how(width=width)
+    assert "None or a whole number of columns >= 1" in str(e.value)
+
+
+def test_a_report_of_2000_layers_is_drawn_in_under_a_second():
+  import io
+  import time
+
+  from rich.console import Console
+
+  from jaxprec._src.checker.report import LayerResult
+  from test_report import make_report
+  metrics = make_report().layers[1].metrics
+  r = make_report(layers=tuple(
+      LayerResult(name=f"encoder/layers_{i}/mlp/dense", shape=(1, 4, 3),
+                  dtype="float32", metrics=metrics) for i in range(2000)))
+  draws = {"table": lambda: r.table(), "table(80)": lambda: r.table(width=80),
+           "to_text(40)": lambda: r.to_text(width=40),
+           "to_markdown": r.to_markdown,
+           "rich.print": lambda: Console(file=io.StringIO(), width=100,
+                                         color_system=None).print(r)}
+  for what, draw in draws.items():
+    start = time.perf_counter()
+    draw()
+    assert time.perf_counter() - start < 1.0, what
+  assert sum(l.startswith("│ ") for l in r.table().splitlines()) == 2000
+
+
+# Names a user may give a layer: each drawn whole, on no line wider than
+# the page, a wide character (CJK, emoji) counted as the two columns a
+# terminal gives it.
+ODD_NAMES = ["编码器/层_0/注意力/输出投影", "enc/😀😀😀/dense", "a|b", "a\tb\\c",
+             "[bold]x[/bold]", "", "/".join(f"seg{i:03d}" for i in range(38))]
+
+
+@pytest.mark.parametrize("name", ODD_NAMES)
+@pytest.mark.parametrize("kind", ["check", "port"])
+def test_any_name_fits_every_width_and_a_box_is_aligned(kind, name):
+  import io
+
+  from rich.cells import cell_len
+  from rich.console import Console
+
+  from test_report import renamed_report
+  r = (renamed_report((name, "b", "c", "d")) if kind == "check"
+       else port_report(name))
+  shown = render.escaped(name)
+  assert shown in r.to_text() and shown in r.table()
+  box = [l for l in r.table().splitlines() if l[:1] in "┏┃┡│└"]
+  assert len({cell_len(l) for l in box}) == 1, box  # every edge aligned
+  plain = r.to_text().splitlines()
+  rule = next(l for l in plain if l.startswith("-"))
+  assert max(map(cell_len, plain[plain.index(rule) - 1:plain.index(rule) + 3])
+             ) <= cell_len(rule)  # a row as wide as its header's rule
+  for width in (2, 10, 20, 40, 79, 80, 100):
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(r)
+    for got in (r.table(width=width), r.to_text(width=width),
+                out.getvalue()):
+      assert "…" not in got
+      assert max(map(cell_len, got.splitlines())) <= width, (width, got)
+
+
+def _github(md: str) -> str:
+  """The HTML that CommonMark with GitHub's tables and strikethrough makes of
+  ``md`` (markdown-it-py, which rich depends on)."""
+  markdown_it = pytest.importorskip("markdown_it")
+  return markdown_it.MarkdownIt("commonmark").enable(
+      ["table", "strikethrough"]).render(md)
+
+
+# Names and a policy that Markdown would format: emphasis, code, a link, an
+# HTML tag, an entity, strikethrough, a pipe, a backslash, a line break.
+MD_NAMES = ["_private_/x", "a*b*c", "x<y>z", "[bold]x[/bold]", "a`b`c",
+            "a~~b~~c", "a|b", "a\\b", "a&amp;b", "line\nbreak", "[a](b)",
+            "<lambda>"]
+MD_POLICY = "default=bfloat16,.*attn.*=float32"
+
+
+def test_github_shows_each_name_and_line_as_the_text_does():
+  import html
+
+  from jaxprec._src.checker.report import LayerResult
+  from test_report import make_report
+  m = make_report().layers[1].metrics["bf16"]
+  r = make_report(
+      layers=tuple(LayerResult(name=n, shape=(2,), dtype="float32",
+                               metrics={"bf16": m, MD_POLICY: m})
+                   for n in MD_NAMES),
+      precisions=("bf16", MD_POLICY),
+      numerics={"bf16": "bf16x1 (emulated)", MD_POLICY: "policy (emulated)"})
+  page = _github(r.to_markdown())
+  rows = re.findall(r"<tr>\n(.*?)</tr>", page, re.S)[1:]  # after the header
+  names = [re.findall(r"<td[^>]*>(.*?)</td>", row)[1] for row in rows]
+  assert [html.unescape(n) for n in names] == [render.escaped(n)
+                                                for n in MD_NAMES]
+  assert not [n for n in names if "<" in n]  # no emphasis, code, link, tag
+  items = [html.unescape(i) for i in re.findall(r"<li>(.*?)</li>", page)]
+  assert f"P1: {MD_POLICY}" in items
+  none = make_report(precisions=(), layers=tuple(
+      LayerResult(name="a", shape=(2,), dtype="float32", metrics={})
+      for _ in range(2)))  # a heading line ends in a space: 'numerics: '
+  for report in (r, none):
+    page = _github(report.to_markdown())
+    for line in report.to_text().splitlines()[:2]:  # the heading, in bold
+      assert f"<strong>{html.escape(line.strip(), quote=False)}</strong>" in (
+          page), page
+
+
+def test_a_row_per_line_keeps_a_cell_of_two_lines_on_its_line():
+  """A cell of two lines (the sampler's 'on gpu\\n(h100)') outside the name
+  column: one line beside its column's name, no blank line, no second
+  label."""
+  doc = render.Document(heading=("h",), parts=(render.Table(
+      cols=("factor", "sampler", "trainer", "RMS delta"),
+      rows=(("lm_head", "default=dtype:bfloat16 on gpu\n(h100)",
+             "default (bf16x1) on tpu", "0.0119"),
+            ("decode", "decode with a KV cache", "teacher forcing", "0")),
+      name=0),))
+  wide = render.text(doc).splitlines()
+  assert len(wide) == 6 and wide[4].split() == ["(h100)"]  # as it was
+  for how in (render.text, render.to_str):
+    lines = how(doc, 50).splitlines()
+    assert "" not in lines and max(map(len, lines)) <= 50
+    sampler = [l.split() for l in lines if l.split()[:1] == ["sampler"]]
+    assert sampler == [["sampler", "default=dtype:bfloat16", "on", "gpu",
+                        "(h100)"], ["sampler", "decode", "with", "a", "KV",
+                                    "cache"]], lines
+
+
+def test_a_control_character_in_a_name_is_written_as_an_escape():
+  """A name holding an escape sequence ('\\x1b[2J' clears a terminal), a NUL
+  or a DEL reaches no terminal raw: it reads as Python writes it."""
+  from test_report import renamed_report
+  r = renamed_report(("a\x1b[2Jb", "c\x00d", "e\x7ff", "g\x85h"))
+  out = [r.table(), r.to_text(), r.table(width=40), r.to_text(width=40),
+         r.to_markdown()]
+  for got in out:
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", got), repr(got)
+  for name in ("a\\x1b[2Jb", "c\\x00d", "e\\x7ff", "g\\x85h"):
+    assert name in out[0] and name in out[1], name
+  assert render.escaped("a\x1bb\n\t\\") == "a\\x1bb\\n\\t\\\\"

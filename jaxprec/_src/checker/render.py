@@ -16,12 +16,12 @@ and :func:`save` for figures.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 import os
 import re
 import sys
+import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -110,8 +110,8 @@ class Report:
     raise NotImplementedError
 
   def table(self, full: bool = False, width: int | None = None) -> str:
-    """The report as text, its tables drawn with ``rich`` when it is
-    installed (``str(report)`` is ``report.table()``).
+    """The report as text, its tables in boxes as ``rich`` draws them when
+    ``rich`` is installed (``str(report)`` is ``report.table()``).
 
     Args:
       full: everything: every figure of every row, every unpaired layer.
@@ -123,6 +123,9 @@ class Report:
 
     Returns:
       The text, without colour.
+
+    Raises:
+      TypeError, ValueError: ``width`` is not None or an int >= 1.
     """
     return to_str(self._document(full), width)
 
@@ -156,28 +159,78 @@ def decode_float(x: Any) -> Any:
   return x
 
 
-def table(cols: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
+def columns(text: str) -> int:
+  """The columns ``text`` takes on a terminal: a wide character (CJK, most
+  emoji; East Asian Width W or F, Unicode Standard Annex #11) takes two, a
+  combining mark none."""
+  if text.isascii():
+    return len(text)
+  return sum(0 if unicodedata.combining(c) else
+             2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def fitting(text: str, width: int) -> int:
+  """How many characters of ``text``, from its start, fit in ``width``
+  columns (at least one)."""
+  if text.isascii():
+    return max(min(width, len(text)), 1)
+  used = 0
+  for i, c in enumerate(text):
+    used += columns(c)
+    if used > width:
+      return max(i, 1)
+  return len(text)
+
+
+def padded(text: str, width: int, left: bool = True) -> str:
+  """``text`` padded with spaces to ``width`` columns, on its right
+  (``left``) or on its left."""
+  pad = " " * (width - columns(text))
+  return text + pad if left else pad + text
+
+
+def table(cols: list[str], rows: list[list[str]], left: set[int],
+          box: bool = False) -> list[str]:
   """A plain-text table's lines: the header (a header with a line break is
   two lines, the last lines aligned), a rule, the rows; the columns in
-  ``left`` aligned left, the others right."""
+  ``left`` aligned left, the others right. ``box``: drawn in a box, as
+  ``rich`` draws a table."""
   heads = [c.split("\n") for c in cols]
   depth = max(map(len, heads), default=1)
   heads = [[""] * (depth - len(h)) + h for h in heads]
-  widths = [max([*map(len, h), *(len(r[j]) for r in rows)])
+  widths = [max([*map(columns, h), *(columns(r[j]) for r in rows)])
             for j, h in enumerate(heads)]
 
-  def line(cells):
-    return "  ".join(c.ljust(w) if j in left else c.rjust(w)
-                     for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-  return ([line([h[k] for h in heads]) for k in range(depth)]
-          + [line(["-" * w for w in widths])] + [line(r) for r in rows])
+  def line(cells, bar=""):
+    cells = [padded(c, w, j in left)
+             for j, (c, w) in enumerate(zip(cells, widths))]
+    return (f"{bar} " + f" {bar} ".join(cells) + f" {bar}" if bar
+            else "  ".join(cells).rstrip())
+  head = [[h[k] for h in heads] for k in range(depth)]
+  if not box:
+    return ([line(h) for h in head] + [line(["-" * w for w in widths])]
+            + [line(r) for r in rows])
+
+  def rule(a, b, c, fill):
+    return a + b.join(fill * (w + 2) for w in widths) + c
+  return ([rule("┏", "┳", "┓", "━"), *(line(h, "┃") for h in head),
+           rule("┡", "╇", "┩", "━"), *(line(r, "│") for r in rows),
+           rule("└", "┴", "┘", "─")])
+
+
+# What Markdown would read as formatting in a cell (CommonMark): emphasis
+# ('*'; '_' except between two letters or digits, where it never is), code,
+# an HTML tag or entity, strikethrough, a link's '](', a column's '|'.
+_MARKDOWN = re.compile(r"[|*`<&~]|\](?=\()|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 
 
 def markdown_cell(text: str) -> str:
-  """``text`` as one cell of a Markdown table: ``|`` as ``\\|``, a backslash
-  doubled, line breaks, tabs and carriage returns as ``\\n``, ``\\t``,
-  ``\\r``."""
-  return escaped(text).replace("|", "\\|")
+  """``text`` as one cell of a Markdown table, shown as written: line breaks,
+  tabs and carriage returns as ``\\n``, ``\\t``, ``\\r``, a backslash
+  doubled, and what Markdown would read as formatting (``|``, emphasis, code,
+  links, HTML, entities, strikethrough) escaped by a backslash (CommonMark,
+  "Backslash escapes")."""
+  return _MARKDOWN.sub(lambda m: "\\" + m.group(), escaped(text))
 
 
 def markdown_table(cols: list[str], rows: list[list[str]],
@@ -226,9 +279,13 @@ def save(fig: Any, path: str | os.PathLike) -> None:
 
 
 def escaped(s: str) -> str:
-  """A name on one line: control characters written as escapes."""
-  return s.replace("\\", "\\\\").replace("\n", "\\n").replace(
+  """A name on one line, as Python writes it: a backslash doubled, ``\\n``,
+  ``\\r``, ``\\t``, and any other control character (an escape sequence
+  would reach the terminal) as ``\\xNN``."""
+  s = s.replace("\\", "\\\\").replace("\n", "\\n").replace(
       "\r", "\\r").replace("\t", "\\t")
+  return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}",
+                s)
 
 
 def fold(line: str, width: int, indent: str = "") -> list[str]:
@@ -244,28 +301,34 @@ def fold(line: str, width: int, indent: str = "") -> list[str]:
     >>> fold("worst encoder/layers/0/attention/output_dense (#0)", 30)
     ['worst encoder/layers/0/', 'attention/output_dense (#0)']
   """
+  indent = indent[:max(width - 1, 0)]  # a page narrower than the indent
   room = max(width - len(indent), 1)
   pieces = []
   for word in re.split(r"(?<= )", line):
-    if len(word.rstrip()) <= room:
+    if columns(word.rstrip()) <= room:
       pieces.append(word)
       continue
     for entry in re.split(r"(?<=,)", word):  # policy entries first
-      parts = ([entry] if len(entry.rstrip()) <= room
+      parts = ([entry] if columns(entry.rstrip()) <= room
                else re.split(r"(?<=/)", entry))  # then path segments
       for part in parts:
-        while len(part.rstrip()) > room:  # longer than a line by itself
-          pieces.append(part[:room])
-          part = part[room:]
+        while columns(part.rstrip()) > room:  # longer than a line itself
+          n = fitting(part, room)
+          pieces.append(part[:n])
+          part = part[n:]
         pieces.append(part)
   out = [""]
   for piece in pieces:
     if not piece:
       continue
-    if out[-1].strip() and len(out[-1] + piece.rstrip()) > width:
-      out[-1] = out[-1].rstrip()
-      out.append(indent)
-      piece = piece.lstrip(" ")
+    if columns(out[-1] + piece.rstrip()) > width:
+      if out[-1].strip():
+        out[-1] = out[-1].rstrip()
+        piece = piece.lstrip(" ")  # no indent where a wide character fills
+        out.append(indent if columns(indent + piece.rstrip()) <= width
+                   else "")
+      else:  # a line's indent wider than the page leaves: narrowed
+        out[-1] = out[-1][:max(width - columns(piece.rstrip()), 0)]
     out[-1] += piece
   return [l.rstrip() for l in out]
 
@@ -489,9 +552,6 @@ def _logits_lines(report: Any) -> list[str]:
 # Names a line under the table lists (the report holds them all).
 _SHOWN = 8
 
-# A width no table reaches: measuring with it gives the table's own width.
-_UNBOUNDED = 1 << 20
-
 # A cell the check marks as failing: its value and the mark, with the
 # nan/inf counts ('7.3e-03 ! (2 nan)'); drawn bold red by rich.
 _FAILING = r"\S+ !( \([^)]*\))?"
@@ -574,8 +634,9 @@ def _pieces(name: str, width: int) -> list[str]:
   after a separator (``/``, ``.``, ``_``) where one is in a piece's 2nd
   half."""
   pieces = []
-  while len(name) > width:
-    cut = max(name.rfind(c, width // 2, width) for c in "/._") + 1 or width
+  while columns(name) > width:
+    n = fitting(name, width)
+    cut = max(name.rfind(c, n // 2, n) for c in "/._") + 1 or n
     pieces.append(name[:cut])
     name = name[cut:]
   return [*pieces, name]
@@ -630,16 +691,16 @@ def _table_lines(t: Table, width: int | None) -> list[str]:
   the ``drop`` columns left out, then the names folded, then a row's cells
   on lines of their own."""
   lines = table(list(t.cols), _flowed(t, None), set(t.left))
-  if width is None or max(map(len, lines)) <= width:
+  if width is None or max(map(columns, lines)) <= width:
     return lines
   if t.drop:
     t = _kept(t, set(t.drop))
     lines = table(list(t.cols), _flowed(t, None), set(t.left))
-    if max(map(len, lines)) <= width:
+    if max(map(columns, lines)) <= width:
       return lines
   if t.name is not None:
-    head = max(map(len, t.cols[t.name].split("\n")))
-    other = max(map(len, table(
+    head = max(map(columns, t.cols[t.name].split("\n")))
+    other = max(map(columns, table(
         list(t.cols), [r[:t.name] + ("",) + r[t.name + 1:]
                        for r in t.rows], set(t.left))))
     room = width - other + head  # the names' column, as wide as it can be
@@ -664,43 +725,83 @@ def _groups(t: Table) -> list[tuple[str, list[int]]]:
 def _vertical(t: Table, width: int) -> list[str]:
   """The table for a narrow page: per row a line with its key cells, then
   its other cells, ``label value`` (a group of several columns: ``label
-  name value name value``), as many to a line as ``width`` holds, aligned
-  from row to row."""
-  rows = _flowed(t, None)
+  name value name value``; an empty group left out), as many to a line as
+  ``width`` holds, aligned from row to row, under the first key where that
+  fits, else indented by two. A cell of several lines outside the names is
+  one line here."""
+  rows = _flowed(dataclasses.replace(t, rows=tuple(
+      tuple(c if k == t.name else c.replace("\n", " ")
+            for k, c in enumerate(r)) for r in t.rows)), None)
   groups = _groups(t)
-  cw = {k: max([len(r[k]) for r in rows], default=1)
+  cw = {k: max([columns(r[k]) for r in rows], default=1)
         for k in range(t.keys, len(t.cols))}
-  lw = max((len(top) for top, _ in groups), default=1)
+  lw = max((columns(top) for top, _ in groups), default=1)
 
   def bottom(k):
     return t.cols[k].rpartition("\n")[2]
 
   def chunk(r, top, ks):
-    cells = [r[k].ljust(cw[k]) for k in ks]
+    cells = [padded(r[k], cw[k]) for k in ks]
     body = "  ".join(f"{bottom(k)} {c}" if len(ks) > 1 else c
                      for k, c in zip(ks, cells))
-    return f"{top:<{lw}}  {body}"
-  first = max([len(r[0]) for r in rows] + [len(t.cols[0])]) if t.keys else 0
-  indent = first + 2
-  room = max(width - indent, 1)
-  size = max((len(chunk(rows[0], top, ks)) for top, ks in groups),
+    return f"{padded(top, lw)}  {body}"
+  size = max((columns(chunk(rows[0], top, ks)) for top, ks in groups),
              default=0) if rows else 0
-  per_line = max(1, (room + 3) // (size + 3)) if size else 1
+  first = (max([columns(r[0]) for r in rows] + [columns(t.cols[0])])
+           if t.keys else 0)
+  if first + 2 + size > width:  # the cells under the first key do not fit
+    first = 0
+  indent = first + 2
+  per_line = max(1, (width - indent + 3) // (size + 3)) if size else 1
 
   def keys(cells):
     if not t.keys:
       return ""
-    head = cells[0].ljust(first) if 0 in t.left else cells[0].rjust(first)
+    head = padded(cells[0], first, 0 in t.left)
     return "  ".join([head, *cells[1:t.keys]]).rstrip()
   head = keys([c.rpartition("\n")[2] for c in t.cols])
   head += f"  ({t.caption})" if t.caption else ""
-  lines = [head, "-" * min(width, max(len(head), indent + size))]
+  lines = [head, "-" * min(width, max(columns(head), indent + size))]
   for r in rows:
     lines.append(keys(list(r)))
-    cells = [chunk(r, top, ks).ljust(size) for top, ks in groups]
+    cells = [padded(chunk(r, top, ks), size) for top, ks in groups
+             if any(r[k] for k in ks)]
     for s in range(0, len(cells), per_line):
       lines.append((" " * indent + "   ".join(cells[s:s + per_line])).rstrip())
   return lines
+
+
+def check_width(width: Any) -> None:
+  """Raises a clear error unless ``width`` is None or an int >= 1."""
+  if width is None:
+    return
+  if isinstance(width, bool) or not isinstance(width, int):
+    raise TypeError(f"width={width!r}: expected None or a whole number of "
+                    f"columns >= 1")
+  if width < 1:
+    raise ValueError(f"width={width!r}: expected None or a whole number of "
+                     f"columns >= 1")
+
+
+def _lines(doc: Document, width: int | None,
+           box: bool = False) -> list[tuple[str, str | None]]:
+  """``doc``'s lines, each with the regular expression of the cells to mark
+  in it: as :func:`text` draws them, with ``box`` each table that fits in a
+  box."""
+  def folded(line: str) -> list[str]:
+    return [line] if width is None else fold(line, width, "  ")
+  out = [(x, None) for line in doc.heading for x in folded(line)]
+  for part in doc.parts:
+    if not isinstance(part, Table):
+      out += [(x, None) for x in folded(part)]
+      continue
+    lines = (table(list(part.cols), _flowed(part, None), set(part.left),
+                   box=True) if box else [])
+    if not lines or (width is not None
+                     and max(map(columns, lines)) > width):
+      lines = [x for line in _table_lines(part, width) for x in folded(line)]
+    out += [(x, part.mark) for x in lines]
+  return out
 
 
 def text(doc: Document, width: int | None = None) -> str:
@@ -712,16 +813,12 @@ def text(doc: Document, width: int | None = None) -> str:
       in their column (whole, never cut), and where that is not enough gives
       each row lines of its own; lines of prose fold at spaces. None
       (default): as wide as it needs, nothing folded.
+
+  Raises:
+    TypeError, ValueError: ``width`` is not None or an int >= 1.
   """
-  def folded(line: str) -> list[str]:
-    return [line] if width is None else fold(line, width, "  ")
-  out = [x for line in doc.heading for x in folded(line)]
-  for part in doc.parts:
-    if isinstance(part, Table):
-      out += [x for line in _table_lines(part, width) for x in folded(line)]
-    else:
-      out += folded(part)
-  return "\n".join(out)
+  check_width(width)
+  return "\n".join(line for line, _ in _lines(doc, width))
 
 
 def markdown(doc: Document) -> str:
@@ -732,107 +829,64 @@ def markdown(doc: Document) -> str:
   def cell(text):  # GitHub shows the text the text rendering shows
     return markdown_cell(text.replace("\n", " "))
 
-  def line(cells):
-    return "| " + " | ".join(map(cell, cells)) + " |"
-  out = ["  \n".join(f"**{cell(h)}**" for h in doc.heading), ""]
+  def joined(cells):  # a cell's lines on one line
+    return [c.replace("\n", " ") for c in cells]
+  out = ["  \n".join(f"**{cell(h).strip()}**" for h in doc.heading), ""]
   items: list[str] = []
   for part in doc.parts + (None,):
     if not isinstance(part, str) and items:
       out += [*items, ""]
       items = []
     if isinstance(part, Table):
-      out += [line(part.cols),
-              "|" + "|".join("---" if j in part.left else "---:"
-                             for j in range(len(part.cols))) + "|",
-              *map(line, part.rows), ""]
+      out += [*markdown_table(joined(part.cols), list(map(joined, part.rows)),
+                              set(part.left)), ""]
     elif isinstance(part, str):
       items.append(f"- {cell(part)}")
   return "\n".join(out).rstrip("\n") + "\n"
 
 
-def _rich_table(t: Table):
-  from rich.table import Table as RichTable
-  from rich.text import Text
-  out = RichTable()
-  for j, col in enumerate(t.cols):
-    # Text, not a string: "[floor]" and names are not rich markup. A name
-    # folds onto more lines where the console is narrow, never cut.
-    out.add_column(Text(col), justify="left" if j in t.left else "right",
-                   no_wrap=j != t.name, overflow="fold")
-  for r in t.rows:
-    out.add_row(*[Text(c, style="bold red")
-                  if t.mark and re.search(t.mark, c) else Text(c)
-                  for c in r])
-  return out
-
-
 class Fitted:
   """A :class:`Document` as a ``rich`` renderable that fits the console it
-  is printed on (what ``rich.print(report)`` draws): each table drawn by
-  ``rich`` where it fits, else as :func:`text` fits it; nothing is cut or
-  ends in an ellipsis."""
+  is printed on (what ``rich.print(report)`` draws): each table in a box
+  where it fits, else as :func:`text` fits it, its failing cells in bold
+  red; nothing is cut or ends in an ellipsis."""
 
   def __init__(self, doc: Document):
     self.doc = doc
 
   def __rich_console__(self, console, options):
-    from rich.measure import Measurement
     from rich.text import Text
-    width = options.max_width
-
-    def folded(lines):  # at spaces, never inside a word that fits a line
-      return [Text(part) for line in lines for part in fold(line, width, "  ")]
-    yield from folded(self.doc.heading)
-    for part in self.doc.parts:
-      if not isinstance(part, Table):
-        yield from folded([part])
-        continue
-      wide = _rich_table(part)
-      # Measured without the console's bound (Measurement.get clamps to it).
-      need = Measurement.get(console, options.update_width(_UNBOUNDED), wide)
-      if need.maximum <= width:
-        yield wide
-        continue
-      for t in folded(_table_lines(part, width)):
-        if part.mark:
-          t.highlight_regex(part.mark, "bold red")
-        yield t
+    for line, mark in _lines(self.doc, options.max_width, box=True):
+      t = Text(line)  # not markup: "[floor]" and names are text
+      if mark:
+        t.highlight_regex(mark, "bold red")
+      yield t
 
   def __rich_measure__(self, console, options):
     from rich.measure import Measurement
-    tables = [p for p in self.doc.parts if isinstance(p, Table)]
-    if not tables:
-      return Measurement(1, max(map(len, self.doc.heading), default=1))
-    return Measurement.get(console, options, _rich_table(tables[0]))
+    return Measurement(1, max([columns(line) for line, _ in
+                               _lines(self.doc, None, box=True)] + [1]))
 
 
 def to_str(doc: Document, width: int | None = None) -> str:
-  """``doc`` drawn with ``rich`` when it is installed, else :func:`text`.
+  """``doc`` with its tables in boxes, as ``rich`` draws them, where
+  ``rich`` is installed, else :func:`text`.
 
   Args:
     doc: the :class:`Document`.
-    width: the columns to fit in. None (default): as wide as the widest
-      table and line need, so that nothing is ever cut, e.g. in a log.
+    width: the columns to fit in (as :func:`text`; a table is boxed where
+      the box fits). None (default): as wide as the widest table and line
+      need, so that nothing is ever cut, e.g. in a log.
+
+  Raises:
+    TypeError, ValueError: ``width`` is not None or an int >= 1.
   """
+  check_width(width)
   try:
-    from rich.console import Console
-    from rich.measure import Measurement
+    import rich  # noqa: F401, PLC0415
   except ImportError:
     return text(doc, width)
-
-  def console(w):
-    return Console(file=io.StringIO(), width=w, color_system=None,
-                   force_terminal=False, legacy_windows=False)
-  if width is None:
-    probe = console(_UNBOUNDED)
-    width = max([Measurement.get(probe, probe.options,
-                                 _rich_table(p)).maximum
-                 for p in doc.parts if isinstance(p, Table)]
-                + [len(line) for line in doc.heading]
-                + [len(p) for p in doc.parts if isinstance(p, str)] + [1])
-  out = console(width)
-  out.print(Fitted(doc))
-  return "\n".join(line.rstrip() for line in out.file.getvalue().splitlines())
+  return "\n".join(line for line, _ in _lines(doc, width, box=True))
 
 
 # The metrics whose 0 means "no error at all" (an exact layer), and the

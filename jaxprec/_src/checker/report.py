@@ -105,8 +105,9 @@ class DivergenceReport(render.Report):
   """How far each layer drifts from a reference at each precision.
 
   Returned by :func:`jaxprec.check` and :func:`jaxprec.check_module`.
-  ``str(report)`` is a table (drawn with ``rich`` when it is installed);
-  :meth:`to_json` follows the versioned schema of ``docs/checker.md``.
+  ``str(report)`` is a table (boxed, as ``rich`` draws one, when ``rich``
+  is installed); :meth:`to_json` follows the versioned schema of
+  ``docs/checker.md``.
 
   Attributes:
     layers: one :class:`LayerResult` per layer, in depth order. A layer
