@@ -60,6 +60,15 @@ def test_bench_emulate_bert_refuses_a_count_below_one(tmp_path, arg):
   assert "must be at least 1" in proc.stderr, proc.stderr
 
 
+def test_bench_render_quick(tmp_path):
+  out = run("bench_render.py", "--quick", tmp_path=tmp_path).stdout
+  assert "200 layers, median of 2" in out, out
+  for form in ("rich.table.Table (before)", "report.table()",
+               "report.to_text(width=40)", "report.to_markdown()"):
+    assert re.search(rf"  {re.escape(form)} +[\d.]+ s +[\d.]+x rich", out), out
+  assert re.search(r"report.table\(\): [\d.]+x rich's time", out), out
+
+
 def test_bench_import_quick(tmp_path):
   out = run("bench_import.py", "--quick", tmp_path=tmp_path).stdout
   assert re.search(r"jaxprec adds [-+][\d.]+ s .* ratio [\d.]+x", out), out

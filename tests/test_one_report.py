@@ -308,9 +308,10 @@ def test_a_bad_width_is_refused_by_every_report(kind, width):
     assert "None or a whole number of columns >= 1" in str(e.value)
 
 
-def test_a_report_of_2000_layers_is_drawn_in_under_a_second():
+def test_a_report_of_2000_layers_is_drawn_whole():
+  """Every form draws every layer (the time it takes is measured side by
+  side with rich's in benchmarks/bench_render.py)."""
   import io
-  import time
 
   from rich.console import Console
 
@@ -326,9 +327,10 @@ def test_a_report_of_2000_layers_is_drawn_in_under_a_second():
            "rich.print": lambda: Console(file=io.StringIO(), width=100,
                                          color_system=None).print(r)}
   for what, draw in draws.items():
-    start = time.perf_counter()
-    draw()
-    assert time.perf_counter() - start < 1.0, what
+    text = draw()
+    if text is not None:  # each layer drawn, its name whole
+      assert sum("encoder/layers_1999/mlp/dense" in l
+                 for l in text.splitlines()) == 1, what
   assert sum(l.startswith("│ ") for l in r.table().splitlines()) == 2000
 
 
