@@ -376,8 +376,9 @@ def comparable(fn: Callable[..., Any], names: Sequence[str],
                shapes: Sequence[tuple[int, ...]]) -> None:
   """Raises a ValueError unless some layer of ``fn``'s output (``names``,
   ``shapes``) has elements to compare: none at all, or only empty ones
-  (each named with its shape)."""
-  what = f"{getattr(fn, '__name__', 'fn')}(...) returned"
+  (each named with its shape). ``fn``: the function, or its name."""
+  name = fn if isinstance(fn, str) else getattr(fn, "__name__", "fn")
+  what = f"{name}(...) returned"
   if not names:
     raise ValueError(f"{what} no floating arrays to compare")
   if all(0 in s for s in shapes):
